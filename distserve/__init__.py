@@ -1,0 +1,1 @@
+"""The `distserve` command-line front end."""

@@ -1,0 +1,1 @@
+"""Subcommands of `distserve`; each module has `register(subparsers)` and a `run`."""

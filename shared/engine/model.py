@@ -1,0 +1,145 @@
+"""A Llama-architecture decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over the
+paged KV pool. Weights are plain tensors; Q/K/V and gate/up are fused into one matmul each."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from shared.engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment
+from shared.engine.config import ModelConfig
+from shared.engine.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [q_size + 2*kv_size, hidden]
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2*intermediate, hidden]
+    down: torch.Tensor
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> None:
+        self.config = config
+        self.embed = weights["embed_tokens"]
+        self.norm = weights["norm"]
+        self.lm_head = self.embed if config.tie_embeddings else weights["lm_head"]
+        self.layers = [self._layer(weights, f"layers.{i}.") for i in range(config.num_layers)]
+        self.device, self.dtype = self.embed.device, self.embed.dtype
+        inv_freq = 1.0 / (config.rope_theta ** (
+            torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
+        freqs = torch.outer(torch.arange(config.max_context, dtype=torch.float32), inv_freq)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.cos = angles.cos().to(self.device, self.dtype)
+        self.sin = angles.sin().to(self.device, self.dtype)
+
+    @staticmethod
+    def _layer(w: Mapping[str, torch.Tensor], p: str) -> LayerWeights:
+        return LayerWeights(
+            input_norm=w[p + "input_layernorm"],
+            qkv=torch.cat([w[p + "q_proj"], w[p + "k_proj"], w[p + "v_proj"]]),
+            o=w[p + "o_proj"],
+            post_norm=w[p + "post_attention_layernorm"],
+            gate_up=torch.cat([w[p + "gate_proj"], w[p + "up_proj"]]),
+            down=w[p + "down_proj"],
+        )
+
+    @classmethod
+    def from_numpy(cls, config: ModelConfig, weights: Mapping[str, np.ndarray],
+                   device: torch.device, dtype: torch.dtype) -> LlamaModel:
+        return cls(config, {k: torch.from_numpy(v).to(device, dtype) for k, v in weights.items()})
+
+    @classmethod
+    def random(cls, config: ModelConfig, seed: int, device: torch.device,
+               dtype: torch.dtype) -> LlamaModel:
+        """Random weights of the right shapes, for profiling at realistic sizes."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen, device=device, dtype=dtype) * 0.02
+
+        w = {"embed_tokens": rand(config.vocab_size, h),
+             "norm": torch.ones(h, device=device, dtype=dtype)}
+        if not config.tie_embeddings:
+            w["lm_head"] = rand(config.vocab_size, h)
+        shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+                  "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+        for layer in range(config.num_layers):
+            p = f"layers.{layer}."
+            w |= {p + name: rand(*shape) for name, shape in shapes.items()}
+            w[p + "input_layernorm"] = torch.ones(h, device=device, dtype=dtype)
+            w[p + "post_attention_layernorm"] = torch.ones(h, device=device, dtype=dtype)
+        return cls(config, w)
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+        """Hidden states ([T, hidden]) of a flattened batch; writes the new K/V into `kv`."""
+        cfg = self.config
+        x = F.embedding(token_ids, self.embed)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        for index, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
+            q, k, v = F.linear(h, layer.qkv).split([cfg.q_size, cfg.kv_size, cfg.kv_size], -1)
+            q = q.view(-1, cfg.num_heads, cfg.head_dim)
+            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kv.write(index, k, v, meta.slot_blocks, meta.slot_offsets)
+            attn = self._attention(index, q, k, v, meta, kv)
+            x = x + F.linear(attn, layer.o)
+            h = F.rms_norm(x, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        return F.rms_norm(x, (cfg.hidden_size,), self.norm, cfg.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+    def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+        out = torch.empty(q.shape[0], self.config.q_size, device=q.device, dtype=q.dtype)
+        for seg in meta.prefills:
+            rows = slice(seg.start, seg.start + seg.length)
+            out[rows] = self._prefill_attention(layer, q[rows], k[rows], v[rows], seg, kv)
+        if meta.decode is not None:
+            out[meta.decode.start:] = self._decode_attention(
+                layer, q[meta.decode.start:], meta.decode, kv)
+        return out
+
+    def _prefill_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           seg: PrefillSegment, kv: KVCache) -> torch.Tensor:
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if seg.cached == 0:  # the whole context is the new tokens: no gather needed
+            o = F.scaled_dot_product_attention(
+                qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                is_causal=True, enable_gqa=True)
+        else:
+            total = seg.cached + seg.length
+            keys, values = kv.gather(layer, seg.block_table.unsqueeze(0))
+            kh, vh = keys[:, :total].transpose(1, 2), values[:, :total].transpose(1, 2)
+            rows = torch.arange(seg.length, device=q.device).unsqueeze(1) + seg.cached
+            mask = torch.arange(total, device=q.device).unsqueeze(0) <= rows
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1).reshape(seg.length, -1)
+
+    def _decode_attention(self, layer: int, q: torch.Tensor, group: DecodeGroup,
+                          kv: KVCache) -> torch.Tensor:
+        keys, values = kv.gather(layer, group.block_tables)  # [B, L, H_kv, D]
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=group.mask, enable_gqa=True)  # [B, H, 1, D]
+        return o.reshape(q.shape[0], -1)

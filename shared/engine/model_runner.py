@@ -1,0 +1,121 @@
+"""The only code that touches the device: loads the model, owns the KV pool, turns a
+SchedulerOutput into tensors, runs the forward pass and samples."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment
+from shared.engine.config import LLAMA_SHAPES, EngineConfig, ModelConfig
+from shared.engine.gguf_loader import TokenizerData, load_gguf
+from shared.engine.kv_cache import KVCache
+from shared.engine.model import LlamaModel
+from shared.engine.sampler import sample
+from shared.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(config: EngineConfig, device: torch.device,
+               dtype: torch.dtype) -> tuple[LlamaModel, TokenizerData | None]:
+    """The model named in `config`: a GGUF (real weights) or a Llama shape (random)."""
+    if config.model in LLAMA_SHAPES:
+        return LlamaModel.random(LLAMA_SHAPES[config.model], config.seed, device, dtype), None
+    gguf = load_gguf(config.model)
+    return LlamaModel.from_numpy(gguf.config, gguf.weights, device, dtype), gguf.tokenizer
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.threads > 0:
+            torch.set_num_threads(config.threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model, self.tokenizer_data = load_model(config, self.device, self.dtype)
+        self.kv = KVCache.from_budget(self.model.config, config.kv_cache_bytes,
+                                      config.scheduler.block_size, self.dtype, self.device)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model.config
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, float | None]]:
+        """Run one step; return the sampled token (and logprob) of each request that samples."""
+        ids, positions, meta = self._prepare(out)
+        hidden = self.model.forward(ids, positions, meta, self.kv)
+        rows, sampling = [], []
+        row = 0
+        for chunk in out.chunks:
+            row += chunk.length
+            if chunk.samples:
+                rows.append(row - 1)
+                sampling.append(chunk)
+        if not sampling:
+            return {}
+        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+        tokens, logprobs = sample(logits, [c.request.params for c in sampling],
+                                  [len(c.request.output_ids) for c in sampling])
+        return {c.request.request_id: (t, lp)
+                for c, t, lp in zip(sampling, tokens, logprobs, strict=True)}
+
+    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
+                                                      AttentionMetadata]:
+        bs = self.kv.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        for chunk in out.chunks:
+            request = chunk.request
+            span = range(chunk.start, chunk.start + chunk.length)
+            ids.extend(request.all_ids[chunk.start:chunk.start + chunk.length])
+            positions.extend(span)
+            slot_blocks.extend(request.block_table[p // bs] for p in span)
+        pos = self._tensor(positions)
+        meta = AttentionMetadata(
+            slot_blocks=self._tensor(slot_blocks),
+            slot_offsets=pos % bs,
+            prefills=self._prefill_segments(out.prefills),
+            decode=self._decode_group(out.decodes, len(ids) - len(out.decodes)),
+        )
+        return self._tensor(ids), pos, meta
+
+    def _prefill_segments(self, chunks: list[ScheduledChunk]) -> list[PrefillSegment]:
+        segments, start = [], 0
+        for chunk in chunks:
+            table = self._tensor(chunk.request.block_table) if chunk.start else self._empty
+            segments.append(PrefillSegment(start, chunk.length, chunk.start, table))
+            start += chunk.length
+        return segments
+
+    def _decode_group(self, chunks: list[ScheduledChunk], start: int) -> DecodeGroup | None:
+        if not chunks:
+            return None
+        width = max(len(c.request.block_table) for c in chunks)
+        tables = [c.request.block_table + [0] * (width - len(c.request.block_table))
+                  for c in chunks]
+        lengths = self._tensor([c.start + 1 for c in chunks])
+        keys = torch.arange(width * self.kv.block_size, device=self.device)
+        mask = (keys.unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :]
+        return DecodeGroup(start, self._tensor(tables), mask)
+
+    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    @property
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.long, device=self.device)

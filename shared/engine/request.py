@@ -1,0 +1,98 @@
+"""A request owns its progress: token ids, how many have K/V in the pool, its block table."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0  # queued for (re)prefill
+    RUNNING = 1  # prefilling in chunks or decoding
+    PARKED = 2  # prefill role: prefilled, holding its blocks until a decode instance pulls them
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int = 0  # draws depend only on (seed, output index): reproducible anywhere
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_id: int | None = None
+    arrival: int = 0  # order of arrival; the newest running request is preempted first
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed: int = 0  # leading tokens whose K/V are in the pool
+    block_table: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("the prompt is empty")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def check(self, block_size: int) -> None:
+        assert 0 <= self.num_computed <= self.num_tokens, (self.num_computed, self.num_tokens)
+        assert self.num_computed <= len(self.block_table) * block_size
+
+    def append(self, token: int, logprob: float | None) -> None:
+        """Record a sampled token and finish on EOS or max_tokens (stop strings are text and
+        are checked by the engine's output processor)."""
+        self.output_ids.append(token)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+        if token == self.eos_id and not self.params.ignore_eos:
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif len(self.output_ids) >= self.params.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH

@@ -1,0 +1,225 @@
+"""The pure scheduler: which requests compute how many tokens in the next step.
+
+One rule covers every role: a scheduled request computes tokens [num_computed, num_computed +
+length) and samples the next token when that reaches its end. A decode step is the case
+length == 1; a chunked prefill is a prefill whose length is cut by the token budget.
+
+- prefill role: batch waiting prompts up to the token budget (L_m); after the first token a
+  request is parked, keeping its blocks until `release` (a decode instance pulled them).
+- decode role: `add_prefilled` admits requests whose KV was imported; continuous batching.
+- colocated: new prefills and running decodes over one pool, vLLM-style (a step of prefills
+  when any can be admitted, otherwise a decode step) or, with chunked prefill, Sarathi-style
+  (running decodes first, then prefill chunks filling the rest of the token budget).
+
+When the pool runs out the newest running request is preempted by recompute: its blocks are
+freed and it goes back to the head of the queue, to be prefilled again over all its tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from shared.engine.block_manager import BlockManager, blocks_for
+from shared.engine.config import Role, SchedulerConfig
+from shared.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # request.num_computed when scheduled
+    length: int  # tokens computed this step
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.length == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    prefills: list[ScheduledChunk]  # more than one new token each, computed first
+    decodes: list[ScheduledChunk]  # one new token each, batched after the prefills
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.prefills + self.decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+Sampled = Mapping[str, tuple[int, float | None]]  # request id -> (token, logprob)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        assert blocks.block_size == config.block_size
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.parked: dict[str, Request] = {}
+        self._requests: dict[str, Request] = {}
+
+    # -- admission -----------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a request for prefill (a new prompt, or a request to recompute)."""
+        assert request.request_id not in self._requests, f"duplicate id {request.request_id}"
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def add_prefilled(self, request: Request) -> None:
+        """Decode role: admit a request whose prompt K/V already sit in its block table."""
+        assert request.num_computed == request.num_tokens - 1 and request.block_table
+        self._requests[request.request_id] = request
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def get(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput | None:
+        if self.config.chunked_prefill:
+            out = self._schedule_mixed()
+        else:
+            preempted: list[Request] = []
+            prefills = self._admit(self.config.max_batch_tokens, chunk=False)
+            decodes = [] if prefills else self._schedule_decodes(preempted)
+            out = SchedulerOutput(prefills, decodes, preempted)
+        return out if out.chunks else None
+
+    def _schedule_mixed(self) -> SchedulerOutput:
+        preempted: list[Request] = []
+        decodes = self._schedule_decodes(preempted)
+        budget = self.config.max_batch_tokens - len(decodes)
+        prefills = []
+        for request in [r for r in self.running if r.num_tokens - r.num_computed > 1]:
+            if budget <= 0:
+                break
+            chunk = self._chunk(request, budget)
+            if chunk is None:
+                break
+            prefills.append(chunk)
+            budget -= chunk.length
+        prefills += self._admit(budget, chunk=True)
+        return SchedulerOutput(prefills, decodes, preempted)
+
+    def _admit(self, budget: int, chunk: bool) -> list[ScheduledChunk]:
+        """Move waiting requests to running, FCFS, within the token budget and the pool.
+        Without chunking the first request goes even if it alone exceeds the budget."""
+        admitted: list[ScheduledChunk] = []
+        cap = self.config.max_running
+        while self.waiting and len(self.running) < cap and budget > 0:
+            request = self.waiting[0]
+            remaining = request.num_tokens - request.num_computed
+            length = min(remaining, budget) if chunk else remaining
+            if length > budget and admitted:
+                break
+            reserve = self.config.watermark_blocks if self.running else 0
+            needed = blocks_for(request.num_computed + length, self.blocks.block_size)
+            if not self.blocks.can_allocate(needed - len(request.block_table) + reserve):
+                break
+            self.blocks.grow(request.block_table, request.num_computed + length)
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            admitted.append(ScheduledChunk(request, request.num_computed, length))
+            budget -= length
+        return admitted
+
+    def _chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
+        length = min(request.num_tokens - request.num_computed, budget)
+        if not self.blocks.grow(request.block_table, request.num_computed + length):
+            return None
+        return ScheduledChunk(request, request.num_computed, length)
+
+    def _schedule_decodes(self, preempted: list[Request]) -> list[ScheduledChunk]:
+        """One token for every running decode, oldest first; the newest are preempted when
+        the pool cannot hold the next token of an older one."""
+        queue = sorted((r for r in self.running if r.num_tokens - r.num_computed == 1),
+                       key=lambda r: r.arrival)
+        scheduled: list[ScheduledChunk] = []
+        while queue:
+            request = queue.pop(0)
+            while not self.blocks.grow(request.block_table, request.num_tokens):
+                victim = queue.pop() if queue else request
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(ScheduledChunk(request, request.num_computed, 1))
+        return scheduled
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.blocks.free(request.block_table)
+        request.block_table = []
+        request.num_computed = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    # -- after the step ------------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, sampled: Sampled) -> list[Request]:
+        """Advance the scheduled requests; return those that finished this step."""
+        finished = []
+        for chunk in out.chunks:
+            request = chunk.request
+            if request.status is not RequestStatus.RUNNING:  # aborted during the step
+                continue
+            request.num_computed += chunk.length
+            if not chunk.samples:
+                continue
+            token, logprob = sampled[request.request_id]
+            request.append(token, logprob)
+            if request.status.finished:
+                self._drop(request)
+                finished.append(request)
+            elif self.config.role is Role.PREFILL:
+                self.running.remove(request)
+                request.status = RequestStatus.PARKED
+                self.parked[request.request_id] = request
+        return finished
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request early (a stop string, an abort) and free its blocks."""
+        assert status.finished
+        request.status = status
+        self._drop(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self._requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def release(self, request_id: str) -> Request | None:
+        """Prefill role: a decode instance has pulled the blocks; free them."""
+        request = self.parked.get(request_id)
+        if request is not None:
+            self._drop(request)
+        return request
+
+    def _drop(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.parked.pop(request.request_id, None)
+        self._requests.pop(request.request_id, None)
+        self.blocks.free(request.block_table)
+        request.block_table = []
