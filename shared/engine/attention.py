@@ -29,7 +29,6 @@ class DecodeGroup:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    slot_blocks: torch.Tensor  # [T] block id for each new token's K/V
-    slot_offsets: torch.Tensor  # [T] offset inside that block
+    slots: torch.Tensor  # [T] pool slot (block * block_size + offset) of each new token's K/V
     prefills: list[PrefillSegment]
     decode: DecodeGroup | None

@@ -11,7 +11,7 @@ import torch
 
 from shared.engine.block_manager import BlockManager, blocks_for
 from shared.engine.config import EngineConfig, ModelConfig
-from shared.engine.model_runner import ModelRunner
+from shared.engine.model_runner import LoadedModel, ModelRunner
 from shared.engine.request import Request, RequestStatus, SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
@@ -64,9 +64,9 @@ class _TextState:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(config, loaded)
         data = self.runner.tokenizer_data
         self.tokenizer = TextTokenizer(data) if data is not None else None
         self.blocks = BlockManager(self.runner.kv.num_blocks, config.scheduler.block_size)

@@ -1,8 +1,10 @@
-"""The paged KV pool on the device: one tensor of fixed-size blocks.
+"""The paged KV pool on the device: fixed-size blocks, one tensor.
 
-Layout is block-major, [num_blocks, num_layers, 2 (K, V), block_size, kv_heads, head_dim], so
-one block of one request is a single contiguous region: exporting a request is a gather of
-whole blocks, and a transfer can send them as they lie.
+Layout is layer-major, [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]: a
+layer's K (or V) is one contiguous [num_blocks * block_size] array of token slots, so writing
+new tokens is one `index_copy_` and gathering a batch's blocks is one `index_select` whose
+result is already laid out as [batch, tokens, heads, dim]. Exporting a request gathers its
+blocks of every layer into one contiguous buffer, [num_layers, 2, n, block_size, ...].
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ class KVCache:
         assert num_blocks > 0, "the KV budget does not hold a single block"
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_blocks, config.num_layers, 2, block_size, config.num_kv_heads,
+        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads,
                  config.head_dim)
         self.data = torch.zeros(shape, dtype=dtype, device=device)
+        # [layer][K or V] -> [num_blocks * block_size, kv_heads, head_dim] views of `data`
+        self.slots = [(layer[0].flatten(0, 1), layer[1].flatten(0, 1)) for layer in self.data]
 
     @classmethod
     def from_budget(
@@ -38,30 +42,33 @@ class KVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        return self.data[0].numel() * self.data.element_size()
+        return self.data[:, :, 0].numel() * self.data.element_size()
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-              blocks: torch.Tensor, offsets: torch.Tensor) -> None:
-        """Store K/V of new tokens ([T, kv_heads, head_dim]) at (block, offset) slots."""
-        self.data[blocks, layer, 0, offsets] = k
-        self.data[blocks, layer, 1, offsets] = v
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store K/V of new tokens ([T, kv_heads, head_dim]) at token slots
+        (block * block_size + offset)."""
+        keys, values = self.slots[layer]
+        keys.index_copy_(0, slots, k)
+        values.index_copy_(0, slots, v)
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of whole block tables ([B, max_blocks]) as [B, max_blocks*block_size, H, D]."""
-        kv = self.data[block_tables, layer]  # [B, max_blocks, 2, block_size, H, D]
-        b, n, _, s, h, d = kv.shape
-        return (kv[:, :, 0].reshape(b, n * s, h, d), kv[:, :, 1].reshape(b, n * s, h, d))
+        b, n = block_tables.shape
+        flat = block_tables.reshape(-1)
+        keys = self.data[layer, 0].index_select(0, flat)
+        values = self.data[layer, 1].index_select(0, flat)
+        return keys.view(b, n * self.block_size, *keys.shape[2:]), \
+            values.view(b, n * self.block_size, *values.shape[2:])
 
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A request's blocks as one contiguous buffer ([n, ...block shape])."""
+        """A request's blocks as one contiguous buffer ([layers, 2, n, block_size, H, D])."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
-        return self.data.index_select(0, index)
+        return self.data.index_select(2, index)
 
     def import_blocks(self, block_ids: list[int], buffer: torch.Tensor) -> None:
         """Place exported blocks at (possibly different) block ids of this pool."""
-        assert buffer.shape[0] == len(block_ids) and buffer.shape[1:] == self.data.shape[1:], (
-            f"KV buffer shape {tuple(buffer.shape)} does not match pool blocks "
-            f"{tuple(self.data.shape[1:])}"
-        )
+        expected = (*self.data.shape[:2], len(block_ids), *self.data.shape[3:])
+        assert tuple(buffer.shape) == expected, (
+            f"KV buffer shape {tuple(buffer.shape)} does not match {expected}")
         index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
-        self.data.index_copy_(0, index, buffer.to(self.data.device, self.data.dtype))
+        self.data.index_copy_(2, index, buffer.to(self.data.device, self.data.dtype))

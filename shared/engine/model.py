@@ -17,11 +17,13 @@ from shared.engine.kv_cache import KVCache
 
 @dataclass(frozen=True)
 class LayerWeights:
+    """Matrices are stored [in, out] (x @ w): MKL runs the skinny decode GEMMs faster so."""
+
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [q_size + 2*kv_size, hidden]
+    qkv: torch.Tensor  # [hidden, q_size + 2*kv_size]
     o: torch.Tensor
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2*intermediate, hidden]
+    gate_up: torch.Tensor  # [hidden, 2*intermediate]
     down: torch.Tensor
 
 
@@ -49,11 +51,11 @@ class LlamaModel:
     def _layer(w: Mapping[str, torch.Tensor], p: str) -> LayerWeights:
         return LayerWeights(
             input_norm=w[p + "input_layernorm"],
-            qkv=torch.cat([w[p + "q_proj"], w[p + "k_proj"], w[p + "v_proj"]]),
-            o=w[p + "o_proj"],
+            qkv=torch.cat([w[p + "q_proj"], w[p + "k_proj"], w[p + "v_proj"]]).t().contiguous(),
+            o=w[p + "o_proj"].t().contiguous(),
             post_norm=w[p + "post_attention_layernorm"],
-            gate_up=torch.cat([w[p + "gate_proj"], w[p + "up_proj"]]),
-            down=w[p + "down_proj"],
+            gate_up=torch.cat([w[p + "gate_proj"], w[p + "up_proj"]]).t().contiguous(),
+            down=w[p + "down_proj"].t().contiguous(),
         )
 
     @classmethod
@@ -92,18 +94,18 @@ class LlamaModel:
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
-            q, k, v = F.linear(h, layer.qkv).split([cfg.q_size, cfg.kv_size, cfg.kv_size], -1)
+            q, k, v = (h @ layer.qkv).split([cfg.q_size, cfg.kv_size, cfg.kv_size], -1)
             q = q.view(-1, cfg.num_heads, cfg.head_dim)
             k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            kv.write(index, k, v, meta.slot_blocks, meta.slot_offsets)
+            kv.write(index, k, v, meta.slots)
             attn = self._attention(index, q, k, v, meta, kv)
-            x = x + F.linear(attn, layer.o)
+            x = x + attn @ layer.o
             h = F.rms_norm(x, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = (h @ layer.gate_up).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ layer.down
         return F.rms_norm(x, (cfg.hidden_size,), self.norm, cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -139,7 +141,10 @@ class LlamaModel:
     def _decode_attention(self, layer: int, q: torch.Tensor, group: DecodeGroup,
                           kv: KVCache) -> torch.Tensor:
         keys, values = kv.gather(layer, group.block_tables)  # [B, L, H_kv, D]
+        # The query heads sharing a KV head become that head's query rows ([B, H_kv, G, D]),
+        # so every key and value is read once, not once per query head.
+        cfg = self.config
+        qg = q.view(q.shape[0], cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, -1)
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=group.mask, enable_gqa=True)  # [B, H, 1, D]
+            qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask)
         return o.reshape(q.shape[0], -1)

@@ -30,9 +30,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(config: EngineConfig, device: torch.device,
-               dtype: torch.dtype) -> tuple[LlamaModel, TokenizerData | None]:
+LoadedModel = tuple[LlamaModel, TokenizerData | None]
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
     """The model named in `config`: a GGUF (real weights) or a Llama shape (random)."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
     if config.model in LLAMA_SHAPES:
         return LlamaModel.random(LLAMA_SHAPES[config.model], config.seed, device, dtype), None
     gguf = load_gguf(config.model)
@@ -40,12 +44,12 @@ def load_model(config: EngineConfig, device: torch.device,
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        """`loaded` lets several engines (roles, tests, benchmarks) share one model copy."""
         if config.threads > 0:
             torch.set_num_threads(config.threads)
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model, self.tokenizer_data = load_model(config, self.device, self.dtype)
+        self.model, self.tokenizer_data = loaded if loaded is not None else load_model(config)
+        self.device, self.dtype = self.model.device, self.model.dtype
         self.kv = KVCache.from_budget(self.model.config, config.kv_cache_bytes,
                                       config.scheduler.block_size, self.dtype, self.device)
 
@@ -78,21 +82,19 @@ class ModelRunner:
         bs = self.kv.block_size
         ids: list[int] = []
         positions: list[int] = []
-        slot_blocks: list[int] = []
+        slots: list[int] = []
         for chunk in out.chunks:
             request = chunk.request
             span = range(chunk.start, chunk.start + chunk.length)
             ids.extend(request.all_ids[chunk.start:chunk.start + chunk.length])
             positions.extend(span)
-            slot_blocks.extend(request.block_table[p // bs] for p in span)
-        pos = self._tensor(positions)
+            slots.extend(request.block_table[p // bs] * bs + p % bs for p in span)
         meta = AttentionMetadata(
-            slot_blocks=self._tensor(slot_blocks),
-            slot_offsets=pos % bs,
+            slots=self._tensor(slots),
             prefills=self._prefill_segments(out.prefills),
             decode=self._decode_group(out.decodes, len(ids) - len(out.decodes)),
         )
-        return self._tensor(ids), pos, meta
+        return self._tensor(ids), self._tensor(positions), meta
 
     def _prefill_segments(self, chunks: list[ScheduledChunk]) -> list[PrefillSegment]:
         segments, start = [], 0
