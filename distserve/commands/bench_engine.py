@@ -119,7 +119,8 @@ def bandwidth_bound_ms(engine: Engine) -> tuple[float, float]:
 def measure(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
     engine = Engine(config)
     vocab = engine.model_config.vocab_size
-    results: dict[str, Any] = {"threads": torch.get_num_threads(), "dtype": str(engine.runner.dtype)}
+    results: dict[str, Any] = {"threads": torch.get_num_threads(),
+                               "dtype": str(engine.runner.dtype)}
     results["prefill_ms"] = {n: engine_prefill_ms(engine, n, args.repeats) for n in args.lengths}
     results["decode_step_ms"] = {
         b: engine_decode_ms(engine, b, args.context, args.steps) for b in args.batches}

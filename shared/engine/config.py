@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -104,5 +105,5 @@ class EngineConfig:
     seed: int = 0  # seed for random (dummy) weights
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
 
-    def with_scheduler(self, **changes: object) -> EngineConfig:
+    def with_scheduler(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, scheduler=dataclasses.replace(self.scheduler, **changes))

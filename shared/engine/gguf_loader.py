@@ -6,6 +6,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGUFReader
@@ -61,7 +62,7 @@ def resolve_gguf_path(model: str) -> Path:
     )
 
 
-def _field(reader: GGUFReader, key: str, default: object = None) -> object:
+def _field(reader: GGUFReader, key: str, default: object = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
@@ -79,24 +80,24 @@ def _read_config(reader: GGUFReader, name: str) -> ModelConfig:
     if arch != "llama":
         raise ModelNotFoundError(f"{name}: architecture {arch!r} is not supported (llama only)")
 
-    def get(key: str, default: object = None) -> object:
+    def get(key: str, default: object = None) -> Any:
         return _field(reader, f"llama.{key}", default)
 
-    hidden = int(get("embedding_length"))  # type: ignore[arg-type]
-    heads = int(get("attention.head_count"))  # type: ignore[arg-type]
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
     tensors = {t.name for t in reader.tensors}
     return ModelConfig(
         name=name,
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),  # type: ignore[arg-type]
-        num_layers=int(get("block_count")),  # type: ignore[arg-type]
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
         num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),  # type: ignore[arg-type]
-        head_dim=int(get("rope.dimension_count", hidden // heads)),  # type: ignore[arg-type]
-        rope_theta=float(get("rope.freq_base", 10000.0)),  # type: ignore[arg-type]
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),  # type: ignore[arg-type]
-        max_context=int(get("context_length", 2048)),  # type: ignore[arg-type]
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("rope.dimension_count", hidden // heads)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_context=int(get("context_length", 2048)),
         tie_embeddings="output.weight" not in tensors,
     )
 
@@ -126,7 +127,8 @@ def _read_weights(reader: GGUFReader, config: ModelConfig) -> dict[str, np.ndarr
     weights: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
-        array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # owns memory
+        # a copy: F32 tensors would otherwise be read-only views of the memory-mapped file
+        array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         if name.endswith("q_proj"):
             array = _unpermute_rope(array, config.num_heads)
         elif name.endswith("k_proj"):
@@ -146,9 +148,9 @@ def _read_tokenizer(reader: GGUFReader) -> TokenizerData:
         tokens=tokens,
         merges=[str(m) for m in reader.fields["tokenizer.ggml.merges"].contents()],
         special_tokens=[t for t, k in zip(tokens, types, strict=True) if k == CONTROL_TOKEN_TYPE],
-        bos_id=None if bos is None else int(bos),  # type: ignore[call-overload]
-        eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),  # type: ignore[call-overload]
-        chat_template=_field(reader, "tokenizer.chat_template"),  # type: ignore[arg-type]
+        bos_id=None if bos is None else int(bos),
+        eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
+        chat_template=_field(reader, "tokenizer.chat_template"),
         pre=str(_field(reader, "tokenizer.ggml.pre", "default")),
     )
 

@@ -21,4 +21,5 @@ def load_hf_reference(model: str, dtype: torch.dtype = torch.float32) -> Any:
             from e
     path = resolve_gguf_path(model)
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-    return hf.eval()
+    hf.requires_grad_(False)
+    return hf

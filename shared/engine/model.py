@@ -94,7 +94,7 @@ class LlamaModel:
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
-            q, k, v = (h @ layer.qkv).split([cfg.q_size, cfg.kv_size, cfg.kv_size], -1)
+            q, k, v = torch.split(h @ layer.qkv, [cfg.q_size, cfg.kv_size, cfg.kv_size], -1)
             q = q.view(-1, cfg.num_heads, cfg.head_dim)
             k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)

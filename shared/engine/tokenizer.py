@@ -19,7 +19,7 @@ class ChatTemplateError(ValueError):
 class TextTokenizer:
     def __init__(self, data: TokenizerData) -> None:
         vocab = {token: i for i, token in enumerate(data.tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in data.merges]
+        merges = [(a, b) for a, b in (m.split(" ", 1) for m in data.merges)]
         tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         # llama.cpp's "smollm" pre-tokenizer splits digits one by one before the GPT-2 regex.

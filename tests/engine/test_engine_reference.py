@@ -1,0 +1,141 @@
+"""Greedy tokens of the engine equal HF transformers' on the same weights, however requests
+are batched: one at a time, all at once, joining mid-way, chunked, preempted, or moved
+between two engines."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.engine.config import EngineConfig, Role
+from shared.engine.engine import Engine
+from shared.engine.kv_cache import block_bytes
+from shared.engine.model_runner import LoadedModel
+from shared.engine.request import Request, SamplingParams
+from tests.engine.conftest import NEW_TOKENS
+
+pytestmark = pytest.mark.slow
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS)
+
+
+def engine(loaded: LoadedModel, **scheduler: object) -> Engine:
+    return Engine(EngineConfig().with_scheduler(**scheduler), loaded)
+
+
+def run(e: Engine) -> None:
+    while e.has_work():
+        e.step()
+
+
+def test_hf_reference_really_generated(hf_tokens: list[list[int]]) -> None:
+    assert len(hf_tokens) == 8 and all(len(t) >= 8 for t in hf_tokens)
+    assert len({tuple(t) for t in hf_tokens}) == 8
+
+
+def test_one_at_a_time_matches_hf(loaded: LoadedModel, prompt_ids: list[list[int]],
+                                  hf_tokens: list[list[int]]) -> None:
+    e = engine(loaded)
+    for ids, expected in zip(prompt_ids, hf_tokens, strict=True):
+        (request,) = e.generate([ids], GREEDY)
+        assert request.output_ids == expected
+
+
+def test_batched_matches_hf(loaded: LoadedModel, prompt_ids: list[list[int]],
+                            hf_tokens: list[list[int]]) -> None:
+    e = engine(loaded)
+    requests = e.generate(prompt_ids, GREEDY)
+    assert [r.output_ids for r in requests] == hf_tokens
+    assert e.blocks.num_free == e.blocks.num_blocks
+
+
+def test_continuous_batching_with_requests_joining_midway(
+        loaded: LoadedModel, prompt_ids: list[list[int]], hf_tokens: list[list[int]]) -> None:
+    e = engine(loaded)
+    first = [e.add_request(f"a{i}", ids, GREEDY) for i, ids in enumerate(prompt_ids[:4])]
+    for _ in range(6):
+        e.step()
+    assert all(0 < len(r.output_ids) < NEW_TOKENS for r in first)  # really mid-way
+    later = [e.add_request(f"b{i}", ids, GREEDY) for i, ids in enumerate(prompt_ids[4:])]
+    run(e)
+    assert [r.output_ids for r in first + later] == hf_tokens
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_colocated_modes_match_hf(loaded: LoadedModel, prompt_ids: list[list[int]],
+                                  hf_tokens: list[list[int]], chunked: bool) -> None:
+    # a budget of 8 tokens forces every prompt through several chunks
+    e = engine(loaded, chunked_prefill=chunked, max_batch_tokens=8 if chunked else 64)
+    requests = [e.add_request(f"c{i}", ids, GREEDY) for i, ids in enumerate(prompt_ids[:4])]
+    e.step()
+    requests += [e.add_request(f"d{i}", ids, GREEDY) for i, ids in enumerate(prompt_ids[4:])]
+    run(e)
+    assert [r.output_ids for r in requests] == hf_tokens
+
+
+def test_preemption_under_a_tiny_pool_loses_nothing(
+        loaded: LoadedModel, prompt_ids: list[list[int]], hf_tokens: list[list[int]]) -> None:
+    # 8 requests of up to ~50 tokens in 4-token blocks need far more than 24 blocks at once
+    model = loaded[0]
+    budget = 24 * block_bytes(model.config, 4, model.dtype)
+    config = EngineConfig(kv_cache_bytes=budget).with_scheduler(block_size=4, watermark_blocks=0)
+    e = Engine(config, loaded)
+    assert e.blocks.num_blocks == 24
+    requests = [e.add_request(f"p{i}", ids, GREEDY) for i, ids in enumerate(prompt_ids)]
+    run(e)
+    assert sum(r.num_preemptions for r in requests) > 0
+    assert [r.output_ids for r in requests] == hf_tokens
+    assert e.blocks.num_free == 24
+
+
+def test_disaggregated_round_trip(loaded: LoadedModel, prompt_ids: list[list[int]],
+                                  hf_tokens: list[list[int]]) -> None:
+    prefill = engine(loaded, role=Role.PREFILL)
+    decode = engine(loaded, role=Role.DECODE)
+    taken = decode.allocate(5 * 16)  # occupy decode's first blocks so the ids differ
+    assert taken is not None
+    for i, ids in enumerate(prompt_ids):
+        prefill.add_request(f"r{i}", ids, GREEDY)
+    outputs = prefill.step()
+    assert all(o.parked for o in outputs) and len(outputs) == len(prompt_ids)
+    moved = []
+    for i, ids in enumerate(prompt_ids):
+        parked = prefill.scheduler.parked[f"r{i}"]
+        buffer = prefill.export_kv(parked.request_id)
+        blocks = decode.allocate(len(ids))
+        assert blocks is not None and not set(blocks) & set(parked.block_table)
+        request = Request(parked.request_id, ids, GREEDY, eos_id=decode.eos_id,
+                          output_ids=list(parked.output_ids))
+        decode.admit_imported(request, blocks, buffer)
+        assert prefill.release(parked.request_id)
+        moved.append(request)
+    assert prefill.blocks.num_free == prefill.blocks.num_blocks
+    run(decode)
+    assert [r.output_ids for r in moved] == hf_tokens
+    decode.free(taken)
+    assert decode.blocks.num_free == decode.blocks.num_blocks
+
+
+def test_stop_strings_and_text_stream(loaded: LoadedModel, prompt_ids: list[list[int]]) -> None:
+    e = engine(loaded)
+    e.add_request("s", prompt_ids[0], SamplingParams(max_tokens=20))
+    full = ""
+    while e.has_work():
+        full += "".join(o.new_text for o in e.step())
+    assert "Paris" in full
+    e.add_request("t", prompt_ids[0], SamplingParams(max_tokens=20, stop=("ari",)))
+    outputs = []
+    while e.has_work():
+        outputs += e.step()
+    text = "".join(o.new_text for o in outputs)
+    assert outputs[-1].finish_reason == "stop"
+    assert text == full[: full.index("ari")]
+    assert e.blocks.num_free == e.blocks.num_blocks
+
+
+def test_seeded_sampling_is_reproducible_across_engines(
+        loaded: LoadedModel, prompt_ids: list[list[int]]) -> None:
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=7, logprobs=True)
+    a = engine(loaded).generate(prompt_ids[:2], params)
+    b = engine(loaded).generate(prompt_ids[:2], params)
+    assert [r.output_ids for r in a] == [r.output_ids for r in b]
+    assert all(len(r.output_logprobs) == len(r.output_ids) for r in a)
+    assert all(lp <= 0 for r in a for lp in r.output_logprobs)

@@ -1,0 +1,164 @@
+"""The scheduler is pure: these tests drive it with a fake 'model' that returns fixed tokens."""
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.config import Role, SchedulerConfig
+from shared.engine.request import Request, RequestStatus, SamplingParams
+from shared.engine.scheduler import Scheduler, SchedulerOutput
+
+
+def make(role: Role = Role.COLOCATED, blocks: int = 64, **kw: object) -> Scheduler:
+    config = SchedulerConfig(role=role, block_size=4, **kw)  # type: ignore[arg-type]
+    return Scheduler(config, BlockManager(blocks, 4))
+
+
+def req(rid: str, prompt_len: int, max_tokens: int = 4, arrival: int = 0) -> Request:
+    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
+                   eos_id=None, arrival=arrival)
+
+
+def run_step(s: Scheduler, token: int = 7) -> SchedulerOutput | None:
+    out = s.schedule()
+    if out is not None:
+        for chunk in out.chunks:
+            chunk.request.check(s.blocks.block_size)
+        s.update(out, {c.request.request_id: (token, None) for c in out.chunks if c.samples})
+    return out
+
+
+def drain(s: Scheduler, limit: int = 1000) -> None:
+    for _ in range(limit):
+        if run_step(s) is None:
+            return
+    raise AssertionError("scheduler did not finish")
+
+
+def test_prefill_batches_up_to_token_budget_but_always_admits_one() -> None:
+    s = make(max_batch_tokens=10)
+    for i, n in enumerate([4, 4, 4]):
+        s.add(req(f"r{i}", n, arrival=i))
+    out = s.schedule()
+    assert out is not None
+    assert [c.request.request_id for c in out.prefills] == ["r0", "r1"]  # 8 <= 10 < 12
+    assert not out.decodes
+    big = make(max_batch_tokens=10)
+    big.add(req("long", 25))
+    out = big.schedule()
+    assert out is not None and out.prefills[0].length == 25  # over budget, alone
+
+
+def test_colocated_prioritises_prefill_then_decodes_together() -> None:
+    s = make(max_batch_tokens=100)
+    s.add(req("a", 5, arrival=0))
+    out = run_step(s)
+    assert out is not None and out.prefills and not out.decodes
+    s.add(req("b", 3, arrival=1))
+    out = run_step(s)  # the new prompt goes before a's decode (vLLM-style)
+    assert out is not None and [c.request.request_id for c in out.prefills] == ["b"]
+    out = run_step(s)
+    assert out is not None and sorted(c.request.request_id for c in out.decodes) == ["a", "b"]
+    assert all(c.length == 1 for c in out.decodes)
+
+
+def test_chunked_prefill_mixes_decodes_and_prefill_chunks_within_budget() -> None:
+    s = make(max_batch_tokens=6, chunked_prefill=True)
+    s.add(req("a", 2, max_tokens=10, arrival=0))
+    run_step(s)
+    s.add(req("b", 13, arrival=1))
+    out = run_step(s)
+    assert out is not None
+    assert [(c.request.request_id, c.length) for c in out.decodes] == [("a", 1)]
+    assert [(c.request.request_id, c.length) for c in out.prefills] == [("b", 5)]
+    assert not out.prefills[0].samples
+    lengths = []
+    while (out := run_step(s)) is not None and any(c.request.request_id == "b"
+                                                   for c in out.prefills):
+        lengths.append(out.prefills[0].length)
+        assert out.num_tokens <= 6
+    assert sum(lengths) == 13 - 5
+
+
+def test_finish_on_max_tokens_frees_every_block() -> None:
+    s = make(blocks=16)
+    for i in range(3):
+        s.add(req(f"r{i}", 6, max_tokens=5, arrival=i))
+    drain(s)
+    assert s.blocks.num_free == 16
+    assert not s.running and not s.waiting
+
+
+def test_preempts_newest_when_pool_runs_out_and_resumes_it() -> None:
+    # 6 blocks of 4 tokens: two requests of 8 prompt tokens need 2 blocks each, then grow.
+    s = make(blocks=6, watermark_blocks=0)
+    old, new = req("old", 8, max_tokens=12, arrival=0), req("new", 8, max_tokens=12, arrival=1)
+    s.add(old)
+    s.add(new)
+    preempted: list[Request] = []
+    for _ in range(200):
+        out = run_step(s)
+        if out is None:
+            break
+        preempted += out.preempted
+    assert preempted and preempted[0] is new  # the newest goes first
+    assert old.status is RequestStatus.FINISHED_LENGTH
+    assert new.status is RequestStatus.FINISHED_LENGTH and new.num_preemptions >= 1
+    assert len(old.output_ids) == len(new.output_ids) == 12  # nothing lost
+    assert s.blocks.num_free == 6
+
+
+def test_abort_frees_blocks_wherever_the_request_is() -> None:
+    s = make(blocks=8)
+    running, queued = req("run", 8, arrival=0), req("queued", 4, arrival=1)
+    s.add(running)
+    run_step(s)
+    s.add(queued)
+    assert s.blocks.num_free < 8
+    assert s.abort("run") is running and running.status is RequestStatus.FINISHED_ABORTED
+    assert s.abort("queued") is queued
+    assert s.abort("unknown") is None
+    assert s.blocks.num_free == 8 and not s.has_work
+
+
+def test_prefill_role_parks_until_release() -> None:
+    s = make(Role.PREFILL, blocks=8)
+    r = req("p", 6, max_tokens=8)
+    s.add(r)
+    run_step(s)
+    assert r.status is RequestStatus.PARKED and r.output_ids == [7]
+    assert s.schedule() is None  # parked requests do not decode here
+    assert s.blocks.num_free == 8 - 2
+    assert s.release("p") is r
+    assert s.blocks.num_free == 8
+
+
+def test_prefill_role_frees_a_request_that_finished_at_its_first_token() -> None:
+    s = make(Role.PREFILL, blocks=8)
+    s.add(req("one", 6, max_tokens=1))
+    run_step(s)
+    assert not s.parked and s.blocks.num_free == 8
+
+
+def test_decode_role_admits_imported_requests_and_batches_them() -> None:
+    s = make(Role.DECODE, blocks=8)
+    requests = []
+    for i in range(3):
+        r = req(f"d{i}", 5, max_tokens=3, arrival=i)
+        r.output_ids = [9]
+        r.num_computed = 5
+        table = s.blocks.allocate(2)
+        assert table is not None
+        r.block_table = table
+        s.add_prefilled(r)
+        requests.append(r)
+    out = run_step(s)
+    assert out is not None and len(out.decodes) == 3 and not out.prefills
+    drain(s)
+    assert all(len(r.output_ids) == 3 for r in requests)
+    assert s.blocks.num_free == 8
+
+
+def test_max_running_caps_the_batch() -> None:
+    s = make(max_running=2, max_batch_tokens=100)
+    for i in range(4):
+        s.add(req(f"r{i}", 3, arrival=i))
+    out = s.schedule()
+    assert out is not None and len(out.prefills) == 2

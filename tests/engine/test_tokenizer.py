@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shared.engine.gguf_loader import read_gguf_tokenizer
+from shared.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
+
+SHAREGPT = Path(__file__).parents[3] / "shared" / "data" / "sharegpt_v3_filtered_1000_prompts.json"
+
+
+@pytest.fixture(scope="module")
+def tok() -> TextTokenizer:
+    return TextTokenizer(read_gguf_tokenizer("smollm2-135m"))
+
+
+def test_round_trip_and_special_tokens(tok: TextTokenizer) -> None:
+    text = "héllo wörld 日本語 🎉\n\tcode()"
+    assert tok.decode(tok.encode(text)) == text
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids[0] == 1 and tok.eos_id in ids  # control tokens are single ids
+    assert tok.decode(ids) == "user\nhi"  # and skipped when decoding
+
+
+def test_digits_split_one_by_one(tok: TextTokenizer) -> None:
+    # llama.cpp's "smollm" pre-tokenizer (and the original tokenizer.json) split digits
+    assert [tok.decode([i]) for i in tok.encode("2024")] == ["2", "0", "2", "4"]
+
+
+@pytest.mark.slow
+def test_matches_hf_tokenizer_on_real_prompts(tok: TextTokenizer) -> None:
+    """HF's GGUF converter drops the digit split, so compare on prompts without digits."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    from shared.engine.gguf_loader import resolve_gguf_path
+
+    path = resolve_gguf_path("smollm2-135m")
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    prompts = [p["conversations"][0]["value"] for p in json.loads(SHAREGPT.read_text())]
+    texts = [p for p in prompts if not any(c.isdigit() for c in p)][:200]
+    assert len(texts) > 100
+    for text in texts:
+        assert tok.encode(text) == hf(text, add_special_tokens=False).input_ids
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(messages) == hf.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_incremental_detokenizer_holds_back_partial_utf8(tok: TextTokenizer) -> None:
+    ids = tok.encode("a 🎉 b")
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.update(ids[: i + 1]) for i in range(len(ids))]
+    assert "".join(pieces) == "a 🎉 b"
+    assert all("\ufffd" not in p for p in pieces)
