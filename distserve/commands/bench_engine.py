@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.progress import track
 from rich.table import Table
 
 from distserve.commands.common import add_engine_args, engine_config
@@ -29,7 +30,7 @@ def register(sub: Any) -> None:
                        description=__doc__)
     p.add_argument("--context", type=int, default=256, help="context of the decode steps")
     p.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size")
-    p.add_argument("--repeats", type=int, default=3, help="prefill runs per length (median)")
+    p.add_argument("--repeats", type=int, default=5, help="prefill runs per length (median)")
     p.add_argument("--lengths", type=int, nargs="+", default=PREFILL_LENGTHS)
     p.add_argument("--batches", type=int, nargs="+", default=DECODE_BATCHES)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
@@ -38,14 +39,10 @@ def register(sub: Any) -> None:
     p.set_defaults(parser=p, run=run, kv_cache_mb=2048)
 
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+def _ms(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
 
 
 def _prompt(length: int, vocab: int, salt: int) -> list[int]:
@@ -53,51 +50,75 @@ def _prompt(length: int, vocab: int, salt: int) -> list[int]:
     return torch.randint(100, vocab - 100, (length,), generator=gen).tolist()
 
 
-def engine_prefill_ms(engine: Engine, length: int, repeats: int) -> float:
-    counter = iter(range(10**9))
-
-    def once() -> None:
-        engine.add_request(f"p{next(counter)}", _prompt(length, engine.model_config.vocab_size, 0),
-                           SamplingParams(max_tokens=1, ignore_eos=True))
-        engine.step()
-    return _median_ms(once, repeats)
-
-
-def engine_decode_ms(engine: Engine, batch: int, context: int, steps: int) -> float:
-    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
-    vocab = engine.model_config.vocab_size
-    ids = [engine.add_request(f"d{batch}-{i}", _prompt(context, vocab, i), params).request_id
-           for i in range(batch)]
-    while any(len(r.output_ids) == 0 for r in map(engine.scheduler.get, ids) if r):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append((time.perf_counter() - start) * 1e3)
-    for rid in ids:
-        engine.abort(rid)
-    return statistics.median(times[1:])
+def side_by_side(fns: list[Callable[[], float]], repeats: int) -> list[float]:
+    """Median ms of each timed callable, their runs interleaved (a, b, a, b, ...) so that
+    drift in a shared machine's speed hits both alike. The first run of each is a warm-up."""
+    times: list[list[float]] = [[] for _ in fns]
+    for i in range(repeats + 1):
+        for fn, out in zip(fns, times, strict=True):
+            ms = fn()
+            if i:
+                out.append(ms)
+    return [statistics.median(t) for t in times]
 
 
-@torch.inference_mode()
-def hf_prefill_ms(hf: Any, length: int, vocab: int, repeats: int) -> float:
-    ids = torch.tensor([_prompt(length, vocab, 0)])
-    return _median_ms(lambda: hf(ids, use_cache=True, logits_to_keep=1), repeats)
+class EnginePrefill:
+    def __init__(self, engine: Engine, length: int) -> None:
+        self.engine, self.length, self.count = engine, length, 0
+
+    def __call__(self) -> float:
+        self.count += 1
+        prompt = _prompt(self.length, self.engine.model_config.vocab_size, 0)
+        self.engine.add_request(f"p{self.length}-{self.count}", prompt,
+                                SamplingParams(max_tokens=1, ignore_eos=True))
+        return _ms(self.engine.step)
 
 
-@torch.inference_mode()
-def hf_decode_ms(hf: Any, batch: int, context: int, vocab: int, steps: int) -> float:
-    ids = torch.tensor([_prompt(context, vocab, i) for i in range(batch)])
-    out = hf(ids, use_cache=True, logits_to_keep=1)
-    cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        out = hf(token, past_key_values=cache, use_cache=True)
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[1:])
+class EngineDecode:
+    """A batch of requests at `context` tokens, all decoding; each call times one step."""
+
+    def __init__(self, engine: Engine, batch: int, context: int, steps: int) -> None:
+        params = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
+        vocab = engine.model_config.vocab_size
+        self.engine = engine
+        self.requests = [engine.add_request(f"d{batch}-{i}", _prompt(context, vocab, i), params)
+                         for i in range(batch)]
+        while any(not r.output_ids for r in self.requests):
+            engine.step()
+
+    def __call__(self) -> float:
+        return _ms(self.engine.step)
+
+    def close(self) -> None:
+        for request in self.requests:
+            self.engine.abort(request.request_id)
+
+
+class HFPrefill:
+    def __init__(self, hf: Any, length: int, vocab: int) -> None:
+        self.hf, self.ids = hf, torch.tensor([_prompt(length, vocab, 0)])
+
+    @torch.inference_mode()
+    def __call__(self) -> float:
+        return _ms(lambda: self.hf(self.ids, use_cache=True, logits_to_keep=1))
+
+
+class HFDecode:
+    """HF's own cache (DynamicCache) grown by one token per call, like generate() does."""
+
+    @torch.inference_mode()
+    def __init__(self, hf: Any, batch: int, context: int, vocab: int) -> None:
+        self.hf = hf
+        ids = torch.tensor([_prompt(context, vocab, i) for i in range(batch)])
+        out = hf(ids, use_cache=True, logits_to_keep=1)
+        self.cache, self.token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+
+    @torch.inference_mode()
+    def __call__(self) -> float:
+        def step() -> None:
+            out = self.hf(self.token, past_key_values=self.cache, use_cache=True)
+            self.token = out.logits[:, -1].argmax(-1, keepdim=True)
+        return _ms(step)
 
 
 def bandwidth_bound_ms(engine: Engine) -> tuple[float, float]:
@@ -106,12 +127,11 @@ def bandwidth_bound_ms(engine: Engine) -> tuple[float, float]:
     buffer as large as the weights, with the same threads, so the bound is not loose."""
     cfg = engine.model_config
     element = torch.empty((), dtype=engine.runner.dtype).element_size()
-    weight_bytes = (cfg.num_params() - cfg.vocab_size * cfg.hidden_size) * element
-    weight_bytes += cfg.vocab_size * cfg.hidden_size * element  # the LM head reads it all
+    weight_bytes = cfg.num_params() * element  # tied: the LM head reads the embedding once
     src = torch.ones(weight_bytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    read_ms = _median_ms(lambda: src.sum(), 5)
-    copy_ms = _median_ms(lambda: dst.copy_(src), 5)
+    read_ms, copy_ms = side_by_side([lambda: _ms(src.sum), lambda: _ms(lambda: dst.copy_(src))],
+                                    5)
     gbps = max(weight_bytes / read_ms, 2 * weight_bytes / copy_ms) / 1e6
     return weight_bytes / gbps / 1e6, gbps
 
@@ -119,18 +139,25 @@ def bandwidth_bound_ms(engine: Engine) -> tuple[float, float]:
 def measure(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
     engine = Engine(config)
     vocab = engine.model_config.vocab_size
+    hf = None if args.no_hf else load_hf_reference(config.model, engine.runner.dtype)
     results: dict[str, Any] = {"threads": torch.get_num_threads(),
                                "dtype": str(engine.runner.dtype)}
-    results["prefill_ms"] = {n: engine_prefill_ms(engine, n, args.repeats) for n in args.lengths}
-    results["decode_step_ms"] = {
-        b: engine_decode_ms(engine, b, args.context, args.steps) for b in args.batches}
+    for key in ("prefill_ms", "decode_step_ms", "hf_prefill_ms", "hf_decode_step_ms"):
+        results[key] = {}
+    for n in track(args.lengths, description="prefill", transient=True):
+        fns: list[Callable[[], float]] = [EnginePrefill(engine, n)]
+        fns += [] if hf is None else [HFPrefill(hf, n, vocab)]
+        for key, ms in zip(("prefill_ms", "hf_prefill_ms"), side_by_side(fns, args.repeats),
+                           strict=False):
+            results[key][n] = ms
+    for b in track(args.batches, description="decode", transient=True):
+        ours = EngineDecode(engine, b, args.context, args.steps)
+        fns = [ours] + ([] if hf is None else [HFDecode(hf, b, args.context, vocab)])
+        for key, ms in zip(("decode_step_ms", "hf_decode_step_ms"),
+                           side_by_side(fns, args.steps), strict=False):
+            results[key][b] = ms
+        ours.close()
     results["bandwidth_bound_ms"], results["bandwidth_gbps"] = bandwidth_bound_ms(engine)
-    if not args.no_hf:
-        hf = load_hf_reference(config.model, engine.runner.dtype)
-        results["hf_prefill_ms"] = {
-            n: hf_prefill_ms(hf, n, vocab, args.repeats) for n in args.lengths}
-        results["hf_decode_step_ms"] = {
-            b: hf_decode_ms(hf, b, args.context, vocab, args.steps) for b in args.batches}
     return results
 
 

@@ -1,15 +1,20 @@
-"""Per-step attention metadata: where each scheduled token's K/V goes and what it attends to.
+"""Per-step attention metadata, and the two ways decode tokens attend to the paged pool.
 
 A step's tokens are flattened into one [T, hidden] batch for the dense layers. Attention runs
 per prefill segment (causal over its own context) and once for all decode tokens together
-(each attends its request's whole context, gathered from the paged pool).
+(each attends its request's whole context in the paged pool).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+from shared.engine.kernels import paged_attention
+from shared.engine.kv_cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,7 @@ class PrefillSegment:
 class DecodeGroup:
     start: int  # decode rows are contiguous at the end of the flattened batch
     block_tables: torch.Tensor  # [B, max_blocks] long, padded with block 0
+    context_lens: torch.Tensor  # [B] long, keys each row attends to (its new token included)
     mask: torch.Tensor  # [B, 1, 1, max_blocks*block_size] bool, True where a key is valid
 
 
@@ -32,3 +38,38 @@ class AttentionMetadata:
     slots: torch.Tensor  # [T] pool slot (block * block_size + offset) of each new token's K/V
     prefills: list[PrefillSegment]
     decode: DecodeGroup | None
+
+
+# (layer, queries [B, H, D], decode group, pool) -> [B, H*D]
+DecodeAttention = Callable[[int, torch.Tensor, DecodeGroup, KVCache], torch.Tensor]
+
+
+def gather_decode_attention(layer: int, q: torch.Tensor, group: DecodeGroup,
+                            kv: KVCache) -> torch.Tensor:
+    """Gather the batch's blocks into [B, L, H_kv, D] and run SDPA (any device)."""
+    keys, values = kv.gather(layer, group.block_tables)
+    # The query heads sharing a KV head become that head's query rows ([B, H_kv, G, D]),
+    # so every key and value is read once, not once per query head.
+    b, heads, dim = q.shape
+    kv_heads = keys.shape[2]
+    qg = q.view(b, kv_heads, heads // kv_heads, dim)
+    o = F.scaled_dot_product_attention(
+        qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask)
+    return o.reshape(b, -1)
+
+
+def paged_decode_attention(layer: int, q: torch.Tensor, group: DecodeGroup,
+                           kv: KVCache) -> torch.Tensor:
+    """Read K/V in place from the pool with the C++ kernel (CPU): no gather copy."""
+    kernel = paged_attention()
+    assert kernel is not None
+    keys, values = kv.data[layer, 0], kv.data[layer, 1]
+    out = kernel.paged_decode_attention(q, keys, values, group.block_tables, group.context_lens,
+                                        q.shape[-1] ** -0.5)
+    return out.reshape(q.shape[0], -1)  # type: ignore[no-any-return]
+
+
+def pick_decode_attention(device: torch.device) -> DecodeAttention:
+    if device.type == "cpu" and paged_attention() is not None:
+        return paged_decode_attention
+    return gather_decode_attention

@@ -10,7 +10,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from shared.engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment
+from shared.engine.attention import (
+    AttentionMetadata,
+    DecodeAttention,
+    PrefillSegment,
+    gather_decode_attention,
+)
 from shared.engine.config import ModelConfig
 from shared.engine.kv_cache import KVCache
 
@@ -35,6 +40,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> None:
         self.config = config
+        # how decode tokens attend to the pool; the model runner picks the best for its device
+        self.decode_attention: DecodeAttention = gather_decode_attention
         self.embed = weights["embed_tokens"]
         self.norm = weights["norm"]
         self.lm_head = self.embed if config.tie_embeddings else weights["lm_head"]
@@ -94,12 +101,11 @@ class LlamaModel:
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
-            q, k, v = torch.split(h @ layer.qkv, [cfg.q_size, cfg.kv_size, cfg.kv_size], -1)
-            q = q.view(-1, cfg.num_heads, cfg.head_dim)
-            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            qk, v = torch.split(h @ layer.qkv, [cfg.q_size + cfg.kv_size, cfg.kv_size], -1)
+            qk = qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            qk = qk * cos + _rotate_half(qk) * sin  # RoPE on Q and K heads at once
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
             kv.write(index, k, v, meta.slots)
             attn = self._attention(index, q, k, v, meta, kv)
             x = x + attn @ layer.o
@@ -118,7 +124,7 @@ class LlamaModel:
             rows = slice(seg.start, seg.start + seg.length)
             out[rows] = self._prefill_attention(layer, q[rows], k[rows], v[rows], seg, kv)
         if meta.decode is not None:
-            out[meta.decode.start:] = self._decode_attention(
+            out[meta.decode.start:] = self.decode_attention(
                 layer, q[meta.decode.start:], meta.decode, kv)
         return out
 
@@ -137,14 +143,3 @@ class LlamaModel:
             mask = torch.arange(total, device=q.device).unsqueeze(0) <= rows
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1).reshape(seg.length, -1)
-
-    def _decode_attention(self, layer: int, q: torch.Tensor, group: DecodeGroup,
-                          kv: KVCache) -> torch.Tensor:
-        keys, values = kv.gather(layer, group.block_tables)  # [B, L, H_kv, D]
-        # The query heads sharing a KV head become that head's query rows ([B, H_kv, G, D]),
-        # so every key and value is read once, not once per query head.
-        cfg = self.config
-        qg = q.view(q.shape[0], cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, -1)
-        o = F.scaled_dot_product_attention(
-            qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask)
-        return o.reshape(q.shape[0], -1)

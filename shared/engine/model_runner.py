@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from shared.engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment
+from shared.engine.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSegment,
+    pick_decode_attention,
+)
 from shared.engine.config import LLAMA_SHAPES, EngineConfig, ModelConfig
 from shared.engine.gguf_loader import TokenizerData, load_gguf
 from shared.engine.kv_cache import KVCache
@@ -50,6 +55,7 @@ class ModelRunner:
             torch.set_num_threads(config.threads)
         self.model, self.tokenizer_data = loaded if loaded is not None else load_model(config)
         self.device, self.dtype = self.model.device, self.model.dtype
+        self.model.decode_attention = pick_decode_attention(self.device)
         self.kv = KVCache.from_budget(self.model.config, config.kv_cache_bytes,
                                       config.scheduler.block_size, self.dtype, self.device)
 
@@ -113,7 +119,7 @@ class ModelRunner:
         lengths = self._tensor([c.start + 1 for c in chunks])
         keys = torch.arange(width * self.kv.block_size, device=self.device)
         mask = (keys.unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :]
-        return DecodeGroup(start, self._tensor(tables), mask)
+        return DecodeGroup(start, self._tensor(tables), lengths, mask)
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
