@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from distserve.commands import bench_engine, generate
+from distserve.commands import bench_engine, generate, plan, profile, simulate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +16,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.register(sub)
+    profile.register(sub)
+    plan.register(sub)
+    simulate.register(sub)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(
         dest="bench_command", required=True, metavar="BENCHMARK")
     bench_engine.register(bench)

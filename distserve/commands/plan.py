@@ -1,0 +1,131 @@
+"""`distserve plan`: the goodput-optimal placement for a workload, SLOs and a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from distserve.commands.workload_arg import parse_workload
+from services.planner.baseline import colocated_plan
+from services.planner.low_affinity import low_affinity
+from services.planner.models import UnknownModelError
+from services.planner.placement import NoFeasiblePlan, Problem, high_affinity
+from services.planner.plan import Plan
+from services.planner.profiles import ProfileError, load_profile
+from shared.metrics import SLO
+from shared.workloads import WorkloadError
+
+
+def add_problem_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", required=True, help="latency profile file (ours or the "
+                   "DistServe artifact's format)")
+    p.add_argument("--model", help="which model of a multi-model profile file")
+    p.add_argument("--workload", required=True,
+                   help="sharegpt:PATH, azure:PATH, mooncake:PATH or fixed:PROMPT:OUTPUT")
+    p.add_argument("--cv", type=float, default=1.0, help="arrival CV (1 = Poisson; gamma else)")
+    p.add_argument("--max-context", type=int, default=2048,
+                   help="clip workload lengths to the model's context (default: %(default)s)")
+    p.add_argument("--ttft", type=float, required=True, help="TTFT objective, seconds")
+    p.add_argument("--tpot", type=float, required=True, help="TPOT objective, seconds")
+    p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must "
+                   "meet both objectives (default: %(default)s)")
+    p.add_argument("--requests", type=int, default=400, help="requests per simulation")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("plan", help="search the goodput-optimal placement",
+                       description="Search the placement (instances per phase, tensor and "
+                                   "pipeline parallelism, devices) with the highest per-device "
+                                   "goodput that serves --rate (DistServe Algorithms 1 and 2).")
+    add_problem_args(p)
+    p.add_argument("--rate", type=float, required=True, help="target request rate (req/s)")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, required=True)
+    p.add_argument("--affinity", choices=["high", "low"], default="high",
+                   help="high: fast links between nodes (Algorithm 1); low: KV must stay in a "
+                        "node (Algorithm 2)")
+    p.add_argument("--intra-bw", type=float, default=600.0, help="intra-node GB/s")
+    p.add_argument("--inter-bw", type=float, default=25.0, help="inter-node GB/s")
+    p.add_argument("--baseline-profile", help="also plan a colocated baseline with this "
+                   "profile (e.g. the artifact's vLLM profile) and print the goodput ratio")
+    p.add_argument("--workers", type=int, default=0, help="processes (0: one per CPU)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON, last line")
+    p.add_argument("--output", "-o", help="also write the plan JSON to this file")
+    p.set_defaults(parser=p, run=run)
+
+
+def build_problem(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                  profile_path: str, rate: float) -> Problem:
+    for name in ("rate", "ttft", "tpot"):
+        if getattr(args, name, 1.0) <= 0:
+            parser.error(f"--{name} must be positive")
+    if not 0 < args.attainment <= 1:
+        parser.error("--attainment must be in (0, 1]")
+    try:
+        profile = load_profile(profile_path, args.model)
+        workload = parse_workload(args.workload, args.cv, max_context=args.max_context)
+    except (ProfileError, UnknownModelError, WorkloadError) as e:
+        parser.error(str(e))
+    return Problem(profile, workload, SLO(args.ttft, args.tpot), rate,
+                   getattr(args, "nodes", 1), getattr(args, "gpus_per_node", 1),
+                   args.attainment, getattr(args, "intra_bw", 600.0),
+                   getattr(args, "inter_bw", 25.0), args.requests, seed=args.seed,
+                   workers=getattr(args, "workers", 0))
+
+
+def plan_table(plan: Plan, seconds: float) -> Table:
+    table = Table(title=f"{plan.algorithm} placement for {plan.model} at {plan.rate_rps} req/s "
+                        f"({seconds:.1f} s search)")
+    for column in ("phase", "tp", "pp", "instances", "devices", "goodput/instance"):
+        table.add_column(column, justify="right")
+    for name, phase in (("prefill", plan.prefill), ("decode", plan.decode),
+                        ("colocated", plan.colocated)):
+        if phase is not None:
+            table.add_row(name, str(phase.tp), str(phase.pp), str(phase.count),
+                          str(phase.devices), f"{phase.goodput_rps:.2f} req/s")
+    table.caption = (f"{plan.devices_used} of {plan.nodes * plan.gpus_per_node} devices; "
+                     f"per-device goodput {plan.per_device_goodput_rps:.3f} req/s (best "
+                     f"searched {plan.best_per_device_goodput_rps:.3f}); "
+                     f"simulated attainment at the rate {plan.predicted_attainment:.1%}")
+    return table
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        parser.error("--nodes and --gpus-per-node must be at least 1")
+    problem = build_problem(args, parser, args.profile, args.rate)
+    console = Console(stderr=args.json)
+    start = time.perf_counter()
+    try:
+        plan = (high_affinity if args.affinity == "high" else low_affinity)(problem)
+    except NoFeasiblePlan as e:
+        print(f"distserve plan: no feasible plan: {e}", file=sys.stderr)
+        return 1
+    plan = plan.model_copy(update={"profile": args.profile, "profile_model": args.model or "",
+                                   "intra_node_gbps": args.intra_bw,
+                                   "inter_node_gbps": args.inter_bw,
+                                   "reason": f"distserve plan --affinity {args.affinity}"})
+    console.print(plan_table(plan, time.perf_counter() - start))
+    if args.baseline_profile:
+        base_problem = build_problem(args, parser, args.baseline_profile, args.rate)
+        try:
+            base = colocated_plan(base_problem)
+        except NoFeasiblePlan as e:
+            console.print(f"colocated baseline: {e}")
+        else:
+            ratio = plan.best_per_device_goodput_rps / base.best_per_device_goodput_rps
+            console.print(f"best per-device goodput: disaggregated "
+                          f"{plan.best_per_device_goodput_rps:.3f} req/s, colocated baseline "
+                          f"{base.best_per_device_goodput_rps:.3f} req/s: {ratio:.2f}x")
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(plan.model_dump_json(indent=2) + "\n")
+    if args.json:
+        print(plan.model_dump_json())
+    return 0

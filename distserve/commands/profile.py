@@ -1,0 +1,48 @@
+"""`distserve profile`: fit the latency model of this engine on this device."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress
+
+from distserve.commands.common import add_engine_args, engine_config
+from services.planner.profiles import save_profile
+from services.planner.profiling import Grid, profile_engine
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("profile", help="profile the engine and fit the latency model",
+                       description="Run the engine over prefill and decode grids, fit the "
+                                   "paper's latency model (Appendix A) and write a profile.")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallelism (only 1 so far)")
+    p.add_argument("--quick", action="store_true", help="a smaller grid (about a minute)")
+    p.add_argument("--output", "-o", type=Path, help="profile file to write "
+                   "(default: profiles/<model>-<device>.json)")
+    add_engine_args(p)
+    p.set_defaults(parser=p, run=run, kv_cache_mb=1024)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.tp != 1:
+        parser.error("--tp > 1 needs a multi-device engine, which this build does not have")
+    console = Console()
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("profiling", total=None)
+        profile = profile_engine(engine_config(args), Grid.quick() if args.quick else Grid(),
+                                 lambda what: bar.update(task, description=what))
+    out = args.output or Path("profiles") / f"{profile.model.name}-{profile.device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_profile(profile, out)
+    co = profile.by_tp[1]
+    console.print(f"prefill ms = {co.prefill[0]:.3f} + {co.prefill[1]:.4g}*sum(l) + "
+                  f"{co.prefill[2]:.3g}*sum(l^2)")
+    console.print(f"decode ms  = {co.decode_small[0]:.3f} + {co.decode_small[1]:.4g}*sum(ctx) + "
+                  f"{co.decode_small[2]:.4g}*B")
+    for key, value in profile.fit.items():
+        console.print(f"  {key}: {value:.3f}")
+    console.print(f"L_m = {profile.l_m} tokens; wrote {out}")
+    return 0

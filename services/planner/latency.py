@@ -1,0 +1,62 @@
+"""The paper's Appendix A latency model in fitted form (milliseconds):
+
+    prefill batch, prompt lengths l_i:        a + b * sum(l_i) + c * sum(l_i^2)
+    decode step, B requests, contexts c_i:    a + b * sum(c_i) + c * B
+
+the sum of squares being prefill attention and the constant the weight-reading GEMMs of
+decode. Coefficients are measured per (model, device, dtype, tensor parallelism). Pipeline
+parallelism splits a batch's time over `pp` stages: a stage is busy time/pp, and a request
+still takes the full time plus a per-stage overhead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+Triple = tuple[float, float, float]
+
+
+@dataclass(frozen=True)
+class PhaseCoefficients:
+    prefill: Triple
+    decode_small: Triple
+    decode_large: Triple
+    decode_threshold: int = 1 << 30  # batch size from which `decode_large` applies
+
+    def scaled(self, speedup: float) -> PhaseCoefficients:
+        """All times divided by `speedup` (e.g. an intra-op speedup K)."""
+
+        def div(t: Triple) -> Triple:
+            return (t[0] / speedup, t[1] / speedup, t[2] / speedup)
+
+        return PhaseCoefficients(div(self.prefill), div(self.decode_small),
+                                 div(self.decode_large), self.decode_threshold)
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    coefficients: PhaseCoefficients
+    pp: int = 1
+    stage_overhead_ms: float = 0.0
+
+    def prefill_ms(self, sum_len: float, sum_sq: float) -> float:
+        a, b, c = self.coefficients.prefill
+        return a + b * sum_len + c * sum_sq
+
+    def decode_ms(self, batch: int, sum_ctx: float) -> float:
+        co = self.coefficients
+        a, b, c = co.decode_large if batch >= co.decode_threshold else co.decode_small
+        return a + b * sum_ctx + c * batch
+
+    # Times for the simulator: seconds, with pipeline stages.
+
+    def prefill_stage_s(self, sum_len: float, sum_sq: float) -> float:
+        """How long the first stage is busy: the next batch may start after this."""
+        return self.prefill_ms(sum_len, sum_sq) / self.pp / 1e3
+
+    def prefill_latency_s(self, sum_len: float, sum_sq: float) -> float:
+        return (self.prefill_ms(sum_len, sum_sq) + self.stage_overhead_ms * (self.pp - 1)) / 1e3
+
+    def decode_step_s(self, batch: int, sum_ctx: float) -> float:
+        """One token for every running request; `pp` micro-batches keep all stages busy."""
+        return self.decode_ms(batch, sum_ctx) / self.pp / 1e3

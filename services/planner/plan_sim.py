@@ -1,0 +1,54 @@
+"""Simulate a plan: rebuild its cluster from the plan and the profile it was made with."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from services.planner.baseline import VLLM_MAX_NUM_BATCHED_TOKENS, VLLM_MAX_NUM_SEQS
+from services.planner.plan import InstancePlacement, Plan
+from services.planner.profiles import Profile, kv_capacity_tokens
+from services.planner.simulator import (
+    ColocatedCluster,
+    DisaggregatedCluster,
+    InstanceSpec,
+    Link,
+    SimResult,
+    simulate_colocated,
+    simulate_disaggregated,
+)
+from shared.workloads import WorkloadRequest
+
+
+def _spec(profile: Profile, i: InstancePlacement) -> InstanceSpec:
+    return InstanceSpec(profile.latency(i.tp, i.pp), kv_capacity_tokens(profile, i.tp, i.pp),
+                        profile.l_m, profile.max_decode_batch, node=i.devices[0][0])
+
+
+def simulate_plan(plan: Plan, profile: Profile,
+                  workload: list[WorkloadRequest]) -> SimResult:
+    if plan.algorithm == "colocated":
+        specs = [dataclasses.replace(_spec(profile, i),
+                                     max_batch_tokens=VLLM_MAX_NUM_BATCHED_TOKENS,
+                                     max_batch=VLLM_MAX_NUM_SEQS) for i in plan.instances]
+        return simulate_colocated(ColocatedCluster(specs, devices=plan.devices_used), workload)
+    link = Link(profile.model.kv_bytes_per_token, plan.intra_node_gbps * 1e9,
+                plan.inter_node_gbps * 1e9)
+    cluster = DisaggregatedCluster(
+        [_spec(profile, i) for i in plan.instances if i.role == "prefill"],
+        [_spec(profile, i) for i in plan.instances if i.role == "decode"], link,
+        devices=plan.devices_used)
+    return simulate_disaggregated(cluster, workload)
+
+
+def colocated_on_same_devices(plan: Plan, baseline: Plan) -> Plan:
+    """The baseline's best instance replicated over as many devices as `plan` uses."""
+    assert baseline.colocated is not None
+    per = baseline.colocated.tp * baseline.colocated.pp
+    count = max(1, plan.devices_used // per)
+    instances = [InstancePlacement(role="colocated", tp=baseline.colocated.tp,
+                                   pp=baseline.colocated.pp,
+                                   devices=[(k * per // plan.gpus_per_node, 0)])
+                 for k in range(count)]
+    return baseline.model_copy(update={"instances": instances, "devices_used": count * per,
+                                       "colocated": baseline.colocated.model_copy(
+                                           update={"count": count})})

@@ -1,0 +1,136 @@
+"""Latency profiles: files of fitted coefficients that the planner reads.
+
+Two formats are read:
+- ours (`"format": "distserve-profile/1"`), written by `distserve profile`;
+- the DistServe artifact's `{model: {tp: {"prefill": [...], "decoding_smallbs": [...], ...}}}`
+  (e.g. the published A100 profiles), with `max_num_tokens.csv` beside it for KV capacity.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.planner.latency import LatencyModel, PhaseCoefficients
+from services.planner.models import ModelSpec, model_spec
+
+FORMAT = "distserve-profile/1"
+ARTIFACT_STAGE_OVERHEAD_MS = 1.0  # the artifact's "+ pp" per-stage overhead
+
+
+class ProfileError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Profile:
+    model: ModelSpec
+    device: str
+    device_memory_bytes: int
+    by_tp: dict[int, PhaseCoefficients]
+    l_m: int  # prefill batch token budget: the prompt length that saturates the device
+    max_decode_batch: int = 2048  # decode batches are bounded by KV memory, not a count
+    stage_overhead_ms: float = 0.0
+    kv_capacity: dict[tuple[int, int], int] = field(default_factory=dict)  # (tp, pp) -> tokens
+    fit: dict[str, float] = field(default_factory=dict)
+
+    def latency(self, tp: int, pp: int) -> LatencyModel:
+        return LatencyModel(self.by_tp[tp], pp, self.stage_overhead_ms)
+
+    @property
+    def tps(self) -> list[int]:
+        return sorted(self.by_tp)
+
+
+def saturation_length(co: PhaseCoefficients, share: float = 0.9, limit: int = 16384) -> int:
+    """L_m: the shortest prompt whose prefill throughput (tokens/ms) reaches `share` of the
+    best any single prompt up to `limit` reaches."""
+    a, b, c = co.prefill
+    lengths = range(16, limit + 1, 16)
+    rates = [n / (a + b * n + c * n * n) for n in lengths]
+    best = max(rates)
+    return next(n for n, r in zip(lengths, rates, strict=True) if r >= share * best)
+
+
+def _coefficients(entry: dict[str, Any]) -> PhaseCoefficients:
+    return PhaseCoefficients(
+        prefill=tuple(entry["prefill"]),
+        decode_small=tuple(entry["decoding_smallbs"]),
+        decode_large=tuple(entry["decoding_largebs"]),
+        decode_threshold=int(entry.get("decoding_large_small_bs_threshold", 1 << 30)),
+    )
+
+
+def _entry(co: PhaseCoefficients) -> dict[str, Any]:
+    return {"prefill": list(co.prefill), "decoding_smallbs": list(co.decode_small),
+            "decoding_largebs": list(co.decode_large),
+            "decoding_large_small_bs_threshold": co.decode_threshold}
+
+
+def _read_capacity(path: Path, model: str) -> dict[tuple[int, int], int]:
+    if not path.exists():
+        return {}
+    with path.open() as f:
+        return {(int(r["tp"]), int(r["pp"])): int(r["max_num_tokens"])
+                for r in csv.DictReader(f) if r["model"] == model}
+
+
+def load_profile(path: str | Path, model: str | None = None,
+                 device_memory_gb: float = 80.0) -> Profile:
+    """Read a profile file; `model` picks one model out of an artifact file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ProfileError(f"profile {path} does not exist")
+    data = json.loads(path.read_text())
+    if data.get("format") == FORMAT:
+        return _load_ours(data)
+    if model is None:
+        if len(data) != 1:
+            raise ProfileError(f"{path} holds several models {sorted(data)}: pick one with "
+                               "--model")
+        model = next(iter(data))
+    if model not in data:
+        raise ProfileError(f"{path} has no profile for model {model!r}: it has {sorted(data)}")
+    by_tp = {int(tp): _coefficients(entry) for tp, entry in data[model].items()}
+    smallest = by_tp[min(by_tp)]
+    return Profile(
+        model=model_spec(model), device=path.stem, device_memory_bytes=int(
+            device_memory_gb * 2**30), by_tp=by_tp, l_m=saturation_length(smallest),
+        stage_overhead_ms=ARTIFACT_STAGE_OVERHEAD_MS,
+        kv_capacity=_read_capacity(path.with_name("max_num_tokens.csv"), model))
+
+
+def _load_ours(data: dict[str, Any]) -> Profile:
+    return Profile(
+        model=model_spec(data["model"]), device=data["device"],
+        device_memory_bytes=int(data["device_memory_bytes"]),
+        by_tp={int(tp): _coefficients(e) for tp, e in data["configs"].items()},
+        l_m=int(data["l_m"]), max_decode_batch=int(data.get("max_decode_batch", 256)),
+        stage_overhead_ms=float(data.get("stage_overhead_ms", 0.0)),
+        fit={k: float(v) for k, v in data.get("fit", {}).items()})
+
+
+def save_profile(profile: Profile, path: str | Path) -> None:
+    data = {
+        "format": FORMAT, "model": profile.model.name, "device": profile.device,
+        "device_memory_bytes": profile.device_memory_bytes, "l_m": profile.l_m,
+        "max_decode_batch": profile.max_decode_batch,
+        "stage_overhead_ms": profile.stage_overhead_ms,
+        "configs": {str(tp): _entry(co) for tp, co in sorted(profile.by_tp.items())},
+        "fit": profile.fit,
+    }
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def kv_capacity_tokens(profile: Profile, tp: int, pp: int, memory_use: float = 0.9) -> int:
+    """KV-cache token slots of an instance with tp*pp devices, after the weights; 0 when the
+    weights alone do not fit. A published capacity table, when present, is authoritative."""
+    if profile.kv_capacity:
+        return profile.kv_capacity.get((tp, pp), 0)
+    spec = profile.model
+    free = memory_use * profile.device_memory_bytes * tp * pp - spec.weight_bytes
+    return max(0, math.floor(free / spec.kv_bytes_per_token))

@@ -1,0 +1,184 @@
+"""Workloads: arrival processes x prompt/output length distributions, and readers for the
+public formats (ShareGPT JSON, Azure LLM inference CSV, Mooncake JSONL). Data files are read
+from paths the user gives; nothing here ships data.
+
+Common random numbers: a workload is drawn once at unit rate and scaled to each rate, so the
+attainment-versus-rate curve of a system is smooth and comparable between systems.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+# Output lengths of the Azure LLM inference trace (conversation, 2023; Patel et al., ISCA'24)
+# fitted as a lognormal: mean and std of log(tokens) over its 19,366 requests (median 129).
+AZURE_CONV_OUTPUT_LOG_MEAN = 5.019
+AZURE_CONV_OUTPUT_LOG_STD = 0.859
+
+
+class WorkloadError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Paired (prompt, output) token lengths to resample from."""
+
+    prompts: np.ndarray
+    outputs: np.ndarray
+
+    def __post_init__(self) -> None:
+        if len(self.prompts) == 0 or len(self.prompts) != len(self.outputs):
+            raise WorkloadError("a length distribution needs equal, non-empty prompt/output lists")
+
+    def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        index = rng.integers(0, len(self.prompts), n)
+        return self.prompts[index], self.outputs[index]
+
+    def clipped(self, max_prompt: int, max_total: int) -> Lengths:
+        """Scale lengths down to fit a model: prompts to `max_prompt`, prompt + output to
+        `max_total` (keeping at least one output token)."""
+        prompts = np.clip(self.prompts, 1, max_prompt)
+        outputs = np.clip(self.outputs, 1, np.maximum(1, max_total - prompts))
+        return Lengths(prompts, outputs)
+
+    @property
+    def mean_prompt(self) -> float:
+        return float(np.mean(self.prompts))
+
+    @property
+    def mean_output(self) -> float:
+        return float(np.mean(self.outputs))
+
+
+def fixed_lengths(prompt: int, output: int) -> Lengths:
+    return Lengths(np.array([prompt]), np.array([output]))
+
+
+def lognormal_outputs(n: int, seed: int = 0, log_mean: float = AZURE_CONV_OUTPUT_LOG_MEAN,
+                      log_std: float = AZURE_CONV_OUTPUT_LOG_STD) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.maximum(1, np.rint(rng.lognormal(log_mean, log_std, n))).astype(np.int64)
+
+
+# -- arrivals ---------------------------------------------------------------------------
+
+def unit_rate_gaps(n: int, rng: np.random.Generator, cv: float = 1.0) -> np.ndarray:
+    """Inter-arrival gaps with mean 1 s: exponential (Poisson, cv = 1) or gamma (any cv)."""
+    if cv <= 0:
+        raise WorkloadError(f"the arrival CV must be positive, got {cv}")
+    if cv == 1.0:
+        return rng.exponential(1.0, n)
+    shape = 1.0 / cv**2
+    return rng.gamma(shape, 1.0 / shape, n)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Lengths plus an arrival pattern: `cv` for Poisson/gamma arrivals, or the relative
+    arrival times of a trace (replayed, time-scaled to the requested rate)."""
+
+    lengths: Lengths
+    cv: float = 1.0
+    trace_times: np.ndarray | None = None
+
+    def requests(self, rate: float, n: int, seed: int = 0) -> list[WorkloadRequest]:
+        if rate <= 0:
+            raise WorkloadError(f"the request rate must be positive, got {rate}")
+        rng = np.random.default_rng(seed)
+        if self.trace_times is not None:
+            times = _scaled_trace(self.trace_times, n)
+        else:
+            times = np.cumsum(unit_rate_gaps(n, rng, self.cv))
+        prompts, outputs = self.lengths.sample(n, rng)
+        return [WorkloadRequest(float(t) / rate, int(p), int(o))
+                for t, p, o in zip(times, prompts, outputs, strict=True)]
+
+
+def _scaled_trace(times: np.ndarray, n: int) -> np.ndarray:
+    """The first `n` arrivals of a trace (repeated if short), rescaled to mean gap 1 s."""
+    reps = -(-n // len(times))
+    span = float(times[-1] - times[0]) + float(np.mean(np.diff(times))) if len(times) > 1 else 1.0
+    tiled = np.concatenate([times - times[0] + i * span for i in range(reps)])[:n]
+    mean_gap = span / len(times)
+    return tiled / mean_gap
+
+
+# -- readers ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Trace:
+    times_s: np.ndarray
+    lengths: Lengths
+
+
+def read_azure_trace(path: str | Path) -> Trace:
+    """Azure LLM inference trace CSV: TIMESTAMP, ContextTokens, GeneratedTokens."""
+    with _open(path) as f:
+        rows = list(csv.DictReader(f))
+    if not rows or "ContextTokens" not in rows[0]:
+        raise WorkloadError(f"{path}: not an Azure trace (needs TIMESTAMP, ContextTokens, "
+                            "GeneratedTokens columns)")
+    stamps = [datetime.fromisoformat(r["TIMESTAMP"][:26]).timestamp() for r in rows]
+    times = np.array(stamps) - stamps[0]
+    lengths = Lengths(np.array([int(r["ContextTokens"]) for r in rows]),
+                      np.array([int(r["GeneratedTokens"]) for r in rows]))
+    return Trace(times, lengths)
+
+
+def read_mooncake_trace(path: str | Path) -> Trace:
+    """Mooncake JSONL: timestamp (ms), input_length, output_length per line."""
+    with _open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if not rows or "input_length" not in rows[0]:
+        raise WorkloadError(f"{path}: not a Mooncake trace (needs timestamp, input_length, "
+                            "output_length)")
+    times = np.array([r["timestamp"] for r in rows], dtype=float) / 1e3
+    lengths = Lengths(np.array([r["input_length"] for r in rows]),
+                      np.array([r["output_length"] for r in rows]))
+    return Trace(times - times[0], lengths)
+
+
+def read_sharegpt_prompts(path: str | Path) -> list[str]:
+    """ShareGPT JSON: a list of {"conversations": [{"from": "human", "value": ...}, ...]};
+    the first human turn of each conversation."""
+    with _open(path) as f:
+        data = json.load(f)
+    prompts = []
+    for item in data if isinstance(data, list) else []:
+        turns = item.get("conversations", []) if isinstance(item, dict) else []
+        human = [t["value"] for t in turns if t.get("from") == "human" and t.get("value")]
+        if human:
+            prompts.append(human[0])
+    if not prompts:
+        raise WorkloadError(f"{path}: no ShareGPT conversations with a human turn")
+    return prompts
+
+
+def sharegpt_lengths(path: str | Path, count_tokens: Callable[[str], int],
+                     seed: int = 0) -> Lengths:
+    """Prompt lengths of real ShareGPT prompts; output lengths from the Azure conversation
+    trace's distribution (the file has no responses)."""
+    prompts = np.array([max(1, count_tokens(p)) for p in read_sharegpt_prompts(path)])
+    return Lengths(prompts, lognormal_outputs(len(prompts), seed))
+
+
+def _open(path: str | Path):  # type: ignore[no-untyped-def]
+    p = Path(path)
+    if not p.is_file():
+        raise WorkloadError(f"workload file {p} does not exist")
+    return p.open()

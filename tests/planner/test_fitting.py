@@ -1,0 +1,32 @@
+import pytest
+
+from services.planner.fitting import DecodePoint, PrefillPoint, fit, fit_phase, relative_errors
+from services.planner.latency import PhaseCoefficients
+from services.planner.profiles import saturation_length
+
+
+def test_fit_recovers_known_coefficients() -> None:
+    truth = (12.0, 0.08, 3e-5)
+    points = [PrefillPoint((n,) * b, truth[0] + truth[1] * n * b + truth[2] * n * n * b)
+              for n in (16, 64, 256, 1024) for b in (1, 2, 4)]
+    assert fit(points) == pytest.approx(truth, rel=1e-6)
+    decode = [DecodePoint(b, b * c, 5.0 + 0.001 * b * c + 0.2 * b)
+              for b in (1, 8, 32) for c in (64, 512)]
+    co, report = fit_phase(points, decode)
+    assert co.decode_small == pytest.approx((5.0, 0.001, 0.2), rel=1e-6)
+    assert report["prefill_heldout_median_rel_err"] < 1e-6
+
+
+def test_relative_errors_measure_misfit() -> None:
+    points = [PrefillPoint((100,), 20.0)]
+    assert relative_errors((10.0, 0.05, 0.0), points) == pytest.approx([0.25])
+
+
+def test_saturation_length_is_where_throughput_levels_off() -> None:
+    # a fixed 20 ms cost amortised over tokens at 0.1 ms each: 90% of the best rate is
+    # reached when 20/n <= 0.1/9 ... well before the longest prompt
+    co = PhaseCoefficients((20.0, 0.1, 0.0), (1, 0, 0), (1, 0, 0))
+    l_m = saturation_length(co, share=0.9, limit=8192)
+    rate = l_m / (20 + 0.1 * l_m)
+    assert rate >= 0.9 * 8192 / (20 + 0.1 * 8192)
+    assert (l_m - 16) / (20 + 0.1 * (l_m - 16)) < 0.9 * 8192 / (20 + 0.1 * 8192)
