@@ -23,7 +23,7 @@ def register(sub: Any) -> None:
     p.add_argument("--output", "-o", type=Path, help="profile file to write "
                    "(default: profiles/<model>-<device>.json)")
     add_engine_args(p)
-    p.set_defaults(parser=p, run=run, kv_cache_mb=1024)
+    p.set_defaults(parser=p, run=run, kv_cache_mb=2048)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -32,16 +32,22 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     console = Console()
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("profiling", total=None)
-        profile = profile_engine(engine_config(args), Grid.quick() if args.quick else Grid(),
-                                 lambda what: bar.update(task, description=what))
+        try:
+            profile = profile_engine(engine_config(args), Grid.quick() if args.quick else Grid(),
+                                     lambda what: bar.update(task, description=what))
+        except ValueError as e:
+            parser.error(str(e))
     out = args.output or Path("profiles") / f"{profile.model.name}-{profile.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     save_profile(profile, out)
     co = profile.by_tp[1]
     console.print(f"prefill ms = {co.prefill[0]:.3f} + {co.prefill[1]:.4g}*sum(l) + "
                   f"{co.prefill[2]:.3g}*sum(l^2)")
-    console.print(f"decode ms  = {co.decode_small[0]:.3f} + {co.decode_small[1]:.4g}*sum(ctx) + "
-                  f"{co.decode_small[2]:.4g}*B")
+    for label, (a, b, c) in (("decode ms (B small)", co.decode_small),
+                             ("decode ms (B large)", co.decode_large)):
+        console.print(f"{label} = {a:.3f} + {b:.4g}*sum(ctx) + {c:.4g}*B")
+    if co.decode_threshold < 1 << 30:
+        console.print(f"  large-batch regime from B = {co.decode_threshold}")
     for key, value in profile.fit.items():
         console.print(f"  {key}: {value:.3f}")
     console.print(f"L_m = {profile.l_m} tokens; wrote {out}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 from scipy.optimize import nnls
@@ -51,23 +52,50 @@ def relative_errors(coef: Triple, points: Sequence[Point]) -> list[float]:
     return [abs(predict(coef, p) - p.ms) / p.ms for p in points]
 
 
-def split_held_out(points: Sequence[Point], every: int = 4) -> tuple[list[Point], list[Point]]:
+P = TypeVar("P", PrefillPoint, DecodePoint)
+
+
+def split_held_out(points: Sequence[P], every: int = 4) -> tuple[list[P], list[P]]:
     """(fit set, held-out set): every `every`-th point is held out."""
     held = [p for i, p in enumerate(points) if i % every == every - 1]
     kept = [p for i, p in enumerate(points) if i % every != every - 1]
     return kept, held
 
 
+def fit_decode(points: Sequence[DecodePoint]) -> tuple[Triple, Triple, int]:
+    """(small-batch triple, large-batch triple, threshold): the split of batch sizes into two
+    regimes (memory-bound, compute-bound GEMMs) with the smallest total relative error;
+    one regime when no split helps."""
+    single = fit(points)
+    best = (sum(e * e for e in relative_errors(single, points)), single, single, 1 << 30)
+    for threshold in sorted({p.batch for p in points}):
+        small = [p for p in points if p.batch < threshold]
+        large = [p for p in points if p.batch >= threshold]
+        if len(small) < 3 or len(large) < 3:
+            continue
+        cs, cl = fit(small), fit(large)
+        err = sum(e * e for e in relative_errors(cs, small) + relative_errors(cl, large))
+        if err < best[0]:
+            best = (err, cs, cl, threshold)
+    return best[1], best[2], best[3]
+
+
+def _decode_errors(kept: Sequence[DecodePoint], held: Sequence[DecodePoint]) -> list[float]:
+    small, large, threshold = fit_decode(kept)
+    return [relative_errors(small if p.batch < threshold else large, [p])[0] for p in held]
+
+
 def fit_phase(prefill: Sequence[PrefillPoint],
               decode: Sequence[DecodePoint]) -> tuple[PhaseCoefficients, dict[str, float]]:
     """Coefficients from all points, plus the median/max relative error on held-out points
     of a fit made without them."""
+    kept_p, held_p = split_held_out(prefill)
+    kept_d, held_d = split_held_out(decode)
     report: dict[str, float] = {}
-    for name, points in (("prefill", prefill), ("decode", decode)):
-        kept, held = split_held_out(points)
-        errors = relative_errors(fit(kept), held)
+    for name, errors in (("prefill", relative_errors(fit(kept_p), held_p)),
+                         ("decode", _decode_errors(kept_d, held_d))):
         report[f"{name}_heldout_median_rel_err"] = float(np.median(errors))
         report[f"{name}_heldout_max_rel_err"] = float(np.max(errors))
-        report[f"{name}_points"] = float(len(points))
-    decode_coef = fit(decode)
-    return PhaseCoefficients(fit(prefill), decode_coef, decode_coef), report
+    report["prefill_points"], report["decode_points"] = float(len(prefill)), float(len(decode))
+    small, large, threshold = fit_decode(decode)
+    return PhaseCoefficients(fit(prefill), small, large, threshold), report

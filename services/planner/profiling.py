@@ -116,9 +116,11 @@ def profile_engine(config: EngineConfig, grid: Grid,
     dtype_bytes = engine.runner.dtype.itemsize
     spec = MODELS.get(config.model) or from_config(engine.model_config, dtype_bytes)
     needed = biggest * engine.model_config.kv_bytes_per_token(dtype_bytes)
-    assert engine.runner.kv.num_blocks * engine.blocks.block_size * \
-        engine.model_config.kv_bytes_per_token(dtype_bytes) >= needed, \
-        "the KV budget is too small for the profiling grid"
+    have = engine.blocks.num_blocks * engine.blocks.block_size * \
+        engine.model_config.kv_bytes_per_token(dtype_bytes)
+    if have < needed:
+        raise ValueError(f"the profiling grid needs a KV pool of {needed / 2**20:.0f} MiB, "
+                         f"the budget holds {have / 2**20:.0f} MiB: raise --kv-cache-mb")
     prefill, decode = Profiler(engine, grid).run(progress)
     coefficients, report = fit_phase(prefill, decode)
     return Profile(model=spec, device=device_name(engine.runner.device),

@@ -1,0 +1,143 @@
+"""KV-cache transfer over UCX (ucxx): the decode side pulls a request's blocks from the
+prefill side. UCX picks the transport: shared memory or TCP on one host, CUDA IPC / NVLink
+between GPUs of a node, RDMA across nodes; device buffers go as they are.
+
+Protocol, per pull, on one endpoint the decode instance keeps per prefill instance:
+
+    decode -> prefill   header: {"request_id": ...}              (HEADER_BYTES, JSON, padded)
+    prefill -> decode   header: {"ok": bool, "nbytes": n, "error": ...}
+    prefill -> decode   payload: n bytes (the request's exported blocks), if ok
+
+The prefill side looks the buffer up with a callback, so the engine stays the owner of its
+memory; freeing the blocks afterwards is a separate control message (the decode side tells
+the prefill instance over NATS once the pull has landed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ucxx
+from ucxx.exceptions import UCXCanceledError, UCXError
+
+log = logging.getLogger(__name__)
+HEADER_BYTES = 512
+
+# request id -> the request's exported blocks (a contiguous host or device array), or None
+BlockLookup = Callable[[str], Any]
+
+
+class TransferError(RuntimeError):
+    """The pull failed: unknown request, lease expired, or the peer went away."""
+
+
+def _header(payload: dict[str, Any]) -> np.ndarray:
+    raw = json.dumps(payload).encode()
+    assert len(raw) <= HEADER_BYTES, "header too long"
+    out = np.zeros(HEADER_BYTES, dtype=np.uint8)
+    out[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    return out
+
+
+def _parse(buf: np.ndarray) -> dict[str, Any]:
+    return dict(json.loads(bytes(buf).rstrip(b"\0")))
+
+
+@dataclass
+class TransferStats:
+    requests: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class KvServer:
+    """Prefill side: serves exported blocks to whoever pulls them."""
+
+    lookup: BlockLookup
+    host: str = "127.0.0.1"
+    port: int = 0
+    stats: TransferStats = field(default_factory=TransferStats)
+    _listener: Any = None
+
+    def start(self) -> None:
+        self._listener = ucxx.create_listener(self._serve, port=self.port)
+        self.port = self._listener.port
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def _serve(self, ep: Any) -> None:
+        header = np.empty(HEADER_BYTES, dtype=np.uint8)
+        while True:
+            try:
+                await ep.recv(header)
+            except (UCXError, UCXCanceledError):  # the peer hung up
+                break
+            request_id = str(_parse(header).get("request_id", ""))
+            buffer = self.lookup(request_id)
+            if buffer is None:
+                await ep.send(_header({"ok": False, "error": f"no KV for {request_id}"}))
+                continue
+            nbytes = int(buffer.nbytes)
+            await ep.send(_header({"ok": True, "nbytes": nbytes}))
+            await ep.send(buffer)
+            self.stats.requests += 1
+            self.stats.bytes += nbytes
+        await ep.close()
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+
+
+@dataclass
+class KvClient:
+    """Decode side: pulls blocks into a caller-provided buffer (host or device)."""
+
+    stats: TransferStats = field(default_factory=TransferStats)
+    _endpoints: dict[str, Any] = field(default_factory=dict)
+    _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+
+    async def _endpoint(self, address: str) -> Any:
+        if address not in self._endpoints:
+            host, port = address.rsplit(":", 1)
+            self._endpoints[address] = await ucxx.create_endpoint(host, int(port))
+        return self._endpoints[address]
+
+    async def pull(self, address: str, request_id: str, into: Any) -> None:
+        """Fill `into` (exactly the size of the exported blocks) with request_id's KV."""
+        lock = self._locks.setdefault(address, asyncio.Lock())
+        loop = asyncio.get_running_loop()
+        async with lock:  # one pull at a time per endpoint keeps header and payload paired
+            start = loop.time()
+            try:
+                ep = await self._endpoint(address)
+                await ep.send(_header({"request_id": request_id}))
+                reply = np.empty(HEADER_BYTES, dtype=np.uint8)
+                await ep.recv(reply)
+                answer = _parse(reply)
+                if not answer.get("ok"):
+                    raise TransferError(str(answer.get("error", "refused")))
+                if int(answer["nbytes"]) != int(into.nbytes):
+                    raise TransferError(f"size mismatch: {answer['nbytes']} bytes offered, "
+                                        f"{into.nbytes} expected")
+                await ep.recv(into)
+            except (UCXError, UCXCanceledError, OSError) as e:  # a dead or absent peer
+                self._endpoints.pop(address, None)
+                raise TransferError(f"pull of {request_id} from {address} failed: {e}") from e
+            self.stats.requests += 1
+            self.stats.bytes += int(into.nbytes)
+            self.stats.seconds += loop.time() - start
+
+    async def close(self) -> None:
+        for ep in self._endpoints.values():
+            await ep.close()
+        self._endpoints.clear()

@@ -1,0 +1,70 @@
+"""Instance registry in Redis (or Valkey): each instance heartbeats its load with an expiry,
+so one that stops heartbeating drops out of dispatch by itself. Dispatch rules are pure."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import BaseModel
+from redis.asyncio import Redis
+
+from shared import subjects
+
+Role = Literal["prefill", "decode", "colocated"]
+
+
+class InstanceInfo(BaseModel):
+    version: Literal[1] = 1
+    instance_id: str
+    role: Role
+    kv_address: str = ""  # UCX listener of a prefill instance, host:port
+    queue_len: int = 0  # waiting requests
+    running: int = 0  # requests in the running batch (decode) or parked (prefill)
+    free_blocks: int = 0
+    total_blocks: int = 0
+    draining: bool = False
+    heartbeat_at: float = 0.0
+
+
+class Registry:
+    def __init__(self, redis: Redis, ttl_s: float = 3.0) -> None:
+        self.redis, self.ttl_s = redis, ttl_s
+
+    async def heartbeat(self, info: InstanceInfo) -> None:
+        info = info.model_copy(update={"heartbeat_at": time.time()})
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(subjects.instance_key(info.instance_id), info.model_dump_json(),
+                     px=int(self.ttl_s * 1000))
+            pipe.sadd(subjects.role_set(info.role), info.instance_id)
+            await pipe.execute()
+
+    async def remove(self, instance_id: str, role: Role) -> None:
+        await self.redis.delete(subjects.instance_key(instance_id))
+        await self.redis.srem(subjects.role_set(role), instance_id)
+
+    async def instances(self, role: Role) -> list[InstanceInfo]:
+        """Live instances of a role; expired ones are dropped from the role's set."""
+        ids = sorted(m.decode() if isinstance(m, bytes) else m
+                     for m in await self.redis.smembers(subjects.role_set(role)))
+        if not ids:
+            return []
+        values = await self.redis.mget([subjects.instance_key(i) for i in ids])
+        dead = [i for i, v in zip(ids, values, strict=True) if v is None]
+        if dead:
+            await self.redis.srem(subjects.role_set(role), *dead)
+        return [InstanceInfo.model_validate_json(v) for v in values if v is not None]
+
+
+def pick_prefill(instances: Sequence[InstanceInfo]) -> InstanceInfo | None:
+    """The paper's dispatch: the prefill instance with the shortest queue."""
+    live = [i for i in instances if not i.draining]
+    return min(live, key=lambda i: (i.queue_len, i.running, i.instance_id), default=None)
+
+
+def pick_decode(instances: Sequence[InstanceInfo]) -> InstanceInfo | None:
+    """The least-loaded decode instance: most free KV blocks, then the smallest batch."""
+    live = [i for i in instances if not i.draining]
+    return min(live, key=lambda i: (-i.free_blocks, i.running + i.queue_len, i.instance_id),
+               default=None)

@@ -1,0 +1,69 @@
+"""`distserve plan` / `simulate` from the command line: tables, JSON, plots, clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.planner.plan import Plan
+
+REFERENCE = Path(__file__).parents[3] / "shared"
+PROFILE = REFERENCE / "reference" / "distserve-a100-profiles" / "profiler-a100-80g.distserve.json"
+VLLM = PROFILE.with_name("profiler-a100-80g.vllm.json")
+SHAREGPT = f"sharegpt:{REFERENCE / 'data' / 'sharegpt_v3_filtered_1000_prompts.json'}"
+BASE = ["--profile", str(PROFILE), "--model", "facebook/opt-13b", "--workload", SHAREGPT,
+        "--ttft", "0.25", "--tpot", "0.1", "--requests", "150"]
+
+
+def distserve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "distserve.cli", *args], capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_plan_json_then_simulate_and_sweep(tmp_path: Path) -> None:
+    plan_file = tmp_path / "plan.json"
+    result = distserve("plan", *BASE, "--rate", "4", "--nodes", "1", "--gpus-per-node", "8",
+                       "--json", "-o", str(plan_file), "--baseline-profile", str(VLLM))
+    assert result.returncode == 0, result.stderr
+    plan = Plan.model_validate_json(result.stdout.strip().splitlines()[-1])
+    assert plan.devices_used <= 8 and plan.predicted_attainment >= 0.9
+    assert "disaggregated" in result.stderr and "x" in result.stderr  # ratio printed
+    sim = distserve("simulate", "--plan", str(plan_file), "--workload", SHAREGPT,
+                    "--requests", "300")
+    assert sim.returncode == 0, sim.stderr
+    assert "attainment" in sim.stdout and "prefill_queue" in sim.stdout
+    out = tmp_path / "sweep"
+    sweep = distserve("simulate", "--sweep", "--plan", str(plan_file), "--workload", SHAREGPT,
+                      "--rates", "1,4,16", "--requests", "200", "--baseline-profile", str(VLLM),
+                      "--out", str(out))
+    assert sweep.returncode == 0, sweep.stderr
+    curves = json.loads((out / "sweep.json").read_text())
+    assert set(curves) == {"disaggregated", "colocated"}
+    assert len(curves["colocated"]["attainment"]) == 3
+    assert (out / "sweep.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(("args", "code", "message"), [
+    (["--rate", "4", "--nodes", "1", "--gpus-per-node", "8", "--ttft", "-1"], 2,
+     "--ttft must be positive"),
+    (["--rate", "1", "--nodes", "1", "--gpus-per-node", "8", "--model", "nope"], 2,
+     "no profile for model 'nope'"),
+    (["--rate", "1", "--nodes", "1", "--gpus-per-node", "8", "--ttft", "0.0001"], 1,
+     "no feasible plan"),
+    (["--rate", "1", "--nodes", "0", "--gpus-per-node", "8"], 2, "at least 1"),
+])
+def test_plan_errors_are_clear(args: list[str], code: int, message: str) -> None:
+    result = distserve("plan", *BASE, *args)
+    assert result.returncode == code
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unknown_workload_is_a_clear_error() -> None:
+    args = [a if a != SHAREGPT else "poisson:nothing" for a in BASE]
+    result = distserve("plan", *args, "--rate", "1", "--nodes", "1", "--gpus-per-node", "8")
+    assert result.returncode == 2 and "unknown workload" in result.stderr

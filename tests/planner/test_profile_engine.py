@@ -1,0 +1,37 @@
+"""Profiling the real engine: the fitted latency model predicts held-out points."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from services.planner.profiles import load_profile, save_profile
+from services.planner.profiling import Grid, profile_engine
+from shared.engine.config import EngineConfig
+
+pytestmark = pytest.mark.slow
+SHIPPED = Path(__file__).parents[2] / "profiles"
+
+
+def test_fitted_model_predicts_held_out_points(tmp_path: Path) -> None:
+    profile = profile_engine(EngineConfig(kv_cache_bytes=512 << 20), Grid.quick())
+    print(f"\nfit on this machine: {profile.fit}")
+    assert profile.fit["prefill_heldout_median_rel_err"] < 0.10
+    assert profile.fit["decode_heldout_median_rel_err"] < 0.10
+    assert 16 <= profile.l_m <= 16384
+    path = tmp_path / "p.json"
+    save_profile(profile, path)
+    again = load_profile(path)
+    assert again.by_tp == profile.by_tp and again.l_m == profile.l_m
+
+
+def test_shipped_profiles_load_and_were_fitted_well() -> None:
+    files = sorted(SHIPPED.glob("*.json"))
+    assert files, "the project ships the profiles it measured"
+    for path in files:
+        profile = load_profile(path)
+        assert json.loads(path.read_text())["format"] == "distserve-profile/1"
+        assert profile.fit["prefill_heldout_median_rel_err"] < 0.10
+        assert profile.latency(1, 1).prefill_ms(512, 512**2) > 0

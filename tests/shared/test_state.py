@@ -1,0 +1,51 @@
+"""The instance registry against a real Redis-protocol server (Valkey)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis.asyncio import Redis
+
+from shared.state import InstanceInfo, Registry, pick_decode, pick_prefill
+
+
+def info(name: str, role: str = "prefill", **load: int | bool) -> InstanceInfo:
+    return InstanceInfo(instance_id=name, role=role, **load)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_heartbeats_register_and_expire(redis_url: str) -> None:
+    async def main() -> None:
+        redis = Redis.from_url(redis_url)
+        registry = Registry(redis, ttl_s=0.5)
+        await registry.heartbeat(info("p0", queue_len=3))
+        await registry.heartbeat(info("p1", queue_len=1))
+        await registry.heartbeat(info("d0", "decode", free_blocks=10))
+        live = await registry.instances("prefill")
+        assert [i.instance_id for i in live] == ["p0", "p1"]
+        assert all(i.heartbeat_at > 0 for i in live)
+        chosen = pick_prefill(live)
+        assert chosen is not None and chosen.instance_id == "p1"
+        for _ in range(4):  # p0 keeps beating, p1 stops
+            await asyncio.sleep(0.2)
+            await registry.heartbeat(info("p0", queue_len=3))
+        assert [i.instance_id for i in await registry.instances("prefill")] == ["p0"]
+        assert await redis.smembers("ds:instances:prefill") == {b"p0"}  # cleaned up
+        await registry.remove("p0", "prefill")
+        assert await registry.instances("prefill") == []
+        await redis.aclose()
+
+    asyncio.run(main())
+
+
+def test_dispatch_rules() -> None:
+    decodes = [info("d0", "decode", free_blocks=5, running=1),
+               info("d1", "decode", free_blocks=9, running=7),
+               info("d2", "decode", free_blocks=50, running=0, draining=True)]
+    chosen = pick_decode(decodes)
+    assert chosen is not None and chosen.instance_id == "d1"  # most free blocks, not draining
+    assert pick_prefill([]) is None
+    prefills = [info("a", queue_len=2), info("b", queue_len=2, running=1), info("c", queue_len=4)]
+    chosen = pick_prefill(prefills)
+    assert chosen is not None and chosen.instance_id == "a"
