@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PROMPT ?= What is the capital of France?
+PORT ?= 8000
 
 .PHONY: install install-test run test lint
 
@@ -28,7 +28,7 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 run: install
-	$(BIN)/distserve generate --chat "$(PROMPT)"
+	$(BIN)/distserve up --port $(PORT)
 
 test: install-test
 	$(BIN)/python -m pytest -q

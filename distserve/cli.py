@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from distserve.commands import bench_engine, generate, plan, profile, simulate
+from distserve.commands import bench_engine, generate, plan, profile, simulate, up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.register(sub)
+    up.register(sub)
     profile.register(sub)
     plan.register(sub)
     simulate.register(sub)

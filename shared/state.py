@@ -4,7 +4,7 @@ so one that stops heartbeating drops out of dispatch by itself. Dispatch rules a
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from pydantic import BaseModel
@@ -25,6 +25,8 @@ class InstanceInfo(BaseModel):
     free_blocks: int = 0
     total_blocks: int = 0
     draining: bool = False
+    kv_requests: int = 0  # KV transfers served (prefill) or pulled (decode) over UCX
+    kv_bytes: int = 0
     heartbeat_at: float = 0.0
 
 
@@ -57,14 +59,22 @@ class Registry:
         return [InstanceInfo.model_validate_json(v) for v in values if v is not None]
 
 
-def pick_prefill(instances: Sequence[InstanceInfo]) -> InstanceInfo | None:
-    """The paper's dispatch: the prefill instance with the shortest queue."""
+def pick_prefill(instances: Sequence[InstanceInfo],
+                 in_flight: Mapping[str, int] | None = None) -> InstanceInfo | None:
+    """The paper's dispatch: the prefill instance with the shortest queue. `in_flight` is what
+    the caller itself has sent there and not yet seen prefilled: fresher than a heartbeat,
+    so a burst spreads out instead of piling onto one instance."""
+    mine = in_flight or {}
     live = [i for i in instances if not i.draining]
-    return min(live, key=lambda i: (i.queue_len, i.running, i.instance_id), default=None)
+    return min(live, key=lambda i: (mine.get(i.instance_id, 0) + i.queue_len, i.running,
+                                    i.instance_id), default=None)
 
 
-def pick_decode(instances: Sequence[InstanceInfo]) -> InstanceInfo | None:
-    """The least-loaded decode instance: most free KV blocks, then the smallest batch."""
+def pick_decode(instances: Sequence[InstanceInfo],
+                in_flight: Mapping[str, int] | None = None) -> InstanceInfo | None:
+    """The least-loaded decode instance: fewest requests the caller has sent there still
+    running, then most free KV blocks, then the smallest batch."""
+    mine = in_flight or {}
     live = [i for i in instances if not i.draining]
-    return min(live, key=lambda i: (-i.free_blocks, i.running + i.queue_len, i.instance_id),
-               default=None)
+    return min(live, key=lambda i: (mine.get(i.instance_id, 0), -i.free_blocks,
+                                    i.running + i.queue_len, i.instance_id), default=None)

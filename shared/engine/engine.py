@@ -152,6 +152,9 @@ class Engine:
         request.num_computed = request.num_tokens - 1
         request.arrival = next(self._arrivals)
         self._track(request)
+        state = self._text.get(request.request_id)
+        if state is not None:  # the prefill instance already streamed the first token's text
+            state.advance(request.output_ids)
         self.scheduler.add_prefilled(request)
 
     # -- convenience ------------------------------------------------------------------

@@ -160,6 +160,12 @@ def read_gguf_tokenizer(model: str) -> TokenizerData:
     return _read_tokenizer(GGUFReader(resolve_gguf_path(model)))
 
 
+def read_gguf_meta(model: str) -> tuple[ModelConfig, TokenizerData]:
+    """Config and tokenizer without dequantizing any weight."""
+    reader = GGUFReader(resolve_gguf_path(model))
+    return _read_config(reader, model), _read_tokenizer(reader)
+
+
 def load_gguf(model: str) -> GGUFModel:
     path = resolve_gguf_path(model)
     reader = GGUFReader(path)

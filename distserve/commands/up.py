@@ -1,0 +1,54 @@
+"""`distserve up`: the whole stack on this host, until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from services.launcher import Stack, StackConfig
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("up", help="start the whole stack on this host",
+                       description="Start nats-server and valkey-server (unless URLs are "
+                                   "given), the prefill and decode instances (or colocated "
+                                   "workers) and the gateway, each its own process.")
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
+    p.add_argument("--prefill", type=int, default=1, help="prefill instances")
+    p.add_argument("--decode", type=int, default=1, help="decode instances")
+    p.add_argument("--replicas", type=int, default=1, help="colocated workers")
+    p.add_argument("--chunked-prefill", action="store_true",
+                   help="colocated workers use chunked prefill (Sarathi-style)")
+    p.add_argument("--port", type=int, default=8000, help="gateway port")
+    p.add_argument("--nats-url", help="use this NATS server instead of starting one")
+    p.add_argument("--redis-url", help="use this Redis/Valkey server instead of starting one")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--kv-cache-mb", type=int, default=256, help="KV pool per worker (MiB)")
+    p.add_argument("--run-dir", type=Path, default=Path("runs"), help="logs and traces")
+    p.set_defaults(parser=p, run=run)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if min(args.prefill, args.decode, args.replicas) < 1:
+        parser.error("--prefill, --decode and --replicas must be at least 1")
+    stack = Stack(StackConfig(mode=args.mode, prefill=args.prefill, decode=args.decode,
+                              replicas=args.replicas, port=args.port, nats_url=args.nats_url,
+                              redis_url=args.redis_url, model=args.model, threads=args.threads,
+                              kv_cache_mb=args.kv_cache_mb, chunked_prefill=args.chunked_prefill,
+                              run_dir=args.run_dir))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"starting {args.mode} stack (logs in {stack.run_dir}) ...", flush=True)
+    try:
+        stack.start()
+        print(f"ready: {stack.url}/v1  (OpenAI API; Ctrl-C to stop)", flush=True)
+        stop.wait()
+    finally:
+        print("stopping ...", flush=True)
+        stack.stop()
+    return 0

@@ -1,0 +1,1 @@
+"""Colocated worker: prefill and decode in one continuous-batching loop (the baseline)."""

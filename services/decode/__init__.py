@@ -1,0 +1,1 @@
+"""Decode service: pulls KV over UCX when it has room, continuous batching, streams tokens."""

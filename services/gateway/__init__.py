@@ -1,0 +1,1 @@
+"""Gateway: the OpenAI-compatible HTTP API, validation, tokenization and dispatch."""

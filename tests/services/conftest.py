@@ -1,0 +1,48 @@
+"""Stacks of real processes (nats-server, valkey-server, workers, gateway) on free ports."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.launcher import Stack, StackConfig, free_port
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.engine.request import SamplingParams
+
+
+def start_stack(tmp: Path, **config: object) -> Stack:
+    extra = {"DS_HEARTBEAT_TTL_S": "2", "DS_STALL_TIMEOUT_S": "30", "DS_KV_LEASE_S": "4"}
+    stack = Stack(StackConfig(port=free_port(), run_dir=tmp, extra_env=extra,
+                              **config))  # type: ignore[arg-type]
+    stack.start(timeout=600)
+    return stack
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack(tmp_path_factory.mktemp("stack"), prefill=2, decode=2)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(EngineConfig())
+
+
+def greedy(engine: Engine, prompt_ids: list[int], max_tokens: int) -> str:
+    (request,) = engine.generate([prompt_ids], SamplingParams(max_tokens=max_tokens))
+    assert engine.tokenizer is not None
+    return engine.tokenizer.decode(request.output_ids)
+
+
+def metric(url: str, name: str) -> dict[str, float]:
+    """{instance: value} of a gauge on the gateway's /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    pattern = re.compile(rf'^{name}{{instance="([^"]+)",role="[^"]+"}} (\S+)$', re.M)
+    return {m.group(1): float(m.group(2)) for m in pattern.finditer(text)}

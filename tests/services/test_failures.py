@@ -1,0 +1,97 @@
+"""Failures: a decode instance killed mid-stream, KV nobody pulls, and the launcher's
+shutdown leaving nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from services.launcher import Stack, free_port
+from shared import subjects
+from shared.bus import connect, publish
+from shared.messages import PrefillRequest, Sampling
+from tests.services.conftest import metric, start_stack
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    s = start_stack(tmp_path_factory.mktemp("small"), prefill=1, decode=1)
+    yield s  # type: ignore[misc]
+    s.stop()
+
+
+def test_kv_nobody_pulls_is_freed_after_the_lease(small: Stack) -> None:
+    total = metric(small.url, "ds_kv_free_blocks")["prefill-0"]
+
+    nats_url = small.env["DS_NATS_URL"]
+
+    async def ghost() -> None:
+        nc = await connect(nats_url, "test")
+        await publish(nc, subjects.prefill("prefill-0"), PrefillRequest(
+            request_id="ghost-1", prompt_ids=list(range(100, 400)),
+            sampling=Sampling(max_tokens=8), decode_instance="nobody", arrival_ts=time.time()))
+        await nc.flush()
+        await nc.close()
+
+    asyncio.run(ghost())
+    deadline = time.monotonic() + 10
+    while metric(small.url, "ds_kv_free_blocks")["prefill-0"] == total:
+        assert time.monotonic() < deadline, "the prefill never held the ghost's KV"
+        time.sleep(0.2)
+    held = metric(small.url, "ds_kv_free_blocks")["prefill-0"]
+    assert held < total  # parked, waiting for a decode instance that does not exist
+    deadline = time.monotonic() + 30  # the lease is 4 s in these tests
+    while metric(small.url, "ds_kv_free_blocks")["prefill-0"] != total:
+        assert time.monotonic() < deadline, "the lease never freed the blocks"
+        time.sleep(0.5)
+
+
+def test_kill_decode_mid_stream_fails_fast_and_frees_prefill(small: Stack) -> None:
+    prefill_free = metric(small.url, "ds_kv_free_blocks")["prefill-0"]
+    c = openai.OpenAI(base_url=f"{small.url}/v1", api_key="unused", timeout=120)
+    stream = c.completions.create(model=MODEL, prompt="Tell me a long story.", max_tokens=500,
+                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
+    seen = 0
+    started = None
+    with pytest.raises(openai.APIError, match="stopped"):
+        for chunk in stream:
+            seen += bool(chunk.choices and chunk.choices[0].text)
+            if seen == 3:
+                small.child("decode-0").send_signal(signal.SIGKILL)
+                started = time.monotonic()
+    assert started is not None and time.monotonic() - started < 15  # bounded, no hang
+    free = metric(small.url, "ds_kv_free_blocks")
+    assert free["prefill-0"] == prefill_free  # nothing left held on the prefill side
+    assert "decode-0" not in free  # the dead instance left dispatch
+
+
+def test_up_then_sigterm_leaves_no_process(tmp_path: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "distserve.cli", "up", "--port", str(port),
+                             "--run-dir", str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 600
+    for line in proc.stdout:
+        if "ready:" in line:
+            break
+        assert time.monotonic() < deadline and proc.poll() is None, line
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                              text=True).stdout.split()
+    assert len(children) == 5  # nats, valkey, prefill, decode, gateway
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    time.sleep(0.5)
+    alive = [pid for pid in children if Path(f"/proc/{pid}").exists()
+             and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+    assert alive == []

@@ -1,0 +1,116 @@
+"""The disaggregated stack end to end: separate processes for the gateway, 2 prefill and 2
+decode instances, real nats-server and valkey-server, KV over UCX."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import openai
+import pytest
+
+from services.launcher import Stack
+from shared.engine.engine import Engine
+from tests.services.conftest import greedy, metric
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+MODEL = "smollm2-135m"
+PROMPTS = ["The capital of France is", "def add(a, b):", "The three primary colors are",
+           "Once upon a time", "Water boils at", "import numpy as np\n"]
+
+
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", timeout=120)
+
+
+def test_openai_client_completions_and_chat(stack: Stack, engine: Engine) -> None:
+    c = client(stack)
+    assert engine.tokenizer is not None
+    expected = greedy(engine, engine.tokenizer.encode(PROMPTS[0]), 12)
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    assert r.choices[0].text == expected
+    assert r.usage is not None and r.usage.completion_tokens == 12
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True)
+        if ch.choices)
+    assert streamed == expected
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
+    expected_chat = greedy(engine, chat_ids, 20)
+    r2 = c.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
+                                   max_tokens=20, temperature=0)
+    assert r2.choices[0].message.content == expected_chat
+    assert r2.choices[0].finish_reason in ("stop", "length")
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages,  # type: ignore
+                                            max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == \
+        expected_chat
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == len(chat_ids)
+    assert [m.id for m in c.models.list().data] == [MODEL]
+
+
+def test_concurrent_streams_across_instances(stack: Stack, engine: Engine) -> None:
+    assert engine.tokenizer is not None
+    expected = [greedy(engine, engine.tokenizer.encode(p), 16) for p in PROMPTS]
+    before = metric(stack.url, "ds_kv_transfer_requests")
+
+    def stream(prompt: str) -> str:
+        return "".join(ch.choices[0].text for ch in client(stack).completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True)
+            if ch.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        assert list(pool.map(stream, PROMPTS)) == expected
+    after = metric(stack.url, "ds_kv_transfer_requests")
+    pulled = {i: after[i] - before.get(i, 0) for i in after if i.startswith("decode")}
+    assert sum(pulled.values()) >= len(PROMPTS)  # every request's KV crossed over UCX
+    assert len([i for i, n in pulled.items() if n > 0]) == 2  # both decode instances served
+    served = {i: after[i] - before.get(i, 0) for i in after if i.startswith("prefill")}
+    assert sum(served.values()) == sum(pulled.values())
+    bytes_ = metric(stack.url, "ds_kv_transfer_bytes")
+    assert sum(v for i, v in bytes_.items() if i.startswith("decode")) > 0
+
+
+def test_cancel_mid_stream_frees_kv_everywhere(stack: Stack) -> None:
+    start = metric(stack.url, "ds_kv_free_blocks")
+    stream = client(stack).completions.create(model=MODEL, prompt=PROMPTS[3] * 20,
+                                              max_tokens=400, temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True})
+    got = 0
+    for chunk in stream:
+        got += bool(chunk.choices and chunk.choices[0].text)
+        if got >= 3:
+            break
+    stream.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 30
+    while metric(stack.url, "ds_kv_free_blocks") != start and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert metric(stack.url, "ds_kv_free_blocks") == start
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"model": "gpt-9", "prompt": "hi"}, "does not exist"),
+    ({"model": MODEL, "prompt": "hi", "n": 3}, "only n=1"),
+    ({"model": MODEL, "prompt": "hi", "temperature": 7}, "temperature"),
+    ({"model": MODEL, "prompt": "hi " * 9000, "max_tokens": 5}, "maximum context length"),
+    ({"model": MODEL, "prompt": ""}, "empty"),
+    ({"prompt": "hi"}, "model"),
+])
+def test_bad_inputs_get_openai_shaped_400(stack: Stack, body: dict[str, object],
+                                          message: str) -> None:
+    r = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert message in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_malformed_json_then_still_serving(stack: Stack) -> None:
+    r = httpx.post(f"{stack.url}/v1/chat/completions", content=b"{not json",
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    ok = client(stack).completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert ok.usage is not None and ok.usage.completion_tokens == 2
