@@ -5,16 +5,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
+from nats.aio.client import Client
+from nats.aio.msg import Msg
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from redis.asyncio import Redis
 
+from shared import subjects
+from shared.bus import connect, publish
 from shared.engine.config import EngineConfig, Role
-from shared.engine.engine import Engine, RequestOutput
+from shared.engine.engine import Engine, RequestOutput, RequestRejected
+from shared.messages import PrefillRequest, TokenChunk
 from shared.state import InstanceInfo, Registry
+from shared.telemetry import setup_tracing
+from shared.telemetry import shutdown as shutdown_tracing
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -29,6 +38,7 @@ class WorkerSettings(BaseSettings):
     nats_url: str = "nats://127.0.0.1:4222"
     redis_url: str = "redis://127.0.0.1:6379"
     host: str = "127.0.0.1"  # address others reach this instance's KV listener on
+    kv_port: int = 0  # the KV listener's port (0: any free port)
     model: str = "smollm2-135m"
     device: str = "auto"
     dtype: str = "auto"
@@ -41,6 +51,7 @@ class WorkerSettings(BaseSettings):
     heartbeat_s: float = 0.5
     heartbeat_ttl_s: float = 2.0
     kv_lease_s: float = 30.0  # prefill frees KV nobody pulled after this long
+    run_dir: str | None = None  # traces go here as JSON lines (unless OTLP is configured)
 
     def engine_config(self, role: Role) -> EngineConfig:
         config = EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
@@ -64,6 +75,7 @@ class EngineHost:
         self.engine = engine
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._wake = asyncio.Event()
+        self.step_started = 0.0  # wall-clock start of the step whose outputs are delivered
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -77,7 +89,9 @@ class EngineHost:
             if not self.engine.has_work():
                 await self._wake.wait()
                 continue
+            started = time.time()
             outputs = await self.call(self.engine.step)
+            self.step_started = started
             if outputs:
                 await on_outputs(outputs)
 
@@ -101,3 +115,77 @@ async def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) 
 def setup_logging(name: str) -> None:
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s {name} %(levelname)s %(message)s")
+
+
+class Worker:
+    """The shell every engine service shares: settings, engine host, NATS subscriptions,
+    heartbeats, tracing, and an orderly stop. A service adds its subscriptions, background
+    tasks and what it does with each step's outputs."""
+
+    role: Literal["prefill", "decode", "colocated"]
+    engine_role: Role
+
+    def __init__(self, settings: WorkerSettings, engine: Engine | None = None) -> None:
+        self.settings = settings.named(self.role)
+        self.id = self.settings.instance_id
+        self.engine = engine or Engine(self.settings.engine_config(self.engine_role))
+        self.host = EngineHost(self.engine)
+        self.tracer = setup_tracing(self.id, self.settings.run_dir)
+        self.nc: Client
+
+    def info(self) -> InstanceInfo:
+        blocks, scheduler = self.engine.blocks, self.engine.scheduler
+        return InstanceInfo(instance_id=self.id, role=self.role,
+                            queue_len=len(scheduler.waiting), running=len(scheduler.running),
+                            free_blocks=blocks.num_free, total_blocks=blocks.num_blocks)
+
+    def subscriptions(self) -> dict[str, Callable[[Msg], Awaitable[None]]]:
+        return {}
+
+    def background(self) -> list[Coroutine[Any, Any, None]]:
+        return []
+
+    async def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        raise NotImplementedError
+
+    async def closing(self) -> None:
+        """Release what the service holds besides the engine (listeners, endpoints)."""
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.nc = await connect(self.settings.nats_url, self.id)
+        redis = Redis.from_url(self.settings.redis_url)
+        registry = Registry(redis, self.settings.heartbeat_ttl_s)
+        for subject, callback in self.subscriptions().items():
+            await self.nc.subscribe(subject, cb=callback)
+        tasks = [asyncio.create_task(c) for c in (
+            self.host.run(self.on_outputs),
+            heartbeat_forever(registry, self.info, self.settings.heartbeat_s),
+            *self.background())]
+        log.info("%s %s ready", self.role, self.id)
+        await stop.wait()
+        for task in tasks:
+            task.cancel()
+        await registry.remove(self.id, self.role)
+        await self.closing()
+        shutdown_tracing()
+        await self.nc.drain()
+        await redis.aclose()
+
+    async def admit(self, req: PrefillRequest) -> bool:
+        """Queue a prompt on the engine; a request it can never run gets an error chunk."""
+        try:
+            await self.host.call(self.engine.add_request, req.request_id, req.prompt_ids,
+                                 req.sampling.params())
+        except (RequestRejected, ValueError) as e:
+            await self.send(TokenChunk(request_id=req.request_id, error=str(e), source=self.id))
+            return False
+        self.host.wake()
+        return True
+
+    async def stream(self, out: RequestOutput) -> None:
+        await self.send(TokenChunk(request_id=out.request_id, token_ids=out.new_token_ids,
+                                   text=out.new_text, logprobs=out.logprobs,
+                                   finish_reason=out.finish_reason, source=self.id))
+
+    async def send(self, chunk: TokenChunk) -> None:
+        await publish(self.nc, subjects.tokens(chunk.request_id), chunk)

@@ -7,64 +7,58 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 import torch
 from nats.aio.msg import Msg
-from redis.asyncio import Redis
 
-from services.runtime import EngineHost, WorkerSettings, heartbeat_forever
+from services.runtime import Worker, WorkerSettings
 from shared import subjects
-from shared.bus import connect, parse, publish
+from shared.bus import parse, publish
 from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.request import Request
 from shared.kv_transfer import KvClient, TransferError
 from shared.messages import Cancel, KvReady, ReleaseKv, TokenChunk
-from shared.state import InstanceInfo, Registry
+from shared.state import InstanceInfo
+from shared.telemetry import context_from, record
 
 log = logging.getLogger(__name__)
 
 
-class DecodeService:
+class DecodeService(Worker):
+    role = "decode"
+    engine_role = Role.DECODE
+
     def __init__(self, settings: WorkerSettings, engine: Engine | None = None) -> None:
-        self.settings = settings.named("decode")
-        self.id = self.settings.instance_id
-        self.engine = engine or Engine(self.settings.engine_config(Role.DECODE))
-        self.host = EngineHost(self.engine)
+        super().__init__(settings, engine)
         self.kv_client = KvClient()
         self.pending: deque[KvReady] = deque()
         self.room = asyncio.Event()  # set when something may have become pullable
+        self.traces: dict[str, tuple[dict[str, str], float]] = {}  # trace headers, since
 
     def info(self) -> InstanceInfo:
-        blocks = self.engine.blocks
-        return InstanceInfo(instance_id=self.id, role="decode", queue_len=len(self.pending),
-                            running=len(self.engine.scheduler.running),
-                            free_blocks=blocks.num_free, total_blocks=blocks.num_blocks,
-                            kv_requests=self.kv_client.stats.requests,
-                            kv_bytes=self.kv_client.stats.bytes)
+        stats = self.kv_client.stats
+        return super().info().model_copy(update={
+            "queue_len": len(self.pending), "kv_requests": stats.requests,
+            "kv_bytes": stats.bytes})
 
-    async def run(self, stop: asyncio.Event) -> None:
-        self.nc = await connect(self.settings.nats_url, self.id)
-        redis = Redis.from_url(self.settings.redis_url)
-        registry = Registry(redis, self.settings.heartbeat_ttl_s)
-        await self.nc.subscribe(subjects.decode(self.id), cb=self._on_kv_ready)
-        await self.nc.subscribe(subjects.CANCEL_ALL, cb=self._on_cancel)
-        tasks = [asyncio.create_task(self.host.run(self._on_outputs)),
-                 asyncio.create_task(self._pull_forever()),
-                 asyncio.create_task(heartbeat_forever(registry, self.info,
-                                                       self.settings.heartbeat_s))]
-        log.info("decode %s ready", self.id)
-        await stop.wait()
-        for task in tasks:
-            task.cancel()
-        await registry.remove(self.id, "decode")
+    def subscriptions(self) -> dict[str, Callable[[Msg], Awaitable[None]]]:
+        return {subjects.decode(self.id): self._on_kv_ready, subjects.CANCEL_ALL: self._on_cancel}
+
+    def background(self) -> list[Coroutine[Any, Any, None]]:
+        return [self._pull_forever()]
+
+    async def closing(self) -> None:
         await self.kv_client.close()
-        await self.nc.drain()
-        await redis.aclose()
 
     async def _on_kv_ready(self, msg: Msg) -> None:
-        self.pending.append(parse(msg, KvReady))
+        ready = parse(msg, KvReady)
+        self.traces[ready.request_id] = (dict(msg.headers or {}), time.time())
+        self.pending.append(ready)
         self.room.set()
 
     async def _pull_forever(self) -> None:
@@ -83,6 +77,10 @@ class DecodeService:
         kv = self.engine.runner.kv
         shape = (*kv.data.shape[:2], len(blocks), *kv.data.shape[3:])
         buffer = torch.empty(shape, dtype=kv.data.dtype, device=kv.data.device)
+        headers, announced = self.traces.pop(ready.request_id, ({}, time.time()))
+        parent = context_from(headers)
+        pull_start = time.time()
+        record(self.tracer, "decode queue", parent, announced, pull_start, instance=self.id)
         try:
             if ready.num_blocks != len(blocks):
                 raise TransferError(f"prefill sent {ready.num_blocks} blocks, expected "
@@ -92,12 +90,16 @@ class DecodeService:
         except TransferError as e:
             log.warning("pull of %s failed: %s", ready.request_id, e)
             await self.host.call(self.engine.free, blocks)
-            await self._send(TokenChunk(request_id=ready.request_id, source=self.id,
-                                        error=f"KV transfer failed: {e}"))
+            await self.send(TokenChunk(request_id=ready.request_id, source=self.id,
+                                       error=f"KV transfer failed: {e}"))
             return
         finally:
             await publish(self.nc, subjects.release(ready.prefill_instance),
                           ReleaseKv(request_id=ready.request_id))
+        joined = time.time()
+        record(self.tracer, "kv transfer", parent, pull_start, joined, instance=self.id,
+               source=ready.prefill_instance, bytes=int(buffer.nbytes), blocks=len(blocks))
+        self.traces[ready.request_id] = (headers, joined)
         request = Request(ready.request_id, ready.prompt_ids, ready.sampling.params(),
                           eos_id=self.engine.eos_id, output_ids=[ready.first_token],
                           output_logprobs=[] if ready.first_logprob is None
@@ -105,24 +107,24 @@ class DecodeService:
         await self.host.call(self.engine.admit_imported, request, blocks, buffer)
         self.host.wake()
 
-    async def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+    async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            await self._send(TokenChunk(request_id=out.request_id, token_ids=out.new_token_ids,
-                                        text=out.new_text, logprobs=out.logprobs,
-                                        finish_reason=out.finish_reason, source=self.id))
+            await self.stream(out)
             if out.finished:
                 self.room.set()
+                headers, joined = self.traces.pop(out.request_id, ({}, time.time()))
+                record(self.tracer, "decode run", context_from(headers), joined, time.time(),
+                       instance=self.id, finish_reason=out.finish_reason or "")
 
     async def _on_cancel(self, msg: Msg) -> None:
         request_id = parse(msg, Cancel).request_id
         for ready in list(self.pending):
             if ready.request_id == request_id:
                 self.pending.remove(ready)
+                self.traces.pop(request_id, None)
                 await publish(self.nc, subjects.release(ready.prefill_instance),
                               ReleaseKv(request_id=request_id))
                 return
         if await self.host.call(self.engine.abort, request_id):
+            self.traces.pop(request_id, None)
             self.room.set()
-
-    async def _send(self, chunk: TokenChunk) -> None:
-        await publish(self.nc, subjects.tokens(chunk.request_id), chunk)

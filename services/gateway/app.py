@@ -30,6 +30,8 @@ from shared.engine.gguf_loader import read_gguf_meta
 from shared.engine.tokenizer import TextTokenizer
 from shared.messages import Cancel, PrefillRequest, Sampling, TokenChunk
 from shared.state import Registry, Role, pick_decode, pick_prefill
+from shared.telemetry import headers_for, setup_tracing
+from shared.telemetry import shutdown as shutdown_tracing
 
 
 class GatewaySettings(BaseSettings):
@@ -43,6 +45,7 @@ class GatewaySettings(BaseSettings):
     port: int = 8000
     heartbeat_ttl_s: float = 2.0
     stall_timeout_s: float = 60.0  # no token for this long: the request fails
+    run_dir: str | None = None  # traces go here as JSON lines (unless OTLP is configured)
 
 
 class Metrics:
@@ -70,6 +73,7 @@ class Gateway:
         self.tokenizer = TextTokenizer(tokenizer_data)
         self.max_context = config.max_context
         self.metrics = Metrics()
+        self.tracer = setup_tracing("gateway", settings.run_dir)
         # requests this gateway has sent and not yet seen prefilled / finished, per instance
         self.prefilling: collections.Counter[str] = collections.Counter()
         self.decoding: collections.Counter[str] = collections.Counter()
@@ -83,6 +87,7 @@ class Gateway:
         self.registry = Registry(self.redis, self.settings.heartbeat_ttl_s)
 
     async def stop(self) -> None:
+        shutdown_tracing()
         await self.nc.drain()
         await self.redis.aclose()
 
@@ -138,19 +143,27 @@ class Gateway:
         prefilling = bool(decode)
         self.prefilling[worker] += prefilling
         self.decoding[decode or worker] += 1
+        span = self.tracer.start_span("request", attributes={
+            "request_id": request_id, "prompt_tokens": len(prompt_ids),
+            "max_tokens": sampling.max_tokens, "prefill": worker, "decode": decode})
+        outcome = "cancelled"
         try:
             await publish(self.nc, subjects.prefill(worker), PrefillRequest(
                 request_id=request_id, prompt_ids=prompt_ids, sampling=sampling,
-                decode_instance=decode, arrival_ts=time.time()))
+                decode_instance=decode, arrival_ts=time.time()), headers=headers_for(span))
             async for chunk in self._relay(chunks, worker, decode):
                 finished = chunk.finish_reason is not None or chunk.error is not None
                 if prefilling and (chunk.source == worker or finished):
                     self.prefilling[worker] -= 1
                     prefilling = False
+                if finished:
+                    outcome = chunk.error or chunk.finish_reason or ""
                 yield chunk
                 if finished:
                     return
         finally:
+            span.set_attribute("outcome", outcome)
+            span.end()
             self.prefilling[worker] -= prefilling
             self.decoding[decode or worker] -= 1
             await sub.unsubscribe()

@@ -7,42 +7,41 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from nats.aio.msg import Msg
-from redis.asyncio import Redis
 
-from services.runtime import EngineHost, WorkerSettings, heartbeat_forever
+from services.runtime import Worker, WorkerSettings
 from shared import subjects
-from shared.bus import connect, parse, publish
+from shared.bus import parse, publish
 from shared.engine.config import Role
-from shared.engine.engine import Engine, RequestOutput, RequestRejected
+from shared.engine.engine import Engine, RequestOutput
 from shared.kv_transfer import KvServer
-from shared.messages import Cancel, KvReady, PrefillRequest, ReleaseKv, TokenChunk
-from shared.state import InstanceInfo, Registry
+from shared.messages import Cancel, KvReady, PrefillRequest, ReleaseKv
+from shared.state import InstanceInfo
+from shared.telemetry import context_from, record
 
 log = logging.getLogger(__name__)
 
 
-class PrefillService:
+class PrefillService(Worker):
+    role = "prefill"
+    engine_role = Role.PREFILL
+
     def __init__(self, settings: WorkerSettings, engine: Engine | None = None) -> None:
-        self.settings = settings.named("prefill")
-        self.id = self.settings.instance_id
-        self.engine = engine or Engine(self.settings.engine_config(Role.PREFILL))
-        self.host = EngineHost(self.engine)
-        self.kv_server = KvServer(lookup=self._lookup, host=self.settings.host)
+        super().__init__(settings, engine)
+        self.kv_server = KvServer(lookup=self._lookup, host=self.settings.host,
+                                  port=self.settings.kv_port)
         self.requests: dict[str, PrefillRequest] = {}
         self.parked_at: dict[str, float] = {}
+        self.arrived: dict[str, tuple[float, dict[str, str]]] = {}  # time, trace headers
 
     def info(self) -> InstanceInfo:
-        blocks = self.engine.blocks
-        return InstanceInfo(instance_id=self.id, role="prefill",
-                            kv_address=self.kv_server.address,
-                            queue_len=len(self.engine.scheduler.waiting),
-                            running=len(self.engine.scheduler.parked),
-                            free_blocks=blocks.num_free, total_blocks=blocks.num_blocks,
-                            kv_requests=self.kv_server.stats.requests,
-                            kv_bytes=self.kv_server.stats.bytes)
+        stats = self.kv_server.stats
+        return super().info().model_copy(update={
+            "kv_address": self.kv_server.address, "running": len(self.engine.scheduler.parked),
+            "kv_requests": stats.requests, "kv_bytes": stats.bytes})
 
     def _lookup(self, request_id: str) -> Any:
         """Called by the UCX listener: the parked request's blocks as one buffer."""
@@ -51,48 +50,39 @@ class PrefillService:
         buffer = self.engine.export_kv(request_id)
         return buffer.numpy() if buffer.device.type == "cpu" else buffer
 
-    async def run(self, stop: asyncio.Event) -> None:
-        self.nc = await connect(self.settings.nats_url, self.id)
-        redis = Redis.from_url(self.settings.redis_url)
-        registry = Registry(redis, self.settings.heartbeat_ttl_s)
+    def subscriptions(self) -> dict[str, Callable[[Msg], Awaitable[None]]]:
         self.kv_server.start()
-        await self.nc.subscribe(subjects.prefill(self.id), cb=self._on_request)
-        await self.nc.subscribe(subjects.release(self.id), cb=self._on_release)
-        await self.nc.subscribe(subjects.CANCEL_ALL, cb=self._on_cancel)
-        tasks = [asyncio.create_task(self.host.run(self._on_outputs)),
-                 asyncio.create_task(heartbeat_forever(registry, self.info,
-                                                       self.settings.heartbeat_s)),
-                 asyncio.create_task(self._expire_leases())]
-        log.info("prefill %s ready: KV listener %s", self.id, self.kv_server.address)
-        await stop.wait()
-        for task in tasks:
-            task.cancel()
-        await registry.remove(self.id, "prefill")
+        log.info("prefill %s: KV listener on %s", self.id, self.kv_server.address)
+        return {subjects.prefill(self.id): self._on_request,
+                subjects.release(self.id): self._on_release, subjects.CANCEL_ALL: self._on_cancel}
+
+    def background(self) -> list[Coroutine[Any, Any, None]]:
+        return [self._expire_leases()]
+
+    async def closing(self) -> None:
         self.kv_server.close()
-        await self.nc.drain()
-        await redis.aclose()
 
     async def _on_request(self, msg: Msg) -> None:
         req = parse(msg, PrefillRequest)
-        try:
-            await self.host.call(self.engine.add_request, req.request_id, req.prompt_ids,
-                                 req.sampling.params())
-        except (RequestRejected, ValueError) as e:
-            await self._send(TokenChunk(request_id=req.request_id, error=str(e),
-                                        source=self.id))
-            return
         self.requests[req.request_id] = req
-        self.host.wake()
+        self.arrived[req.request_id] = (time.time(), dict(msg.headers or {}))
+        if not await self.admit(req):
+            self.requests.pop(req.request_id, None)
+            self.arrived.pop(req.request_id, None)
 
-    async def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+    async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.time()
         for out in outputs:
             req = self.requests.get(out.request_id)
             if req is None:
                 continue
-            await self._send(TokenChunk(request_id=out.request_id, token_ids=out.new_token_ids,
-                                        text=out.new_text, logprobs=out.logprobs,
-                                        finish_reason=out.finish_reason, source=self.id))
+            await self.stream(out)
+            arrived, headers = self.arrived.pop(out.request_id, (now, {}))
+            started = max(arrived, self.host.step_started)
+            parent = context_from(headers)
+            record(self.tracer, "prefill queue", parent, arrived, started, instance=self.id)
+            record(self.tracer, "prefill run", parent, started, now, instance=self.id,
+                   prompt_tokens=len(req.prompt_ids))
             if out.parked:
                 self.parked_at[out.request_id] = now
                 parked = self.engine.scheduler.parked[out.request_id]
@@ -101,7 +91,8 @@ class PrefillService:
                     kv_address=self.kv_server.address, num_blocks=len(parked.block_table),
                     prompt_ids=req.prompt_ids, first_token=out.new_token_ids[0],
                     first_logprob=out.logprobs[0] if out.logprobs else None,
-                    sampling=req.sampling, arrival_ts=req.arrival_ts, first_token_ts=now))
+                    sampling=req.sampling, arrival_ts=req.arrival_ts, first_token_ts=now),
+                    headers=headers)
             elif out.finished:
                 self.requests.pop(out.request_id, None)
 
@@ -116,6 +107,7 @@ class PrefillService:
 
     async def _on_cancel(self, msg: Msg) -> None:
         request_id = parse(msg, Cancel).request_id
+        self.arrived.pop(request_id, None)
         if request_id in self.requests:
             self.parked_at.pop(request_id, None)
             self.requests.pop(request_id, None)
@@ -130,6 +122,3 @@ class PrefillService:
             for request_id in [r for r, t in self.parked_at.items() if t < deadline]:
                 log.warning("KV lease of %s expired: freeing its blocks", request_id)
                 await self._free(request_id)
-
-    async def _send(self, chunk: TokenChunk) -> None:
-        await publish(self.nc, subjects.tokens(chunk.request_id), chunk)

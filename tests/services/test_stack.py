@@ -4,6 +4,7 @@ decode instances, real nats-server and valkey-server, KV over UCX."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 
 import httpx
@@ -114,3 +115,28 @@ def test_malformed_json_then_still_serving(stack: Stack) -> None:
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     ok = client(stack).completions.create(model=MODEL, prompt="Hello", max_tokens=2)
     assert ok.usage is not None and ok.usage.completion_tokens == 2
+
+
+def test_one_trace_spans_gateway_prefill_transfer_and_decode(stack: Stack) -> None:
+    c = client(stack)
+    c.completions.create(model=MODEL, prompt="Trace me", max_tokens=4, temperature=0,
+                         user="trace-test")
+    spans: list[dict[str, object]] = []
+    deadline = time.monotonic() + 20
+    needed = {"request", "prefill queue", "prefill run", "decode queue", "kv transfer",
+              "decode run"}
+    while time.monotonic() < deadline:
+        spans = [json.loads(line) for path in stack.run_dir.glob("traces-*.jsonl")
+                 for line in path.read_text().splitlines()]
+        requests = [s for s in spans if s["name"] == "request"]
+        if requests:
+            trace_id = requests[-1]["context"]["trace_id"]  # type: ignore[index]
+            names = {s["name"] for s in spans
+                     if s["context"]["trace_id"] == trace_id}  # type: ignore[index]
+            if needed <= names:
+                break
+        time.sleep(0.5)
+    assert needed <= names, names
+    transfer = next(s for s in spans if s["name"] == "kv transfer"
+                    and s["context"]["trace_id"] == trace_id)  # type: ignore[index]
+    assert transfer["attributes"]["bytes"] > 0  # type: ignore[index,operator]
