@@ -64,6 +64,8 @@ class Metrics:
                                  registry=self.registry)
         self.free_blocks = Gauge("ds_kv_free_blocks", "free KV blocks", labels,
                                  registry=self.registry)
+        self.total_blocks = Gauge("ds_kv_total_blocks", "KV blocks in the pool", labels,
+                                  registry=self.registry)
 
 
 class Gateway:
@@ -196,7 +198,8 @@ class Gateway:
             yield chunk
 
     async def kv_metrics(self) -> None:
-        for gauge in (self.metrics.kv_bytes, self.metrics.kv_requests, self.metrics.free_blocks):
+        m = self.metrics
+        for gauge in (m.kv_bytes, m.kv_requests, m.free_blocks, m.total_blocks):
             gauge.clear()  # instances that stopped heartbeating leave the figures
         roles: tuple[Role, ...] = ("prefill", "decode", "colocated")
         for role in roles:
@@ -205,6 +208,7 @@ class Gateway:
                 self.metrics.kv_bytes.labels(*labels).set(info.kv_bytes)
                 self.metrics.kv_requests.labels(*labels).set(info.kv_requests)
                 self.metrics.free_blocks.labels(*labels).set(info.free_blocks)
+                self.metrics.total_blocks.labels(*labels).set(info.total_blocks)
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:

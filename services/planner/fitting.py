@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -55,11 +55,14 @@ def relative_errors(coef: Triple, points: Sequence[Point]) -> list[float]:
 P = TypeVar("P", PrefillPoint, DecodePoint)
 
 
-def split_held_out(points: Sequence[P], every: int = 4) -> tuple[list[P], list[P]]:
-    """(fit set, held-out set): every `every`-th point is held out."""
-    held = [p for i, p in enumerate(points) if i % every == every - 1]
-    kept = [p for i, p in enumerate(points) if i % every != every - 1]
-    return kept, held
+def leave_one_out(points: Sequence[P], fit_and_predict: Callable[[Sequence[P], P], float]
+                  ) -> list[float]:
+    """Relative error of each point predicted by a fit made without it."""
+    errors = []
+    for i, point in enumerate(points):
+        rest = [p for j, p in enumerate(points) if j != i]
+        errors.append(abs(fit_and_predict(rest, point) - point.ms) / point.ms)
+    return errors
 
 
 def fit_decode(points: Sequence[DecodePoint]) -> tuple[Triple, Triple, int]:
@@ -80,20 +83,19 @@ def fit_decode(points: Sequence[DecodePoint]) -> tuple[Triple, Triple, int]:
     return best[1], best[2], best[3]
 
 
-def _decode_errors(kept: Sequence[DecodePoint], held: Sequence[DecodePoint]) -> list[float]:
+def _predict_decode(kept: Sequence[DecodePoint], point: DecodePoint) -> float:
     small, large, threshold = fit_decode(kept)
-    return [relative_errors(small if p.batch < threshold else large, [p])[0] for p in held]
+    return predict(small if point.batch < threshold else large, point)
 
 
 def fit_phase(prefill: Sequence[PrefillPoint],
               decode: Sequence[DecodePoint]) -> tuple[PhaseCoefficients, dict[str, float]]:
-    """Coefficients from all points, plus the median/max relative error on held-out points
-    of a fit made without them."""
-    kept_p, held_p = split_held_out(prefill)
-    kept_d, held_d = split_held_out(decode)
+    """Coefficients from all points, plus the median/max relative error of each point as
+    predicted by a fit made without it (leave-one-out)."""
     report: dict[str, float] = {}
-    for name, errors in (("prefill", relative_errors(fit(kept_p), held_p)),
-                         ("decode", _decode_errors(kept_d, held_d))):
+    for name, errors in (
+            ("prefill", leave_one_out(prefill, lambda kept, p: predict(fit(kept), p))),
+            ("decode", leave_one_out(decode, _predict_decode))):
         report[f"{name}_heldout_median_rel_err"] = float(np.median(errors))
         report[f"{name}_heldout_max_rel_err"] = float(np.max(errors))
     report["prefill_points"], report["decode_points"] = float(len(prefill)), float(len(decode))

@@ -1,6 +1,14 @@
 import pytest
 
-from services.planner.fitting import DecodePoint, PrefillPoint, fit, fit_phase, relative_errors
+from services.planner.fitting import (
+    DecodePoint,
+    PrefillPoint,
+    fit,
+    fit_phase,
+    leave_one_out,
+    predict,
+    relative_errors,
+)
 from services.planner.latency import PhaseCoefficients
 from services.planner.profiles import saturation_length
 
@@ -30,3 +38,10 @@ def test_saturation_length_is_where_throughput_levels_off() -> None:
     rate = l_m / (20 + 0.1 * l_m)
     assert rate >= 0.9 * 8192 / (20 + 0.1 * 8192)
     assert (l_m - 16) / (20 + 0.1 * (l_m - 16)) < 0.9 * 8192 / (20 + 0.1 * 8192)
+
+
+def test_leave_one_out_flags_a_point_the_model_cannot_explain() -> None:
+    points = [PrefillPoint((n,), 10.0 + 0.1 * n) for n in (16, 32, 64, 128, 256, 512)]
+    points.append(PrefillPoint((1024,), 3 * (10.0 + 0.1 * 1024)))  # an outlier
+    errors = leave_one_out(points, lambda kept, p: predict(fit(kept), p))
+    assert max(errors) == errors[-1] > 0.5
