@@ -117,6 +117,10 @@ def setup_logging(name: str) -> None:
                         format=f"%(asctime)s {name} %(levelname)s %(message)s")
 
 
+class WorkerFailed(RuntimeError):
+    """One of the worker's tasks (engine loop, heartbeat, pulls) ended with an error."""
+
+
 class Worker:
     """The shell every engine service shares: settings, engine host, NATS subscriptions,
     heartbeats, tracing, and an orderly stop. A service adds its subscriptions, background
@@ -157,19 +161,25 @@ class Worker:
         registry = Registry(redis, self.settings.heartbeat_ttl_s)
         for subject, callback in self.subscriptions().items():
             await self.nc.subscribe(subject, cb=callback)
-        tasks = [asyncio.create_task(c) for c in (
-            self.host.run(self.on_outputs),
-            heartbeat_forever(registry, self.info, self.settings.heartbeat_s),
-            *self.background())]
+        named = {"engine loop": self.host.run(self.on_outputs),
+                 "heartbeat": heartbeat_forever(registry, self.info, self.settings.heartbeat_s)}
+        named |= {f"background {i}": c for i, c in enumerate(self.background())}
+        tasks = [asyncio.create_task(c, name=n) for n, c in named.items()]
         log.info("%s %s ready", self.role, self.id)
-        await stop.wait()
-        for task in tasks:
+        stopping = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([stopping, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        failed = next((t for t in done if t is not stopping), None)
+        for task in [stopping, *tasks]:
             task.cancel()
         await registry.remove(self.id, self.role)
         await self.closing()
         shutdown_tracing()
         await self.nc.drain()
         await redis.aclose()
+        if failed is not None:
+            # a worker whose engine loop died must not linger: leave dispatch and exit, so
+            # the gateway fails the requests it held instead of waiting for them
+            raise WorkerFailed(f"{self.id}: {failed.get_name()} stopped") from failed.exception()
 
     async def admit(self, req: PrefillRequest) -> bool:
         """Queue a prompt on the engine; a request it can never run gets an error chunk."""

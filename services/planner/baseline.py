@@ -8,10 +8,10 @@ import math
 from services.planner.placement import (
     NoFeasiblePlan,
     Problem,
-    _best,
-    _parallel,
     assign_devices,
+    best_config,
     colocated_goodput,
+    parallel_map,
     phase_configs,
 )
 from services.planner.plan import PhasePlan, Plan
@@ -28,10 +28,10 @@ def colocated_plan(problem: Problem, chunked: bool = False, max_pp: int = 1) -> 
     if not configs:
         raise NoFeasiblePlan(f"{problem.profile.model.name} does not fit a colocated instance "
                              f"with pp <= {max_pp}")
-    goodputs = _parallel(colocated_goodput,
+    goodputs = parallel_map(colocated_goodput,
                          [(problem, tp, pp, chunked, VLLM_MAX_NUM_BATCHED_TOKENS,
                            VLLM_MAX_NUM_SEQS) for tp, pp in configs], problem.workers)
-    (tp, pp), goodput = _best(configs, goodputs, lambda c: c[0] * c[1], "colocated", problem)
+    (tp, pp), goodput = best_config(configs, goodputs, lambda c: c[0] * c[1], "colocated", problem)
     count = math.ceil(problem.rate / goodput)
     instances = assign_devices([("colocated", tp, pp)] * count, problem.nodes,
                                problem.gpus_per_node)

@@ -9,8 +9,8 @@ import math
 from services.planner.placement import (
     NoFeasiblePlan,
     Problem,
-    _best,
-    _parallel,
+    best_config,
+    parallel_map,
     segment_goodput,
 )
 from services.planner.plan import InstancePlacement, PhasePlan, Plan
@@ -33,14 +33,14 @@ def low_affinity(problem: Problem) -> Plan:
         raise NoFeasiblePlan(
             f"{problem.profile.model.name}: no prefill+decode pair fits in one node of "
             f"{problem.gpus_per_node} devices per pipeline stage on {problem.nodes} node(s)")
-    goodputs = _parallel(segment_goodput, [(problem, pp, seg) for pp, seg in configs],
+    goodputs = parallel_map(segment_goodput, [(problem, pp, seg) for pp, seg in configs],
                          problem.workers)
 
     def devices(c: tuple[int, Segment]) -> int:
         pp, (n_p, tp_p, n_d, tp_d) = c
         return pp * (n_p * tp_p + n_d * tp_d)
 
-    _best(configs, goodputs, devices, "prefill+decode segment", problem)  # raise if none
+    best_config(configs, goodputs, devices, "prefill+decode segment", problem)  # raise if none
     # cheapest at the target rate first (whole replicas), then the best per-device goodput
     _, (pp, seg), goodput = min(
         ((math.ceil(problem.rate / g) * devices(c), -g / devices(c)), c, g)

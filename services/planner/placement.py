@@ -84,7 +84,7 @@ class Problem:
         return at
 
 
-def _parallel(fn: Callable[..., T], args: Sequence[tuple[Any, ...]], workers: int) -> list[T]:
+def parallel_map(fn: Callable[..., T], args: Sequence[tuple[Any, ...]], workers: int) -> list[T]:
     workers = workers or os.cpu_count() or 1
     if workers == 1 or len(args) <= 1:
         return [fn(*a) for a in args]
@@ -173,7 +173,7 @@ def phase_configs(problem: Problem) -> list[tuple[int, int]]:
     return configs
 
 
-def _best(configs: Sequence[Any], goodputs: Sequence[float], devices: Callable[[Any], int],
+def best_config(configs: Sequence[Any], goodputs: Sequence[float], devices: Callable[[Any], int],
           what: str, problem: Problem) -> tuple[Any, float]:
     scored = [(g / devices(c), c, g) for c, g in zip(configs, goodputs, strict=True) if g > 0]
     if not scored:
@@ -190,10 +190,10 @@ def high_affinity(problem: Problem) -> Plan:
     (ties: the best per-device goodput), if its replicas fit the cluster."""
     configs = phase_configs(problem)
     args = [(problem, tp, pp) for tp, pp in configs]
-    gp_prefill = _parallel(prefill_goodput, args, problem.workers)
-    gp_decode = _parallel(decode_goodput, args, problem.workers)
-    _best(configs, gp_prefill, lambda c: c[0] * c[1], "prefill", problem)  # raise if none
-    _best(configs, gp_decode, lambda c: c[0] * c[1], "decode", problem)
+    gp_prefill = parallel_map(prefill_goodput, args, problem.workers)
+    gp_decode = parallel_map(decode_goodput, args, problem.workers)
+    best_config(configs, gp_prefill, lambda c: c[0] * c[1], "prefill", problem)  # raise if none
+    best_config(configs, gp_decode, lambda c: c[0] * c[1], "decode", problem)
     def devices_for_rate(cp: tuple[int, int], gp: float, cd: tuple[int, int],
                          gd: float) -> int:
         return (math.ceil(problem.rate / gp) * cp[0] * cp[1]
