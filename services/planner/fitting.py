@@ -55,14 +55,15 @@ def relative_errors(coef: Triple, points: Sequence[Point]) -> list[float]:
 P = TypeVar("P", PrefillPoint, DecodePoint)
 
 
-def leave_one_out(points: Sequence[P], fit_and_predict: Callable[[Sequence[P], P], float]
-                  ) -> list[float]:
-    """Relative error of each point predicted by a fit made without it."""
-    errors = []
-    for i, point in enumerate(points):
-        rest = [p for j, p in enumerate(points) if j != i]
-        errors.append(abs(fit_and_predict(rest, point) - point.ms) / point.ms)
-    return errors
+def interior_held_out(points: Sequence[P], size: Callable[[P], float]
+                      ) -> tuple[list[P], list[P]]:
+    """(fit set, held-out set): every other point strictly inside the profiled range is held
+    out; the smallest and largest sizes always stay in the fit, because the model is used to
+    interpolate within the range it was profiled over, not to extrapolate beyond it."""
+    lo, hi = min(map(size, points)), max(map(size, points))
+    inside = [p for p in points if lo < size(p) < hi]
+    held = inside[1::2]
+    return [p for p in points if p not in held], held
 
 
 def fit_decode(points: Sequence[DecodePoint]) -> tuple[Triple, Triple, int]:
@@ -83,21 +84,24 @@ def fit_decode(points: Sequence[DecodePoint]) -> tuple[Triple, Triple, int]:
     return best[1], best[2], best[3]
 
 
-def _predict_decode(kept: Sequence[DecodePoint], point: DecodePoint) -> float:
+def _decode_prediction(kept: Sequence[DecodePoint], point: DecodePoint) -> float:
     small, large, threshold = fit_decode(kept)
     return predict(small if point.batch < threshold else large, point)
 
 
 def fit_phase(prefill: Sequence[PrefillPoint],
               decode: Sequence[DecodePoint]) -> tuple[PhaseCoefficients, dict[str, float]]:
-    """Coefficients from all points, plus the median/max relative error of each point as
-    predicted by a fit made without it (leave-one-out)."""
+    """Coefficients from all points, plus the median/max relative error on interior points
+    held out of a second fit."""
+    kept_p, held_p = interior_held_out(prefill, lambda p: sum(p.lengths))
+    kept_d, held_d = interior_held_out(decode, lambda p: p.batch)
     report: dict[str, float] = {}
     for name, errors in (
-            ("prefill", leave_one_out(prefill, lambda kept, p: predict(fit(kept), p))),
-            ("decode", leave_one_out(decode, _predict_decode))):
+            ("prefill", relative_errors(fit(kept_p), held_p)),
+            ("decode", [abs(_decode_prediction(kept_d, p) - p.ms) / p.ms for p in held_d])):
         report[f"{name}_heldout_median_rel_err"] = float(np.median(errors))
         report[f"{name}_heldout_max_rel_err"] = float(np.max(errors))
+        report[f"{name}_heldout_points"] = float(len(errors))
     report["prefill_points"], report["decode_points"] = float(len(prefill)), float(len(decode))
     small, large, threshold = fit_decode(decode)
     return PhaseCoefficients(fit(prefill), small, large, threshold), report

@@ -29,7 +29,7 @@ class Grid:
 
     @classmethod
     def quick(cls) -> Grid:
-        return cls((32, 64, 128, 256, 512), (1, 2), 1024, (1, 2, 4, 8, 16, 32), (64, 256), 3)
+        return cls((32, 64, 128, 256, 512), (1, 2), 1024, (1, 2, 4, 8, 16, 32), (64, 256), 5)
 
 
 def _prompt(length: int, vocab: int, salt: int) -> list[int]:

@@ -5,8 +5,7 @@ from services.planner.fitting import (
     PrefillPoint,
     fit,
     fit_phase,
-    leave_one_out,
-    predict,
+    interior_held_out,
     relative_errors,
 )
 from services.planner.latency import PhaseCoefficients
@@ -40,8 +39,8 @@ def test_saturation_length_is_where_throughput_levels_off() -> None:
     assert (l_m - 16) / (20 + 0.1 * (l_m - 16)) < 0.9 * 8192 / (20 + 0.1 * 8192)
 
 
-def test_leave_one_out_flags_a_point_the_model_cannot_explain() -> None:
-    points = [PrefillPoint((n,), 10.0 + 0.1 * n) for n in (16, 32, 64, 128, 256, 512)]
-    points.append(PrefillPoint((1024,), 3 * (10.0 + 0.1 * 1024)))  # an outlier
-    errors = leave_one_out(points, lambda kept, p: predict(fit(kept), p))
-    assert max(errors) == errors[-1] > 0.5
+def test_held_out_points_are_interior_and_extremes_stay_in_the_fit() -> None:
+    points = [DecodePoint(b, b * 64, float(b)) for b in (1, 2, 4, 8, 16, 32)]
+    kept, held = interior_held_out(points, lambda p: p.batch)
+    assert [p.batch for p in held] == [4, 16]
+    assert {1, 32} <= {p.batch for p in kept} and not set(held) & set(kept)
