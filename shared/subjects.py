@@ -30,12 +30,6 @@ def cancel(request_id: str) -> str:
 
 
 CANCEL_ALL = f"{PREFIX}.cancel.*"
-REQUEST_EVENTS = f"{PREFIX}.events.requests"
-REPLAN = f"{PREFIX}.control.replan"
-
-
-def drain(instance: str) -> str:
-    return f"{PREFIX}.control.drain.{instance}"
 
 
 # Redis keys
@@ -45,7 +39,3 @@ def instance_key(instance: str) -> str:
 
 def role_set(role: str) -> str:
     return f"{PREFIX}:instances:{role}"
-
-
-PLAN_KEY = f"{PREFIX}:plan"
-WORKLOAD_KEY = f"{PREFIX}:workload"

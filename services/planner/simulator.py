@@ -61,10 +61,6 @@ class InstanceSpec:
     max_batch: int = 256  # decode batch size cap
     node: int = 0
 
-    @property
-    def devices(self) -> int:
-        return self.latency.pp  # times tp, which the caller accounts for
-
 
 @dataclass(frozen=True)
 class Link:

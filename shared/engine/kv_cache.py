@@ -40,10 +40,6 @@ class KVCache:
         return cls(config, budget_bytes // block_bytes(config, block_size, dtype), block_size,
                    dtype, device)
 
-    @property
-    def bytes_per_block(self) -> int:
-        return self.data[:, :, 0].numel() * self.data.element_size()
-
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store K/V of new tokens ([T, kv_heads, head_dim]) at token slots
         (block * block_size + offset)."""

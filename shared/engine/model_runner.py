@@ -92,7 +92,7 @@ class ModelRunner:
         for chunk in out.chunks:
             request = chunk.request
             span = range(chunk.start, chunk.start + chunk.length)
-            ids.extend(request.all_ids[chunk.start:chunk.start + chunk.length])
+            ids.extend(request.token_span(chunk.start, chunk.start + chunk.length))
             positions.extend(span)
             slots.extend(request.block_table[p // bs] * bs + p % bs for p in span)
         meta = AttentionMetadata(

@@ -78,6 +78,16 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_span(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) without building the whole prompt + output list (a decode
+        step needs only the newest token)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[:end - n]
+
     @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)

@@ -50,3 +50,11 @@ def test_top_k_and_top_p_restrict_the_support() -> None:
     seen_p = {sample(logits, [SamplingParams(temperature=1.0, top_p=0.8, seed=s)], [0])[0][0]
               for s in range(300)}
     assert seen_p == {0, 1}
+
+
+def test_token_span_matches_slicing_the_whole_sequence() -> None:
+    r = Request("s", [1, 2, 3], SamplingParams(max_tokens=5))
+    r.output_ids = [7, 8]
+    whole = r.all_ids
+    for start, end in [(0, 2), (1, 4), (2, 5), (3, 5), (4, 5), (0, 5)]:
+        assert r.token_span(start, end) == whole[start:end]
