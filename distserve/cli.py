@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from distserve.commands import bench_engine, generate, plan, profile, simulate, up
+from distserve.commands import bench, generate, plan, profile, replay, simulate, up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,9 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     profile.register(sub)
     plan.register(sub)
     simulate.register(sub)
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(
-        dest="bench_command", required=True, metavar="BENCHMARK")
-    bench_engine.register(bench)
+    bench.register(sub)
+    replay.register(sub)
     return parser
 
 

@@ -5,6 +5,7 @@ stops every child; nothing is left behind."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -39,6 +40,17 @@ def wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str,
     raise TimeoutError(f"{what} did not listen on port {port} within {timeout:.0f}s")
 
 
+def services_ready(redis_url: str) -> bool:
+    """The profiler and the planner have subscribed (each sets its key when it has)."""
+    from redis import Redis
+
+    from shared import subjects
+
+    with Redis.from_url(redis_url) as redis:
+        return bool(redis.exists(subjects.ready_key("profiler"))) and \
+            bool(redis.exists(subjects.ready_key("planner")))
+
+
 def nats_server_binary() -> str:
     return shutil.which("nats-server", path=str(BIN)) or "nats-server"
 
@@ -62,6 +74,7 @@ class StackConfig:
     threads: int = 1  # torch threads per worker
     kv_cache_mb: int = 256
     chunked_prefill: bool = False
+    planner: bool = False  # run the workload profiler and the planner (disaggregated only)
     extra_env: dict[str, str] = field(default_factory=dict)
     run_dir: Path = Path("runs")
 
@@ -124,11 +137,19 @@ class Stack:
         for role, i in workers:
             self._spawn(f"{role}-{i}", [sys.executable, "-m", f"services.{role}"],
                         env | {"DS_INSTANCE_ID": f"{role}-{i}"})
+        if c.planner:
+            for service in ("profiler", "planner"):
+                self._spawn(service, [sys.executable, "-m", f"services.{service}"], env)
         self._spawn("gateway", [sys.executable, "-m", "services.gateway"],
                     env | {"DS_PORT": str(c.port), "DS_MODE": c.mode})
-        self.wait_healthy(timeout)
+        expected = ({"colocated": c.replicas} if c.mode == "colocated"
+                    else {"prefill": c.prefill, "decode": c.decode})
+        self.wait_healthy(timeout, expected, redis_url if c.planner else None)
 
-    def wait_healthy(self, timeout: float) -> None:
+    def wait_healthy(self, timeout: float, expected: dict[str, int] | None = None,
+                     redis_url: str | None = None) -> None:
+        """Until the gateway answers /health with every expected instance live (and, with
+        `redis_url`, the profiler and planner have said they are ready)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for child in self.children:
@@ -137,7 +158,10 @@ class Stack:
                                        f"; see {self.run_dir / (child.name + '.log')}")
             with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError), \
                     urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                if response.status == 200:
+                live = json.load(response).get("instances", {})
+                if response.status == 200 and all(live.get(role, 0) >= n
+                                                   for role, n in (expected or {}).items()) \
+                        and (redis_url is None or services_ready(redis_url)):
                     return
             time.sleep(0.5)
         raise TimeoutError(f"the stack was not healthy within {timeout:.0f}s; logs in "
@@ -150,18 +174,22 @@ class Stack:
         return dict(line.split("=", 1) for line in lines)
 
     def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM every child (gateway and workers first, servers last), then SIGKILL."""
-        for child in reversed(self.children):
-            if child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for child in reversed(self.children):
-            try:
-                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.proc.kill()
-                child.proc.wait()
-            child.log.close()
+        """SIGTERM the services (workers drain, the planner stops the workers it started),
+        then the servers they talk through; SIGKILL whatever outlives `grace`."""
+        servers = [c for c in self.children if c.name in ("nats", "valkey")]
+        services = [c for c in self.children if c not in servers]
+        for group in (services, servers):
+            for child in reversed(group):
+                if child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            for child in reversed(group):
+                try:
+                    child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.proc.kill()
+                    child.proc.wait()
+                child.log.close()
         self.children.clear()
 
     def child(self, name: str) -> subprocess.Popen[bytes]:

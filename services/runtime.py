@@ -51,6 +51,7 @@ class WorkerSettings(BaseSettings):
     heartbeat_s: float = 0.5
     heartbeat_ttl_s: float = 2.0
     kv_lease_s: float = 30.0  # prefill frees KV nobody pulled after this long
+    drain_timeout_s: float = 120.0  # a drain that has not finished by then exits anyway
     run_dir: str | None = None  # traces go here as JSON lines (unless OTLP is configured)
 
     def engine_config(self, role: Role) -> EngineConfig:
@@ -104,11 +105,18 @@ async def heartbeat_forever(registry: Registry, info: Callable[[], InstanceInfo]
 
 
 async def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run `main(stop)`; SIGTERM or SIGINT sets `stop`."""
+    """Run `main(stop)`; SIGTERM or SIGINT sets `stop`, a second one exits at once."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def signalled() -> None:
+        if stop.is_set():
+            log.warning("second signal: exiting without draining")
+            raise SystemExit(1)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signalled)
     await main(stop)
 
 
@@ -135,13 +143,25 @@ class Worker:
         self.engine = engine or Engine(self.settings.engine_config(self.engine_role))
         self.host = EngineHost(self.engine)
         self.tracer = setup_tracing(self.id, self.settings.run_dir)
+        self.draining = False
         self.nc: Client
 
     def info(self) -> InstanceInfo:
         blocks, scheduler = self.engine.blocks, self.engine.scheduler
         return InstanceInfo(instance_id=self.id, role=self.role,
                             queue_len=len(scheduler.waiting), running=len(scheduler.running),
-                            free_blocks=blocks.num_free, total_blocks=blocks.num_blocks)
+                            free_blocks=blocks.num_free, total_blocks=blocks.num_blocks,
+                            draining=self.draining)
+
+    def holding(self) -> int:
+        """Requests the service holds outside the engine (decode: announced, not pulled)."""
+        return 0
+
+    def idle(self) -> bool:
+        """Nothing queued, running, parked or being pulled: every KV block is free."""
+        blocks = self.engine.blocks
+        return not self.engine.has_work() and blocks.num_free == blocks.num_blocks and \
+            not self.holding()
 
     def subscriptions(self) -> dict[str, Callable[[Msg], Awaitable[None]]]:
         return {}
@@ -156,20 +176,28 @@ class Worker:
         """Release what the service holds besides the engine (listeners, endpoints)."""
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Serve until `stop` (a signal) or a drain message, then drain and exit; a task that
+        fails ends the worker at once with WorkerFailed."""
         self.nc = await connect(self.settings.nats_url, self.id)
         redis = Redis.from_url(self.settings.redis_url)
         registry = Registry(redis, self.settings.heartbeat_ttl_s)
-        for subject, callback in self.subscriptions().items():
+        await redis.delete(subjects.inflight_key(self.id))  # nobody dispatched here yet
+
+        async def on_drain(_: Msg) -> None:
+            stop.set()
+
+        for subject, callback in (self.subscriptions() | {subjects.drain(self.id): on_drain}
+                                  ).items():
             await self.nc.subscribe(subject, cb=callback)
         named = {"engine loop": self.host.run(self.on_outputs),
                  "heartbeat": heartbeat_forever(registry, self.info, self.settings.heartbeat_s)}
         named |= {f"background {i}": c for i, c in enumerate(self.background())}
         tasks = [asyncio.create_task(c, name=n) for n, c in named.items()]
         log.info("%s %s ready", self.role, self.id)
-        stopping = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait([stopping, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        failed = next((t for t in done if t is not stopping), None)
-        for task in [stopping, *tasks]:
+        ending = asyncio.create_task(self._drain_after(stop, registry, redis), name="drain")
+        done, _ = await asyncio.wait([ending, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        failed = next((t for t in done if t is not ending), None)
+        for task in [ending, *tasks]:
             task.cancel()
         await registry.remove(self.id, self.role)
         await self.closing()
@@ -180,6 +208,27 @@ class Worker:
             # a worker whose engine loop died must not linger: leave dispatch and exit, so
             # the gateway fails the requests it held instead of waiting for them
             raise WorkerFailed(f"{self.id}: {failed.get_name()} stopped") from failed.exception()
+
+    async def _drain_after(self, stop: asyncio.Event, registry: Registry, redis: Redis) -> None:
+        """Leave dispatch, then wait until the instance holds nothing and no gateway has a
+        request in flight to it (dispatch runs on heartbeats up to a TTL old, so a request
+        may still arrive just after the flag is set)."""
+        await stop.wait()
+        self.draining = True
+        await registry.heartbeat(self.info())
+        log.info("%s draining", self.id)
+        started = time.monotonic()
+        while True:
+            waited = time.monotonic() - started
+            inflight = int(await redis.get(subjects.inflight_key(self.id)) or 0)
+            if waited >= self.settings.heartbeat_ttl_s and inflight <= 0 and self.idle():
+                log.info("%s drained in %.1fs", self.id, waited)
+                return
+            if waited > self.settings.drain_timeout_s:
+                log.warning("%s: drain timed out after %.0fs with %d requests in flight; "
+                            "exiting", self.id, waited, inflight)
+                return
+            await asyncio.sleep(0.1)
 
     async def admit(self, req: PrefillRequest) -> bool:
         """Queue a prompt on the engine; a request it can never run gets an error chunk."""

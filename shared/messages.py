@@ -76,3 +76,39 @@ class TokenChunk(BaseModel):
     finish_reason: str | None = None  # "stop", "length", "abort"
     error: str | None = None
     source: str = ""  # the instance that sent it
+
+
+class RequestDone(BaseModel):
+    """gateway -> ds.events.requests: a request left the system (the profiler's input)."""
+
+    version: Literal[1] = 1
+    arrival_ts: float
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    outcome: str  # "stop", "length", an error, or "cancelled"
+
+
+class WorkloadSummary(BaseModel):
+    """Recent history: what a plan is made for."""
+
+    rate_rps: float
+    arrival_cv: float
+    prompt_tokens: list[int]  # the window's lengths, paired request by request
+    output_tokens: list[int]
+
+
+class ReplanRequest(BaseModel):
+    """profiler (or `distserve plan --live --replan`) -> ds.planner.replan."""
+
+    version: Literal[1] = 1
+    reasons: list[str]
+    workload: WorkloadSummary | None = None  # None: the planner uses the last one it saw
+
+
+class Drain(BaseModel):
+    """planner -> ds.drain.<instance>: leave dispatch, finish what you hold, exit."""
+
+    version: Literal[1] = 1
+    reason: str = ""

@@ -39,3 +39,27 @@ def instance_key(instance: str) -> str:
 
 def role_set(role: str) -> str:
     return f"{PREFIX}:instances:{role}"
+
+
+def drain(instance: str) -> str:
+    """Leave dispatch, finish what the instance holds, then exit."""
+    return f"{PREFIX}.drain.{instance}"
+
+
+REQUEST_EVENTS = f"{PREFIX}.events.requests"  # gateway -> profiler: one per finished request
+REPLAN = f"{PREFIX}.planner.replan"  # profiler (or CLI) -> planner
+
+
+def inflight_key(instance: str) -> str:
+    """Requests the gateways have sent to an instance and not yet seen leave it."""
+    return f"{PREFIX}:inflight:{instance}"
+
+
+PLAN_KEY = f"{PREFIX}:planner:plan"  # the plan in force, with its reason
+PLAN_HISTORY_KEY = f"{PREFIX}:planner:history"
+PROFILER_KEY = f"{PREFIX}:profiler:view"  # the profiler's current statistics
+
+
+def ready_key(service: str) -> str:
+    """Set by a control service (profiler, planner) once it listens; removed when it stops."""
+    return f"{PREFIX}:ready:{service}"

@@ -101,7 +101,7 @@ class Workload:
             raise WorkloadError(f"the request rate must be positive, got {rate}")
         rng = np.random.default_rng(seed)
         if self.trace_times is not None:
-            times = _scaled_trace(self.trace_times, n)
+            times = scaled_trace(self.trace_times, n)
         else:
             times = np.cumsum(unit_rate_gaps(n, rng, self.cv))
         prompts, outputs = self.lengths.sample(n, rng)
@@ -109,12 +109,13 @@ class Workload:
                 for t, p, o in zip(times, prompts, outputs, strict=True)]
 
 
-def _scaled_trace(times: np.ndarray, n: int) -> np.ndarray:
-    """The first `n` arrivals of a trace (repeated if short), rescaled to mean gap 1 s."""
+def scaled_trace(times: np.ndarray, n: int) -> np.ndarray:
+    """The first `n` arrivals of a trace (repeated if short), rescaled so that their own mean
+    gap is 1 s: the replayed segment runs at exactly the requested rate."""
     reps = -(-n // len(times))
     span = float(times[-1] - times[0]) + float(np.mean(np.diff(times))) if len(times) > 1 else 1.0
     tiled = np.concatenate([times - times[0] + i * span for i in range(reps)])[:n]
-    mean_gap = span / len(times)
+    mean_gap = (tiled[-1] - tiled[0]) / (n - 1) if n > 1 and tiled[-1] > tiled[0] else 1.0
     return tiled / mean_gap
 
 

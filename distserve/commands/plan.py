@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -22,16 +23,16 @@ from shared.workloads import WorkloadError
 
 
 def add_problem_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", required=True, help="latency profile file (ours or the "
+    p.add_argument("--profile", help="latency profile file (ours or the "
                    "DistServe artifact's format)")
     p.add_argument("--model", help="which model of a multi-model profile file")
-    p.add_argument("--workload", required=True,
+    p.add_argument("--workload",
                    help="sharegpt:PATH, azure:PATH, mooncake:PATH or fixed:PROMPT:OUTPUT")
     p.add_argument("--cv", type=float, default=1.0, help="arrival CV (1 = Poisson; gamma else)")
     p.add_argument("--max-context", type=int, default=2048,
                    help="clip workload lengths to the model's context (default: %(default)s)")
-    p.add_argument("--ttft", type=float, required=True, help="TTFT objective, seconds")
-    p.add_argument("--tpot", type=float, required=True, help="TPOT objective, seconds")
+    p.add_argument("--ttft", type=float, help="TTFT objective, seconds")
+    p.add_argument("--tpot", type=float, help="TPOT objective, seconds")
     p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must "
                    "meet both objectives (default: %(default)s)")
     p.add_argument("--requests", type=int, default=400, help="requests per simulation")
@@ -44,9 +45,9 @@ def register(sub: Any) -> None:
                                    "pipeline parallelism, devices) with the highest per-device "
                                    "goodput that serves --rate (DistServe Algorithms 1 and 2).")
     add_problem_args(p)
-    p.add_argument("--rate", type=float, required=True, help="target request rate (req/s)")
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, required=True)
+    p.add_argument("--rate", type=float, help="target request rate (req/s)")
+    p.add_argument("--nodes", type=int)
+    p.add_argument("--gpus-per-node", type=int)
     p.add_argument("--affinity", choices=["high", "low"], default="high",
                    help="high: fast links between nodes (Algorithm 1); low: KV must stay in a "
                         "node (Algorithm 2)")
@@ -57,7 +58,20 @@ def register(sub: Any) -> None:
     p.add_argument("--workers", type=int, default=0, help="processes (0: one per CPU)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON, last line")
     p.add_argument("--output", "-o", help="also write the plan JSON to this file")
+    live = p.add_argument_group("a running stack (distserve up --planner auto)")
+    live.add_argument("--live", action="store_true",
+                      help="print the plan in force, why it was made, and the profiler's view "
+                           "(instead of searching)")
+    live.add_argument("--replan", action="store_true", help="with --live: ask the planner to "
+                      "plan again now for the latest workload")
+    live.add_argument("--run-dir", type=Path, default=Path("runs"),
+                      help="where distserve up keeps its runs (the newest one is read)")
+    live.add_argument("--redis-url", help="the stack's Redis (default: from the newest run)")
+    live.add_argument("--nats-url", help="the stack's NATS (default: from the newest run)")
     p.set_defaults(parser=p, run=run)
+
+
+SEARCH_ARGS = ("profile", "workload", "ttft", "tpot", "rate", "nodes", "gpus_per_node")
 
 
 def build_problem(args: argparse.Namespace, parser: argparse.ArgumentParser,
@@ -97,6 +111,16 @@ def plan_table(plan: Plan, seconds: float) -> Table:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.live:
+        from distserve.commands.live import show_live
+
+        return show_live(args, parser)
+    if args.replan:
+        parser.error("--replan goes with --live")
+    missing = [name for name in SEARCH_ARGS if getattr(args, name) is None]
+    if missing:
+        parser.error("the following arguments are required: " +
+                     ", ".join("--" + m.replace("_", "-") for m in missing))
     if args.nodes < 1 or args.gpus_per_node < 1:
         parser.error("--nodes and --gpus-per-node must be at least 1")
     problem = build_problem(args, parser, args.profile, args.rate)

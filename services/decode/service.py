@@ -46,6 +46,9 @@ class DecodeService(Worker):
             "queue_len": len(self.pending), "kv_requests": stats.requests,
             "kv_bytes": stats.bytes})
 
+    def holding(self) -> int:
+        return len(self.pending)
+
     def subscriptions(self) -> dict[str, Callable[[Msg], Awaitable[None]]]:
         return {subjects.decode(self.id): self._on_kv_ready, subjects.CANCEL_ALL: self._on_cancel}
 

@@ -28,7 +28,7 @@ from shared import subjects
 from shared.bus import connect, parse, publish
 from shared.engine.gguf_loader import read_gguf_meta
 from shared.engine.tokenizer import TextTokenizer
-from shared.messages import Cancel, PrefillRequest, Sampling, TokenChunk
+from shared.messages import Cancel, PrefillRequest, RequestDone, Sampling, TokenChunk
 from shared.state import Registry, Role, pick_decode, pick_prefill
 from shared.telemetry import headers_for, setup_tracing
 from shared.telemetry import shutdown as shutdown_tracing
@@ -145,19 +145,28 @@ class Gateway:
         prefilling = bool(decode)
         self.prefilling[worker] += prefilling
         self.decoding[decode or worker] += 1
+        await self._inflight(1, worker, decode)
         span = self.tracer.start_span("request", attributes={
             "request_id": request_id, "prompt_tokens": len(prompt_ids),
             "max_tokens": sampling.max_tokens, "prefill": worker, "decode": decode})
         outcome = "cancelled"
+        arrival = time.time()
+        first_at = last_at = 0.0
+        tokens = 0
         try:
             await publish(self.nc, subjects.prefill(worker), PrefillRequest(
                 request_id=request_id, prompt_ids=prompt_ids, sampling=sampling,
-                decode_instance=decode, arrival_ts=time.time()), headers=headers_for(span))
+                decode_instance=decode, arrival_ts=arrival), headers=headers_for(span))
             async for chunk in self._relay(chunks, worker, decode):
                 finished = chunk.finish_reason is not None or chunk.error is not None
+                if chunk.token_ids:
+                    last_at = time.time()
+                    first_at = first_at or last_at
+                    tokens += len(chunk.token_ids)
                 if prefilling and (chunk.source == worker or finished):
                     self.prefilling[worker] -= 1
                     prefilling = False
+                    await self._inflight(-1, worker)
                 if finished:
                     outcome = chunk.error or chunk.finish_reason or ""
                 yield chunk
@@ -168,10 +177,25 @@ class Gateway:
             span.end()
             self.prefilling[worker] -= prefilling
             self.decoding[decode or worker] -= 1
+            await self._inflight(-1, *([worker] if prefilling else []), decode or worker)
             await sub.unsubscribe()
             if not finished:  # the client went away mid-request
                 await publish(self.nc, subjects.cancel(request_id),
                               Cancel(request_id=request_id))
+            await publish(self.nc, subjects.REQUEST_EVENTS, RequestDone(
+                arrival_ts=arrival, prompt_tokens=len(prompt_ids), output_tokens=tokens,
+                ttft_s=first_at - arrival if first_at else None,
+                tpot_s=(last_at - first_at) / (tokens - 1) if tokens > 1 else None,
+                outcome=outcome))
+
+    async def _inflight(self, delta: int, *instances: str) -> None:
+        """Count what this gateway has in flight per instance in Redis, where a draining
+        instance looks before it exits (the heartbeats it dispatches on are stale)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for instance in instances:
+                if instance:
+                    pipe.incrby(subjects.inflight_key(instance), delta)
+            await pipe.execute()
 
     async def _relay(self, chunks: asyncio.Queue[TokenChunk], worker: str,
                      decode: str) -> AsyncIterator[TokenChunk]:

@@ -134,3 +134,12 @@ def kv_capacity_tokens(profile: Profile, tp: int, pp: int, memory_use: float = 0
     spec = profile.model
     free = memory_use * profile.device_memory_bytes * tp * pp - spec.weight_bytes
     return max(0, math.floor(free / spec.kv_bytes_per_token))
+
+
+SHIPPED_PROFILES = Path(__file__).resolve().parents[2] / "profiles"
+
+
+def shipped_cpu_profile(threads: int) -> Path:
+    """The profile this project measured for the default model with `threads` torch
+    threads per worker (profiles/smollm2-135m-cpu-<n>thread(s).json)."""
+    return SHIPPED_PROFILES / f"smollm2-135m-cpu-{threads}thread{'s' if threads > 1 else ''}.json"

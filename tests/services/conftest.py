@@ -16,7 +16,8 @@ from shared.engine.request import SamplingParams
 
 
 def start_stack(tmp: Path, **config: object) -> Stack:
-    extra = {"DS_HEARTBEAT_TTL_S": "2", "DS_STALL_TIMEOUT_S": "30", "DS_KV_LEASE_S": "4"}
+    extra = {"DS_HEARTBEAT_TTL_S": "2", "DS_STALL_TIMEOUT_S": "30", "DS_KV_LEASE_S": "4",
+             **config.pop("extra_env", {})}  # type: ignore[dict-item]
     stack = Stack(StackConfig(port=free_port(), run_dir=tmp, extra_env=extra,
                               **config))  # type: ignore[arg-type]
     stack.start(timeout=600)

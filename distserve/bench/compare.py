@@ -1,0 +1,142 @@
+"""Disaggregated against colocated on this machine: the same engine, threads per worker,
+workload and rates; one system up at a time. With a profile, the planner's simulator runs
+the same requests on the same placements (the paper's Table 2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from distserve.bench.loadgen import Target
+from distserve.bench.results import RunResult, span_seconds
+from distserve.bench.runner import CALIBRATION_TOKENS, Unloaded, calibrate, read_spans, sweep
+from distserve.bench.workload import BenchWorkload, as_simulated
+from services.launcher import Stack, StackConfig, free_port
+from services.planner.latency import LatencyModel
+from services.planner.profiles import Profile
+from services.planner.simulator import (
+    ColocatedCluster,
+    DisaggregatedCluster,
+    InstanceSpec,
+    Link,
+    SimResult,
+    simulate_colocated,
+    simulate_disaggregated,
+)
+from services.runtime import WorkerSettings
+from shared.metrics import SLO
+
+DEFAULT_LINK_BPS = 0.5e9  # UCX between two local processes (loopback TCP), measured
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    stack: StackConfig
+
+    @property
+    def devices(self) -> int:
+        c = self.stack
+        return c.replicas if c.mode == "colocated" else c.prefill + c.decode
+
+
+def systems(threads: int, kv_cache_mb: int, chunked: bool) -> list[System]:
+    """1 prefill + 1 decode against 2 colocated replicas (and chunked-prefill replicas): two
+    workers, `threads` each, in every system."""
+    common: dict[str, Any] = {"threads": threads, "kv_cache_mb": kv_cache_mb}
+    out = [System("disaggregated 1P+1D", StackConfig(mode="disaggregated", **common)),
+           System("colocated x2", StackConfig(mode="colocated", replicas=2, **common))]
+    if chunked:
+        out.append(System("chunked x2", StackConfig(mode="colocated", replicas=2,
+                                                    chunked_prefill=True, **common)))
+    return out
+
+
+@dataclass
+class Measured:
+    system: System
+    runs: list[RunResult]
+    unloaded: Unloaded
+    link_bps: float | None  # KV transfer rate seen in the traces (disaggregated only)
+
+
+def measure(system: System, workload: BenchWorkload, rates: Callable[[Unloaded], list[float]],
+            requests: int, seed: int, run_root: Path, log: Callable[[str], None]) -> Measured:
+    """Bring `system` up, calibrate, run every rate, bring it down."""
+    config = dataclasses.replace(system.stack, port=free_port(), run_dir=run_root)
+    stack = Stack(config)
+    log(f"starting {system.name} (logs in {stack.run_dir})")
+    stack.start()
+    try:
+        target = Target(stack.url, config.model, timeout_s=600)
+        unloaded = calibrate(target, workload)
+        log(f"{system.name}: unloaded TTFT {1e3 * unloaded.ttft_s:.0f} ms, TPOT "
+            f"{1e3 * unloaded.tpot_s:.1f} ms at a {unloaded.prompt_tokens}-token prompt")
+        runs = sweep(target, workload, rates(unloaded), requests, seed, system.name,
+                     trace_dir=stack.run_dir)
+        spans = [s for s in read_spans(stack.run_dir) if s["name"] == "kv transfer"]
+    finally:
+        stack.stop()
+    rates_bps = [s["attributes"]["bytes"] / span_seconds(s) for s in spans
+                 if span_seconds(s) > 0]
+    return Measured(system, runs, unloaded, statistics.median(rates_bps) if rates_bps else None)
+
+
+def calibrated(latency: LatencyModel, unloaded: Unloaded) -> LatencyModel:
+    """`latency` with prefill and decode times scaled so that it predicts the unloaded
+    TTFT and TPOT measured through the running stack (workers sharing the cores, the
+    gateway and the network included), which a profile of the engine alone does not see."""
+    prompt = unloaded.prompt_tokens
+    prefill = unloaded.ttft_s / latency.prefill_latency_s(prompt, prompt * prompt)
+    decode = unloaded.tpot_s / latency.decode_step_s(1, prompt + CALIBRATION_TOKENS / 2)
+    co = latency.coefficients
+
+    def scale(t: tuple[float, float, float], k: float) -> tuple[float, float, float]:
+        return (t[0] * k, t[1] * k, t[2] * k)
+
+    return dataclasses.replace(latency, coefficients=dataclasses.replace(
+        co, prefill=scale(co.prefill, prefill), decode_small=scale(co.decode_small, decode),
+        decode_large=scale(co.decode_large, decode)))
+
+
+def simulate(measured: Measured, profile: Profile, workload: BenchWorkload, requests: int,
+             seed: int, slo: SLO, calibrate: bool = True) -> list[float]:
+    """Simulated attainment of `measured`'s system at each of its rates, same requests; with
+    `calibrate`, the profile is first scaled to the system's measured unloaded latencies."""
+    settings = WorkerSettings()
+    c = measured.system.stack
+    kv_tokens = (c.kv_cache_mb << 20) // profile.model.kv_bytes_per_token
+    latency = profile.latency(1, 1)
+    if calibrate:
+        latency = calibrated(latency, measured.unloaded)
+    spec = InstanceSpec(latency, kv_tokens, settings.max_batch_tokens, settings.max_running)
+    out = []
+    for run in measured.runs:
+        batch = as_simulated(workload.requests(run.rate, requests, seed))
+        result: SimResult
+        if c.mode == "colocated":
+            result = simulate_colocated(ColocatedCluster([spec] * c.replicas,
+                                                         chunked=c.chunked_prefill), batch)
+        else:
+            link = Link(profile.model.kv_bytes_per_token, measured.link_bps or DEFAULT_LINK_BPS)
+            result = simulate_disaggregated(
+                DisaggregatedCluster([spec] * c.prefill, [spec] * c.decode, link), batch)
+        out.append(result.attainment(slo))
+    return out
+
+
+def default_run_root() -> Path:
+    return Path(tempfile.gettempdir()) / "distserve-bench"
+
+
+def auto_rates(unloaded: Unloaded, mean_output: float, devices: int,
+               factors: Sequence[float]) -> list[float]:
+    """Rates around what `devices` workers serve one request at a time each: factors x
+    devices / (TTFT + mean output x TPOT), unloaded."""
+    base = devices / (unloaded.ttft_s + mean_output * unloaded.tpot_s)
+    return [round(base * f, 3) for f in factors]

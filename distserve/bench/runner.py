@@ -1,0 +1,91 @@
+"""A benchmark against one server: calibrate unloaded latencies, run the workload at each
+rate, and assemble the report (figures, per-request records, breakdown)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from distserve.bench.loadgen import Target, run_requests
+from distserve.bench.results import RunResult, goodput, stage_breakdown
+from distserve.bench.workload import BenchRequest, BenchWorkload
+from shared.metrics import SLO
+
+CALIBRATION_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Unloaded:
+    """Latencies of one request at a time: the reference the default SLOs scale."""
+
+    ttft_s: float
+    tpot_s: float
+    prompt_tokens: int
+
+    def slo(self, ttft_factor: float, tpot_factor: float) -> SLO:
+        return SLO(ttft_factor * self.ttft_s, tpot_factor * self.tpot_s)
+
+
+def calibrate(target: Target, workload: BenchWorkload, repeats: int = 3) -> Unloaded:
+    """Unloaded TTFT and TPOT of the workload's median-length prompt: one warm-up, then
+    `repeats` requests one at a time, medians."""
+    requests = workload.requests(1.0, max(64, len(workload.items)), seed=0)
+    median = statistics.median_low(r.prompt_tokens for r in requests)
+    probe = next(r for r in requests if r.prompt_tokens == median)
+    probe = BenchRequest(0, 0.0, probe.prompt, probe.prompt_tokens, CALIBRATION_TOKENS)
+    ttfts, tpots = [], []
+    for i in range(repeats + 1):
+        run = asyncio.run(run_requests(target, [probe], 1.0))
+        record = run.records[0]
+        if record.ttft is None or record.tpot is None:
+            raise RuntimeError(f"calibration request failed: {record.error}")
+        if i:
+            ttfts.append(record.ttft)
+            tpots.append(record.tpot)
+    return Unloaded(statistics.median(ttfts), statistics.median(tpots), median)
+
+
+def sweep(target: Target, workload: BenchWorkload, rates: Sequence[float], requests: int,
+          seed: int, label: str = "", trace_dir: Path | None = None) -> list[RunResult]:
+    """The workload at each rate, one after the other, with a progress bar."""
+    runs = []
+    total = requests * len(rates)
+    with tqdm(total=total, desc=label or "requests", unit="req", dynamic_ncols=True) as bar:
+        for rate in rates:
+            bar.set_postfix(rate=f"{rate:g}/s")
+            batch = workload.requests(rate, requests, seed)
+            run = asyncio.run(run_requests(target, batch, rate, lambda _: bar.update()))
+            runs.append(run)
+    if trace_dir is not None:
+        time.sleep(1.5)  # the services flush their spans every 0.5 s
+        spans = read_spans(trace_dir)
+        for run in runs:
+            ids = {r.request_id.split("-", 1)[-1] for r in run.records if r.request_id}
+            run.breakdown_s = stage_breakdown(spans, ids)
+    return runs
+
+
+def read_spans(trace_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for path in sorted(trace_dir.glob("traces-*.jsonl"))
+            for line in path.read_text().splitlines() if line.strip()]
+
+
+def system_report(name: str, devices: int, runs: Sequence[RunResult], slo: SLO,
+                  target: float) -> dict[str, Any]:
+    best = goodput(runs, slo, target)
+    return {
+        "name": name,
+        "devices": devices,
+        "goodput_rps": best,
+        "per_device_goodput_rps": best / devices,
+        "runs": [{**run.summary(slo, target),
+                  "records": [r.to_json() for r in run.records]} for run in runs],
+    }

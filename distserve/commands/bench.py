@@ -1,0 +1,284 @@
+"""`distserve bench`: SLO attainment and goodput of any OpenAI-compatible server under a
+workload at a list of rates; `distserve bench compare`: disaggregated against colocated on
+this machine, side by side; `distserve bench engine`: the engine against HF transformers.
+
+Default SLOs scale unloaded latencies, measured first (one request at a time, the workload's
+median prompt, 16 tokens): TTFT = --ttft-factor x unloaded TTFT, TPOT = --tpot-factor x
+unloaded TPOT. Give --ttft and --tpot (seconds) to fix them instead."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from distserve.bench import compare as cmp
+from distserve.bench.loadgen import Target, served_model
+from distserve.bench.plots import (
+    Curve,
+    plot_attainment_vs_rate,
+    plot_attainment_vs_scale,
+    plot_breakdown,
+)
+from distserve.bench.results import RunResult, goodput
+from distserve.bench.runner import Unloaded, calibrate, sweep, system_report
+from distserve.bench.workload import BenchWorkload, Limits, parse_bench_workload
+from distserve.commands import bench_engine
+from services.planner.profiles import ProfileError, load_profile
+from shared.metrics import SLO
+from shared.workloads import WorkloadError
+
+TTFT_FACTOR = 5.0
+TPOT_FACTOR = 2.0
+RATE_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
+QUICK_RATE_FACTORS = (0.4, 0.7, 1.0, 1.4)
+PROFILES = Path(__file__).resolve().parents[2] / "profiles"
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("bench", help="goodput benchmarks (see: distserve bench --help)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="the server's base URL (default: %(default)s)")
+    p.add_argument("--model", help="model name to request (default: the server's first)")
+    p.add_argument("--api-key", help="bearer token, if the server wants one")
+    p.add_argument("--devices", type=int, default=1,
+                   help="devices the server uses, for per-device goodput (default: 1)")
+    p.add_argument("--traces", type=Path, help="a distserve run folder: latency breakdown "
+                   "from its traces-*.jsonl")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds before a request counts as failed (default: %(default)s)")
+    _add_common(p)
+    p.set_defaults(parser=p, run=run_bench)
+    subs = p.add_subparsers(dest="bench_command", metavar="BENCHMARK")
+    bench_engine.register(subs)
+    c = subs.add_parser("compare", help="disaggregated vs colocated on this machine",
+                        description=cmp.__doc__)
+    c.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    c.add_argument("--kv-cache-mb", type=int, default=256, help="KV pool per worker (MiB)")
+    c.add_argument("--chunked", action="store_true",
+                   help="also run colocated replicas with chunked prefill")
+    c.add_argument("--quick", action="store_true",
+                   help="fewer rates and requests: about 10 minutes on 2 cores")
+    c.add_argument("--simulate", action="store_true",
+                   help="also simulate each system with the latency profile; prints measured "
+                        "vs simulated attainment")
+    c.add_argument("--profile", type=Path, help="profile for --simulate (default: the shipped "
+                   "profiles/smollm2-135m-cpu-<threads>thread(s).json)")
+    _add_common(c)
+    c.set_defaults(parser=c, run=run_compare)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", default="humaneval", help="humaneval, sharegpt:PATH, "
+                   "azure:PATH, mooncake:PATH or fixed:PROMPT:OUTPUT (default: %(default)s)")
+    w.add_argument("--rates", help="comma-separated request rates (req/s); default: around "
+                   "the unloaded capacity")
+    w.add_argument("--requests", type=int, help="requests per rate (default: 48; 16 with --quick)")
+    w.add_argument("--cv", type=float, default=1.0,
+                   help="arrival CV: 1 Poisson, else gamma (traces replay their own)")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--max-prompt", type=int, default=1024, help="prompts cut to this")
+    w.add_argument("--max-output", type=int, default=512, help="outputs cut to this")
+    w.add_argument("--length-scale", type=float, default=1.0,
+                   help="multiply trace/synthetic lengths first (fit a trace to a small model)")
+    s = p.add_argument_group("objectives")
+    s.add_argument("--ttft", type=float, help="TTFT objective, seconds")
+    s.add_argument("--tpot", type=float, help="TPOT objective, seconds")
+    s.add_argument("--ttft-factor", type=float, default=TTFT_FACTOR,
+                   help="default TTFT = this x unloaded TTFT (default: %(default)s)")
+    s.add_argument("--tpot-factor", type=float, default=TPOT_FACTOR,
+                   help="default TPOT = this x unloaded TPOT (default: %(default)s)")
+    s.add_argument("--attainment", type=float, default=0.9,
+                   help="target share of requests meeting both (default: %(default)s)")
+    p.add_argument("--out", type=Path, help="results folder (default: runs/bench-<time>)")
+
+
+def _setup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> BenchWorkload:
+    if args.requests is not None and args.requests < 1:
+        parser.error("--requests must be at least 1")
+    if not 0 < args.attainment <= 1:
+        parser.error("--attainment must be in (0, 1]")
+    if (args.ttft is None) != (args.tpot is None):
+        parser.error("give both --ttft and --tpot, or neither (then they are calibrated)")
+    if args.ttft is not None and min(args.ttft, args.tpot) <= 0:
+        parser.error("--ttft and --tpot must be positive")
+    if args.rates is not None:
+        try:
+            args.rates = [float(r) for r in args.rates.split(",")]
+        except ValueError:
+            parser.error(f"--rates takes comma-separated numbers, got {args.rates!r}")
+        if not args.rates or min(args.rates) <= 0:
+            parser.error("--rates must be positive")
+    try:
+        limits = Limits(args.max_prompt, args.max_output, args.length_scale)
+        return parse_bench_workload(args.workload, limits, args.cv, args.seed)
+    except WorkloadError as e:
+        parser.error(str(e))
+
+
+def _slo(args: argparse.Namespace, unloaded: Unloaded | None) -> SLO:
+    if args.ttft is not None:
+        return SLO(args.ttft, args.tpot)
+    assert unloaded is not None, "calibrated when no SLO is given"
+    return unloaded.slo(args.ttft_factor, args.tpot_factor)
+
+
+def _out(args: argparse.Namespace) -> Path:
+    out: Path = args.out or Path("runs") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _mean_output(workload: BenchWorkload) -> float:
+    return sum(i.output_tokens for i in workload.items) / len(workload.items)
+
+
+def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    workload = _setup(args, parser)
+    if args.devices < 1:
+        parser.error("--devices must be at least 1")
+    console = Console()
+    try:
+        model = args.model or asyncio.run(served_model(args.url, args.api_key))
+    except (httpx.HTTPError, RuntimeError, KeyError) as e:
+        parser.error(f"cannot reach a model at {args.url}/v1/models: {e}")
+    target = Target(args.url, model, args.api_key, args.timeout)
+    unloaded = None
+    if args.ttft is None or args.rates is None:  # needed for default SLOs or rates
+        try:
+            unloaded = calibrate(target, workload)
+        except RuntimeError as e:
+            console.print(f"[red]distserve bench: {e}[/red]")
+            return 1
+        console.print(f"unloaded: TTFT {1e3 * unloaded.ttft_s:.1f} ms, TPOT "
+                      f"{1e3 * unloaded.tpot_s:.1f} ms ({unloaded.prompt_tokens}-token prompt)")
+    slo = _slo(args, unloaded)
+    rates = args.rates
+    if rates is None:
+        assert unloaded is not None, "calibrated when no rates are given"
+        rates = cmp.auto_rates(unloaded, _mean_output(workload), args.devices, RATE_FACTORS)
+    runs = sweep(target, workload, rates, args.requests or 48, args.seed, model, args.traces)
+    out = _out(args)
+    curve = Curve(model, args.devices, runs)
+    report = {"url": args.url, "workload": workload.name, "slo": slo.__dict__,
+              "attainment_target": args.attainment,
+              "unloaded": unloaded.__dict__ if unloaded else None,
+              "systems": [system_report(model, args.devices, runs, slo, args.attainment)]}
+    _finish(console, out, report, [curve], slo, args.attainment, workload.name)
+    return 0 if all(r.failed == 0 for r in runs) else 1
+
+
+def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    workload = _setup(args, parser)
+    console = Console()
+    profile = None
+    if args.simulate:
+        path = args.profile or PROFILES / (
+            f"smollm2-135m-cpu-{args.threads}thread{'s' if args.threads > 1 else ''}.json")
+        try:
+            profile = load_profile(path)
+        except (ProfileError, FileNotFoundError) as e:
+            parser.error(f"--simulate needs a profile for {args.threads} thread(s) per worker "
+                         f"(distserve profile --threads {args.threads}): {e}")
+    requests = args.requests or (16 if args.quick else 48)
+    factors = QUICK_RATE_FACTORS if args.quick else RATE_FACTORS
+    chosen: list[float] = list(args.rates or [])
+
+    def rates(unloaded: Unloaded) -> list[float]:
+        if not chosen:  # set by the first system's calibration, then shared
+            chosen.extend(cmp.auto_rates(unloaded, _mean_output(workload), 2, factors))
+        return chosen
+
+    measured = [cmp.measure(system, workload, rates, requests, args.seed,
+                            cmp.default_run_root(), console.print)
+                for system in cmp.systems(args.threads, args.kv_cache_mb, args.chunked)]
+    slo = _slo(args, measured[0].unloaded)
+    curves = []
+    for m in measured:
+        simulated = raw = None
+        if profile is not None:
+            simulated = cmp.simulate(m, profile, workload, requests, args.seed, slo)
+            raw = cmp.simulate(m, profile, workload, requests, args.seed, slo, calibrate=False)
+        curves.append(Curve(m.system.name, m.system.devices, m.runs, simulated, raw))
+    reports = [system_report(c.name, c.devices, c.runs, slo, args.attainment) for c in curves]
+    for report, c in zip(reports, curves, strict=True):
+        if c.simulated is not None:
+            report["simulated_attainment"] = list(c.simulated)
+            report["simulated_attainment_uncalibrated"] = list(c.simulated_raw or [])
+            report["simulated_goodput_rps"] = _goodput_of(c.runs, c.simulated, args.attainment)
+    base = reports[1]["per_device_goodput_rps"]
+    report = {"workload": workload.name, "slo": slo.__dict__, "threads_per_worker":
+              args.threads, "attainment_target": args.attainment, "rates": chosen,
+              "unloaded": measured[0].unloaded.__dict__, "systems": reports,
+              "ratio_disaggregated_to_colocated": reports[0]["per_device_goodput_rps"] / base
+              if base > 0 else math.inf}
+    out = _out(args)
+    _finish(console, out, report, curves, slo, args.attainment, workload.name)
+    if profile is not None:
+        _print_fidelity(console, curves, slo)
+    console.print(f"per-device goodput ratio, disaggregated / colocated: "
+                  f"{report['ratio_disaggregated_to_colocated']:.2f}x")
+    return 0
+
+
+def _goodput_of(runs: Sequence[RunResult], attained: Sequence[float], target: float) -> float:
+    from shared.metrics import goodput_from_curve
+
+    return goodput_from_curve([r.rate for r in runs], list(attained), target)
+
+
+def _finish(console: Console, out: Path, report: dict[str, Any], curves: Sequence[Curve],
+            slo: SLO, target: float, title: str) -> None:
+    (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
+    plot_attainment_vs_rate(curves, slo, target, out / "attainment_vs_rate.png", title)
+    middle = len(curves[0].runs) // 2
+    plot_attainment_vs_scale(curves, middle, slo, target, out / "attainment_vs_slo_scale.png",
+                             title)
+    plot_breakdown(curves, out / "breakdown.png", f"{title}: latency breakdown")
+    for c in curves:
+        _print_table(console, c, slo, target)
+    console.print(f"wrote {out}/results.json and plots")
+
+
+def _print_table(console: Console, curve: Curve, slo: SLO, target: float) -> None:
+    best = goodput(curve.runs, slo, target)
+    table = Table(title=f"{curve.name}: goodput {best:.3f} req/s, {best / curve.devices:.3f} "
+                        f"per device (TTFT {slo.ttft_s:.3g} s, TPOT {slo.tpot_s:.3g} s, "
+                        f"target {target:.0%})")
+    for column in ("rate", "done", "failed", "attain", "TTFT p50", "TTFT p90", "TPOT p50",
+                   "TPOT p90", "tok/s", "tightest scale"):
+        table.add_column(column, justify="right")
+    for run in curve.runs:
+        s = run.summary(slo, target)
+        table.add_row(f"{run.rate:g}", str(s["completed"]), str(s["failed"]),
+                      f"{s['attainment']:.0%}", f"{s['ttft_s']['p50']:.3f}",
+                      f"{s['ttft_s']['p90']:.3f}", f"{s['tpot_s']['p50']:.4f}",
+                      f"{s['tpot_s']['p90']:.4f}", f"{s['output_tokens_per_s']:.1f}",
+                      f"{s['tightest_slo_scale']:.2f}")
+    console.print(table)
+
+
+def _print_fidelity(console: Console, curves: Sequence[Curve], slo: SLO) -> None:
+    table = Table(title="measured vs simulated attainment (simulated: profile calibrated to "
+                        "the measured unloaded latencies; raw: the profile as fitted)")
+    for column in ("system", "rate", "measured", "simulated", "difference", "raw",
+                   "raw difference"):
+        table.add_column(column, justify="right")
+    for c in curves:
+        for run, sim, raw in zip(c.runs, c.simulated or [], c.simulated_raw or [],
+                                 strict=False):
+            got = run.attainment(slo)
+            table.add_row(c.name, f"{run.rate:g}", f"{got:.0%}", f"{sim:.0%}",
+                          f"{100 * (sim - got):+.1f}", f"{raw:.0%}", f"{100 * (raw - got):+.1f}")
+    console.print(table)

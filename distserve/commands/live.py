@@ -1,0 +1,103 @@
+"""`distserve plan --live`: what the planner and the profiler of a running stack think."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+from rich.console import Console
+from rich.table import Table
+
+from shared import subjects
+from shared.bus import connect, publish
+from shared.messages import ReplanRequest
+
+
+def stack_env(run_dir: Path) -> dict[str, str]:
+    """The DS_* settings of the newest run under `run_dir` (distserve up writes them)."""
+    runs = sorted(run_dir.glob("*/env"))
+    if not runs:
+        return {}
+    return dict(line.split("=", 1) for line in runs[-1].read_text().splitlines() if "=" in line)
+
+
+async def _read(redis_url: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None,
+                                        list[dict[str, Any]]]:
+    redis = Redis.from_url(redis_url)
+    try:
+        plan, view = await redis.mget([subjects.PLAN_KEY, subjects.PROFILER_KEY])
+        history = await redis.lrange(subjects.PLAN_HISTORY_KEY, 0, 9)
+    finally:
+        await redis.aclose()
+    return (json.loads(plan) if plan else None, json.loads(view) if view else None,
+            [json.loads(h) for h in history])
+
+
+async def _replan(nats_url: str) -> None:
+    nc = await connect(nats_url, "distserve-cli")
+    await publish(nc, subjects.REPLAN, ReplanRequest(reasons=["requested from the CLI"]))
+    await nc.drain()
+
+
+def _ago(stamp: float) -> str:
+    return f"{time.time() - stamp:.0f}s ago"
+
+
+def show_live(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    env = stack_env(args.run_dir)
+    redis_url = args.redis_url or env.get("DS_REDIS_URL")
+    if not redis_url:
+        parser.error(f"no running stack found under {args.run_dir}; give --redis-url")
+    console = Console()
+    if args.replan:
+        nats_url = args.nats_url or env.get("DS_NATS_URL")
+        if not nats_url:
+            parser.error("--replan needs the stack's NATS: give --nats-url")
+        asyncio.run(_replan(nats_url))
+        console.print("asked the planner to plan again")
+    try:
+        plan, view, history = asyncio.run(_read(redis_url))
+    except OSError as e:
+        parser.error(f"cannot reach Redis at {redis_url}: {e}")
+    if plan is None:
+        console.print("no plan yet: the planner plans once the profiler has seen a full "
+                      "window of requests (is the stack running with --planner auto?)")
+    else:
+        applied = plan.get("applied") or {}
+        console.print(f"[bold]plan[/bold] ({_ago(plan['made_at'])}): {plan['prefill']} prefill "
+                      f"+ {plan['decode']} decode of {plan['budget']} devices; predicted "
+                      f"goodput {plan['goodput_rps']:.2f} req/s (prefill "
+                      f"{plan['prefill_goodput_rps']:.2f}, decode "
+                      f"{plan['decode_goodput_rps']:.2f} per instance)")
+        console.print(f"  why: {'; '.join(plan['reasons'])}")
+        w = plan["workload"]
+        console.print(f"  for: {w['rate_rps']:.2f} req/s (CV {w['arrival_cv']:.2f}), prompts "
+                      f"{w['prompt_mean']:.0f} and outputs {w['output_mean']:.0f} tokens on "
+                      f"average over {w['requests']} requests")
+        console.print(f"  applied: started {applied.get('started', [])}, drained "
+                      f"{applied.get('drained', [])}" if applied else "  applying ...")
+    if view is not None:
+        table = Table(title=f"profiler ({view['requests_seen']} requests seen, window "
+                            f"{view['window']})")
+        for column in ("window", "requests", "req/s", "CV", "prompt p50", "prompt p90",
+                       "output p50", "output p90"):
+            table.add_column(column, justify="right")
+        for name in ("reference", "recent"):
+            s = view.get(name)
+            if s:
+                table.add_row(name, str(s["requests"]), f"{s['rate_rps']:.2f}",
+                              f"{s['arrival_cv']:.2f}", f"{s['prompt_p50']:.0f}",
+                              f"{s['prompt_p90']:.0f}", f"{s['output_p50']:.0f}",
+                              f"{s['output_p90']:.0f}")
+        console.print(table)
+        for shift in view.get("shifts", [])[-3:]:
+            console.print(f"  shift {_ago(shift['at'])}: {'; '.join(shift['reasons'])}")
+    if len(history) > 1:
+        console.print("earlier plans: " + ", ".join(
+            f"{h['prefill']}P+{h['decode']}D ({_ago(h['made_at'])})" for h in history[1:]))
+    return 0

@@ -1,0 +1,93 @@
+"""`distserve replay TRACE`: send a trace's requests at their recorded times (divided by
+--speed) to an OpenAI-compatible server, and report what became of each one."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from tqdm import tqdm
+
+from distserve.bench.loadgen import Target, run_requests, served_model
+from distserve.bench.workload import SYNTHETIC_TOKEN_RANGE, BenchRequest, Limits
+from shared.metrics import percentiles
+from shared.workloads import Trace, WorkloadError, read_azure_trace, read_mooncake_trace
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("replay", help="replay a request trace against a server",
+                       description=__doc__)
+    p.add_argument("trace", help="an Azure LLM inference CSV or a Mooncake JSONL trace "
+                   "(by extension, or prefixed azure: / mooncake:)")
+    p.add_argument("--speed", type=float, default=1.0,
+                   help="time compression: 2 sends the trace twice as fast (default: 1)")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", help="model name (default: the server's first)")
+    p.add_argument("--limit", type=int, help="only the first N requests")
+    p.add_argument("--length-scale", type=float, default=1.0,
+                   help="multiply the trace's lengths (fit them to a small model)")
+    p.add_argument("--max-prompt", type=int, default=1024)
+    p.add_argument("--max-output", type=int, default=512)
+    p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    p.add_argument("--out", type=Path, help="write every request's record here (JSON)")
+    p.set_defaults(parser=p, run=run)
+
+
+def read_trace(spec: str) -> Trace:
+    kind, _, path = spec.partition(":")
+    if kind not in ("azure", "mooncake"):
+        path, kind = spec, "azure" if spec.endswith(".csv") else "mooncake"
+    return (read_azure_trace if kind == "azure" else read_mooncake_trace)(path)
+
+
+def trace_requests(trace: Trace, speed: float, limits: Limits,
+                   limit: int | None = None) -> list[BenchRequest]:
+    """The trace's requests with synthetic prompts of its (scaled) lengths, at its times."""
+    import numpy as np
+
+    n = min(limit or len(trace.times_s), len(trace.times_s))
+    out = []
+    for i in range(n):
+        prompt = limits.prompt(trace.lengths.prompts[i])
+        ids = np.random.default_rng(i).integers(*SYNTHETIC_TOKEN_RANGE, prompt).tolist()
+        out.append(BenchRequest(i, float(trace.times_s[i]) / speed, ids, prompt,
+                                limits.output(trace.lengths.outputs[i])))
+    return out
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.speed <= 0 or (args.limit is not None and args.limit < 1):
+        parser.error("--speed must be positive and --limit at least 1")
+    try:
+        trace = read_trace(args.trace)
+        requests = trace_requests(trace, args.speed, Limits(args.max_prompt, args.max_output,
+                                                            args.length_scale), args.limit)
+        model = args.model or asyncio.run(served_model(args.url))
+    except WorkloadError as e:
+        parser.error(str(e))
+    except (httpx.HTTPError, RuntimeError) as e:
+        parser.error(f"cannot reach a model at {args.url}/v1/models: {e}")
+    console = Console()
+    span = requests[-1].arrival_s
+    console.print(f"replaying {len(requests)} requests over {span:.0f}s against {args.url}")
+    with tqdm(total=len(requests), unit="req", desc="replay", dynamic_ncols=True) as bar:
+        result = asyncio.run(run_requests(Target(args.url, model, timeout_s=args.timeout),
+                                          requests, len(requests) / max(span, 1e-9),
+                                          lambda _: bar.update()))
+    done = [r for r in result.records if r.ok]
+    failed = [r for r in result.records if not r.ok]
+    ttft = percentiles([r.ttft for r in done if r.ttft is not None])
+    tpot = percentiles([r.tpot for r in done if r.tpot is not None])
+    console.print(f"{len(done)} completed, {len(failed)} failed in {result.duration_s:.0f}s; "
+                  f"TTFT p50 {ttft['p50']:.3f}s p90 {ttft['p90']:.3f}s; TPOT p50 "
+                  f"{tpot['p50']:.4f}s p90 {tpot['p90']:.4f}s")
+    for r in failed[:10]:
+        console.print(f"  request {r.index} failed: {r.error}")
+    if args.out:
+        args.out.write_text(json.dumps([r.to_json() for r in result.records], indent=1))
+    return 1 if failed else 0

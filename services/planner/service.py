@@ -1,0 +1,150 @@
+"""The planner service: on a replan request (from the profiler, or `distserve plan --live
+--replan`) it runs the placement search for the recent workload with the live profile,
+records the plan and its reason in Redis, and applies it through a deployer. Requests that
+arrive while a plan is being made or applied are coalesced: only the latest is acted on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from dataclasses import asdict
+from typing import Any, Literal
+
+import numpy as np
+from nats.aio.msg import Msg
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from redis.asyncio import Redis
+
+from services.planner.budget import plan_within_budget
+from services.planner.deployer import Deployer, LocalDeployer, LogOnlyDeployer
+from services.planner.placement import Problem
+from services.planner.profiles import Profile, load_profile, shipped_cpu_profile
+from shared import subjects
+from shared.bus import connect, parse
+from shared.messages import ReplanRequest, WorkloadSummary
+from shared.metrics import SLO
+from shared.state import Registry
+from shared.workloads import Lengths, Workload
+
+log = logging.getLogger(__name__)
+
+
+class PlannerSettings(BaseSettings):
+    """DS_NATS_URL, DS_REDIS_URL, DS_RUN_DIR, DS_THREADS and DS_PLANNER_* variables."""
+
+    model_config = SettingsConfigDict(env_prefix="DS_")
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    redis_url: str = "redis://127.0.0.1:6379"
+    run_dir: str | None = None
+    threads: int = 1
+    heartbeat_ttl_s: float = 2.0
+    planner_profile: str = ""  # default: the shipped CPU profile for DS_THREADS
+    planner_ttft_s: float = 5.0
+    planner_tpot_s: float = 0.2
+    planner_attainment: float = 0.9
+    planner_devices: int = 0  # device budget; 0 = the number of CPU cores
+    planner_deployer: Literal["local", "none"] = "local"
+
+    @property
+    def budget(self) -> int:
+        return self.planner_devices or os.cpu_count() or 2
+
+    def profile(self) -> Profile:
+        return load_profile(self.planner_profile or shipped_cpu_profile(self.threads))
+
+
+def problem_for(workload: WorkloadSummary, profile: Profile, slo: SLO, target: float,
+                budget: int) -> Problem:
+    lengths = Lengths(np.array(workload.prompt_tokens), np.array(workload.output_tokens))
+    cv = workload.arrival_cv if workload.arrival_cv > 0 else 1.0
+    return Problem(profile, Workload(lengths, cv=cv), slo, max(workload.rate_rps, 1e-3), 1,
+                   budget, target, workers=1)
+
+
+class PlannerService:
+    def __init__(self, settings: PlannerSettings) -> None:
+        self.settings = settings
+        self.profile = settings.profile()
+        self.slo = SLO(settings.planner_ttft_s, settings.planner_tpot_s)
+        self.latest: ReplanRequest | None = None
+        self.last_workload: WorkloadSummary | None = None
+        self.wake = asyncio.Event()
+        self.deployer: Deployer
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.nc = await connect(self.settings.nats_url, "planner")
+        self.redis = Redis.from_url(self.settings.redis_url)
+        registry = Registry(self.redis, self.settings.heartbeat_ttl_s)
+        self.deployer = (LocalDeployer(self.nc, registry, self.settings.run_dir)
+                         if self.settings.planner_deployer == "local" else LogOnlyDeployer())
+        await self.nc.subscribe(subjects.REPLAN, cb=self._on_replan)
+        await self.nc.flush()
+        await self.redis.set(subjects.ready_key("planner"), time.time())
+        log.info("planner ready: budget %d devices, SLO TTFT %.3gs TPOT %.3gs, %s deployer",
+                 self.settings.budget, self.slo.ttft_s, self.slo.tpot_s,
+                 self.settings.planner_deployer)
+        worker = asyncio.create_task(self._plan_forever())
+        await asyncio.wait([worker, asyncio.create_task(stop.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
+        worker.cancel()
+        await self.redis.delete(subjects.ready_key("planner"))
+        await self.nc.drain()
+        await asyncio.get_running_loop().run_in_executor(None, self.deployer.stop)
+        await self.redis.aclose()
+
+    async def _on_replan(self, msg: Msg) -> None:
+        self.latest = parse(msg, ReplanRequest)
+        self.wake.set()
+
+    async def _plan_forever(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            request, self.latest = self.latest, None
+            if request is not None:
+                try:
+                    await self.replan(request)
+                except Exception:  # a failed plan must not stop the next one
+                    log.exception("replanning failed")
+
+    async def replan(self, request: ReplanRequest) -> dict[str, Any]:
+        workload = request.workload or self.last_workload
+        if workload is None:
+            log.warning("replan requested (%s) before any workload was seen",
+                        "; ".join(request.reasons))
+            return {}
+        self.last_workload = workload
+        problem = problem_for(workload, self.profile, self.slo,
+                              self.settings.planner_attainment, self.settings.budget)
+        started = time.monotonic()
+        plan = await asyncio.get_running_loop().run_in_executor(
+            None, plan_within_budget, problem, self.settings.budget)
+        record: dict[str, Any] = {
+            "made_at": time.time(), "search_s": time.monotonic() - started,
+            "reasons": request.reasons, "budget": self.settings.budget,
+            "slo": asdict(self.slo), **asdict(plan),
+            "workload": {"rate_rps": workload.rate_rps, "arrival_cv": workload.arrival_cv,
+                         "requests": len(workload.prompt_tokens),
+                         "prompt_mean": float(np.mean(workload.prompt_tokens)),
+                         "output_mean": float(np.mean(workload.output_tokens))}}
+        log.info("plan: %d prefill + %d decode (%s)", plan.prefill, plan.decode,
+                 "; ".join(request.reasons))
+        await self._save(record)
+        record["applied"] = await self.deployer.apply({"prefill": plan.prefill,
+                                                       "decode": plan.decode})
+        record["applied_at"] = time.time()
+        await self._save(record)
+        return record
+
+    async def _save(self, record: dict[str, Any]) -> None:
+        text = json.dumps(record)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(subjects.PLAN_KEY, text)
+            if "applied_at" not in record:
+                pipe.lpush(subjects.PLAN_HISTORY_KEY, text)
+                pipe.ltrim(subjects.PLAN_HISTORY_KEY, 0, 19)
+            await pipe.execute()

@@ -1,0 +1,11 @@
+"""python -m services.profiler: the workload profiler service (settings from DS_*)."""
+
+import asyncio
+
+from services.profiler.service import ProfilerService, ProfilerSettings
+from services.runtime import run_until_signalled, setup_logging
+
+if __name__ == "__main__":
+    setup_logging("profiler")
+    service = ProfilerService(ProfilerSettings())
+    asyncio.run(run_until_signalled(service.run))

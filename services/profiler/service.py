@@ -1,0 +1,104 @@
+"""The workload profiler: watches every finished request (the gateway's events on NATS),
+keeps sliding windows, and on a significant shift asks the planner for a new plan with a
+summary of recent history. Its current view is kept in Redis for `distserve plan --live`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import asdict
+
+from nats.aio.msg import Msg
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from redis.asyncio import Redis
+
+from services.profiler.detector import (
+    DetectorConfig,
+    RequestEvent,
+    Shift,
+    WindowStats,
+    WorkloadMonitor,
+)
+from shared import subjects
+from shared.bus import connect, parse, publish
+from shared.messages import ReplanRequest, RequestDone, WorkloadSummary
+
+log = logging.getLogger(__name__)
+
+
+class ProfilerSettings(BaseSettings):
+    """DS_NATS_URL, DS_REDIS_URL and DS_PROFILER_* variables."""
+
+    model_config = SettingsConfigDict(env_prefix="DS_")
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    redis_url: str = "redis://127.0.0.1:6379"
+    profiler_window: int = 60  # requests per window
+    profiler_alpha: float = 1e-3  # significance of the tests
+    profiler_min_ks: float = 0.3  # smallest length change (KS statistic) that counts
+    profiler_min_rate_ratio: float = 2.0  # smallest rate change (either way) that counts
+    profiler_cooldown_s: float = 30.0  # no new shift this soon after the last one
+    profiler_check_every: int = 5
+
+    def detector(self) -> DetectorConfig:
+        return DetectorConfig(self.profiler_window, self.profiler_alpha, self.profiler_min_ks,
+                              self.profiler_min_rate_ratio, self.profiler_cooldown_s,
+                              self.profiler_check_every)
+
+
+def summary(events: list[RequestEvent], stats: WindowStats) -> WorkloadSummary:
+    return WorkloadSummary(rate_rps=stats.rate_rps, arrival_cv=stats.arrival_cv,
+                           prompt_tokens=[e.prompt_tokens for e in events],
+                           output_tokens=[e.output_tokens for e in events])
+
+
+class ProfilerService:
+    def __init__(self, settings: ProfilerSettings) -> None:
+        self.settings = settings
+        self.monitor = WorkloadMonitor(settings.detector())
+        self.shifts: list[dict[str, object]] = []
+        self.seen = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.nc = await connect(self.settings.nats_url, "profiler")
+        self.redis = Redis.from_url(self.settings.redis_url)
+        await self.nc.subscribe(subjects.REQUEST_EVENTS, cb=self._on_event)
+        await self.nc.flush()
+        await self.redis.set(subjects.ready_key("profiler"), time.time())
+        log.info("profiler watching %s (window %d)", subjects.REQUEST_EVENTS,
+                 self.settings.profiler_window)
+        await stop.wait()
+        await self.redis.delete(subjects.ready_key("profiler"))
+        await self.nc.drain()
+        await self.redis.aclose()
+
+    async def _on_event(self, msg: Msg) -> None:
+        done = parse(msg, RequestDone)
+        if done.outcome not in ("stop", "length"):
+            return  # failed or cancelled: its output length says nothing of the workload
+        self.seen += 1
+        event = RequestEvent(done.arrival_ts, done.prompt_tokens, done.output_tokens)
+        shift = self.monitor.observe(event, time.time())
+        if shift is not None:
+            await self._replan(shift)
+        await self._save_view()
+
+    async def _replan(self, shift: Shift) -> None:
+        events = self.monitor.reference  # the window that flagged the shift
+        log.info("workload shift: %s", "; ".join(shift.reasons))
+        self.shifts.append({"at": time.time(), "reasons": list(shift.reasons),
+                            "before": asdict(shift.reference), "after": asdict(shift.recent)})
+        await publish(self.nc, subjects.REPLAN, ReplanRequest(
+            reasons=list(shift.reasons), workload=summary(events, shift.recent)))
+
+    async def _save_view(self) -> None:
+        recent = list(self.monitor.recent)
+        view = {"updated_at": time.time(), "requests_seen": self.seen,
+                "window": self.settings.profiler_window,
+                "recent": asdict(WindowStats.of(recent)) if len(recent) > 1 else None,
+                "reference": asdict(WindowStats.of(self.monitor.reference))
+                if self.monitor.reference else None,
+                "shifts": self.shifts[-10:]}
+        await self.redis.set(subjects.PROFILER_KEY, json.dumps(view))

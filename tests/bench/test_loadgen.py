@@ -1,0 +1,83 @@
+"""`distserve bench` against a real stack (1 prefill + 1 decode processes, NATS, Valkey), and
+against servers that fail: every request is accounted for."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from distserve.cli import main
+from services.launcher import Stack, free_port
+from tests.services.conftest import start_stack
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack(tmp_path_factory.mktemp("bench-stack"))
+    yield s
+    s.stop()
+
+
+def bench(url: str, out: Path, *extra: str) -> tuple[int, dict[str, Any]]:
+    code = main(["bench", "--url", url, "--workload", "fixed:40:6", "--requests", "6",
+                 "--out", str(out), *extra])
+    return code, json.loads((out / "results.json").read_text())
+
+
+def test_every_request_completes_with_figures_plots_and_breakdown(stack: Stack,
+                                                                  tmp_path: Path) -> None:
+    code, report = bench(stack.url, tmp_path, "--rates", "1,4", "--ttft", "30", "--tpot", "5",
+                         "--traces", str(stack.run_dir))
+    assert code == 0
+    (system,) = report["systems"]
+    assert [run["rate"] for run in system["runs"]] == [1.0, 4.0]
+    for run in system["runs"]:
+        assert run["requests"] == run["completed"] == 6 and run["failed"] == 0
+        assert run["attainment"] == 1.0  # objectives far beyond this load's latencies
+        records = run["records"]
+        assert sorted(r["index"] for r in records) == list(range(6))
+        assert all(r["tokens"] == 6 and r["ttft_s"] > 0 and r["tpot_s"] > 0 for r in records)
+        assert all(r["request_id"].startswith("cmpl-") for r in records)
+        # the traces give every stage of a disaggregated request
+        assert set(run["breakdown_s"]) == {"prefill queue", "prefill run", "kv transfer",
+                                           "decode queue", "decode run"}
+        assert run["breakdown_s"]["decode run"] > 0
+    assert system["goodput_rps"] == 4.0  # met at every measured rate
+    for name in ("attainment_vs_rate.png", "attainment_vs_slo_scale.png", "breakdown.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_timed_out_requests_count_as_failed_not_lost(stack: Stack, tmp_path: Path) -> None:
+    code, report = bench(stack.url, tmp_path, "--rates", "2", "--ttft", "30", "--tpot", "5",
+                         "--timeout", "0.05")
+    assert code == 1
+    (run,) = report["systems"][0]["runs"]
+    assert run["requests"] == 6 and run["failed"] == 6 and run["attainment"] == 0.0
+    assert run["errors"] == ["timed out after 0.05s"]
+
+
+def test_a_server_that_is_down_fails_every_request_visibly(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    code, report = bench(url, tmp_path, "--model", "m", "--rates", "5", "--ttft", "1",
+                         "--tpot", "1")
+    assert code == 1
+    (run,) = report["systems"][0]["runs"]
+    assert (run["requests"], run["completed"], run["failed"]) == (6, 0, 6)
+    assert all(r["error"].startswith("ConnectError") for r in run["records"])
+    assert report["systems"][0]["goodput_rps"] == 0.0
+
+
+def test_bad_arguments_get_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    for args, message in ((["--rates", "fast"], "comma-separated numbers"),
+                          (["--ttft", "1"], "both --ttft and --tpot"),
+                          (["--workload", "nope"], "unknown workload")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench", "--url", "http://127.0.0.1:1", *args])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err

@@ -1,0 +1,131 @@
+"""Draining and online replanning with real processes, NATS and Valkey: a drained decode
+instance finishes what it holds; a workload whose prompts get much longer makes the
+profiler flag a shift, the planner move capacity toward prefill and the local deployer
+rescale, while every request completes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis import Redis
+
+from distserve.bench.loadgen import Target, run_requests
+from distserve.bench.results import RunResult
+from distserve.bench.workload import BenchRequest
+from distserve.cli import main
+from shared import subjects
+from shared.bus import connect, publish
+from shared.messages import Drain
+from tests.services.conftest import start_stack
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+MODEL = "smollm2-135m"
+
+
+def requests(n: int, prompt: int, output: int, gap_s: float) -> list[BenchRequest]:
+    return [BenchRequest(i, i * gap_s, list(range(1000 + i, 1000 + i + prompt)), prompt, output)
+            for i in range(n)]
+
+
+def in_background(target: Target, batch: list[BenchRequest]) -> tuple[threading.Thread,
+                                                                      list[RunResult]]:
+    out: list[RunResult] = []
+    thread = threading.Thread(target=lambda: out.append(
+        asyncio.run(run_requests(target, batch, 1.0))))
+    thread.start()
+    return thread, out
+
+
+def live(redis: Redis, role: str) -> dict[str, dict[str, Any]]:
+    ids = sorted(m.decode() for m in redis.smembers(subjects.role_set(role)))
+    values = [redis.get(subjects.instance_key(i)) for i in ids]
+    return {i: json.loads(v) for i, v in zip(ids, values, strict=True) if v is not None}
+
+
+def wait_for(condition: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.3)
+
+
+def test_draining_a_decode_instance_loses_none_of_its_requests(tmp_path: Path) -> None:
+    stack = start_stack(tmp_path, prefill=1, decode=2)
+    try:
+        redis = Redis.from_url(stack.env["DS_REDIS_URL"])
+        target = Target(stack.url, MODEL, timeout_s=300)
+        thread, result = in_background(target, requests(6, 24, 48, 0.1))
+        # once both decode instances are streaming, drain one of them
+        wait_for(lambda: all(i["running"] > 0 for i in live(redis, "decode").values()), 120,
+                 "both decode instances to run requests")
+
+        async def drain() -> None:
+            nc = await connect(stack.env["DS_NATS_URL"], "test")
+            await publish(nc, subjects.drain("decode-0"), Drain(reason="test"))
+            await nc.flush()
+            await nc.close()
+
+        asyncio.run(drain())
+        wait_for(lambda: live(redis, "decode").get("decode-0", {}).get("draining", True), 10,
+                 "decode-0 to leave dispatch")
+        # requests sent during the drain go to the other instance and complete too
+        late = asyncio.run(run_requests(target, requests(3, 24, 8, 0.2), 1.0))
+        thread.join(timeout=300)
+        records = result[0].records + late.records
+        assert [r.error for r in records] == [None] * 9
+        assert [r.tokens for r in records] == [48] * 6 + [8] * 3
+        # decode-0 exits on its own once it holds nothing, and leaves the registry
+        assert stack.child("decode-0").wait(timeout=60) == 0
+        assert set(live(redis, "decode")) == {"decode-1"}
+        log = (stack.run_dir / "decode-0.log").read_text()
+        assert "draining" in log and "drained in" in log
+    finally:
+        stack.stop()
+
+
+def write_trace(path: Path) -> None:
+    """Mooncake JSONL: 30 short-prompt, longer-output requests every 0.5 s, then 36 with
+    long prompts and 2-token outputs every 1 s."""
+    rows = [(500 * i, 16, 24) for i in range(30)]
+    rows += [(15_000 + 1000 * i, 384, 2) for i in range(36)]
+    path.write_text("".join(json.dumps({"timestamp": t, "input_length": p,
+                                        "output_length": o, "hash_ids": []}) + "\n"
+                            for t, p, o in rows))
+
+
+def test_longer_prompts_move_capacity_to_prefill_without_losing_requests(
+        tmp_path: Path) -> None:
+    env = {"DS_PLANNER_DEVICES": "3", "DS_PROFILER_WINDOW": "20",
+           "DS_PROFILER_COOLDOWN_S": "5", "DS_PROFILER_CHECK_EVERY": "2",
+           "DS_PROFILER_ALPHA": "0.01", "DS_PLANNER_TTFT_S": "5", "DS_PLANNER_TPOT_S": "0.25"}
+    stack = start_stack(tmp_path, prefill=1, decode=2, planner=True, extra_env=env)
+    try:
+        redis = Redis.from_url(stack.env["DS_REDIS_URL"])
+        trace = tmp_path / "shift.jsonl"
+        write_trace(trace)
+        out = tmp_path / "replay.json"
+        # every request completes: replay exits 0 only when none failed
+        assert main(["replay", str(trace), "--url", stack.url, "--out", str(out)]) == 0
+        records = json.loads(out.read_text())
+        assert len(records) == 66 and all(r["error"] is None for r in records)
+        history = [json.loads(h) for h in redis.lrange(subjects.PLAN_HISTORY_KEY, 0, -1)]
+        first, *later = reversed(history)
+        assert first["reasons"] == ["first full window"]
+        assert (first["prefill"], first["decode"]) == (1, 2)  # short prompts: decode-heavy
+        shift = next(p for p in later if any("prompt lengths" in r for r in p["reasons"]))
+        assert (shift["prefill"], shift["decode"]) == (2, 1)
+        # the new prefill instance serves, a decode instance drained away
+        wait_for(lambda: len(live(redis, "prefill")) == 2 and len(live(redis, "decode")) == 1,
+                 120, "the deployment to match the plan")
+        plan = json.loads(redis.get(subjects.PLAN_KEY) or "{}")
+        assert len(plan["applied"]["started"]) == 1 and len(plan["applied"]["drained"]) == 1
+        view = json.loads(redis.get(subjects.PROFILER_KEY) or "{}")
+        assert view["requests_seen"] == 66
+    finally:
+        stack.stop()
