@@ -10,6 +10,8 @@ from pathlib import Path
 import yaml
 
 from services.gateway.app import GatewaySettings
+from services.planner.service import PlannerSettings
+from services.profiler.service import ProfilerSettings
 from services.runtime import WorkerSettings
 
 ROOT = Path(__file__).parents[1]
@@ -25,13 +27,16 @@ def launcher_commands() -> dict[str, list[str]]:
     source = (ROOT / "services" / "launcher.py").read_text()
     assert '[sys.executable, "-m", f"services.{role}"]' in source
     assert '[sys.executable, "-m", "services.gateway"]' in source
+    assert '[sys.executable, "-m", f"services.{service}"]' in source
+    assert 'for service in ("profiler", "planner")' in source
     return {name: ["python", "-m", f"services.{name}"]
-            for name in ("prefill", "decode", "gateway")}
+            for name in ("prefill", "decode", "gateway", "profiler", "planner")}
 
 
 def test_compose_has_the_stack_and_the_launchers_commands() -> None:
     services = compose()
-    assert {"nats", "redis", "gateway", "prefill", "decode", "jaeger"} <= set(services)
+    assert {"nats", "redis", "gateway", "prefill", "decode", "jaeger", "profiler",
+            "planner"} <= set(services)
     for name, command in launcher_commands().items():
         assert services[name]["command"] == command
         assert services[name]["build"] == "."
@@ -43,7 +48,10 @@ def test_compose_has_the_stack_and_the_launchers_commands() -> None:
 def test_compose_environment_names_real_settings() -> None:
     worker = {f"DS_{f.upper()}" for f in WorkerSettings.model_fields}
     gateway = {f"DS_{f.upper()}" for f in GatewaySettings.model_fields}
-    for name, known in (("prefill", worker), ("decode", worker), ("gateway", gateway)):
+    profiler = {f"DS_{f.upper()}" for f in ProfilerSettings.model_fields}
+    planner = {f"DS_{f.upper()}" for f in PlannerSettings.model_fields}
+    for name, known in (("prefill", worker), ("decode", worker), ("gateway", gateway),
+                        ("profiler", profiler), ("planner", planner)):
         env = compose()[name]["environment"]
         assert isinstance(env, dict)
         names = {k for k in env if k.startswith("DS_")}
@@ -55,7 +63,8 @@ def test_compose_environment_names_real_settings() -> None:
 def test_service_modules_start() -> None:
     """Each service module at least imports and finds its settings (no servers needed)."""
     for module in ("services.prefill.service", "services.decode.service",
-                   "services.colocated.service", "services.gateway.routes"):
+                   "services.colocated.service", "services.gateway.routes",
+                   "services.profiler.service", "services.planner.service"):
         result = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT,
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr

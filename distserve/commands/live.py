@@ -53,7 +53,7 @@ def show_live(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     redis_url = args.redis_url or env.get("DS_REDIS_URL")
     if not redis_url:
         parser.error(f"no running stack found under {args.run_dir}; give --redis-url")
-    console = Console()
+    console = Console(soft_wrap=True)
     if args.replan:
         nats_url = args.nats_url or env.get("DS_NATS_URL")
         if not nats_url:

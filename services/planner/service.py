@@ -1,7 +1,8 @@
-"""The planner service: on a replan request (from the profiler, or `distserve plan --live
---replan`) it runs the placement search for the recent workload with the live profile,
-records the plan and its reason in Redis, and applies it through a deployer. Requests that
-arrive while a plan is being made or applied are coalesced: only the latest is acted on."""
+"""The planner service: on a replan request (from the profiler, `distserve plan --live
+--replan`, or every DS_PLANNER_INTERVAL_S) it runs the placement search for the recent
+workload with the live profile, records the plan and its reason in Redis, and applies it
+through a deployer. Requests that arrive while a plan is being made or applied are
+coalesced: only the latest is acted on."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ class PlannerSettings(BaseSettings):
     planner_attainment: float = 0.9
     planner_devices: int = 0  # device budget; 0 = the number of CPU cores
     planner_deployer: Literal["local", "none"] = "local"
+    planner_interval_s: float = 0.0  # also plan again this often (0: only when asked)
 
     @property
     def budget(self) -> int:
@@ -101,8 +103,12 @@ class PlannerService:
         self.wake.set()
 
     async def _plan_forever(self) -> None:
+        interval = self.settings.planner_interval_s or None
         while True:
-            await self.wake.wait()
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout=interval)
+            except TimeoutError:
+                self.latest = self.latest or ReplanRequest(reasons=["timer"])
             self.wake.clear()
             request, self.latest = self.latest, None
             if request is not None:

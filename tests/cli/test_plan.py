@@ -67,3 +67,14 @@ def test_unknown_workload_is_a_clear_error() -> None:
     args = [a if a != SHAREGPT else "poisson:nothing" for a in BASE]
     result = distserve("plan", *args, "--rate", "1", "--nodes", "1", "--gpus-per-node", "8")
     assert result.returncode == 2 and "unknown workload" in result.stderr
+
+
+def test_plan_names_what_is_missing_and_live_needs_a_stack(tmp_path: Path) -> None:
+    result = distserve("plan", "--ttft", "1", "--tpot", "1")
+    assert result.returncode == 2
+    assert "required: --profile, --workload, --rate, --nodes, --gpus-per-node" in result.stderr
+    result = distserve("plan", "--live", "--run-dir", str(tmp_path))
+    assert result.returncode == 2 and "no running stack found" in result.stderr
+    result = distserve("plan", "--replan", *BASE, "--rate", "1", "--nodes", "1",
+                       "--gpus-per-node", "8")
+    assert result.returncode == 2 and "--replan goes with --live" in result.stderr

@@ -100,7 +100,7 @@ def write_trace(path: Path) -> None:
 
 
 def test_longer_prompts_move_capacity_to_prefill_without_losing_requests(
-        tmp_path: Path) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     env = {"DS_PLANNER_DEVICES": "3", "DS_PROFILER_WINDOW": "20",
            "DS_PROFILER_COOLDOWN_S": "5", "DS_PROFILER_CHECK_EVERY": "2",
            "DS_PROFILER_ALPHA": "0.01", "DS_PLANNER_TTFT_S": "5", "DS_PLANNER_TPOT_S": "0.25"}
@@ -127,5 +127,10 @@ def test_longer_prompts_move_capacity_to_prefill_without_losing_requests(
         assert len(plan["applied"]["started"]) == 1 and len(plan["applied"]["drained"]) == 1
         view = json.loads(redis.get(subjects.PROFILER_KEY) or "{}")
         assert view["requests_seen"] == 66
+        capsys.readouterr()
+        assert main(["plan", "--live", "--redis-url", stack.env["DS_REDIS_URL"]]) == 0
+        shown = capsys.readouterr().out
+        assert "2 prefill + 1 decode of 3 devices" in shown
+        assert "prompt lengths changed" in shown and "1P+2D" in shown
     finally:
         stack.stop()

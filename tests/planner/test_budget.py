@@ -1,0 +1,46 @@
+"""Online planning on a device budget, and which instances a scale-down drains (pure)."""
+
+import numpy as np
+import pytest
+
+from services.planner.budget import plan_within_budget, split
+from services.planner.deployer import to_drain
+from services.planner.placement import Problem
+from services.planner.profiles import load_profile, shipped_cpu_profile
+from shared.metrics import SLO
+from shared.state import InstanceInfo
+from shared.workloads import Lengths, Workload
+
+
+def test_split_balances_the_two_phases_goodput() -> None:
+    assert split(3, prefill_rps=10.0, decode_rps=5.0) == (1, 2)
+    assert split(3, prefill_rps=1.0, decode_rps=40.0) == (2, 1)
+    assert split(5, prefill_rps=2.0, decode_rps=3.0) == (3, 2)  # min(6, 6)
+    assert split(4, prefill_rps=1.0, decode_rps=1.0) == (2, 2)
+    assert split(2, prefill_rps=0.1, decode_rps=100.0) == (1, 1)  # one per phase at least
+    with pytest.raises(ValueError):
+        split(1, 1.0, 1.0)
+
+
+def problem(prompt: int, output: int) -> Problem:
+    profile = load_profile(shipped_cpu_profile(1))
+    lengths = Lengths(np.array([prompt] * 8), np.array([output] * 8))
+    return Problem(profile, Workload(lengths), SLO(5.0, 0.25), 1.0, 1, 3, workers=1)
+
+
+def test_longer_prompts_move_the_budget_toward_prefill() -> None:
+    chat = plan_within_budget(problem(16, 24), 3)
+    summarize = plan_within_budget(problem(384, 2), 3)
+    assert (chat.prefill, chat.decode) == (1, 2)
+    assert (summarize.prefill, summarize.decode) == (2, 1)
+    assert summarize.prefill_goodput_rps < chat.prefill_goodput_rps / 5
+    assert summarize.goodput_rps == pytest.approx(
+        min(2 * summarize.prefill_goodput_rps, summarize.decode_goodput_rps))
+
+
+def test_scale_down_drains_the_least_loaded_instances() -> None:
+    live = [InstanceInfo(instance_id="d-a", role="decode", running=5),
+            InstanceInfo(instance_id="d-b", role="decode", running=1),
+            InstanceInfo(instance_id="d-c", role="decode", running=2, queue_len=3)]
+    assert [i.instance_id for i in to_drain(live, 1)] == ["d-b", "d-a"]
+    assert to_drain(live, 3) == [] and to_drain(live, 5) == []
