@@ -192,5 +192,16 @@ class Stack:
                 child.log.close()
         self.children.clear()
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) each live child has used so far (Linux /proc)."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        out = {}
+        for child in self.children:
+            with contextlib.suppress(OSError):
+                fields = Path(f"/proc/{child.proc.pid}/stat").read_text().rsplit(")", 1)[1]
+                utime, stime = fields.split()[11:13]
+                out[child.name] = (int(utime) + int(stime)) / ticks
+        return out
+
     def child(self, name: str) -> subprocess.Popen[bytes]:
         return next(c.proc for c in self.children if c.name == name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,7 @@ class Measured:
     runs: list[RunResult]
     unloaded: Unloaded
     link_bps: float | None  # KV transfer rate seen in the traces (disaggregated only)
+    cores_used: dict[str, float]  # each process's CPU time over the runs' wall time
 
 
 def measure(system: System, workload: BenchWorkload, rates: Callable[[Unloaded], list[float]],
@@ -77,14 +79,21 @@ def measure(system: System, workload: BenchWorkload, rates: Callable[[Unloaded],
         unloaded = calibrate(target, workload)
         log(f"{system.name}: unloaded TTFT {1e3 * unloaded.ttft_s:.0f} ms, TPOT "
             f"{1e3 * unloaded.tpot_s:.1f} ms at a {unloaded.prompt_tokens}-token prompt")
+        cpu_before, started = stack.cpu_seconds(), time.monotonic()
         runs = sweep(target, workload, rates(unloaded), requests, seed, system.name,
                      trace_dir=stack.run_dir)
+        elapsed = time.monotonic() - started
+        cpu = {name: (used - cpu_before.get(name, 0.0)) / elapsed
+               for name, used in stack.cpu_seconds().items()}
+        log(f"{system.name}: cores used during the runs: " +
+            ", ".join(f"{name} {share:.2f}" for name, share in cpu.items()))
         spans = [s for s in read_spans(stack.run_dir) if s["name"] == "kv transfer"]
     finally:
         stack.stop()
     rates_bps = [s["attributes"]["bytes"] / span_seconds(s) for s in spans
                  if span_seconds(s) > 0]
-    return Measured(system, runs, unloaded, statistics.median(rates_bps) if rates_bps else None)
+    return Measured(system, runs, unloaded, statistics.median(rates_bps) if rates_bps else None,
+                    cpu)
 
 
 def calibrated(latency: LatencyModel, unloaded: Unloaded) -> LatencyModel:
