@@ -1,13 +1,14 @@
 """Online replanning: a workload whose prompts get much longer half-way, served with and
 without the profiler and planner, side by side in one run.
 
-    .venv/bin/python benchmarks/replanning.py [--before 40] [--after 60]
+    .venv/bin/python benchmarks/replanning.py [--before 40] [--after 100] [--after-gap 0.6]
 
-Phase A: short prompts, longer outputs (decode-heavy), phase B: long prompts, two-token
-outputs (prefill-heavy). Both runs start at 1 prefill + 2 decode on a budget of 3 workers of
-1 thread. Prints the time from the shift (first phase-B request sent) to its detection, to the
-new plan, and to the new instances serving, and SLO attainment before, during (until the new
-plan is applied) and after the change, with and without replanning.
+Phase A: short prompts, longer outputs (decode-heavy); phase B: long prompts, two-token
+outputs (prefill-heavy), faster than one prefill instance can take them. Both runs start at
+1 prefill + 2 decode on a budget of 3 workers of 1 thread. Prints the time from the shift
+(first phase-B request sent) to its detection, to the new plan, and to the new instances
+serving, and SLO attainment before, during (until the new plan is applied) and after the
+change, with and without replanning.
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ ENV = {"DS_PLANNER_DEVICES": "3", "DS_PROFILER_WINDOW": "20", "DS_PROFILER_COOLD
        "DS_PLANNER_TPOT_S": str(SLO_USED.tpot_s)}
 
 
-def workload(before: int, after: int) -> list[BenchRequest]:
+def workload(before: int, after: int, gap: float) -> list[BenchRequest]:
     out = [BenchRequest(i, 0.5 * i, list(range(1000 + i, 1016 + i)), 16, 24)
            for i in range(before)]
     start = 0.5 * before
-    out += [BenchRequest(before + i, start + 1.0 * i, list(range(2000 + i, 2384 + i)), 384, 2)
+    out += [BenchRequest(before + i, start + gap * i, list(range(2000 + i, 2384 + i)), 384, 2)
             for i in range(after)]
     return out
 
@@ -83,15 +84,19 @@ def run(planner: bool, requests: list[BenchRequest], before: int) -> dict[str, A
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", type=int, default=40, help="phase-A requests (2/s)")
-    parser.add_argument("--after", type=int, default=60, help="phase-B requests (1/s)")
+    parser.add_argument("--after", type=int, default=100, help="phase-B requests")
+    parser.add_argument("--after-gap", type=float, default=0.6,
+                        help="seconds between phase-B requests (default 0.6: more than one "
+                             "1-thread prefill instance sustains)")
     args = parser.parse_args()
-    requests = workload(args.before, args.after)
+    requests = workload(args.before, args.after, args.after_gap)
     results = {name: run(planner, requests, args.before)
                for name, planner in (("with replanning", True), ("static 1P+2D", False))}
     timed = results["with replanning"]
     shift = timed["shift_at"]
     print(f"SLO TTFT {SLO_USED.ttft_s}s, TPOT {SLO_USED.tpot_s}s; phase A {args.before} x "
-          f"16/24 tokens at 2/s, phase B {args.after} x 384/2 tokens at 1/s")
+          f"16/24 tokens at 2/s, phase B {args.after} x 384/2 tokens at "
+          f"{1 / args.after_gap:.2f}/s")
     if timed.get("detected_at") and timed.get("plan"):
         plan = timed["plan"]
         print(f"shift -> detected {timed['detected_at'] - shift:.1f}s; detected -> plan "
