@@ -24,17 +24,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-# Await UCX requests on futures that ucxx's notifier thread completes. Without this, ucxx
-# waits by yielding to the event loop in a busy loop (`wait_yield`): a listener waiting for
-# the next request on an open endpoint then burns a whole core for as long as the endpoint
-# lives, which halved the prefill instance's speed on a 2-core host.
-os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
-
 import ucxx
 from ucxx.exceptions import UCXCanceledError, UCXError
 
 log = logging.getLogger(__name__)
+
+
+def enable_notifier_thread() -> None:
+    """Await UCX requests on futures that ucxx's notifier thread completes, for a process
+    with one event loop for its whole life (a service; call it before the first listener or
+    endpoint). Otherwise ucxx waits by yielding to the event loop in a busy loop: a listener
+    waiting for the next pull on an open endpoint burns a core for as long as the endpoint
+    lives (it halved the prefill instance's speed on a 2-core host). The notifier thread is
+    bound to the loop that is running when UCX starts, and is not a daemon: call
+    `stop_notifier_thread` before the process exits."""
+    os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
+
+
+def stop_notifier_thread() -> None:
+    ucxx.stop_notifier_thread()
 HEADER_BYTES = 512
 
 # request id -> the request's exported blocks (a contiguous host or device array), or None

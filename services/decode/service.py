@@ -21,7 +21,7 @@ from shared.bus import parse, publish
 from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.request import Request
-from shared.kv_transfer import KvClient, TransferError
+from shared.kv_transfer import KvClient, TransferError, stop_notifier_thread
 from shared.messages import Cancel, KvReady, ReleaseKv, TokenChunk
 from shared.state import InstanceInfo
 from shared.telemetry import context_from, record
@@ -57,6 +57,7 @@ class DecodeService(Worker):
 
     async def closing(self) -> None:
         await self.kv_client.close()
+        stop_notifier_thread()
 
     async def _on_kv_ready(self, msg: Msg) -> None:
         ready = parse(msg, KvReady)

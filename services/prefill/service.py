@@ -17,7 +17,7 @@ from shared import subjects
 from shared.bus import parse, publish
 from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput
-from shared.kv_transfer import KvServer
+from shared.kv_transfer import KvServer, stop_notifier_thread
 from shared.messages import Cancel, KvReady, PrefillRequest, ReleaseKv
 from shared.state import InstanceInfo
 from shared.telemetry import context_from, record
@@ -61,6 +61,7 @@ class PrefillService(Worker):
 
     async def closing(self) -> None:
         self.kv_server.close()
+        stop_notifier_thread()
 
     async def _on_request(self, msg: Msg) -> None:
         req = parse(msg, PrefillRequest)
