@@ -78,6 +78,11 @@ class EngineHost:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._wake = asyncio.Event()
         self.step_started = 0.0  # wall-clock start of the step whose outputs are delivered
+        # where the loop's time goes: engine steps, handling their outputs, requests per step
+        self.steps = 0
+        self.step_s = 0.0
+        self.outputs_s = 0.0
+        self.batched = 0  # requests summed over steps
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -92,10 +97,16 @@ class EngineHost:
                 await self._wake.wait()
                 continue
             started = time.time()
+            batch = len(self.engine.scheduler.running) + len(self.engine.scheduler.waiting)
             outputs = await self.call(self.engine.step)
+            handled = time.time()
             self.step_started = started
             if outputs:
                 await on_outputs(outputs)
+            self.steps += 1
+            self.batched += batch
+            self.step_s += handled - started
+            self.outputs_s += time.time() - handled
 
 
 async def heartbeat_forever(registry: Registry, info: Callable[[], InstanceInfo],
@@ -152,7 +163,9 @@ class Worker:
         return InstanceInfo(instance_id=self.id, role=self.role,
                             queue_len=len(scheduler.waiting), running=len(scheduler.running),
                             free_blocks=blocks.num_free, total_blocks=blocks.num_blocks,
-                            draining=self.draining)
+                            draining=self.draining, steps=self.host.steps,
+                            step_seconds=self.host.step_s, outputs_seconds=self.host.outputs_s,
+                            batched=self.host.batched)
 
     def holding(self) -> int:
         """Requests the service holds outside the engine (decode: announced, not pulled)."""

@@ -27,6 +27,10 @@ class InstanceInfo(BaseModel):
     draining: bool = False
     kv_requests: int = 0  # KV transfers served (prefill) or pulled (decode) over UCX
     kv_bytes: int = 0
+    steps: int = 0  # engine steps so far
+    step_seconds: float = 0.0  # spent in them (the engine thread, handoff included)
+    outputs_seconds: float = 0.0  # spent handling their outputs before the next step
+    batched: int = 0  # requests per step, summed over steps
     heartbeat_at: float = 0.0
 
 

@@ -66,6 +66,15 @@ class Metrics:
                                  registry=self.registry)
         self.total_blocks = Gauge("ds_kv_total_blocks", "KV blocks in the pool", labels,
                                   registry=self.registry)
+        self.steps = Gauge("ds_engine_steps", "engine steps so far", labels,
+                           registry=self.registry)
+        self.step_seconds = Gauge("ds_engine_step_seconds", "seconds in engine steps", labels,
+                                  registry=self.registry)
+        self.outputs_seconds = Gauge("ds_engine_outputs_seconds",
+                                     "seconds handling step outputs", labels,
+                                     registry=self.registry)
+        self.batched = Gauge("ds_engine_batched_requests", "requests per step, summed",
+                             labels, registry=self.registry)
 
 
 class Gateway:
@@ -223,16 +232,17 @@ class Gateway:
 
     async def kv_metrics(self) -> None:
         m = self.metrics
-        for gauge in (m.kv_bytes, m.kv_requests, m.free_blocks, m.total_blocks):
+        gauges = {m.kv_bytes: "kv_bytes", m.kv_requests: "kv_requests",
+                  m.free_blocks: "free_blocks", m.total_blocks: "total_blocks",
+                  m.steps: "steps", m.step_seconds: "step_seconds",
+                  m.outputs_seconds: "outputs_seconds", m.batched: "batched"}
+        for gauge in gauges:
             gauge.clear()  # instances that stopped heartbeating leave the figures
         roles: tuple[Role, ...] = ("prefill", "decode", "colocated")
         for role in roles:
             for info in await self.registry.instances(role):
-                labels = (info.instance_id, role)
-                self.metrics.kv_bytes.labels(*labels).set(info.kv_bytes)
-                self.metrics.kv_requests.labels(*labels).set(info.kv_requests)
-                self.metrics.free_blocks.labels(*labels).set(info.free_blocks)
-                self.metrics.total_blocks.labels(*labels).set(info.total_blocks)
+                for gauge, field in gauges.items():
+                    gauge.labels(info.instance_id, role).set(getattr(info, field))
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:

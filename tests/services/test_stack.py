@@ -73,6 +73,13 @@ def test_concurrent_streams_across_instances(stack: Stack, engine: Engine) -> No
     assert sum(served.values()) == sum(pulled.values())
     bytes_ = metric(stack.url, "ds_kv_transfer_bytes")
     assert sum(v for i, v in bytes_.items() if i.startswith("decode")) > 0
+    # the engine loops report their steps: each decode step ran at least one request
+    steps, batched = metric(stack.url, "ds_engine_steps"), \
+        metric(stack.url, "ds_engine_batched_requests")
+    seconds = metric(stack.url, "ds_engine_step_seconds")
+    decoding = [i for i in steps if i.startswith("decode") and steps[i] > 0]
+    assert len(decoding) == 2
+    assert all(batched[i] >= steps[i] and seconds[i] > 0 for i in decoding)
 
 
 def all_free(url: str) -> bool:
