@@ -82,7 +82,7 @@ class EngineHost:
         self.steps = 0
         self.step_s = 0.0
         self.outputs_s = 0.0
-        self.batched = 0  # requests summed over steps
+        self.batched = 0  # requests that got a token, summed over steps
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -97,14 +97,13 @@ class EngineHost:
                 await self._wake.wait()
                 continue
             started = time.time()
-            batch = len(self.engine.scheduler.running) + len(self.engine.scheduler.waiting)
             outputs = await self.call(self.engine.step)
             handled = time.time()
             self.step_started = started
             if outputs:
                 await on_outputs(outputs)
             self.steps += 1
-            self.batched += batch
+            self.batched += len(outputs)
             self.step_s += handled - started
             self.outputs_s += time.time() - handled
 

@@ -30,7 +30,7 @@ class InstanceInfo(BaseModel):
     steps: int = 0  # engine steps so far
     step_seconds: float = 0.0  # spent in them (the engine thread, handoff included)
     outputs_seconds: float = 0.0  # spent handling their outputs before the next step
-    batched: int = 0  # requests per step, summed over steps
+    batched: int = 0  # requests that got a token, summed over steps
     heartbeat_at: float = 0.0
 
 

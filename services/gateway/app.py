@@ -73,8 +73,9 @@ class Metrics:
         self.outputs_seconds = Gauge("ds_engine_outputs_seconds",
                                      "seconds handling step outputs", labels,
                                      registry=self.registry)
-        self.batched = Gauge("ds_engine_batched_requests", "requests per step, summed",
-                             labels, registry=self.registry)
+        self.batched = Gauge("ds_engine_batched_requests",
+                             "requests that got a token, summed over steps", labels,
+                             registry=self.registry)
 
 
 class Gateway:
