@@ -89,6 +89,7 @@ class Gateway:
         # requests this gateway has sent and not yet seen prefilled / finished, per instance
         self.prefilling: collections.Counter[str] = collections.Counter()
         self.decoding: collections.Counter[str] = collections.Counter()
+        self._cleanups: set[asyncio.Task[None]] = set()
         self.nc: Client
         self.redis: Redis
         self.registry: Registry
@@ -187,16 +188,28 @@ class Gateway:
             span.end()
             self.prefilling[worker] -= prefilling
             self.decoding[decode or worker] -= 1
-            await self._inflight(-1, *([worker] if prefilling else []), decode or worker)
-            await sub.unsubscribe()
-            if not finished:  # the client went away mid-request
-                await publish(self.nc, subjects.cancel(request_id),
-                              Cancel(request_id=request_id))
-            await publish(self.nc, subjects.REQUEST_EVENTS, RequestDone(
+            done = RequestDone(
                 arrival_ts=arrival, prompt_tokens=len(prompt_ids), output_tokens=tokens,
                 ttft_s=first_at - arrival if first_at else None,
                 tpot_s=(last_at - first_at) / (tokens - 1) if tokens > 1 else None,
-                outcome=outcome))
+                outcome=outcome)
+            holders = [worker] if prefilling else []
+            # its own task: when the client went away this generator is being cancelled, and
+            # every await here would be cancelled too, losing the cancel and the counts
+            task = asyncio.get_running_loop().create_task(self._after(
+                request_id, sub, finished, [*holders, decode or worker], done))
+            self._cleanups.add(task)
+            task.add_done_callback(self._cleanups.discard)
+
+    async def _after(self, request_id: str, sub: Any, finished: bool, holders: list[str],
+                     done: RequestDone) -> None:
+        """What follows a request: cancel it if the client went away, stop listening, count
+        it out of its instances, and tell the profiler."""
+        if not finished:
+            await publish(self.nc, subjects.cancel(request_id), Cancel(request_id=request_id))
+        await sub.unsubscribe()
+        await self._inflight(-1, *holders)
+        await publish(self.nc, subjects.REQUEST_EVENTS, done)
 
     async def _inflight(self, delta: int, *instances: str) -> None:
         """Count what this gateway has in flight per instance in Redis, where a draining
