@@ -33,7 +33,7 @@ from distserve.bench.runner import Unloaded, calibrate, sweep, system_report
 from distserve.bench.workload import BenchWorkload, Limits, parse_bench_workload
 from distserve.commands import bench_engine
 from services.planner.profiles import ProfileError, load_profile
-from shared.metrics import SLO
+from shared.metrics import SLO, goodput_from_curve
 from shared.workloads import WorkloadError
 
 TTFT_FACTOR = 5.0
@@ -237,8 +237,6 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
 
 def _goodput_of(runs: Sequence[RunResult], attained: Sequence[float], target: float) -> float:
-    from shared.metrics import goodput_from_curve
-
     return goodput_from_curve([r.rate for r in runs], list(attained), target)
 
 
