@@ -1,0 +1,32 @@
+"""The pure parts of `distserve bench compare`: systems, calibration, default rates."""
+
+import pytest
+
+from distserve.bench.compare import auto_rates, calibrated, systems
+from distserve.bench.runner import CALIBRATION_TOKENS, Unloaded
+from services.planner.profiles import load_profile, shipped_cpu_profile
+
+
+def test_calibration_makes_the_profile_predict_the_measured_unloaded_latencies() -> None:
+    latency = load_profile(shipped_cpu_profile(1)).latency(1, 1)
+    measured = Unloaded(ttft_s=1.3, tpot_s=0.07, prompt_tokens=512)
+    scaled = calibrated(latency, measured)
+    assert scaled.prefill_latency_s(512, 512 * 512) == pytest.approx(1.3)
+    assert scaled.decode_step_s(1, 512 + CALIBRATION_TOKENS / 2) == pytest.approx(0.07)
+    # the shape stays: a longer prompt costs the same multiple more
+    ratio = latency.prefill_latency_s(1024, 1024**2) / latency.prefill_latency_s(512, 512**2)
+    assert scaled.prefill_latency_s(1024, 1024**2) / 1.3 == pytest.approx(ratio)
+
+
+def test_both_systems_get_two_workers_and_the_same_threads() -> None:
+    disaggregated, colocated, chunked = systems(threads=1, kv_cache_mb=128, chunked=True)
+    assert disaggregated.devices == colocated.devices == chunked.devices == 2
+    assert {s.stack.threads for s in (disaggregated, colocated, chunked)} == {1}
+    assert chunked.stack.chunked_prefill and not colocated.stack.chunked_prefill
+    assert len(systems(1, 128, chunked=False)) == 2
+
+
+def test_default_rates_scale_with_unloaded_capacity() -> None:
+    unloaded = Unloaded(ttft_s=1.0, tpot_s=0.05, prompt_tokens=512)
+    # 2 workers / (1 s + 32 x 0.05 s) = 0.769 req/s
+    assert auto_rates(unloaded, 32, 2, (0.5, 1.0)) == [0.385, 0.769]
