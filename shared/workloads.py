@@ -65,6 +65,17 @@ class Lengths:
         return float(np.mean(self.outputs))
 
 
+def parse_fixed(spec: str) -> tuple[int, int]:
+    """(prompt, output) of a `fixed:PROMPT:OUTPUT` workload spec."""
+    try:
+        prompt, output = (int(x) for x in spec.partition(":")[2].split(":"))
+    except ValueError:
+        raise WorkloadError(f"fixed:PROMPT:OUTPUT, got {spec!r}") from None
+    if prompt < 1 or output < 1:
+        raise WorkloadError("fixed lengths must be positive")
+    return prompt, output
+
+
 def fixed_lengths(prompt: int, output: int) -> Lengths:
     return Lengths(np.array([prompt]), np.array([output]))
 
@@ -152,6 +163,11 @@ def read_mooncake_trace(path: str | Path) -> Trace:
     lengths = Lengths(np.array([r["input_length"] for r in rows]),
                       np.array([r["output_length"] for r in rows]))
     return Trace(times - times[0], lengths)
+
+
+def read_trace(kind: str, path: str | Path) -> Trace:
+    """An `azure` (CSV) or `mooncake` (JSONL) trace."""
+    return (read_azure_trace if kind == "azure" else read_mooncake_trace)(path)
 
 
 def read_sharegpt_prompts(path: str | Path) -> list[str]:

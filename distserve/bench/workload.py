@@ -24,13 +24,12 @@ from pathlib import Path
 import numpy as np
 
 from shared.workloads import (
-    Trace,
     WorkloadError,
     WorkloadRequest,
     lognormal_outputs,
-    read_azure_trace,
-    read_mooncake_trace,
+    parse_fixed,
     read_sharegpt_prompts,
+    read_trace,
     scaled_trace,
     unit_rate_gaps,
 )
@@ -131,17 +130,12 @@ def parse_bench_workload(spec: str, limits: Limits, cv: float = 1.0, seed: int =
         return BenchWorkload(spec, _text_items(
             [(p, None) for p in read_sharegpt_prompts(rest)], limits, tokenizer(), seed), cv)
     if kind in ("azure", "mooncake") and rest:
-        trace: Trace = (read_azure_trace if kind == "azure" else read_mooncake_trace)(rest)
+        trace = read_trace(kind, rest)
         items = [BenchItem(None, limits.prompt(p), limits.output(o))
                  for p, o in zip(trace.lengths.prompts, trace.lengths.outputs, strict=True)]
         return BenchWorkload(spec, items, cv, trace_times=trace.times_s)
     if kind == "fixed":
-        try:
-            prompt, output = (int(x) for x in rest.split(":"))
-        except ValueError:
-            raise WorkloadError(f"fixed:PROMPT:OUTPUT, got {spec!r}") from None
-        if prompt < 1 or output < 1:
-            raise WorkloadError("fixed lengths must be positive")
+        prompt, output = parse_fixed(spec)
         return BenchWorkload(spec, [BenchItem(None, limits.prompt(prompt),
                                               limits.output(output))], cv)
     raise WorkloadError(f"unknown workload {spec!r}: use humaneval, sharegpt:PATH, azure:PATH, "

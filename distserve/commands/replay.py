@@ -16,7 +16,7 @@ from tqdm import tqdm
 from distserve.bench.loadgen import Target, run_requests, served_model
 from distserve.bench.workload import SYNTHETIC_TOKEN_RANGE, BenchRequest, Limits
 from shared.metrics import percentiles
-from shared.workloads import Trace, WorkloadError, read_azure_trace, read_mooncake_trace
+from shared.workloads import Trace, WorkloadError, read_trace
 
 
 def register(sub: Any) -> None:
@@ -38,11 +38,11 @@ def register(sub: Any) -> None:
     p.set_defaults(parser=p, run=run)
 
 
-def read_trace(spec: str) -> Trace:
+def trace_from_spec(spec: str) -> Trace:
     kind, _, path = spec.partition(":")
     if kind not in ("azure", "mooncake"):
         path, kind = spec, "azure" if spec.endswith(".csv") else "mooncake"
-    return (read_azure_trace if kind == "azure" else read_mooncake_trace)(path)
+    return read_trace(kind, path)
 
 
 def trace_requests(trace: Trace, speed: float, limits: Limits,
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.speed <= 0 or (args.limit is not None and args.limit < 1):
         parser.error("--speed must be positive and --limit at least 1")
     try:
-        trace = read_trace(args.trace)
+        trace = trace_from_spec(args.trace)
         requests = trace_requests(trace, args.speed, Limits(args.max_prompt, args.max_output,
                                                             args.length_scale), args.limit)
         model = args.model or asyncio.run(served_model(args.url))

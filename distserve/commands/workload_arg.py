@@ -17,8 +17,8 @@ from shared.workloads import (
     Workload,
     WorkloadError,
     fixed_lengths,
-    read_azure_trace,
-    read_mooncake_trace,
+    parse_fixed,
+    read_trace,
     sharegpt_lengths,
 )
 
@@ -38,17 +38,11 @@ def parse_workload(spec: str, cv: float = 1.0, replay_arrivals: bool = False,
     times: np.ndarray | None = None
     lengths: Lengths
     if kind == "fixed":
-        try:
-            prompt, output = (int(x) for x in rest.split(":"))
-        except ValueError:
-            raise WorkloadError(f"--workload fixed:PROMPT:OUTPUT, got {spec!r}") from None
-        if prompt < 1 or output < 1:
-            raise WorkloadError("fixed lengths must be positive")
-        lengths = fixed_lengths(prompt, output)
+        lengths = fixed_lengths(*parse_fixed(spec))
     elif kind == "sharegpt" and rest:
         lengths = sharegpt_lengths(rest, _count_tokens())  # type: ignore[arg-type]
     elif kind in ("azure", "mooncake") and rest:
-        trace = (read_azure_trace if kind == "azure" else read_mooncake_trace)(rest)
+        trace = read_trace(kind, rest)
         lengths, times = trace.lengths, trace.times_s if replay_arrivals else None
     else:
         raise WorkloadError(
