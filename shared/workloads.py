@@ -49,6 +49,14 @@ class Lengths:
         index = rng.integers(0, len(self.prompts), n)
         return self.prompts[index], self.outputs[index]
 
+    def within(self, max_total: int) -> Lengths:
+        """Only the requests whose prompt + output fit `max_total` tokens, as the DistServe
+        artifact and vLLM's benchmark prepare their datasets for a model's context."""
+        keep = self.prompts + self.outputs <= max_total
+        if not keep.any():
+            raise WorkloadError(f"no request of the workload fits a {max_total}-token context")
+        return Lengths(self.prompts[keep], self.outputs[keep])
+
     def clipped(self, max_prompt: int, max_total: int) -> Lengths:
         """Scale lengths down to fit a model: prompts to `max_prompt`, prompt + output to
         `max_total` (keeping at least one output token)."""

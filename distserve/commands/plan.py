@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from distserve.commands.workload_arg import parse_workload
+from distserve.commands.workload_arg import add_context_args, parse_workload
 from services.planner.baseline import colocated_plan
 from services.planner.low_affinity import low_affinity
 from services.planner.models import UnknownModelError
@@ -29,13 +29,14 @@ def add_problem_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload",
                    help="sharegpt:PATH, azure:PATH, mooncake:PATH or fixed:PROMPT:OUTPUT")
     p.add_argument("--cv", type=float, default=1.0, help="arrival CV (1 = Poisson; gamma else)")
-    p.add_argument("--max-context", type=int, default=2048,
-                   help="clip workload lengths to the model's context (default: %(default)s)")
+    add_context_args(p)
     p.add_argument("--ttft", type=float, help="TTFT objective, seconds")
     p.add_argument("--tpot", type=float, help="TPOT objective, seconds")
     p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must "
                    "meet both objectives (default: %(default)s)")
-    p.add_argument("--requests", type=int, default=400, help="requests per simulation")
+    p.add_argument("--requests", type=int, default=2000,
+                   help="requests per simulation (fewer: faster, noisier goodput; default: "
+                        "%(default)s)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -83,7 +84,8 @@ def build_problem(args: argparse.Namespace, parser: argparse.ArgumentParser,
         parser.error("--attainment must be in (0, 1]")
     try:
         profile = load_profile(profile_path, args.model)
-        workload = parse_workload(args.workload, args.cv, max_context=args.max_context)
+        workload = parse_workload(args.workload, args.cv, max_context=args.max_context,
+                                  fit=args.fit)
     except (ProfileError, UnknownModelError, WorkloadError) as e:
         parser.error(str(e))
     return Problem(profile, workload, SLO(args.ttft, args.tpot), rate,

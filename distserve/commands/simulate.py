@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from distserve.commands.workload_arg import parse_workload
+from distserve.commands.workload_arg import add_context_args, parse_workload
 from services.planner.baseline import colocated_plan
 from services.planner.models import UnknownModelError
 from services.planner.placement import NoFeasiblePlan, Problem
@@ -33,7 +33,7 @@ def register(sub: Any) -> None:
                    help="sharegpt:PATH, azure:PATH, mooncake:PATH or fixed:PROMPT:OUTPUT")
     p.add_argument("--rate", type=float, help="request rate (req/s); default: the plan's")
     p.add_argument("--cv", type=float, default=1.0, help="arrival CV (1 = Poisson)")
-    p.add_argument("--max-context", type=int, default=2048)
+    add_context_args(p)
     p.add_argument("--requests", type=int, default=2000, help="requests per simulation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep", action="store_true",
@@ -51,7 +51,8 @@ def _load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Pl
     try:
         plan = Plan.model_validate_json(args.plan.read_text())
         profile = load_profile(plan.profile, plan.profile_model or None)
-        workload = parse_workload(args.workload, args.cv, max_context=args.max_context)
+        workload = parse_workload(args.workload, args.cv, max_context=args.max_context,
+                                  fit=args.fit)
     except FileNotFoundError as e:
         parser.error(f"no such file: {e.filename}")
     except ValidationError as e:

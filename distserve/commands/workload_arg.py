@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import argparse
 import functools
+import sys
 
 import numpy as np
 
@@ -32,8 +34,20 @@ def _count_tokens() -> object:
     return lambda text: len(tokenizer.encode(text))
 
 
+def add_context_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-context", type=int, default=2048,
+                   help="the model's context in tokens (default: %(default)s)")
+    p.add_argument("--fit", choices=("drop", "clip"), default="drop",
+                   help="requests longer than --max-context: drop them, as the DistServe "
+                        "artifact and vLLM's benchmark do, or clip their lengths (prompt to "
+                        "half the context) (default: %(default)s)")
+
+
 def parse_workload(spec: str, cv: float = 1.0, replay_arrivals: bool = False,
-                   max_context: int | None = None) -> Workload:
+                   max_context: int | None = None, fit: str = "drop") -> Workload:
+    """`max_context`: requests longer than the model's context are dropped (`fit="drop"`, as
+    the DistServe artifact prepares its datasets) or cut down (`"clip"`: prompts to half the
+    context, prompt + output to all of it)."""
     kind, _, rest = spec.partition(":")
     times: np.ndarray | None = None
     lengths: Lengths
@@ -48,6 +62,16 @@ def parse_workload(spec: str, cv: float = 1.0, replay_arrivals: bool = False,
         raise WorkloadError(
             f"unknown workload {spec!r}: use sharegpt:PATH, azure:PATH, mooncake:PATH or "
             "fixed:PROMPT:OUTPUT")
-    if max_context is not None:
+    if max_context is not None and fit == "drop":
+        total = len(lengths.prompts)
+        try:
+            lengths = lengths.within(max_context)
+        except WorkloadError as e:
+            raise WorkloadError(f"{e}: use --fit clip or a longer --max-context") from None
+        if len(lengths.prompts) < total:
+            print(f"workload: {len(lengths.prompts)} of {total} requests fit the "
+                  f"{max_context}-token context (prompt + output); the rest are left out",
+                  file=sys.stderr)
+    elif max_context is not None:
         lengths = lengths.clipped(max_context // 2, max_context)
     return Workload(lengths, cv=cv, trace_times=times)

@@ -4,6 +4,7 @@ the real ShareGPT prompts (../shared/data)."""
 from __future__ import annotations
 
 import functools
+import statistics
 from pathlib import Path
 
 import pytest
@@ -16,26 +17,49 @@ from services.planner.profiles import ProfileError, kv_capacity_tokens, load_pro
 from shared.engine.gguf_loader import read_gguf_tokenizer
 from shared.engine.tokenizer import TextTokenizer
 from shared.metrics import SLO
-from shared.workloads import Workload, sharegpt_lengths
+from shared.workloads import Workload, read_trace, sharegpt_lengths
 
 REFERENCE = Path(__file__).parents[3] / "shared"
 PROFILES = REFERENCE / "reference" / "distserve-a100-profiles"
 DISTSERVE = PROFILES / "profiler-a100-80g.distserve.json"
 VLLM = PROFILES / "profiler-a100-80g.vllm.json"
 SHAREGPT = REFERENCE / "data" / "sharegpt_v3_filtered_1000_prompts.json"
+AZURE_CONV = REFERENCE / "data" / "AzureLLMInferenceTrace_conv.csv"
+OPT_CONTEXT = 2048
 
 
 @functools.cache
 def chatbot() -> Workload:
+    """First-turn ShareGPT prompts (token-counted), Azure-trace output lengths."""
     tokenizer = TextTokenizer(read_gguf_tokenizer("smollm2-135m"))
     lengths = sharegpt_lengths(SHAREGPT, lambda text: len(tokenizer.encode(text)))
-    return Workload(lengths.clipped(1024, 2048))
+    return Workload(lengths.within(OPT_CONTEXT))
+
+
+@functools.cache
+def chat_with_history() -> Workload:
+    """Chat requests that carry their conversation so far: the shape of the paper's ShareGPT
+    workload, whose artifact builds each prompt from the first k turns of a conversation of
+    3+ turns and keeps those within OPT's 2048-token context. Real ones: the Azure
+    conversation trace, within the same context."""
+    return Workload(read_trace("azure", AZURE_CONV).lengths.within(OPT_CONTEXT))
 
 
 def problem(profile: Path, model: str, slo: SLO, rate: float, nodes: int = 1,
-            gpus: int = 8, requests: int = 300) -> Problem:
-    return Problem(load_profile(profile, model), chatbot(), slo, rate, nodes, gpus,
-                   num_requests=requests, workers=2)
+            gpus: int = 8, requests: int = 300, workload: Workload | None = None,
+            seed: int = 0) -> Problem:
+    return Problem(load_profile(profile, model), workload or chatbot(), slo, rate, nodes, gpus,
+                   num_requests=requests, seed=seed, workers=2)
+
+
+def goodput_ratio(model: str, slo: SLO, rate: float, workload: Workload, requests: int,
+                  seed: int = 0) -> tuple[float, float]:
+    """Best per-GPU goodput: disaggregated (DistServe profile) and colocated (vLLM's)."""
+    disaggregated = high_affinity(problem(DISTSERVE, model, slo, rate, requests=requests,
+                                          workload=workload, seed=seed))
+    colocated = colocated_plan(problem(VLLM, model, slo, rate, requests=requests,
+                                       workload=workload, seed=seed))
+    return disaggregated.best_per_device_goodput_rps, colocated.best_per_device_goodput_rps
 
 
 def check_plan(plan: Plan, p: Problem) -> None:
@@ -51,19 +75,32 @@ def check_plan(plan: Plan, p: Problem) -> None:
     assert plan.predicted_attainment >= p.target  # meets the target rate
 
 
-def test_opt13b_chatbot_disaggregated_beats_colocated() -> None:
+def test_opt13b_chatbot_disaggregated_doubles_colocated_goodput() -> None:
+    """The paper's setting (OPT-13B, A100 profiles, TTFT 0.25 s, TPOT 0.1 s, chat requests
+    with their history): at least 2x per GPU. Near the target the colocated attainment curve
+    is shallow (long prompts miss TTFT at any rate), so one sample of requests moves its
+    goodput by +-15%: the median of three independent samples of 2,000 requests."""
     slo = SLO(ttft_s=0.25, tpot_s=0.1)
-    disaggregated = high_affinity(problem(DISTSERVE, "facebook/opt-13b", slo, rate=4.0))
-    colocated = colocated_plan(problem(VLLM, "facebook/opt-13b", slo, rate=4.0))
-    ratio = disaggregated.best_per_device_goodput_rps / colocated.best_per_device_goodput_rps
-    print(f"\nOPT-13B chatbot (ShareGPT prompts, TTFT 0.25 s, TPOT 0.1 s): disaggregated "
-          f"{disaggregated.best_per_device_goodput_rps:.2f} req/s/GPU vs colocated "
-          f"{colocated.best_per_device_goodput_rps:.2f}: {ratio:.2f}x (paper: 2.0-4.6x)")
-    # The issue asks for the paper's >= 2x. With the first-turn ShareGPT prompts here (mean
-    # ~190 tokens) OPT-13B prefill is cheap on an A100 and both SLOs are loose, so the
-    # colocated baseline is bound by throughput and KV memory rather than interference; the
-    # simulation gives ~1.25x (see the issue note). What must hold is that it wins clearly.
-    assert ratio >= 1.2
+    ratios = []
+    for seed in range(3):
+        disaggregated, colocated = goodput_ratio("facebook/opt-13b", slo, 4.0,
+                                                 chat_with_history(), 2000, seed)
+        ratios.append(disaggregated / colocated)
+        print(f"\nOPT-13B chat with history, seed {seed}: disaggregated {disaggregated:.2f} "
+              f"req/s/GPU vs colocated {colocated:.2f}: {ratios[-1]:.2f}x (paper: 2.0-4.6x)")
+    assert statistics.median(ratios) >= 2.0
+
+
+def test_opt13b_first_turn_prompts_disaggregated_still_wins() -> None:
+    """First-turn ShareGPT prompts only (mean ~190 tokens, the only ShareGPT text here):
+    OPT-13B prefill on an A100 is then cheap, and the colocated baseline is bound by decode
+    throughput and KV memory more than by interference, so disaggregation gains less
+    (1.5-1.7x over three seeds; docs/benchmarks.md)."""
+    slo = SLO(ttft_s=0.25, tpot_s=0.1)
+    disaggregated, colocated = goodput_ratio("facebook/opt-13b", slo, 4.0, chatbot(), 2000)
+    print(f"\nOPT-13B first-turn ShareGPT prompts: disaggregated {disaggregated:.2f} req/s/GPU "
+          f"vs colocated {colocated:.2f}: {disaggregated / colocated:.2f}x")
+    assert disaggregated / colocated >= 1.3
 
 
 @pytest.mark.parametrize("search", [high_affinity, low_affinity])
