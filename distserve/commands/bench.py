@@ -67,7 +67,7 @@ def register(sub: Any) -> None:
     c.add_argument("--chunked", action="store_true",
                    help="also run colocated replicas with chunked prefill")
     c.add_argument("--quick", action="store_true",
-                   help="fewer rates and requests: about 10 minutes on 2 cores")
+                   help="fewer rates and requests: about 12 minutes on 2 cores")
     c.add_argument("--simulate", action="store_true",
                    help="also simulate each system with the latency profile; prints measured "
                         "vs simulated attainment")
