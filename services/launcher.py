@@ -51,6 +51,12 @@ def services_ready(redis_url: str) -> bool:
             bool(redis.exists(subjects.ready_key("planner")))
 
 
+def read_run_env(run_dir: Path) -> dict[str, str]:
+    """The DS_* settings a run's children were started with (its `env` file)."""
+    lines = (run_dir / "env").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if "=" in line)
+
+
 def nats_server_binary() -> str:
     return shutil.which("nats-server", path=str(BIN)) or "nats-server"
 
@@ -170,8 +176,7 @@ class Stack:
     @property
     def env(self) -> dict[str, str]:
         """The DS_* settings the children were started with (servers' URLs included)."""
-        lines = (self.run_dir / "env").read_text().splitlines()
-        return dict(line.split("=", 1) for line in lines)
+        return read_run_env(self.run_dir)
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM the services (workers drain, the planner stops the workers it started),

@@ -115,6 +115,39 @@ async def heartbeat_forever(registry: Registry, info: Callable[[], InstanceInfo]
         await asyncio.sleep(every_s)
 
 
+class ControlService:
+    """A control service (profiler, planner): connected to NATS and Redis, subscribed to its
+    one subject, and marked ready in Redis while it serves (the launcher waits for the mark)."""
+
+    name: str
+    subject: str
+    nc: Client
+    redis: Redis
+
+    def __init__(self, nats_url: str, redis_url: str) -> None:
+        self.nats_url, self.redis_url = nats_url, redis_url
+
+    async def on_message(self, msg: Msg) -> None:
+        raise NotImplementedError
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        """Until `stop`; the connections are open."""
+        await stop.wait()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.nc = await connect(self.nats_url, self.name)
+        self.redis = Redis.from_url(self.redis_url)
+        await self.nc.subscribe(self.subject, cb=self.on_message)
+        await self.nc.flush()
+        await self.redis.set(subjects.ready_key(self.name), time.time())
+        try:
+            await self.serve(stop)
+        finally:
+            await self.redis.delete(subjects.ready_key(self.name))
+            await self.nc.drain()
+            await self.redis.aclose()
+
+
 async def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
     """Run `main(stop)`; SIGTERM or SIGINT sets `stop`, a second one exits at once."""
     stop = asyncio.Event()

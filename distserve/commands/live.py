@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 from rich.console import Console
 from rich.table import Table
 
+from services.launcher import read_run_env
 from shared import subjects
 from shared.bus import connect, publish
 from shared.messages import ReplanRequest
@@ -21,9 +22,7 @@ from shared.messages import ReplanRequest
 def stack_env(run_dir: Path) -> dict[str, str]:
     """The DS_* settings of the newest run under `run_dir` (distserve up writes them)."""
     runs = sorted(run_dir.glob("*/env"))
-    if not runs:
-        return {}
-    return dict(line.split("=", 1) for line in runs[-1].read_text().splitlines() if "=" in line)
+    return read_run_env(runs[-1].parent) if runs else {}
 
 
 async def _read(redis_url: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None,

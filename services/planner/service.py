@@ -17,14 +17,14 @@ from typing import Any, Literal
 import numpy as np
 from nats.aio.msg import Msg
 from pydantic_settings import BaseSettings, SettingsConfigDict
-from redis.asyncio import Redis
 
 from services.planner.budget import plan_within_budget
 from services.planner.deployer import Deployer, LocalDeployer, LogOnlyDeployer
 from services.planner.placement import Problem
 from services.planner.profiles import Profile, load_profile, shipped_cpu_profile
+from services.runtime import ControlService
 from shared import subjects
-from shared.bus import connect, parse
+from shared.bus import parse
 from shared.messages import ReplanRequest, WorkloadSummary
 from shared.metrics import SLO
 from shared.state import Registry
@@ -67,8 +67,11 @@ def problem_for(workload: WorkloadSummary, profile: Profile, slo: SLO, target: f
                    budget, target, workers=1)
 
 
-class PlannerService:
+class PlannerService(ControlService):
+    name, subject = "planner", subjects.REPLAN
+
     def __init__(self, settings: PlannerSettings) -> None:
+        super().__init__(settings.nats_url, settings.redis_url)
         self.settings = settings
         self.profile = settings.profile()
         self.slo = SLO(settings.planner_ttft_s, settings.planner_tpot_s)
@@ -77,28 +80,22 @@ class PlannerService:
         self.wake = asyncio.Event()
         self.deployer: Deployer
 
-    async def run(self, stop: asyncio.Event) -> None:
-        self.nc = await connect(self.settings.nats_url, "planner")
-        self.redis = Redis.from_url(self.settings.redis_url)
+    async def serve(self, stop: asyncio.Event) -> None:
         registry = Registry(self.redis, self.settings.heartbeat_ttl_s)
         self.deployer = (LocalDeployer(self.nc, registry, self.settings.run_dir)
                          if self.settings.planner_deployer == "local" else LogOnlyDeployer())
-        await self.nc.subscribe(subjects.REPLAN, cb=self._on_replan)
-        await self.nc.flush()
-        await self.redis.set(subjects.ready_key("planner"), time.time())
         log.info("planner ready: budget %d devices, SLO TTFT %.3gs TPOT %.3gs, %s deployer",
                  self.settings.budget, self.slo.ttft_s, self.slo.tpot_s,
                  self.settings.planner_deployer)
         worker = asyncio.create_task(self._plan_forever())
-        await asyncio.wait([worker, asyncio.create_task(stop.wait())],
-                           return_when=asyncio.FIRST_COMPLETED)
-        worker.cancel()
-        await self.redis.delete(subjects.ready_key("planner"))
-        await self.nc.drain()
-        await asyncio.get_running_loop().run_in_executor(None, self.deployer.stop)
-        await self.redis.aclose()
+        try:
+            await asyncio.wait([worker, asyncio.create_task(stop.wait())],
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            worker.cancel()
+            await asyncio.get_running_loop().run_in_executor(None, self.deployer.stop)
 
-    async def _on_replan(self, msg: Msg) -> None:
+    async def on_message(self, msg: Msg) -> None:
         self.latest = parse(msg, ReplanRequest)
         self.wake.set()
 

@@ -12,7 +12,6 @@ from dataclasses import asdict
 
 from nats.aio.msg import Msg
 from pydantic_settings import BaseSettings, SettingsConfigDict
-from redis.asyncio import Redis
 
 from services.profiler.detector import (
     DetectorConfig,
@@ -21,8 +20,9 @@ from services.profiler.detector import (
     WindowStats,
     WorkloadMonitor,
 )
+from services.runtime import ControlService
 from shared import subjects
-from shared.bus import connect, parse, publish
+from shared.bus import parse, publish
 from shared.messages import ReplanRequest, RequestDone, WorkloadSummary
 
 log = logging.getLogger(__name__)
@@ -54,27 +54,22 @@ def summary(events: list[RequestEvent], stats: WindowStats) -> WorkloadSummary:
                            output_tokens=[e.output_tokens for e in events])
 
 
-class ProfilerService:
+class ProfilerService(ControlService):
+    name, subject = "profiler", subjects.REQUEST_EVENTS
+
     def __init__(self, settings: ProfilerSettings) -> None:
+        super().__init__(settings.nats_url, settings.redis_url)
         self.settings = settings
         self.monitor = WorkloadMonitor(settings.detector())
         self.shifts: list[dict[str, object]] = []
         self.seen = 0
 
-    async def run(self, stop: asyncio.Event) -> None:
-        self.nc = await connect(self.settings.nats_url, "profiler")
-        self.redis = Redis.from_url(self.settings.redis_url)
-        await self.nc.subscribe(subjects.REQUEST_EVENTS, cb=self._on_event)
-        await self.nc.flush()
-        await self.redis.set(subjects.ready_key("profiler"), time.time())
-        log.info("profiler watching %s (window %d)", subjects.REQUEST_EVENTS,
+    async def serve(self, stop: asyncio.Event) -> None:
+        log.info("profiler watching %s (window %d)", self.subject,
                  self.settings.profiler_window)
         await stop.wait()
-        await self.redis.delete(subjects.ready_key("profiler"))
-        await self.nc.drain()
-        await self.redis.aclose()
 
-    async def _on_event(self, msg: Msg) -> None:
+    async def on_message(self, msg: Msg) -> None:
         done = parse(msg, RequestDone)
         if done.outcome not in ("stop", "length"):
             return  # failed or cancelled: its output length says nothing of the workload
