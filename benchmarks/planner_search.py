@@ -10,6 +10,12 @@ workload, whose prompts are the first k turns of a conversation); `first-turn`, 
 first-turn ShareGPT prompts with Azure-trace output lengths. Goodput ratios are given per
 seed (2,000 requests per simulation each): near the target the colocated curve is shallow,
 so one sample moves it by about 15%.
+
+It ends with a check of the colocated model against the DistServe artifact's measurement of a
+real vLLM (OPT-13B, one A100, 4 req/s: 2.48 req/s completed, mean TPOT 114 ms, read from
+simdistserve/benchmarks/alignment/data-ground-truth/opt-13b-sharegpt/vllm-400-4.exp in
+LLMServe/DistServe): the simulator at the same setting on the history workload
+(`--check-only` prints just that, in a second).
 """
 
 from __future__ import annotations
@@ -20,16 +26,23 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from distserve.commands.workload_arg import parse_workload
-from services.planner.baseline import colocated_plan
+from services.planner.baseline import (
+    VLLM_MAX_NUM_BATCHED_TOKENS,
+    VLLM_MAX_NUM_SEQS,
+    colocated_plan,
+)
 from services.planner.low_affinity import low_affinity
 from services.planner.placement import Problem, high_affinity
 from services.planner.plan import Plan
 from services.planner.profiles import load_profile
+from services.planner.simulator import ColocatedCluster, simulate_colocated
 from shared.metrics import SLO
+from shared.workloads import Workload
 
 SETTINGS = [("facebook/opt-13b", SLO(0.25, 0.1), 4.0), ("facebook/opt-66b", SLO(2.5, 0.15), 8.0)]
 
@@ -40,12 +53,28 @@ def describe(plan: Plan) -> str:
     return " + ".join(f"{p.count} {name} tp{p.tp} pp{p.pp}" for name, p in phases)
 
 
+def vllm_check(profiles: Path, workload: Workload) -> str:
+    """One vLLM instance (tp 1) of OPT-13B at 4 req/s, 400 requests, as the artifact ran it."""
+    vllm = load_profile(profiles / "profiler-a100-80g.vllm.json", "facebook/opt-13b")
+    spec = dataclasses.replace(Problem(vllm, workload, SLO(0.25, 0.1), 4.0, 1, 1).instance(1, 1),
+                               max_batch_tokens=VLLM_MAX_NUM_BATCHED_TOKENS,
+                               max_batch=VLLM_MAX_NUM_SEQS)
+    done = simulate_colocated(ColocatedCluster([spec]), workload.requests(4.0, 400)).requests
+    span = max(r.finish for r in done) - min(r.arrival for r in done)
+    tpot = np.mean([r.tpot for r in done if r.output > 1])
+    return (f"colocated model check (OPT-13B, vLLM profile, tp 1, 4 req/s, history workload): "
+            f"{len(done) / span:.2f} req/s completed, mean TPOT {1e3 * tpot:.0f} ms (a real "
+            f"vLLM on the artifact's ShareGPT workload: 2.48 req/s, 114 ms)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reference", type=Path, default=Path("../shared"),
                         help="folder with reference/distserve-a100-profiles and data/")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--check-only", action="store_true",
+                        help="only the check of the colocated model against a real vLLM")
     args = parser.parse_args()
     profiles = args.reference / "reference" / "distserve-a100-profiles"
     data = args.reference / "data"
@@ -55,6 +84,9 @@ def main() -> None:
         "first-turn": parse_workload(
             f"sharegpt:{data / 'sharegpt_v3_filtered_1000_prompts.json'}", max_context=2048),
     }
+    if args.check_only:
+        print(vllm_check(profiles, workloads["history"]))
+        return
     table = Table(title="Placement search, 4 nodes x 8 A100s (published profiles)")
     for column in ("model, SLOs, rate", "workload", "algorithm", "search", "plan",
                    "per-GPU goodput", "vs colocated (per seed)", "median"):
@@ -82,6 +114,7 @@ def main() -> None:
                 print(f"{model} {name} {algorithm}: {seconds:.1f} s, {describe(plan)}, "
                       f"ratios {[round(r, 2) for r in ratios]}", flush=True)
     Console(width=200).print(table)
+    print(vllm_check(profiles, workloads["history"]))
 
 
 if __name__ == "__main__":
