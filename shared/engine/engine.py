@@ -4,6 +4,7 @@ import wrap it; they do not live inside it."""
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -13,8 +14,10 @@ from shared.engine.block_manager import BlockManager, blocks_for
 from shared.engine.config import EngineConfig, ModelConfig
 from shared.engine.model_runner import LoadedModel, ModelRunner
 from shared.engine.request import Request, RequestStatus, SamplingParams
-from shared.engine.scheduler import Scheduler
+from shared.engine.scheduler import Scheduler, SchedulerOutput
 from shared.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
+
+log = logging.getLogger(__name__)
 
 
 class RequestRejected(ValueError):
@@ -29,10 +32,11 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" once finished
     parked: bool = False  # prefill role: first token sampled, KV ready to be pulled
     logprobs: list[float] = field(default_factory=list)
+    error: str | None = None  # the step failed: the request was aborted, its blocks freed
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.finish_reason is not None or self.error is not None
 
 
 class _TextState:
@@ -110,13 +114,30 @@ class Engine:
         return request
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, update. Returns what changed for each request this step."""
+        """Schedule, execute, update. Returns what changed for each request this step. If
+        running the step fails, only its requests fail: each is aborted and gets an output
+        with `error`; a failure in scheduling still raises."""
         out = self.scheduler.schedule()
         if out is None:
             return []
+        try:
+            return self._run(out)
+        except Exception as e:  # the model, sampling or update: any of it fails only this step
+            log.exception("a step of %d requests failed", len(out.chunks))
+            return self._fail(out, f"the engine step failed: {type(e).__name__}: {e}")
+
+    def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
         sampled = self.runner.execute(out)
         self.scheduler.update(out, sampled)
         return [self._output(c.request) for c in out.chunks if c.request.request_id in sampled]
+
+    def _fail(self, out: SchedulerOutput, error: str) -> list[RequestOutput]:
+        """Abort the step's requests, wherever the failure left them (mid-prefill, decoding,
+        already finished or parked by a partial update), freeing their blocks."""
+        ids = [c.request.request_id for c in out.chunks]
+        for request_id in ids:
+            self.abort(request_id)
+        return [RequestOutput(request_id, [], "", error=error) for request_id in ids]
 
     def has_work(self) -> bool:
         return self.scheduler.has_work

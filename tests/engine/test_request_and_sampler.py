@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from shared.engine.request import Request, RequestStatus, SamplingParams
-from shared.engine.sampler import sample
+from shared.engine.sampler import _filter, sample
 
 
 @pytest.mark.parametrize("bad", [{"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0},
@@ -58,3 +58,60 @@ def test_token_span_matches_slicing_the_whole_sequence() -> None:
     whole = r.all_ids
     for start, end in [(0, 2), (1, 4), (2, 5), (3, 5), (4, 5), (0, 5)]:
         assert r.token_span(start, end) == whole[start:end]
+
+
+# Every temperature, top_p and top_k the API accepts, on logits with a wide range (a float32
+# denormal temperature used to overflow to inf, give NaN probabilities and crash the engine).
+EXTREME_TEMPERATURES = [1e-40, 1e-30, 1e-8, 1e-5, 1e-3, 0.5, 1.0, 2.0]
+
+
+def _wide_logits(rows: int = 6, vocab: int = 512) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(rows, vocab, generator=gen) * 30
+    logits[0, 3] = logits[0, 5] = 200.0  # a tie at the top
+    logits[1] = 0.0  # flat: every token equally likely
+    return logits
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-8, 1e-6])
+def test_tiny_temperatures_pick_the_argmax(temperature: float) -> None:
+    logits = _wide_logits()
+    params = [SamplingParams(temperature=temperature, top_p=top_p, seed=s, logprobs=True)
+              for s, top_p in enumerate([1.0, 0.5, 1e-9, 1.0, 0.9, 1.0])]
+    tokens, lps = sample(logits, params, list(range(len(params))))
+    assert tokens == logits.argmax(-1).tolist()
+    assert all(lp is not None and lp == lp for lp in lps)  # no NaN
+
+
+@pytest.mark.parametrize("temperature", EXTREME_TEMPERATURES)
+@pytest.mark.parametrize("top_p", [1e-9, 0.1, 0.9, 1.0])
+@pytest.mark.parametrize("top_k", [0, 1, 2, 511, 512, 100_000])
+def test_every_accepted_parameter_samples_a_token_of_the_vocabulary(
+        temperature: float, top_p: float, top_k: int) -> None:
+    logits = _wide_logits()
+    p = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=3)
+    tokens, _ = sample(logits, [p] * len(logits), list(range(len(logits))))
+    assert all(0 <= t < logits.shape[1] for t in tokens)
+    if top_k == 1 or top_p == 1e-9 or temperature < 1e-5:
+        # a single candidate is left (ties aside): row 1 is flat, row 0 ties at the top
+        assert tokens[2:] == logits[2:].argmax(-1).tolist()
+        assert tokens[0] in (3, 5)
+
+
+@pytest.mark.parametrize("temperature", [1e-5, 1e-3, 0.5, 2.0])
+def test_filtered_probabilities_have_no_nan(temperature: float) -> None:
+    for row in _wide_logits():
+        for top_k, top_p in [(0, 1.0), (5, 1.0), (0, 1e-9), (50, 0.5), (100_000, 0.99)]:
+            p = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+            probs = _filter(row, p).softmax(-1)
+            assert not probs.isnan().any() and probs.sum().item() == pytest.approx(1.0)
+            assert probs[row == row.max()].sum() > 0  # the most likely token is never cut
+
+
+def test_sampling_stays_deterministic_per_seed_and_index_at_the_extremes() -> None:
+    logits = _wide_logits()
+    for temperature in [1e-4, 2.0]:
+        p = SamplingParams(temperature=temperature, top_p=0.95, top_k=100, seed=11)
+        first = [sample(logits, [p] * len(logits), [i] * len(logits))[0] for i in range(5)]
+        again = [sample(logits, [p] * len(logits), [i] * len(logits))[0] for i in range(5)]
+        assert first == again

@@ -1,5 +1,6 @@
-"""A worker whose engine loop dies leaves dispatch and exits loudly (real NATS and Valkey,
-a tiny random-weight engine)."""
+"""A worker whose engine loop dies leaves dispatch and exits loudly; a model failure in one
+step fails only that step's requests and the worker serves on (real NATS and Valkey, a tiny
+random-weight engine)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,18 @@ import asyncio
 import time
 
 import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
 from redis.asyncio import Redis
 
 from services.colocated.service import ColocatedService
 from services.runtime import WorkerFailed, WorkerSettings
 from shared import subjects
-from shared.bus import connect, publish
+from shared.bus import connect, parse, publish
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine, RequestOutput
-from shared.messages import PrefillRequest, Sampling
+from shared.engine.scheduler import SchedulerOutput
+from shared.messages import PrefillRequest, Sampling, TokenChunk
 from shared.state import Registry
 
 
@@ -43,6 +47,70 @@ def test_engine_failure_takes_the_worker_out_of_dispatch(nats_url: str, redis_ur
         with pytest.raises(WorkerFailed, match="engine loop"):
             await asyncio.wait_for(running, 30)
         assert await registry.instances("colocated") == []
+        await nc.close()
+        await registry.redis.aclose()
+
+    asyncio.run(main())
+
+
+def fail_once_for(monkeypatch: pytest.MonkeyPatch, engine: Engine, request_id: str) -> None:
+    """The first step holding `request_id` raises in the model runner."""
+    execute = engine.runner.execute
+    armed = [True]
+
+    def failing(out: SchedulerOutput) -> dict[str, tuple[int, float | None]]:
+        if armed[0] and any(c.request.request_id == request_id for c in out.chunks):
+            armed[0] = False
+            raise RuntimeError("the device fell over")
+        return execute(out)
+
+    monkeypatch.setattr(engine.runner, "execute", failing)
+
+
+async def send_and_wait(nc: Client, worker: str, request_id: str) -> list[TokenChunk]:
+    """Send a short request; every chunk of it, up to its end (a finish reason or an error)."""
+    chunks: asyncio.Queue[TokenChunk] = asyncio.Queue()
+
+    async def on_chunk(msg: Msg) -> None:
+        chunks.put_nowait(parse(msg, TokenChunk))
+
+    sub = await nc.subscribe(subjects.tokens(request_id), cb=on_chunk)
+    await publish(nc, subjects.prefill(worker), PrefillRequest(
+        request_id=request_id, prompt_ids=[1, 2, 3], sampling=Sampling(max_tokens=4),
+        arrival_ts=time.time()))
+    received = [await asyncio.wait_for(chunks.get(), 30)]
+    while received[-1].finish_reason is None and received[-1].error is None:
+        received.append(await asyncio.wait_for(chunks.get(), 30))
+    await sub.unsubscribe()
+    return received
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_step_fails_its_request_and_the_worker_serves_on(
+        nats_url: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = WorkerSettings(instance_id="colocated-y", nats_url=nats_url, redis_url=redis_url,
+                              model="tiny", heartbeat_s=0.1, heartbeat_ttl_s=0.5)
+    engine = Engine(EngineConfig(model="tiny", device="cpu", kv_cache_bytes=1 << 20))
+    fail_once_for(monkeypatch, engine, "bad")
+    worker = ColocatedService(settings, engine)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        running = asyncio.create_task(worker.run(stop))
+        registry = Registry(Redis.from_url(redis_url))
+        while not await registry.instances("colocated"):
+            await asyncio.sleep(0.05)
+        nc = await connect(nats_url, "test")
+        (failed,) = await send_and_wait(nc, "colocated-y", "bad")
+        assert failed.error is not None and "the device fell over" in failed.error
+        assert failed.finish_reason is None and not failed.token_ids
+        good = await send_and_wait(nc, "colocated-y", "good")
+        assert good[-1].finish_reason == "length" and all(c.error is None for c in good)
+        assert sum(len(c.token_ids) for c in good) == 4
+        assert not running.done() and worker.known == set()
+        assert engine.blocks.num_free == engine.blocks.num_blocks
+        stop.set()
+        await asyncio.wait_for(running, 30)  # drains and ends without WorkerFailed
         await nc.close()
         await registry.redis.aclose()
 
