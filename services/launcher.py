@@ -1,12 +1,17 @@
 """Start a whole stack on this host: nats-server and valkey-server (from their PyPI packages)
 unless URLs are given, then the workers and the gateway, each its own process. Stopping it
-stops every child; nothing is left behind."""
+stops every child; nothing is left behind.
+
+The servers it starts listen on 127.0.0.1 and require a password made for the run; the
+passwords sit in files readable by their owner only (the servers' config files and the run's
+`env` file, whose URLs carry them), never on a command line, which `ps` shows to everyone."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -20,6 +25,7 @@ from pathlib import Path
 from typing import IO, Literal
 
 BIN = Path(sys.executable).parent
+NATS_USER = "distserve"
 
 
 def free_port() -> int:
@@ -49,6 +55,15 @@ def services_ready(redis_url: str) -> bool:
     with Redis.from_url(redis_url) as redis:
         return bool(redis.exists(subjects.ready_key("profiler"))) and \
             bool(redis.exists(subjects.ready_key("planner")))
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `path` readable by its owner only from its creation on (a file left from an
+    earlier run is replaced, not reused with its mode)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def read_run_env(run_dir: Path) -> dict[str, str]:
@@ -81,8 +96,14 @@ class StackConfig:
     kv_cache_mb: int = 256
     chunked_prefill: bool = False
     planner: bool = False  # run the workload profiler and the planner (disaggregated only)
+    api_keys: list[str] = field(default_factory=list)  # the gateway's; none: the API is open
     extra_env: dict[str, str] = field(default_factory=dict)
     run_dir: Path = Path("runs")
+
+    def __post_init__(self) -> None:
+        for key in self.api_keys:
+            if not key or "," in key or any(ch.isspace() for ch in key):
+                raise ValueError("an API key must be non-empty, without commas or whitespace")
 
 
 @dataclass
@@ -103,8 +124,9 @@ class Stack:
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         log = (self.run_dir / f"{name}.log").open("wb")
+        inherited = {k: v for k, v in os.environ.items() if k != "DS_API_KEYS"}  # gateway's
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})})
+                                env={**inherited, **(env or {})})
         child = Child(name, proc, log)
         self.children.append(child)
         return child
@@ -116,27 +138,40 @@ class Stack:
             self.stop()
             raise
 
+    def _start_nats(self) -> str:
+        """A nats-server on 127.0.0.1 that takes this run's user and password only. A client
+        has 10 s (not the default 2 s) from connecting to logging in: a service starting on a
+        busy host can take longer, and would be disconnected."""
+        port, password = free_port(), secrets.token_urlsafe(24)
+        config = self.run_dir / "nats.conf"
+        write_private(config, f'authorization {{\n  user: "{NATS_USER}"\n'
+                              f'  password: "{password}"\n  timeout: 10\n}}\n')
+        child = self._spawn("nats", [nats_server_binary(), "-c", str(config), "-a",
+                                     "127.0.0.1", "-p", str(port)])
+        wait_for_port(port, child.proc, "nats-server")
+        return f"nats://{NATS_USER}:{password}@127.0.0.1:{port}"
+
+    def _start_valkey(self) -> str:
+        """A valkey-server on 127.0.0.1 that takes this run's password only."""
+        port, password = free_port(), secrets.token_urlsafe(24)
+        config = self.run_dir / "valkey.conf"
+        write_private(config, f"requirepass {password}\n")
+        child = self._spawn("valkey", [valkey_server_binary(), str(config), "--port", str(port),
+                                       "--bind", "127.0.0.1", "--save", "",
+                                       "--appendonly", "no", "--dir", str(self.run_dir)])
+        wait_for_port(port, child.proc, "valkey-server")
+        return f"redis://:{password}@127.0.0.1:{port}"
+
     def _start(self, timeout: float) -> None:
         c = self.config
-        nats_url, redis_url = c.nats_url, c.redis_url
-        if nats_url is None:
-            port = free_port()
-            child = self._spawn("nats", [nats_server_binary(), "-a", "127.0.0.1", "-p",
-                                         str(port)])
-            wait_for_port(port, child.proc, "nats-server")
-            nats_url = f"nats://127.0.0.1:{port}"
-        if redis_url is None:
-            port = free_port()
-            child = self._spawn("valkey", [valkey_server_binary(), "--port", str(port),
-                                           "--bind", "127.0.0.1", "--save", "",
-                                           "--appendonly", "no", "--dir", str(self.run_dir)])
-            wait_for_port(port, child.proc, "valkey-server")
-            redis_url = f"redis://127.0.0.1:{port}"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        nats_url = self._start_nats() if c.nats_url is None else c.nats_url
+        redis_url = self._start_valkey() if c.redis_url is None else c.redis_url
         env = {"DS_NATS_URL": nats_url, "DS_REDIS_URL": redis_url, "DS_MODEL": c.model,
                "DS_THREADS": str(c.threads), "DS_KV_CACHE_MB": str(c.kv_cache_mb),
                "DS_CHUNKED_PREFILL": str(c.chunked_prefill).lower(),
                "DS_RUN_DIR": str(self.run_dir), **c.extra_env}
-        (self.run_dir / "env").write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+        write_private(self.run_dir / "env", "".join(f"{k}={v}\n" for k, v in env.items()))
         workers = ([("colocated", i) for i in range(c.replicas)] if c.mode == "colocated"
                    else [("prefill", i) for i in range(c.prefill)]
                    + [("decode", i) for i in range(c.decode)])
@@ -147,7 +182,8 @@ class Stack:
             for service in ("profiler", "planner"):
                 self._spawn(service, [sys.executable, "-m", f"services.{service}"], env)
         self._spawn("gateway", [sys.executable, "-m", "services.gateway"],
-                    env | {"DS_PORT": str(c.port), "DS_MODE": c.mode})
+                    env | {"DS_PORT": str(c.port), "DS_MODE": c.mode,
+                           "DS_API_KEYS": ",".join(c.api_keys)})
         expected = ({"colocated": c.replicas} if c.mode == "colocated"
                     else {"prefill": c.prefill, "decode": c.decode})
         self.wait_healthy(timeout, expected, redis_url if c.planner else None)

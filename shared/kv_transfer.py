@@ -4,21 +4,33 @@ between GPUs of a node, RDMA across nodes; device buffers go as they are.
 
 Protocol, per pull, on one endpoint the decode instance keeps per prefill instance:
 
-    decode -> prefill   header: {"request_id": ...}              (HEADER_BYTES, JSON, padded)
+    decode -> prefill   header: {"request_id": ..., "token": ...}  (HEADER_BYTES, JSON, padded)
     prefill -> decode   header: {"ok": bool, "nbytes": n, "error": ...}
     prefill -> decode   payload: n bytes (the request's exported blocks), if ok
 
-The prefill side looks the buffer up with a callback, so the engine stays the owner of its
-memory; freeing the blocks afterwards is a separate control message (the decode side tells
-the prefill instance over NATS once the pull has landed).
+A pull presents the request's token, which the prefill side handed only to the decode
+instance the request was sent to (in its KvReady); a wrong token gets the same answer as an
+unknown request. The prefill side looks the buffer up with a callback, so the engine stays
+the owner of its memory; freeing the blocks afterwards is a separate control message (the
+decode side tells the prefill instance over NATS once the pull has landed).
+
+The listener's socket: ucxx (0.52) binds it to all interfaces and its Python API takes no
+address, so the server restricts UCX to the network device that holds its address
+(UCX_NET_DEVICES): a connection that arrives on another interface is rejected by UCX.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
+import socket
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +55,10 @@ def enable_notifier_thread() -> None:
 
 def stop_notifier_thread() -> None:
     ucxx.stop_notifier_thread()
+
+
 HEADER_BYTES = 512
+SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 # request id -> the request's exported blocks (a contiguous host or device array), or None
 BlockLookup = Callable[[str], Any]
@@ -65,6 +80,27 @@ def _parse(buf: np.ndarray) -> dict[str, Any]:
     return dict(json.loads(bytes(buf).rstrip(b"\0")))
 
 
+def interface_ipv4(interface: str) -> str | None:
+    """The interface's (primary) IPv4 address, or None if it has none."""
+    request = struct.pack("256s", interface.encode()[:15])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            reply = fcntl.ioctl(s.fileno(), SIOCGIFADDR, request)
+        except OSError:  # the interface has no IPv4 address
+            return None
+    return socket.inet_ntoa(reply[20:24])
+
+
+def net_device(host: str) -> str:
+    """The network interface of this host whose (primary IPv4) address `host` names."""
+    address = socket.gethostbyname(host)
+    for _, interface in socket.if_nameindex():
+        if interface_ipv4(interface) == address:
+            return interface
+    raise ValueError(f"the KV listener's address {host} ({address}) is on no network "
+                     f"interface of this host: set DS_HOST to an address of this host")
+
+
 @dataclass
 class TransferStats:
     requests: int = 0
@@ -74,15 +110,25 @@ class TransferStats:
 
 @dataclass
 class KvServer:
-    """Prefill side: serves exported blocks to whoever pulls them."""
+    """Prefill side: serves exported blocks to the holder of each request's token."""
 
     lookup: BlockLookup
     host: str = "127.0.0.1"
     port: int = 0
     stats: TransferStats = field(default_factory=TransferStats)
+    _key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
     _listener: Any = None
 
+    def token(self, request_id: str) -> str:
+        """The token that lets its holder pull request_id's blocks: 128 bits of an HMAC under
+        a key this server alone keeps, so no table of tokens outlives the requests."""
+        return hmac.new(self._key, request_id.encode(), hashlib.sha256).hexdigest()[:32]
+
     def start(self) -> None:
+        """Start UCX on the network device of `host` only (UCX_NET_DEVICES, when set, wins:
+        e.g. to add an RDMA device), then listen. UCX must not have started yet in this
+        process."""
+        ucxx.init(options={"NET_DEVICES": net_device(self.host)}, env_takes_precedence=True)
         self._listener = ucxx.create_listener(self._serve, port=self.port)
         self.port = self._listener.port
 
@@ -97,8 +143,12 @@ class KvServer:
                 await ep.recv(header)
             except (UCXError, UCXCanceledError):  # the peer hung up
                 break
-            request_id = str(_parse(header).get("request_id", ""))
-            buffer = self.lookup(request_id)
+            try:
+                request = _parse(header)
+            except (ValueError, TypeError):  # not our protocol: hang up
+                break
+            request_id = str(request.get("request_id", ""))
+            buffer = self._find(request_id, str(request.get("token", "")))
             if buffer is None:
                 await ep.send(_header({"ok": False, "error": f"no KV for {request_id}"}))
                 continue
@@ -108,6 +158,12 @@ class KvServer:
             self.stats.requests += 1
             self.stats.bytes += nbytes
         await ep.close()
+
+    def _find(self, request_id: str, token: str) -> Any:
+        """The blocks, if the token is request_id's (checked before the engine is asked)."""
+        if not hmac.compare_digest(self.token(request_id).encode(), token.encode()):
+            return None
+        return self.lookup(request_id)
 
     def close(self) -> None:
         if self._listener is not None:
@@ -128,15 +184,16 @@ class KvClient:
             self._endpoints[address] = await ucxx.create_endpoint(host, int(port))
         return self._endpoints[address]
 
-    async def pull(self, address: str, request_id: str, into: Any) -> None:
-        """Fill `into` (exactly the size of the exported blocks) with request_id's KV."""
+    async def pull(self, address: str, request_id: str, token: str, into: Any) -> None:
+        """Fill `into` (exactly the size of the exported blocks) with request_id's KV, showing
+        the token its KvReady carried."""
         lock = self._locks.setdefault(address, asyncio.Lock())
         loop = asyncio.get_running_loop()
         async with lock:  # one pull at a time per endpoint keeps header and payload paired
             start = loop.time()
             try:
                 ep = await self._endpoint(address)
-                await ep.send(_header({"request_id": request_id}))
+                await ep.send(_header({"request_id": request_id, "token": token}))
                 reply = np.empty(HEADER_BYTES, dtype=np.uint8)
                 await ep.recv(reply)
                 answer = _parse(reply)

@@ -38,10 +38,11 @@ class PrefillRequest(BaseModel):
 class KvReady(BaseModel):
     """prefill -> ds.decode.<instance>: a request's KV waits to be pulled."""
 
-    version: Literal[1] = 1
+    version: Literal[2] = 2  # 2: the pull token
     request_id: str
     prefill_instance: str
     kv_address: str  # UCX listener, host:port
+    token: str  # the pull's credential: sent to this decode instance only, never logged
     num_blocks: int
     prompt_ids: list[int]
     first_token: int

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 from pathlib import Path
@@ -36,7 +37,36 @@ def register(sub: Any) -> None:
                    help="the planner's device budget (default: the number of CPU cores)")
     p.add_argument("--ttft", type=float, default=5.0, help="the planner's TTFT objective (s)")
     p.add_argument("--tpot", type=float, default=0.2, help="the planner's TPOT objective (s)")
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="the API requires this key (Authorization: Bearer KEY); repeat it for "
+                        "several keys. A key on the command line shows in `ps`: prefer "
+                        "--api-key-file, or DS_API_KEYS (comma-separated), which is read "
+                        "when neither flag is given. No key: the API is open")
+    p.add_argument("--api-key-file", type=Path, metavar="PATH",
+                   help="the API requires one of the keys in this file (one a line; blank "
+                        "lines and # comments are ignored)")
     p.set_defaults(parser=p, run=run)
+
+
+def read_key_file(path: Path, parser: argparse.ArgumentParser) -> list[str]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        parser.error(f"cannot read --api-key-file {path}: {e.strerror}")
+    keys = [line.split("#", 1)[0].strip() for line in lines]
+    if not any(keys):
+        parser.error(f"--api-key-file {path} holds no key")
+    return [key for key in keys if key]
+
+
+def api_keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    """--api-key and --api-key-file together; without either, the comma-separated
+    DS_API_KEYS variable; none of them: the API is open."""
+    if args.api_key is None and args.api_key_file is None:
+        return [key.strip() for key in os.environ.get("DS_API_KEYS", "").split(",")
+                if key.strip()]
+    file_keys = [] if args.api_key_file is None else read_key_file(args.api_key_file, parser)
+    return [*(args.api_key or []), *file_keys]
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -49,12 +79,17 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--ttft and --tpot must be positive, --devices at least 0")
     planner_env = {"DS_PLANNER_DEVICES": str(args.devices),
                    "DS_PLANNER_TTFT_S": str(args.ttft), "DS_PLANNER_TPOT_S": str(args.tpot)}
-    stack = Stack(StackConfig(mode=args.mode, prefill=args.prefill, decode=args.decode,
-                              replicas=args.replicas, port=args.port, nats_url=args.nats_url,
-                              redis_url=args.redis_url, model=args.model, threads=args.threads,
-                              kv_cache_mb=args.kv_cache_mb, chunked_prefill=args.chunked_prefill,
-                              run_dir=args.run_dir, planner=args.planner == "auto",
-                              extra_env=planner_env if args.planner == "auto" else {}))
+    try:
+        config = StackConfig(mode=args.mode, prefill=args.prefill, decode=args.decode,
+                             replicas=args.replicas, port=args.port, nats_url=args.nats_url,
+                             redis_url=args.redis_url, model=args.model, threads=args.threads,
+                             kv_cache_mb=args.kv_cache_mb, chunked_prefill=args.chunked_prefill,
+                             run_dir=args.run_dir, planner=args.planner == "auto",
+                             api_keys=api_keys(args, parser),
+                             extra_env=planner_env if args.planner == "auto" else {})
+    except ValueError as e:
+        parser.error(str(e))
+    stack = Stack(config)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -62,6 +97,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         stack.start()
         print(f"ready: {stack.url}/v1  (OpenAI API; Ctrl-C to stop)", flush=True)
+        if config.api_keys:
+            print(f"the API requires a key ({len(config.api_keys)} configured): send "
+                  f"'Authorization: Bearer <key>'", flush=True)
         stop.wait()
     finally:
         print("stopping ...", flush=True)

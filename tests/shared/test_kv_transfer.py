@@ -1,9 +1,11 @@
-"""KV blocks exported from one process's pool arrive over UCX in another's, bit for bit."""
+"""KV blocks exported from one process's pool arrive over UCX in another's, bit for bit, for
+the holder of the request's token only, and through the listener's own address only."""
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import socket
 from typing import Any
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 
 from shared.engine.config import LLAMA_SHAPES
 from shared.engine.kv_cache import KVCache
-from shared.kv_transfer import KvClient, KvServer, TransferError
+from shared.kv_transfer import KvClient, KvServer, TransferError, interface_ipv4, net_device
 
 CFG = LLAMA_SHAPES["tiny"]
 SOURCE_BLOCKS = [5, 2, 9]
@@ -31,7 +33,7 @@ def serve(ports: Any, stop: Any) -> None:
     async def main() -> None:
         server = KvServer(lookup=exported.get)
         server.start()
-        ports.put(server.port)
+        ports.put((server.port, server.token("req-1"), server.token("req-unknown")))
         while not stop.is_set():
             await asyncio.sleep(0.05)
         ports.put(server.stats.bytes)
@@ -46,8 +48,8 @@ def server_port() -> Any:
     ports, stop = ctx.Queue(), ctx.Event()
     proc = ctx.Process(target=serve, args=(ports, stop), daemon=True)
     proc.start()
-    port = ports.get(timeout=120)
-    yield port, ports, stop
+    port, token, unknown_token = ports.get(timeout=120)
+    yield port, token, unknown_token, ports, stop
     stop.set()
     proc.join(timeout=30)
     if proc.is_alive():
@@ -56,7 +58,7 @@ def server_port() -> Any:
 
 @pytest.mark.timeout(180)
 def test_pull_moves_blocks_between_processes(server_port: Any) -> None:
-    port, ports, stop = server_port
+    port, token, unknown_token, ports, stop = server_port
     expected = pool(seed=1).export_blocks(SOURCE_BLOCKS)
     decode = pool(seed=2)
     target = [0, 11, 7]
@@ -64,9 +66,10 @@ def test_pull_moves_blocks_between_processes(server_port: Any) -> None:
 
     async def main() -> None:
         client = KvClient()
-        await client.pull(f"127.0.0.1:{port}", "req-1", buffer.numpy())
+        await client.pull(f"127.0.0.1:{port}", "req-1", token, buffer.numpy())
         with pytest.raises(TransferError, match="no KV for req-unknown"):
-            await client.pull(f"127.0.0.1:{port}", "req-unknown", buffer.numpy())
+            await client.pull(f"127.0.0.1:{port}", "req-unknown", unknown_token,
+                              buffer.numpy())
         assert client.stats.requests == 1 and client.stats.bytes == buffer.nbytes
         await client.close()
 
@@ -77,11 +80,63 @@ def test_pull_moves_blocks_between_processes(server_port: Any) -> None:
     assert ports.get(timeout=30) == expected.nbytes  # the server counted what it sent
 
 
+@pytest.mark.timeout(180)
+def test_a_pull_needs_the_requests_token(server_port: Any) -> None:
+    port, token, unknown_token, ports, stop = server_port
+    expected = pool(seed=1).export_blocks(SOURCE_BLOCKS)
+    buffer = torch.zeros_like(expected)
+
+    async def main() -> None:
+        client = KvClient()
+        address = f"127.0.0.1:{port}"
+        for wrong in ("", "0" * 32, unknown_token, token[:-1], token + "0", "é" * 32):
+            with pytest.raises(TransferError, match=r"^no KV for req-1$"):  # reveals nothing
+                await client.pull(address, "req-1", wrong, buffer.numpy())
+        assert not buffer.any()
+        await client.pull(address, "req-1", token, buffer.numpy())  # the same endpoint
+        await client.close()
+
+    asyncio.run(main())
+    assert torch.equal(buffer, expected)
+    stop.set()
+    assert ports.get(timeout=30) == expected.nbytes  # sent once, to the token's holder
+
+
+def other_address() -> str | None:
+    """An IPv4 address of this host that is not loopback, if it has one."""
+    addresses = [interface_ipv4(name) for _, name in socket.if_nameindex()]
+    return next((a for a in addresses if a and not a.startswith("127.")), None)
+
+
+@pytest.mark.timeout(180)
+def test_the_listener_serves_through_its_own_address_only(server_port: Any) -> None:
+    port, token, _, _, _ = server_port
+    address = other_address()
+    if address is None:
+        pytest.skip("this host has no network interface besides loopback")
+    buffer = bytearray(pool(seed=1).export_blocks(SOURCE_BLOCKS).nbytes)
+
+    async def main() -> None:
+        client = KvClient()
+        with pytest.raises(TransferError):  # UCX rejects it: not on the listener's device
+            await asyncio.wait_for(client.pull(f"{address}:{port}", "req-1", token, buffer),
+                                   30)
+
+    asyncio.run(main())
+
+
+def test_the_listeners_device_is_the_one_holding_its_address() -> None:
+    assert net_device("127.0.0.1") == "lo"
+    assert net_device("localhost") == "lo"
+    with pytest.raises(ValueError, match="on no network interface"):
+        net_device("203.0.113.7")  # TEST-NET-3: no host's own address
+
+
 @pytest.mark.timeout(60)
 def test_pull_from_nobody_fails_cleanly() -> None:
     async def main() -> None:
         client = KvClient()
         with pytest.raises(TransferError):
-            await asyncio.wait_for(client.pull("127.0.0.1:1", "x", bytearray(8)), 30)
+            await asyncio.wait_for(client.pull("127.0.0.1:1", "x", "t", bytearray(8)), 30)
 
     asyncio.run(main())
