@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -16,6 +17,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from shared import subjects
 from shared.bus import connect, publish
@@ -51,7 +53,8 @@ class WorkerSettings(BaseSettings):
     chunked_prefill: bool = False
     heartbeat_s: float = 0.5
     heartbeat_ttl_s: float = 2.0
-    kv_lease_s: float = 30.0  # prefill frees KV nobody pulled after this long
+    kv_lease_s: float = 30.0  # prefill frees parked KV once its decode instance is silent
+    kv_max_hold_s: float = 600.0  # ... or once parked this long, whatever the decode side
     drain_timeout_s: float = 120.0  # a drain that has not finished by then exits anyway
     run_dir: str | None = None  # traces go here as JSON lines (unless OTLP is configured)
 
@@ -108,10 +111,25 @@ class EngineHost:
             self.outputs_s += time.time() - handled
 
 
-async def heartbeat_forever(registry: Registry, info: Callable[[], InstanceInfo],
+async def heartbeat_forever(nc: Client, registry: Registry, info: Callable[[], InstanceInfo],
                             every_s: float) -> None:
+    """Publish the instance's state on NATS (the gateways' view) and in Redis (the planner's
+    and the profiler's). A Redis that fails is logged and tried again next beat: never fatal,
+    the gateways dispatch on the NATS heartbeats meanwhile."""
+    failing = False
     while True:
-        await registry.heartbeat(info())
+        beat = info().model_copy(update={"heartbeat_at": time.time()})
+        await publish(nc, subjects.HEARTBEATS, beat)
+        try:
+            await registry.heartbeat(beat)
+            if failing:
+                log.info("%s: Redis heartbeats work again", beat.instance_id)
+            failing = False
+        except (RedisError, OSError) as e:
+            if not failing:
+                log.warning("%s: Redis heartbeat failed (%s); retrying every %.1fs",
+                            beat.instance_id, e, every_s)
+            failing = True
         await asyncio.sleep(every_s)
 
 
@@ -192,10 +210,12 @@ class Worker:
 
     def info(self) -> InstanceInfo:
         blocks, scheduler = self.engine.blocks, self.engine.scheduler
+        capacity = min(self.engine.model_config.max_context, blocks.num_blocks * blocks.block_size)
         return InstanceInfo(instance_id=self.id, role=self.role,
                             queue_len=len(scheduler.waiting), running=len(scheduler.running),
                             free_blocks=blocks.num_free, total_blocks=blocks.num_blocks,
-                            draining=self.draining, steps=self.host.steps,
+                            draining=self.draining, max_request_tokens=capacity,
+                            max_running=scheduler.config.max_running, steps=self.host.steps,
                             step_seconds=self.host.step_s, outputs_seconds=self.host.outputs_s,
                             batched=self.host.batched)
 
@@ -227,7 +247,6 @@ class Worker:
         self.nc = await connect(self.settings.nats_url, self.id)
         redis = Redis.from_url(self.settings.redis_url)
         registry = Registry(redis, self.settings.heartbeat_ttl_s)
-        await redis.delete(subjects.inflight_key(self.id))  # nobody dispatched here yet
 
         async def on_drain(_: Msg) -> None:
             stop.set()
@@ -236,7 +255,8 @@ class Worker:
                                   ).items():
             await self.nc.subscribe(subject, cb=callback)
         named = {"engine loop": self.host.run(self.on_outputs),
-                 "heartbeat": heartbeat_forever(registry, self.info, self.settings.heartbeat_s)}
+                 "heartbeat": heartbeat_forever(self.nc, registry, self.info,
+                                                self.settings.heartbeat_s)}
         named |= {f"background {i}": c for i, c in enumerate(self.background())}
         tasks = [asyncio.create_task(c, name=n) for n, c in named.items()]
         log.info("%s %s ready", self.role, self.id)
@@ -245,7 +265,8 @@ class Worker:
         failed = next((t for t in done if t is not ending), None)
         for task in [ending, *tasks]:
             task.cancel()
-        await registry.remove(self.id, self.role)
+        with contextlib.suppress(RedisError, OSError):  # it expires by itself otherwise
+            await registry.remove(self.id, self.role)
         await self.closing()
         shutdown_tracing()
         await self.nc.drain()
@@ -261,12 +282,14 @@ class Worker:
         may still arrive just after the flag is set)."""
         await stop.wait()
         self.draining = True
-        await registry.heartbeat(self.info())
+        await publish(self.nc, subjects.HEARTBEATS, self.info())
+        with contextlib.suppress(RedisError, OSError):
+            await registry.heartbeat(self.info())
         log.info("%s draining", self.id)
         started = time.monotonic()
         while True:
             waited = time.monotonic() - started
-            inflight = int(await redis.get(subjects.inflight_key(self.id)) or 0)
+            inflight = await self._inflight(redis)
             if waited >= self.settings.heartbeat_ttl_s and inflight <= 0 and self.idle():
                 log.info("%s drained in %.1fs", self.id, waited)
                 return
@@ -275,6 +298,16 @@ class Worker:
                             "exiting", self.id, waited, inflight)
                 return
             await asyncio.sleep(0.1)
+
+    async def _inflight(self, redis: Redis) -> int:
+        """Requests the live gateways say they have in flight here (each gateway's count
+        expires with it); a Redis that fails counts as none, so a drain still ends."""
+        try:
+            keys = [k async for k in redis.scan_iter(match=subjects.inflight_keys(self.id))]
+            counts = await redis.mget(keys) if keys else []
+        except (RedisError, OSError):
+            return 0
+        return sum(int(c) for c in counts if c is not None)
 
     async def admit(self, req: PrefillRequest) -> bool:
         """Queue a prompt on the engine; a request it can never run gets an error chunk."""
@@ -288,9 +321,11 @@ class Worker:
         return True
 
     async def stream(self, out: RequestOutput) -> None:
+        """New tokens and text, the end, or the error that failed the request's step."""
         await self.send(TokenChunk(request_id=out.request_id, token_ids=out.new_token_ids,
                                    text=out.new_text, logprobs=out.logprobs,
-                                   finish_reason=out.finish_reason, source=self.id))
+                                   finish_reason=out.finish_reason, error=out.error,
+                                   source=self.id))
 
     async def send(self, chunk: TokenChunk) -> None:
         await publish(self.nc, subjects.tokens(chunk.request_id), chunk)

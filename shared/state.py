@@ -25,6 +25,8 @@ class InstanceInfo(BaseModel):
     free_blocks: int = 0
     total_blocks: int = 0
     draining: bool = False
+    max_request_tokens: int = 0  # prompt + output one request can have here (context, pool)
+    max_running: int = 0  # requests the engine batches at most
     kv_requests: int = 0  # KV transfers served (prefill) or pulled (decode) over UCX
     kv_bytes: int = 0
     steps: int = 0  # engine steps so far

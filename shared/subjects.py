@@ -50,9 +50,18 @@ REQUEST_EVENTS = f"{PREFIX}.events.requests"  # gateway -> profiler: one per fin
 REPLAN = f"{PREFIX}.planner.replan"  # profiler (or CLI) -> planner
 
 
-def inflight_key(instance: str) -> str:
-    """Requests the gateways have sent to an instance and not yet seen leave it."""
-    return f"{PREFIX}:inflight:{instance}"
+def inflight_key(instance: str, gateway: str) -> str:
+    """Requests one gateway has sent to an instance and not yet seen leave it. The gateway
+    rewrites it every second with an expiry, so a dead gateway leaves no stale count."""
+    return f"{PREFIX}:inflight:{instance}:{gateway}"
+
+
+def inflight_keys(instance: str) -> str:
+    """Pattern of every gateway's inflight_key for an instance."""
+    return f"{PREFIX}:inflight:{instance}:*"
+
+
+HEARTBEATS = f"{PREFIX}.heartbeats"  # instances -> gateways: InstanceInfo, every heartbeat
 
 
 PLAN_KEY = f"{PREFIX}:planner:plan"  # the plan in force, with its reason

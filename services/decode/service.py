@@ -6,6 +6,7 @@ request joins the running batch."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import deque
@@ -65,17 +66,36 @@ class DecodeService(Worker):
         self.pending.append(ready)
         self.room.set()
 
-    async def _pull_forever(self) -> None:
+    async def _pull_forever(self, batch: int = 32) -> None:
+        """Pull announced requests in arrival order, as many at a time as the pool holds
+        (up to `batch`): one engine call allocates for all of them, and their transfers and
+        imports overlap, so a burst costs a few engine steps rather than two per request."""
         while True:
             await self.room.wait()
             self.room.clear()
             while self.pending:
-                ready = self.pending[0]
-                blocks = await self.host.call(self.engine.allocate, len(ready.prompt_ids))
-                if blocks is None:
+                wanted = list(itertools.islice(self.pending, batch))
+                granted = await self.host.call(self._allocate_in_order, wanted)
+                if not granted:
                     break  # no room: wait until a request finishes
-                self.pending.popleft()
-                await self._pull(ready, blocks)
+                pulls = []
+                for ready, blocks in zip(wanted, granted, strict=False):
+                    if ready in self.pending:
+                        self.pending.remove(ready)
+                        pulls.append(self._pull(ready, blocks))
+                    else:  # cancelled while the blocks were allocated
+                        await self.host.call(self.engine.free, blocks)
+                await asyncio.gather(*pulls)
+
+    def _allocate_in_order(self, wanted: list[KvReady]) -> list[list[int]]:
+        """On the engine thread: blocks for the longest prefix of `wanted` the pool holds."""
+        granted = []
+        for ready in wanted:
+            blocks = self.engine.allocate(len(ready.prompt_ids))
+            if blocks is None:
+                break
+            granted.append(blocks)
+        return granted
 
     async def _pull(self, ready: KvReady, blocks: list[int]) -> None:
         kv = self.engine.runner.kv
@@ -90,7 +110,8 @@ class DecodeService(Worker):
                 raise TransferError(f"prefill sent {ready.num_blocks} blocks, expected "
                                     f"{len(blocks)}: block sizes differ")
             target = buffer.numpy() if buffer.device.type == "cpu" else buffer
-            await self.kv_client.pull(ready.kv_address, ready.request_id, target)
+            await self.kv_client.pull(ready.kv_address, ready.request_id, ready.token,
+                                      target)
         except TransferError as e:
             log.warning("pull of %s failed: %s", ready.request_id, e)
             await self.host.call(self.engine.free, blocks)
@@ -114,11 +135,11 @@ class DecodeService(Worker):
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             await self.stream(out)
-            if out.finished:
+            if out.finished:  # its blocks are free: at the end, or after an error
                 self.room.set()
                 headers, joined = self.traces.pop(out.request_id, ({}, time.time()))
                 record(self.tracer, "decode run", context_from(headers), joined, time.time(),
-                       instance=self.id, finish_reason=out.finish_reason or "")
+                       instance=self.id, finish_reason=out.finish_reason or "error")
 
     async def _on_cancel(self, msg: Msg) -> None:
         request_id = parse(msg, Cancel).request_id

@@ -1,25 +1,51 @@
-"""OpenAI API request models and response builders (pure: no I/O)."""
+"""OpenAI's API shapes, in one place and pure (no I/O): request models with their validation,
+the error envelope, ids, response and chunk envelopes, choices, usage, logprobs and SSE."""
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any, Literal
+import uuid
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOPS = 4
+MAX_STOP_CHARS = 256  # longer stop strings cannot match a reply in any useful way
 
 
 class APIError(Exception):
     """An error the client gets back in OpenAI's shape."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, kind: str = "invalid_request_error") -> None:
+                 code: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = (status, message, param,
                                                                        code, kind)
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
+        return error_body(self.message, self.kind, self.param, self.code)
+
+
+def error_body(message: str, kind: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _encodable(text: str) -> str:
+    """A lone surrogate ("\\ud800") is valid JSON but not text: refuse it here, before it
+    reaches the tokenizer or a NATS message."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text is not valid Unicode ({e.reason} at position "
+                         f"{e.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
 
 
 class StreamOptions(BaseModel):
@@ -29,13 +55,13 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: Text
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)  # extension (vLLM's): -1 or 0 = no cut
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -52,8 +78,9 @@ class _Common(BaseModel):
     @classmethod
     def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
         stops = [stop] if isinstance(stop, str) else stop or []
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
+        if len(stops) > MAX_STOPS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop takes up to {MAX_STOPS} non-empty strings of at most "
+                             f"{MAX_STOP_CHARS} characters")
         return stop
 
     @property
@@ -66,7 +93,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
+    prompt: Text | list[int] | list[Text]
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
     max_tokens: int | None = Field(default=16, ge=1)
@@ -77,7 +104,7 @@ class CompletionRequest(_Common):
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) \
                 and len(prompt) != 1:
             raise ValueError("only one prompt per request is supported")
-        if not prompt:
+        if not prompt or prompt == [""]:
             raise ValueError("the prompt is empty")
         return prompt
 
@@ -88,15 +115,21 @@ class CompletionRequest(_Common):
             raise ValueError("echo is not supported")
         return echo
 
+    @property
+    def text_or_ids(self) -> str | list[int]:
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str):
+            return str(self.prompt[0])
+        return self.prompt
+
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     @property
     def text(self) -> str:
@@ -109,6 +142,20 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=0)  # chosen tokens only
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+# -- responses ---------------------------------------------------------------------------
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
 def usage(prompt: int, completion: int) -> dict[str, int]:
@@ -126,7 +173,24 @@ def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict[str, Any]:
                          "top_logprobs": []} for t, lp in zip(tokens, logprobs, strict=True)]}
 
 
-def envelope(request_id: str, model: str, chat: bool, stream: bool) -> dict[str, Any]:
+def envelope(response_id: str, model: str, chat: bool, stream: bool) -> dict[str, Any]:
     kind = ("chat.completion.chunk" if stream else "chat.completion") if chat \
         else "text_completion"
-    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
+    return {"id": response_id, "object": kind, "created": int(time.time()), "model": model}
+
+
+def choice(chat: bool, text: str, finish: str | None, logprobs: dict[str, Any] | None,
+           stream: bool) -> dict[str, Any]:
+    if not chat:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    if stream:
+        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                "finish_reason": finish}
+    return {"index": 0, "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs, "finish_reason": finish}
+
+
+def first_chat_chunk() -> dict[str, Any]:
+    """The role announcement that opens a streamed chat answer."""
+    return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}

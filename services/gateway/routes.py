@@ -1,180 +1,223 @@
-"""HTTP routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+"""HTTP routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+A request is admitted (or gets 429) before anything else, tokenized off the event loop,
+dispatched, and answered as one JSON or as SSE. A client that goes away, streaming or not,
+cancels its request on every instance."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import Receive, Scope, Send
 
-from services.gateway.app import Gateway, new_id, sse
-from services.gateway.openai_api import (
-    APIError,
-    ChatRequest,
-    CompletionRequest,
-    chat_logprobs,
-    completion_logprobs,
-    envelope,
-    usage,
-)
+from services.gateway import openai_api as api
+from services.gateway.gateway import Gateway, Target
+from services.gateway.ledger import Ticket
+from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
+from services.gateway.stream import GaveUp
+from services.gateway.timing import RequestTiming
 from shared.messages import Sampling, TokenChunk
-from shared.state import Role
 
 
 class Call:
-    """One request in flight: what is needed to shape its answer."""
+    """One admitted request: what shapes its answer, and its timing."""
 
-    def __init__(self, gateway: Gateway, model: str, chat: bool, prompt_ids: list[int],
-                 sampling: Sampling, include_usage: bool) -> None:
-        self.gateway, self.model, self.chat = gateway, model, chat
+    def __init__(self, gateway: Gateway, model: str, chat: bool, target: Target,
+                 prompt_ids: list[int], sampling: Sampling, include_usage: bool) -> None:
+        self.gateway, self.model, self.chat, self.target = gateway, model, chat, target
         self.prompt_ids, self.sampling, self.include_usage = prompt_ids, sampling, include_usage
-        self.id = new_id(chat)
-        self.tokens: list[int] = []
+        self.id = api.new_id(chat)
+        self.timing = RequestTiming(len(prompt_ids))
         self.logprobs: list[float] = []
-        self.start = time.monotonic()
-        self.first_at: float | None = None
 
-    def record(self, chunk: TokenChunk) -> None:
-        if chunk.token_ids and self.first_at is None:
-            self.first_at = time.monotonic()
-            self.gateway.metrics.ttft.observe(self.first_at - self.start)
-        self.tokens += chunk.token_ids
-        self.logprobs += chunk.logprobs
-
-    def done(self, outcome: str) -> None:
-        self.gateway.metrics.requests.labels(outcome).inc()
-        if self.first_at is not None and len(self.tokens) > 1:
-            self.gateway.metrics.tpot.observe(
-                (time.monotonic() - self.first_at) / (len(self.tokens) - 1))
+    def chunks(self) -> AsyncIterator[TokenChunk]:
+        return self.gateway.generate(self.target, self.prompt_ids, self.sampling, self.timing)
 
     def logprob_block(self, tokens: list[int], logprobs: list[float]) -> dict[str, Any] | None:
         if not self.sampling.logprobs:
             return None
         texts = [self.gateway.tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
-        build = chat_logprobs if self.chat else completion_logprobs
+        build = api.chat_logprobs if self.chat else api.completion_logprobs
         return build(texts, logprobs[: len(texts)])
 
-    def choice(self, text: str, finish: str | None, logprobs: dict[str, Any] | None,
-               stream: bool) -> dict[str, Any]:
-        if self.chat:
-            key = "delta" if stream else "message"
-            body: dict[str, Any] = {"role": "assistant", "content": text} if not stream \
-                else ({"content": text} if text else {})
-            return {"index": 0, key: body, "logprobs": logprobs, "finish_reason": finish}
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-
     def usage(self) -> dict[str, int]:
-        return usage(len(self.prompt_ids), len(self.tokens))
+        return api.usage(len(self.prompt_ids), self.timing.output_tokens)
 
 
-async def answer(call: Call) -> Any:
-    gateway = call.gateway
-    target = await gateway.dispatch()
-    stream = gateway.generate(call.id.split("-", 1)[1], call.prompt_ids, call.sampling, target)
-    text, finish = "", None
-    async with contextlib.aclosing(stream) as chunks:
-        async for chunk in chunks:
-            if chunk.error:
-                call.done("error")
-                raise APIError(503, f"the request failed: {chunk.error}", kind="server_error")
-            call.record(chunk)
-            text += chunk.text
-            finish = chunk.finish_reason or finish
-    call.done("ok")
-    body = envelope(call.id, call.model, call.chat, stream=False)
-    body["choices"] = [call.choice(text, finish, call.logprob_block(call.tokens, call.logprobs),
-                                   stream=False)]
+def failed(chunk_error: str) -> APIError:
+    return APIError(500, f"the request failed: {chunk_error}", kind="server_error")
+
+
+async def answer(call: Call) -> dict[str, Any]:
+    text, finish, tokens, logprobs = "", None, [], []
+    try:
+        async with contextlib.aclosing(call.chunks()) as chunks:  # type: ignore[type-var]
+            async for chunk in chunks:
+                if chunk.error:
+                    raise failed(chunk.error)
+                text += chunk.text
+                tokens += chunk.token_ids
+                logprobs += chunk.logprobs
+                finish = chunk.finish_reason or finish
+    except GaveUp as e:
+        raise APIError(503, f"the request failed: {e}", kind="server_error") from None
+    body = api.envelope(call.id, call.model, call.chat, stream=False)
+    body["choices"] = [api.choice(call.chat, text, finish, call.logprob_block(tokens, logprobs),
+                                  stream=False)]
     body["usage"] = call.usage()
     return body
 
 
-async def stream_events(call: Call, target: tuple[str, str]) -> AsyncIterator[str]:
-    gateway = call.gateway
-    base = envelope(call.id, call.model, call.chat, stream=True)
+async def answer_unless_gone(call: Call, request: Request) -> dict[str, Any] | Response:
+    """The answer; if the client disconnects first, the request is cancelled (FastAPI does
+    not cancel a non-streaming handler whose client went away) and nobody reads the reply."""
+    answering = asyncio.ensure_future(answer(call))
+    watching = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait([answering, watching], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not answering.done():
+            answering.cancel()  # the generator's cleanup cancels it on the workers
+            with contextlib.suppress(asyncio.CancelledError):
+                await answering
+    if answering.cancelled():
+        return Response(status_code=499)  # nginx's "client closed request"; nobody sees it
+    return answering.result()
+
+
+async def until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def error_event(message: str) -> str:
+    return api.sse(api.error_body(f"the request failed: {message}", "server_error"))
+
+
+async def stream_events(call: Call) -> AsyncIterator[str]:
+    base = api.envelope(call.id, call.model, call.chat, stream=True)
     extra = {"usage": None} if call.include_usage else {}
     if call.chat:
-        yield sse(base | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                       "logprobs": None, "finish_reason": None}]} | extra)
-    stream = gateway.generate(call.id.split("-", 1)[1], call.prompt_ids, call.sampling, target)
-    async with contextlib.aclosing(stream) as chunks:
-        async for chunk in chunks:
-            if chunk.error:
-                call.done("error")
-                yield sse({"error": {"message": f"the request failed: {chunk.error}",
-                                     "type": "server_error", "param": None, "code": None}})
-                yield sse("[DONE]")
-                return
-            call.record(chunk)
-            if chunk.text or chunk.finish_reason or (chunk.token_ids and call.sampling.logprobs):
-                logprobs = call.logprob_block(chunk.token_ids, chunk.logprobs)
-                choice = call.choice(chunk.text, chunk.finish_reason, logprobs, stream=True)
-                yield sse(base | {"choices": [choice]} | extra)
-    call.done("ok")
+        yield api.sse(base | {"choices": [api.first_chat_chunk()]} | extra)
+    try:
+        async with contextlib.aclosing(call.chunks()) as chunks:  # type: ignore[type-var]
+            async for chunk in chunks:
+                if chunk.error:
+                    yield error_event(chunk.error)
+                    yield api.sse("[DONE]")
+                    return
+                if chunk.text or chunk.finish_reason or (chunk.token_ids and
+                                                         call.sampling.logprobs):
+                    logprobs = call.logprob_block(chunk.token_ids, chunk.logprobs)
+                    choice = api.choice(call.chat, chunk.text, chunk.finish_reason, logprobs,
+                                        stream=True)
+                    yield api.sse(base | {"choices": [choice]} | extra)
+    except GaveUp as e:
+        yield error_event(str(e))
+        yield api.sse("[DONE]")
+        return
     if call.include_usage:
-        yield sse(base | {"choices": [], "usage": call.usage()})
-    yield sse("[DONE]")
+        yield api.sse(base | {"choices": [], "usage": call.usage()})
+    yield api.sse("[DONE]")
 
 
-async def respond(call: Call, stream: bool) -> Any:
-    if not stream:
-        return await answer(call)
-    target = await call.gateway.dispatch()  # before the 200: no instance is still a 503
-    return StreamingResponse(stream_events(call, target), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+class AdmittedStream(StreamingResponse):
+    """An SSE response that gives its admission slot back however it ends, even when the
+    client left before the first byte and the body never started."""
+
+    def __init__(self, content: AsyncIterator[str], ticket: Ticket) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self.ticket = ticket
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ticket.release()
+
+
+async def respond(call: Call, ticket: Ticket, request: Request, stream: bool) -> Any:
+    if stream:
+        return AdmittedStream(stream_events(call), ticket)
+    try:
+        return await answer_unless_gone(call, request)
+    finally:
+        ticket.release()
 
 
 def add_routes(app: FastAPI, gateway: Gateway) -> None:
     tokenizer = gateway.tokenizer
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        roles: tuple[Role, ...] = (("colocated",) if gateway.settings.mode == "colocated"
-                                   else ("prefill", "decode"))
-        live = {role: len(await gateway.registry.instances(role)) for role in roles}
-        ok = all(live.values())
-        return JSONResponse({"status": "ok" if ok else "degraded",
-                             "mode": gateway.settings.mode, "instances": live},
-                            status_code=200 if ok else 503)
+    async def completion_ids(req: CompletionRequest) -> list[int]:
+        prompt = req.text_or_ids
+        if isinstance(prompt, str):
+            return await asyncio.to_thread(tokenizer.encode, prompt)
+        if any(not 0 <= t < tokenizer.vocab_size for t in prompt):
+            raise APIError(400, f"token ids must be in [0, {tokenizer.vocab_size})", "prompt")
+        return list(prompt)
+
+    async def chat_ids(req: ChatRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text} for m in req.messages]
+
+        def encode() -> list[int]:
+            return tokenizer.encode(tokenizer.apply_chat_template(messages))
+
+        return await asyncio.to_thread(encode)
+
+    async def serve(req: CompletionRequest | ChatRequest, request: Request) -> Any:
+        gateway.check_model(req.model)
+        ticket = gateway.admit()
+        try:
+            chat = isinstance(req, ChatRequest)
+            ids = await (chat_ids(req) if chat else completion_ids(req))  # type: ignore[arg-type]
+            if not ids:
+                raise APIError(400, "the prompt is empty", "prompt")
+            target = gateway.dispatch()
+            limit = req.token_limit if isinstance(req, ChatRequest) else req.max_tokens
+            wants_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
+            sampling = gateway.sampling(target, len(ids), limit, req.temperature, req.top_p,
+                                        req.top_k, req.seed, req.stop_list, req.ignore_eos,
+                                        wants_logprobs)
+            call = Call(gateway, req.model, chat, target, ids, sampling, req.include_usage)
+            return await respond(call, ticket, request, req.stream)
+        except BaseException:
+            ticket.release()
+            raise
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        return await serve(req, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request) -> Any:
+        return await serve(req, request)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": gateway.settings.model, "object": "model",
                                             "created": 0, "owned_by": "distserve"}]}
 
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        live = {role: len(gateway.live(role)) for role in gateway.roles}
+        ok = all(live.values())
+        return JSONResponse({"status": "ok" if ok else "degraded",
+                             "mode": gateway.settings.mode, "instances": live,
+                             "instance_ids": sorted(i.instance_id for role in gateway.roles
+                                                    for i in gateway.live(role))},
+                            status_code=200 if ok else 503)
+
     @app.get("/metrics")
     async def metrics() -> Response:
-        await gateway.kv_metrics()
+        gateway.metrics.instances(i for role in gateway.roles for i in gateway.live(role))
+        gateway.metrics.inflight.set(gateway.ledger.admitted)
         return Response(generate_latest(gateway.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Any:
-        gateway.check_model(req.model)
-        prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(
-            req.prompt[0], str) else req.prompt
-        if isinstance(prompt, str):
-            ids = tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-            if any(not 0 <= t < tokenizer.vocab_size for t in ids):
-                raise APIError(400, f"token ids must be in [0, {tokenizer.vocab_size})",
-                               "prompt")
-        if not ids:
-            raise APIError(400, "the prompt is empty", "prompt")
-        sampling = gateway.sampling(req, len(ids), req.max_tokens, req.logprobs is not None)
-        call = Call(gateway, req.model, False, ids, sampling, req.include_usage)
-        return await respond(call, req.stream)
-
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest) -> Any:
-        gateway.check_model(req.model)
-        messages = [{"role": m.role, "content": m.text} for m in req.messages]
-        ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
-        sampling = gateway.sampling(req, len(ids), req.max_completion_tokens or req.max_tokens,
-                                    req.logprobs)
-        call = Call(gateway, req.model, True, ids, sampling, req.include_usage)
-        return await respond(call, req.stream)

@@ -35,6 +35,7 @@ class PrefillService(Worker):
                                   port=self.settings.kv_port)
         self.requests: dict[str, PrefillRequest] = {}
         self.parked_at: dict[str, float] = {}
+        self.decode_seen: dict[str, float] = {}  # decode instance -> its last heartbeat
         self.arrived: dict[str, tuple[float, dict[str, str]]] = {}  # time, trace headers
 
     def info(self) -> InstanceInfo:
@@ -54,7 +55,8 @@ class PrefillService(Worker):
         self.kv_server.start()
         log.info("prefill %s: KV listener on %s", self.id, self.kv_server.address)
         return {subjects.prefill(self.id): self._on_request,
-                subjects.release(self.id): self._on_release, subjects.CANCEL_ALL: self._on_cancel}
+                subjects.release(self.id): self._on_release, subjects.CANCEL_ALL: self._on_cancel,
+                subjects.HEARTBEATS: self._on_heartbeat}
 
     def background(self) -> list[Coroutine[Any, Any, None]]:
         return [self._expire_leases()]
@@ -78,6 +80,9 @@ class PrefillService(Worker):
             if req is None:
                 continue
             await self.stream(out)
+            if out.error is not None:  # the engine aborted it and freed its blocks
+                self._forget(out.request_id)
+                continue
             arrived, headers = self.arrived.pop(out.request_id, (now, {}))
             started = max(arrived, self.host.step_started)
             parent = context_from(headers)
@@ -89,13 +94,20 @@ class PrefillService(Worker):
                 parked = self.engine.scheduler.parked[out.request_id]
                 await publish(self.nc, subjects.decode(req.decode_instance), KvReady(
                     request_id=req.request_id, prefill_instance=self.id,
-                    kv_address=self.kv_server.address, num_blocks=len(parked.block_table),
+                    kv_address=self.kv_server.address,
+                    token=self.kv_server.token(req.request_id),
+                    num_blocks=len(parked.block_table),
                     prompt_ids=req.prompt_ids, first_token=out.new_token_ids[0],
                     first_logprob=out.logprobs[0] if out.logprobs else None,
                     sampling=req.sampling, arrival_ts=req.arrival_ts, first_token_ts=now),
                     headers=headers)
             elif out.finished:
                 self.requests.pop(out.request_id, None)
+
+    def _forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.arrived.pop(request_id, None)
+        self.parked_at.pop(request_id, None)
 
     async def _free(self, request_id: str) -> None:
         self.parked_at.pop(request_id, None)
@@ -114,12 +126,26 @@ class PrefillService(Worker):
             self.requests.pop(request_id, None)
             await self.host.call(self.engine.abort, request_id)
 
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        info = parse(msg, InstanceInfo)
+        if info.role == "decode":
+            self.decode_seen[info.instance_id] = time.time()
+
+    def _abandoned(self, request_id: str, now: float) -> bool:
+        """Nobody will pull this KV: its decode instance has been silent for the lease (a
+        live one with a queue of pulls keeps it), or it was parked for the longest hold."""
+        parked = self.parked_at[request_id]
+        req = self.requests.get(request_id)
+        seen = self.decode_seen.get(req.decode_instance, 0.0) if req else 0.0
+        return now - max(seen, parked) > self.settings.kv_lease_s or \
+            now - parked > self.settings.kv_max_hold_s
+
     async def _expire_leases(self) -> None:
-        """Free the KV of requests no decode instance pulled in time (it died, or the
-        request was cancelled before the pull)."""
+        """Free the KV of requests no decode instance will pull (it died, or the request
+        was cancelled before the pull and the cancel was lost)."""
         while True:
             await asyncio.sleep(min(1.0, self.settings.kv_lease_s / 4))
-            deadline = time.time() - self.settings.kv_lease_s
-            for request_id in [r for r, t in self.parked_at.items() if t < deadline]:
+            now = time.time()
+            for request_id in [r for r in self.parked_at if self._abandoned(r, now)]:
                 log.warning("KV lease of %s expired: freeing its blocks", request_id)
                 await self._free(request_id)

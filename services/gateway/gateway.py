@@ -1,0 +1,303 @@
+"""The gateway's core: its view of the instances (from their NATS heartbeats), admission
+(bounded in-flight requests), dispatch to the prefill instance with the shortest queue and the
+least-loaded decode instance, and each request's token stream and follow-up."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import AsyncGenerator, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from services.gateway.ledger import Ledger, Overloaded, Ticket
+from services.gateway.metrics import Metrics
+from services.gateway.openai_api import APIError
+from services.gateway.stream import GaveUp, Relay
+from services.gateway.timing import RequestTiming
+from services.gateway.view import InstanceView
+from shared import subjects
+from shared.bus import connect, parse, publish
+from shared.engine.gguf_loader import read_gguf_meta
+from shared.engine.tokenizer import TextTokenizer
+from shared.messages import Cancel, PrefillRequest, Sampling, TokenChunk
+from shared.state import InstanceInfo, Registry, Role, pick_decode, pick_prefill
+from shared.telemetry import headers_for, setup_tracing
+from shared.telemetry import shutdown as shutdown_tracing
+
+log = logging.getLogger(__name__)
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="DS_")
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    redis_url: str = "redis://127.0.0.1:6379"
+    model: str = "smollm2-135m"
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    gateway_id: str = ""  # names its in-flight counts in Redis (default: random)
+    heartbeat_ttl_s: float = Field(default=2.0, gt=0)
+    stall_timeout_s: float = Field(default=60.0, gt=0)  # no token nor engine step this long
+    # requests in flight at once; beyond it 429. 0: twice what the decoding instances batch
+    max_inflight: int = Field(default=0, ge=0)
+    retry_after_s: int = Field(default=1, ge=1)
+    max_body_bytes: int = Field(default=1 << 20, gt=0)  # larger request bodies get 413
+    api_keys: str = ""  # comma-separated; when set (or api_key_file), /v1/* need one
+    api_key_file: str | None = None  # one key per line; '#' starts a comment
+    protect_metrics: bool = False  # /metrics needs a key too
+    run_dir: str | None = None  # traces go here as JSON lines (unless OTLP is configured)
+
+    def keys(self) -> frozenset[str]:
+        keys = [k.strip() for k in self.api_keys.split(",")]
+        if self.api_key_file:
+            lines = Path(self.api_key_file).read_text().splitlines()
+            keys += [line.split("#", 1)[0].strip() for line in lines]
+        return frozenset(k for k in keys if k)
+
+
+class HeartbeatListener:
+    """The instances' heartbeats, handled on a thread of its own with its own NATS connection
+    and event loop: a gateway whose loop is busy with a burst of clients still sees them on
+    time, and does not take the instances for dead."""
+
+    def __init__(self, nats_url: str, name: str, view: InstanceView) -> None:
+        self.nats_url, self.name, self.view = nats_url, name, view
+        self._thread = threading.Thread(target=self._run, name="heartbeats", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        asyncio.run(self._listen())
+
+    async def _listen(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        nc = await connect(self.nats_url, self.name)
+        await nc.subscribe(subjects.HEARTBEATS, cb=self._on_heartbeat)
+        await self._stop.wait()
+        await nc.close()
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        self.view.observe(parse(msg, InstanceInfo), time.monotonic())
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a request goes: its worker (prefill or colocated), its decode instance ("" when
+    colocated), and the most tokens (prompt + output) one request can have on both."""
+
+    worker: str
+    decode: str
+    max_request_tokens: int
+
+
+class Gateway:
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.id = settings.gateway_id or f"gateway-{uuid.uuid4().hex[:6]}"
+        config, tokenizer_data = read_gguf_meta(settings.model)
+        self.tokenizer = TextTokenizer(tokenizer_data)
+        self.max_context = config.max_context
+        self.metrics = Metrics()
+        self.tracer = setup_tracing("gateway", settings.run_dir)
+        self.view = InstanceView(settings.heartbeat_ttl_s)
+        self.ledger = Ledger()
+        self.listener = HeartbeatListener(settings.nats_url, f"{self.id}-heartbeats", self.view)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.nc: Client
+        self.redis: Redis
+
+    @property
+    def roles(self) -> tuple[Role, ...]:
+        return ("colocated",) if self.settings.mode == "colocated" else ("prefill", "decode")
+
+    async def start(self) -> None:
+        self.nc = await connect(self.settings.nats_url, self.id)
+        self.redis = Redis.from_url(self.settings.redis_url, socket_timeout=2.0,
+                                    socket_connect_timeout=2.0)
+        self.listener.start()
+        await self._seed_view()
+        self._spawn(self._publish_inflight())
+
+    async def stop(self) -> None:
+        self.listener.stop()
+        for task in list(self._tasks):
+            task.cancel()
+        shutdown_tracing()
+        await self.nc.drain()
+        await self.redis.aclose()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- the instances -------------------------------------------------------------------
+
+    async def _seed_view(self) -> None:
+        """The instances already live when this gateway starts (their next heartbeats would
+        tell it within one interval anyway)."""
+        registry = Registry(self.redis, self.settings.heartbeat_ttl_s)
+        now = time.monotonic()
+        with contextlib.suppress(RedisError, OSError):
+            for role in self.roles:
+                for info in await registry.instances(role):
+                    self.view.observe(info, now)
+
+    def live(self, role: Role) -> list[InstanceInfo]:
+        return self.view.instances(role, time.monotonic())
+
+    async def _publish_inflight(self, every_s: float = 0.5) -> None:
+        """This gateway's in-flight counts per instance, in Redis with an expiry: a draining
+        instance waits for them, and a gateway that dies leaves none behind."""
+        failing = False
+        while True:
+            counts = self.ledger.per_instance()
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for instance, n in counts.items():
+                        pipe.set(subjects.inflight_key(instance, self.id), n, px=5000)
+                    await pipe.execute()
+                failing = False
+            except (RedisError, OSError) as e:
+                if not failing:
+                    log.warning("cannot write in-flight counts to Redis: %s", e)
+                failing = True
+            self.ledger.forget_idle(counts)
+            self.view.prune(time.monotonic())
+            await asyncio.sleep(every_s)
+
+    # -- admission and dispatch ------------------------------------------------------------
+
+    def check_model(self, model: str) -> None:
+        if model != self.settings.model:
+            raise APIError(400, f"The model `{model}` does not exist; this server serves "
+                                f"`{self.settings.model}`.", "model", "model_not_found")
+
+    def inflight_limit(self) -> int:
+        if self.settings.max_inflight:
+            return self.settings.max_inflight
+        decoding: Role = "colocated" if self.settings.mode == "colocated" else "decode"
+        return max(16, 2 * sum(i.max_running for i in self.live(decoding)))
+
+    def admit(self) -> Ticket:
+        """A slot for one more request, or 429 with Retry-After before any work is done."""
+        try:
+            return self.ledger.admit(self.inflight_limit())
+        except Overloaded as e:
+            raise APIError(429, f"The server is at capacity ({e}); retry after "
+                                f"{self.settings.retry_after_s}s.", kind="rate_limit_error",
+                           code="rate_limit_exceeded",
+                           headers={"Retry-After": str(self.settings.retry_after_s)}) from None
+
+    def dispatch(self) -> Target:
+        if self.settings.mode == "colocated":
+            worker = pick_prefill(self.live("colocated"), self.ledger.decoding)
+            chosen = [worker]
+        else:
+            worker = pick_prefill(self.live("prefill"), self.ledger.prefilling)
+            decode = pick_decode(self.live("decode"), self.ledger.decoding)
+            chosen = [worker, decode]
+        if any(i is None for i in chosen):
+            raise APIError(503, f"no {'/'.join(self.roles)} instance is available; retry "
+                                f"after {self.settings.retry_after_s}s", kind="server_error",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        limits = [i.max_request_tokens for i in chosen if i and i.max_request_tokens]
+        ids = [i.instance_id for i in chosen if i]
+        return Target(ids[0], ids[1] if len(ids) > 1 else "",
+                      min([self.max_context, *limits]))
+
+    def sampling(self, target: Target, prompt_len: int, max_tokens: int | None,
+                 temperature: float, top_p: float, top_k: int, seed: int | None,
+                 stop: list[str], ignore_eos: bool, logprobs: bool) -> Sampling:
+        """The request's sampling, with max_tokens filled to what fits when omitted; a
+        request that can never fit gets 400 naming the limit."""
+        limit = target.max_request_tokens
+        room = limit - prompt_len
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            asked = f" plus max_tokens ({max_tokens})" if max_tokens is not None else ""
+            raise APIError(400, f"This server's maximum context length is {limit} tokens "
+                                f"(prompt and completion, limited by the model's context and "
+                                f"the KV cache); the prompt ({prompt_len} tokens){asked} "
+                                "exceeds it.", "max_tokens" if room >= 1 else "messages",
+                           "context_length_exceeded")
+        return Sampling(max_tokens=max_tokens or room, temperature=temperature, top_p=top_p,
+                        top_k=max(0, top_k),
+                        seed=seed if seed is not None else random.getrandbits(62),
+                        stop=stop, ignore_eos=ignore_eos, logprobs=logprobs)
+
+    # -- one request ---------------------------------------------------------------------
+
+    async def generate(self, target: Target, prompt_ids: list[int], sampling: Sampling,
+                       timing: RequestTiming) -> AsyncGenerator[TokenChunk, None]:
+        """The request's token chunks until it finishes; GaveUp if it cannot."""
+        request_id = uuid.uuid4().hex
+        relay = Relay(self.nc, self.view, request_id, target.worker, target.decode,
+                      self.settings.stall_timeout_s)
+        await relay.open()
+        self.ledger.sent(target.worker, target.decode)
+        span = self.tracer.start_span("request", attributes={
+            "request_id": request_id, "prompt_tokens": len(prompt_ids),
+            "max_tokens": sampling.max_tokens, "prefill": target.worker,
+            "decode": target.decode})
+        outcome = "cancelled"
+        counted = not target.decode  # counted out of the prefill instance's queue
+        try:
+            await publish(self.nc, subjects.prefill(target.worker), PrefillRequest(
+                request_id=request_id, prompt_ids=prompt_ids, sampling=sampling,
+                decode_instance=target.decode, arrival_ts=timing.arrival_ts),
+                headers=headers_for(span))
+            while not relay.finished:
+                chunk = await relay.next()
+                if relay.prefilled and not counted:
+                    self.ledger.prefilled(target.worker)
+                    counted = True
+                timing.tokens(len(chunk.token_ids))
+                outcome = chunk.error or chunk.finish_reason or outcome
+                yield chunk
+        except GaveUp as e:
+            outcome = str(e)
+            raise
+        finally:
+            span.set_attribute("outcome", outcome)
+            span.end()
+            if not counted:
+                self.ledger.prefilled(target.worker)
+            self.ledger.left(target.decode or target.worker)
+            # its own task: when the client went away this generator is being cancelled, and
+            # every await here would be cancelled too, losing the cancel and the report
+            self._spawn(self._after(relay, timing, outcome))
+
+    async def _after(self, relay: Relay, timing: RequestTiming, outcome: str) -> None:
+        """What follows a request: tell the workers to drop it unless one said it ended,
+        stop listening, and report it."""
+        self.metrics.observe(timing, outcome)
+        with contextlib.suppress(nats.errors.Error, OSError):
+            if not relay.finished:
+                await publish(self.nc, subjects.cancel(relay.request_id),
+                              Cancel(request_id=relay.request_id))
+            await relay.close()
+            await publish(self.nc, subjects.REQUEST_EVENTS, timing.done(outcome))

@@ -1,0 +1,66 @@
+"""What one gateway has in flight: a bounded number of admitted requests (beyond it the
+client gets 429) and, per instance, the requests sent there and not yet seen leave it
+(dispatch spreads a burst by these; a draining instance waits for them). Pure."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+
+class Overloaded(Exception):
+    """The gateway holds as many requests as it admits."""
+
+
+@dataclass
+class Ticket:
+    """An admitted request's slot; released once, however the request ends."""
+
+    ledger: Ledger
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.ledger.admitted -= 1
+
+
+@dataclass
+class Ledger:
+    admitted: int = 0
+    prefilling: collections.Counter[str] = field(default_factory=collections.Counter)
+    decoding: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def admit(self, limit: int) -> Ticket:
+        if self.admitted >= limit:
+            raise Overloaded(f"{self.admitted} requests in flight (limit {limit})")
+        self.admitted += 1
+        return Ticket(self)
+
+    def sent(self, prefill: str, decode: str) -> None:
+        """A request went to `prefill` (a colocated worker when `decode` is empty)."""
+        if decode:
+            self.prefilling[prefill] += 1
+        self.decoding[decode or prefill] += 1
+
+    def prefilled(self, prefill: str) -> None:
+        self.prefilling[prefill] -= 1
+
+    def left(self, decode: str) -> None:
+        self.decoding[decode] -= 1
+
+    def forget_idle(self, written: dict[str, int]) -> None:
+        """Drop instances with nothing in flight whose zero count was written out."""
+        now = self.per_instance()
+        for instance in [i for i, n in written.items() if n == 0 and now.get(i) == 0]:
+            self.prefilling.pop(instance, None)
+            self.decoding.pop(instance, None)
+
+    def per_instance(self) -> dict[str, int]:
+        """Requests in flight to each instance this gateway has ever sent to (zeros kept,
+        so a count that fell to zero is written out too)."""
+        total: collections.Counter[str] = collections.Counter()
+        for counts in (self.prefilling, self.decoding):
+            for instance, n in counts.items():
+                total[instance] += n
+        return dict(total)

@@ -1,0 +1,61 @@
+"""The gateway's Prometheus figures: requests by outcome, TTFT and TPOT (from each request's
+one RequestTiming), and the instances' KV and engine-loop gauges from its view."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.gateway.timing import RequestTiming
+from shared.state import InstanceInfo
+
+# InstanceInfo field -> (metric name, help)
+INSTANCE_GAUGES = {
+    "kv_bytes": ("ds_kv_transfer_bytes", "KV bytes moved over UCX"),
+    "kv_requests": ("ds_kv_transfer_requests", "KV transfers over UCX"),
+    "free_blocks": ("ds_kv_free_blocks", "free KV blocks"),
+    "total_blocks": ("ds_kv_total_blocks", "KV blocks in the pool"),
+    "steps": ("ds_engine_steps", "engine steps so far"),
+    "step_seconds": ("ds_engine_step_seconds", "seconds in engine steps"),
+    "outputs_seconds": ("ds_engine_outputs_seconds", "seconds handling step outputs"),
+    "batched": ("ds_engine_batched_requests", "requests that got a token, summed over steps"),
+}
+
+
+def outcome_label(outcome: str) -> str:
+    """A bounded label for the counter: the outcome itself may be an error message."""
+    return {"stop": "ok", "length": "ok", "cancelled": "cancelled"}.get(outcome, "error")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("ds_requests", "requests by outcome", ["outcome"],
+                                registry=self.registry)
+        self.ttft = Histogram("ds_ttft_seconds", "time to first token", registry=self.registry)
+        self.tpot = Histogram("ds_tpot_seconds", "time per output token after the first",
+                              registry=self.registry,
+                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5))
+        self.inflight = Gauge("ds_gateway_inflight", "requests admitted and not yet answered",
+                              registry=self.registry)
+        self.gauges = {field: Gauge(name, text, ["instance", "role"], registry=self.registry)
+                       for field, (name, text) in INSTANCE_GAUGES.items()}
+
+    def observe(self, timing: RequestTiming, outcome: str) -> None:
+        self.requests.labels(outcome_label(outcome)).inc()
+        if timing.ttft_s is not None:
+            self.ttft.observe(timing.ttft_s)
+        if timing.tpot_s is not None:
+            self.tpot.observe(timing.tpot_s)
+
+    def rejected(self, status: int) -> None:
+        self.requests.labels("overloaded" if status == 429 else
+                             "rejected" if status < 500 else "error").inc()
+
+    def instances(self, live: Iterable[InstanceInfo]) -> None:
+        for gauge in self.gauges.values():
+            gauge.clear()  # instances that stopped heartbeating leave the figures
+        for info in live:
+            for field, gauge in self.gauges.items():
+                gauge.labels(info.instance_id, info.role).set(getattr(info, field))

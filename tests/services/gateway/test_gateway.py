@@ -1,0 +1,180 @@
+"""The gateway survives any client (real stack: nats-server, valkey-server, one prefill and
+one decode process, the gateway, with an API key): the OpenAI client's defaults work, no
+sampling parameter costs a worker, bad input gets OpenAI-shaped 4xx, a burst of clients gets
+200 or 429, and a client that goes away frees its KV everywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from services.launcher import Stack
+from tests.services.conftest import metric, start_stack
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+MODEL = "smollm2-135m"
+KEY = "sk-test-gateway"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack(tmp_path_factory.mktemp("gateway"), prefill=1, decode=1, api_keys=[KEY])
+    yield s
+    s.stop()
+
+
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key=KEY, timeout=300, max_retries=0)
+
+
+def health(stack: Stack) -> dict[str, object]:
+    r = httpx.get(f"{stack.url}/health", timeout=30)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def wait_all_free(stack: Stack, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        free, total = metric(stack.url, "ds_kv_free_blocks"), metric(stack.url,
+                                                                     "ds_kv_total_blocks")
+        if len(total) == 2 and free == total:
+            return
+        assert time.monotonic() < deadline, (free, total)
+        time.sleep(0.5)
+
+
+def test_openai_client_defaults_without_max_tokens(stack: Stack) -> None:
+    c = client(stack)
+    # greedy, so that the tiny model's answer ends by itself; max_tokens is left out
+    chat = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello in three words."}],
+        temperature=0)
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert chat.usage is not None and chat.usage.completion_tokens >= 1
+    completion = c.completions.create(model=MODEL, prompt="The capital of France is")
+    assert completion.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_request_that_can_never_fit_gets_400_naming_the_limit(stack: Stack) -> None:
+    with pytest.raises(openai.BadRequestError, match="maximum context length is") as e:
+        client(stack).completions.create(model=MODEL, prompt="hi", max_tokens=10**6)
+    assert e.value.code == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("sampling", [
+    {"temperature": 1e-40}, {"temperature": 1e-30}, {"temperature": 1e-8},
+    {"temperature": 2.0, "top_p": 1e-9}, {"temperature": 0.7, "top_k": 1},
+    {"temperature": 1.0, "top_k": 10**9}, {"temperature": 1.5, "top_p": 1.0, "top_k": -1},
+])
+def test_extreme_sampling_costs_no_worker(stack: Stack, sampling: dict[str, float]) -> None:
+    before = health(stack)["instance_ids"]
+    r = httpx.post(f"{stack.url}/v1/completions", headers=AUTH, timeout=120, json={
+        "model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, **sampling})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert health(stack)["instance_ids"] == before  # nothing died, nothing restarted
+
+
+def test_tiny_temperature_is_greedy(stack: Stack) -> None:
+    def text(temperature: float) -> str:
+        r = client(stack).completions.create(model=MODEL, prompt="def add(a, b):",
+                                             max_tokens=12, temperature=temperature, seed=7)
+        return r.choices[0].text
+
+    assert text(1e-40) == text(0.0)
+
+
+@pytest.mark.parametrize(("body", "status", "message"), [
+    (b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi \\ud800"}]}',
+     400, "not valid Unicode"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "stop": "x" * 2_000_000}).encode(), 413,
+     "larger than"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "stop": "x" * 2_000}).encode(), 400,
+     "stop"),
+    (b"[1, 2, 3]", 400, ""),
+    (b'{"model": "smollm2-135m", "prompt": [1, 2, 99999999]}', 400, "token ids"),
+])
+def test_bad_input_gets_openai_shaped_json(stack: Stack, body: bytes, status: int,
+                                           message: str) -> None:
+    r = httpx.post(f"{stack.url}/v1/chat/completions" if b"messages" in body
+                   else f"{stack.url}/v1/completions", content=body, timeout=60,
+                   headers=AUTH | {"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]["message"]
+
+
+def test_unknown_paths_and_methods_answer_json(stack: Stack) -> None:
+    for r in (httpx.get(f"{stack.url}/v1/nothing", headers=AUTH, timeout=30),
+              httpx.get(f"{stack.url}/v1/completions", headers=AUTH, timeout=30)):
+        assert r.status_code in (404, 405) and r.json()["error"]["message"]
+
+
+def test_api_keys(stack: Stack) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(f"{stack.url}/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    assert httpx.get(f"{stack.url}/v1/models", timeout=30).status_code == 401
+    ok = httpx.post(f"{stack.url}/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert ok.status_code == 200
+    assert httpx.get(f"{stack.url}/health", timeout=30).status_code == 200
+    assert httpx.get(f"{stack.url}/metrics", timeout=30).status_code == 200
+
+
+def test_run_env_is_private(stack: Stack) -> None:
+    assert (Path(stack.run_dir) / "env").stat().st_mode & 0o077 == 0
+
+
+async def stream_one(c: httpx.AsyncClient, url: str, i: int) -> tuple[object, ...]:
+    body = {"model": MODEL, "prompt": f"Count to {i}:", "max_tokens": 4, "stream": True}
+    try:
+        async with c.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r:
+            if r.status_code != 200:
+                payload = json.loads(await r.aread())
+                return r.status_code, r.headers.get("retry-after"), payload["error"]["type"]
+            events = [json.loads(line[6:]) async for line in r.aiter_lines()
+                      if line.startswith("data: {")]
+            errors = [e["error"]["message"] for e in events if "error" in e]
+            finished = any(e["choices"][0]["finish_reason"] for e in events if e.get("choices"))
+            return (200 if finished and not errors else "unfinished"), None, errors
+    except httpx.HTTPError as e:
+        return "connection error", type(e).__name__, str(e)
+
+
+def test_a_thousand_streaming_clients_get_200_or_429(stack: Stack) -> None:
+    async def burst() -> list[tuple[object, ...]]:
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=0)
+        async with httpx.AsyncClient(limits=limits, timeout=600) as c:
+            return await asyncio.gather(*[stream_one(c, stack.url, i) for i in range(1000)])
+
+    outcomes = asyncio.run(burst())
+    counts = collections.Counter(o[0] for o in outcomes)
+    assert set(counts) <= {200, 429}, [o for o in outcomes if o[0] not in (200, 429)][:5]
+    assert counts[200] >= 16  # at least the admission limit's floor was served
+    refused = [o for o in outcomes if o[0] == 429]
+    assert all(o[1] is not None and int(str(o[1])) >= 1 and o[2] == "rate_limit_error"
+               for o in refused)
+    wait_all_free(stack)
+
+
+def test_clients_that_go_away_free_their_kv(stack: Stack) -> None:
+    body = {"model": MODEL, "prompt": "Tell me a long story. " * 10, "max_tokens": 2000,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body | {"stream": True},
+                      headers=AUTH, timeout=120) as r:
+        for _, _line in zip(range(4), r.iter_lines(), strict=False):
+            pass  # a few tokens in, the client goes away
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client gives up waiting
+        httpx.post(f"{stack.url}/v1/completions", json=body, headers=AUTH, timeout=3)
+    # 2,000 tokens would take minutes to finish on their own
+    wait_all_free(stack, timeout=20)

@@ -1,0 +1,135 @@
+"""The gateway's pure pieces: its view of the instances, the in-flight ledger, request
+timing, the OpenAI request models, and the door (API keys, body limit)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from pydantic import ValidationError
+from starlette.types import Receive, Scope, Send
+
+from services.gateway.app import Door
+from services.gateway.ledger import Ledger, Overloaded
+from services.gateway.openai_api import ChatRequest, CompletionRequest
+from services.gateway.timing import RequestTiming
+from services.gateway.view import InstanceView
+from shared.state import InstanceInfo
+
+
+def info(instance_id: str, role: str = "prefill", steps: int = 0) -> InstanceInfo:
+    return InstanceInfo(instance_id=instance_id, role=role, steps=steps)  # type: ignore[arg-type]
+
+
+def test_view_drops_an_instance_silent_next_to_its_peers() -> None:
+    view = InstanceView(ttl_s=2.0)
+    view.observe(info("p0"), 0.0)
+    view.observe(info("d0", "decode"), 0.0)
+    for t in (1.0, 2.0, 3.0):  # d0 keeps beating, p0 fell silent at 0
+        view.observe(info("d0", "decode"), t)
+    assert view.get("p0", 3.0) is None
+    assert [i.instance_id for i in view.instances("decode", 3.0)] == ["d0"]
+
+
+def test_view_does_not_take_a_busy_gateway_for_dead_instances() -> None:
+    view = InstanceView(ttl_s=2.0)
+    view.observe(info("p0"), 0.0)
+    view.observe(info("d0", "decode"), 0.0)
+    # the gateway's loop was busy for 5 s: nothing handled, nobody silent next to a peer
+    assert view.get("p0", 5.0) is not None and view.get("d0", 5.0) is not None
+    # but when everybody is quiet for longer than the hard TTL, nobody is live
+    assert view.instances("prefill", 10.5) == []
+
+
+def test_ledger_admits_up_to_its_limit_and_counts_per_instance() -> None:
+    ledger = Ledger()
+    tickets = [ledger.admit(limit=2) for _ in range(2)]
+    with pytest.raises(Overloaded):
+        ledger.admit(limit=2)
+    tickets[0].release()
+    tickets[0].release()  # idempotent
+    assert ledger.admitted == 1
+    ledger.sent("p0", "d0")
+    ledger.sent("c0", "")
+    assert ledger.per_instance() == {"p0": 1, "d0": 1, "c0": 1}
+    ledger.prefilled("p0")
+    ledger.left("d0")
+    written = ledger.per_instance()
+    assert written == {"p0": 0, "d0": 0, "c0": 1}
+    ledger.forget_idle(written)
+    assert ledger.per_instance() == {"c0": 1}
+
+
+def test_timing_feeds_ttft_tpot_and_the_event() -> None:
+    timing = RequestTiming(prompt_tokens=5, start=10.0)
+    timing.tokens(1, now=10.5)
+    timing.tokens(0, now=10.7)  # an empty chunk is no token
+    timing.tokens(2, now=11.5)
+    assert timing.ttft_s == pytest.approx(0.5)
+    assert timing.tpot_s == pytest.approx(0.5)  # 1 s over the 2 tokens after the first
+    done = timing.done("stop")
+    assert (done.output_tokens, done.ttft_s, done.outcome) == (3, pytest.approx(0.5), "stop")
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "m", "messages": [{"role": "user", "content": "Hi \ud800"}]},
+    {"model": "m", "messages": [{"role": "user", "content": [{"type": "text",
+                                                              "text": "\udfff"}]}]},
+    {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": "x" * 257},
+    {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 5},
+    {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": "\ud800"},
+])
+def test_chat_requests_refuse_what_cannot_be_served(body: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        ChatRequest.model_validate(body)
+
+
+def test_completion_prompt_forms() -> None:
+    assert CompletionRequest(model="m", prompt=["hello"]).text_or_ids == "hello"
+    assert CompletionRequest(model="m", prompt=[1, 2]).text_or_ids == [1, 2]
+    for prompt in ("", [""], [], ["a", "b"]):
+        with pytest.raises(ValidationError):
+            CompletionRequest(model="m", prompt=prompt)
+
+
+async def echo(scope: Scope, receive: Receive, send: Send) -> None:
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": body})
+
+
+def call(door: Door, path: str, body: bytes = b"", key: str | None = None) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=door)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.post(path, content=body, headers=headers)
+
+    return asyncio.run(go())
+
+
+def test_door_wants_a_key_on_the_api_only() -> None:
+    door = Door(echo, frozenset({"k1", "k2"}), protect_metrics=False, max_body_bytes=100)
+    refused = call(door, "/v1/completions", b"x")
+    assert refused.status_code == 401 and "API key" in refused.json()["error"]["message"]
+    assert call(door, "/v1/completions", b"x", key="wrong").status_code == 401
+    assert call(door, "/v1/completions", b"x", key="k2").text == "x"
+    assert call(door, "/health").status_code == 200
+    assert call(door, "/metrics").status_code == 200
+    guarded = Door(echo, frozenset({"k1"}), protect_metrics=True, max_body_bytes=100)
+    assert call(guarded, "/metrics").status_code == 401
+
+
+def test_door_bounds_the_body() -> None:
+    door = Door(echo, frozenset(), protect_metrics=False, max_body_bytes=100)
+    assert call(door, "/v1/completions", b"x" * 100).text == "x" * 100
+    too_big = call(door, "/v1/completions", b"x" * 101)
+    assert too_big.status_code == 413 and "larger than 100 bytes" in \
+        too_big.json()["error"]["message"]
