@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
@@ -111,26 +112,49 @@ class EngineHost:
             self.outputs_s += time.time() - handled
 
 
-async def heartbeat_forever(nc: Client, registry: Registry, info: Callable[[], InstanceInfo],
-                            every_s: float) -> None:
-    """Publish the instance's state on NATS (the gateways' view) and in Redis (the planner's
-    and the profiler's). A Redis that fails is logged and tried again next beat: never fatal,
-    the gateways dispatch on the NATS heartbeats meanwhile."""
-    failing = False
-    while True:
-        beat = info().model_copy(update={"heartbeat_at": time.time()})
-        await publish(nc, subjects.HEARTBEATS, beat)
-        try:
-            await registry.heartbeat(beat)
-            if failing:
-                log.info("%s: Redis heartbeats work again", beat.instance_id)
-            failing = False
-        except (RedisError, OSError) as e:
-            if not failing:
-                log.warning("%s: Redis heartbeat failed (%s); retrying every %.1fs",
-                            beat.instance_id, e, every_s)
-            failing = True
-        await asyncio.sleep(every_s)
+class Heartbeats:
+    """The instance's heartbeats, sent from a thread of its own (its own event loop, NATS
+    connection and Redis client): on NATS for the gateways' view, to Redis for the planner's
+    and profiler's registry. A worker whose event loop is held up for a while (ucxx opens an
+    endpoint synchronously, for up to seconds) is not taken for dead; one whose loop is wedged
+    still shows, since its engine steps stop advancing. A Redis that fails is logged and
+    tried again next beat, never fatal."""
+
+    def __init__(self, settings: WorkerSettings, info: Callable[[], InstanceInfo]) -> None:
+        self.settings, self.info = settings, info
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._forever()),
+                                        name="heartbeats", daemon=True)
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    async def _forever(self) -> None:
+        nc = await connect(self.settings.nats_url, f"{self.settings.instance_id}-heartbeats")
+        redis = Redis.from_url(self.settings.redis_url, socket_timeout=2.0,
+                               socket_connect_timeout=2.0)
+        registry = Registry(redis, self.settings.heartbeat_ttl_s)
+        failing = False
+        while not self._stop.is_set():
+            beat = self.info().model_copy(update={"heartbeat_at": time.time()})
+            await publish(nc, subjects.HEARTBEATS, beat)
+            try:
+                await registry.heartbeat(beat)
+                if failing:
+                    log.info("%s: Redis heartbeats work again", beat.instance_id)
+                failing = False
+            except (RedisError, OSError) as e:
+                if not failing:
+                    log.warning("%s: Redis heartbeat failed (%s); retrying every %.1fs",
+                                beat.instance_id, e, self.settings.heartbeat_s)
+                failing = True
+            await asyncio.sleep(self.settings.heartbeat_s)
+        await nc.close()
+        await redis.aclose()
 
 
 class ControlService:
@@ -254,9 +278,9 @@ class Worker:
         for subject, callback in (self.subscriptions() | {subjects.drain(self.id): on_drain}
                                   ).items():
             await self.nc.subscribe(subject, cb=callback)
-        named = {"engine loop": self.host.run(self.on_outputs),
-                 "heartbeat": heartbeat_forever(self.nc, registry, self.info,
-                                                self.settings.heartbeat_s)}
+        heartbeats = Heartbeats(self.settings, self.info)
+        heartbeats.start()
+        named = {"engine loop": self.host.run(self.on_outputs)}
         named |= {f"background {i}": c for i, c in enumerate(self.background())}
         tasks = [asyncio.create_task(c, name=n) for n, c in named.items()]
         log.info("%s %s ready", self.role, self.id)
@@ -265,6 +289,7 @@ class Worker:
         failed = next((t for t in done if t is not ending), None)
         for task in [ending, *tasks]:
             task.cancel()
+        await asyncio.to_thread(heartbeats.stop)
         with contextlib.suppress(RedisError, OSError):  # it expires by itself otherwise
             await registry.remove(self.id, self.role)
         await self.closing()

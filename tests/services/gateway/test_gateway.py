@@ -9,27 +9,24 @@ import asyncio
 import collections
 import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from services.launcher import Stack
-from tests.services.conftest import metric, start_stack
+from tests.services.conftest import metric
+from tests.services.gateway.conftest import API_KEY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "smollm2-135m"
-KEY = "sk-test-gateway"
+KEY = API_KEY
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = start_stack(tmp_path_factory.mktemp("gateway"), prefill=1, decode=1, api_keys=[KEY])
-    yield s
-    s.stop()
+@pytest.fixture
+def stack(secured: Stack) -> Stack:
+    return secured
 
 
 def client(stack: Stack) -> openai.OpenAI:
@@ -129,10 +126,6 @@ def test_api_keys(stack: Stack) -> None:
     assert ok.status_code == 200
     assert httpx.get(f"{stack.url}/health", timeout=30).status_code == 200
     assert httpx.get(f"{stack.url}/metrics", timeout=30).status_code == 200
-
-
-def test_run_env_is_private(stack: Stack) -> None:
-    assert (Path(stack.run_dir) / "env").stat().st_mode & 0o077 == 0
 
 
 async def stream_one(c: httpx.AsyncClient, url: str, i: int) -> tuple[object, ...]:

@@ -5,9 +5,7 @@ the gateway alone, and a request still goes prefill -> KV pull (with its token) 
 from __future__ import annotations
 
 import asyncio
-import secrets
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -19,19 +17,10 @@ from redis import Redis
 from redis.exceptions import AuthenticationError
 
 from services.launcher import Stack
-from tests.services.conftest import start_stack
+from tests.services.gateway.conftest import API_KEY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "smollm2-135m"
-API_KEY = f"test-{secrets.token_urlsafe(16)}"
-
-
-@pytest.fixture(scope="module")
-def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = start_stack(tmp_path_factory.mktemp("access"), prefill=1, decode=1,
-                    api_keys=[API_KEY])
-    yield s
-    s.stop()
 
 
 def password(url: str) -> str:
@@ -107,6 +96,3 @@ def test_a_request_goes_through_prefill_kv_pull_and_decode(secured: Stack) -> No
                                 "max_tokens": 6, "temperature": 0, "ignore_eos": True})
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 6  # 1 from prefill, 5 from decode
-
-
-# --- the API keys over HTTP (the gateway's side): added by the gateway's owner ---
