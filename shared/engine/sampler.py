@@ -40,8 +40,10 @@ def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        # keep the smallest prefix whose mass reaches top_p, and always the top token: a
+        # top_p below float32's smallest denormal (5e-324 is valid JSON) rounds to 0
         drop = cumulative - sorted_logits.softmax(-1) >= params.top_p
+        drop[0] = False
         logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     return logits
 

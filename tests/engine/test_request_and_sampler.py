@@ -115,3 +115,11 @@ def test_sampling_stays_deterministic_per_seed_and_index_at_the_extremes() -> No
         first = [sample(logits, [p] * len(logits), [i] * len(logits))[0] for i in range(5)]
         again = [sample(logits, [p] * len(logits), [i] * len(logits))[0] for i in range(5)]
         assert first == again
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-300, 1e-46, 1e-45])
+def test_top_p_below_float32_range_keeps_the_top_token(top_p: float) -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=t, top_p=top_p, seed=5) for t in (1e-5, 0.7, 2.0)]
+    tokens, _ = sample(logits, params, [0, 1, 2])
+    assert tokens == logits.argmax(-1).tolist()
