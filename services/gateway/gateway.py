@@ -251,10 +251,10 @@ class Gateway:
 
     # -- one request ---------------------------------------------------------------------
 
-    async def generate(self, target: Target, prompt_ids: list[int], sampling: Sampling,
-                       timing: RequestTiming) -> AsyncGenerator[TokenChunk, None]:
+    async def generate(self, request_id: str, target: Target, prompt_ids: list[int],
+                       sampling: Sampling, timing: RequestTiming
+                       ) -> AsyncGenerator[TokenChunk, None]:
         """The request's token chunks until it finishes; GaveUp if it cannot."""
-        request_id = uuid.uuid4().hex
         relay = Relay(self.nc, self.view, request_id, target.worker, target.decode,
                       self.settings.stall_timeout_s)
         await relay.open()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
@@ -150,8 +149,10 @@ class ChatRequest(_Common):
 
 # -- responses ---------------------------------------------------------------------------
 
-def new_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+def response_id(request_id: str, chat: bool) -> str:
+    """The OpenAI id of a request: its internal id (the one in its traces) with OpenAI's
+    prefix, so a client's id finds the request's trace."""
+    return ("chatcmpl-" if chat else "cmpl-") + request_id
 
 
 def sse(data: dict[str, Any] | str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -32,12 +33,14 @@ class Call:
                  prompt_ids: list[int], sampling: Sampling, include_usage: bool) -> None:
         self.gateway, self.model, self.chat, self.target = gateway, model, chat, target
         self.prompt_ids, self.sampling, self.include_usage = prompt_ids, sampling, include_usage
-        self.id = api.new_id(chat)
+        self.request_id = uuid.uuid4().hex
+        self.id = api.response_id(self.request_id, chat)
         self.timing = RequestTiming(len(prompt_ids))
         self.logprobs: list[float] = []
 
     def chunks(self) -> AsyncIterator[TokenChunk]:
-        return self.gateway.generate(self.target, self.prompt_ids, self.sampling, self.timing)
+        return self.gateway.generate(self.request_id, self.target, self.prompt_ids,
+                                     self.sampling, self.timing)
 
     def logprob_block(self, tokens: list[int], logprobs: list[float]) -> dict[str, Any] | None:
         if not self.sampling.logprobs:
