@@ -8,6 +8,7 @@ import json
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio import Redis
 from rich.console import Console
@@ -62,7 +63,7 @@ def show_live(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         plan, view, history = asyncio.run(_read(redis_url))
     except OSError as e:
-        parser.error(f"cannot reach Redis at {redis_url}: {e}")
+        parser.error(f"cannot reach Redis at {without_password(redis_url)}: {e}")
     if plan is None:
         console.print("no plan yet: the planner plans once the profiler has seen a full "
                       "window of requests (is the stack running with --planner auto?)")
@@ -100,3 +101,12 @@ def show_live(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         console.print("earlier plans: " + ", ".join(
             f"{h['prefill']}P+{h['decode']}D ({_ago(h['made_at'])})" for h in history[1:]))
     return 0
+
+
+def without_password(url: str) -> str:
+    """The URL as it may be printed: a run's Redis URL carries its password."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    return urlunsplit(parts._replace(netloc=f"{host}:{parts.port}" if parts.port else host))
