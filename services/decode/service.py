@@ -78,14 +78,14 @@ class DecodeService(Worker):
                 granted = await self.host.call(self._allocate_in_order, wanted)
                 if not granted:
                     break  # no room: wait until a request finishes
-                pulls = []
-                for ready, blocks in zip(wanted, granted, strict=False):
-                    if ready in self.pending:
-                        self.pending.remove(ready)
-                        pulls.append(self._pull(ready, blocks))
-                    else:  # cancelled while the blocks were allocated
+                pairs = list(zip(wanted, granted, strict=False))
+                queued = {id(r) for r in self.pending}  # a cancel may have taken some out
+                taken = {id(r) for r, _ in pairs}
+                self.pending = deque(r for r in self.pending if id(r) not in taken)
+                for ready, blocks in pairs:
+                    if id(ready) not in queued:
                         await self.host.call(self.engine.free, blocks)
-                await asyncio.gather(*pulls)
+                await asyncio.gather(*(self._pull(r, b) for r, b in pairs if id(r) in queued))
 
     def _allocate_in_order(self, wanted: list[KvReady]) -> list[list[int]]:
         """On the engine thread: blocks for the longest prefix of `wanted` the pool holds."""

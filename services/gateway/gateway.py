@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 
 from services.gateway.ledger import Ledger, Overloaded, Ticket
 from services.gateway.metrics import Metrics
-from services.gateway.openai_api import APIError
+from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
 from services.gateway.stream import GaveUp, Relay
 from services.gateway.timing import RequestTiming
 from services.gateway.view import InstanceView
@@ -221,21 +221,20 @@ class Gateway:
             worker = pick_prefill(self.live("prefill"), self.ledger.prefilling)
             decode = pick_decode(self.live("decode"), self.ledger.decoding)
             chosen = [worker, decode]
-        if any(i is None for i in chosen):
+        live = [i for i in chosen if i is not None]
+        if len(live) < len(chosen):
             raise APIError(503, f"no {'/'.join(self.roles)} instance is available; retry "
                                 f"after {self.settings.retry_after_s}s", kind="server_error",
                            headers={"Retry-After": str(self.settings.retry_after_s)})
-        limits = [i.max_request_tokens for i in chosen if i and i.max_request_tokens]
-        ids = [i.instance_id for i in chosen if i]
-        return Target(ids[0], ids[1] if len(ids) > 1 else "",
+        limits = [i.max_request_tokens for i in live if i.max_request_tokens]
+        return Target(live[0].instance_id, live[1].instance_id if len(live) > 1 else "",
                       min([self.max_context, *limits]))
 
-    def sampling(self, target: Target, prompt_len: int, max_tokens: int | None,
-                 temperature: float, top_p: float, top_k: int, seed: int | None,
-                 stop: list[str], ignore_eos: bool, logprobs: bool) -> Sampling:
+    def sampling(self, target: Target, prompt_len: int,
+                 req: CompletionRequest | ChatRequest) -> Sampling:
         """The request's sampling, with max_tokens filled to what fits when omitted; a
         request that can never fit gets 400 naming the limit."""
-        limit = target.max_request_tokens
+        limit, max_tokens = target.max_request_tokens, req.token_limit
         room = limit - prompt_len
         if room < 1 or (max_tokens is not None and max_tokens > room):
             asked = f" plus max_tokens ({max_tokens})" if max_tokens is not None else ""
@@ -244,10 +243,11 @@ class Gateway:
                                 f"the KV cache); the prompt ({prompt_len} tokens){asked} "
                                 "exceeds it.", "max_tokens" if room >= 1 else "messages",
                            "context_length_exceeded")
-        return Sampling(max_tokens=max_tokens or room, temperature=temperature, top_p=top_p,
-                        top_k=max(0, top_k),
-                        seed=seed if seed is not None else random.getrandbits(62),
-                        stop=stop, ignore_eos=ignore_eos, logprobs=logprobs)
+        return Sampling(max_tokens=max_tokens or room, temperature=req.temperature,
+                        top_p=req.top_p, top_k=max(0, req.top_k),
+                        seed=req.seed if req.seed is not None else random.getrandbits(62),
+                        stop=req.stop_list, ignore_eos=req.ignore_eos,
+                        logprobs=req.wants_logprobs)
 
     # -- one request ---------------------------------------------------------------------
 

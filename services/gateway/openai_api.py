@@ -115,6 +115,14 @@ class CompletionRequest(_Common):
         return echo
 
     @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    @property
     def text_or_ids(self) -> str | list[int]:
         if isinstance(self.prompt, list) and isinstance(self.prompt[0], str):
             return str(self.prompt[0])
@@ -145,6 +153,10 @@ class ChatRequest(_Common):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
 
 
 # -- responses ---------------------------------------------------------------------------

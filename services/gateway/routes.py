@@ -184,11 +184,7 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
             if not ids:
                 raise APIError(400, "the prompt is empty", "prompt")
             target = gateway.dispatch()
-            limit = req.token_limit if isinstance(req, ChatRequest) else req.max_tokens
-            wants_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
-            sampling = gateway.sampling(target, len(ids), limit, req.temperature, req.top_p,
-                                        req.top_k, req.seed, req.stop_list, req.ignore_eos,
-                                        wants_logprobs)
+            sampling = gateway.sampling(target, len(ids), req)
             call = Call(gateway, req.model, chat, target, ids, sampling, req.include_usage)
             return await respond(call, ticket, request, req.stream)
         except BaseException:

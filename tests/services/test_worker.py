@@ -28,6 +28,16 @@ class BrokenEngine(Engine):
         raise RuntimeError("the device fell over")
 
 
+async def serving(worker: ColocatedService, stop: asyncio.Event,
+                  redis_url: str) -> tuple[asyncio.Task[None], Registry]:
+    """The worker running until `stop`, once it is registered."""
+    running = asyncio.create_task(worker.run(stop))
+    registry = Registry(Redis.from_url(redis_url))
+    while not await registry.instances("colocated"):
+        await asyncio.sleep(0.05)
+    return running, registry
+
+
 @pytest.mark.timeout(120)
 def test_engine_failure_takes_the_worker_out_of_dispatch(nats_url: str, redis_url: str) -> None:
     settings = WorkerSettings(instance_id="colocated-x", nats_url=nats_url, redis_url=redis_url,
@@ -36,10 +46,7 @@ def test_engine_failure_takes_the_worker_out_of_dispatch(nats_url: str, redis_ur
 
     async def main() -> None:
         stop = asyncio.Event()
-        running = asyncio.create_task(worker.run(stop))
-        registry = Registry(Redis.from_url(redis_url))
-        while not await registry.instances("colocated"):
-            await asyncio.sleep(0.05)
+        running, registry = await serving(worker, stop, redis_url)
         nc = await connect(nats_url, "test")
         await publish(nc, subjects.prefill("colocated-x"), PrefillRequest(
             request_id="r1", prompt_ids=[1, 2, 3], sampling=Sampling(max_tokens=2),
@@ -96,10 +103,7 @@ def test_a_failed_step_fails_its_request_and_the_worker_serves_on(
 
     async def main() -> None:
         stop = asyncio.Event()
-        running = asyncio.create_task(worker.run(stop))
-        registry = Registry(Redis.from_url(redis_url))
-        while not await registry.instances("colocated"):
-            await asyncio.sleep(0.05)
+        running, registry = await serving(worker, stop, redis_url)
         nc = await connect(nats_url, "test")
         (failed,) = await send_and_wait(nc, "colocated-y", "bad")
         assert failed.error is not None and "the device fell over" in failed.error
