@@ -25,52 +25,84 @@ class Sampling(BaseModel):
 
 
 class PrefillRequest(BaseModel):
-    """gateway -> ds.prefill.<instance> (or a colocated worker)."""
+    """gateway -> ds.prefill.<instance> (or a colocated worker). A request that failed over
+    with tokens already streamed comes back with them in `output_ids`: they are prefilled
+    with the prompt and the next token is sampled at its own output index, so the text goes
+    on exactly as it would have."""
 
-    version: Literal[1] = 1
+    version: Literal[2] = 2  # 2: output_ids, attempt
     request_id: str
     prompt_ids: list[int]
     sampling: Sampling
     decode_instance: str = ""  # empty for a colocated worker
     arrival_ts: float
+    output_ids: list[int] = Field(default_factory=list)
+    attempt: int = 0  # how many times the gateway has moved the request
+
+
+class Resume(BaseModel):
+    """gateway -> ds.resume.<prefill instance> (a NATS request): announce the request's KV,
+    if still held, to another decode instance, which replays `output_ids` on top of it.
+    The reply is a ResumeReply."""
+
+    version: Literal[1] = 1
+    request_id: str
+    decode_instance: str
+    output_ids: list[int]
+    attempt: int
+
+
+class ResumeReply(BaseModel):
+    version: Literal[1] = 1
+    held: bool  # False: the KV is gone; the gateway prefills the request again elsewhere
 
 
 class KvReady(BaseModel):
     """prefill -> ds.decode.<instance>: a request's KV waits to be pulled."""
 
-    version: Literal[2] = 2  # 2: the pull token
+    version: Literal[3] = 3  # 2: the pull token; 3: output_ids, computed, attempt
     request_id: str
     prefill_instance: str
     kv_address: str  # UCX listener, host:port
     token: str  # the pull's credential: sent to this decode instance only, never logged
     num_blocks: int
     prompt_ids: list[int]
-    first_token: int
-    first_logprob: float | None = None
+    output_ids: list[int]  # the tokens sampled so far: the first one, or more after a move
+    last_logprob: float | None = None  # of output_ids[-1], when logprobs were asked for
+    computed: int  # leading tokens whose KV the blocks hold; the rest are replayed
     sampling: Sampling
     arrival_ts: float
     first_token_ts: float
+    attempt: int = 0
 
 
 class ReleaseKv(BaseModel):
-    """decode -> ds.release.<prefill instance>: the pull landed (or was given up)."""
+    """decode -> ds.release.<prefill instance>: the KV was imported (or the pull given up);
+    the prefill instance keeps it a short retention more, for a failover."""
 
     version: Literal[1] = 1
     request_id: str
 
 
 class Cancel(BaseModel):
-    """gateway -> ds.cancel.<request>: the client went away."""
+    """gateway -> ds.cancel.<request>: the client went away, or (with `instance`) the
+    request moved away from that one instance."""
 
     version: Literal[1] = 1
     request_id: str
+    instance: str = ""  # only this instance drops it; empty: every instance
 
 
 class TokenChunk(BaseModel):
-    """prefill or decode -> ds.tokens.<request>: new tokens and text, then the end."""
+    """prefill or decode -> ds.tokens.<request>: new tokens and text, then the end. `seq` is
+    the output index of the chunk's first token (for a chunk without tokens: how many the
+    sender had produced), so the gateway sees a chunk that NATS lost as a gap."""
 
-    version: Literal[1] = 1
+    version: Literal[2] = 2  # 2: seq, attempt, retry
     request_id: str
+    seq: int = 0
+    attempt: int = 0  # the gateway's attempt this chunk belongs to: older ones are stale
+    retry: bool = False  # with `error`: this instance cannot go on, but the request can
     token_ids: list[int] = Field(default_factory=list)
     text: str = ""
     logprobs: list[float] = Field(default_factory=list)

@@ -20,6 +20,11 @@ def release(instance: str) -> str:
     return f"{PREFIX}.release.{instance}"
 
 
+def resume(instance: str) -> str:
+    """Requests (NATS request/reply) to re-announce a held KV to another decode instance."""
+    return f"{PREFIX}.resume.{instance}"
+
+
 def tokens(request_id: str) -> str:
     """The token stream of one request, back to the gateway."""
     return f"{PREFIX}.tokens.{request_id}"

@@ -33,6 +33,7 @@ class RequestOutput:
     parked: bool = False  # prefill role: first token sampled, KV ready to be pulled
     logprobs: list[float] = field(default_factory=list)
     error: str | None = None  # the step failed: the request was aborted, its blocks freed
+    index: int = 0  # output index of the first new token (without tokens: outputs so far)
 
     @property
     def finished(self) -> bool:
@@ -100,15 +101,18 @@ class Engine:
             raise RequestRejected(
                 f"request needs {needed} KV blocks but the pool holds {self.blocks.num_blocks}")
 
-    def make_request(self, request_id: str, prompt_ids: list[int],
-                     params: SamplingParams) -> Request:
+    def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     output_ids: list[int] | None = None) -> Request:
         self.check_fits(len(prompt_ids), params.max_tokens)
         return Request(request_id, list(prompt_ids), params, eos_id=self.eos_id,
-                       arrival=next(self._arrivals))
+                       arrival=next(self._arrivals), output_ids=list(output_ids or []))
 
-    def add_request(self, request_id: str, prompt_ids: list[int],
-                    params: SamplingParams) -> Request:
-        request = self.make_request(request_id, prompt_ids, params)
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    output_ids: list[int] | None = None) -> Request:
+        """Queue a prompt. `output_ids`: tokens already sampled (and streamed) elsewhere, for
+        a request resumed after a failure: they are computed with the prompt, the next token
+        is sampled at its own output index, and only new text is emitted."""
+        request = self.make_request(request_id, prompt_ids, params, output_ids)
         self._track(request)
         self.scheduler.add(request)
         return request
@@ -134,10 +138,11 @@ class Engine:
     def _fail(self, out: SchedulerOutput, error: str) -> list[RequestOutput]:
         """Abort the step's requests, wherever the failure left them (mid-prefill, decoding,
         already finished or parked by a partial update), freeing their blocks."""
-        ids = [c.request.request_id for c in out.chunks]
-        for request_id in ids:
+        failed = [(c.request.request_id, len(c.request.output_ids)) for c in out.chunks]
+        for request_id, _ in failed:
             self.abort(request_id)
-        return [RequestOutput(request_id, [], "", error=error) for request_id in ids]
+        return [RequestOutput(request_id, [], "", error=error, index=produced)
+                for request_id, produced in failed]
 
     def has_work(self) -> bool:
         return self.scheduler.has_work
@@ -164,18 +169,20 @@ class Engine:
         self.blocks.free(block_ids)
 
     def admit_imported(self, request: Request, block_ids: list[int],
-                       buffer: torch.Tensor | None) -> None:
-        """Decode role: `request` holds its prompt and first token; its prompt K/V arrive in
-        `buffer` (or were already written into `block_ids` by the transfer)."""
+                       buffer: torch.Tensor | None, computed: int | None = None) -> None:
+        """Decode role: `request` holds its prompt and the tokens sampled so far (the first
+        one, or more after a failover); the K/V of its first `computed` tokens (default: all
+        but the newest) arrive in `buffer` (or were already written into `block_ids` by the
+        transfer). Tokens beyond `computed` are replayed in the next step, as a prefill
+        chunk on top of the imported K/V."""
         if buffer is not None:
             self.runner.kv.import_blocks(block_ids, buffer)
+        if self.scheduler.get(request.request_id) is not None:  # an older attempt of it
+            self.abort(request.request_id)
         request.block_table = block_ids
-        request.num_computed = request.num_tokens - 1
+        request.num_computed = request.num_tokens - 1 if computed is None else computed
         request.arrival = next(self._arrivals)
         self._track(request)
-        state = self._text.get(request.request_id)
-        if state is not None:  # the prefill instance already streamed the first token's text
-            state.advance(request.output_ids)
         self.scheduler.add_prefilled(request)
 
     # -- convenience ------------------------------------------------------------------
@@ -189,7 +196,9 @@ class Engine:
 
     def _track(self, request: Request) -> None:
         if self.tokenizer is not None:
-            self._text[request.request_id] = _TextState(self.tokenizer, request.params.stop)
+            state = _TextState(self.tokenizer, request.params.stop)
+            state.advance(request.output_ids)  # streamed already, by whoever sampled them
+            self._text[request.request_id] = state
 
     def _output(self, request: Request) -> RequestOutput:
         state = self._text.get(request.request_id)
@@ -205,4 +214,4 @@ class Engine:
         logprobs = request.output_logprobs[-1:] if request.params.logprobs else []
         return RequestOutput(request.request_id, request.output_ids[-1:], text,
                              request.finish_reason, request.status is RequestStatus.PARKED,
-                             logprobs)
+                             logprobs, index=len(request.output_ids) - 1)

@@ -75,8 +75,12 @@ class Scheduler:
         self.waiting.append(request)
 
     def add_prefilled(self, request: Request) -> None:
-        """Decode role: admit a request whose prompt K/V already sit in its block table."""
-        assert request.num_computed == request.num_tokens - 1 and request.block_table
+        """Decode role: admit a request whose K/V of its first `num_computed` tokens already
+        sit in its block table; more than one token left to compute (a failover's replay)
+        are computed as a chunk in the next step."""
+        assert 0 < request.num_computed < request.num_tokens, \
+            (request.num_computed, request.num_tokens)
+        assert request.num_computed <= len(request.block_table) * self.blocks.block_size
         self._requests[request.request_id] = request
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -96,7 +100,10 @@ class Scheduler:
         else:
             preempted: list[Request] = []
             prefills = self._admit(self.config.max_batch_tokens, chunk=False)
-            decodes = [] if prefills else self._schedule_decodes(preempted)
+            decodes: list[ScheduledChunk] = []
+            if not prefills:  # decodes, with replays (only a decode role has them) beside
+                decodes = self._schedule_decodes(preempted)
+                prefills = self._continue(self.config.max_batch_tokens - len(decodes))
             out = SchedulerOutput(prefills, decodes, preempted)
         return out if out.chunks else None
 
@@ -104,17 +111,24 @@ class Scheduler:
         preempted: list[Request] = []
         decodes = self._schedule_decodes(preempted)
         budget = self.config.max_batch_tokens - len(decodes)
-        prefills = []
+        prefills = self._continue(budget)
+        budget -= sum(c.length for c in prefills)
+        prefills += self._admit(budget, chunk=True)
+        return SchedulerOutput(prefills, decodes, preempted)
+
+    def _continue(self, budget: int) -> list[ScheduledChunk]:
+        """Chunks for running requests with more than one token to compute (a chunked
+        prefill, or a failover's replay), oldest first, within the token budget."""
+        chunks = []
         for request in [r for r in self.running if r.num_tokens - r.num_computed > 1]:
             if budget <= 0:
                 break
             chunk = self._chunk(request, budget)
             if chunk is None:
                 break
-            prefills.append(chunk)
+            chunks.append(chunk)
             budget -= chunk.length
-        prefills += self._admit(budget, chunk=True)
-        return SchedulerOutput(prefills, decodes, preempted)
+        return chunks
 
     def _admit(self, budget: int, chunk: bool) -> list[ScheduledChunk]:
         """Move waiting requests to running, FCFS, within the token budget and the pool.

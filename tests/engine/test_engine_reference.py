@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from shared.engine.config import EngineConfig, Role
-from shared.engine.engine import Engine
+from shared.engine.engine import Engine, RequestOutput
 from shared.engine.kv_cache import block_bytes
 from shared.engine.model_runner import LoadedModel
 from shared.engine.request import Request, SamplingParams
@@ -139,3 +139,62 @@ def test_seeded_sampling_is_reproducible_across_engines(
     assert [r.output_ids for r in a] == [r.output_ids for r in b]
     assert all(len(r.output_logprobs) == len(r.output_ids) for r in a)
     assert all(lp <= 0 for r in a for lp in r.output_logprobs)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=NEW_TOKENS,
+                                                           temperature=0.9, seed=11)],
+                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize("held", [True, False], ids=["kv-held", "re-prefill"])
+def test_a_request_resumed_mid_stream_continues_as_if_uninterrupted(
+        loaded: LoadedModel, prompt_ids: list[list[int]], params: SamplingParams,
+        held: bool) -> None:
+    """Failover: a request that streamed k tokens from a decode instance that died goes on
+    elsewhere, either from the prompt's KV the prefill instance still holds (the k tokens
+    replayed as one chunk on the new decode engine) or prefilled again with its k tokens.
+    The tokens and the text equal an uninterrupted run's."""
+    whole = engine(loaded)
+    requests = [whole.add_request(f"r{i}", ids, params) for i, ids in enumerate(prompt_ids)]
+    pieces: list[RequestOutput] = []
+    while whole.has_work():
+        pieces += whole.step()
+    tokens = {r.request_id: r.output_ids for r in requests}
+    whole_text = {r: "".join(o.new_text for o in pieces if o.request_id == r) for r in tokens}
+    prefill = engine(loaded, role=Role.PREFILL)
+    decode = engine(loaded, role=Role.DECODE)
+    streamed: dict[str, str] = {}
+    # tokens streamed before the failure (fewer than the whole, which ends with the finish)
+    cut = {f"r{i}": min(1 + i * 3, len(tokens[f"r{i}"]) - 1) for i in range(len(prompt_ids))}
+    assert sum(cut.values()) > 2 * len(cut)
+    for i, ids in enumerate(prompt_ids):
+        request_id, k = f"r{i}", cut[f"r{i}"]
+        done = tokens[request_id][:k]
+        streamed[request_id] = "".join(o.new_text for o in pieces
+                                       if o.request_id == request_id and o.index < k)
+        prefill.add_request(request_id, ids, params, output_ids=None if held else done)
+    outputs = {o.request_id: o for o in prefill.step()}
+    for i, ids in enumerate(prompt_ids):
+        request_id, k = f"r{i}", cut[f"r{i}"]
+        if outputs[request_id].finished:  # prefilled again, it ended at its next token
+            streamed[request_id] += outputs[request_id].new_text
+            continue
+        parked = prefill.scheduler.parked[request_id]
+        if held:
+            outputs_so_far = tokens[request_id][:k]
+        else:  # the prefill engine sampled the next token at its own index
+            assert outputs[request_id].index == k
+            assert parked.output_ids == tokens[request_id][:k + 1]
+            streamed[request_id] += outputs[request_id].new_text
+            outputs_so_far = parked.output_ids
+        blocks = decode.allocate(parked.num_computed)
+        assert blocks is not None
+        request = Request(request_id, ids, params, eos_id=decode.eos_id,
+                          output_ids=list(outputs_so_far))
+        decode.admit_imported(request, blocks, prefill.export_kv(request_id),
+                              computed=parked.num_computed)
+        prefill.release(request_id)
+    while decode.has_work():
+        for out in decode.step():
+            streamed[out.request_id] += out.new_text
+    assert streamed == whole_text
+    assert decode.blocks.num_free == decode.blocks.num_blocks
+    assert prefill.blocks.num_free == prefill.blocks.num_blocks
