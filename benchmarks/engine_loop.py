@@ -20,7 +20,8 @@ from pathlib import Path
 import httpx
 
 from distserve.cli import main as distserve
-from services.launcher import Stack, StackConfig, free_port
+from services.launcher import Stack, StackConfig
+from services.supervisor import free_port
 
 PATTERN = re.compile(r'^(ds_engine_\w+)\{instance="([^"]+)",role="[^"]+"\} (\S+)$', re.M)
 

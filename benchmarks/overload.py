@@ -59,7 +59,8 @@ from rich.table import Table
 
 from distserve.bench.results import span_seconds
 from distserve.bench.runner import read_spans
-from services.launcher import Stack, StackConfig, free_port
+from services.launcher import Stack, StackConfig
+from services.supervisor import free_port
 from shared.metrics import percentiles
 from shared.workloads import unit_rate_gaps
 

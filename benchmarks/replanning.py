@@ -26,7 +26,8 @@ from redis import Redis
 from distserve.bench.loadgen import Target, run_requests
 from distserve.bench.results import RequestRecord
 from distserve.bench.workload import BenchRequest
-from services.launcher import Stack, StackConfig, free_port
+from services.launcher import Stack, StackConfig
+from services.supervisor import free_port
 from shared import subjects
 from shared.metrics import SLO, attainment
 

@@ -13,37 +13,21 @@ import json
 import os
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Literal
+from typing import Literal
+
+from services.supervisor import Child, Env, Supervisor, free_port, incarnation, wait_for_port
 
 BIN = Path(sys.executable).parent
 NATS_USER = "distserve"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str,
-                  timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {proc.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"{what} did not listen on port {port} within {timeout:.0f}s")
+SERVERS = ("nats", "valkey")  # not restarted: tests stop them on purpose
 
 
 def services_ready(redis_url: str) -> bool:
@@ -82,6 +66,24 @@ def valkey_server_binary() -> str:
     return str(get_binary_path())
 
 
+def module(name: str) -> list[str]:
+    return [sys.executable, "-m", f"services.{name}"]
+
+
+def fixed(env: Mapping[str, str]) -> Env:
+    """`env` over this process's environment, the same for every incarnation. DS_API_KEYS is
+    left out: the gateway's keys reach the gateway only."""
+    inherited = {k: v for k, v in os.environ.items() if k != "DS_API_KEYS"}
+    return lambda _restarts: inherited | dict(env)
+
+
+def worker_env(env: Mapping[str, str], name: str) -> Env:
+    """A worker's environment: after each restart a new DS_INSTANCE_ID (`name`, `name-r1`,
+    ...), so the gateway sees the old instance die instead of waiting on its requests."""
+    base = fixed(env)
+    return lambda restarts: {**base(restarts), "DS_INSTANCE_ID": incarnation(name, restarts)}
+
+
 @dataclass
 class StackConfig:
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
@@ -106,30 +108,17 @@ class StackConfig:
                 raise ValueError("an API key must be non-empty, without commas or whitespace")
 
 
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: IO[bytes]
-
-
 class Stack:
+    """The stack's processes, run by one supervisor: workers, the gateway, the profiler and
+    the planner are restarted when they crash (a worker under a new instance id, so the
+    gateway sees the old one die); nats and valkey are not."""
+
     def __init__(self, config: StackConfig) -> None:
         self.config = config
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.run_dir = config.run_dir / f"{stamp}-{os.getpid()}"
-        self.children: list[Child] = []
+        self.supervisor = Supervisor(self.run_dir)
         self.url = f"http://127.0.0.1:{config.port}"
-
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        log = (self.run_dir / f"{name}.log").open("wb")
-        inherited = {k: v for k, v in os.environ.items() if k != "DS_API_KEYS"}  # gateway's
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                env={**inherited, **(env or {})})
-        child = Child(name, proc, log)
-        self.children.append(child)
-        return child
 
     def start(self, timeout: float = 300.0) -> None:
         try:
@@ -146,9 +135,9 @@ class Stack:
         config = self.run_dir / "nats.conf"
         write_private(config, f'authorization {{\n  user: "{NATS_USER}"\n'
                               f'  password: "{password}"\n  timeout: 10\n}}\n')
-        child = self._spawn("nats", [nats_server_binary(), "-c", str(config), "-a",
-                                     "127.0.0.1", "-p", str(port)])
-        wait_for_port(port, child.proc, "nats-server")
+        proc = self.supervisor.spawn("nats", [nats_server_binary(), "-c", str(config), "-a",
+                                              "127.0.0.1", "-p", str(port)], fixed({}))
+        wait_for_port(port, proc, "nats-server")
         return f"nats://{NATS_USER}:{password}@127.0.0.1:{port}"
 
     def _start_valkey(self) -> str:
@@ -156,10 +145,10 @@ class Stack:
         port, password = free_port(), secrets.token_urlsafe(24)
         config = self.run_dir / "valkey.conf"
         write_private(config, f"requirepass {password}\n")
-        child = self._spawn("valkey", [valkey_server_binary(), str(config), "--port", str(port),
-                                       "--bind", "127.0.0.1", "--save", "",
-                                       "--appendonly", "no", "--dir", str(self.run_dir)])
-        wait_for_port(port, child.proc, "valkey-server")
+        proc = self.supervisor.spawn("valkey", [
+            valkey_server_binary(), str(config), "--port", str(port), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "no", "--dir", str(self.run_dir)], fixed({}))
+        wait_for_port(port, proc, "valkey-server")
         return f"redis://:{password}@127.0.0.1:{port}"
 
     def _start(self, timeout: float) -> None:
@@ -176,14 +165,13 @@ class Stack:
                    else [("prefill", i) for i in range(c.prefill)]
                    + [("decode", i) for i in range(c.decode)])
         for role, i in workers:
-            self._spawn(f"{role}-{i}", [sys.executable, "-m", f"services.{role}"],
-                        env | {"DS_INSTANCE_ID": f"{role}-{i}"})
-        if c.planner:
-            for service in ("profiler", "planner"):
-                self._spawn(service, [sys.executable, "-m", f"services.{service}"], env)
-        self._spawn("gateway", [sys.executable, "-m", "services.gateway"],
-                    env | {"DS_PORT": str(c.port), "DS_MODE": c.mode,
-                           "DS_API_KEYS": ",".join(c.api_keys)})
+            self.supervisor.spawn(f"{role}-{i}", module(role), worker_env(env, f"{role}-{i}"),
+                                  restart=True)
+        for service in ("profiler", "planner") if c.planner else ():
+            self.supervisor.spawn(service, module(service), fixed(env), restart=True)
+        self.supervisor.spawn("gateway", module("gateway"), fixed(
+            env | {"DS_PORT": str(c.port), "DS_MODE": c.mode,
+                   "DS_API_KEYS": ",".join(c.api_keys)}), restart=True)
         expected = ({"colocated": c.replicas} if c.mode == "colocated"
                     else {"prefill": c.prefill, "decode": c.decode})
         self.wait_healthy(timeout, expected, redis_url if c.planner else None)
@@ -191,13 +179,14 @@ class Stack:
     def wait_healthy(self, timeout: float, expected: dict[str, int] | None = None,
                      redis_url: str | None = None) -> None:
         """Until the gateway answers /health with every expected instance live (and, with
-        `redis_url`, the profiler and planner have said they are ready)."""
-        deadline = time.monotonic() + timeout
+        `redis_url`, the profiler and planner have said they are ready). A child that exits
+        meanwhile fails it at once: while starting, a crash is a broken setup, not bad luck."""
+        deadline, before = time.monotonic() + timeout, self.restarts()
         while time.monotonic() < deadline:
             for child in self.children:
-                if child.proc.poll() is not None:
-                    raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}"
-                                       f"; see {self.run_dir / (child.name + '.log')}")
+                if child.proc.poll() is not None or child.restarts > before.get(child.name, 0):
+                    raise RuntimeError(f"{child.name} exited while the stack was starting; "
+                                       f"see {child.log}")
             with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError), \
                     urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
                 live = json.load(response).get("instances", {})
@@ -214,24 +203,20 @@ class Stack:
         """The DS_* settings the children were started with (servers' URLs included)."""
         return read_run_env(self.run_dir)
 
+    @property
+    def children(self) -> list[Child]:
+        return self.supervisor.children
+
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM the services (workers drain, the planner stops the workers it started),
         then the servers they talk through; SIGKILL whatever outlives `grace`."""
-        servers = [c for c in self.children if c.name in ("nats", "valkey")]
-        services = [c for c in self.children if c not in servers]
-        for group in (services, servers):
-            for child in reversed(group):
-                if child.proc.poll() is None:
-                    child.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            for child in reversed(group):
-                try:
-                    child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    child.proc.kill()
-                    child.proc.wait()
-                child.log.close()
-        self.children.clear()
+        services = [c.name for c in self.children if c.name not in SERVERS]
+        self.supervisor.stop(services, grace)
+        self.supervisor.stop(grace=grace)
+
+    def restarts(self) -> dict[str, int]:
+        """How often each child has been restarted after a crash."""
+        return self.supervisor.restarts()
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU time (user + system) each live child has used so far (Linux /proc)."""
@@ -245,4 +230,5 @@ class Stack:
         return out
 
     def child(self, name: str) -> subprocess.Popen[bytes]:
-        return next(c.proc for c in self.children if c.name == name)
+        """The current process of child `name` (a restart replaces it)."""
+        return self.supervisor.proc(name)

@@ -17,7 +17,7 @@ from distserve.bench.loadgen import Target
 from distserve.bench.results import RunResult, span_seconds
 from distserve.bench.runner import CALIBRATION_TOKENS, Unloaded, calibrate, read_spans, sweep
 from distserve.bench.workload import BenchWorkload, as_simulated
-from services.launcher import Stack, StackConfig, free_port
+from services.launcher import Stack, StackConfig
 from services.planner.latency import LatencyModel
 from services.planner.profiles import Profile
 from services.planner.simulator import (
@@ -30,6 +30,7 @@ from services.planner.simulator import (
     simulate_disaggregated,
 )
 from services.runtime import WorkerSettings
+from services.supervisor import free_port
 from shared.metrics import SLO
 
 DEFAULT_LINK_BPS = 0.5e9  # UCX between two local processes (loopback TCP), measured

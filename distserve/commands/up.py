@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import threading
@@ -89,6 +90,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                              extra_env=planner_env if args.planner == "auto" else {})
     except ValueError as e:
         parser.error(str(e))
+    # the supervisor says here which child crashed and when it is restarted
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     stack = Stack(config)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -102,6 +105,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                   f"'Authorization: Bearer <key>'", flush=True)
         stop.wait()
     finally:
-        print("stopping ...", flush=True)
+        print(f"stopping ...{restarted(stack)}", flush=True)
         stack.stop()
     return 0
+
+
+def restarted(stack: Stack) -> str:
+    """` (restarted after a crash: decode-0 2x)`, or nothing when no child crashed."""
+    counts = [f"{name} {n}x" for name, n in stack.restarts().items() if n]
+    return f" (restarted after a crash: {', '.join(counts)})" if counts else ""

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -17,6 +15,7 @@ from typing import Protocol
 
 from nats.aio.client import Client
 
+from services.supervisor import Supervisor, incarnation
 from shared import subjects
 from shared.bus import publish
 from shared.messages import Drain
@@ -56,11 +55,14 @@ class LogOnlyDeployer:
 
 
 class LocalDeployer:
+    """Starts workers as children of the planner: one that crashes comes back under a new
+    instance id; one that was drained exits 0 and stays down."""
+
     def __init__(self, nc: Client, registry: Registry, run_dir: str | None,
                  health_timeout_s: float = 300.0) -> None:
-        self.nc, self.registry, self.run_dir = nc, registry, run_dir
+        self.nc, self.registry = nc, registry
         self.health_timeout_s = health_timeout_s
-        self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.supervisor = Supervisor(Path(run_dir or "."))
 
     async def live(self) -> dict[Role, list[InstanceInfo]]:
         return {role: [i for i in await self.registry.instances(role) if not i.draining]
@@ -81,37 +83,32 @@ class LocalDeployer:
 
     def _spawn(self, role: Role) -> str:
         instance = f"{role}-{uuid.uuid4().hex[:6]}"
-        logs = Path(self.run_dir or ".")
-        logs.mkdir(parents=True, exist_ok=True)
-        with (logs / f"{instance}.log").open("wb") as out:  # the child keeps its own handle
-            self.children[instance] = subprocess.Popen(
-                [sys.executable, "-m", f"services.{role}"], stdout=out,
-                stderr=subprocess.STDOUT, env={**os.environ, "DS_INSTANCE_ID": instance})
+        self.supervisor.spawn(instance, [sys.executable, "-m", f"services.{role}"],
+                              lambda restarts: {**os.environ,
+                                                "DS_INSTANCE_ID": incarnation(instance, restarts)},
+                              restart=True)
         log.info("started %s", instance)
         return instance
 
     async def _wait_healthy(self, instances: list[str]) -> None:
+        """Until every new instance heartbeats; one that crashes while starting fails the
+        deployment and is stopped (restarting it would only crash again)."""
         deadline = time.monotonic() + self.health_timeout_s
         while time.monotonic() < deadline:
-            for instance in instances:
-                code = self.children[instance].poll()
-                if code is not None:
-                    raise DeployError(f"{instance} exited with code {code} while starting")
+            crashed = [i for i in instances if self._crashed(i)]
+            if crashed:
+                await asyncio.to_thread(self.supervisor.stop, crashed)
+                raise DeployError(f"{crashed} exited while starting; see their logs")
             ready = {i.instance_id for role in ROLES for i in await self.registry.instances(role)}
             if ready.issuperset(instances):
                 return
             await asyncio.sleep(0.5)
         raise DeployError(f"{instances} not healthy within {self.health_timeout_s:.0f}s")
 
+    def _crashed(self, instance: str) -> bool:
+        return self.supervisor.restarts()[instance] > 0 or \
+            self.supervisor.proc(instance).poll() is not None
+
     def stop(self, grace: float = 15.0) -> None:
         """Stop (drain) the workers this deployer started."""
-        for proc in self.children.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for proc in self.children.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        self.supervisor.stop(grace=grace)

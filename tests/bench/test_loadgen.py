@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from distserve.cli import main
-from services.launcher import Stack, free_port
+from services.launcher import Stack
+from services.supervisor import free_port
 from tests.services.conftest import start_stack
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.launcher import Stack, StackConfig, free_port
+from services.launcher import Stack, StackConfig
+from services.supervisor import free_port
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.request import SamplingParams

@@ -1,0 +1,230 @@
+"""One way to run child processes: spawn them by name with their output in a log, restart
+the ones that crash, and stop them without leaving any behind. The launcher's stack, the
+planner's local deployer and the test fixtures all run their processes through it.
+
+Whether a child is restarted is the caller's choice per child: a worker or a service that
+crashes comes back after a backoff; a server other processes depend on (nats, valkey) does
+not, so that a test that kills one on purpose sees it stay down. A child that exits with
+code 0 left on purpose (a drained worker) and is never restarted."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+log = logging.getLogger(__name__)
+
+Env = Callable[[int], Mapping[str, str]]  # restarts so far -> that incarnation's environment
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Delays between restarts: `first_s`, doubling up to `max_s`; a child that stayed up
+    `stable_s` is back to `first_s` (its crash is news, not a loop)."""
+
+    first_s: float = 1.0
+    max_s: float = 30.0
+    stable_s: float = 60.0
+
+
+def restart_delay(returncode: int, uptime_s: float, previous_s: float | None,
+                  backoff: Backoff) -> float | None:
+    """How long to wait before restarting a child that exited, or None: leave it down."""
+    if returncode == 0:
+        return None
+    if previous_s is None or uptime_s >= backoff.stable_s:
+        return backoff.first_s
+    return min(2 * previous_s, backoff.max_s)
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode >= 0:
+        return f"with code {returncode}"
+    try:
+        return f"by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"by signal {-returncode}"
+
+
+def incarnation(name: str, restarts: int) -> str:
+    """`name` first, then `name-r1`, `name-r2`, ...: an id that is new after each restart
+    (no dots: instance ids are NATS subject tokens)."""
+    return name if restarts == 0 else f"{name}-r{restarts}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str,
+                  timeout: float = 30.0) -> None:
+    """Until something listens on 127.0.0.1:`port`; fail at once if `proc` exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited {describe_exit(proc.returncode)}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} did not listen on port {port} within {timeout:.0f}s")
+
+
+@dataclass(eq=False)
+class Child:
+    """A named child and its current incarnation (`proc` changes when it is restarted)."""
+
+    name: str
+    argv: list[str]
+    env: Env | None  # None: this process's environment
+    restart: bool
+    log: Path
+    proc: subprocess.Popen[bytes]
+    started: float  # monotonic, of the current incarnation
+    restarts: int = 0
+    delay_s: float | None = None  # the last backoff, None before the first crash
+    due: float | None = None  # when a crashed child is restarted (monotonic)
+    done: bool = False  # exited and stays down; the supervisor leaves it alone
+    stopping: bool = False  # stop() has it; the monitor leaves it alone
+
+
+def launch(argv: list[str], env: Mapping[str, str] | None, log_path: Path,
+           note: str) -> subprocess.Popen[bytes]:
+    """`argv` with stdout and stderr appended to `log_path` (the child keeps its own handle)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as out:
+        out.write(f"--- supervisor: {note} at {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n"
+                  .encode())
+        out.flush()
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                env=None if env is None else dict(env))
+
+
+class Supervisor:
+    """Children by name, each logged to `<log_dir>/<name>.log`. A daemon thread polls them
+    every `poll_s` while any is running, and restarts the crashed ones that allow it."""
+
+    def __init__(self, log_dir: Path, backoff: Backoff = Backoff(), poll_s: float = 0.25) -> None:
+        self.log_dir, self.backoff, self.poll_s = log_dir, backoff, poll_s
+        self._children: dict[str, Child] = {}
+        self._lock = threading.Lock()  # the monitor and the caller both change children
+        self._monitor: threading.Thread | None = None
+
+    def spawn(self, name: str, argv: list[str], env: Env | None = None,
+              restart: bool = False) -> subprocess.Popen[bytes]:
+        """Start `argv` as child `name` (`env(0)` its environment); with `restart`, a crash
+        brings it back with `env(restarts)`."""
+        with self._lock:
+            if name in self._children and not self._children[name].done:
+                raise ValueError(f"a child named {name} is already running")
+            path = self.log_dir / f"{name}.log"
+            proc = launch(argv, None if env is None else env(0), path, "started")
+            self._children[name] = Child(name, argv, env, restart, path, proc,
+                                         time.monotonic())
+            if self._monitor is None:
+                self._monitor = threading.Thread(target=self._watch, name="supervisor",
+                                                 daemon=True)
+                self._monitor.start()
+        return proc
+
+    @property
+    def children(self) -> list[Child]:
+        with self._lock:
+            return list(self._children.values())
+
+    def proc(self, name: str) -> subprocess.Popen[bytes]:
+        """The current incarnation of child `name`."""
+        with self._lock:
+            return self._children[name].proc
+
+    def restarts(self) -> dict[str, int]:
+        with self._lock:
+            return {c.name: c.restarts for c in self._children.values()}
+
+    def stop(self, names: Iterable[str] | None = None, grace: float = 10.0) -> None:
+        """Stop the named children (default: all), the last started first: SIGTERM, then
+        SIGKILL whatever outlives `grace`. They are forgotten and never restarted."""
+        wanted = None if names is None else set(names)
+        with self._lock:
+            chosen = [c for c in reversed(self._children.values())
+                      if wanted is None or c.name in wanted]
+            for child in chosen:
+                child.stopping = True
+        for child in chosen:
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for child in chosen:
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s outlived %.0f s after SIGTERM; killing it", child.name, grace)
+                child.proc.kill()
+                child.proc.wait()
+        with self._lock:
+            for child in chosen:
+                if self._children.get(child.name) is child:
+                    del self._children[child.name]
+
+    def __enter__(self) -> Supervisor:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def _watch(self) -> None:
+        """Poll until no child is left to watch (the next spawn starts a new monitor)."""
+        while True:
+            time.sleep(self.poll_s)
+            with self._lock:
+                now = time.monotonic()
+                watched = [c for c in self._children.values() if not (c.done or c.stopping)]
+                for child in watched:
+                    self._check(child, now)
+                if not watched:
+                    self._monitor = None
+                    return
+
+    def _check(self, child: Child, now: float) -> None:
+        """Restart `child` if its backoff is over; else notice whether it exited."""
+        if child.due is not None:
+            if now >= child.due:
+                self._restart(child, now)
+            return
+        code = child.proc.poll()
+        if code is None:
+            return
+        delay = restart_delay(code, now - child.started, child.delay_s, self.backoff)
+        how = f"{child.name} exited {describe_exit(code)}"
+        if delay is None or not child.restart:
+            child.done = True
+            level = logging.INFO if code == 0 else logging.WARNING
+            log.log(level, "%s; not restarted; log: %s", how, child.log)
+            return
+        child.delay_s, child.due = delay, now + delay
+        log.warning("%s; restarting in %.1f s (restart %d); log: %s", how, delay,
+                    child.restarts + 1, child.log)
+
+    def _restart(self, child: Child, now: float) -> None:
+        restarts = child.restarts + 1
+        env = None if child.env is None else child.env(restarts)
+        try:
+            child.proc = launch(child.argv, env, child.log, f"restart {restarts}")
+        except OSError as e:
+            child.delay_s = min(2 * (child.delay_s or self.backoff.first_s), self.backoff.max_s)
+            child.due = now + child.delay_s
+            log.error("%s could not be restarted (%s); trying again in %.1f s", child.name, e,
+                      child.delay_s)
+            return
+        child.restarts, child.started, child.due = restarts, now, None

@@ -1,0 +1,153 @@
+"""The supervisor: its restart policy as a pure function, and real children that crash, leave
+on purpose, keep crashing or ignore SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from services.supervisor import Backoff, Supervisor, describe_exit, incarnation, restart_delay
+
+pytestmark = pytest.mark.timeout(120)
+FAST = Backoff(first_s=0.05, max_s=0.4, stable_s=60.0)
+# appends its ID to the file named by its argument (once it runs), then sleeps
+RECORD_AND_SLEEP = ("import os, sys, time\n"
+                    "with open(sys.argv[1], 'a') as f: f.write(os.environ['ID'] + '\\n')\n"
+                    "time.sleep(60)")
+
+
+def wait_until(condition: Callable[[], object], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+# --- the policy ---
+
+def test_a_clean_exit_is_never_restarted() -> None:
+    assert restart_delay(0, 1.0, None, Backoff()) is None
+    assert restart_delay(0, 1.0, 8.0, Backoff()) is None
+
+
+def test_crashes_back_off_doubling_up_to_the_cap() -> None:
+    policy, delays, previous = Backoff(), [], None
+    for _ in range(7):
+        previous = restart_delay(1, 0.5, previous, policy)
+        delays.append(previous)
+    assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert restart_delay(-9, 0.5, None, policy) == 1.0  # a signal is a crash too
+
+
+def test_a_child_that_stayed_up_starts_again_from_the_first_delay() -> None:
+    policy = Backoff()
+    assert restart_delay(1, 59.9, 16.0, policy) == 30.0
+    assert restart_delay(1, 60.0, 16.0, policy) == 1.0
+
+
+def test_exits_are_described_by_code_or_signal_name() -> None:
+    assert describe_exit(1) == "with code 1"
+    assert describe_exit(-signal.SIGKILL) == "by SIGKILL"
+    assert describe_exit(-200) == "by signal 200"
+
+
+def test_each_incarnation_has_a_new_id_without_dots() -> None:
+    assert [incarnation("decode-0", n) for n in range(3)] == \
+        ["decode-0", "decode-0-r1", "decode-0-r2"]
+
+
+# --- real children ---
+
+def test_a_killed_child_comes_back_with_its_next_incarnations_env(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="services.supervisor")
+    ids = tmp_path / "ids"
+    with Supervisor(tmp_path, FAST, poll_s=0.05) as supervisor:
+        first = supervisor.spawn("w", [sys.executable, "-c", RECORD_AND_SLEEP, str(ids)],
+                                 lambda n: {**os.environ, "ID": incarnation("w", n)},
+                                 restart=True)
+        wait_until(lambda: lines(ids) == ["w"], "the first incarnation to run")
+        os.kill(first.pid, signal.SIGKILL)
+        wait_until(lambda: lines(ids) == ["w", "w-r1"], "the restarted child to run")
+        second = supervisor.proc("w")
+        assert second.pid != first.pid and second.poll() is None
+        assert first.returncode == -signal.SIGKILL
+        assert supervisor.restarts() == {"w": 1}
+    assert second.poll() is not None  # stopped with the supervisor
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.getMessage().startswith("w exited by SIGKILL; restarting in 0.1 s "
+                                           "(restart 1); log: ")
+    log = (tmp_path / "w.log").read_text()  # one log, appended across restarts
+    assert "--- supervisor: started at " in log and "--- supervisor: restart 1 at " in log
+
+
+def test_a_child_that_exits_0_stays_down(tmp_path: Path,
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="services.supervisor")
+    with Supervisor(tmp_path, FAST, poll_s=0.05) as supervisor:
+        supervisor.spawn("drained", [sys.executable, "-c", "pass"], restart=True)
+        wait_until(lambda: supervisor.children[0].done, "the supervisor to see the exit")
+        assert supervisor.proc("drained").returncode == 0
+        assert supervisor.restarts() == {"drained": 0}
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert "drained exited with code 0; not restarted" in caplog.records[0].getMessage()
+
+
+def test_a_child_without_restart_stays_down_after_a_crash(tmp_path: Path) -> None:
+    with Supervisor(tmp_path, FAST, poll_s=0.05) as supervisor:
+        supervisor.spawn("nats", [sys.executable, "-c", "raise SystemExit(3)"])
+        wait_until(lambda: supervisor.children[0].done, "the supervisor to see the exit")
+        assert supervisor.proc("nats").returncode == 3 and supervisor.restarts() == {"nats": 0}
+
+
+def test_a_crash_loop_backs_off_longer_each_time(tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="services.supervisor")
+    with Supervisor(tmp_path, FAST, poll_s=0.02) as supervisor:
+        supervisor.spawn("bad", [sys.executable, "-c", "raise SystemExit(1)"], restart=True)
+        wait_until(lambda: supervisor.restarts()["bad"] >= 5, "five restarts")
+    delays = [r.args[1] for r in caplog.records  # type: ignore[index]
+              if r.levelno == logging.WARNING][:5]
+    assert delays == pytest.approx([0.05, 0.1, 0.2, 0.4, 0.4])
+    assert (tmp_path / "bad.log").read_text().count("--- supervisor: restart") >= 5
+
+
+def test_stop_kills_a_child_that_ignores_sigterm_after_the_grace(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    stubborn = ("import signal, sys, time\n"
+                "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                "open(sys.argv[1], 'w').close()\n"
+                "time.sleep(60)")
+    supervisor = Supervisor(tmp_path, FAST, poll_s=0.05)
+    proc = supervisor.spawn("stubborn", [sys.executable, "-c", stubborn, str(ready)],
+                            restart=True)
+    polite = supervisor.spawn("polite", [sys.executable, "-c", "import time; time.sleep(60)"],
+                              restart=True)
+    wait_until(ready.exists, "the child to ignore SIGTERM")
+    started = time.monotonic()
+    supervisor.stop(grace=0.5)
+    assert time.monotonic() - started < 30
+    assert proc.returncode == -signal.SIGKILL and polite.returncode == -signal.SIGTERM
+    assert supervisor.children == []
+
+
+def test_stop_some_children_leaves_the_others_running(tmp_path: Path) -> None:
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    with Supervisor(tmp_path, FAST, poll_s=0.05) as supervisor:
+        a, b = supervisor.spawn("a", sleep, restart=True), supervisor.spawn("b", sleep)
+        supervisor.stop(["a"])
+        assert a.returncode == -signal.SIGTERM and b.poll() is None
+        assert [c.name for c in supervisor.children] == ["b"]
+        assert supervisor.restarts() == {"b": 0}  # a stopped child is not restarted
+    assert b.poll() is not None
