@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -24,8 +25,8 @@ from shared import subjects
 from shared.bus import connect, publish
 from shared.engine.config import EngineConfig, Role
 from shared.engine.engine import Engine, RequestOutput, RequestRejected
-from shared.messages import PrefillRequest, TokenChunk
-from shared.state import InstanceInfo, Registry
+from shared.messages import Cancel, PrefillRequest, TokenChunk
+from shared.state import InstanceInfo, Registry, redis_client
 from shared.telemetry import setup_tracing
 from shared.telemetry import shutdown as shutdown_tracing
 
@@ -56,6 +57,8 @@ class WorkerSettings(BaseSettings):
     heartbeat_ttl_s: float = 2.0
     kv_lease_s: float = 30.0  # prefill frees parked KV once its decode instance is silent
     kv_max_hold_s: float = 600.0  # ... or once parked this long, whatever the decode side
+    kv_retention_s: float = 5.0  # prefill keeps imported KV this long more, for a failover
+    kv_pull_timeout_s: float = 10.0  # decode abandons a pull that takes longer
     drain_timeout_s: float = 120.0  # a drain that has not finished by then exits anyway
     run_dir: str | None = None  # traces go here as JSON lines (unless OTLP is configured)
 
@@ -135,13 +138,13 @@ class Heartbeats:
 
     async def _forever(self) -> None:
         nc = await connect(self.settings.nats_url, f"{self.settings.instance_id}-heartbeats")
-        redis = Redis.from_url(self.settings.redis_url, socket_timeout=2.0,
-                               socket_connect_timeout=2.0)
+        redis = redis_client(self.settings.redis_url)
         registry = Registry(redis, self.settings.heartbeat_ttl_s)
         failing = False
         while not self._stop.is_set():
             beat = self.info().model_copy(update={"heartbeat_at": time.time()})
-            await publish(nc, subjects.HEARTBEATS, beat)
+            with contextlib.suppress(nats.errors.Error, OSError):  # NATS down: next beat
+                await publish(nc, subjects.HEARTBEATS, beat)
             try:
                 await registry.heartbeat(beat)
                 if failing:
@@ -178,7 +181,7 @@ class ControlService:
 
     async def run(self, stop: asyncio.Event) -> None:
         self.nc = await connect(self.nats_url, self.name)
-        self.redis = Redis.from_url(self.redis_url)
+        self.redis = redis_client(self.redis_url)
         await self.nc.subscribe(self.subject, cb=self.on_message)
         await self.nc.flush()
         await self.redis.set(subjects.ready_key(self.name), time.time())
@@ -230,6 +233,7 @@ class Worker:
         self.host = EngineHost(self.engine)
         self.tracer = setup_tracing(self.id, self.settings.run_dir)
         self.draining = False
+        self.attempts: dict[str, int] = {}  # request -> the gateway's attempt served here
         self.nc: Client
 
     def info(self) -> InstanceInfo:
@@ -269,7 +273,7 @@ class Worker:
         """Serve until `stop` (a signal) or a drain message, then drain and exit; a task that
         fails ends the worker at once with WorkerFailed."""
         self.nc = await connect(self.settings.nats_url, self.id)
-        redis = Redis.from_url(self.settings.redis_url)
+        redis = redis_client(self.settings.redis_url)
         registry = Registry(redis, self.settings.heartbeat_ttl_s)
 
         async def on_drain(_: Msg) -> None:
@@ -307,7 +311,8 @@ class Worker:
         may still arrive just after the flag is set)."""
         await stop.wait()
         self.draining = True
-        await publish(self.nc, subjects.HEARTBEATS, self.info())
+        with contextlib.suppress(nats.errors.Error, OSError):
+            await publish(self.nc, subjects.HEARTBEATS, self.info())
         with contextlib.suppress(RedisError, OSError):
             await registry.heartbeat(self.info())
         log.info("%s draining", self.id)
@@ -335,22 +340,38 @@ class Worker:
         return sum(int(c) for c in counts if c is not None)
 
     async def admit(self, req: PrefillRequest) -> bool:
-        """Queue a prompt on the engine; a request it can never run gets an error chunk."""
+        """Queue a prompt (with the tokens a failed-over request already streamed) on the
+        engine; a request it can never run gets an error chunk."""
+        if self.engine.scheduler.get(req.request_id) is not None:  # an older attempt
+            await self.host.call(self.engine.abort, req.request_id)
         try:
             await self.host.call(self.engine.add_request, req.request_id, req.prompt_ids,
-                                 req.sampling.params())
+                                 req.sampling.params(), req.output_ids)
         except (RequestRejected, ValueError) as e:
-            await self.send(TokenChunk(request_id=req.request_id, error=str(e), source=self.id))
+            await self.send(TokenChunk(request_id=req.request_id, error=str(e), source=self.id,
+                                       seq=len(req.output_ids), attempt=req.attempt))
             return False
+        self.attempts[req.request_id] = req.attempt
         self.host.wake()
         return True
 
+    def addressed(self, cancel: Cancel) -> bool:
+        """Whether a cancel is for this instance (every instance, or this one by name)."""
+        return cancel.instance in ("", self.id)
+
     async def stream(self, out: RequestOutput) -> None:
         """New tokens and text, the end, or the error that failed the request's step."""
-        await self.send(TokenChunk(request_id=out.request_id, token_ids=out.new_token_ids,
-                                   text=out.new_text, logprobs=out.logprobs,
-                                   finish_reason=out.finish_reason, error=out.error,
-                                   source=self.id))
+        attempt = self.attempts.pop(out.request_id, 0) if out.finished else \
+            self.attempts.get(out.request_id, 0)
+        await self.send(TokenChunk(request_id=out.request_id, seq=out.index, attempt=attempt,
+                                   token_ids=out.new_token_ids, text=out.new_text,
+                                   logprobs=out.logprobs, finish_reason=out.finish_reason,
+                                   error=out.error, source=self.id))
 
     async def send(self, chunk: TokenChunk) -> None:
-        await publish(self.nc, subjects.tokens(chunk.request_id), chunk)
+        """Publish a chunk; a failure (NATS down, its buffer full) is logged, never raised:
+        the engine loop goes on, and the gateway sees the gap by the chunk's seq."""
+        try:
+            await publish(self.nc, subjects.tokens(chunk.request_id), chunk)
+        except (nats.errors.Error, OSError) as e:
+            log.warning("%s: lost a chunk of %s: %s", self.id, chunk.request_id, e)

@@ -22,6 +22,7 @@ address, so the server restricts UCX to the network device that holds its addres
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import hashlib
 import hmac
@@ -31,7 +32,7 @@ import os
 import secrets
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,8 +61,9 @@ def stop_notifier_thread() -> None:
 HEADER_BYTES = 512
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
-# request id -> the request's exported blocks (a contiguous host or device array), or None
-BlockLookup = Callable[[str], Any]
+# request id -> the request's exported blocks (a contiguous host or device array, complete
+# when returned), or None
+BlockLookup = Callable[[str], Awaitable[Any]]
 
 
 class TransferError(RuntimeError):
@@ -148,7 +150,7 @@ class KvServer:
             except (ValueError, TypeError):  # not our protocol: hang up
                 break
             request_id = str(request.get("request_id", ""))
-            buffer = self._find(request_id, str(request.get("token", "")))
+            buffer = await self._find(request_id, str(request.get("token", "")))
             if buffer is None:
                 await ep.send(_header({"ok": False, "error": f"no KV for {request_id}"}))
                 continue
@@ -159,11 +161,11 @@ class KvServer:
             self.stats.bytes += nbytes
         await ep.close()
 
-    def _find(self, request_id: str, token: str) -> Any:
+    async def _find(self, request_id: str, token: str) -> Any:
         """The blocks, if the token is request_id's (checked before the engine is asked)."""
         if not hmac.compare_digest(self.token(request_id).encode(), token.encode()):
             return None
-        return self.lookup(request_id)
+        return await self.lookup(request_id)
 
     def close(self) -> None:
         if self._listener is not None:
@@ -172,11 +174,16 @@ class KvServer:
 
 @dataclass
 class KvClient:
-    """Decode side: pulls blocks into a caller-provided buffer (host or device)."""
+    """Decode side: pulls blocks into a caller-provided buffer (host or device). A pull
+    that takes longer than `timeout_s` is abandoned (its endpoint aborted, so UCX writes
+    nothing more into the buffer); the peer is then shunned for `timeout_s`: pulls from it
+    fail at once rather than each waiting out the timeout (or hanging in a connect)."""
 
+    timeout_s: float = 10.0
     stats: TransferStats = field(default_factory=TransferStats)
     _endpoints: dict[str, Any] = field(default_factory=dict)
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    _shunned_until: dict[str, float] = field(default_factory=dict)
 
     async def _endpoint(self, address: str) -> Any:
         if address not in self._endpoints:
@@ -191,24 +198,44 @@ class KvClient:
         loop = asyncio.get_running_loop()
         async with lock:  # one pull at a time per endpoint keeps header and payload paired
             start = loop.time()
+            if start < self._shunned_until.get(address, 0.0):
+                raise TransferError(f"pull of {request_id}: {address} did not answer in time "
+                                    "lately; not trying it for now")
             try:
-                ep = await self._endpoint(address)
-                await ep.send(_header({"request_id": request_id, "token": token}))
-                reply = np.empty(HEADER_BYTES, dtype=np.uint8)
-                await ep.recv(reply)
-                answer = _parse(reply)
-                if not answer.get("ok"):
-                    raise TransferError(str(answer.get("error", "refused")))
-                if int(answer["nbytes"]) != int(into.nbytes):
-                    raise TransferError(f"size mismatch: {answer['nbytes']} bytes offered, "
-                                        f"{into.nbytes} expected")
-                await ep.recv(into)
+                await asyncio.wait_for(self._transfer(address, request_id, token, into),
+                                       self.timeout_s)
+            except TimeoutError:
+                self._abandon(address)
+                self._shunned_until[address] = loop.time() + self.timeout_s
+                raise TransferError(f"pull of {request_id} from {address} took over "
+                                    f"{self.timeout_s:.0f}s; abandoned") from None
             except (UCXError, UCXCanceledError, OSError) as e:  # a dead or absent peer
-                self._endpoints.pop(address, None)
+                self._abandon(address)
                 raise TransferError(f"pull of {request_id} from {address} failed: {e}") from e
             self.stats.requests += 1
             self.stats.bytes += int(into.nbytes)
             self.stats.seconds += loop.time() - start
+
+    async def _transfer(self, address: str, request_id: str, token: str, into: Any) -> None:
+        ep = await self._endpoint(address)
+        await ep.send(_header({"request_id": request_id, "token": token}))
+        reply = np.empty(HEADER_BYTES, dtype=np.uint8)
+        await ep.recv(reply)
+        answer = _parse(reply)
+        if not answer.get("ok"):
+            raise TransferError(str(answer.get("error", "refused")))
+        if int(answer["nbytes"]) != int(into.nbytes):
+            raise TransferError(f"size mismatch: {answer['nbytes']} bytes offered, "
+                                f"{into.nbytes} expected")
+        await ep.recv(into)
+
+    def _abandon(self, address: str) -> None:
+        """Drop the endpoint, cancelling what is in flight on it: a late reply must neither
+        land in a buffer given up on nor pair with the next pull's header."""
+        ep = self._endpoints.pop(address, None)
+        if ep is not None:
+            with contextlib.suppress(UCXError, UCXCanceledError, OSError):
+                ep.abort()
 
     async def close(self) -> None:
         for ep in self._endpoints.values():

@@ -15,6 +15,12 @@ from shared import subjects
 Role = Literal["prefill", "decode", "colocated"]
 
 
+def redis_client(url: str, timeout_s: float = 2.0) -> Redis:
+    """A Redis client whose every call gives up after `timeout_s`: a Redis that accepts
+    connections and never answers must not hang a service."""
+    return Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+
 class InstanceInfo(BaseModel):
     version: Literal[1] = 1
     instance_id: str

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from redis.asyncio import Redis
 from rich.console import Console
 from rich.table import Table
 
@@ -18,6 +17,7 @@ from services.launcher import read_run_env
 from shared import subjects
 from shared.bus import connect, publish
 from shared.messages import ReplanRequest
+from shared.state import redis_client
 
 
 def stack_env(run_dir: Path) -> dict[str, str]:
@@ -28,7 +28,7 @@ def stack_env(run_dir: Path) -> dict[str, str]:
 
 async def _read(redis_url: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None,
                                         list[dict[str, Any]]]:
-    redis = Redis.from_url(redis_url)
+    redis = redis_client(redis_url)
     try:
         plan, view = await redis.mget([subjects.PLAN_KEY, subjects.PROFILER_KEY])
         history = await redis.lrange(subjects.PLAN_HISTORY_KEY, 0, 9)

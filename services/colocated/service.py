@@ -37,7 +37,9 @@ class ColocatedService(Worker):
                 self.known.discard(out.request_id)
 
     async def _on_cancel(self, msg: Msg) -> None:
-        request_id = parse(msg, Cancel).request_id
-        if request_id in self.known:
+        cancel = parse(msg, Cancel)
+        request_id = cancel.request_id
+        if self.addressed(cancel) and request_id in self.known:
             self.known.discard(request_id)
+            self.attempts.pop(request_id, None)
             await self.host.call(self.engine.abort, request_id)

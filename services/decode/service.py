@@ -1,11 +1,14 @@
 """A decode instance: its own engine (decode role). Announced requests wait in `pending`
 until the pool has room; then the KV is pulled over UCX straight into a buffer that is
-imported at this pool's block ids, the prefill instance is told to free its copy, and the
-request joins the running batch."""
+imported at this pool's block ids, the prefill instance is told it may free its copy (after
+a short retention), and the request joins the running batch. Pulls run several at a time,
+each bounded by a timeout: a request whose pull fails gets a `retry` chunk, and the gateway
+moves it elsewhere."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -13,6 +16,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+import nats.errors
 import torch
 from nats.aio.msg import Msg
 
@@ -36,8 +40,11 @@ class DecodeService(Worker):
 
     def __init__(self, settings: WorkerSettings, engine: Engine | None = None) -> None:
         super().__init__(settings, engine)
-        self.kv_client = KvClient()
+        self.kv_client = KvClient(timeout_s=self.settings.kv_pull_timeout_s)
         self.pending: deque[KvReady] = deque()
+        self.pulling: dict[str, KvReady] = {}  # request -> what is being pulled for it
+        self.cancelled: set[str] = set()  # cancelled while its pull was in flight
+        self._pulls: set[asyncio.Task[None]] = set()
         self.room = asyncio.Event()  # set when something may have become pullable
         self.traces: dict[str, tuple[dict[str, str], float]] = {}  # trace headers, since
 
@@ -48,7 +55,7 @@ class DecodeService(Worker):
             "kv_bytes": stats.bytes})
 
     def holding(self) -> int:
-        return len(self.pending)
+        return len(self.pending) + len(self.pulling)
 
     def subscriptions(self) -> dict[str, Callable[[Msg], Awaitable[None]]]:
         return {subjects.decode(self.id): self._on_kv_ready, subjects.CANCEL_ALL: self._on_cancel}
@@ -57,11 +64,15 @@ class DecodeService(Worker):
         return [self._pull_forever()]
 
     async def closing(self) -> None:
+        for task in self._pulls:
+            task.cancel()
         await self.kv_client.close()
         stop_notifier_thread()
 
     async def _on_kv_ready(self, msg: Msg) -> None:
         ready = parse(msg, KvReady)
+        for older in [r for r in self.pending if r.request_id == ready.request_id]:
+            self.pending.remove(older)  # a failover brought the request back here
         self.traces[ready.request_id] = (dict(msg.headers or {}), time.time())
         self.pending.append(ready)
         self.room.set()
@@ -85,22 +96,32 @@ class DecodeService(Worker):
                 for ready, blocks in pairs:
                     if id(ready) not in queued:
                         await self.host.call(self.engine.free, blocks)
-                await asyncio.gather(*(self._pull(r, b) for r, b in pairs if id(r) in queued))
+                        continue
+                    self.pulling[ready.request_id] = ready
+                    task = asyncio.create_task(self._pull(ready, blocks))
+                    self._pulls.add(task)
+                    task.add_done_callback(self._pulls.discard)
 
     def _allocate_in_order(self, wanted: list[KvReady]) -> list[list[int]]:
         """On the engine thread: blocks for the longest prefix of `wanted` the pool holds."""
         granted = []
         for ready in wanted:
-            blocks = self.engine.allocate(len(ready.prompt_ids))
+            blocks = self.engine.allocate(ready.computed)
             if blocks is None:
                 break
             granted.append(blocks)
         return granted
 
-    async def _pull(self, ready: KvReady, blocks: list[int]) -> None:
+    def _receive_buffer(self, num_blocks: int) -> torch.Tensor:
+        """On the engine thread: room for `num_blocks` blocks, ready before UCX writes it."""
         kv = self.engine.runner.kv
-        shape = (*kv.data.shape[:2], len(blocks), *kv.data.shape[3:])
+        shape = (*kv.data.shape[:2], num_blocks, *kv.data.shape[3:])
         buffer = torch.empty(shape, dtype=kv.data.dtype, device=kv.data.device)
+        if buffer.device.type == "cuda":
+            torch.cuda.current_stream(buffer.device).synchronize()
+        return buffer
+
+    async def _pull(self, ready: KvReady, blocks: list[int]) -> None:
         headers, announced = self.traces.pop(ready.request_id, ({}, time.time()))
         parent = context_from(headers)
         pull_start = time.time()
@@ -109,28 +130,38 @@ class DecodeService(Worker):
             if ready.num_blocks != len(blocks):
                 raise TransferError(f"prefill sent {ready.num_blocks} blocks, expected "
                                     f"{len(blocks)}: block sizes differ")
+            buffer = await self.host.call(self._receive_buffer, len(blocks))
             target = buffer.numpy() if buffer.device.type == "cpu" else buffer
             await self.kv_client.pull(ready.kv_address, ready.request_id, ready.token,
                                       target)
+            if ready.request_id in self.cancelled:
+                raise TransferError("cancelled during the pull")
+            joined = time.time()
+            record(self.tracer, "kv transfer", parent, pull_start, joined, instance=self.id,
+                   source=ready.prefill_instance, bytes=int(buffer.nbytes), blocks=len(blocks))
+            self.traces[ready.request_id] = (headers, joined)
+            request = Request(ready.request_id, ready.prompt_ids, ready.sampling.params(),
+                              eos_id=self.engine.eos_id, output_ids=list(ready.output_ids),
+                              output_logprobs=[] if ready.last_logprob is None
+                              else [ready.last_logprob])
+            self.attempts[ready.request_id] = ready.attempt
+            await self.host.call(self.engine.admit_imported, request, blocks, buffer,
+                                 ready.computed)
+            self.host.wake()
         except TransferError as e:
-            log.warning("pull of %s failed: %s", ready.request_id, e)
             await self.host.call(self.engine.free, blocks)
-            await self.send(TokenChunk(request_id=ready.request_id, source=self.id,
-                                       error=f"KV transfer failed: {e}"))
-            return
+            self.room.set()
+            if ready.request_id not in self.cancelled:
+                log.warning("pull of %s failed: %s", ready.request_id, e)
+                await self.send(TokenChunk(request_id=ready.request_id, source=self.id,
+                                           seq=len(ready.output_ids), attempt=ready.attempt,
+                                           retry=True, error=f"KV transfer failed: {e}"))
         finally:
-            await publish(self.nc, subjects.release(ready.prefill_instance),
-                          ReleaseKv(request_id=ready.request_id))
-        joined = time.time()
-        record(self.tracer, "kv transfer", parent, pull_start, joined, instance=self.id,
-               source=ready.prefill_instance, bytes=int(buffer.nbytes), blocks=len(blocks))
-        self.traces[ready.request_id] = (headers, joined)
-        request = Request(ready.request_id, ready.prompt_ids, ready.sampling.params(),
-                          eos_id=self.engine.eos_id, output_ids=[ready.first_token],
-                          output_logprobs=[] if ready.first_logprob is None
-                          else [ready.first_logprob])
-        await self.host.call(self.engine.admit_imported, request, blocks, buffer)
-        self.host.wake()
+            self.pulling.pop(ready.request_id, None)
+            self.cancelled.discard(ready.request_id)
+            with contextlib.suppress(nats.errors.Error, OSError):  # imported, or given up
+                await publish(self.nc, subjects.release(ready.prefill_instance),
+                              ReleaseKv(request_id=ready.request_id))
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -142,13 +173,20 @@ class DecodeService(Worker):
                        instance=self.id, finish_reason=out.finish_reason or "error")
 
     async def _on_cancel(self, msg: Msg) -> None:
-        request_id = parse(msg, Cancel).request_id
+        cancel = parse(msg, Cancel)
+        if not self.addressed(cancel):
+            return
+        request_id = cancel.request_id
+        self.attempts.pop(request_id, None)
+        if request_id in self.pulling:
+            self.cancelled.add(request_id)  # dropped when its pull returns
         for ready in list(self.pending):
             if ready.request_id == request_id:
                 self.pending.remove(ready)
                 self.traces.pop(request_id, None)
-                await publish(self.nc, subjects.release(ready.prefill_instance),
-                              ReleaseKv(request_id=request_id))
+                with contextlib.suppress(nats.errors.Error, OSError):
+                    await publish(self.nc, subjects.release(ready.prefill_instance),
+                                  ReleaseKv(request_id=request_id))
                 return
         if await self.host.call(self.engine.abort, request_id):
             self.traces.pop(request_id, None)

@@ -27,15 +27,22 @@ from redis.exceptions import RedisError
 from services.gateway.ledger import Ledger, Overloaded, Ticket
 from services.gateway.metrics import Metrics
 from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
-from services.gateway.stream import GaveUp, Relay
+from services.gateway.stream import GaveUp, Lost, Relay
 from services.gateway.timing import RequestTiming
 from services.gateway.view import InstanceView
 from shared import subjects
 from shared.bus import connect, parse, publish
 from shared.engine.gguf_loader import read_gguf_meta
 from shared.engine.tokenizer import TextTokenizer
-from shared.messages import Cancel, PrefillRequest, Sampling, TokenChunk
-from shared.state import InstanceInfo, Registry, Role, pick_decode, pick_prefill
+from shared.messages import Cancel, PrefillRequest, Resume, ResumeReply, Sampling, TokenChunk
+from shared.state import (
+    InstanceInfo,
+    Registry,
+    Role,
+    pick_decode,
+    pick_prefill,
+    redis_client,
+)
 from shared.telemetry import headers_for, setup_tracing
 from shared.telemetry import shutdown as shutdown_tracing
 
@@ -54,6 +61,9 @@ class GatewaySettings(BaseSettings):
     gateway_id: str = ""  # names its in-flight counts in Redis (default: random)
     heartbeat_ttl_s: float = Field(default=2.0, gt=0)
     stall_timeout_s: float = Field(default=60.0, gt=0)  # no token nor engine step this long
+    max_moves: int = Field(default=3, ge=0)  # failovers of one request before it fails
+    resume_timeout_s: float = Field(default=2.0, gt=0)  # a prefill instance asked for its KV
+    failover_wait_s: float = Field(default=30.0, ge=0)  # for a live instance to move to
     # requests in flight at once; beyond it 429. 0: twice what the decoding instances batch
     max_inflight: int = Field(default=0, ge=0)
     retry_after_s: int = Field(default=1, ge=1)
@@ -114,6 +124,25 @@ class Target:
     max_request_tokens: int
 
 
+@dataclass
+class Booking:
+    """What one attempt of a request counts in the ledger, to be taken out exactly once."""
+
+    worker: str
+    decode: str
+    counted: bool = False  # out of the prefill instance's queue already
+
+    def prefilled(self, ledger: Ledger) -> None:
+        if not self.counted and self.decode:
+            ledger.prefilled(self.worker)
+        self.counted = True
+
+    def settle(self, ledger: Ledger) -> None:
+        """The attempt is over (the request ended or moved): nothing of it stays counted."""
+        self.prefilled(ledger)
+        ledger.left(self.decode or self.worker)
+
+
 class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
@@ -136,8 +165,7 @@ class Gateway:
 
     async def start(self) -> None:
         self.nc = await connect(self.settings.nats_url, self.id)
-        self.redis = Redis.from_url(self.settings.redis_url, socket_timeout=2.0,
-                                    socket_connect_timeout=2.0)
+        self.redis = redis_client(self.settings.redis_url)
         self.listener.start()
         await self._seed_view()
         self._spawn(self._publish_inflight())
@@ -254,27 +282,33 @@ class Gateway:
     async def generate(self, request_id: str, target: Target, prompt_ids: list[int],
                        sampling: Sampling, timing: RequestTiming
                        ) -> AsyncGenerator[TokenChunk, None]:
-        """The request's token chunks until it finishes; GaveUp if it cannot."""
+        """The request's token chunks until it finishes, moved to other instances (up to
+        `max_moves` times) when the ones serving it fail; GaveUp if it cannot finish."""
         relay = Relay(self.nc, self.view, request_id, target.worker, target.decode,
                       self.settings.stall_timeout_s)
         await relay.open()
-        self.ledger.sent(target.worker, target.decode)
         span = self.tracer.start_span("request", attributes={
             "request_id": request_id, "prompt_tokens": len(prompt_ids),
             "max_tokens": sampling.max_tokens, "prefill": target.worker,
             "decode": target.decode})
+        booked: Booking | None = self._book(relay)
         outcome = "cancelled"
-        counted = not target.decode  # counted out of the prefill instance's queue
         try:
-            await publish(self.nc, subjects.prefill(target.worker), PrefillRequest(
-                request_id=request_id, prompt_ids=prompt_ids, sampling=sampling,
-                decode_instance=target.decode, arrival_ts=timing.arrival_ts),
-                headers=headers_for(span))
+            await self._prefill(relay, prompt_ids, sampling, timing, headers_for(span))
             while not relay.finished:
-                chunk = await relay.next()
-                if relay.prefilled and not counted:
-                    self.ledger.prefilled(target.worker)
-                    counted = True
+                try:
+                    chunk = await relay.next()
+                except Lost as lost:
+                    if booked is not None:
+                        booked.settle(self.ledger)
+                        booked = None
+                    await self._move(relay, lost, prompt_ids, sampling, timing)
+                    span.add_event("moved", {"cause": lost.cause, "prefill": relay.worker,
+                                             "decode": relay.decode})
+                    booked = self._book(relay)
+                    continue
+                if relay.prefilled and booked is not None:
+                    booked.prefilled(self.ledger)
                 timing.tokens(len(chunk.token_ids))
                 outcome = chunk.error or chunk.finish_reason or outcome
                 yield chunk
@@ -284,12 +318,96 @@ class Gateway:
         finally:
             span.set_attribute("outcome", outcome)
             span.end()
-            if not counted:
-                self.ledger.prefilled(target.worker)
-            self.ledger.left(target.decode or target.worker)
+            if booked is not None:
+                booked.settle(self.ledger)
             # its own task: when the client went away this generator is being cancelled, and
             # every await here would be cancelled too, losing the cancel and the report
             self._spawn(self._after(relay, timing, outcome))
+
+    def _book(self, relay: Relay) -> Booking:
+        """Count the relay's attempt in the ledger (dispatch spreads by these counts)."""
+        self.ledger.sent(relay.worker, relay.decode)
+        booking = Booking(relay.worker, relay.decode)
+        if relay.prefilled:
+            booking.prefilled(self.ledger)
+        return booking
+
+    async def _prefill(self, relay: Relay, prompt_ids: list[int], sampling: Sampling,
+                       timing: RequestTiming, headers: dict[str, str] | None = None) -> None:
+        """Send the relay's attempt to its worker: the prompt, and the tokens relayed so
+        far (a resumed request continues after them)."""
+        await publish(self.nc, subjects.prefill(relay.worker), PrefillRequest(
+            request_id=relay.request_id, prompt_ids=prompt_ids, sampling=sampling,
+            decode_instance=relay.decode, arrival_ts=timing.arrival_ts,
+            output_ids=relay.output_ids, attempt=relay.attempt), headers=headers)
+
+    async def _move(self, relay: Relay, lost: Lost, prompt_ids: list[int],
+                    sampling: Sampling, timing: RequestTiming) -> None:
+        """Continue the request on live instances: from the KV its prefill instance still
+        holds when it can (the new decode instance replays the tokens relayed since), else
+        prefilled again with those tokens. The instances moved away from are told to drop
+        it. GaveUp after `max_moves` moves, or when no instance is live to move to."""
+        if relay.attempt >= self.settings.max_moves:
+            raise GaveUp(f"{lost} (moved {relay.attempt} times already)")
+        old_worker, old_decode, prefilled = relay.worker, relay.decode, relay.prefilled
+        prefill_failed = lost.cause in ("kv_transfer", "prefill_died")
+        failed = old_worker if prefill_failed else relay.serving
+        path = "re_prefill"
+        if not old_decode:
+            worker = await self._live_instance("colocated", avoid=failed)
+            relay.retarget(worker.instance_id, "", prefilled=True)
+            await self._prefill(relay, prompt_ids, sampling, timing)
+        else:
+            decode = await self._live_instance("decode", avoid=old_decode if prefilled else "")
+            if prefilled and not prefill_failed and \
+                    await self._resume(relay, old_worker, decode.instance_id):
+                relay.retarget(old_worker, decode.instance_id, prefilled=True)
+                path = "kv_held"
+            else:
+                prefill = await self._live_instance("prefill", avoid=failed)
+                relay.retarget(prefill.instance_id, decode.instance_id, prefilled=False)
+                await self._prefill(relay, prompt_ids, sampling, timing)
+        self.metrics.moves.labels(lost.cause, path).inc()
+        log.info("moved %s after %d tokens (%s: %s) to %s%s, by %s", relay.request_id,
+                 len(relay.output_ids), lost.cause, lost, relay.worker,
+                 f" -> {relay.decode}" if relay.decode else "", path)
+        for instance in {old_worker, old_decode} - {relay.worker, relay.decode, ""}:
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await publish(self.nc, subjects.cancel(relay.request_id),
+                              Cancel(request_id=relay.request_id, instance=instance))
+
+    async def _resume(self, relay: Relay, prefill: str, decode: str) -> bool:
+        """Ask `prefill` to announce the request's KV to `decode`, for the relay's next
+        attempt: whether it still held the KV."""
+        if self.view.get(prefill, time.monotonic()) is None:
+            return False
+        try:
+            reply = await self.nc.request(subjects.resume(prefill), Resume(
+                request_id=relay.request_id, decode_instance=decode,
+                output_ids=relay.output_ids, attempt=relay.attempt + 1
+            ).model_dump_json().encode(),
+                timeout=self.settings.resume_timeout_s)
+            return ResumeReply.model_validate_json(reply.data).held
+        except (nats.errors.Error, OSError, ValueError) as e:
+            log.info("%s cannot resume %s: %s", prefill, relay.request_id, e)
+            return False
+
+    async def _live_instance(self, role: Role, avoid: str) -> InstanceInfo:
+        """A live instance of `role` to move a request to, another than `avoid` if there is
+        one; waits up to `failover_wait_s` for one (a supervisor restarting it), then
+        GaveUp."""
+        deadline = time.monotonic() + self.settings.failover_wait_s
+        while True:
+            live = self.live(role)
+            others = [i for i in live if i.instance_id != avoid]
+            pick = pick_decode if role == "decode" else pick_prefill
+            counts = self.ledger.decoding if role != "prefill" else self.ledger.prefilling
+            chosen = pick(others or live, counts)
+            if chosen is not None:
+                return chosen
+            if time.monotonic() >= deadline:
+                raise GaveUp(f"no live {role} instance to move the request to")
+            await asyncio.sleep(0.25)
 
     async def _after(self, relay: Relay, timing: RequestTiming, outcome: str) -> None:
         """What follows a request: tell the workers to drop it unless one said it ended,

@@ -37,6 +37,11 @@ class Metrics:
         self.tpot = Histogram("ds_tpot_seconds", "time per output token after the first",
                               registry=self.registry,
                               buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5))
+        self.moves = Counter("ds_request_moves", "requests moved to other instances, by cause "
+                             "(decode_died, prefill_died, worker_died, stalled, gap, "
+                             "kv_transfer) and path (kv_held: the prefill instance still held "
+                             "the KV; re_prefill: prefilled again)", ["cause", "path"],
+                             registry=self.registry)
         self.inflight = Gauge("ds_gateway_inflight", "requests admitted and not yet answered",
                               registry=self.registry)
         self.gauges = {field: Gauge(name, text, ["instance", "role"], registry=self.registry)

@@ -1,8 +1,13 @@
-"""One request's token stream, relayed from the workers to the gateway. It ends when a worker
-says the request ended (a finish reason or an error), or when the gateway gives up on it:
-the instance serving it stopped heartbeating, or neither a token nor an engine step of that
-instance came for `stall_s` (a request queued behind others on a live, busy instance is never
-given up on)."""
+"""One request's token stream, relayed from the workers to the gateway, across moves. It
+ends when a worker says the request ended (a finish reason or an error). It is `Lost`, for
+the gateway to move it, when the request cannot go on where it is but is intact: the
+instance serving it stopped heartbeating; neither a token nor an engine step of that
+instance came for `stall_s` (a request queued behind others on a live, busy instance is
+never lost); a chunk went missing (its `seq` skips ahead); a decode instance could not pull
+its KV; or the decode instance never started it and the prefill instance holding its KV died.
+
+Each move is a new attempt: chunks of older attempts (an instance moved away from that
+still speaks) are dropped, as are chunks repeating tokens already relayed."""
 
 from __future__ import annotations
 
@@ -21,7 +26,16 @@ from shared.messages import TokenChunk
 
 
 class GaveUp(Exception):
-    """The gateway stopped waiting for the request; the workers must be told to drop it."""
+    """The gateway stopped trying the request; the workers must be told to drop it."""
+
+
+class Lost(Exception):
+    """The request cannot go on where it is, but can elsewhere: `cause` names why (a
+    bounded label: decode_died, prefill_died, worker_died, stalled, gap, kv_transfer)."""
+
+    def __init__(self, cause: str, detail: str) -> None:
+        super().__init__(detail)
+        self.cause = cause
 
 
 class Relay:
@@ -29,15 +43,26 @@ class Relay:
                  decode: str, stall_s: float, poll_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.nc, self.view, self.request_id = nc, view, request_id
-        self.worker, self.decode = worker, decode
         self.stall_s, self.poll_s, self.clock = stall_s, poll_s, clock
-        self.serving = worker  # until the first token, then the decode instance
-        self.prefilled = not decode  # the prefill instance is done with the request
+        self.output_ids: list[int] = []  # every token relayed so far, in order
+        self.attempt = -1
         self.finished = False  # a worker said the request ended
         self._queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._sub: Any = None
-        self._progress_at = clock()
+        self.retarget(worker, decode, prefilled=not decode)
+
+    def retarget(self, worker: str, decode: str, prefilled: bool) -> None:
+        """Follow the request's next attempt: prefilled on `worker` (a colocated worker when
+        `decode` is empty), then decoded on `decode`; `prefilled` when its KV is already
+        prefilled and only the decode instance will speak."""
+        self.attempt += 1
+        self.worker, self.decode = worker, decode
+        self.prefilled = prefilled  # the prefill instance is done with this attempt
+        self.serving = decode if prefilled and decode else worker
+        self._progress_at = self.clock()
         self._steps = -1
+        self._heard_decode = False  # a chunk of this attempt came from the decode instance
+        self._worker_gone_at: float | None = None
 
     async def open(self) -> None:
         """Listen before the request is sent, so no chunk can be missed."""
@@ -52,24 +77,56 @@ class Relay:
         self._queue.put_nowait(parse(msg, TokenChunk))
 
     async def next(self) -> TokenChunk:
-        """The next chunk from the workers; GaveUp if the request cannot finish."""
+        """The next chunk of the current attempt; Lost if the request cannot go on here."""
         while True:
             try:
                 chunk = await asyncio.wait_for(self._queue.get(), timeout=self.poll_s)
             except TimeoutError:
                 self._check(self.clock())
                 continue
-            self._progress_at = self.clock()
-            if not self.prefilled and (chunk.source == self.worker or chunk.error):
-                self.prefilled, self.serving = True, self.decode
-            self.finished = chunk.finish_reason is not None or chunk.error is not None
-            return chunk
+            if self.accept(chunk):
+                return chunk
+
+    def accept(self, chunk: TokenChunk) -> bool:
+        """Whether `chunk` goes to the client (pure but for the clock); raises Lost for a
+        gap or a failed pull."""
+        if chunk.attempt != self.attempt:
+            return False  # from an instance the request has moved away from
+        if chunk.retry:
+            raise Lost("kv_transfer", chunk.error or "the KV transfer failed")
+        if chunk.token_ids and chunk.seq != len(self.output_ids):
+            if chunk.seq < len(self.output_ids):
+                return False  # tokens relayed already
+            raise Lost("gap", f"tokens {len(self.output_ids)}-{chunk.seq - 1} of "
+                              f"{self.request_id} never arrived")
+        self.output_ids += chunk.token_ids
+        self._progress_at = self.clock()
+        if self.decode and chunk.source == self.decode:
+            self._heard_decode = True
+        if not self.prefilled and (chunk.source == self.worker or chunk.error):
+            self.prefilled, self.serving = True, self.decode or self.worker
+        self.finished = chunk.finish_reason is not None or chunk.error is not None
+        return True
+
+    def _role(self) -> str:
+        if not self.decode:
+            return "worker"
+        return "decode" if self.serving == self.decode else "prefill"
 
     def _check(self, now: float) -> None:
         info = self.view.get(self.serving, now)
         if info is None:
-            raise GaveUp(f"instance {self.serving} stopped")
+            raise Lost(f"{self._role()}_died", f"instance {self.serving} stopped")
+        if self.decode and self.serving == self.decode and not self._heard_decode:
+            # announced to the decode instance, whose pull needs the prefill instance alive
+            if self.view.get(self.worker, now) is not None:
+                self._worker_gone_at = None
+            elif self._worker_gone_at is None:
+                self._worker_gone_at = now
+            elif now - self._worker_gone_at > 2 * self.view.ttl_s:
+                raise Lost("prefill_died", f"instance {self.worker}, holding the KV, stopped")
         if info.steps != self._steps:  # the instance is working through its queue
             self._steps, self._progress_at = info.steps, now
         if now - self._progress_at > self.stall_s:
-            raise GaveUp(f"no progress on instance {self.serving} for {self.stall_s:.0f}s")
+            raise Lost("stalled", f"no progress on instance {self.serving} for "
+                                  f"{self.stall_s:.0f}s")

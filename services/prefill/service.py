@@ -1,15 +1,20 @@
 """A prefill instance: its own engine (prefill role), a UCX listener serving parked KV, and
-NATS subscriptions for requests, releases and cancellations. Its memory is the queue buffer:
-a request's blocks stay until the decode instance has pulled them, or a lease expires."""
+NATS subscriptions for requests, releases, resumes and cancellations. Its memory is the queue
+buffer: a request's blocks stay until the decode instance has imported them and a short
+retention has passed (so a request whose decode instance dies can resume from them on
+another), or until a lease expires."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+import nats.errors
+import torch
 from nats.aio.msg import Msg
 
 from services.runtime import Worker, WorkerSettings
@@ -18,7 +23,7 @@ from shared.bus import parse, publish
 from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput
 from shared.kv_transfer import KvServer, stop_notifier_thread
-from shared.messages import Cancel, KvReady, PrefillRequest, ReleaseKv
+from shared.messages import Cancel, KvReady, PrefillRequest, ReleaseKv, Resume, ResumeReply
 from shared.state import InstanceInfo
 from shared.telemetry import context_from, record
 
@@ -35,6 +40,7 @@ class PrefillService(Worker):
                                   port=self.settings.kv_port)
         self.requests: dict[str, PrefillRequest] = {}
         self.parked_at: dict[str, float] = {}
+        self.released_at: dict[str, float] = {}  # imported by a decode instance; retained
         self.decode_seen: dict[str, float] = {}  # decode instance -> its last heartbeat
         self.arrived: dict[str, tuple[float, dict[str, str]]] = {}  # time, trace headers
 
@@ -44,19 +50,26 @@ class PrefillService(Worker):
             "kv_address": self.kv_server.address, "running": len(self.engine.scheduler.parked),
             "kv_requests": stats.requests, "kv_bytes": stats.bytes})
 
-    def _lookup(self, request_id: str) -> Any:
-        """Called by the UCX listener: the parked request's blocks as one buffer."""
+    async def _lookup(self, request_id: str) -> Any:
+        """Called by the UCX listener: the parked request's blocks as one buffer, copied on
+        the engine thread and complete before UCX reads it."""
+        return await self.host.call(self._export, request_id)
+
+    def _export(self, request_id: str) -> Any:
         if request_id not in self.engine.scheduler.parked:
             return None
         buffer = self.engine.export_kv(request_id)
-        return buffer.numpy() if buffer.device.type == "cpu" else buffer
+        if buffer.device.type == "cpu":
+            return buffer.numpy()
+        torch.cuda.current_stream(buffer.device).synchronize()  # the copy is asynchronous
+        return buffer
 
     def subscriptions(self) -> dict[str, Callable[[Msg], Awaitable[None]]]:
         self.kv_server.start()
         log.info("prefill %s: KV listener on %s", self.id, self.kv_server.address)
         return {subjects.prefill(self.id): self._on_request,
                 subjects.release(self.id): self._on_release, subjects.CANCEL_ALL: self._on_cancel,
-                subjects.HEARTBEATS: self._on_heartbeat}
+                subjects.resume(self.id): self._on_resume, subjects.HEARTBEATS: self._on_heartbeat}
 
     def background(self) -> list[Coroutine[Any, Any, None]]:
         return [self._expire_leases()]
@@ -67,6 +80,8 @@ class PrefillService(Worker):
 
     async def _on_request(self, msg: Msg) -> None:
         req = parse(msg, PrefillRequest)
+        if req.request_id in self.requests:  # an older attempt of it is still here
+            self._forget(req.request_id)
         self.requests[req.request_id] = req
         self.arrived[req.request_id] = (time.time(), dict(msg.headers or {}))
         if not await self.admit(req):
@@ -92,39 +107,71 @@ class PrefillService(Worker):
             if out.parked:
                 self.parked_at[out.request_id] = now
                 parked = self.engine.scheduler.parked[out.request_id]
-                await publish(self.nc, subjects.decode(req.decode_instance), KvReady(
-                    request_id=req.request_id, prefill_instance=self.id,
-                    kv_address=self.kv_server.address,
-                    token=self.kv_server.token(req.request_id),
-                    num_blocks=len(parked.block_table),
-                    prompt_ids=req.prompt_ids, first_token=out.new_token_ids[0],
-                    first_logprob=out.logprobs[0] if out.logprobs else None,
-                    sampling=req.sampling, arrival_ts=req.arrival_ts, first_token_ts=now),
-                    headers=headers)
+                await self._announce(req, parked.output_ids,
+                                     out.logprobs[0] if out.logprobs else None, now, headers)
             elif out.finished:
                 self.requests.pop(out.request_id, None)
+
+    async def _announce(self, req: PrefillRequest, output_ids: list[int],
+                        last_logprob: float | None, first_token_ts: float,
+                        headers: dict[str, str] | None = None) -> None:
+        """Tell the request's decode instance its KV waits here (NATS down: the decode
+        instance never hears, and the gateway moves the request when its stream stalls)."""
+        parked = self.engine.scheduler.parked[req.request_id]
+        with contextlib.suppress(nats.errors.Error, OSError):
+            await publish(self.nc, subjects.decode(req.decode_instance), KvReady(
+                request_id=req.request_id, prefill_instance=self.id,
+                kv_address=self.kv_server.address, token=self.kv_server.token(req.request_id),
+                num_blocks=len(parked.block_table), prompt_ids=req.prompt_ids,
+                output_ids=output_ids, last_logprob=last_logprob,
+                computed=parked.num_computed, sampling=req.sampling,
+                arrival_ts=req.arrival_ts, first_token_ts=first_token_ts,
+                attempt=req.attempt), headers=headers)
+
+    async def _on_resume(self, msg: Msg) -> None:
+        """A gateway moves a request to another decode instance: if its KV is still here,
+        announce it there (with the tokens streamed since, to replay) and say so."""
+        resume = parse(msg, Resume)
+        req = self.requests.get(resume.request_id)
+        parked = self.engine.scheduler.parked.get(resume.request_id)
+        held = req is not None and parked is not None and \
+            resume.output_ids[:len(parked.output_ids)] == parked.output_ids
+        if held and req is not None:
+            req = req.model_copy(update={"decode_instance": resume.decode_instance,
+                                         "attempt": resume.attempt})
+            self.requests[req.request_id] = req
+            self.released_at.pop(req.request_id, None)
+            self.parked_at[req.request_id] = time.time()  # a new lease for the new holder
+            await self._announce(req, resume.output_ids, None, time.time())
+        await msg.respond(ResumeReply(held=held).model_dump_json().encode())
 
     def _forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self.arrived.pop(request_id, None)
         self.parked_at.pop(request_id, None)
+        self.released_at.pop(request_id, None)
+        self.attempts.pop(request_id, None)
 
     async def _free(self, request_id: str) -> None:
-        self.parked_at.pop(request_id, None)
-        self.requests.pop(request_id, None)
+        self._forget(request_id)
         await self.host.call(self.engine.release, request_id)
         self.host.wake()  # freed blocks may let waiting prompts in
 
     async def _on_release(self, msg: Msg) -> None:
-        await self._free(parse(msg, ReleaseKv).request_id)
+        """The decode instance has the KV: keep it the retention more, then free it."""
+        request_id = parse(msg, ReleaseKv).request_id
+        if request_id in self.parked_at:
+            self.released_at.setdefault(request_id, time.time())
 
     async def _on_cancel(self, msg: Msg) -> None:
-        request_id = parse(msg, Cancel).request_id
-        self.arrived.pop(request_id, None)
+        cancel = parse(msg, Cancel)
+        if not self.addressed(cancel):
+            return
+        request_id = cancel.request_id
         if request_id in self.requests:
-            self.parked_at.pop(request_id, None)
-            self.requests.pop(request_id, None)
+            self._forget(request_id)
             await self.host.call(self.engine.abort, request_id)
+        self.arrived.pop(request_id, None)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         info = parse(msg, InstanceInfo)
@@ -133,7 +180,11 @@ class PrefillService(Worker):
 
     def _abandoned(self, request_id: str, now: float) -> bool:
         """Nobody will pull this KV: its decode instance has been silent for the lease (a
-        live one with a queue of pulls keeps it), or it was parked for the longest hold."""
+        live one with a queue of pulls keeps it), or it was parked for the longest hold.
+        KV already imported is kept for its retention whatever its decode instance does:
+        that is when a failover needs it."""
+        if request_id in self.released_at:
+            return False
         parked = self.parked_at[request_id]
         req = self.requests.get(request_id)
         seen = self.decode_seen.get(req.decode_instance, 0.0) if req else 0.0
@@ -141,11 +192,17 @@ class PrefillService(Worker):
             now - parked > self.settings.kv_max_hold_s
 
     async def _expire_leases(self) -> None:
-        """Free the KV of requests no decode instance will pull (it died, or the request
-        was cancelled before the pull and the cancel was lost)."""
+        """Free the KV of requests whose retention after the import has passed, and of those
+        no decode instance will pull (it died, or the request was cancelled before the pull
+        and the cancel was lost)."""
         while True:
-            await asyncio.sleep(min(1.0, self.settings.kv_lease_s / 4))
+            await asyncio.sleep(min(0.5, self.settings.kv_lease_s / 4,
+                                    max(0.05, self.settings.kv_retention_s / 4)))
             now = time.time()
+            retained = [r for r, at in self.released_at.items()
+                        if now - at >= self.settings.kv_retention_s]
+            for request_id in retained:
+                await self._free(request_id)
             for request_id in [r for r in self.parked_at if self._abandoned(r, now)]:
                 log.warning("KV lease of %s expired: freeing its blocks", request_id)
                 await self._free(request_id)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
+import signal
 import socket
 from typing import Any
 
@@ -30,8 +32,11 @@ def serve(ports: Any, stop: Any) -> None:
     kv = pool(seed=1)
     exported = {"req-1": kv.export_blocks(SOURCE_BLOCKS).numpy()}
 
+    async def lookup(request_id: str) -> Any:
+        return exported.get(request_id)
+
     async def main() -> None:
-        server = KvServer(lookup=exported.get)
+        server = KvServer(lookup=lookup)
         server.start()
         ports.put((server.port, server.token("req-1"), server.token("req-unknown")))
         while not stop.is_set():
@@ -49,7 +54,7 @@ def server_port() -> Any:
     proc = ctx.Process(target=serve, args=(ports, stop), daemon=True)
     proc.start()
     port, token, unknown_token = ports.get(timeout=120)
-    yield port, token, unknown_token, ports, stop
+    yield port, token, unknown_token, ports, stop, proc.pid
     stop.set()
     proc.join(timeout=30)
     if proc.is_alive():
@@ -58,7 +63,7 @@ def server_port() -> Any:
 
 @pytest.mark.timeout(180)
 def test_pull_moves_blocks_between_processes(server_port: Any) -> None:
-    port, token, unknown_token, ports, stop = server_port
+    port, token, unknown_token, ports, stop, _ = server_port
     expected = pool(seed=1).export_blocks(SOURCE_BLOCKS)
     decode = pool(seed=2)
     target = [0, 11, 7]
@@ -82,7 +87,7 @@ def test_pull_moves_blocks_between_processes(server_port: Any) -> None:
 
 @pytest.mark.timeout(180)
 def test_a_pull_needs_the_requests_token(server_port: Any) -> None:
-    port, token, unknown_token, ports, stop = server_port
+    port, token, unknown_token, ports, stop, _ = server_port
     expected = pool(seed=1).export_blocks(SOURCE_BLOCKS)
     buffer = torch.zeros_like(expected)
 
@@ -102,6 +107,39 @@ def test_a_pull_needs_the_requests_token(server_port: Any) -> None:
     assert ports.get(timeout=30) == expected.nbytes  # sent once, to the token's holder
 
 
+@pytest.mark.timeout(180)
+def test_a_pull_from_a_frozen_peer_is_abandoned_and_the_peer_shunned(server_port: Any) -> None:
+    """SIGSTOP the prefill side mid-conversation: the pull times out instead of hanging, the
+    next one fails at once, and once the peer answers again (and the shunning is over) a
+    pull on a fresh endpoint gets the right bytes."""
+    port, token, _, _, _, pid = server_port
+    expected = pool(seed=1).export_blocks(SOURCE_BLOCKS)
+    buffer = torch.zeros_like(expected)
+    address = f"127.0.0.1:{port}"
+
+    async def main() -> None:
+        client = KvClient(timeout_s=2.0)
+        await client.pull(address, "req-1", token, buffer.numpy())  # the endpoint is open
+        buffer.zero_()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            with pytest.raises(TransferError, match="abandoned"):
+                await client.pull(address, "req-1", token, buffer.numpy())
+            assert loop.time() - start < 30  # bounded by the timeout, not hung
+            with pytest.raises(TransferError, match="not trying it"):
+                await client.pull(address, "req-1", token, buffer.numpy())
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await asyncio.sleep(2.5)  # the shunning ends
+        await client.pull(address, "req-1", token, buffer.numpy())
+        await client.close()
+
+    asyncio.run(main())
+    assert torch.equal(buffer, expected)
+
+
 def other_address() -> str | None:
     """An IPv4 address of this host that is not loopback, if it has one."""
     addresses = [interface_ipv4(name) for _, name in socket.if_nameindex()]
@@ -110,7 +148,7 @@ def other_address() -> str | None:
 
 @pytest.mark.timeout(180)
 def test_the_listener_serves_through_its_own_address_only(server_port: Any) -> None:
-    port, token, _, _, _ = server_port
+    port, token, _, _, _, _ = server_port
     address = other_address()
     if address is None:
         pytest.skip("this host has no network interface besides loopback")

@@ -1,0 +1,126 @@
+"""The relay's rules, pure (a fake clock, no NATS): which chunks reach the client across
+moves, and when a request is lost where it is (for the gateway to move it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from services.gateway.stream import Lost, Relay
+from services.gateway.view import InstanceView
+from shared.messages import TokenChunk
+from shared.state import InstanceInfo
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def beat(view: InstanceView, at: float, *instances: tuple[str, str, int]) -> None:
+    for instance_id, role, steps in instances:
+        view.observe(InstanceInfo(instance_id=instance_id, role=role,  # type: ignore[arg-type]
+                                  steps=steps), at)
+
+
+def relay(clock: Clock, view: InstanceView | None = None) -> Relay:
+    nc: Any = None  # accept and _check never touch NATS
+    return Relay(nc, view or InstanceView(2.0), "r", "p0", "d0", stall_s=10.0, clock=clock)
+
+
+def chunk(seq: int, *tokens: int, source: str = "d0", attempt: int = 0,
+          **extra: Any) -> TokenChunk:
+    return TokenChunk(request_id="r", seq=seq, token_ids=list(tokens), source=source,
+                      attempt=attempt, **extra)
+
+
+def test_tokens_arrive_in_order_and_repeats_are_dropped() -> None:
+    r = relay(Clock())
+    assert r.accept(chunk(0, 7, source="p0")) and r.prefilled and r.serving == "d0"
+    assert r.accept(chunk(1, 8))
+    assert not r.accept(chunk(1, 8))  # a repeat: already relayed
+    assert r.accept(chunk(2, 9, finish_reason="stop")) and r.finished
+    assert r.output_ids == [7, 8, 9]
+
+
+def test_a_missing_chunk_is_a_gap() -> None:
+    r = relay(Clock())
+    r.accept(chunk(0, 7, source="p0"))
+    with pytest.raises(Lost) as lost:
+        r.accept(chunk(2, 9))
+    assert lost.value.cause == "gap" and r.output_ids == [7]
+
+
+def test_after_a_move_chunks_of_older_attempts_are_dropped() -> None:
+    r = relay(Clock())
+    r.accept(chunk(0, 7, source="p0"))
+    r.accept(chunk(1, 8))
+    r.retarget("p0", "d1", prefilled=True)  # d0 died; p0 still held the KV
+    assert r.attempt == 1 and r.serving == "d1"
+    assert not r.accept(chunk(2, 5, source="d0"))  # d0 was not dead after all: ignored
+    assert r.accept(chunk(2, 9, source="d1", attempt=1))
+    assert r.output_ids == [7, 8, 9]
+
+
+def test_a_failed_pull_of_the_current_attempt_loses_the_request() -> None:
+    r = relay(Clock())
+    r.accept(chunk(0, 7, source="p0"))
+    assert not r.accept(chunk(1, source="d0", attempt=5, retry=True, error="x"))  # stale
+    with pytest.raises(Lost) as lost:
+        r.accept(chunk(1, source="d0", retry=True, error="KV transfer failed"))
+    assert lost.value.cause == "kv_transfer"
+
+
+def test_an_instance_that_stops_heartbeating_loses_its_requests() -> None:
+    clock, view = Clock(), InstanceView(2.0)
+    beat(view, 0.0, ("p0", "prefill", 0), ("d0", "decode", 0))
+    r = relay(clock, view)
+    r.accept(chunk(0, 7, source="p0"))
+    for t in (1.0, 2.0, 3.0):
+        beat(view, t, ("p0", "prefill", 0))  # d0 fell silent
+    clock.now = 3.0
+    with pytest.raises(Lost) as lost:
+        r._check(clock.now)
+    assert lost.value.cause == "decode_died"
+
+
+def test_a_request_queued_on_a_busy_instance_is_not_lost_but_a_stalled_one_is() -> None:
+    clock, view = Clock(), InstanceView(2.0)
+    r = relay(clock, view)
+    for t in range(0, 30):  # p0 steps through others' prompts: progress
+        beat(view, float(t), ("p0", "prefill", t), ("d0", "decode", 0))
+        clock.now = float(t)
+        r._check(clock.now)
+    for t in range(30, 45):  # p0 heartbeats but no longer steps
+        beat(view, float(t), ("p0", "prefill", 30), ("d0", "decode", 0))
+        clock.now = float(t)
+        if t - 30 > 10:
+            with pytest.raises(Lost, match="no progress"):
+                r._check(clock.now)
+            return
+        r._check(clock.now)
+    raise AssertionError("never stalled")
+
+
+def test_a_decode_instance_that_never_started_it_waits_for_the_kv_holder() -> None:
+    """Announced to d0 (prefilled on p0), d0 said nothing yet and p0 died: after a grace
+    (d0's pull would fail anyway) the request is lost, for a prefill again elsewhere."""
+    clock, view = Clock(), InstanceView(2.0)
+    beat(view, 0.0, ("p0", "prefill", 1), ("d0", "decode", 1))
+    r = relay(clock, view)
+    r.accept(chunk(0, 7, source="p0"))
+    lost_at = None
+    for t in range(1, 12):
+        beat(view, float(t), ("d0", "decode", 1 + t))  # d0 busy with others; p0 silent
+        clock.now = float(t)
+        try:
+            r._check(clock.now)
+        except Lost as lost:
+            assert lost.cause == "prefill_died"
+            lost_at = t
+            break
+    assert lost_at is not None and lost_at > 3  # p0 silent past its ttl, then the grace

@@ -1,0 +1,129 @@
+"""Failover with real processes killed for real: a decode instance killed mid-stream under
+30 concurrent streams, a prefill instance killed with prompts queued on it. Every request
+completes with the text an undisturbed run gives; the moves show on /metrics; afterwards
+every pool is back to its free count."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import openai
+import pytest
+
+from services.launcher import Stack
+from tests.services.conftest import metric, start_stack
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+MODEL = "smollm2-135m"
+THINGS = ["a fox", "the sea", "a robot", "winter", "a lighthouse", "bread", "a violin",
+          "the moon", "a garden", "trains", "a cat", "rain", "a castle", "coffee", "a river",
+          "mountains", "a library", "snow", "a bicycle", "the desert", "a clock", "bees",
+          "a ship", "autumn", "a dragon", "glass", "a forest", "thunder", "a market", "stars"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    # imported KV is retained 20 s: a decode instance killed within that resumes from it
+    s = start_stack(tmp_path_factory.mktemp("failover"), prefill=2, decode=2,
+                    extra_env={"DS_KV_RETENTION_S": "20"})
+    yield s
+    s.stop()
+
+
+def moves(url: str) -> dict[tuple[str, str], float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    pattern = re.compile(r'^ds_request_moves_total{cause="([^"]+)",path="([^"]+)"} (\S+)$',
+                         re.M)
+    return {(m.group(1), m.group(2)): float(m.group(3)) for m in pattern.finditer(text)}
+
+
+async def run_all(url: str, prompts: list[str], max_tokens: int,
+                  on_progress: Callable[[int], None] | None = None) -> list[str]:
+    """Stream every prompt at once (greedy); the texts, in order. `on_progress` gets the
+    number of text chunks received so far, after each one."""
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300,
+                                max_retries=0)
+    received = 0
+
+    async def one(prompt: str) -> str:
+        nonlocal received
+        stream = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        text = ""
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                text += chunk.choices[0].text
+                received += 1
+                if on_progress is not None:
+                    on_progress(received)
+        return text
+
+    try:
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+    finally:
+        await client.close()
+
+
+def wait_until_whole(stack: Stack, prefill: int, decode: int, within_s: float = 180) -> None:
+    """Every pool free again, and the expected number of instances live."""
+    deadline = time.monotonic() + within_s
+    while True:
+        free = metric(stack.url, "ds_kv_free_blocks")
+        total = metric(stack.url, "ds_kv_total_blocks")
+        roles = [name.split("-")[0] for name in free]
+        if free == total and roles.count("prefill") == prefill and \
+                roles.count("decode") == decode:
+            return
+        assert time.monotonic() < deadline, f"pools not free: {free} of {total}"
+        time.sleep(1)
+
+
+def test_a_decode_instance_killed_mid_stream_loses_no_request(stack: Stack) -> None:
+    prompts = [f"Write a short story about {thing}." for thing in THINGS]
+    undisturbed = asyncio.run(run_all(stack.url, prompts, max_tokens=40))
+    assert all(undisturbed)
+    before = sum(moves(stack.url).values())
+    killed = []
+
+    def kill_once(received: int) -> None:
+        if received >= 4 * len(prompts) and not killed:  # every stream is well under way
+            stack.child("decode-0").send_signal(signal.SIGKILL)
+            killed.append(time.monotonic())
+
+    texts = asyncio.run(run_all(stack.url, prompts, max_tokens=40, on_progress=kill_once))
+    assert killed, "the decode instance was never killed"
+    assert texts == undisturbed  # every request completed, with the same text
+    moved = moves(stack.url)
+    by_death = sum(n for (cause, _), n in moved.items() if cause == "decode_died")
+    assert by_death >= 1 and sum(moved.values()) > before
+    assert moved.get(("decode_died", "kv_held"), 0) >= 1  # resumed from the retained KV
+    wait_until_whole(stack, prefill=2, decode=2)  # the killed one restarted; nothing leaked
+
+
+def test_a_prefill_instance_killed_with_prompts_queued_loses_no_request(stack: Stack) -> None:
+    wait_until_whole(stack, prefill=2, decode=2)
+    prompts = [f"{'Summarize the history of ' + thing + '. ' * 1}" * 30 for thing in THINGS[:16]]
+    undisturbed = asyncio.run(run_all(stack.url, prompts, max_tokens=8))
+    killed = []
+
+    async def kill_soon() -> list[str]:
+        async def killer() -> None:
+            await asyncio.sleep(1.0)  # the prompts are queued on both prefill instances
+            stack.child("prefill-0").send_signal(signal.SIGKILL)
+            killed.append(time.monotonic())
+
+        texts, _ = await asyncio.gather(run_all(stack.url, prompts, max_tokens=8), killer())
+        return texts
+
+    texts = asyncio.run(kill_soon())
+    assert killed
+    assert texts == undisturbed
+    moved = moves(stack.url)
+    assert sum(n for (cause, _), n in moved.items() if cause == "prefill_died") >= 1
+    wait_until_whole(stack, prefill=2, decode=2)
