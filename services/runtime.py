@@ -128,6 +128,7 @@ class Heartbeats:
         self._thread = threading.Thread(target=lambda: asyncio.run(self._forever()),
                                         name="heartbeats", daemon=True)
         self._stop = threading.Event()
+        self._failing = False
 
     def start(self) -> None:
         self._thread.start()
@@ -140,24 +141,30 @@ class Heartbeats:
         nc = await connect(self.settings.nats_url, f"{self.settings.instance_id}-heartbeats")
         redis = redis_client(self.settings.redis_url)
         registry = Registry(redis, self.settings.heartbeat_ttl_s)
-        failing = False
+        writing: asyncio.Task[None] | None = None
         while not self._stop.is_set():
             beat = self.info().model_copy(update={"heartbeat_at": time.time()})
             with contextlib.suppress(nats.errors.Error, OSError):  # NATS down: next beat
                 await publish(nc, subjects.HEARTBEATS, beat)
-            try:
-                await registry.heartbeat(beat)
-                if failing:
-                    log.info("%s: Redis heartbeats work again", beat.instance_id)
-                failing = False
-            except (RedisError, OSError) as e:
-                if not failing:
-                    log.warning("%s: Redis heartbeat failed (%s); retrying every %.1fs",
-                                beat.instance_id, e, self.settings.heartbeat_s)
-                failing = True
+            if writing is None or writing.done():  # a Redis that hangs delays no NATS beat
+                writing = asyncio.create_task(self._register(registry, beat))
             await asyncio.sleep(self.settings.heartbeat_s)
+        if writing is not None:
+            writing.cancel()
         await nc.close()
         await redis.aclose()
+
+    async def _register(self, registry: Registry, beat: InstanceInfo) -> None:
+        try:
+            await registry.heartbeat(beat)
+            if self._failing:
+                log.info("%s: Redis heartbeats work again", beat.instance_id)
+            self._failing = False
+        except (RedisError, OSError) as e:
+            if not self._failing:
+                log.warning("%s: Redis heartbeat failed (%s); retrying every %.1fs",
+                            beat.instance_id, e, self.settings.heartbeat_s)
+            self._failing = True
 
 
 class ControlService:
