@@ -1,11 +1,13 @@
 """Failover with real processes killed for real: a decode instance killed mid-stream under
 30 concurrent streams, a prefill instance killed with prompts queued on it. Every request
 completes with the text an undisturbed run gives; the moves show on /metrics; afterwards
-every pool is back to its free count."""
+every pool is back to its free count. And a gateway killed with requests in flight holds
+up no later drain."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
 import time
@@ -14,8 +16,12 @@ from collections.abc import Callable, Iterator
 import httpx
 import openai
 import pytest
+from redis import Redis
 
 from services.launcher import Stack
+from shared import subjects
+from shared.bus import connect, publish
+from shared.messages import Drain
 from tests.services.conftest import metric, start_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -30,7 +36,7 @@ THINGS = ["a fox", "the sea", "a robot", "winter", "a lighthouse", "bread", "a v
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # imported KV is retained 20 s: a decode instance killed within that resumes from it
     s = start_stack(tmp_path_factory.mktemp("failover"), prefill=2, decode=2,
-                    extra_env={"DS_KV_RETENTION_S": "20"})
+                    extra_env={"DS_KV_RETENTION_S": "20", "DS_DRAIN_TIMEOUT_S": "300"})
     yield s
     s.stop()
 
@@ -127,3 +133,38 @@ def test_a_prefill_instance_killed_with_prompts_queued_loses_no_request(stack: S
     moved = moves(stack.url)
     assert sum(n for (cause, _), n in moved.items() if cause == "prefill_died") >= 1
     wait_until_whole(stack, prefill=2, decode=2)
+
+
+def test_a_gateway_killed_with_requests_in_flight_delays_no_drain(stack: Stack) -> None:
+    """The dead gateway's in-flight counts expire with it: draining an instance it had
+    requests on waits for those requests, not for the drain timeout (300 s here)."""
+    wait_until_whole(stack, prefill=2, decode=2)
+    prompts = [f"Write a short story about {thing}." for thing in THINGS[:12]]
+    started = []
+
+    async def stream_then_kill() -> None:
+        def kill_once(received: int) -> None:
+            if received >= 24 and not started:
+                stack.child("gateway").send_signal(signal.SIGKILL)
+                started.append(time.monotonic())
+
+        with contextlib.suppress(openai.APIError, httpx.HTTPError):
+            await run_all(stack.url, prompts, max_tokens=200, on_progress=kill_once)
+
+    asyncio.run(stream_then_kill())
+    assert started, "the gateway was never killed"
+    redis = Redis.from_url(stack.env["DS_REDIS_URL"], socket_timeout=5)
+    assert redis.keys(subjects.inflight_keys("decode-1"))  # the dead gateway's counts
+    drained = time.monotonic()
+    asyncio.run(drain("decode-1", stack.env["DS_NATS_URL"]))
+    assert stack.child("decode-1").wait(timeout=120) == 0
+    assert time.monotonic() - drained < 100  # not the drain timeout
+    assert redis.keys(subjects.inflight_keys("decode-1")) == []
+    redis.close()
+
+
+async def drain(instance: str, nats_url: str) -> None:
+    nc = await connect(nats_url, "test")
+    await publish(nc, subjects.drain(instance), Drain(reason="test"))
+    await nc.flush()
+    await nc.close()
