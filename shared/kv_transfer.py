@@ -175,15 +175,16 @@ class KvServer:
 @dataclass
 class KvClient:
     """Decode side: pulls blocks into a caller-provided buffer (host or device). A pull
-    that takes longer than `timeout_s` is abandoned (its endpoint aborted, so UCX writes
-    nothing more into the buffer); the peer is then shunned for `timeout_s`: pulls from it
-    fail at once rather than each waiting out the timeout (or hanging in a connect)."""
+    that takes longer than `timeout_s`, or is cancelled, is abandoned: its endpoint is
+    aborted, so UCX writes nothing more into the buffer and no late reply pairs with the
+    next pull's header. The next pull from that peer opens a new endpoint. (A slow peer is
+    not shunned: its other requests' KV is still good, and failing them would only turn
+    slowness into recomputation.)"""
 
     timeout_s: float = 10.0
     stats: TransferStats = field(default_factory=TransferStats)
     _endpoints: dict[str, Any] = field(default_factory=dict)
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
-    _shunned_until: dict[str, float] = field(default_factory=dict)
 
     async def _endpoint(self, address: str) -> Any:
         if address not in self._endpoints:
@@ -198,17 +199,16 @@ class KvClient:
         loop = asyncio.get_running_loop()
         async with lock:  # one pull at a time per endpoint keeps header and payload paired
             start = loop.time()
-            if start < self._shunned_until.get(address, 0.0):
-                raise TransferError(f"pull of {request_id}: {address} did not answer in time "
-                                    "lately; not trying it for now")
             try:
                 await asyncio.wait_for(self._transfer(address, request_id, token, into),
                                        self.timeout_s)
             except TimeoutError:
                 self._abandon(address)
-                self._shunned_until[address] = loop.time() + self.timeout_s
                 raise TransferError(f"pull of {request_id} from {address} took over "
                                     f"{self.timeout_s:.0f}s; abandoned") from None
+            except asyncio.CancelledError:
+                self._abandon(address)
+                raise
             except (UCXError, UCXCanceledError, OSError) as e:  # a dead or absent peer
                 self._abandon(address)
                 raise TransferError(f"pull of {request_id} from {address} failed: {e}") from e

@@ -42,9 +42,7 @@ class DecodeService(Worker):
         super().__init__(settings, engine)
         self.kv_client = KvClient(timeout_s=self.settings.kv_pull_timeout_s)
         self.pending: deque[KvReady] = deque()
-        self.pulling: dict[str, KvReady] = {}  # request -> what is being pulled for it
-        self.cancelled: set[str] = set()  # cancelled while its pull was in flight
-        self._pulls: set[asyncio.Task[None]] = set()
+        self.pulling: dict[str, asyncio.Task[None]] = {}  # request -> its pull
         self.room = asyncio.Event()  # set when something may have become pullable
         self.traces: dict[str, tuple[dict[str, str], float]] = {}  # trace headers, since
 
@@ -64,7 +62,7 @@ class DecodeService(Worker):
         return [self._pull_forever()]
 
     async def closing(self) -> None:
-        for task in self._pulls:
+        for task in list(self.pulling.values()):
             task.cancel()
         await self.kv_client.close()
         stop_notifier_thread()
@@ -97,10 +95,8 @@ class DecodeService(Worker):
                     if id(ready) not in queued:
                         await self.host.call(self.engine.free, blocks)
                         continue
-                    self.pulling[ready.request_id] = ready
-                    task = asyncio.create_task(self._pull(ready, blocks))
-                    self._pulls.add(task)
-                    task.add_done_callback(self._pulls.discard)
+                    self.pulling[ready.request_id] = asyncio.create_task(
+                        self._pull(ready, blocks))
 
     def _allocate_in_order(self, wanted: list[KvReady]) -> list[list[int]]:
         """On the engine thread: blocks for the longest prefix of `wanted` the pool holds."""
@@ -134,8 +130,7 @@ class DecodeService(Worker):
             target = buffer.numpy() if buffer.device.type == "cpu" else buffer
             await self.kv_client.pull(ready.kv_address, ready.request_id, ready.token,
                                       target)
-            if ready.request_id in self.cancelled:
-                raise TransferError("cancelled during the pull")
+            self._pulled(ready.request_id)  # from here a cancel aborts it in the engine
             joined = time.time()
             record(self.tracer, "kv transfer", parent, pull_start, joined, instance=self.id,
                    source=ready.prefill_instance, bytes=int(buffer.nbytes), blocks=len(blocks))
@@ -151,17 +146,22 @@ class DecodeService(Worker):
         except TransferError as e:
             await self.host.call(self.engine.free, blocks)
             self.room.set()
-            if ready.request_id not in self.cancelled:
-                log.warning("pull of %s failed: %s", ready.request_id, e)
-                await self.send(TokenChunk(request_id=ready.request_id, source=self.id,
-                                           seq=len(ready.output_ids), attempt=ready.attempt,
-                                           retry=True, error=f"KV transfer failed: {e}"))
+            log.warning("pull of %s failed: %s", ready.request_id, e)
+            await self.send(TokenChunk(request_id=ready.request_id, source=self.id,
+                                       seq=len(ready.output_ids), attempt=ready.attempt,
+                                       retry=True, error=f"KV transfer failed: {e}"))
+        except asyncio.CancelledError:  # the request was cancelled (or the worker stops)
+            await self.host.call(self.engine.free, blocks)
+            self.room.set()
         finally:
-            self.pulling.pop(ready.request_id, None)
-            self.cancelled.discard(ready.request_id)
+            self._pulled(ready.request_id)
             with contextlib.suppress(nats.errors.Error, OSError):  # imported, or given up
                 await publish(self.nc, subjects.release(ready.prefill_instance),
                               ReleaseKv(request_id=ready.request_id))
+
+    def _pulled(self, request_id: str) -> None:
+        if self.pulling.get(request_id) is asyncio.current_task():
+            del self.pulling[request_id]
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -178,8 +178,9 @@ class DecodeService(Worker):
             return
         request_id = cancel.request_id
         self.attempts.pop(request_id, None)
-        if request_id in self.pulling:
-            self.cancelled.add(request_id)  # dropped when its pull returns
+        pull = self.pulling.pop(request_id, None)
+        if pull is not None:
+            pull.cancel()  # its blocks are freed as it ends
         for ready in list(self.pending):
             if ready.request_id == request_id:
                 self.pending.remove(ready)

@@ -198,6 +198,12 @@ class Gateway:
     def live(self, role: Role) -> list[InstanceInfo]:
         return self.view.instances(role, time.monotonic())
 
+    def dispatchable(self, role: Role) -> list[InstanceInfo]:
+        """The live instances; if none, those heard from lately (a starved host delays
+        heartbeats: better a request that may have to move than a 503)."""
+        now = time.monotonic()
+        return self.view.instances(role, now) or self.view.recent(role, now)
+
     async def _publish_inflight(self, every_s: float = 0.5) -> None:
         """This gateway's in-flight counts per instance, in Redis with an expiry: a draining
         instance waits for them, and a gateway that dies leaves none behind."""
@@ -243,11 +249,11 @@ class Gateway:
 
     def dispatch(self) -> Target:
         if self.settings.mode == "colocated":
-            worker = pick_prefill(self.live("colocated"), self.ledger.decoding)
+            worker = pick_prefill(self.dispatchable("colocated"), self.ledger.decoding)
             chosen = [worker]
         else:
-            worker = pick_prefill(self.live("prefill"), self.ledger.prefilling)
-            decode = pick_decode(self.live("decode"), self.ledger.decoding)
+            worker = pick_prefill(self.dispatchable("prefill"), self.ledger.prefilling)
+            decode = pick_decode(self.dispatchable("decode"), self.ledger.decoding)
             chosen = [worker, decode]
         live = [i for i in chosen if i is not None]
         if len(live) < len(chosen):
@@ -350,8 +356,8 @@ class Gateway:
         if relay.attempt >= self.settings.max_moves:
             raise GaveUp(f"{lost} (moved {relay.attempt} times already)")
         old_worker, old_decode, prefilled = relay.worker, relay.decode, relay.prefilled
-        prefill_failed = lost.cause in ("kv_transfer", "prefill_died")
-        failed = old_worker if prefill_failed else relay.serving
+        prefill_died = lost.cause == "prefill_died"
+        failed = old_worker if prefill_died else relay.serving
         path = "re_prefill"
         if not old_decode:
             worker = await self._live_instance("colocated", avoid=failed)
@@ -359,7 +365,7 @@ class Gateway:
             await self._prefill(relay, prompt_ids, sampling, timing)
         else:
             decode = await self._live_instance("decode", avoid=old_decode if prefilled else "")
-            if prefilled and not prefill_failed and \
+            if prefilled and not prefill_died and \
                     await self._resume(relay, old_worker, decode.instance_id):
                 relay.retarget(old_worker, decode.instance_id, prefilled=True)
                 path = "kv_held"

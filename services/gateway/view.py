@@ -49,6 +49,14 @@ class InstanceView:
         live = [s.info for s in seen if s.info.role == role and self._live(s, now)]
         return sorted(live, key=lambda i: i.instance_id)
 
+    def recent(self, role: Role, now: float) -> list[InstanceInfo]:
+        """Instances of `role` heard from within the hard TTL, whatever their peers do."""
+        with self._lock:
+            seen = list(self._seen.values())
+        return sorted((s.info for s in seen
+                       if s.info.role == role and now - s.at <= self.hard_ttl_s),
+                      key=lambda i: i.instance_id)
+
     def prune(self, now: float) -> None:
         """Forget instances silent for long enough that they are surely gone."""
         with self._lock:

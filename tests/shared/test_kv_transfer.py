@@ -108,10 +108,10 @@ def test_a_pull_needs_the_requests_token(server_port: Any) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_a_pull_from_a_frozen_peer_is_abandoned_and_the_peer_shunned(server_port: Any) -> None:
-    """SIGSTOP the prefill side mid-conversation: the pull times out instead of hanging, the
-    next one fails at once, and once the peer answers again (and the shunning is over) a
-    pull on a fresh endpoint gets the right bytes."""
+def test_a_pull_from_a_frozen_peer_is_abandoned(server_port: Any) -> None:
+    """SIGSTOP the prefill side mid-conversation: the pull times out instead of hanging, and
+    once the peer answers again a pull on a fresh endpoint gets the right bytes (not the
+    abandoned pull's late reply)."""
     port, token, _, _, _, pid = server_port
     expected = pool(seed=1).export_blocks(SOURCE_BLOCKS)
     buffer = torch.zeros_like(expected)
@@ -128,11 +128,8 @@ def test_a_pull_from_a_frozen_peer_is_abandoned_and_the_peer_shunned(server_port
             with pytest.raises(TransferError, match="abandoned"):
                 await client.pull(address, "req-1", token, buffer.numpy())
             assert loop.time() - start < 30  # bounded by the timeout, not hung
-            with pytest.raises(TransferError, match="not trying it"):
-                await client.pull(address, "req-1", token, buffer.numpy())
         finally:
             os.kill(pid, signal.SIGCONT)
-        await asyncio.sleep(2.5)  # the shunning ends
         await client.pull(address, "req-1", token, buffer.numpy())
         await client.close()
 

@@ -133,3 +133,12 @@ def test_door_bounds_the_body() -> None:
     too_big = call(door, "/v1/completions", b"x" * 101)
     assert too_big.status_code == 413 and "larger than 100 bytes" in \
         too_big.json()["error"]["message"]
+
+
+def test_view_offers_recently_heard_instances_when_none_is_strictly_live() -> None:
+    view = InstanceView(ttl_s=2.0)
+    view.observe(info("p0"), 0.0)
+    view.observe(info("d0", "decode"), 3.0)  # p0 starved: silent next to d0
+    assert view.instances("prefill", 3.0) == []
+    assert [i.instance_id for i in view.recent("prefill", 3.0)] == ["p0"]
+    assert view.recent("prefill", 11.0) == []  # beyond the hard TTL: gone
