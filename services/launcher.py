@@ -84,6 +84,22 @@ def worker_env(env: Mapping[str, str], name: str) -> Env:
     return lambda restarts: {**base(restarts), "DS_INSTANCE_ID": incarnation(name, restarts)}
 
 
+def gpu_count(env: Mapping[str, str]) -> int:
+    """GPUs the workers may use: none when the run names a device (DS_DEVICE) itself."""
+    if "DS_DEVICE" in env:
+        return 0
+    import torch  # only here: the launcher starts fast where no worker needs a GPU
+
+    return int(torch.cuda.device_count())
+
+
+def assign_devices(workers: int, gpus: int) -> list[str]:
+    """A device per worker, round robin over the GPUs (each its own while there are enough;
+    an instance's KV pool is sized from its budget, so several may share one); "" on a host
+    without GPUs (the worker's default device)."""
+    return [f"cuda:{i % gpus}" if gpus else "" for i in range(workers)]
+
+
 @dataclass
 class StackConfig:
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
@@ -164,8 +180,10 @@ class Stack:
         workers = ([("colocated", i) for i in range(c.replicas)] if c.mode == "colocated"
                    else [("prefill", i) for i in range(c.prefill)]
                    + [("decode", i) for i in range(c.decode)])
-        for role, i in workers:
-            self.supervisor.spawn(f"{role}-{i}", module(role), worker_env(env, f"{role}-{i}"),
+        devices = assign_devices(len(workers), gpu_count(env))
+        for (role, i), device in zip(workers, devices, strict=True):
+            own = env | ({"DS_DEVICE": device} if device else {})
+            self.supervisor.spawn(f"{role}-{i}", module(role), worker_env(own, f"{role}-{i}"),
                                   restart=True)
         for service in ("profiler", "planner") if c.planner else ():
             self.supervisor.spawn(service, module(service), fixed(env), restart=True)

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from nats.aio.client import Client
 
+from services.launcher import assign_devices, gpu_count
 from services.supervisor import Supervisor, incarnation
 from shared import subjects
 from shared.bus import publish
@@ -63,6 +64,8 @@ class LocalDeployer:
         self.nc, self.registry = nc, registry
         self.health_timeout_s = health_timeout_s
         self.supervisor = Supervisor(Path(run_dir or "."))
+        self.gpus = gpu_count(os.environ)
+        self.spawned = 0
 
     async def live(self) -> dict[Role, list[InstanceInfo]]:
         return {role: [i for i in await self.registry.instances(role) if not i.draining]
@@ -82,12 +85,17 @@ class LocalDeployer:
         return {"started": started, "drained": drained}
 
     def _spawn(self, role: Role) -> str:
+        """A new worker; on a GPU host on the next GPU in turn (the planner does not know
+        which GPUs the workers it did not start use: they may share one)."""
         instance = f"{role}-{uuid.uuid4().hex[:6]}"
+        device = assign_devices(self.spawned + 1, self.gpus)[-1]
+        env = {**os.environ, **({"DS_DEVICE": device} if device else {})}
+        self.spawned += 1
         self.supervisor.spawn(instance, [sys.executable, "-m", f"services.{role}"],
-                              lambda restarts: {**os.environ,
+                              lambda restarts: {**env,
                                                 "DS_INSTANCE_ID": incarnation(instance, restarts)},
                               restart=True)
-        log.info("started %s", instance)
+        log.info("started %s%s", instance, f" on {device}" if device else "")
         return instance
 
     async def _wait_healthy(self, instances: list[str]) -> None:
