@@ -180,7 +180,7 @@ class Stack:
         workers = ([("colocated", i) for i in range(c.replicas)] if c.mode == "colocated"
                    else [("prefill", i) for i in range(c.prefill)]
                    + [("decode", i) for i in range(c.decode)])
-        devices = assign_devices(len(workers), gpu_count(env))
+        devices = assign_devices(len(workers), gpu_count({**os.environ, **env}))
         for (role, i), device in zip(workers, devices, strict=True):
             own = env | ({"DS_DEVICE": device} if device else {})
             self.supervisor.spawn(f"{role}-{i}", module(role), worker_env(own, f"{role}-{i}"),
