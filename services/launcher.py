@@ -9,6 +9,7 @@ passwords sit in files readable by their owner only (the servers' config files a
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import secrets
@@ -205,7 +206,8 @@ class Stack:
                 if child.proc.poll() is not None or child.restarts > before.get(child.name, 0):
                     raise RuntimeError(f"{child.name} exited while the stack was starting; "
                                        f"see {child.log}")
-            with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError), \
+            with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError,
+                                     http.client.HTTPException, ValueError), \
                     urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
                 live = json.load(response).get("instances", {})
                 if response.status == 200 and all(live.get(role, 0) >= n
