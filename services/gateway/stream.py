@@ -4,7 +4,9 @@ the gateway to move it, when the request cannot go on where it is but is intact:
 instance serving it stopped heartbeating; neither a token nor an engine step of that
 instance came for `stall_s` (a request queued behind others on a live, busy instance is
 never lost); a chunk went missing (its `seq` skips ahead); a decode instance could not pull
-its KV; or the decode instance never started it and the prefill instance holding its KV died.
+its KV; the decode instance never started it and the prefill instance holding its KV died;
+or the decode instance running it made `silent_steps` steps without a chunk for it (a
+running request gets a token every step: its chunks, the last one included, went missing).
 
 Each move is a new attempt: chunks of older attempts (an instance moved away from that
 still speaks) are dropped, as are chunks repeating tokens already relayed."""
@@ -41,9 +43,10 @@ class Lost(Exception):
 class Relay:
     def __init__(self, nc: Client, view: InstanceView, request_id: str, worker: str,
                  decode: str, stall_s: float, poll_s: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, silent_steps: int = 64) -> None:
         self.nc, self.view, self.request_id = nc, view, request_id
         self.stall_s, self.poll_s, self.clock = stall_s, poll_s, clock
+        self.silent_steps = silent_steps
         self.output_ids: list[int] = []  # every token relayed so far, in order
         self.attempt = -1
         self.finished = False  # a worker said the request ended
@@ -62,6 +65,7 @@ class Relay:
         self._progress_at = self.clock()
         self._steps = -1
         self._heard_decode = False  # a chunk of this attempt came from the decode instance
+        self._steps_at_chunk: int | None = None  # the decode instance's steps at the last one
         self._worker_gone_at: float | None = None
 
     async def open(self) -> None:
@@ -103,6 +107,7 @@ class Relay:
         self._progress_at = self.clock()
         if self.decode and chunk.source == self.decode:
             self._heard_decode = True
+            self._steps_at_chunk = None  # taken at the next check
         if not self.prefilled and (chunk.source == self.worker or chunk.error):
             self.prefilled, self.serving = True, self.decode or self.worker
         self.finished = chunk.finish_reason is not None or chunk.error is not None
@@ -125,6 +130,12 @@ class Relay:
                 self._worker_gone_at = now
             elif now - self._worker_gone_at > 2 * self.view.ttl_s:
                 raise Lost("prefill_died", f"instance {self.worker}, holding the KV, stopped")
+        if self._heard_decode and self.serving == self.decode:
+            if self._steps_at_chunk is None:
+                self._steps_at_chunk = info.steps
+            elif info.steps - self._steps_at_chunk > self.silent_steps:
+                raise Lost("gap", f"{self.serving} made {self.silent_steps} steps without a "
+                                  f"token of {self.request_id}")
         if info.steps != self._steps:  # the instance is working through its queue
             self._steps, self._progress_at = info.steps, now
         if now - self._progress_at > self.stall_s:

@@ -124,3 +124,20 @@ def test_a_decode_instance_that_never_started_it_waits_for_the_kv_holder() -> No
             lost_at = t
             break
     assert lost_at is not None and lost_at > 3  # p0 silent past its ttl, then the grace
+
+
+def test_a_running_request_whose_chunks_stop_while_its_instance_steps_is_lost() -> None:
+    """The last chunks (the finish among them) went missing: the decode instance goes on
+    stepping for others, so it never looks stalled; its steps without a token tell."""
+    clock, view = Clock(), InstanceView(2.0)
+    beat(view, 0.0, ("p0", "prefill", 1), ("d0", "decode", 10))
+    r = relay(clock, view)
+    r.accept(chunk(0, 7, source="p0"))
+    r.accept(chunk(1, 8))
+    r._check(0.0)  # the count starts at d0's 10 steps
+    beat(view, 1.0, ("p0", "prefill", 1), ("d0", "decode", 10 + 64))
+    r._check(1.0)  # 64 steps: still within the bound
+    beat(view, 2.0, ("p0", "prefill", 1), ("d0", "decode", 10 + 65))
+    with pytest.raises(Lost) as lost:
+        r._check(2.0)
+    assert lost.value.cause == "gap"
