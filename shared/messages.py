@@ -82,6 +82,7 @@ class ReleaseKv(BaseModel):
 
     version: Literal[1] = 1
     request_id: str
+    attempt: int = 0  # a release for an attempt the request has moved on from is ignored
 
 
 class Cancel(BaseModel):

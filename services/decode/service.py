@@ -8,7 +8,6 @@ moves it elsewhere."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
@@ -22,7 +21,7 @@ from nats.aio.msg import Msg
 
 from services.runtime import Worker, WorkerSettings
 from shared import subjects
-from shared.bus import parse, publish
+from shared.bus import parse
 from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.request import Request
@@ -43,6 +42,7 @@ class DecodeService(Worker):
         self.kv_client = KvClient(timeout_s=self.settings.kv_pull_timeout_s)
         self.pending: deque[KvReady] = deque()
         self.pulling: dict[str, asyncio.Task[None]] = {}  # request -> its pull
+        self._releases: set[asyncio.Task[None]] = set()
         self.room = asyncio.Event()  # set when something may have become pullable
         self.traces: dict[str, tuple[dict[str, str], float]] = {}  # trace headers, since
 
@@ -62,7 +62,7 @@ class DecodeService(Worker):
         return [self._pull_forever()]
 
     async def closing(self) -> None:
-        for task in list(self.pulling.values()):
+        for task in [*self.pulling.values(), *self._releases]:
             task.cancel()
         await self.kv_client.close()
         stop_notifier_thread()
@@ -155,9 +155,31 @@ class DecodeService(Worker):
             self.room.set()
         finally:
             self._pulled(ready.request_id)
-            with contextlib.suppress(nats.errors.Error, OSError):  # imported, or given up
-                await publish(self.nc, subjects.release(ready.prefill_instance),
-                              ReleaseKv(request_id=ready.request_id))
+            self._release(ready)  # imported, or given up
+
+    def _release(self, ready: KvReady) -> None:
+        """Tell the prefill instance it may free the request's KV (after its retention), in
+        a task of its own."""
+        task = asyncio.create_task(self._release_until_heard(ready))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release_until_heard(self, ready: KvReady, every_s: float = 1.0) -> None:
+        """A lost release would park the KV for good (its decode instance is alive, so no
+        lease frees it): ask until the prefill instance answers, or is gone, or a lease's
+        time has passed (it frees the KV by itself then, if alive)."""
+        message = ReleaseKv(request_id=ready.request_id,
+                            attempt=ready.attempt).model_dump_json().encode()
+        deadline = time.monotonic() + self.settings.kv_lease_s
+        while time.monotonic() < deadline:
+            try:
+                await self.nc.request(subjects.release(ready.prefill_instance), message,
+                                      timeout=every_s)
+                return
+            except nats.errors.NoRespondersError:
+                return  # the prefill instance is gone, and its KV with it
+            except (nats.errors.Error, OSError):
+                await asyncio.sleep(every_s)  # NATS down, or the answer lost: again
 
     def _pulled(self, request_id: str) -> None:
         if self.pulling.get(request_id) is asyncio.current_task():
@@ -185,9 +207,7 @@ class DecodeService(Worker):
             if ready.request_id == request_id:
                 self.pending.remove(ready)
                 self.traces.pop(request_id, None)
-                with contextlib.suppress(nats.errors.Error, OSError):
-                    await publish(self.nc, subjects.release(ready.prefill_instance),
-                                  ReleaseKv(request_id=request_id))
+                self._release(ready)
                 return
         if await self.host.call(self.engine.abort, request_id):
             self.traces.pop(request_id, None)

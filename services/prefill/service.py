@@ -164,9 +164,12 @@ class PrefillService(Worker):
 
     async def _on_release(self, msg: Msg) -> None:
         """The decode instance has the KV: keep it the retention more, then free it."""
-        request_id = parse(msg, ReleaseKv).request_id
-        if request_id in self.parked_at:
+        release = parse(msg, ReleaseKv)
+        request_id, req = release.request_id, self.requests.get(release.request_id)
+        if request_id in self.parked_at and req is not None and req.attempt == release.attempt:
             self.released_at.setdefault(request_id, time.time())
+        if msg.reply:  # the decode instance asks until it hears this
+            await msg.respond(b"")
 
     async def _on_cancel(self, msg: Msg) -> None:
         cancel = parse(msg, Cancel)

@@ -118,16 +118,13 @@ def test_a_prefill_instance_killed_with_prompts_queued_loses_no_request(stack: S
     undisturbed = asyncio.run(run_all(stack.url, prompts, max_tokens=8))
     killed = []
 
-    async def kill_soon() -> list[str]:
-        async def killer() -> None:
-            await asyncio.sleep(1.0)  # the prompts are queued on both prefill instances
+    def kill_at_first_token(received: int) -> None:  # the rest are queued, on both instances
+        if not killed:
             stack.child("prefill-0").send_signal(signal.SIGKILL)
             killed.append(time.monotonic())
 
-        texts, _ = await asyncio.gather(run_all(stack.url, prompts, max_tokens=8), killer())
-        return texts
-
-    texts = asyncio.run(kill_soon())
+    texts = asyncio.run(run_all(stack.url, prompts, max_tokens=8,
+                                on_progress=kill_at_first_token))
     assert killed
     assert texts == undisturbed
     moved = moves(stack.url)

@@ -21,10 +21,11 @@ class Clock:
         return self.now
 
 
-def beat(view: InstanceView, at: float, *instances: tuple[str, str, int]) -> None:
+def beat(view: InstanceView, at: float, *instances: tuple[str, str, int],
+         queued: int = 0) -> None:
     for instance_id, role, steps in instances:
         view.observe(InstanceInfo(instance_id=instance_id, role=role,  # type: ignore[arg-type]
-                                  steps=steps), at)
+                                  steps=steps, queue_len=queued), at)
 
 
 def relay(clock: Clock, view: InstanceView | None = None) -> Relay:
@@ -91,12 +92,12 @@ def test_an_instance_that_stops_heartbeating_loses_its_requests() -> None:
 def test_a_request_queued_on_a_busy_instance_is_not_lost_but_a_stalled_one_is() -> None:
     clock, view = Clock(), InstanceView(2.0)
     r = relay(clock, view)
-    for t in range(0, 30):  # p0 steps through others' prompts: progress
-        beat(view, float(t), ("p0", "prefill", t), ("d0", "decode", 0))
+    for t in range(0, 30):  # p0 steps through others' prompts, ours queued: progress
+        beat(view, float(t), ("p0", "prefill", t), ("d0", "decode", 0), queued=3)
         clock.now = float(t)
         r._check(clock.now)
     for t in range(30, 45):  # p0 heartbeats but no longer steps
-        beat(view, float(t), ("p0", "prefill", 30), ("d0", "decode", 0))
+        beat(view, float(t), ("p0", "prefill", 30), ("d0", "decode", 0), queued=3)
         clock.now = float(t)
         if t - 30 > 10:
             with pytest.raises(Lost, match="no progress"):
@@ -140,4 +141,23 @@ def test_a_running_request_whose_chunks_stop_while_its_instance_steps_is_lost() 
     beat(view, 2.0, ("p0", "prefill", 1), ("d0", "decode", 10 + 65))
     with pytest.raises(Lost) as lost:
         r._check(2.0)
+    assert lost.value.cause == "gap"
+
+
+def test_a_request_its_prefill_instance_never_got_is_lost() -> None:
+    """Queued behind others it waits however long; once the prefill instance has nothing
+    waiting and steps on without its first chunk, the request (or that chunk) was lost."""
+    clock, view = Clock(), InstanceView(2.0)
+    r = relay(clock, view)
+    def p0(at: float, queued: int, steps: int) -> None:
+        view.observe(InstanceInfo(instance_id="p0", role="prefill", queue_len=queued,
+                                  steps=steps), at)
+        beat(view, at, ("d0", "decode", 0))
+
+    for t, (queued, steps) in enumerate([(5, 1), (5, 40), (1, 80), (0, 81), (0, 90), (0, 97)]):
+        p0(float(t), queued, steps)
+        r._check(float(t))  # queued: never; idle since step 81: 16 steps allowed
+    p0(6.0, 0, 98)
+    with pytest.raises(Lost) as lost:
+        r._check(6.0)
     assert lost.value.cause == "gap"
