@@ -69,6 +69,9 @@ class DecodeService(Worker):
 
     async def _on_kv_ready(self, msg: Msg) -> None:
         ready = parse(msg, KvReady)
+        if ready.attempt < self.attempts.get(ready.request_id, -1):
+            self._release(ready)  # a stale announcement (the request moved on): drop it
+            return
         for older in [r for r in self.pending if r.request_id == ready.request_id]:
             self.pending.remove(older)  # a failover brought the request back here
         self.traces[ready.request_id] = (dict(msg.headers or {}), time.time())

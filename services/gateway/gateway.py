@@ -353,8 +353,9 @@ class Gateway:
         holds when it can (the new decode instance replays the tokens relayed since), else
         prefilled again with those tokens. The instances moved away from are told to drop
         it. GaveUp after `max_moves` moves, or when no instance is live to move to."""
-        if relay.attempt >= self.settings.max_moves:
-            raise GaveUp(f"{lost} (moved {relay.attempt} times already)")
+        if relay.moves >= self.settings.max_moves:
+            raise GaveUp(f"{lost} (moved {relay.moves} times already)")
+        relay.moves += 1
         old_worker, old_decode, prefilled = relay.worker, relay.decode, relay.prefilled
         prefill_died = lost.cause == "prefill_died"
         failed = old_worker if prefill_died else relay.serving
@@ -370,6 +371,8 @@ class Gateway:
                 relay.retarget(old_worker, decode.instance_id, prefilled=True)
                 path = "kv_held"
             else:
+                if prefilled and not prefill_died:  # a late "held" answer may still act on
+                    relay.attempt += 1  # the attempt it named: this one must differ
                 prefill = await self._live_instance("prefill", avoid=failed)
                 relay.retarget(prefill.instance_id, decode.instance_id, prefilled=False)
                 await self._prefill(relay, prompt_ids, sampling, timing)

@@ -52,6 +52,7 @@ class Relay:
         self.silent_steps = silent_steps
         self.output_ids: list[int] = []  # every token relayed so far, in order
         self.attempt = -1
+        self.moves = 0
         self.finished = False  # a worker said the request ended
         self._queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._sub: Any = None
