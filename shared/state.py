@@ -27,6 +27,7 @@ class InstanceInfo(BaseModel):
     role: Role
     kv_address: str = ""  # UCX listener of a prefill instance, host:port
     queue_len: int = 0  # waiting requests
+    preempted: int = 0  # decode: requests preempted, waiting to be recomputed
     running: int = 0  # requests in the running batch (decode) or parked (prefill)
     free_blocks: int = 0
     total_blocks: int = 0

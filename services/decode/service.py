@@ -50,6 +50,7 @@ class DecodeService(Worker):
         stats = self.kv_client.stats
         return super().info().model_copy(update={
             "queue_len": len(self.pending), "kv_requests": stats.requests,
+            "preempted": len(self.engine.scheduler.waiting),
             "kv_bytes": stats.bytes})
 
     def holding(self) -> int:

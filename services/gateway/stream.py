@@ -5,10 +5,11 @@ instance serving it stopped heartbeating; neither a token nor an engine step of 
 instance came for `stall_s` (a request queued behind others on a live, busy instance is
 never lost); a chunk went missing (its `seq` skips ahead); a decode instance could not pull
 its KV; the decode instance never started it and the prefill instance holding its KV died;
-or the decode instance running it made `silent_steps` steps without a chunk for it (a
-running request gets a token every step: its chunks, the last one included, went missing),
-or its prefill instance, with no prompt waiting, made a quarter of that many steps without
-one (the request, or its first chunk, went missing).
+or the decode instance running it, with none preempted, made `silent_steps` steps without a
+chunk for it (a running request gets a token every step: its chunks, the last one included,
+went missing). (A prompt that waits on its prefill instance gives no such sign: the
+instance takes in one queued message per engine step, so an empty engine queue does not mean
+the request is not waiting.)
 
 Each move is a new attempt: chunks of older attempts (an instance moved away from that
 still speaks) are dropped, as are chunks repeating tokens already relayed."""
@@ -27,7 +28,6 @@ from services.gateway.view import InstanceView
 from shared import subjects
 from shared.bus import parse
 from shared.messages import TokenChunk
-from shared.state import InstanceInfo
 
 
 class GaveUp(Exception):
@@ -70,7 +70,6 @@ class Relay:
         self._steps = -1
         self._heard_decode = False  # a chunk of this attempt came from the decode instance
         self._steps_at_chunk: int | None = None  # the decode instance's steps at the last one
-        self._steps_unqueued: int | None = None  # the worker's steps when first seen idle
         self._worker_gone_at: float | None = None
 
     async def open(self) -> None:
@@ -123,18 +122,6 @@ class Relay:
             return "worker"
         return "decode" if self.serving == self.decode else "prefill"
 
-    def _check_worker(self, info: InstanceInfo) -> None:
-        """The worker has no prompt waiting yet steps on without a chunk of this request:
-        the request is not queued there, so it (or its first chunk) was lost."""
-        if info.queue_len > 0:
-            self._steps_unqueued = None
-        elif self._steps_unqueued is None:
-            self._steps_unqueued = info.steps
-        elif info.steps - self._steps_unqueued > self.silent_steps // 4:
-            raise Lost("gap", f"{self.serving} has no prompt waiting and made "
-                              f"{self.silent_steps // 4} steps without a chunk of "
-                              f"{self.request_id}")
-
     def _check(self, now: float) -> None:
         info = self.view.get(self.serving, now)
         if info is None:
@@ -148,13 +135,13 @@ class Relay:
             elif now - self._worker_gone_at > 2 * self.view.ttl_s:
                 raise Lost("prefill_died", f"instance {self.worker}, holding the KV, stopped")
         if self._heard_decode and self.serving == self.decode:
-            if self._steps_at_chunk is None:
+            if info.preempted:  # this one may be among them, waiting without tokens
+                self._steps_at_chunk = None
+            elif self._steps_at_chunk is None:
                 self._steps_at_chunk = info.steps
             elif info.steps - self._steps_at_chunk > self.silent_steps:
                 raise Lost("gap", f"{self.serving} made {self.silent_steps} steps without a "
                                   f"token of {self.request_id}")
-        if not self.prefilled:
-            self._check_worker(info)
         if info.steps != self._steps:  # the instance is working through its queue
             self._steps, self._progress_at = info.steps, now
         if now - self._progress_at > self.stall_s:

@@ -144,20 +144,13 @@ def test_a_running_request_whose_chunks_stop_while_its_instance_steps_is_lost() 
     assert lost.value.cause == "gap"
 
 
-def test_a_request_its_prefill_instance_never_got_is_lost() -> None:
-    """Queued behind others it waits however long; once the prefill instance has nothing
-    waiting and steps on without its first chunk, the request (or that chunk) was lost."""
+def test_a_request_on_a_decode_instance_that_preempted_some_is_not_lost() -> None:
     clock, view = Clock(), InstanceView(2.0)
     r = relay(clock, view)
-    def p0(at: float, queued: int, steps: int) -> None:
-        view.observe(InstanceInfo(instance_id="p0", role="prefill", queue_len=queued,
-                                  steps=steps), at)
-        beat(view, at, ("d0", "decode", 0))
-
-    for t, (queued, steps) in enumerate([(5, 1), (5, 40), (1, 80), (0, 81), (0, 90), (0, 97)]):
-        p0(float(t), queued, steps)
-        r._check(float(t))  # queued: never; idle since step 81: 16 steps allowed
-    p0(6.0, 0, 98)
-    with pytest.raises(Lost) as lost:
-        r._check(6.0)
-    assert lost.value.cause == "gap"
+    r.accept(chunk(0, 7, source="p0"))
+    r.accept(chunk(1, 8))
+    for t in range(1, 6):  # d0 steps on with requests preempted: ours may be one of them
+        view.observe(InstanceInfo(instance_id="d0", role="decode", steps=100 * t,
+                                  preempted=2), float(t))
+        beat(view, float(t), ("p0", "prefill", 1))
+        r._check(float(t))
