@@ -15,6 +15,7 @@ import yaml
 
 from services.gateway.app import GatewaySettings
 from services.launcher import NATS_USER
+from services.launcher import module as launcher_module
 from services.planner.service import PlannerSettings
 from services.profiler.service import ProfilerSettings
 from services.runtime import WorkerSettings
@@ -57,10 +58,10 @@ def compose(env: dict[str, str] = SECRETS) -> dict[str, dict[str, object]]:
 def launcher_commands() -> dict[str, list[str]]:
     """The modules the launcher starts, read from its source of truth."""
     source = (ROOT / "services" / "launcher.py").read_text()
-    assert '[sys.executable, "-m", f"services.{role}"]' in source
-    assert '[sys.executable, "-m", "services.gateway"]' in source
-    assert '[sys.executable, "-m", f"services.{service}"]' in source
-    assert 'for service in ("profiler", "planner")' in source
+    assert launcher_module("decode") == [sys.executable, "-m", "services.decode"]
+    assert 'module(role), worker_env(' in source
+    assert 'module("gateway")' in source
+    assert 'for service in ("profiler", "planner")' in source and "module(service)" in source
     return {name: ["python", "-m", f"services.{name}"]
             for name in ("prefill", "decode", "gateway", "profiler", "planner")}
 
