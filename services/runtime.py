@@ -349,8 +349,6 @@ class Worker:
     async def admit(self, req: PrefillRequest) -> bool:
         """Queue a prompt (with the tokens a failed-over request already streamed) on the
         engine; a request it can never run gets an error chunk."""
-        if self.engine.scheduler.get(req.request_id) is not None:  # an older attempt
-            await self.host.call(self.engine.abort, req.request_id)
         try:
             await self.host.call(self.engine.add_request, req.request_id, req.prompt_ids,
                                  req.sampling.params(), req.output_ids)

@@ -169,9 +169,9 @@ class DecodeService(Worker):
         task.add_done_callback(self._releases.discard)
 
     async def _release_until_heard(self, ready: KvReady, every_s: float = 1.0) -> None:
-        """A lost release would park the KV for good (its decode instance is alive, so no
-        lease frees it): ask until the prefill instance answers, or is gone, or a lease's
-        time has passed (it frees the KV by itself then, if alive)."""
+        """A lost release would park the KV until the longest hold (its decode instance is
+        alive, so no lease frees it): ask until the prefill instance answers, is gone, or a
+        lease's time has passed."""
         message = ReleaseKv(request_id=ready.request_id,
                             attempt=ready.attempt).model_dump_json().encode()
         deadline = time.monotonic() + self.settings.kv_lease_s

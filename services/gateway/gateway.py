@@ -247,14 +247,16 @@ class Gateway:
                            code="rate_limit_exceeded",
                            headers={"Retry-After": str(self.settings.retry_after_s)}) from None
 
+    def _pick(self, role: Role, instances: list[InstanceInfo]) -> InstanceInfo | None:
+        """The instance of `role` a request goes to, by what this gateway has in flight."""
+        if role == "decode":
+            return pick_decode(instances, self.ledger.decoding)
+        # a colocated worker's requests are counted as decoding from the start
+        return pick_prefill(instances, self.ledger.prefilling if role == "prefill"
+                            else self.ledger.decoding)
+
     def dispatch(self) -> Target:
-        if self.settings.mode == "colocated":
-            worker = pick_prefill(self.dispatchable("colocated"), self.ledger.decoding)
-            chosen = [worker]
-        else:
-            worker = pick_prefill(self.dispatchable("prefill"), self.ledger.prefilling)
-            decode = pick_decode(self.dispatchable("decode"), self.ledger.decoding)
-            chosen = [worker, decode]
+        chosen = [self._pick(role, self.dispatchable(role)) for role in self.roles]
         live = [i for i in chosen if i is not None]
         if len(live) < len(chosen):
             raise APIError(503, f"no {'/'.join(self.roles)} instance is available; retry "
@@ -366,13 +368,12 @@ class Gateway:
             await self._prefill(relay, prompt_ids, sampling, timing)
         else:
             decode = await self._live_instance("decode", avoid=old_decode if prefilled else "")
+            attempt = relay.new_attempt()
             if prefilled and not prefill_died and \
-                    await self._resume(relay, old_worker, decode.instance_id):
-                relay.retarget(old_worker, decode.instance_id, prefilled=True)
+                    await self._resume(relay, old_worker, decode.instance_id, attempt):
+                relay.retarget(old_worker, decode.instance_id, prefilled=True, attempt=attempt)
                 path = "kv_held"
-            else:
-                if prefilled and not prefill_died:  # a late "held" answer may still act on
-                    relay.attempt += 1  # the attempt it named: this one must differ
+            else:  # a new attempt: a late "held" answer acts on the one it was asked for
                 prefill = await self._live_instance("prefill", avoid=failed)
                 relay.retarget(prefill.instance_id, decode.instance_id, prefilled=False)
                 await self._prefill(relay, prompt_ids, sampling, timing)
@@ -385,16 +386,15 @@ class Gateway:
                 await publish(self.nc, subjects.cancel(relay.request_id),
                               Cancel(request_id=relay.request_id, instance=instance))
 
-    async def _resume(self, relay: Relay, prefill: str, decode: str) -> bool:
-        """Ask `prefill` to announce the request's KV to `decode`, for the relay's next
-        attempt: whether it still held the KV."""
+    async def _resume(self, relay: Relay, prefill: str, decode: str, attempt: int) -> bool:
+        """Ask `prefill` to announce the request's KV to `decode`, as `attempt`: whether it
+        still held the KV."""
         if self.view.get(prefill, time.monotonic()) is None:
             return False
         try:
             reply = await self.nc.request(subjects.resume(prefill), Resume(
                 request_id=relay.request_id, decode_instance=decode,
-                output_ids=relay.output_ids, attempt=relay.attempt + 1
-            ).model_dump_json().encode(),
+                output_ids=relay.output_ids, attempt=attempt).model_dump_json().encode(),
                 timeout=self.settings.resume_timeout_s)
             return ResumeReply.model_validate_json(reply.data).held
         except (nats.errors.Error, OSError, ValueError) as e:
@@ -408,10 +408,7 @@ class Gateway:
         deadline = time.monotonic() + self.settings.failover_wait_s
         while True:
             live = self.live(role)
-            others = [i for i in live if i.instance_id != avoid]
-            pick = pick_decode if role == "decode" else pick_prefill
-            counts = self.ledger.decoding if role != "prefill" else self.ledger.prefilling
-            chosen = pick(others or live, counts)
+            chosen = self._pick(role, [i for i in live if i.instance_id != avoid] or live)
             if chosen is not None:
                 return chosen
             if time.monotonic() >= deadline:

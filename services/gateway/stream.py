@@ -17,6 +17,7 @@ still speaks) are dropped, as are chunks repeating tokens already relayed."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -51,18 +52,26 @@ class Relay:
         self.stall_s, self.poll_s, self.clock = stall_s, poll_s, clock
         self.silent_steps = silent_steps
         self.output_ids: list[int] = []  # every token relayed so far, in order
-        self.attempt = -1
+        self._attempts = itertools.count()
+        self.attempt = 0
         self.moves = 0
         self.finished = False  # a worker said the request ended
         self._queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._sub: Any = None
         self.retarget(worker, decode, prefilled=not decode)
 
-    def retarget(self, worker: str, decode: str, prefilled: bool) -> None:
-        """Follow the request's next attempt: prefilled on `worker` (a colocated worker when
-        `decode` is empty), then decoded on `decode`; `prefilled` when its KV is already
-        prefilled and only the decode instance will speak."""
-        self.attempt += 1
+    def new_attempt(self) -> int:
+        """A number no attempt of this request has had: each names one leg, so a late
+        answer about one leg can never be taken for another's."""
+        return next(self._attempts)
+
+    def retarget(self, worker: str, decode: str, prefilled: bool,
+                 attempt: int | None = None) -> None:
+        """Follow the request's next attempt (`attempt`, or a new one): prefilled on
+        `worker` (a colocated worker when `decode` is empty), then decoded on `decode`;
+        `prefilled` when its KV is already prefilled and only the decode instance will
+        speak."""
+        self.attempt = self.new_attempt() if attempt is None else attempt
         self.worker, self.decode = worker, decode
         self.prefilled = prefilled  # the prefill instance is done with this attempt
         self.serving = decode if prefilled and decode else worker

@@ -204,8 +204,7 @@ class PrefillService(Worker):
         no decode instance will pull (it died, or the request was cancelled before the pull
         and the cancel was lost)."""
         while True:
-            await asyncio.sleep(min(0.5, self.settings.kv_lease_s / 4,
-                                    max(0.05, self.settings.kv_retention_s / 4)))
+            await asyncio.sleep(min(0.5, self.settings.kv_lease_s / 4))
             now = time.time()
             retained = [r for r, at in self.released_at.items()
                         if now - at >= self.settings.kv_retention_s]

@@ -113,7 +113,7 @@ class Engine:
         a request resumed after a failure: they are computed with the prompt, the next token
         is sampled at its own output index, and only new text is emitted."""
         request = self.make_request(request_id, prompt_ids, params, output_ids)
-        self._track(request)
+        self._replace(request)
         self.scheduler.add(request)
         return request
 
@@ -177,12 +177,10 @@ class Engine:
         chunk on top of the imported K/V."""
         if buffer is not None:
             self.runner.kv.import_blocks(block_ids, buffer)
-        if self.scheduler.get(request.request_id) is not None:  # an older attempt of it
-            self.abort(request.request_id)
         request.block_table = block_ids
         request.num_computed = request.num_tokens - 1 if computed is None else computed
         request.arrival = next(self._arrivals)
-        self._track(request)
+        self._replace(request)
         self.scheduler.add_prefilled(request)
 
     # -- convenience ------------------------------------------------------------------
@@ -193,6 +191,13 @@ class Engine:
         while self.has_work():
             self.step()
         return requests
+
+    def _replace(self, request: Request) -> None:
+        """Take `request` in, aborting an older one of the same id (a request that failed
+        over comes back to an engine that may still hold its earlier attempt)."""
+        if self.scheduler.get(request.request_id) is not None:
+            self.abort(request.request_id)
+        self._track(request)
 
     def _track(self, request: Request) -> None:
         if self.tokenizer is not None:
