@@ -114,7 +114,8 @@ def test_a_decode_instance_killed_mid_stream_loses_no_request(stack: Stack) -> N
 
 def test_a_prefill_instance_killed_with_prompts_queued_loses_no_request(stack: Stack) -> None:
     wait_until_whole(stack, prefill=2, decode=2)
-    prompts = [f"{'Summarize the history of ' + thing + '. ' * 1}" * 30 for thing in THINGS[:16]]
+    # about 480 tokens each: one prompt a prefill step, so most are queued at the first token
+    prompts = [f"Summarize the history of {thing}. " * 60 for thing in THINGS[:16]]
     undisturbed = asyncio.run(run_all(stack.url, prompts, max_tokens=8))
     killed = []
 
@@ -127,8 +128,9 @@ def test_a_prefill_instance_killed_with_prompts_queued_loses_no_request(stack: S
                                 on_progress=kill_at_first_token))
     assert killed
     assert texts == undisturbed
-    moved = moves(stack.url)
-    assert sum(n for (cause, _), n in moved.items() if cause == "prefill_died") >= 1
+    moved = moves(stack.url)  # queued there, or parked there with the pull failing
+    assert sum(n for (cause, _), n in moved.items()
+               if cause in ("prefill_died", "kv_transfer")) >= 1
     wait_until_whole(stack, prefill=2, decode=2)
 
 
@@ -137,26 +139,27 @@ def test_a_gateway_killed_with_requests_in_flight_delays_no_drain(stack: Stack) 
     requests on waits for those requests, not for the drain timeout (300 s here)."""
     wait_until_whole(stack, prefill=2, decode=2)
     prompts = [f"Write a short story about {thing}." for thing in THINGS[:12]]
-    started = []
+    redis = Redis.from_url(stack.env["DS_REDIS_URL"], socket_timeout=5)
+    counted: list[str] = []  # decode instances the gateway had requests on when it died
 
     async def stream_then_kill() -> None:
         def kill_once(received: int) -> None:
-            if received >= 24 and not started:
+            if received >= 24 and not counted:
+                counted.extend(sorted({k.decode().split(":")[2]
+                                       for k in redis.keys("ds:inflight:decode-*")}))
                 stack.child("gateway").send_signal(signal.SIGKILL)
-                started.append(time.monotonic())
 
         with contextlib.suppress(openai.APIError, httpx.HTTPError):
             await run_all(stack.url, prompts, max_tokens=200, on_progress=kill_once)
 
     asyncio.run(stream_then_kill())
-    assert started, "the gateway was never killed"
-    redis = Redis.from_url(stack.env["DS_REDIS_URL"], socket_timeout=5)
-    assert redis.keys(subjects.inflight_keys("decode-1"))  # the dead gateway's counts
+    assert counted, "the gateway was never killed with counts in Redis"
+    instance = counted[0]  # the dead gateway's counts for it are still there, or expiring
     drained = time.monotonic()
-    asyncio.run(drain("decode-1", stack.env["DS_NATS_URL"]))
-    assert stack.child("decode-1").wait(timeout=120) == 0
+    asyncio.run(drain(instance, stack.env["DS_NATS_URL"]))
+    assert stack.child(re.sub(r"-r\d+$", "", instance)).wait(timeout=120) == 0
     assert time.monotonic() - drained < 100  # not the drain timeout
-    assert redis.keys(subjects.inflight_keys("decode-1")) == []
+    assert redis.keys(subjects.inflight_keys(instance)) == []
     redis.close()
 
 

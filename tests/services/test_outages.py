@@ -111,8 +111,10 @@ def wait_healthy(stack: Stack, within_s: float = 90) -> None:
 
 
 def no_worker_exited(stack: Stack) -> None:
-    assert all(n == 0 for n in stack.supervisor.restarts().values()), \
-        stack.supervisor.restarts()
+    restarted = {name: n for name, n in stack.supervisor.restarts().items() if n}
+    tails = {name: (stack.run_dir / f"{name}.log").read_text(errors="replace")[-3000:]
+             for name in restarted}
+    assert not restarted, f"restarted: {restarted}; their logs end: {tails}"
     assert all(c.proc.poll() is None for c in stack.supervisor.children)
 
 
