@@ -38,6 +38,10 @@ from typing import Any
 
 import numpy as np
 import ucxx
+import ucxx._lib_async.application_context as ucxx_connect
+import ucxx._lib_async.listener as ucxx_listen
+from ucxx._lib.arr import Array
+from ucxx._lib_async.utils import hash64bits
 from ucxx.exceptions import UCXCanceledError, UCXError
 
 log = logging.getLogger(__name__)
@@ -57,6 +61,45 @@ def enable_notifier_thread() -> None:
 def stop_notifier_thread() -> None:
     ucxx.stop_notifier_thread()
 
+
+# Handshakes given up on: their buffers, which UCX may still write a late peer's answer into.
+_HANDSHAKE_BUFFERS: list[Any] = []
+_HANDSHAKE_FORMAT = "QQ"  # the endpoint's message tag, and its hash as a checksum
+
+
+async def _exchange_peer_info(endpoint: Any, msg_tag: int, listener: bool,
+                              connect_timeout: float = 5.0) -> dict[str, int]:
+    """ucxx's endpoint handshake (the same bytes on the wire), safe to give up on. ucxx's own
+    lets its receive buffer be freed when it times out or is cancelled while the receive is
+    still posted: a peer frozen past the timeout (SIGSTOP, a long GC pause) that then
+    answers writes into freed memory, and the process dies of heap corruption later
+    (reproduced: a pull timing out on a frozen prefill instance crashed the decode instance
+    once the prefill instance went on). Here a failed handshake closes its endpoint and
+    keeps its buffers for the life of the process (32 bytes each)."""
+    mine = struct.pack(_HANDSHAKE_FORMAT, msg_tag, hash64bits(msg_tag))
+    theirs = bytearray(len(mine))
+    buffers = (mine, theirs, Array(mine), Array(theirs))
+    steps = [endpoint.stream_send, endpoint.stream_recv]
+    arrays = [buffers[2], buffers[3]]
+    if not listener:
+        steps.reverse()
+        arrays.reverse()
+    try:
+        for step, array in zip(steps, arrays, strict=True):
+            await asyncio.wait_for(step(array).wait(), timeout=connect_timeout)
+    except BaseException:
+        _HANDSHAKE_BUFFERS.append(buffers)
+        with contextlib.suppress(Exception):
+            endpoint.close_blocking(period=10**9, max_attempts=1)
+        raise
+    tag, checksum = struct.unpack(_HANDSHAKE_FORMAT, theirs)
+    if checksum != hash64bits(tag):
+        raise RuntimeError(f"UCX handshake: checksum {checksum:#x} does not match tag {tag:#x}")
+    return {"msg_tag": tag, "checksum": checksum}
+
+
+ucxx_connect.exchange_peer_info = _exchange_peer_info
+ucxx_listen.exchange_peer_info = _exchange_peer_info
 
 HEADER_BYTES = 512
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
@@ -139,27 +182,28 @@ class KvServer:
         return f"{self.host}:{self.port}"
 
     async def _serve(self, ep: Any) -> None:
+        """Answer pulls on one endpoint until the peer hangs up (or gives up on a pull,
+        aborting its endpoint) or speaks another protocol."""
         header = np.empty(HEADER_BYTES, dtype=np.uint8)
-        while True:
-            try:
+        with contextlib.suppress(UCXError, UCXCanceledError):
+            while True:
                 await ep.recv(header)
-            except (UCXError, UCXCanceledError):  # the peer hung up
-                break
-            try:
-                request = _parse(header)
-            except (ValueError, TypeError):  # not our protocol: hang up
-                break
-            request_id = str(request.get("request_id", ""))
-            buffer = await self._find(request_id, str(request.get("token", "")))
-            if buffer is None:
-                await ep.send(_header({"ok": False, "error": f"no KV for {request_id}"}))
-                continue
-            nbytes = int(buffer.nbytes)
-            await ep.send(_header({"ok": True, "nbytes": nbytes}))
-            await ep.send(buffer)
-            self.stats.requests += 1
-            self.stats.bytes += nbytes
-        await ep.close()
+                try:
+                    request = _parse(header)
+                except (ValueError, TypeError):  # not our protocol: hang up
+                    break
+                request_id = str(request.get("request_id", ""))
+                buffer = await self._find(request_id, str(request.get("token", "")))
+                if buffer is None:
+                    await ep.send(_header({"ok": False, "error": f"no KV for {request_id}"}))
+                    continue
+                nbytes = int(buffer.nbytes)
+                await ep.send(_header({"ok": True, "nbytes": nbytes}))
+                await ep.send(buffer)
+                self.stats.requests += 1
+                self.stats.bytes += nbytes
+        with contextlib.suppress(UCXError, UCXCanceledError):
+            await ep.close()
 
     async def _find(self, request_id: str, token: str) -> Any:
         """The blocks, if the token is request_id's (checked before the engine is asked)."""

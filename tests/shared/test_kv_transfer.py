@@ -4,18 +4,28 @@ the holder of the request's token only, and through the listener's own address o
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import multiprocessing as mp
 import os
 import signal
 import socket
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from shared.engine.config import LLAMA_SHAPES
 from shared.engine.kv_cache import KVCache
-from shared.kv_transfer import KvClient, KvServer, TransferError, interface_ipv4, net_device
+from shared.kv_transfer import (
+    KvClient,
+    KvServer,
+    TransferError,
+    interface_ipv4,
+    net_device,
+    stop_notifier_thread,
+)
 
 CFG = LLAMA_SHAPES["tiny"]
 SOURCE_BLOCKS = [5, 2, 9]
@@ -135,6 +145,52 @@ def test_a_pull_from_a_frozen_peer_is_abandoned(server_port: Any) -> None:
 
     asyncio.run(main())
     assert torch.equal(buffer, expected)
+
+
+def pull_through_a_freeze(port: int, token: str, server_pid: int) -> None:
+    """The decode side, in its own process: pulls keep coming while the peer is frozen
+    (each given up on, most of them mid-handshake on a new endpoint), then go on once it
+    answers again. The process must outlive the peer's late answers."""
+    expected = pool(seed=1).export_blocks(SOURCE_BLOCKS).numpy()
+    address = f"127.0.0.1:{port}"
+
+    async def main() -> None:
+        client = KvClient(timeout_s=60.0)
+        await client.pull(address, "req-1", token, np.empty_like(expected))
+        client.timeout_s = 0.5
+        os.kill(server_pid, signal.SIGSTOP)
+        try:
+            for _ in range(8):  # each one given up on, its buffer freed
+                with contextlib.suppress(TransferError):
+                    await client.pull(address, "req-1", token, np.empty_like(expected))
+                gc.collect()
+        finally:
+            os.kill(server_pid, signal.SIGCONT)
+        client.timeout_s = 60.0
+        garbage = []
+        for _ in range(40):  # the late answers land meanwhile
+            buffer = np.empty_like(expected)
+            await client.pull(address, "req-1", token, buffer)
+            assert np.array_equal(buffer, expected)
+            garbage.append([np.ones(1000) for _ in range(100)])
+            await asyncio.sleep(0.1)
+        await client.close()
+
+    asyncio.run(main())
+    stop_notifier_thread()
+
+
+@pytest.mark.timeout(300)
+def test_pulls_given_up_on_a_frozen_peer_do_not_corrupt_the_puller(server_port: Any) -> None:
+    """ucxx's endpoint handshake, given up on, left UCX a freed buffer to write the late
+    answer into: the decode instance died of heap corruption once a frozen prefill instance
+    went on (kv_transfer replaces that handshake)."""
+    port, token, _, _, _, pid = server_port
+    puller = mp.get_context("spawn").Process(target=pull_through_a_freeze,
+                                             args=(port, token, pid))
+    puller.start()
+    puller.join(timeout=240)
+    assert puller.exitcode == 0, f"the puller ended with {puller.exitcode}"
 
 
 def other_address() -> str | None:
