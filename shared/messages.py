@@ -85,6 +85,22 @@ class ReleaseKv(BaseModel):
     attempt: int = 0  # a release for an attempt the request has moved on from is ignored
 
 
+class KvWanted(BaseModel):
+    """prefill -> ds.wanted.<decode instance> (a NATS request): these requests' KV has
+    waited here a lease's time without a release; which does the decode instance still mean
+    to pull (announced to it, queued or being pulled)? The reply is a KvWantedReply; the
+    prefill instance frees the rest (their announcement, release or cancel was lost)."""
+
+    version: Literal[1] = 1
+    prefill_instance: str
+    attempts: dict[str, int]  # request id -> the attempt announced
+
+
+class KvWantedReply(BaseModel):
+    version: Literal[1] = 1
+    wanted: list[str]
+
+
 class Cancel(BaseModel):
     """gateway -> ds.cancel.<request>: the client went away, or (with `instance`) the
     request moved away from that one instance."""

@@ -25,6 +25,11 @@ def resume(instance: str) -> str:
     return f"{PREFIX}.resume.{instance}"
 
 
+def wanted(instance: str) -> str:
+    """Requests (NATS request/reply) from prefill instances: is this parked KV still wanted?"""
+    return f"{PREFIX}.wanted.{instance}"
+
+
 def tokens(request_id: str) -> str:
     """The token stream of one request, back to the gateway."""
     return f"{PREFIX}.tokens.{request_id}"

@@ -26,7 +26,7 @@ from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.request import Request
 from shared.kv_transfer import KvClient, TransferError, stop_notifier_thread
-from shared.messages import Cancel, KvReady, ReleaseKv, TokenChunk
+from shared.messages import Cancel, KvReady, KvWanted, KvWantedReply, ReleaseKv, TokenChunk
 from shared.state import InstanceInfo
 from shared.telemetry import context_from, record
 
@@ -57,7 +57,8 @@ class DecodeService(Worker):
         return len(self.pending) + len(self.pulling)
 
     def subscriptions(self) -> dict[str, Callable[[Msg], Awaitable[None]]]:
-        return {subjects.decode(self.id): self._on_kv_ready, subjects.CANCEL_ALL: self._on_cancel}
+        return {subjects.decode(self.id): self._on_kv_ready, subjects.CANCEL_ALL: self._on_cancel,
+                subjects.wanted(self.id): self._on_wanted}
 
     def background(self) -> list[Coroutine[Any, Any, None]]:
         return [self._pull_forever()]
@@ -78,6 +79,16 @@ class DecodeService(Worker):
         self.traces[ready.request_id] = (dict(msg.headers or {}), time.time())
         self.pending.append(ready)
         self.room.set()
+
+    async def _on_wanted(self, msg: Msg) -> None:
+        """A prefill instance asks which of its long-parked requests this instance still
+        means to pull: those queued here from it, as that attempt, and those being pulled."""
+        query = parse(msg, KvWanted)
+        queued = {(r.request_id, r.attempt) for r in self.pending
+                  if r.prefill_instance == query.prefill_instance}
+        wanted = [request_id for request_id, attempt in query.attempts.items()
+                  if (request_id, attempt) in queued or request_id in self.pulling]
+        await msg.respond(KvWantedReply(wanted=wanted).model_dump_json().encode())
 
     async def _pull_forever(self, batch: int = 32) -> None:
         """Pull announced requests in arrival order, as many at a time as the pool holds
@@ -169,9 +180,10 @@ class DecodeService(Worker):
         task.add_done_callback(self._releases.discard)
 
     async def _release_until_heard(self, ready: KvReady, every_s: float = 1.0) -> None:
-        """A lost release would park the KV until the longest hold (its decode instance is
-        alive, so no lease frees it): ask until the prefill instance answers, is gone, or a
-        lease's time has passed."""
+        """A lost release would park the KV until the prefill instance asks whether it is
+        still wanted: ask until the prefill instance answers or a lease's time has passed.
+        "No responders" is asked again too: just after a NATS restart the prefill instance
+        may not have subscribed again yet (a dead one has lost its KV anyway)."""
         message = ReleaseKv(request_id=ready.request_id,
                             attempt=ready.attempt).model_dump_json().encode()
         deadline = time.monotonic() + self.settings.kv_lease_s
@@ -180,10 +192,8 @@ class DecodeService(Worker):
                 await self.nc.request(subjects.release(ready.prefill_instance), message,
                                       timeout=every_s)
                 return
-            except nats.errors.NoRespondersError:
-                return  # the prefill instance is gone, and its KV with it
-            except (nats.errors.Error, OSError):
-                await asyncio.sleep(every_s)  # NATS down, or the answer lost: again
+            except (nats.errors.Error, OSError):  # NATS down, the answer lost, not yet back
+                await asyncio.sleep(every_s)
 
     def _pulled(self, request_id: str) -> None:
         if self.pulling.get(request_id) is asyncio.current_task():

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -22,8 +23,18 @@ from shared import subjects
 from shared.bus import parse, publish
 from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput
+from shared.engine.request import Request
 from shared.kv_transfer import KvServer, stop_notifier_thread
-from shared.messages import Cancel, KvReady, PrefillRequest, ReleaseKv, Resume, ResumeReply
+from shared.messages import (
+    Cancel,
+    KvReady,
+    KvWanted,
+    KvWantedReply,
+    PrefillRequest,
+    ReleaseKv,
+    Resume,
+    ResumeReply,
+)
 from shared.state import InstanceInfo
 from shared.telemetry import context_from, record
 
@@ -41,6 +52,8 @@ class PrefillService(Worker):
         self.requests: dict[str, PrefillRequest] = {}
         self.parked_at: dict[str, float] = {}
         self.released_at: dict[str, float] = {}  # imported by a decode instance; retained
+        self.asked_at: dict[str, float] = {}  # last asked whether its decode side wants it
+        self.admitting: dict[str, int] = {}  # request -> the attempt being queued
         self.decode_seen: dict[str, float] = {}  # decode instance -> its last heartbeat
         self.arrived: dict[str, tuple[float, dict[str, str]]] = {}  # time, trace headers
 
@@ -89,7 +102,13 @@ class PrefillService(Worker):
             self._forget(req.request_id)
         self.requests[req.request_id] = req
         self.arrived[req.request_id] = (time.time(), dict(msg.headers or {}))
-        if not await self.admit(req):
+        self.admitting[req.request_id] = req.attempt
+        try:
+            admitted = await self.admit(req)
+        finally:
+            if self.admitting.get(req.request_id) == req.attempt:
+                del self.admitting[req.request_id]
+        if not admitted:
             self.requests.pop(req.request_id, None)
             self.arrived.pop(req.request_id, None)
 
@@ -97,8 +116,8 @@ class PrefillService(Worker):
         now = time.time()
         for out in outputs:
             req = self.requests.get(out.request_id)
-            if req is None:
-                continue
+            if req is None or out.request_id in self.admitting:
+                continue  # cancelled, or an older attempt the one being queued replaces
             await self.stream(out)
             if out.error is not None:  # the engine aborted it and freed its blocks
                 self._forget(out.request_id)
@@ -109,20 +128,20 @@ class PrefillService(Worker):
             record(self.tracer, "prefill queue", parent, arrived, started, instance=self.id)
             record(self.tracer, "prefill run", parent, started, now, instance=self.id,
                    prompt_tokens=len(req.prompt_ids))
-            if out.parked:
+            parked = self.engine.scheduler.parked.get(out.request_id) if out.parked else None
+            if parked is not None:
                 self.parked_at[out.request_id] = now
-                parked = self.engine.scheduler.parked[out.request_id]
-                await self._announce(req, parked.output_ids,
+                await self._announce(req, parked, parked.output_ids,
                                      out.logprobs[0] if out.logprobs else None, now, headers)
             elif out.finished:
                 self.requests.pop(out.request_id, None)
 
-    async def _announce(self, req: PrefillRequest, output_ids: list[int],
+    async def _announce(self, req: PrefillRequest, parked: Request, output_ids: list[int],
                         last_logprob: float | None, first_token_ts: float,
                         headers: dict[str, str] | None = None) -> None:
-        """Tell the request's decode instance its KV waits here (NATS down: the decode
-        instance never hears, and the gateway moves the request when its stream stalls)."""
-        parked = self.engine.scheduler.parked[req.request_id]
+        """Tell the request's decode instance its KV (`parked`) waits here (NATS down: the
+        decode instance never hears, the gateway moves the request when its stream stalls,
+        and the KV is freed when that decode instance says it does not want it)."""
         with contextlib.suppress(nats.errors.Error, OSError):
             await publish(self.nc, subjects.decode(req.decode_instance), KvReady(
                 request_id=req.request_id, prefill_instance=self.id,
@@ -141,13 +160,13 @@ class PrefillService(Worker):
         parked = self.engine.scheduler.parked.get(resume.request_id)
         held = req is not None and parked is not None and \
             resume.output_ids[:len(parked.output_ids)] == parked.output_ids
-        if held and req is not None:
+        if held and req is not None and parked is not None:
             req = req.model_copy(update={"decode_instance": resume.decode_instance,
                                          "attempt": resume.attempt})
             self.requests[req.request_id] = req
             self.released_at.pop(req.request_id, None)
             self.parked_at[req.request_id] = time.time()  # a new lease for the new holder
-            await self._announce(req, resume.output_ids, None, time.time())
+            await self._announce(req, parked, resume.output_ids, None, time.time())
         await msg.respond(ResumeReply(held=held).model_dump_json().encode())
 
     def _forget(self, request_id: str) -> None:
@@ -155,6 +174,7 @@ class PrefillService(Worker):
         self.arrived.pop(request_id, None)
         self.parked_at.pop(request_id, None)
         self.released_at.pop(request_id, None)
+        self.asked_at.pop(request_id, None)
         self.attempts.pop(request_id, None)
 
     async def _free(self, request_id: str) -> None:
@@ -213,3 +233,33 @@ class PrefillService(Worker):
             for request_id in [r for r in self.parked_at if self._abandoned(r, now)]:
                 log.warning("KV lease of %s expired: freeing its blocks", request_id)
                 await self._free(request_id)
+            await self._free_unwanted(now)
+
+    async def _free_unwanted(self, now: float, timeout_s: float = 2.0) -> None:
+        """KV parked a lease's time without a release: ask its decode instance (alive, or
+        the lease would have freed it) whether it still means to pull it, and free what it
+        does not: its announcement, release or the gateway's cancel was lost (NATS
+        restarted). No answer decides nothing: the lease, or the next ask, will."""
+        due: dict[str, dict[str, int]] = defaultdict(dict)
+        for request_id, parked in self.parked_at.items():
+            req = self.requests.get(request_id)
+            if req is not None and request_id not in self.released_at and \
+                    now - max(parked, self.asked_at.get(request_id, 0.0)) > \
+                    self.settings.kv_lease_s:
+                due[req.decode_instance][request_id] = req.attempt
+                self.asked_at[request_id] = now
+        for decode, attempts in due.items():
+            query = KvWanted(prefill_instance=self.id, attempts=attempts)
+            try:
+                reply = await self.nc.request(subjects.wanted(decode),
+                                              query.model_dump_json().encode(), timeout=timeout_s)
+                wanted = set(KvWantedReply.model_validate_json(reply.data).wanted)
+            except (nats.errors.Error, OSError, ValueError):
+                continue
+            for request_id, attempt in attempts.items():
+                req = self.requests.get(request_id)  # as it is now, after the wait
+                if request_id not in wanted and req is not None and req.attempt == attempt \
+                        and request_id in self.parked_at and request_id not in self.released_at:
+                    log.warning("KV of %s parked %.0f s is not wanted by %s: freeing its "
+                                "blocks", request_id, now - self.parked_at[request_id], decode)
+                    await self._free(request_id)

@@ -11,11 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
+from nats.aio.msg import Msg
 
 from services.launcher import Stack, free_port
 from shared import subjects
 from shared.bus import connect, publish
-from shared.messages import PrefillRequest, Sampling
+from shared.messages import KvWanted, KvWantedReply, PrefillRequest, Sampling
+from shared.state import InstanceInfo
 from tests.services.conftest import metric, start_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -53,6 +55,51 @@ def test_kv_nobody_pulls_is_freed_after_the_lease(small: Stack) -> None:
     while metric(small.url, "ds_kv_free_blocks")["prefill-0"] != total:
         assert time.monotonic() < deadline, "the lease never freed the blocks"
         time.sleep(0.5)
+
+
+def test_kv_a_live_decode_instance_does_not_want_is_freed(small: Stack) -> None:
+    """A decode instance that heartbeats keeps the lease alive, so only asking it frees KV
+    whose announcement, release or cancel NATS lost: held while it says it wants the KV,
+    freed once it says it does not."""
+    total = metric(small.url, "ds_kv_free_blocks")["prefill-0"]
+    wants: set[str] = {"lost-1"}
+    asked: list[dict[str, int]] = []
+
+    async def fake_decode_instance() -> None:
+        nc = await connect(small.env["DS_NATS_URL"], "test")
+
+        async def on_wanted(msg: Msg) -> None:
+            query = KvWanted.model_validate_json(msg.data)
+            asked.append(query.attempts)
+            await msg.respond(KvWantedReply(wanted=[r for r in query.attempts if r in wants])
+                              .model_dump_json().encode())
+
+        await nc.subscribe(subjects.wanted("decode-fake"), cb=on_wanted)
+        await nc.subscribe(subjects.decode("decode-fake"))  # announced to it, never pulled
+        await publish(nc, subjects.prefill("prefill-0"), PrefillRequest(
+            request_id="lost-1", prompt_ids=list(range(100, 400)),
+            sampling=Sampling(max_tokens=8), decode_instance="decode-fake",
+            arrival_ts=time.time(), attempt=2))
+        held_since = None
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:  # a draining decode instance: nothing dispatched
+            await publish(nc, subjects.HEARTBEATS, InstanceInfo(
+                instance_id="decode-fake", role="decode", draining=True))
+            free = metric(small.url, "ds_kv_free_blocks")["prefill-0"]
+            if free < total and held_since is None:
+                held_since = time.monotonic()
+            if held_since is not None and time.monotonic() - held_since > 12:  # 3 leases
+                wants.clear()
+            if free == total and held_since is not None:
+                break
+            await asyncio.sleep(0.5)
+        await nc.close()
+        assert held_since is not None, "the prefill never held the KV"
+        assert time.monotonic() - held_since > 12, "freed while its decode instance wanted it"
+
+    asyncio.run(fake_decode_instance())
+    assert metric(small.url, "ds_kv_free_blocks")["prefill-0"] == total, "never freed"
+    assert asked and all(a == {"lost-1": 2} for a in asked)
 
 
 def test_up_then_sigterm_leaves_no_process(tmp_path: Path) -> None:
