@@ -158,10 +158,13 @@ class DecodeService(Worker):
             await self.host.call(self.engine.admit_imported, request, blocks, buffer,
                                  ready.computed)
             self.host.wake()
-        except TransferError as e:
+        except Exception as e:  # the transfer failed, or a bug: the blocks must not leak
             await self.host.call(self.engine.free, blocks)
             self.room.set()
-            log.warning("pull of %s failed: %s", ready.request_id, e)
+            if isinstance(e, TransferError):
+                log.warning("pull of %s failed: %s", ready.request_id, e)
+            else:
+                log.exception("import of %s failed", ready.request_id)
             await self.send(TokenChunk(request_id=ready.request_id, source=self.id,
                                        seq=len(ready.output_ids), attempt=ready.attempt,
                                        retry=True, error=f"KV transfer failed: {e}"))

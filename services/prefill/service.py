@@ -108,9 +108,9 @@ class PrefillService(Worker):
         finally:
             if self.admitting.get(req.request_id) == req.attempt:
                 del self.admitting[req.request_id]
-        if not admitted:
-            self.requests.pop(req.request_id, None)
-            self.arrived.pop(req.request_id, None)
+        if not admitted:  # nor does an older attempt stay parked, forgotten
+            self._forget(req.request_id)
+            await self.host.call(self.engine.abort, req.request_id)
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.time()
