@@ -25,6 +25,7 @@ from shared import subjects
 from shared.bus import connect, publish
 from shared.engine.config import EngineConfig, Role
 from shared.engine.engine import Engine, RequestOutput, RequestRejected
+from shared.engine.request import Request
 from shared.messages import Cancel, PrefillRequest, TokenChunk
 from shared.state import InstanceInfo, Registry, redis_client
 from shared.telemetry import setup_tracing
@@ -346,19 +347,19 @@ class Worker:
             return 0
         return sum(int(c) for c in counts if c is not None)
 
-    async def admit(self, req: PrefillRequest) -> bool:
+    async def admit(self, req: PrefillRequest) -> Request | None:
         """Queue a prompt (with the tokens a failed-over request already streamed) on the
-        engine; a request it can never run gets an error chunk."""
+        engine; a request it can never run gets an error chunk (and None)."""
         try:
-            await self.host.call(self.engine.add_request, req.request_id, req.prompt_ids,
-                                 req.sampling.params(), req.output_ids)
+            request = await self.host.call(self.engine.add_request, req.request_id,
+                                           req.prompt_ids, req.sampling.params(), req.output_ids)
         except (RequestRejected, ValueError) as e:
             await self.send(TokenChunk(request_id=req.request_id, error=str(e), source=self.id,
                                        seq=len(req.output_ids), attempt=req.attempt))
-            return False
+            return None
         self.attempts[req.request_id] = req.attempt
         self.host.wake()
-        return True
+        return request
 
     def addressed(self, cancel: Cancel) -> bool:
         """Whether a cancel is for this instance (every instance, or this one by name)."""

@@ -75,7 +75,8 @@ async def _exchange_peer_info(endpoint: Any, msg_tag: int, listener: bool,
     answers writes into freed memory, and the process dies of heap corruption later
     (reproduced: a pull timing out on a frozen prefill instance crashed the decode instance
     once the prefill instance went on). Here a failed handshake closes its endpoint and
-    keeps its buffers for the life of the process (32 bytes each)."""
+    keeps its buffers for the life of the process (a few hundred bytes a failed handshake:
+    they happen only while a peer is frozen or gone)."""
     mine = struct.pack(_HANDSHAKE_FORMAT, msg_tag, hash64bits(msg_tag))
     theirs = bytearray(len(mine))
     buffers = (mine, theirs, Array(mine), Array(theirs))
@@ -87,14 +88,15 @@ async def _exchange_peer_info(endpoint: Any, msg_tag: int, listener: bool,
     try:
         for step, array in zip(steps, arrays, strict=True):
             await asyncio.wait_for(step(array).wait(), timeout=connect_timeout)
+        tag, checksum = struct.unpack(_HANDSHAKE_FORMAT, theirs)
+        if checksum != hash64bits(tag):
+            raise RuntimeError(f"UCX handshake: checksum {checksum:#x} does not match tag "
+                               f"{tag:#x}")
     except BaseException:
         _HANDSHAKE_BUFFERS.append(buffers)
         with contextlib.suppress(Exception):
             endpoint.close_blocking(period=10**9, max_attempts=1)
         raise
-    tag, checksum = struct.unpack(_HANDSHAKE_FORMAT, theirs)
-    if checksum != hash64bits(tag):
-        raise RuntimeError(f"UCX handshake: checksum {checksum:#x} does not match tag {tag:#x}")
     return {"msg_tag": tag, "checksum": checksum}
 
 
@@ -233,7 +235,8 @@ class KvClient:
     async def _endpoint(self, address: str) -> Any:
         if address not in self._endpoints:
             host, port = address.rsplit(":", 1)
-            self._endpoints[address] = await ucxx.create_endpoint(host, int(port))
+            self._endpoints[address] = await ucxx.create_endpoint(  # the pull's timeout
+                host, int(port), connect_timeout=self.timeout_s)
         return self._endpoints[address]
 
     async def pull(self, address: str, request_id: str, token: str, into: Any) -> None:

@@ -27,7 +27,7 @@ class ColocatedService(Worker):
 
     async def _on_request(self, msg: Msg) -> None:
         req = parse(msg, PrefillRequest)
-        if await self.admit(req):
+        if await self.admit(req) is not None:
             self.known.add(req.request_id)
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:

@@ -43,6 +43,7 @@ class DecodeService(Worker):
         self.pending: deque[KvReady] = deque()
         self.pulling: dict[str, asyncio.Task[None]] = {}  # request -> its pull
         self._releases: set[asyncio.Task[None]] = set()
+        self.releasing: set[str] = set()  # requests whose ReleaseKv is not yet acknowledged
         self.room = asyncio.Event()  # set when something may have become pullable
         self.traces: dict[str, tuple[dict[str, str], float]] = {}  # trace headers, since
 
@@ -82,12 +83,14 @@ class DecodeService(Worker):
 
     async def _on_wanted(self, msg: Msg) -> None:
         """A prefill instance asks which of its long-parked requests this instance still
-        means to pull: those queued here from it, as that attempt, and those being pulled."""
+        means to pull: those queued here from it, as that attempt, those being pulled, and
+        those pulled whose release it has not heard yet (kept for their retention)."""
         query = parse(msg, KvWanted)
         queued = {(r.request_id, r.attempt) for r in self.pending
                   if r.prefill_instance == query.prefill_instance}
         wanted = [request_id for request_id, attempt in query.attempts.items()
-                  if (request_id, attempt) in queued or request_id in self.pulling]
+                  if (request_id, attempt) in queued or request_id in self.pulling
+                  or request_id in self.releasing]
         await msg.respond(KvWantedReply(wanted=wanted).model_dump_json().encode())
 
     async def _pull_forever(self, batch: int = 32) -> None:
@@ -106,12 +109,13 @@ class DecodeService(Worker):
                 queued = {id(r) for r in self.pending}  # a cancel may have taken some out
                 taken = {id(r) for r, _ in pairs}
                 self.pending = deque(r for r in self.pending if id(r) not in taken)
+                for ready, blocks in pairs:  # no await before all are in `pulling`
+                    if id(ready) in queued:
+                        self.pulling[ready.request_id] = asyncio.create_task(
+                            self._pull(ready, blocks))
                 for ready, blocks in pairs:
                     if id(ready) not in queued:
                         await self.host.call(self.engine.free, blocks)
-                        continue
-                    self.pulling[ready.request_id] = asyncio.create_task(
-                        self._pull(ready, blocks))
 
     def _allocate_in_order(self, wanted: list[KvReady]) -> list[list[int]]:
         """On the engine thread: blocks for the longest prefix of `wanted` the pool holds."""
@@ -158,22 +162,26 @@ class DecodeService(Worker):
             await self.host.call(self.engine.admit_imported, request, blocks, buffer,
                                  ready.computed)
             self.host.wake()
-        except Exception as e:  # the transfer failed, or a bug: the blocks must not leak
-            await self.host.call(self.engine.free, blocks)
-            self.room.set()
-            if isinstance(e, TransferError):
-                log.warning("pull of %s failed: %s", ready.request_id, e)
-            else:
-                log.exception("import of %s failed", ready.request_id)
-            await self.send(TokenChunk(request_id=ready.request_id, source=self.id,
-                                       seq=len(ready.output_ids), attempt=ready.attempt,
-                                       retry=True, error=f"KV transfer failed: {e}"))
+        except TransferError as e:
+            log.warning("pull of %s failed: %s", ready.request_id, e)
+            await self._give_up(ready, blocks, f"KV transfer failed: {e}")
+        except Exception as e:  # a bug: still, the blocks must not leak nor the request hang
+            log.exception("import of %s failed", ready.request_id)
+            await self._give_up(ready, blocks, f"KV import failed: {e}")
         except asyncio.CancelledError:  # the request was cancelled (or the worker stops)
             await self.host.call(self.engine.free, blocks)
             self.room.set()
         finally:
             self._pulled(ready.request_id)
             self._release(ready)  # imported, or given up
+
+    async def _give_up(self, ready: KvReady, blocks: list[int], error: str) -> None:
+        """Free the blocks taken for a pull that failed and ask the gateway to move it."""
+        await self.host.call(self.engine.free, blocks)
+        self.room.set()
+        await self.send(TokenChunk(request_id=ready.request_id, source=self.id,
+                                   seq=len(ready.output_ids), attempt=ready.attempt,
+                                   retry=True, error=error))
 
     def _release(self, ready: KvReady) -> None:
         """Tell the prefill instance it may free the request's KV (after its retention), in
@@ -182,21 +190,29 @@ class DecodeService(Worker):
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    async def _release_until_heard(self, ready: KvReady, every_s: float = 1.0) -> None:
+    async def _release_until_heard(self, ready: KvReady, first_s: float = 1.0,
+                                   most_s: float = 8.0) -> None:
         """A lost release would park the KV until the prefill instance asks whether it is
-        still wanted: ask until the prefill instance answers or a lease's time has passed.
-        "No responders" is asked again too: just after a NATS restart the prefill instance
-        may not have subscribed again yet (a dead one has lost its KV anyway)."""
+        still wanted: ask until the prefill instance answers or a lease's time has passed,
+        backing off (a dead prefill instance is asked a few times per request, not once a
+        second). "No responders" is asked again too: just after a NATS restart the prefill
+        instance may not have subscribed again yet. Until then the KV counts as wanted."""
         message = ReleaseKv(request_id=ready.request_id,
                             attempt=ready.attempt).model_dump_json().encode()
         deadline = time.monotonic() + self.settings.kv_lease_s
-        while time.monotonic() < deadline:
-            try:
-                await self.nc.request(subjects.release(ready.prefill_instance), message,
-                                      timeout=every_s)
-                return
-            except (nats.errors.Error, OSError):  # NATS down, the answer lost, not yet back
-                await asyncio.sleep(every_s)
+        wait_s = first_s
+        self.releasing.add(ready.request_id)
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    await self.nc.request(subjects.release(ready.prefill_instance), message,
+                                          timeout=first_s)
+                    return
+                except (nats.errors.Error, OSError):  # NATS down, the answer lost, not back
+                    await asyncio.sleep(wait_s)
+                    wait_s = min(2 * wait_s, most_s)
+        finally:
+            self.releasing.discard(ready.request_id)
 
     def _pulled(self, request_id: str) -> None:
         if self.pulling.get(request_id) is asyncio.current_task():

@@ -54,6 +54,7 @@ class PrefillService(Worker):
         self.released_at: dict[str, float] = {}  # imported by a decode instance; retained
         self.asked_at: dict[str, float] = {}  # last asked whether its decode side wants it
         self.admitting: dict[str, int] = {}  # request -> the attempt being queued
+        self.copies: dict[str, int] = {}  # request -> its engine copy's admission number
         self.decode_seen: dict[str, float] = {}  # decode instance -> its last heartbeat
         self.arrived: dict[str, tuple[float, dict[str, str]]] = {}  # time, trace headers
 
@@ -102,22 +103,25 @@ class PrefillService(Worker):
             self._forget(req.request_id)
         self.requests[req.request_id] = req
         self.arrived[req.request_id] = (time.time(), dict(msg.headers or {}))
+        # until the engine has this attempt, its outputs are an older attempt's
         self.admitting[req.request_id] = req.attempt
         try:
-            admitted = await self.admit(req)
+            request = await self.admit(req)
         finally:
             if self.admitting.get(req.request_id) == req.attempt:
                 del self.admitting[req.request_id]
-        if not admitted:  # nor does an older attempt stay parked, forgotten
+        if request is None:  # rejected: the older attempt it replaces goes too
             self._forget(req.request_id)
             await self.host.call(self.engine.abort, req.request_id)
+        else:
+            self.copies[req.request_id] = request.arrival
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.time()
         for out in outputs:
             req = self.requests.get(out.request_id)
-            if req is None or out.request_id in self.admitting:
-                continue  # cancelled, or an older attempt the one being queued replaces
+            if req is None or not self._current(out.request_id, out.arrival):
+                continue  # cancelled, or an attempt a newer one replaces
             await self.stream(out)
             if out.error is not None:  # the engine aborted it and freed its blocks
                 self._forget(out.request_id)
@@ -134,7 +138,7 @@ class PrefillService(Worker):
                 await self._announce(req, parked, parked.output_ids,
                                      out.logprobs[0] if out.logprobs else None, now, headers)
             elif out.finished:
-                self.requests.pop(out.request_id, None)
+                self._forget(out.request_id)
 
     async def _announce(self, req: PrefillRequest, parked: Request, output_ids: list[int],
                         last_logprob: float | None, first_token_ts: float,
@@ -152,22 +156,31 @@ class PrefillService(Worker):
                 arrival_ts=req.arrival_ts, first_token_ts=first_token_ts,
                 attempt=req.attempt), headers=headers)
 
+    def _current(self, request_id: str, arrival: int) -> bool:
+        """Whether an engine copy of the request (by its admission number) is the attempt
+        this instance serves now, not one a newer attempt is replacing or has replaced."""
+        return request_id not in self.admitting and self.copies.get(request_id) == arrival
+
     async def _on_resume(self, msg: Msg) -> None:
         """A gateway moves a request to another decode instance: if its KV is still here,
         announce it there (with the tokens streamed since, to replay) and say so."""
         resume = parse(msg, Resume)
+        held = await self._resume(resume)
+        await msg.respond(ResumeReply(held=held).model_dump_json().encode())
+
+    async def _resume(self, resume: Resume) -> bool:
         req = self.requests.get(resume.request_id)
         parked = self.engine.scheduler.parked.get(resume.request_id)
-        held = req is not None and parked is not None and \
-            resume.output_ids[:len(parked.output_ids)] == parked.output_ids
-        if held and req is not None and parked is not None:
-            req = req.model_copy(update={"decode_instance": resume.decode_instance,
-                                         "attempt": resume.attempt})
-            self.requests[req.request_id] = req
-            self.released_at.pop(req.request_id, None)
-            self.parked_at[req.request_id] = time.time()  # a new lease for the new holder
-            await self._announce(req, parked, resume.output_ids, None, time.time())
-        await msg.respond(ResumeReply(held=held).model_dump_json().encode())
+        if req is None or parked is None or not self._current(req.request_id, parked.arrival) \
+                or resume.output_ids[:len(parked.output_ids)] != parked.output_ids:
+            return False
+        req = req.model_copy(update={"decode_instance": resume.decode_instance,
+                                     "attempt": resume.attempt})
+        self.requests[req.request_id] = req
+        self.released_at.pop(req.request_id, None)
+        self.parked_at[req.request_id] = time.time()  # a new lease for the new holder
+        await self._announce(req, parked, resume.output_ids, None, time.time())
+        return True
 
     def _forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -175,6 +188,7 @@ class PrefillService(Worker):
         self.parked_at.pop(request_id, None)
         self.released_at.pop(request_id, None)
         self.asked_at.pop(request_id, None)
+        self.copies.pop(request_id, None)
         self.attempts.pop(request_id, None)
 
     async def _free(self, request_id: str) -> None:
@@ -235,31 +249,38 @@ class PrefillService(Worker):
                 await self._free(request_id)
             await self._free_unwanted(now)
 
-    async def _free_unwanted(self, now: float, timeout_s: float = 2.0) -> None:
+    async def _free_unwanted(self, now: float) -> None:
         """KV parked a lease's time without a release: ask its decode instance (alive, or
         the lease would have freed it) whether it still means to pull it, and free what it
         does not: its announcement, release or the gateway's cancel was lost (NATS
         restarted). No answer decides nothing: the lease, or the next ask, will."""
-        due: dict[str, dict[str, int]] = defaultdict(dict)
-        for request_id, parked in self.parked_at.items():
-            req = self.requests.get(request_id)
-            if req is not None and request_id not in self.released_at and \
-                    now - max(parked, self.asked_at.get(request_id, 0.0)) > \
-                    self.settings.kv_lease_s:
-                due[req.decode_instance][request_id] = req.attempt
-                self.asked_at[request_id] = now
-        for decode, attempts in due.items():
-            query = KvWanted(prefill_instance=self.id, attempts=attempts)
-            try:
-                reply = await self.nc.request(subjects.wanted(decode),
-                                              query.model_dump_json().encode(), timeout=timeout_s)
-                wanted = set(KvWantedReply.model_validate_json(reply.data).wanted)
-            except (nats.errors.Error, OSError, ValueError):
-                continue
-            for request_id, attempt in attempts.items():
-                req = self.requests.get(request_id)  # as it is now, after the wait
-                if request_id not in wanted and req is not None and req.attempt == attempt \
-                        and request_id in self.parked_at and request_id not in self.released_at:
-                    log.warning("KV of %s parked %.0f s is not wanted by %s: freeing its "
-                                "blocks", request_id, now - self.parked_at[request_id], decode)
-                    await self._free(request_id)
+        due: dict[str, dict[str, int]] = defaultdict(dict)  # decode instance -> attempts
+        for request_id in self._unreleased(now):
+            req = self.requests[request_id]
+            due[req.decode_instance][request_id] = req.attempt
+            self.asked_at[request_id] = now
+        await asyncio.gather(*(self._ask(decode, attempts) for decode, attempts in due.items()))
+
+    def _unreleased(self, now: float) -> list[str]:
+        """Parked requests neither released nor asked about for a lease."""
+        lease = self.settings.kv_lease_s
+        return [r for r, parked in self.parked_at.items()
+                if r in self.requests and r not in self.released_at
+                and now - max(parked, self.asked_at.get(r, 0.0)) > lease]
+
+    async def _ask(self, decode: str, attempts: dict[str, int], timeout_s: float = 2.0) -> None:
+        query = KvWanted(prefill_instance=self.id, attempts=attempts)
+        try:
+            reply = await self.nc.request(subjects.wanted(decode),
+                                          query.model_dump_json().encode(), timeout=timeout_s)
+            wanted = set(KvWantedReply.model_validate_json(reply.data).wanted)
+        except (nats.errors.Error, OSError, ValueError):
+            return
+        for request_id, attempt in attempts.items():
+            req = self.requests.get(request_id)  # as it is now, after the wait
+            still_parked = request_id in self.parked_at and request_id not in self.released_at
+            if request_id not in wanted and still_parked and req is not None \
+                    and req.attempt == attempt:
+                log.warning("KV of %s parked %.0f s is not wanted by %s: freeing its blocks",
+                            request_id, time.time() - self.parked_at[request_id], decode)
+                await self._free(request_id)

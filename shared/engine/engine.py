@@ -34,6 +34,7 @@ class RequestOutput:
     logprobs: list[float] = field(default_factory=list)
     error: str | None = None  # the step failed: the request was aborted, its blocks freed
     index: int = 0  # output index of the first new token (without tokens: outputs so far)
+    arrival: int = -1  # the request's admission number here: which copy of a request id
 
     @property
     def finished(self) -> bool:
@@ -138,11 +139,12 @@ class Engine:
     def _fail(self, out: SchedulerOutput, error: str) -> list[RequestOutput]:
         """Abort the step's requests, wherever the failure left them (mid-prefill, decoding,
         already finished or parked by a partial update), freeing their blocks."""
-        failed = [(c.request.request_id, len(c.request.output_ids)) for c in out.chunks]
-        for request_id, _ in failed:
+        failed = [(c.request.request_id, len(c.request.output_ids), c.request.arrival)
+                  for c in out.chunks]
+        for request_id, _, _ in failed:
             self.abort(request_id)
-        return [RequestOutput(request_id, [], "", error=error, index=produced)
-                for request_id, produced in failed]
+        return [RequestOutput(request_id, [], "", error=error, index=produced, arrival=arrival)
+                for request_id, produced, arrival in failed]
 
     def has_work(self) -> bool:
         return self.scheduler.has_work
@@ -219,4 +221,5 @@ class Engine:
         logprobs = request.output_logprobs[-1:] if request.params.logprobs else []
         return RequestOutput(request.request_id, request.output_ids[-1:], text,
                              request.finish_reason, request.status is RequestStatus.PARKED,
-                             logprobs, index=len(request.output_ids) - 1)
+                             logprobs, index=len(request.output_ids) - 1,
+                             arrival=request.arrival)

@@ -126,3 +126,21 @@ def test_a_failure_leaves_parked_requests_alone(monkeypatch: pytest.MonkeyPatch)
     assert engine.scheduler.parked["parked"].block_table == held
     assert engine.release("parked")
     assert_all_free(engine)
+
+
+def test_outputs_name_which_copy_of_a_request_they_come_from() -> None:
+    """A request id queued again (a failover brings it back) replaces the older copy; the
+    outputs carry the copy's admission number, so a worker can tell the older copy's
+    outputs (already computed when the new one came) from the new one's."""
+    engine = tiny_engine(role=Role.PREFILL)
+    params = SamplingParams(max_tokens=4)
+    first = engine.add_request("r", [1, 2, 3, 4], params)
+    older = engine.step()
+    assert [(o.request_id, o.arrival, o.parked) for o in older] == [("r", first.arrival, True)]
+    second = engine.add_request("r", [1, 2, 3, 4], params, output_ids=older[0].new_token_ids)
+    assert second.arrival != first.arrival
+    assert engine.scheduler.parked == {}  # the older copy's KV is freed
+    newer = engine.step()
+    assert [(o.request_id, o.arrival, o.index) for o in newer] == [("r", second.arrival, 1)]
+    engine.release("r")
+    assert engine.blocks.num_free == engine.blocks.num_blocks
