@@ -1,6 +1,6 @@
 """The planner service: on a replan request (from the profiler, `distserve plan --live
---replan`, or every DS_PLANNER_INTERVAL_S) it runs the placement search for the recent
-workload with the live profile, records the plan and its reason in Redis, and applies it
+--replan`, or every DS_PLANNER_INTERVAL_S) it decides the plan for the recent workload
+(services/planner/decide.py, pure), records the plan and its reason in Redis, and applies it
 through a deployer. Requests that arrive while a plan is being made or applied are
 coalesced: only the latest is acted on."""
 
@@ -11,16 +11,13 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict
 from typing import Any, Literal
 
-import numpy as np
 from nats.aio.msg import Msg
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from services.planner.budget import plan_within_budget
+from services.planner.decide import PlannerConfig, decide
 from services.planner.deployer import Deployer, LocalDeployer, LogOnlyDeployer
-from services.planner.placement import Problem
 from services.planner.profiles import Profile, load_profile, shipped_cpu_profile
 from services.runtime import ControlService
 from shared import subjects
@@ -28,7 +25,6 @@ from shared.bus import parse
 from shared.messages import ReplanRequest, WorkloadSummary
 from shared.metrics import SLO
 from shared.state import Registry
-from shared.workloads import Lengths, Workload
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +54,9 @@ class PlannerSettings(BaseSettings):
     def profile(self) -> Profile:
         return load_profile(self.planner_profile or shipped_cpu_profile(self.threads))
 
-
-def problem_for(workload: WorkloadSummary, profile: Profile, slo: SLO, target: float,
-                budget: int) -> Problem:
-    lengths = Lengths(np.array(workload.prompt_tokens), np.array(workload.output_tokens))
-    cv = workload.arrival_cv if workload.arrival_cv > 0 else 1.0
-    return Problem(profile, Workload(lengths, cv=cv), slo, max(workload.rate_rps, 1e-3), 1,
-                   budget, target, workers=1)
+    def config(self) -> PlannerConfig:
+        return PlannerConfig(self.profile(), SLO(self.planner_ttft_s, self.planner_tpot_s),
+                             self.planner_attainment, self.budget)
 
 
 class PlannerService(ControlService):
@@ -73,8 +65,7 @@ class PlannerService(ControlService):
     def __init__(self, settings: PlannerSettings) -> None:
         super().__init__(settings.nats_url, settings.redis_url)
         self.settings = settings
-        self.profile = settings.profile()
-        self.slo = SLO(settings.planner_ttft_s, settings.planner_tpot_s)
+        self.config = settings.config()
         self.latest: ReplanRequest | None = None
         self.last_workload: WorkloadSummary | None = None
         self.wake = asyncio.Event()
@@ -85,7 +76,7 @@ class PlannerService(ControlService):
         self.deployer = (LocalDeployer(self.nc, registry, self.settings.run_dir)
                          if self.settings.planner_deployer == "local" else LogOnlyDeployer())
         log.info("planner ready: budget %d devices, SLO TTFT %.3gs TPOT %.3gs, %s deployer",
-                 self.settings.budget, self.slo.ttft_s, self.slo.tpot_s,
+                 self.config.budget, self.config.slo.ttft_s, self.config.slo.tpot_s,
                  self.settings.planner_deployer)
         worker = asyncio.create_task(self._plan_forever())
         try:
@@ -115,30 +106,19 @@ class PlannerService(ControlService):
                     log.exception("replanning failed")
 
     async def replan(self, request: ReplanRequest) -> dict[str, Any]:
-        workload = request.workload or self.last_workload
-        if workload is None:
+        started = time.monotonic()
+        decision = await asyncio.get_running_loop().run_in_executor(
+            None, decide, request, self.last_workload, self.config, time.time())
+        if decision is None:
             log.warning("replan requested (%s) before any workload was seen",
                         "; ".join(request.reasons))
             return {}
-        self.last_workload = workload
-        problem = problem_for(workload, self.profile, self.slo,
-                              self.settings.planner_attainment, self.settings.budget)
-        started = time.monotonic()
-        plan = await asyncio.get_running_loop().run_in_executor(
-            None, plan_within_budget, problem, self.settings.budget)
-        record: dict[str, Any] = {
-            "made_at": time.time(), "search_s": time.monotonic() - started,
-            "reasons": request.reasons, "budget": self.settings.budget,
-            "slo": asdict(self.slo), **asdict(plan),
-            "workload": {"rate_rps": workload.rate_rps, "arrival_cv": workload.arrival_cv,
-                         "requests": len(workload.prompt_tokens),
-                         "prompt_mean": float(np.mean(workload.prompt_tokens)),
-                         "output_mean": float(np.mean(workload.output_tokens))}}
-        log.info("plan: %d prefill + %d decode (%s)", plan.prefill, plan.decode,
-                 "; ".join(request.reasons))
+        self.last_workload = decision.workload
+        record = {**decision.record, "search_s": time.monotonic() - started}
+        log.info("plan: %d prefill + %d decode (%s)", decision.plan.prefill,
+                 decision.plan.decode, "; ".join(request.reasons))
         await self._save(record)
-        record["applied"] = await self.deployer.apply({"prefill": plan.prefill,
-                                                       "decode": plan.decode})
+        record["applied"] = await self.deployer.apply(decision.target)
         record["applied_at"] = time.time()
         await self._save(record)
         return record

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from redis import Redis
@@ -19,9 +21,11 @@ from distserve.bench.loadgen import Target, run_requests
 from distserve.bench.results import RunResult
 from distserve.bench.workload import BenchRequest
 from distserve.cli import main
+from services.planner.decide import decide
+from services.planner.service import PlannerSettings
 from shared import subjects
 from shared.bus import connect, publish
-from shared.messages import Drain
+from shared.messages import Drain, ReplanRequest, WorkloadSummary
 from tests.services.conftest import start_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -99,6 +103,20 @@ def write_trace(path: Path) -> None:
                             for t, p, o in rows))
 
 
+def assert_history_replays(history: list[dict[str, Any]], env: dict[str, str]) -> None:
+    """The live planner's decisions, made again from their recorded inputs by the pure
+    `decide`, are the same records (but the search's duration)."""
+    with mock.patch.dict(os.environ, env):
+        config = PlannerSettings().config()
+    for entry in history:
+        replayed = decide(ReplanRequest(reasons=entry["reasons"],
+                                        workload=WorkloadSummary(**entry["inputs"])),
+                          None, config, entry["made_at"])
+        assert replayed is not None
+        recorded = {k: v for k, v in entry.items() if k != "search_s"}
+        assert json.loads(json.dumps(replayed.record)) == recorded
+
+
 def test_longer_prompts_move_capacity_to_prefill_without_losing_requests(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     env = {"DS_PLANNER_DEVICES": "3", "DS_PROFILER_WINDOW": "20",
@@ -130,6 +148,7 @@ def test_longer_prompts_move_capacity_to_prefill_without_losing_requests(
             return int(json.loads(redis.get(subjects.PROFILER_KEY) or "{}")["requests_seen"])
         wait_for(lambda: seen() >= 66, 30, "the profiler to see every request")
         assert seen() == 66
+        assert_history_replays(history, stack.env)
         capsys.readouterr()
         assert main(["plan", "--live", "--redis-url", stack.env["DS_REDIS_URL"]]) == 0
         shown = capsys.readouterr().out

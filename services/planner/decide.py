@@ -1,0 +1,66 @@
+"""The online planner's decision, pure: a replan request (its reasons, the recent workload)
+and what the planner is configured with in; the split of the device budget and the record
+of why out. No clock, no I/O: the service (services/planner/service.py) hands it the time
+and applies the plan, and a plan history recorded by a live planner replays through it
+(tests/services/test_replanning.py)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from services.planner.budget import BudgetPlan, plan_within_budget
+from services.planner.placement import Problem
+from services.planner.profiles import Profile
+from shared.messages import ReplanRequest, WorkloadSummary
+from shared.metrics import SLO
+from shared.state import Role
+from shared.workloads import Lengths, Workload
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    profile: Profile
+    slo: SLO
+    attainment: float  # the share of requests that must meet both objectives
+    budget: int  # devices
+
+
+@dataclass(frozen=True)
+class Decision:
+    workload: WorkloadSummary  # planned for: the request's, or the last one seen
+    plan: BudgetPlan
+    record: dict[str, Any]  # what the planner stores in its history (JSON-ready)
+
+    @property
+    def target(self) -> dict[Role, int]:
+        return {"prefill": self.plan.prefill, "decode": self.plan.decode}
+
+
+def problem_for(workload: WorkloadSummary, config: PlannerConfig) -> Problem:
+    lengths = Lengths(np.array(workload.prompt_tokens), np.array(workload.output_tokens))
+    cv = workload.arrival_cv if workload.arrival_cv > 0 else 1.0
+    return Problem(config.profile, Workload(lengths, cv=cv), config.slo,
+                   max(workload.rate_rps, 1e-3), 1, config.budget, config.attainment, workers=1)
+
+
+def decide(request: ReplanRequest, last_workload: WorkloadSummary | None,
+           config: PlannerConfig, now: float) -> Decision | None:
+    """The plan for the request's workload (a request without one, e.g. the timer's, plans
+    for `last_workload` again); None before any workload was seen. `now` stamps the record;
+    the record's `inputs` hold the workload, so the decision can be made again from it."""
+    workload = request.workload or last_workload
+    if workload is None:
+        return None
+    plan = plan_within_budget(problem_for(workload, config), config.budget)
+    record: dict[str, Any] = {
+        "made_at": now, "reasons": list(request.reasons), "budget": config.budget,
+        "slo": asdict(config.slo), **asdict(plan),
+        "workload": {"rate_rps": workload.rate_rps, "arrival_cv": workload.arrival_cv,
+                     "requests": len(workload.prompt_tokens),
+                     "prompt_mean": float(np.mean(workload.prompt_tokens)),
+                     "output_mean": float(np.mean(workload.output_tokens))},
+        "inputs": workload.model_dump()}
+    return Decision(workload, plan, record)
