@@ -1,0 +1,159 @@
+"""The colocated cluster, simulated: every instance runs both phases on its device, and each
+request goes to the least-loaded instance. KV memory is reserved for a request's prompt and
+output when it is admitted, so the simulated engines never preempt. Two schedulers:
+
+- `PrefillFirstInstance` (vLLM's default): a prefill-only step whenever prompts can be
+  admitted (up to L_m tokens together), else a decode step of the running batch;
+- `ChunkedInstance` (chunked prefill): every step runs the running decodes plus chunks of
+  the admitted prompts, within a token budget."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.planner.simulator.core import (
+    DecodeBatch,
+    EventLoop,
+    InstanceSpec,
+    SimRequest,
+    SimResult,
+    sim_requests,
+)
+from shared.workloads import WorkloadRequest
+
+
+@dataclass
+class Prefilling:
+    request: SimRequest
+    done: int = 0  # prompt tokens computed so far
+
+
+Chunk = tuple[Prefilling, int]  # a prompt and how many of its tokens a step computes
+
+
+@dataclass
+class ColocatedInstance:
+    """What both schedulers share: the queue, admission against the batch and KV limits,
+    and what a finished step does. A scheduler plans each step (`_plan`)."""
+
+    loop: EventLoop
+    spec: InstanceSpec
+    waiting: deque[SimRequest] = field(default_factory=deque)
+    prefilling: list[Prefilling] = field(default_factory=list)
+    batch: DecodeBatch = field(default_factory=DecodeBatch)
+    reserved: int = 0
+    busy: bool = False
+
+    @property
+    def load(self) -> int:
+        return len(self.waiting) + len(self.prefilling) + self.batch.size
+
+    def arrive(self, r: SimRequest) -> None:
+        self.waiting.append(r)
+        if not self.busy:
+            self._step()
+
+    def _prompt_tokens_left(self) -> int:
+        return sum(p.request.prompt - p.done for p in self.prefilling)
+
+    def _fits(self, r: SimRequest) -> bool:
+        return self.batch.size + len(self.prefilling) < self.spec.max_batch and \
+            self.reserved + r.prompt + r.output <= self.spec.kv_capacity
+
+    def _admit_next(self) -> None:
+        r = self.waiting.popleft()
+        r.prefill_start = self.loop.now
+        self.reserved += r.prompt + r.output
+        self.prefilling.append(Prefilling(r))
+
+    def _plan(self) -> tuple[float, list[Chunk], bool] | None:
+        """The next step: its seconds, the prompt chunks it computes, whether it decodes the
+        running batch; None when there is nothing to run."""
+        raise NotImplementedError
+
+    def _step(self) -> None:
+        planned = self._plan()
+        self.busy = planned is not None
+        if planned is not None:
+            seconds, chunks, decoding = planned
+            self.loop.at(self.loop.now + seconds, self._step_done, (chunks, decoding))
+
+    def _step_done(self, item: tuple[list[Chunk], bool]) -> None:
+        chunks, decoding = item
+        if decoding:
+            for r in self.batch.advance(self.loop.now):
+                self.reserved -= r.prompt + r.output
+        for p, n in chunks:
+            p.done += n
+            if p.done == p.request.prompt:
+                self.prefilling.remove(p)
+                r = p.request
+                r.first_token = r.transfer_start = r.transfer_end = r.decode_start = self.loop.now
+                if r.output <= 1:
+                    r.finish = self.loop.now
+                    self.reserved -= r.prompt + r.output
+                else:
+                    self.batch.join(r)
+        self._step()
+
+
+class PrefillFirstInstance(ColocatedInstance):
+    def _plan(self) -> tuple[float, list[Chunk], bool] | None:
+        budget = self.spec.max_batch_tokens
+        while self.waiting and self._fits(self.waiting[0]) and not (
+                self.prefilling and self._prompt_tokens_left() + self.waiting[0].prompt > budget):
+            self._admit_next()
+        lat = self.spec.latency
+        if self.prefilling:  # whole prompts, no decoding in the step
+            lengths = [p.request.prompt for p in self.prefilling]
+            seconds = lat.prefill_latency_s(sum(lengths), sum(n * n for n in lengths))
+            return seconds, [(p, p.request.prompt) for p in self.prefilling], False
+        if self.batch.size:
+            return lat.decode_step_s(self.batch.size, self.batch.sum_ctx), [], True
+        return None
+
+
+class ChunkedInstance(ColocatedInstance):
+    def _plan(self) -> tuple[float, list[Chunk], bool] | None:
+        budget = max(0, self.spec.max_batch_tokens - self.batch.size)  # decodes count first
+        while self.waiting and self._fits(self.waiting[0]):
+            enough = self._prompt_tokens_left() + self.waiting[0].prompt >= budget
+            self._admit_next()
+            if enough:
+                break
+        if not self.prefilling and not self.batch.size:
+            return None
+        chunks, left = [], budget
+        for p in self.prefilling:
+            take = min(left, p.request.prompt - p.done)
+            if take <= 0:
+                break
+            chunks.append((p, take))
+            left -= take
+        lat = self.spec.latency
+        tokens = sum(n for _, n in chunks) + self.batch.size
+        squares = sum(n * (p.done + n) for p, n in chunks)
+        attention = lat.coefficients.decode_small[1] * self.batch.sum_ctx
+        seconds = (lat.prefill_ms(tokens, squares) + attention) / lat.pp / 1e3
+        return seconds, chunks, self.batch.size > 0
+
+
+@dataclass(frozen=True)
+class ColocatedCluster:
+    instances: list[InstanceSpec]
+    chunked: bool = False
+    devices: int = 0
+
+
+def simulate_colocated(cluster: ColocatedCluster,
+                       workload: Sequence[WorkloadRequest]) -> SimResult:
+    loop = EventLoop()
+    kind = ChunkedInstance if cluster.chunked else PrefillFirstInstance
+    instances = [kind(loop, spec) for spec in cluster.instances]
+    requests = sim_requests(workload)
+    for r in requests:
+        loop.at(r.arrival, lambda r: min(instances, key=lambda i: i.load).arrive(r), r)
+    loop.run()
+    return SimResult(requests, cluster.devices)

@@ -1,0 +1,151 @@
+"""What both simulated modes share (pure; no clock): simulated requests and their phase
+timestamps, instance specs, the KV link, the event loop, continuous decode batching, and the
+result with its attainment and per-phase breakdown."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from services.planner.latency import LatencyModel
+from shared.metrics import SLO, attainment, tpot
+from shared.workloads import WorkloadRequest
+
+NAN = math.nan
+
+
+@dataclass
+class SimRequest:
+    rid: int
+    arrival: float
+    prompt: int
+    output: int
+    prefill_start: float = NAN
+    first_token: float = NAN
+    transfer_start: float = NAN
+    transfer_end: float = NAN
+    decode_start: float = NAN
+    finish: float = NAN
+
+    @property
+    def done(self) -> bool:
+        return not math.isnan(self.finish)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if not self.done else self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        return None if not self.done else tpot(self.first_token, self.finish, self.output)
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    latency: LatencyModel
+    kv_capacity: int  # token slots
+    max_batch_tokens: int  # prefill: L_m; colocated: prefill (or chunk) budget per step
+    max_batch: int = 256  # decode batch size cap
+    node: int = 0
+
+
+@dataclass(frozen=True)
+class Link:
+    kv_bytes_per_token: int
+    intra_node_bps: float = 600e9
+    inter_node_bps: float = 25e9
+
+    def transfer_s(self, tokens: int, src: InstanceSpec, dst: InstanceSpec) -> float:
+        bps = self.intra_node_bps if src.node == dst.node else self.inter_node_bps
+        stages = min(src.latency.pp, dst.latency.pp)  # each stage moves its own layers
+        return tokens * self.kv_bytes_per_token / bps / stages
+
+
+class EventLoop:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[..., None], Any]] = []
+        self._seq = itertools.count()
+
+    def at(self, time: float, fn: Callable[..., None], arg: Any = None) -> None:
+        heapq.heappush(self._heap, (time, next(self._seq), fn, arg))
+
+    def run(self) -> None:
+        while self._heap:
+            self.now, _, fn, arg = heapq.heappop(self._heap)
+            fn(arg)
+
+
+class DecodeBatch:
+    """Continuous decode batching shared by decode and colocated instances: requests finish
+    after `output - 1` steps, found with a heap; the context sum grows by B per step."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.sum_ctx = 0
+        self.size = 0
+        self._finishing: list[tuple[int, int, SimRequest]] = []
+
+    def join(self, r: SimRequest) -> None:
+        heapq.heappush(self._finishing, (self.steps + r.output - 1, r.rid, r))
+        self.sum_ctx += r.prompt + 1
+        self.size += 1
+
+    def advance(self, now: float) -> list[SimRequest]:
+        self.steps += 1
+        self.sum_ctx += self.size
+        done = []
+        while self._finishing and self._finishing[0][0] <= self.steps:
+            r = heapq.heappop(self._finishing)[2]
+            r.finish = now
+            self.sum_ctx -= r.prompt + r.output
+            self.size -= 1
+            done.append(r)
+        return done
+
+
+@dataclass
+class SimResult:
+    requests: list[SimRequest]
+    devices: int = 1
+
+    def attainment(self, slo: SLO) -> float:
+        return attainment([r.ttft for r in self.requests], [r.tpot for r in self.requests], slo)
+
+    def ttft_attainment(self, ttft_s: float) -> float:
+        return sum(r.ttft is not None and r.ttft <= ttft_s for r in self.requests) / max(
+            1, len(self.requests))
+
+    def tpot_attainment(self, tpot_s: float) -> float:
+        return sum(r.tpot is not None and r.tpot <= tpot_s for r in self.requests) / max(
+            1, len(self.requests))
+
+    def breakdown(self) -> dict[str, float]:
+        """Mean seconds per phase over completed requests (the paper's Figure 10)."""
+        done = [r for r in self.requests if r.done]
+        if not done:
+            return {}
+
+        def mean(values: Sequence[float]) -> float:
+            finite = [v for v in values if not math.isnan(v)]
+            return sum(finite) / len(finite) if finite else 0.0
+
+        return {
+            "prefill_queue": mean([r.prefill_start - r.arrival for r in done]),
+            "prefill_run": mean([r.first_token - r.prefill_start for r in done]),
+            "transfer": mean([r.transfer_end - r.transfer_start for r in done]),
+            "decode_queue": mean([(r.transfer_start - r.first_token) +
+                                  (r.decode_start - r.transfer_end) for r in done]),
+            "decode_run": mean([r.finish - r.decode_start for r in done]),
+        }
+
+
+def sim_requests(workload: Sequence[WorkloadRequest]) -> list[SimRequest]:
+    return [SimRequest(i, w.arrival_s, w.prompt_tokens, w.output_tokens)
+            for i, w in enumerate(workload)]
+
+

@@ -1,0 +1,182 @@
+"""The disaggregated cluster, simulated: requests go to the prefill instance with the
+shortest queue (FCFS, batches up to L_m tokens), which holds their KV until the least-loaded
+decode instance pulls it (the prefill memory is the queue buffer; pulling needs room in the
+decode pool and batch); the transfer takes KV bytes / link bandwidth; decode runs continuous
+batching. Also a decode instance alone, fed as if prefill were instant (simu_decode)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from services.planner.simulator.core import (
+    DecodeBatch,
+    EventLoop,
+    InstanceSpec,
+    Link,
+    SimRequest,
+    SimResult,
+    sim_requests,
+)
+from shared.workloads import WorkloadRequest
+
+
+class PrefillInstance:
+    def __init__(self, loop: EventLoop, spec: InstanceSpec,
+                 on_prefilled: Callable[[SimRequest, PrefillInstance], None]) -> None:
+        self.loop, self.spec, self.on_prefilled = loop, spec, on_prefilled
+        self.queue: deque[SimRequest] = deque()
+        self.busy = False
+        self.held = 0  # KV tokens of prefilled requests not yet pulled, plus the running batch
+
+    @property
+    def load(self) -> int:
+        return len(self.queue) + self.busy
+
+    def arrive(self, r: SimRequest) -> None:
+        self.queue.append(r)
+        self._try_start()
+
+    def release(self, r: SimRequest) -> None:
+        self.held -= r.prompt
+        self._try_start()
+
+    def _try_start(self) -> None:
+        if self.busy:
+            return
+        batch: list[SimRequest] = []
+        total = squares = 0
+        while self.queue:
+            p = self.queue[0].prompt
+            if batch and total + p > self.spec.max_batch_tokens:
+                break
+            if self.held + total + p > self.spec.kv_capacity:
+                break
+            batch.append(self.queue.popleft())
+            total, squares = total + p, squares + p * p
+        if not batch:
+            return
+        now, lat = self.loop.now, self.spec.latency
+        for r in batch:
+            r.prefill_start = now
+        self.held += total
+        self.busy = True
+        self.loop.at(now + lat.prefill_stage_s(total, squares), self._stage_free)
+        self.loop.at(now + lat.prefill_latency_s(total, squares), self._done, batch)
+
+    def _stage_free(self, _: None) -> None:
+        self.busy = False
+        self._try_start()
+
+    def _done(self, batch: list[SimRequest]) -> None:
+        for r in batch:
+            r.first_token = self.loop.now
+            self.on_prefilled(r, self)
+
+
+class DecodeInstance:
+    def __init__(self, loop: EventLoop, spec: InstanceSpec, link: Link | None) -> None:
+        self.loop, self.spec, self.link = loop, spec, link
+        self.pending: deque[tuple[SimRequest, PrefillInstance | None]] = deque()
+        self.joining: list[SimRequest] = []
+        self.batch = DecodeBatch()
+        self.in_transfer = 0
+        self.reserved = 0
+        self.stepping = False
+
+    @property
+    def load(self) -> int:
+        return self.batch.size + len(self.pending) + len(self.joining) + self.in_transfer
+
+    def enqueue(self, r: SimRequest, src: PrefillInstance | None) -> None:
+        self.pending.append((r, src))
+        self._try_pull()
+
+    def _try_pull(self) -> None:
+        while self.pending:
+            r, src = self.pending[0]
+            need = r.prompt + r.output
+            active = self.batch.size + len(self.joining) + self.in_transfer
+            if active >= self.spec.max_batch or self.reserved + need > self.spec.kv_capacity:
+                return
+            self.pending.popleft()
+            self.reserved += need
+            self.in_transfer += 1
+            r.transfer_start = self.loop.now
+            seconds = 0.0 if src is None or self.link is None else \
+                self.link.transfer_s(r.prompt, src.spec, self.spec)
+            self.loop.at(self.loop.now + seconds, self._pulled, (r, src))
+
+    def _pulled(self, item: tuple[SimRequest, PrefillInstance | None]) -> None:
+        r, src = item
+        self.in_transfer -= 1
+        r.transfer_end = self.loop.now
+        if src is not None:
+            src.release(r)
+        self.joining.append(r)
+        if not self.stepping:
+            self._start_step()
+
+    def _start_step(self) -> None:
+        for r in self.joining:
+            r.decode_start = self.loop.now
+            self.batch.join(r)
+        self.joining.clear()
+        self.stepping = self.batch.size > 0
+        if self.stepping:
+            step = self.spec.latency.decode_step_s(self.batch.size, self.batch.sum_ctx)
+            self.loop.at(self.loop.now + step, self._step_done)
+
+    def _step_done(self, _: None) -> None:
+        for r in self.batch.advance(self.loop.now):
+            self.reserved -= r.prompt + r.output
+        self._try_pull()
+        self._start_step()
+
+
+@dataclass(frozen=True)
+class DisaggregatedCluster:
+    prefill: list[InstanceSpec]
+    decode: list[InstanceSpec]
+    link: Link
+    devices: int = 0
+
+
+def simulate_disaggregated(cluster: DisaggregatedCluster,
+                           workload: Sequence[WorkloadRequest]) -> SimResult:
+    loop = EventLoop()
+    decodes = [DecodeInstance(loop, spec, cluster.link) for spec in cluster.decode]
+
+    def prefilled(r: SimRequest, src: PrefillInstance) -> None:
+        if r.output <= 1 or not decodes:  # done at the first token (or prefill-only study)
+            r.finish = loop.now
+            src.release(r)
+            return
+        min(decodes, key=lambda d: d.load).enqueue(r, src)
+
+    prefills = [PrefillInstance(loop, spec, prefilled) for spec in cluster.prefill]
+    requests = sim_requests(workload)
+    for r in requests:
+        loop.at(r.arrival, lambda r: min(prefills, key=lambda p: p.load).arrive(r), r)
+    loop.run()
+    return SimResult(requests, cluster.devices)
+
+
+def simulate_decode_only(spec: InstanceSpec, workload: Sequence[WorkloadRequest]) -> SimResult:
+    """A decode instance fed as if prefill were instant (the paper's simu_decode)."""
+    loop = EventLoop()
+    decode = DecodeInstance(loop, spec, None)
+    requests = sim_requests(workload)
+
+    def arrive(r: SimRequest) -> None:
+        r.prefill_start = r.first_token = loop.now
+        if r.output <= 1:
+            r.finish = loop.now
+        else:
+            decode.enqueue(r, None)
+
+    for r in requests:
+        loop.at(r.arrival, arrive, r)
+    loop.run()
+    return SimResult(requests)
