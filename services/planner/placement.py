@@ -31,6 +31,22 @@ from shared.workloads import Workload
 T = TypeVar("T")
 
 
+def instance_spec(profile: Profile, tp: int, pp: int, node: int = 0) -> InstanceSpec:
+    """A simulated instance of `tp` x `pp` devices as the profile describes it."""
+    return InstanceSpec(profile.latency(tp, pp), kv_capacity_tokens(profile, tp, pp),
+                        profile.l_m, profile.max_decode_batch, node)
+
+
+def layout_cluster(profile: Profile, layout: Sequence[InstancePlacement], link: Link,
+                   devices: int = 0) -> DisaggregatedCluster:
+    """The disaggregated cluster of placed instances (each on its first device's node)."""
+    def spec(i: InstancePlacement) -> InstanceSpec:
+        return instance_spec(profile, i.tp, i.pp, node=i.devices[0][0])
+
+    return DisaggregatedCluster([spec(i) for i in layout if i.role == "prefill"],
+                                [spec(i) for i in layout if i.role == "decode"], link, devices)
+
+
 class NoFeasiblePlan(ValueError):
     """No placement meets the objectives on this cluster; the message says why."""
 
@@ -57,9 +73,7 @@ class Problem:
                     self.inter_node_gbps * 1e9)
 
     def instance(self, tp: int, pp: int, node: int = 0) -> InstanceSpec:
-        p = self.profile
-        return InstanceSpec(p.latency(tp, pp), kv_capacity_tokens(p, tp, pp), p.l_m,
-                            p.max_decode_batch, node)
+        return instance_spec(self.profile, tp, pp, node)
 
     def fits(self, tp: int, pp: int) -> bool:
         lengths = self.workload.lengths
@@ -256,11 +270,7 @@ def _simulate_counts(problem: Problem, cp: tuple[int, int], cd: tuple[int, int],
 
 
 def _simulate_layout(problem: Problem, layout: list[InstancePlacement]) -> float:
-    def spec(i: InstancePlacement) -> InstanceSpec:
-        return problem.instance(i.tp, i.pp, node=i.devices[0][0])
-
-    cluster = DisaggregatedCluster([spec(i) for i in layout if i.role == "prefill"],
-                                   [spec(i) for i in layout if i.role == "decode"], problem.link)
+    cluster = layout_cluster(problem.profile, layout, problem.link)
     return simulate_disaggregated(cluster, problem.validation_requests(problem.rate)
                                   ).attainment(problem.slo)
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 from services.planner.baseline import VLLM_MAX_NUM_BATCHED_TOKENS, VLLM_MAX_NUM_SEQS
+from services.planner.placement import instance_spec, layout_cluster
 from services.planner.plan import InstancePlacement, Plan
-from services.planner.profiles import Profile, kv_capacity_tokens
+from services.planner.profiles import Profile
 from services.planner.simulator import (
     ColocatedCluster,
-    DisaggregatedCluster,
-    InstanceSpec,
     Link,
     SimResult,
     simulate_colocated,
@@ -19,25 +18,17 @@ from services.planner.simulator import (
 from shared.workloads import WorkloadRequest
 
 
-def _spec(profile: Profile, i: InstancePlacement) -> InstanceSpec:
-    return InstanceSpec(profile.latency(i.tp, i.pp), kv_capacity_tokens(profile, i.tp, i.pp),
-                        profile.l_m, profile.max_decode_batch, node=i.devices[0][0])
-
-
 def simulate_plan(plan: Plan, profile: Profile,
                   workload: list[WorkloadRequest]) -> SimResult:
     if plan.algorithm == "colocated":
-        specs = [dataclasses.replace(_spec(profile, i),
+        specs = [dataclasses.replace(instance_spec(profile, i.tp, i.pp, i.devices[0][0]),
                                      max_batch_tokens=VLLM_MAX_NUM_BATCHED_TOKENS,
                                      max_batch=VLLM_MAX_NUM_SEQS) for i in plan.instances]
         return simulate_colocated(ColocatedCluster(specs, devices=plan.devices_used), workload)
     link = Link(profile.model.kv_bytes_per_token, plan.intra_node_gbps * 1e9,
                 plan.inter_node_gbps * 1e9)
-    cluster = DisaggregatedCluster(
-        [_spec(profile, i) for i in plan.instances if i.role == "prefill"],
-        [_spec(profile, i) for i in plan.instances if i.role == "decode"], link,
-        devices=plan.devices_used)
-    return simulate_disaggregated(cluster, workload)
+    return simulate_disaggregated(
+        layout_cluster(profile, plan.instances, link, plan.devices_used), workload)
 
 
 def colocated_on_same_devices(plan: Plan, baseline: Plan) -> Plan:
