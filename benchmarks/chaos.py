@@ -61,7 +61,6 @@ import asyncio
 import collections
 import dataclasses
 import json
-import re
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -74,6 +73,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from distserve.bench import scrape
 from distserve.bench.runner import read_spans
 from distserve.bench.workload import Tokenizer, humaneval_prompts
 from services.launcher import Stack, StackConfig
@@ -87,9 +87,6 @@ from shared.workloads import unit_rate_gaps
 
 EXPECTED = {"prefill": 2, "decode": 2}
 SAMPLE_S = 0.5
-KV_GAUGE = re.compile(r'^ds_kv_(free|total)_blocks\{instance="([^"]+)",role="([^"]+)"\} (\S+)$',
-                      re.M)
-MOVES = re.compile(r'^ds_request_moves_total\{cause="([^"]+)",path="([^"]+)"\} (\S+)$', re.M)
 Clock = Callable[[], float]
 
 
@@ -204,13 +201,13 @@ async def sample(client: httpx.AsyncClient, url: str, clock: Clock) -> Sample:
         text = (await client.get(f"{url}/metrics", timeout=5)).text
     except httpx.HTTPError:
         return Sample(t, None, {}, {})
-    kv: dict[str, dict[str, float]] = collections.defaultdict(dict)
-    roles = {}
-    for kind, instance, role, value in KV_GAUGE.findall(text):
-        kv[instance][kind], roles[instance] = float(value), role
-    inflight = re.search(r"^ds_gateway_inflight (\S+)$", text, re.M)
-    return Sample(t, health, {i: v["total"] - v["free"] for i, v in kv.items()}, roles,
-                  float(inflight.group(1)) if inflight else None)
+    total = {labels["instance"]: v for labels, v in scrape.samples(text, "ds_kv_total_blocks")}
+    free = {labels["instance"]: v for labels, v in scrape.samples(text, "ds_kv_free_blocks")}
+    roles = {labels["instance"]: labels["role"]
+             for labels, _ in scrape.samples(text, "ds_kv_total_blocks")}
+    inflight = [v for _, v in scrape.samples(text, "ds_gateway_inflight")]
+    return Sample(t, health, {i: n - free.get(i, n) for i, n in total.items()}, roles,
+                  inflight[0] if inflight else None)
 
 
 def whole(s: Sample) -> bool:
@@ -226,7 +223,8 @@ async def sample_until(client: httpx.AsyncClient, url: str, clock: Clock,
 
 async def moves(client: httpx.AsyncClient, url: str) -> dict[str, float]:
     text = (await client.get(f"{url}/metrics", timeout=10)).text
-    return {f"{cause}/{path}": float(n) for cause, path, n in MOVES.findall(text)}
+    return {f"{labels['cause']}/{labels['path']}": n
+            for labels, n in scrape.samples(text, "ds_request_moves_total")}
 
 
 # -- faults -----------------------------------------------------------------------------------

@@ -79,21 +79,16 @@ async def _exchange_peer_info(endpoint: Any, msg_tag: int, listener: bool,
     they happen only while a peer is frozen or gone)."""
     mine = struct.pack(_HANDSHAKE_FORMAT, msg_tag, hash64bits(msg_tag))
     theirs = bytearray(len(mine))
-    buffers = (mine, theirs, Array(mine), Array(theirs))
-    steps = [endpoint.stream_send, endpoint.stream_recv]
-    arrays = [buffers[2], buffers[3]]
-    if not listener:
-        steps.reverse()
-        arrays.reverse()
-    try:
-        for step, array in zip(steps, arrays, strict=True):
+    send, recv = (endpoint.stream_send, Array(mine)), (endpoint.stream_recv, Array(theirs))
+    try:  # the listener speaks first
+        for step, array in [send, recv] if listener else [recv, send]:
             await asyncio.wait_for(step(array).wait(), timeout=connect_timeout)
         tag, checksum = struct.unpack(_HANDSHAKE_FORMAT, theirs)
         if checksum != hash64bits(tag):
             raise RuntimeError(f"UCX handshake: checksum {checksum:#x} does not match tag "
                                f"{tag:#x}")
     except BaseException:
-        _HANDSHAKE_BUFFERS.append(buffers)
+        _HANDSHAKE_BUFFERS.append((mine, theirs, send[1], recv[1]))  # not the endpoint
         with contextlib.suppress(Exception):
             endpoint.close_blocking(period=10**9, max_attempts=1)
         raise

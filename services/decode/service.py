@@ -42,8 +42,8 @@ class DecodeService(Worker):
         self.kv_client = KvClient(timeout_s=self.settings.kv_pull_timeout_s)
         self.pending: deque[KvReady] = deque()
         self.pulling: dict[str, asyncio.Task[None]] = {}  # request -> its pull
-        self._releases: set[asyncio.Task[None]] = set()
-        self.releasing: set[str] = set()  # requests whose ReleaseKv is not yet acknowledged
+        # ReleaseKv not yet acknowledged: its task -> the request
+        self.releasing: dict[asyncio.Task[None], str] = {}
         self.room = asyncio.Event()  # set when something may have become pullable
         self.traces: dict[str, tuple[dict[str, str], float]] = {}  # trace headers, since
 
@@ -65,7 +65,7 @@ class DecodeService(Worker):
         return [self._pull_forever()]
 
     async def closing(self) -> None:
-        for task in [*self.pulling.values(), *self._releases]:
+        for task in [*self.pulling.values(), *self.releasing]:
             task.cancel()
         await self.kv_client.close()
         stop_notifier_thread()
@@ -90,7 +90,7 @@ class DecodeService(Worker):
                   if r.prefill_instance == query.prefill_instance}
         wanted = [request_id for request_id, attempt in query.attempts.items()
                   if (request_id, attempt) in queued or request_id in self.pulling
-                  or request_id in self.releasing]
+                  or request_id in self.releasing.values()]
         await msg.respond(KvWantedReply(wanted=wanted).model_dump_json().encode())
 
     async def _pull_forever(self, batch: int = 32) -> None:
@@ -187,8 +187,8 @@ class DecodeService(Worker):
         """Tell the prefill instance it may free the request's KV (after its retention), in
         a task of its own."""
         task = asyncio.create_task(self._release_until_heard(ready))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+        self.releasing[task] = ready.request_id
+        task.add_done_callback(lambda done: self.releasing.pop(done, None))
 
     async def _release_until_heard(self, ready: KvReady, first_s: float = 1.0,
                                    most_s: float = 8.0) -> None:
@@ -201,18 +201,14 @@ class DecodeService(Worker):
                             attempt=ready.attempt).model_dump_json().encode()
         deadline = time.monotonic() + self.settings.kv_lease_s
         wait_s = first_s
-        self.releasing.add(ready.request_id)
-        try:
-            while time.monotonic() < deadline:
-                try:
-                    await self.nc.request(subjects.release(ready.prefill_instance), message,
-                                          timeout=first_s)
-                    return
-                except (nats.errors.Error, OSError):  # NATS down, the answer lost, not back
-                    await asyncio.sleep(wait_s)
-                    wait_s = min(2 * wait_s, most_s)
-        finally:
-            self.releasing.discard(ready.request_id)
+        while time.monotonic() < deadline:
+            try:
+                await self.nc.request(subjects.release(ready.prefill_instance), message,
+                                      timeout=first_s)
+                return
+            except (nats.errors.Error, OSError):  # NATS down, the answer lost, not back yet
+                await asyncio.sleep(wait_s)
+                wait_s = min(2 * wait_s, most_s)
 
     def _pulled(self, request_id: str) -> None:
         if self.pulling.get(request_id) is asyncio.current_task():

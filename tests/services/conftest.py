@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from distserve.bench import scrape
 from services.launcher import Stack, StackConfig
 from services.supervisor import free_port
 from shared.engine.config import EngineConfig
@@ -46,5 +46,4 @@ def greedy(engine: Engine, prompt_ids: list[int], max_tokens: int) -> str:
 def metric(url: str, name: str) -> dict[str, float]:
     """{instance: value} of a gauge on the gateway's /metrics."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    pattern = re.compile(rf'^{name}{{instance="([^"]+)",role="[^"]+"}} (\S+)$', re.M)
-    return {m.group(1): float(m.group(2)) for m in pattern.finditer(text)}
+    return {labels["instance"]: value for labels, value in scrape.samples(text, name)}

@@ -18,6 +18,7 @@ import openai
 import pytest
 from redis import Redis
 
+from distserve.bench import scrape
 from services.launcher import Stack
 from shared import subjects
 from shared.bus import connect, publish
@@ -43,9 +44,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def moves(url: str) -> dict[tuple[str, str], float]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    pattern = re.compile(r'^ds_request_moves_total{cause="([^"]+)",path="([^"]+)"} (\S+)$',
-                         re.M)
-    return {(m.group(1), m.group(2)): float(m.group(3)) for m in pattern.finditer(text)}
+    return {(labels["cause"], labels["path"]): n
+            for labels, n in scrape.samples(text, "ds_request_moves_total")}
 
 
 async def run_all(url: str, prompts: list[str], max_tokens: int,
