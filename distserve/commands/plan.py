@@ -16,7 +16,7 @@ from services.planner.baseline import colocated_plan
 from services.planner.low_affinity import low_affinity
 from services.planner.models import UnknownModelError
 from services.planner.placement import NoFeasiblePlan, Problem, high_affinity
-from services.planner.plan import Plan
+from services.planner.plan import ModeCandidate, Plan
 from services.planner.profiles import ProfileError, load_profile
 from shared.metrics import SLO
 from shared.workloads import WorkloadError
@@ -49,6 +49,10 @@ def register(sub: Any) -> None:
     p.add_argument("--rate", type=float, help="target request rate (req/s)")
     p.add_argument("--nodes", type=int)
     p.add_argument("--gpus-per-node", type=int)
+    p.add_argument("--mode", choices=["auto", "disaggregated", "colocated", "chunked"],
+                   default="auto", help="auto (default): search disaggregated, colocated and "
+                   "chunked-prefill colocated serving and recommend the best per-device "
+                   "goodput; otherwise search that mode only")
     p.add_argument("--affinity", choices=["high", "low"], default="high",
                    help="high: fast links between nodes (Algorithm 1); low: KV must stay in a "
                         "node (Algorithm 2)")
@@ -112,6 +116,44 @@ def plan_table(plan: Plan, seconds: float) -> Table:
     return table
 
 
+def search_modes(problem: Problem, args: argparse.Namespace) -> list[Plan | ModeCandidate]:
+    """The best plan of each mode asked for (or why it has none)."""
+    modes = ["disaggregated", "colocated", "chunked"] if args.mode == "auto" else [args.mode]
+    out: list[Plan | ModeCandidate] = []
+    for mode in modes:
+        try:
+            if mode == "disaggregated":
+                out.append((high_affinity if args.affinity == "high" else low_affinity)(problem))
+            else:
+                out.append(colocated_plan(problem, chunked=mode == "chunked"))
+        except NoFeasiblePlan as e:
+            out.append(ModeCandidate(mode=mode, placement="", error=str(e)))  # type: ignore[arg-type]
+    return out
+
+
+def modes_table(candidates: list[ModeCandidate], chosen: Plan) -> Table:
+    table = Table(title=f"serving modes for {chosen.model} at {chosen.rate_rps} req/s")
+    for column in ("mode", "placement", "devices", "req/s/dev", "attained"):
+        left = column in ("mode", "placement")
+        table.add_column(column, justify="left" if left else "right", no_wrap=left)
+    for c in candidates:
+        if c.error:
+            table.add_row(c.mode, f"none: {c.error}", "", "", "")
+        else:
+            table.add_row(c.mode, c.placement, str(c.devices_used),
+                          f"{c.best_per_device_goodput_rps:.3f}", f"{c.predicted_attainment:.1%}")
+    others = [c.best_per_device_goodput_rps for c in candidates
+              if c.mode != chosen.mode and not c.error]
+    margin = (f", {chosen.best_per_device_goodput_rps / max(others):.2f}x the next best"
+              if others and max(others) > 0 else "")
+    table.caption = (f"recommended: {chosen.mode}{margin}. placement: the instances that serve "
+                     "the rate; req/s/dev: the best per-device goodput of the mode's "
+                     "configurations (modes are ranked by it); attained: simulated attainment "
+                     "of the placement at the rate. Colocated modes run vLLM's scheduler limits "
+                     "(2048 tokens a step, 256 requests).")
+    return table
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.live:
         from distserve.commands.live import show_live
@@ -128,16 +170,24 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     problem = build_problem(args, parser, args.profile, args.rate)
     console = Console(stderr=args.json)
     start = time.perf_counter()
-    try:
-        plan = (high_affinity if args.affinity == "high" else low_affinity)(problem)
-    except NoFeasiblePlan as e:
-        print(f"distserve plan: no feasible plan: {e}", file=sys.stderr)
+    searched = search_modes(problem, args)
+    plans = [p for p in searched if isinstance(p, Plan)]
+    if not plans:
+        for failed in searched:
+            print(f"distserve plan: no feasible plan: {failed.mode}: {failed.error}",
+                  file=sys.stderr)
         return 1
-    plan = plan.model_copy(update={"profile": args.profile, "profile_model": args.model or "",
-                                   "intra_node_gbps": args.intra_bw,
-                                   "inter_node_gbps": args.inter_bw,
-                                   "reason": f"distserve plan --affinity {args.affinity}"})
-    console.print(plan_table(plan, time.perf_counter() - start))
+    chosen = max(plans, key=lambda p: p.best_per_device_goodput_rps)
+    candidates = [p.candidate() if isinstance(p, Plan) else p for p in searched]
+    plan = chosen.model_copy(update={
+        "profile": args.profile, "profile_model": args.model or "",
+        "intra_node_gbps": args.intra_bw, "inter_node_gbps": args.inter_bw,
+        "candidates": candidates,
+        "reason": f"distserve plan --mode {args.mode} --affinity {args.affinity}"})
+    seconds = time.perf_counter() - start
+    if len(searched) > 1:
+        console.print(modes_table(candidates, plan))
+    console.print(plan_table(plan, seconds))
     if args.baseline_profile:
         base_problem = build_problem(args, parser, args.baseline_profile, args.rate)
         try:
@@ -146,7 +196,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             console.print(f"colocated baseline: {e}")
         else:
             ratio = plan.best_per_device_goodput_rps / base.best_per_device_goodput_rps
-            console.print(f"best per-device goodput: disaggregated "
+            console.print(f"best per-device goodput: {plan.mode} "
                           f"{plan.best_per_device_goodput_rps:.3f} req/s, colocated baseline "
                           f"{base.best_per_device_goodput_rps:.3f} req/s: {ratio:.2f}x")
     if args.output:

@@ -3,6 +3,7 @@ configuration of one colocated instance, replicated to the rate."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from services.planner.placement import (
@@ -14,7 +15,8 @@ from services.planner.placement import (
     parallel_map,
     phase_configs,
 )
-from services.planner.plan import PhasePlan, Plan
+from services.planner.plan import InstancePlacement, PhasePlan, Plan
+from services.planner.simulator import ColocatedCluster, InstanceSpec, simulate_colocated
 
 # vLLM's scheduler defaults (the paper's baseline): a prefill step admits waiting prompts up
 # to max_num_batched_tokens = max(context, 2048) tokens, and at most max_num_seqs run at once.
@@ -39,11 +41,23 @@ def colocated_plan(problem: Problem, chunked: bool = False, max_pp: int = 1) -> 
         raise NoFeasiblePlan(f"rate {problem.rate} rps needs {count} colocated instances of "
                              f"{tp * pp} devices: more than the cluster")
     return Plan(
-        model=problem.profile.model.name, algorithm="colocated", rate_rps=problem.rate,
+        model=problem.profile.model.name, algorithm="colocated",
+        mode="chunked" if chunked else "colocated", rate_rps=problem.rate,
         ttft_s=problem.slo.ttft_s, tpot_s=problem.slo.tpot_s,
         attainment_target=problem.target, nodes=problem.nodes,
         gpus_per_node=problem.gpus_per_node,
         colocated=PhasePlan(tp=tp, pp=pp, count=count, goodput_rps=goodput),
         instances=instances, devices_used=count * tp * pp,
         per_device_goodput_rps=goodput / (tp * pp), best_per_device_goodput_rps=goodput / (tp * pp),
-        predicted_attainment=float("nan"))
+        predicted_attainment=simulate_colocated(
+            ColocatedCluster([colocated_spec(problem, i) for i in instances], chunked),
+            problem.validation_requests(problem.rate)).attainment(problem.slo),
+        max_batch_tokens=VLLM_MAX_NUM_BATCHED_TOKENS, max_running=VLLM_MAX_NUM_SEQS)
+
+
+def colocated_spec(problem: Problem, placed: InstancePlacement,
+                   batch_tokens: int = VLLM_MAX_NUM_BATCHED_TOKENS,
+                   max_running: int = VLLM_MAX_NUM_SEQS) -> InstanceSpec:
+    """A placed colocated instance with vLLM's scheduler limits (or the given ones)."""
+    return dataclasses.replace(problem.instance(placed.tp, placed.pp, placed.devices[0][0]),
+                               max_batch_tokens=batch_tokens, max_batch=max_running)

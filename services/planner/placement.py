@@ -66,6 +66,16 @@ class Problem:
     duration_s: float = 60.0  # ... and enough to span this long, up to 8x num_requests
     seed: int = 0
     workers: int = 0  # processes for evaluating configurations; 0 = one per CPU
+    batch_tokens: int = 0  # an instance's prompt tokens per step (0: the profile's L_m)
+    max_batch: int = 0  # an instance's running requests at most (0: the profile's)
+
+    @property
+    def l_m(self) -> int:
+        return self.batch_tokens or self.profile.l_m
+
+    @property
+    def max_decode_batch(self) -> int:
+        return self.max_batch or self.profile.max_decode_batch
 
     @property
     def link(self) -> Link:
@@ -73,7 +83,8 @@ class Problem:
                     self.inter_node_gbps * 1e9)
 
     def instance(self, tp: int, pp: int, node: int = 0) -> InstanceSpec:
-        return instance_spec(self.profile, tp, pp, node)
+        return dataclasses.replace(instance_spec(self.profile, tp, pp, node),
+                                   max_batch_tokens=self.l_m, max_batch=self.max_decode_batch)
 
     def fits(self, tp: int, pp: int) -> bool:
         lengths = self.workload.lengths
@@ -115,7 +126,7 @@ def _guess(problem: Problem, tp: int, pp: int) -> float:
 def prefill_bound(problem: Problem, tp: int, pp: int) -> float:
     """Requests/s one prefill instance sustains at best: full L_m batches back to back."""
     lat, prompt = problem.profile.latency(tp, pp), problem.workload.lengths.mean_prompt
-    per_batch = max(1.0, problem.profile.l_m / prompt)
+    per_batch = max(1.0, problem.l_m / prompt)
     return per_batch / lat.prefill_stage_s(per_batch * prompt, per_batch * prompt * prompt)
 
 
@@ -123,7 +134,7 @@ def decode_bound(problem: Problem, tp: int, pp: int) -> float:
     """Requests/s one decode instance sustains at best: the largest batch KV memory allows."""
     lengths = problem.workload.lengths
     tokens = lengths.mean_prompt + lengths.mean_output
-    batch = max(1, min(problem.profile.max_decode_batch,
+    batch = max(1, min(problem.max_decode_batch,
                        int(kv_capacity_tokens(problem.profile, tp, pp) / tokens)))
     context = lengths.mean_prompt + lengths.mean_output / 2
     step = problem.profile.latency(tp, pp).decode_step_s(batch, batch * context)

@@ -25,10 +25,25 @@ class PhasePlan(BaseModel):
         return self.tp * self.pp * self.count
 
 
+Mode = Literal["disaggregated", "colocated", "chunked"]
+
+
+class ModeCandidate(BaseModel):
+    """One serving mode as `distserve plan` weighed it."""
+
+    mode: Mode
+    placement: str = Field(description="its instances, e.g. '2 prefill tp2 + 1 decode tp1'")
+    devices_used: int = 0
+    best_per_device_goodput_rps: float = 0.0
+    predicted_attainment: float = 0.0
+    error: str = Field(default="", description="why the mode has no plan (then no figures)")
+
+
 class Plan(BaseModel):
     version: Literal[1] = 1
     model: str
     algorithm: Literal["high-affinity", "low-affinity", "colocated"]
+    mode: Mode = "disaggregated"
     rate_rps: float
     ttft_s: float
     tpot_s: float
@@ -45,9 +60,34 @@ class Plan(BaseModel):
     best_per_device_goodput_rps: float = Field(
         default=0.0, description="the best per-device goodput of any configuration searched, "
         "regardless of the rate (the figure to compare designs by)")
+    max_batch_tokens: int = Field(default=0, description="colocated: prompt tokens per step "
+                                  "(or chunk budget); 0: vLLM's default, 2048")
+    max_running: int = Field(default=0, description="colocated: requests running at most; "
+                             "0: vLLM's default, 256")
     predicted_attainment: float = Field(description="simulated attainment of the plan at rate")
+    candidates: list[ModeCandidate] = Field(
+        default_factory=list, description="every mode searched (the plan is the best of them)")
     reason: str = ""
     profile: str = Field(default="", description="the profile file the plan was made with")
     profile_model: str = ""
     intra_node_gbps: float = 600.0
     inter_node_gbps: float = 25.0
+
+
+    @property
+    def placement(self) -> str:
+        def phase(name: str, p: PhasePlan) -> str:
+            parallel = "".join(f" {k}{v}" for k, v in (("tp", p.tp), ("pp", p.pp)) if v > 1)
+            return f"{p.count} {name}{parallel}"
+
+        if self.colocated is not None:
+            return phase("chunked colocated" if self.mode == "chunked" else "colocated",
+                         self.colocated)
+        return " + ".join(phase(n, p) for n, p in (("prefill", self.prefill),
+                                                   ("decode", self.decode)) if p is not None)
+
+    def candidate(self) -> ModeCandidate:
+        return ModeCandidate(mode=self.mode, placement=self.placement,
+                             devices_used=self.devices_used,
+                             best_per_device_goodput_rps=self.best_per_device_goodput_rps,
+                             predicted_attainment=self.predicted_attainment)

@@ -21,10 +21,12 @@ from shared.workloads import WorkloadRequest
 def simulate_plan(plan: Plan, profile: Profile,
                   workload: list[WorkloadRequest]) -> SimResult:
     if plan.algorithm == "colocated":
-        specs = [dataclasses.replace(instance_spec(profile, i.tp, i.pp, i.devices[0][0]),
-                                     max_batch_tokens=VLLM_MAX_NUM_BATCHED_TOKENS,
-                                     max_batch=VLLM_MAX_NUM_SEQS) for i in plan.instances]
-        return simulate_colocated(ColocatedCluster(specs, devices=plan.devices_used), workload)
+        specs = [dataclasses.replace(
+            instance_spec(profile, i.tp, i.pp, i.devices[0][0]),
+            max_batch_tokens=plan.max_batch_tokens or VLLM_MAX_NUM_BATCHED_TOKENS,
+            max_batch=plan.max_running or VLLM_MAX_NUM_SEQS) for i in plan.instances]
+        return simulate_colocated(ColocatedCluster(specs, plan.mode == "chunked",
+                                                   plan.devices_used), workload)
     link = Link(profile.model.kv_bytes_per_token, plan.intra_node_gbps * 1e9,
                 plan.inter_node_gbps * 1e9)
     return simulate_disaggregated(

@@ -32,6 +32,12 @@ def test_plan_json_then_simulate_and_sweep(tmp_path: Path) -> None:
     plan = Plan.model_validate_json(result.stdout.strip().splitlines()[-1])
     assert plan.devices_used <= 8 and plan.predicted_attainment >= 0.9
     assert "disaggregated" in result.stderr and "x" in result.stderr  # ratio printed
+    # every mode weighed; the plan is the best of them, side by side in the table
+    assert [c.mode for c in plan.candidates] == ["disaggregated", "colocated", "chunked"]
+    assert all(c.best_per_device_goodput_rps > 0 and not c.error for c in plan.candidates)
+    assert plan.best_per_device_goodput_rps == max(
+        c.best_per_device_goodput_rps for c in plan.candidates)
+    assert "serving modes" in result.stderr and f"recommended: {plan.mode}" in result.stderr
     sim = distserve("simulate", "--plan", str(plan_file), "--workload", SHAREGPT,
                     "--requests", "300")
     assert sim.returncode == 0, sim.stderr
@@ -45,6 +51,21 @@ def test_plan_json_then_simulate_and_sweep(tmp_path: Path) -> None:
     assert set(curves) == {"disaggregated", "colocated"}
     assert len(curves["colocated"]["attainment"]) == 3
     assert (out / "sweep.png").stat().st_size > 1000
+
+
+def test_a_colocated_mode_plan_simulates_as_planned(tmp_path: Path) -> None:
+    plan_file = tmp_path / "plan.json"
+    result = distserve("plan", *BASE, "--rate", "4", "--nodes", "1", "--gpus-per-node", "8",
+                       "--mode", "chunked", "-o", str(plan_file))
+    assert result.returncode == 0, result.stderr
+    plan = Plan.model_validate_json(plan_file.read_text())
+    assert plan.mode == "chunked" and plan.colocated is not None and plan.prefill is None
+    assert [c.mode for c in plan.candidates] == ["chunked"]
+    assert plan.predicted_attainment >= 0.9
+    sim = distserve("simulate", "--plan", str(plan_file), "--workload", SHAREGPT,
+                    "--requests", "300", "--rate", "4")
+    assert sim.returncode == 0, sim.stderr
+    assert "attainment" in sim.stdout
 
 
 @pytest.mark.parametrize(("args", "code", "message"), [

@@ -1,0 +1,104 @@
+"""Which serving mode a workload should run in, on a budget of single-device instances
+(pure): disaggregated prefill and decode (the best n_p : n_d split), colocated replicas (a
+prefill step whenever prompts can be admitted, vLLM's default), or colocated replicas with
+chunked prefill. Each candidate is the whole budget simulated as one cluster, on the same
+requests and objectives; the highest goodput wins.
+
+Disaggregation wins where prefill steps would stall decodes past the TPOT objective (long
+prompts, a tight TPOT); colocation wins where a prompt costs little next to a decode step
+(short prompts, long outputs): every device then both prefills and decodes instead of
+half of them waiting on the other half."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from services.planner.budget import plan_within_budget
+from services.planner.goodput import max_rate
+from services.planner.placement import Problem, decode_bound, prefill_bound
+from services.planner.simulator import (
+    ColocatedCluster,
+    DisaggregatedCluster,
+    SimResult,
+    simulate_colocated,
+    simulate_disaggregated,
+)
+from shared.workloads import WorkloadRequest
+
+Mode = Literal["disaggregated", "colocated", "chunked"]
+MODES: tuple[Mode, ...] = ("disaggregated", "colocated", "chunked")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    mode: Mode
+    prefill: int  # instances of each role on the budget (0 where the mode has none)
+    decode: int
+    colocated: int
+    goodput_rps: float  # the budget's, simulated as one cluster (0: no rate meets the target)
+    attainment: float  # simulated at the problem's rate
+    by_capacity: bool = False  # disaggregated: no split met the objectives, sized by capacity
+
+    @property
+    def devices(self) -> int:
+        return self.prefill + self.decode + self.colocated
+
+    @property
+    def per_device_rps(self) -> float:
+        return self.goodput_rps / self.devices
+
+    @property
+    def layout(self) -> str:
+        if self.mode == "disaggregated":
+            return f"{self.prefill} prefill + {self.decode} decode"
+        return f"{self.colocated} {'chunked ' if self.mode == 'chunked' else ''}colocated"
+
+
+Simulate = Callable[[Sequence[WorkloadRequest]], SimResult]
+
+
+def _cluster(problem: Problem, mode: Mode, counts: tuple[int, int, int]) -> Simulate:
+    n_p, n_d, n_c = counts
+    spec = problem.instance(1, 1)
+    if mode == "disaggregated":
+        cluster = DisaggregatedCluster([spec] * n_p, [spec] * n_d, problem.link)
+        return lambda w: simulate_disaggregated(cluster, w)
+    colocated = ColocatedCluster([spec] * n_c, chunked=mode == "chunked")
+    return lambda w: simulate_colocated(colocated, w)
+
+
+def _candidate(problem: Problem, mode: Mode, counts: tuple[int, int, int],
+               upper: float, by_capacity: bool = False) -> Candidate:
+    simulate = _cluster(problem, mode, counts)
+    attained = problem.attainment_at(simulate, lambda r: r.attainment(problem.slo))
+    goodput = max_rate(attained, problem.target, guess=max(upper / 4, 1e-3), upper=upper)
+    return Candidate(mode, *counts, goodput_rps=goodput, attainment=attained(problem.rate),
+                     by_capacity=by_capacity)
+
+
+def candidates(problem: Problem, budget: int, modes: Sequence[Mode] = MODES
+               ) -> list[Candidate]:
+    """Every mode on `budget` devices, in `modes` order (disaggregated needs two)."""
+    out = []
+    capacity = {"prefill": prefill_bound(problem, 1, 1), "decode": decode_bound(problem, 1, 1)}
+    for mode in modes:
+        if mode == "disaggregated":
+            if budget < 2:
+                continue
+            split = plan_within_budget(problem, budget)
+            upper = min(split.prefill * capacity["prefill"], split.decode * capacity["decode"])
+            out.append(_candidate(problem, mode, (split.prefill, split.decode, 0), upper,
+                                  split.by_capacity))
+        else:
+            # a colocated device spends each request's prefill and decode time itself
+            upper = budget / (1 / capacity["prefill"] + 1 / capacity["decode"])
+            out.append(_candidate(problem, mode, (0, 0, budget), upper))
+    return out
+
+
+def best(found: Sequence[Candidate]) -> Candidate:
+    """The highest goodput; where none meets the objectives at any rate, the best attainment
+    at the problem's rate. Ties go to the earlier candidate (`MODES` order)."""
+    return max(found, key=lambda c: (c.goodput_rps, c.attainment if c.goodput_rps == 0 else 0))

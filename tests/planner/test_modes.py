@@ -1,0 +1,86 @@
+"""The choice between disaggregated, colocated and chunked-prefill serving (pure), on
+hand-made profiles: which mode wins follows from what a prompt token costs next to a decode
+step, and from how tight the TPOT objective is."""
+
+import numpy as np
+import pytest
+
+from services.planner.latency import PhaseCoefficients
+from services.planner.models import model_spec
+from services.planner.modes import Candidate, best, candidates
+from services.planner.placement import Problem
+from services.planner.profiles import Profile
+from shared.metrics import SLO
+from shared.workloads import Lengths, Workload
+
+
+def profile(prompt_token_ms: float, step_ms: float) -> Profile:
+    """A device whose steps cost `step_ms` (reading the weights) plus `prompt_token_ms` per
+    prompt token, or 1 ms per request decoded; room for 64k tokens of KV."""
+    return Profile(model=model_spec("smollm2-135m"), device="hand-made",
+                   device_memory_bytes=0,
+                   by_tp={1: PhaseCoefficients(prefill=(step_ms, prompt_token_ms, 0.0),
+                                               decode_small=(step_ms, 0.0, 1.0),
+                                               decode_large=(step_ms, 0.0, 1.0))},
+                   l_m=512, max_decode_batch=64, kv_capacity={(1, 1): 1 << 16})
+
+
+def problem(prof: Profile, prompt: int, output: int, slo: SLO, rate: float) -> Problem:
+    lengths = Lengths(np.array([prompt] * 16), np.array([output] * 16))
+    return Problem(prof, Workload(lengths), slo, rate, 1, 2, 0.9, num_requests=200,
+                   workers=1)
+
+
+def by_mode(found: list[Candidate]) -> dict[str, Candidate]:
+    return {c.mode: c for c in found}
+
+
+def test_long_prompts_and_a_tight_tpot_pick_disaggregated() -> None:
+    """A 512-token prompt takes 0.5 s, a decode step 20 ms: a colocated replica's prefill
+    stalls its running decodes by 25 steps, past a 30 ms TPOT; a decode instance never
+    stalls, so disaggregation serves more on the same two devices."""
+    found = candidates(problem(profile(1.0, 20.0), 512, 32, SLO(5.0, 0.030), 0.5), budget=2)
+    modes = by_mode(found)
+    assert set(modes) == {"disaggregated", "colocated", "chunked"}
+    assert modes["disaggregated"].layout == "1 prefill + 1 decode"
+    assert modes["colocated"].layout == "2 colocated"
+    assert best(found).mode == "disaggregated"
+    assert modes["disaggregated"].goodput_rps > 1.3 * max(
+        modes["colocated"].goodput_rps, modes["chunked"].goodput_rps)
+
+
+def test_cheap_prompts_and_long_outputs_pick_colocated() -> None:
+    """Prompt tokens nearly free next to a 30 ms decode step: a prefill instance would idle
+    while one decode instance does all the work; two colocated replicas both decode."""
+    found = candidates(problem(profile(0.01, 30.0), 64, 256, SLO(5.0, 0.2), 1.0), budget=2)
+    modes = by_mode(found)
+    assert best(found).mode in ("colocated", "chunked")
+    assert best(found).goodput_rps > 1.5 * modes["disaggregated"].goodput_rps
+
+
+def test_a_loose_tpot_lets_colocation_win_even_on_long_prompts() -> None:
+    """The same long prompts as the first test: once the TPOT objective tolerates a prefill
+    stall, two devices that both work beat one that only prefills."""
+    prof = profile(1.0, 20.0)
+    tight = best(candidates(problem(prof, 512, 32, SLO(5.0, 0.030), 0.5), budget=2))
+    loose = best(candidates(problem(prof, 512, 32, SLO(5.0, 1.0), 0.5), budget=2))
+    assert tight.mode == "disaggregated" and loose.mode != "disaggregated"
+
+
+def test_one_device_cannot_disaggregate_and_the_split_follows_the_budget() -> None:
+    prof = profile(1.0, 20.0)
+    one = candidates(problem(prof, 512, 32, SLO(5.0, 0.030), 0.5), budget=1)
+    assert [c.mode for c in one] == ["colocated", "chunked"]
+    assert all(c.colocated == 1 and c.devices == 1 for c in one)
+    four = by_mode(candidates(problem(prof, 512, 32, SLO(5.0, 0.030), 1.0), budget=4))
+    assert four["disaggregated"].devices == 4 and four["colocated"].colocated == 4
+    assert four["disaggregated"].per_device_rps == pytest.approx(
+        four["disaggregated"].goodput_rps / 4)
+
+
+def test_when_no_mode_meets_the_objectives_the_best_attainment_wins() -> None:
+    found = [Candidate("disaggregated", 1, 1, 0, 0.0, 0.40),
+             Candidate("colocated", 0, 0, 2, 0.0, 0.55),
+             Candidate("chunked", 0, 0, 2, 0.0, 0.50)]
+    assert best(found).mode == "colocated"
+    assert best([*found[:2], Candidate("chunked", 0, 0, 2, 0.1, 0.2)]).mode == "chunked"
