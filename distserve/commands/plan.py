@@ -174,8 +174,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     plans = [p for p in searched if isinstance(p, Plan)]
     if not plans:
         for failed in searched:
-            print(f"distserve plan: no feasible plan: {failed.mode}: {failed.error}",
-                  file=sys.stderr)
+            if isinstance(failed, ModeCandidate):
+                print(f"distserve plan: no feasible plan: {failed.mode}: {failed.error}",
+                      file=sys.stderr)
         return 1
     chosen = max(plans, key=lambda p: p.best_per_device_goodput_rps)
     candidates = [p.candidate() if isinstance(p, Plan) else p for p in searched]
