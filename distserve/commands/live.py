@@ -71,10 +71,12 @@ def show_live(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         applied = plan.get("applied") or {}
         console.print(f"[bold]plan[/bold] ({_ago(plan['made_at'])}): {plan['prefill']} prefill "
                       f"+ {plan['decode']} decode of {plan['budget']} devices; predicted "
-                      f"goodput {plan['goodput_rps']:.2f} req/s (prefill "
-                      f"{plan['prefill_goodput_rps']:.2f}, decode "
-                      f"{plan['decode_goodput_rps']:.2f} per instance)")
+                      f"goodput {plan['goodput_rps']:.2f} req/s, attainment "
+                      f"{plan['attainment']:.0%} at the rate")
         console.print(f"  why: {'; '.join(plan['reasons'])}")
+        console.print("  modes weighed (goodput on the budget): " + ", ".join(
+            f"{c['mode']} {c['goodput_rps']:.2f} req/s" for c in plan.get("candidates", []))
+            + (f"; best: {plan['best_mode']}" if plan.get("best_mode") else ""))
         w = plan["workload"]
         console.print(f"  for: {w['rate_rps']:.2f} req/s (CV {w['arrival_cv']:.2f}), prompts "
                       f"{w['prompt_mean']:.0f} and outputs {w['output_mean']:.0f} tokens on "

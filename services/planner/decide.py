@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from services.planner.budget import BudgetPlan, plan_within_budget
+from services.planner.modes import MODES, Candidate, Mode, best, candidates
 from services.planner.placement import Problem
 from services.planner.profiles import Profile
 from shared.messages import ReplanRequest, WorkloadSummary
@@ -26,12 +26,16 @@ class PlannerConfig:
     slo: SLO
     attainment: float  # the share of requests that must meet both objectives
     budget: int  # devices
+    modes: tuple[Mode, ...] = ("disaggregated",)  # what the deployer can run; all are weighed
+    batch_tokens: int = 0  # the workers' prompt tokens per step (0: the profile's L_m)
+    max_running: int = 0  # the workers' running requests at most (0: the profile's)
 
 
 @dataclass(frozen=True)
 class Decision:
     workload: WorkloadSummary  # planned for: the request's, or the last one seen
-    plan: BudgetPlan
+    plan: Candidate  # the best mode the deployer can run
+    candidates: list[Candidate]  # every mode weighed
     record: dict[str, Any]  # what the planner stores in its history (JSON-ready)
 
     @property
@@ -43,7 +47,8 @@ def problem_for(workload: WorkloadSummary, config: PlannerConfig) -> Problem:
     lengths = Lengths(np.array(workload.prompt_tokens), np.array(workload.output_tokens))
     cv = workload.arrival_cv if workload.arrival_cv > 0 else 1.0
     return Problem(config.profile, Workload(lengths, cv=cv), config.slo,
-                   max(workload.rate_rps, 1e-3), 1, config.budget, config.attainment, workers=1)
+                   max(workload.rate_rps, 1e-3), 1, config.budget, config.attainment, workers=1,
+                   batch_tokens=config.batch_tokens, max_batch=config.max_running)
 
 
 def decide(request: ReplanRequest, last_workload: WorkloadSummary | None,
@@ -54,13 +59,16 @@ def decide(request: ReplanRequest, last_workload: WorkloadSummary | None,
     workload = request.workload or last_workload
     if workload is None:
         return None
-    plan = plan_within_budget(problem_for(workload, config), config.budget)
+    found = candidates(problem_for(workload, config), config.budget, MODES)
+    plan = best([c for c in found if c.mode in config.modes])
     record: dict[str, Any] = {
         "made_at": now, "reasons": list(request.reasons), "budget": config.budget,
         "slo": asdict(config.slo), **asdict(plan),
+        "best_mode": best(found).mode,
+        "candidates": [asdict(c) for c in found],
         "workload": {"rate_rps": workload.rate_rps, "arrival_cv": workload.arrival_cv,
                      "requests": len(workload.prompt_tokens),
                      "prompt_mean": float(np.mean(workload.prompt_tokens)),
                      "output_mean": float(np.mean(workload.output_tokens))},
         "inputs": workload.model_dump()}
-    return Decision(workload, plan, record)
+    return Decision(workload, plan, found, record)

@@ -46,6 +46,9 @@ class PlannerSettings(BaseSettings):
     planner_devices: int = 0  # device budget; 0 = the number of CPU cores
     planner_deployer: Literal["local", "none"] = "local"
     planner_interval_s: float = 0.0  # also plan again this often (0: only when asked)
+    # the workers' scheduler limits (the same DS_ variables the workers read)
+    max_batch_tokens: int = 512
+    max_running: int = 64
 
     @property
     def budget(self) -> int:
@@ -56,7 +59,8 @@ class PlannerSettings(BaseSettings):
 
     def config(self) -> PlannerConfig:
         return PlannerConfig(self.profile(), SLO(self.planner_ttft_s, self.planner_tpot_s),
-                             self.planner_attainment, self.budget)
+                             self.planner_attainment, self.budget,
+                             batch_tokens=self.max_batch_tokens, max_running=self.max_running)
 
 
 class PlannerService(ControlService):
@@ -115,8 +119,9 @@ class PlannerService(ControlService):
             return {}
         self.last_workload = decision.workload
         record = {**decision.record, "search_s": time.monotonic() - started}
-        log.info("plan: %d prefill + %d decode (%s)", decision.plan.prefill,
-                 decision.plan.decode, "; ".join(request.reasons))
+        log.info("plan: %s, predicted goodput %.2f req/s (%s); %s", decision.plan.layout,
+                 decision.plan.goodput_rps, "; ".join(request.reasons),
+                 ", ".join(f"{c.mode} {c.goodput_rps:.2f}" for c in decision.candidates))
         await self._save(record)
         record["applied"] = await self.deployer.apply(decision.target)
         record["applied_at"] = time.time()

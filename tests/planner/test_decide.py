@@ -1,5 +1,6 @@
 """The online planner's decision as a pure function: inputs in, plan and record out."""
 
+import dataclasses
 import json
 
 from services.planner.decide import PlannerConfig, decide
@@ -42,3 +43,22 @@ def test_a_record_replays_to_the_same_decision() -> None:
                                     workload=WorkloadSummary(**stored["inputs"])),
                       None, CONFIG, now=stored["made_at"])
     assert replayed is not None and json.loads(json.dumps(replayed.record)) == stored
+
+
+def test_every_mode_is_weighed_and_the_plan_keeps_to_what_can_be_deployed() -> None:
+    """Short prompts on this CPU's profile: chunked colocated replicas would serve most; a
+    planner configured for disaggregated serving only records that and plans its split."""
+    made = decide(ReplanRequest(reasons=["first full window"], workload=window(16, 24)), None,
+                  CONFIG, now=1.0)
+    assert made is not None
+    by_mode = {c.mode: c for c in made.candidates}
+    assert set(by_mode) == {"disaggregated", "colocated", "chunked"}
+    assert made.plan.mode == "disaggregated" and made.record["mode"] == "disaggregated"
+    best = max(made.candidates, key=lambda c: c.goodput_rps)
+    assert made.record["best_mode"] == best.mode
+    assert [c["mode"] for c in made.record["candidates"]] == ["disaggregated", "colocated",
+                                                              "chunked"]
+    free = dataclasses.replace(CONFIG, modes=("disaggregated", "colocated", "chunked"))
+    chosen = decide(ReplanRequest(reasons=["first full window"], workload=window(16, 24)),
+                    None, free, now=1.0)
+    assert chosen is not None and chosen.plan == best
