@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
@@ -27,7 +28,7 @@ from shared.engine.config import EngineConfig, Role
 from shared.engine.engine import Engine, RequestOutput, RequestRejected
 from shared.engine.request import Request
 from shared.messages import Cancel, PrefillRequest, TokenChunk
-from shared.state import InstanceInfo, Registry, redis_client
+from shared.state import InstanceInfo, Registry, StepSample, redis_client
 from shared.telemetry import setup_tracing
 from shared.telemetry import shutdown as shutdown_tracing
 
@@ -91,6 +92,7 @@ class EngineHost:
         self.step_s = 0.0
         self.outputs_s = 0.0
         self.batched = 0  # requests that got a token, summed over steps
+        self.samples: deque[StepSample] = deque(maxlen=32)  # priced steps, for calibration
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -113,6 +115,11 @@ class EngineHost:
             self.steps += 1
             self.batched += len(outputs)
             self.step_s += handled - started
+            shape = self.engine.last_shape
+            if shape is not None:
+                self.samples.append(StepSample(step=self.steps, prompts=list(shape.prompts),
+                                               batch=shape.batch, context=shape.context,
+                                               seconds=handled - started))
             self.outputs_s += time.time() - handled
 
 
@@ -253,7 +260,7 @@ class Worker:
                             draining=self.draining, max_request_tokens=capacity,
                             max_running=scheduler.config.max_running, steps=self.host.steps,
                             step_seconds=self.host.step_s, outputs_seconds=self.host.outputs_s,
-                            batched=self.host.batched)
+                            batched=self.host.batched, recent_steps=list(self.host.samples.copy()))
 
     def holding(self) -> int:
         """Requests the service holds outside the engine (decode: announced, not pulled)."""

@@ -21,6 +21,17 @@ def redis_client(url: str, timeout_s: float = 2.0) -> Redis:
     return Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
 
+class StepSample(BaseModel):
+    """One engine step as its worker timed it (the engine thread, handoff included): whole
+    prompts computed, or a batch of decodes and the tokens they attended to."""
+
+    step: int  # the worker's step count when it ended (orders samples, drops repeats)
+    prompts: list[int] = []
+    batch: int = 0
+    context: int = 0
+    seconds: float
+
+
 class InstanceInfo(BaseModel):
     version: Literal[1] = 1
     instance_id: str
@@ -40,6 +51,7 @@ class InstanceInfo(BaseModel):
     step_seconds: float = 0.0  # spent in them (the engine thread, handoff included)
     outputs_seconds: float = 0.0  # spent handling their outputs before the next step
     batched: int = 0  # requests that got a token, summed over steps
+    recent_steps: list[StepSample] = []  # the last steps the latency model can price
     heartbeat_at: float = 0.0
 
 

@@ -77,6 +77,7 @@ HEARTBEATS = f"{PREFIX}.heartbeats"  # instances -> gateways: InstanceInfo, ever
 PLAN_KEY = f"{PREFIX}:planner:plan"  # the plan in force, with its reason
 PLAN_HISTORY_KEY = f"{PREFIX}:planner:history"
 PROFILER_KEY = f"{PREFIX}:profiler:view"  # the profiler's current statistics
+CALIBRATION_KEY = f"{PREFIX}:profiler:calibration"  # the latency model's scales, measured
 
 
 def ready_key(service: str) -> str:

@@ -97,6 +97,11 @@ def show_live(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                               f"{s['prompt_p90']:.0f}", f"{s['output_p50']:.0f}",
                               f"{s['output_p90']:.0f}")
         console.print(table)
+        c = view.get("calibration")
+        if c:
+            console.print(f"  step times on the workers: prefill {c['prefill']:.2f}x, decode "
+                          f"{c['decode']:.2f}x the profile (over {c['prefill_steps']} and "
+                          f"{c['decode_steps']} steps)")
         for shift in view.get("shifts", [])[-3:]:
             console.print(f"  shift {_ago(shift['at'])}: {'; '.join(shift['reasons'])}")
     if len(history) > 1:

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from services.planner.calibration import Calibration
 from services.planner.modes import MODES, Candidate, Mode, best, candidates
 from services.planner.placement import Problem
 from services.planner.profiles import Profile
@@ -43,23 +44,27 @@ class Decision:
         return {"prefill": self.plan.prefill, "decode": self.plan.decode}
 
 
-def problem_for(workload: WorkloadSummary, config: PlannerConfig) -> Problem:
+def problem_for(workload: WorkloadSummary, config: PlannerConfig,
+                calibration: Calibration) -> Problem:
     lengths = Lengths(np.array(workload.prompt_tokens), np.array(workload.output_tokens))
     cv = workload.arrival_cv if workload.arrival_cv > 0 else 1.0
-    return Problem(config.profile, Workload(lengths, cv=cv), config.slo,
+    return Problem(calibration.apply(config.profile), Workload(lengths, cv=cv), config.slo,
                    max(workload.rate_rps, 1e-3), 1, config.budget, config.attainment, workers=1,
                    batch_tokens=config.batch_tokens, max_batch=config.max_running)
 
 
 def decide(request: ReplanRequest, last_workload: WorkloadSummary | None,
-           config: PlannerConfig, now: float) -> Decision | None:
+           config: PlannerConfig, now: float,
+           calibration: Calibration | None = None) -> Decision | None:
     """The plan for the request's workload (a request without one, e.g. the timer's, plans
-    for `last_workload` again); None before any workload was seen. `now` stamps the record;
-    the record's `inputs` hold the workload, so the decision can be made again from it."""
+    for `last_workload` again) on the profile as calibrated on the running stack (as
+    profiled when None); None before any workload was seen. `now` stamps the record; the
+    record's `inputs` and `calibration` hold the rest, so the decision can be made again."""
     workload = request.workload or last_workload
     if workload is None:
         return None
-    found = candidates(problem_for(workload, config), config.budget, MODES)
+    calibration = calibration or Calibration()
+    found = candidates(problem_for(workload, config, calibration), config.budget, MODES)
     plan = best([c for c in found if c.mode in config.modes])
     record: dict[str, Any] = {
         "made_at": now, "reasons": list(request.reasons), "budget": config.budget,
@@ -70,5 +75,5 @@ def decide(request: ReplanRequest, last_workload: WorkloadSummary | None,
                      "requests": len(workload.prompt_tokens),
                      "prompt_mean": float(np.mean(workload.prompt_tokens)),
                      "output_mean": float(np.mean(workload.output_tokens))},
-        "inputs": workload.model_dump()}
+        "inputs": workload.model_dump(), "calibration": calibration.model_dump()}
     return Decision(workload, plan, found, record)

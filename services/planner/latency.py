@@ -32,6 +32,15 @@ class PhaseCoefficients:
         return PhaseCoefficients(div(self.prefill), div(self.decode_small),
                                  div(self.decode_large), self.decode_threshold)
 
+    def slowed(self, prefill: float, decode: float) -> PhaseCoefficients:
+        """Prefill times multiplied by `prefill`, decode times by `decode`."""
+
+        def mul(t: Triple, k: float) -> Triple:
+            return (t[0] * k, t[1] * k, t[2] * k)
+
+        return PhaseCoefficients(mul(self.prefill, prefill), mul(self.decode_small, decode),
+                                 mul(self.decode_large, decode), self.decode_threshold)
+
 
 @dataclass(frozen=True)
 class LatencyModel:

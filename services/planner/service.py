@@ -15,7 +15,9 @@ from typing import Any, Literal
 
 from nats.aio.msg import Msg
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from redis.exceptions import RedisError
 
+from services.planner.calibration import Calibration
 from services.planner.decide import PlannerConfig, decide
 from services.planner.deployer import Deployer, LocalDeployer, LogOnlyDeployer
 from services.planner.profiles import Profile, load_profile, shipped_cpu_profile
@@ -109,10 +111,20 @@ class PlannerService(ControlService):
                 except Exception:  # a failed plan must not stop the next one
                     log.exception("replanning failed")
 
+    async def calibration(self) -> Calibration | None:
+        """The latency model's scales as the profiler last measured them on the workers."""
+        try:
+            text = await self.redis.get(subjects.CALIBRATION_KEY)
+        except (RedisError, OSError) as e:
+            log.warning("cannot read the calibration from Redis (%s): planning on the profile", e)
+            return None
+        return Calibration.model_validate_json(text) if text else None
+
     async def replan(self, request: ReplanRequest) -> dict[str, Any]:
         started = time.monotonic()
+        calibration = await self.calibration()
         decision = await asyncio.get_running_loop().run_in_executor(
-            None, decide, request, self.last_workload, self.config, time.time())
+            None, decide, request, self.last_workload, self.config, time.time(), calibration)
         if decision is None:
             log.warning("replan requested (%s) before any workload was seen",
                         "; ".join(request.reasons))

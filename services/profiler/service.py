@@ -12,7 +12,10 @@ from dataclasses import asdict
 
 from nats.aio.msg import Msg
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from redis.exceptions import RedisError
 
+from services.planner.calibration import Calibration, Calibrator, replan_reason
+from services.planner.profiles import load_profile, shipped_cpu_profile
 from services.profiler.detector import (
     DetectorConfig,
     RequestEvent,
@@ -24,6 +27,7 @@ from services.runtime import ControlService
 from shared import subjects
 from shared.bus import parse, publish
 from shared.messages import ReplanRequest, RequestDone, WorkloadSummary
+from shared.state import InstanceInfo
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +45,12 @@ class ProfilerSettings(BaseSettings):
     profiler_min_rate_ratio: float = 2.0  # smallest rate change (either way) that counts
     profiler_cooldown_s: float = 30.0  # no new shift this soon after the last one
     profiler_check_every: int = 5
+    # calibration: the planner's profile (the same DS_ variables the planner reads), the steps
+    # per phase it is calibrated over, and how far it may move before the planner replans
+    planner_profile: str = ""
+    threads: int = 1
+    profiler_calibration_window: int = 200
+    profiler_recalibrate_ratio: float = 1.2
 
     def detector(self) -> DetectorConfig:
         return DetectorConfig(self.profiler_window, self.profiler_alpha, self.profiler_min_ks,
@@ -63,11 +73,38 @@ class ProfilerService(ControlService):
         self.monitor = WorkloadMonitor(settings.detector())
         self.shifts: list[dict[str, object]] = []
         self.seen = 0
+        profile = load_profile(settings.planner_profile or shipped_cpu_profile(settings.threads))
+        self.calibrator = Calibrator(profile.latency(1, 1), settings.profiler_calibration_window)
+        self.calibration = Calibration()  # as last saved
+        self.planned_on = Calibration()  # as when the last replan was asked for
 
     async def serve(self, stop: asyncio.Event) -> None:
-        log.info("profiler watching %s (window %d)", self.subject,
+        await self.nc.subscribe(subjects.HEARTBEATS, cb=self._on_heartbeat)
+        log.info("profiler watching %s (window %d) and the workers' step times", self.subject,
                  self.settings.profiler_window)
         await stop.wait()
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        """The workers' latest step timings calibrate the planner's latency model; once it
+        has moved far enough from what the last plan was made on, the planner plans again."""
+        info = parse(msg, InstanceInfo)
+        if not self.calibrator.observe(info.instance_id, info.recent_steps):
+            return
+        found = self.calibrator.calibration()
+        if found == self.calibration:
+            return
+        self.calibration = found
+        try:
+            await self.redis.set(subjects.CALIBRATION_KEY, found.model_dump_json())
+        except (RedisError, OSError) as e:  # the next heartbeat tries again
+            log.warning("cannot save the calibration to Redis: %s", e)
+            return
+        reason = replan_reason(found, self.planned_on, self.settings.profiler_recalibrate_ratio,
+                               self.calibrator.min_steps)
+        if reason is not None and self.monitor.reference:  # a plan was made: make it again
+            self.planned_on = found
+            log.info("%s; asking for a new plan", reason)
+            await publish(self.nc, subjects.REPLAN, ReplanRequest(reasons=[reason]))
 
     async def on_message(self, msg: Msg) -> None:
         done = parse(msg, RequestDone)
@@ -82,6 +119,7 @@ class ProfilerService(ControlService):
 
     async def _replan(self, shift: Shift) -> None:
         events = self.monitor.reference  # the window that flagged the shift
+        self.planned_on = self.calibration  # the planner reads the latest calibration
         log.info("workload shift: %s", "; ".join(shift.reasons))
         self.shifts.append({"at": time.time(), "reasons": list(shift.reasons),
                             "before": asdict(shift.reference), "after": asdict(shift.recent)})
@@ -95,5 +133,5 @@ class ProfilerService(ControlService):
                 "recent": asdict(WindowStats.of(recent)) if len(recent) > 1 else None,
                 "reference": asdict(WindowStats.of(self.monitor.reference))
                 if self.monitor.reference else None,
-                "shifts": self.shifts[-10:]}
+                "shifts": self.shifts[-10:], "calibration": self.calibration.model_dump()}
         await self.redis.set(subjects.PROFILER_KEY, json.dumps(view))

@@ -14,7 +14,7 @@ from shared.engine.block_manager import BlockManager, blocks_for
 from shared.engine.config import EngineConfig, ModelConfig
 from shared.engine.model_runner import LoadedModel, ModelRunner
 from shared.engine.request import Request, RequestStatus, SamplingParams
-from shared.engine.scheduler import Scheduler, SchedulerOutput
+from shared.engine.scheduler import Scheduler, SchedulerOutput, StepShape
 from shared.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class Engine:
         self.tokenizer = TextTokenizer(data) if data is not None else None
         self.blocks = BlockManager(self.runner.kv.num_blocks, config.scheduler.block_size)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
+        self.last_shape: StepShape | None = None  # of the last step (its timing's meaning)
         self._text: dict[str, _TextState] = {}
         self._arrivals = itertools.count()
 
@@ -123,6 +124,7 @@ class Engine:
         running the step fails, only its requests fail: each is aborted and gets an output
         with `error`; a failure in scheduling still raises."""
         out = self.scheduler.schedule()
+        self.last_shape = out.shape() if out is not None else None
         if out is None:
             return []
         try:

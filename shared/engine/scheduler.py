@@ -51,6 +51,22 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(c.length for c in self.chunks)
 
+    def shape(self) -> StepShape | None:
+        """What the latency model prices the step by, for a step of whole prompts only or of
+        decodes only; None for a mixed step (chunked prefill, a replay beside decodes)."""
+        if self.prefills and not self.decodes and all(c.start == 0 for c in self.prefills):
+            return StepShape(tuple(c.length for c in self.prefills), 0, 0)
+        if self.decodes and not self.prefills:
+            return StepShape((), len(self.decodes), sum(c.start + 1 for c in self.decodes))
+        return None
+
+
+@dataclass(frozen=True)
+class StepShape:
+    prompts: tuple[int, ...]  # whole prompts computed (a prefill step)
+    batch: int  # requests decoded (a decode step)
+    context: int  # their tokens attended to, summed
+
 
 Sampled = Mapping[str, tuple[int, float | None]]  # request id -> (token, logprob)
 

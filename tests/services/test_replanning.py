@@ -21,6 +21,7 @@ from distserve.bench.loadgen import Target, run_requests
 from distserve.bench.results import RunResult
 from distserve.bench.workload import BenchRequest
 from distserve.cli import main
+from services.planner.calibration import Calibration
 from services.planner.decide import decide
 from services.planner.service import PlannerSettings
 from shared import subjects
@@ -111,7 +112,7 @@ def assert_history_replays(history: list[dict[str, Any]], env: dict[str, str]) -
     for entry in history:
         replayed = decide(ReplanRequest(reasons=entry["reasons"],
                                         workload=WorkloadSummary(**entry["inputs"])),
-                          None, config, entry["made_at"])
+                          None, config, entry["made_at"], Calibration(**entry["calibration"]))
         assert replayed is not None
         recorded = {k: v for k, v in entry.items() if k != "search_s"}
         assert json.loads(json.dumps(replayed.record)) == recorded
@@ -121,7 +122,9 @@ def test_longer_prompts_move_capacity_to_prefill_without_losing_requests(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     env = {"DS_PLANNER_DEVICES": "3", "DS_PROFILER_WINDOW": "20",
            "DS_PROFILER_COOLDOWN_S": "5", "DS_PROFILER_CHECK_EVERY": "2",
-           "DS_PROFILER_ALPHA": "0.01", "DS_PLANNER_TTFT_S": "5", "DS_PLANNER_TPOT_S": "0.25"}
+           "DS_PROFILER_ALPHA": "0.01", "DS_PLANNER_TTFT_S": "5", "DS_PLANNER_TPOT_S": "0.25",
+           # plans follow the workload only here (a busy host's slower steps would replan)
+           "DS_PROFILER_RECALIBRATE_RATIO": "100"}
     stack = start_stack(tmp_path, prefill=1, decode=2, planner=True, extra_env=env)
     try:
         redis = Redis.from_url(stack.env["DS_REDIS_URL"])
@@ -149,10 +152,15 @@ def test_longer_prompts_move_capacity_to_prefill_without_losing_requests(
         wait_for(lambda: seen() >= 66, 30, "the profiler to see every request")
         assert seen() == 66
         assert_history_replays(history, stack.env)
+        # the workers' step times calibrated the planner's model (1.0: too few steps yet)
+        calibration = Calibration.model_validate_json(redis.get(subjects.CALIBRATION_KEY) or "")
+        assert calibration.prefill_steps >= 10 and calibration.decode_steps >= 10
+        assert 0.5 < calibration.prefill < 4 and 0.5 < calibration.decode < 4
         capsys.readouterr()
         assert main(["plan", "--live", "--redis-url", stack.env["DS_REDIS_URL"]]) == 0
         shown = capsys.readouterr().out
         assert "2 prefill + 1 decode of 3 devices" in shown
         assert "prompt lengths changed" in shown and "1P+2D" in shown
+        assert "step times on the workers" in shown and "modes weighed" in shown
     finally:
         stack.stop()

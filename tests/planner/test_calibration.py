@@ -1,0 +1,112 @@
+"""The latency model calibrated on the running stack's step timings (pure): steps slower
+than the profile move the phase's scale by as much, and the plan follows."""
+
+import random
+
+import pytest
+
+from services.planner.calibration import Calibration, Calibrator, replan_reason
+from services.planner.decide import PlannerConfig, decide
+from services.planner.profiles import load_profile, shipped_cpu_profile
+from shared.engine.request import Request, SamplingParams
+from shared.engine.scheduler import ScheduledChunk, SchedulerOutput, StepShape
+from shared.messages import ReplanRequest, WorkloadSummary
+from shared.metrics import SLO
+from shared.state import StepSample
+
+PROFILE = load_profile(shipped_cpu_profile(1))
+LATENCY = PROFILE.latency(1, 1)
+
+
+def recorded_steps(prefill_slower: float, decode_slower: float, n: int = 120,
+                   seed: int = 0) -> list[StepSample]:
+    """Steps as a worker heartbeats them: prompts of 64-512 tokens, decode batches of 1-24
+    at contexts of 100-600 tokens, timed `*_slower` x the profile with +-8% noise."""
+    rng = random.Random(seed)
+    out = []
+    for step in range(1, n + 1):
+        noise = rng.uniform(0.92, 1.08)
+        if step % 3 == 0:
+            prompts = [rng.randint(64, 512) for _ in range(rng.randint(1, 2))]
+            seconds = LATENCY.prefill_latency_s(sum(prompts), sum(p * p for p in prompts))
+            out.append(StepSample(step=step, prompts=prompts,
+                                  seconds=seconds * prefill_slower * noise))
+        else:
+            batch = rng.randint(1, 24)
+            context = sum(rng.randint(100, 600) for _ in range(batch))
+            seconds = LATENCY.decode_step_s(batch, context) * decode_slower * noise
+            out.append(StepSample(step=step, batch=batch, context=context, seconds=seconds))
+    return out
+
+
+def test_decode_steps_20_percent_slower_move_the_decode_coefficients_by_as_much() -> None:
+    calibrator = Calibrator(LATENCY)
+    assert calibrator.observe("decode-0", recorded_steps(1.0, 1.2)) == 120
+    found = calibrator.calibration()
+    assert found.decode == pytest.approx(1.2, rel=0.03)
+    assert found.prefill == pytest.approx(1.0, rel=0.03)
+    assert (found.prefill_steps, found.decode_steps) == (40, 80)
+    co, fitted = PROFILE.by_tp[1], found.apply(PROFILE).by_tp[1]
+    for before, after in zip(co.decode_small + co.decode_large, fitted.decode_small +
+                             fitted.decode_large, strict=True):
+        assert after == pytest.approx(before * 1.2, rel=0.03)
+    assert fitted.prefill == pytest.approx(co.prefill, rel=0.03)
+
+
+def test_steps_already_seen_are_not_counted_twice_and_a_phase_needs_enough_steps() -> None:
+    calibrator = Calibrator(LATENCY, min_steps=10)
+    steps = recorded_steps(1.5, 1.5, n=12)
+    assert calibrator.observe("p", steps[:8]) == 8
+    assert calibrator.observe("p", steps) == 4  # the heartbeat repeats the last steps
+    assert calibrator.observe("p", steps) == 0
+    found = calibrator.calibration()
+    assert (found.prefill_steps, found.decode_steps) == (4, 8)
+    assert (found.prefill, found.decode) == (1.0, 1.0)  # too few steps to move either
+    assert calibrator.observe("q", steps) == 12  # another instance counts on its own
+    assert calibrator.calibration().decode == pytest.approx(1.5, rel=0.1)
+
+
+def test_a_slower_decode_side_moves_the_plan_toward_decode() -> None:
+    """256-token prompts, 32-token outputs on 4 devices: as profiled, prefill is the
+    bottleneck (3 prefill + 1 decode); with decode steps 20% slower than profiled, as the
+    stack measured them, the planner gives decode a second instance."""
+    config = PlannerConfig(PROFILE, SLO(5.0, 0.25), 0.9, 4, batch_tokens=512, max_running=64)
+    window = WorkloadSummary(rate_rps=1.0, arrival_cv=1.0, prompt_tokens=[256] * 20,
+                             output_tokens=[32] * 20)
+    request = ReplanRequest(reasons=["first full window"], workload=window)
+    calibrator = Calibrator(LATENCY)
+    calibrator.observe("decode-0", recorded_steps(1.0, 1.2))
+    as_profiled = decide(request, None, config, now=1.0)
+    measured = decide(request, None, config, now=1.0, calibration=calibrator.calibration())
+    assert as_profiled is not None and measured is not None
+    assert as_profiled.target == {"prefill": 3, "decode": 1}
+    assert measured.target == {"prefill": 2, "decode": 2}
+    assert measured.record["calibration"]["decode"] == pytest.approx(1.2, rel=0.03)
+
+
+def test_the_planner_plans_again_once_the_calibration_moves_far_enough() -> None:
+    base = Calibration()
+    assert Calibration(decode=1.25).differs(base, 1.2)
+    assert Calibration(prefill=0.8).differs(base, 1.2)
+    assert not Calibration(prefill=1.1, decode=0.9).differs(base, 1.2)
+    moved = Calibration(prefill=1.05, decode=1.3, prefill_steps=12, decode_steps=40)
+    reason = replan_reason(moved, base, 1.2, min_steps=10)
+    assert reason is not None and "decode 1.30x" in reason
+    assert replan_reason(moved, moved, 1.2, 10) is None  # planned on it already
+    assert replan_reason(moved.model_copy(update={"prefill_steps": 9}), base, 1.2, 10) is None
+
+
+def test_the_engine_reports_which_steps_the_model_can_price() -> None:
+    """Whole prompts or decodes alone are priced; a mixed step (chunked prefill, a failover
+    replay beside decodes) is not."""
+    def request(n: int) -> Request:
+        return Request(f"r{n}", list(range(n)), SamplingParams(max_tokens=4), eos_id=0)
+
+    a, b, c = request(100), request(30), request(50)
+    assert SchedulerOutput([ScheduledChunk(a, 0, 100), ScheduledChunk(b, 0, 30)], []).shape() \
+        == StepShape((100, 30), 0, 0)
+    assert SchedulerOutput([], [ScheduledChunk(a, 100, 1), ScheduledChunk(c, 60, 1)]).shape() \
+        == StepShape((), 2, 162)
+    assert SchedulerOutput([ScheduledChunk(b, 0, 30)], [ScheduledChunk(a, 100, 1)]).shape() \
+        is None
+    assert SchedulerOutput([ScheduledChunk(a, 64, 36)], []).shape() is None
