@@ -18,7 +18,10 @@ from distserve.bench.results import RunResult, span_seconds
 from distserve.bench.runner import CALIBRATION_TOKENS, Unloaded, calibrate, read_spans, sweep
 from distserve.bench.workload import BenchWorkload, as_simulated
 from services.launcher import Stack, StackConfig
+from services.planner.calibration import Calibration
 from services.planner.latency import LatencyModel
+from services.planner.modes import Candidate, Mode, candidates
+from services.planner.placement import Problem
 from services.planner.profiles import Profile
 from services.planner.simulator import (
     ColocatedCluster,
@@ -40,6 +43,12 @@ DEFAULT_LINK_BPS = 0.5e9  # UCX between two local processes (loopback TCP), meas
 class System:
     name: str
     stack: StackConfig
+
+    @property
+    def mode(self) -> Mode:
+        if self.stack.mode == "disaggregated":
+            return "disaggregated"
+        return "chunked" if self.stack.chunked_prefill else "colocated"
 
     @property
     def devices(self) -> int:
@@ -97,21 +106,14 @@ def measure(system: System, workload: BenchWorkload, rates: Callable[[Unloaded],
                     cpu)
 
 
-def calibrated(latency: LatencyModel, unloaded: Unloaded) -> LatencyModel:
-    """`latency` with prefill and decode times scaled so that it predicts the unloaded
-    TTFT and TPOT measured through the running stack (workers sharing the cores, the
-    gateway and the network included), which a profile of the engine alone does not see."""
+def calibration_from(latency: LatencyModel, unloaded: Unloaded) -> Calibration:
+    """Prefill and decode scales that make `latency` predict the unloaded TTFT and TPOT
+    measured through the running stack (workers sharing the cores, the gateway and the
+    network included), which a profile of the engine alone does not see."""
     prompt = unloaded.prompt_tokens
-    prefill = unloaded.ttft_s / latency.prefill_latency_s(prompt, prompt * prompt)
-    decode = unloaded.tpot_s / latency.decode_step_s(1, prompt + CALIBRATION_TOKENS / 2)
-    co = latency.coefficients
-
-    def scale(t: tuple[float, float, float], k: float) -> tuple[float, float, float]:
-        return (t[0] * k, t[1] * k, t[2] * k)
-
-    return dataclasses.replace(latency, coefficients=dataclasses.replace(
-        co, prefill=scale(co.prefill, prefill), decode_small=scale(co.decode_small, decode),
-        decode_large=scale(co.decode_large, decode)))
+    return Calibration(
+        prefill=unloaded.ttft_s / latency.prefill_latency_s(prompt, prompt * prompt),
+        decode=unloaded.tpot_s / latency.decode_step_s(1, prompt + CALIBRATION_TOKENS / 2))
 
 
 def simulate(measured: Measured, profile: Profile, workload: BenchWorkload, requests: int,
@@ -121,10 +123,10 @@ def simulate(measured: Measured, profile: Profile, workload: BenchWorkload, requ
     settings = WorkerSettings()
     c = measured.system.stack
     kv_tokens = (c.kv_cache_mb << 20) // profile.model.kv_bytes_per_token
-    latency = profile.latency(1, 1)
     if calibrate:
-        latency = calibrated(latency, measured.unloaded)
-    spec = InstanceSpec(latency, kv_tokens, settings.max_batch_tokens, settings.max_running)
+        profile = calibration_from(profile.latency(1, 1), measured.unloaded).apply(profile)
+    spec = InstanceSpec(profile.latency(1, 1), kv_tokens, settings.max_batch_tokens,
+                        settings.max_running)
     out = []
     for run in measured.runs:
         batch = as_simulated(workload.requests(run.rate, requests, seed))
@@ -138,6 +140,21 @@ def simulate(measured: Measured, profile: Profile, workload: BenchWorkload, requ
                 DisaggregatedCluster([spec] * c.prefill, [spec] * c.decode, link), batch)
         out.append(result.attainment(slo))
     return out
+
+
+def recommend(measured: Measured, profile: Profile, workload: BenchWorkload, slo: SLO,
+              target: float, rate: float) -> list[Candidate]:
+    """What the planner weighs for these two devices, on the profile calibrated to
+    `measured`'s unloaded latencies: each mode's simulated goodput (modes.candidates)."""
+    settings = WorkerSettings()
+    kv_tokens = (measured.system.stack.kv_cache_mb << 20) // profile.model.kv_bytes_per_token
+    calibrated = calibration_from(profile.latency(1, 1), measured.unloaded).apply(profile)
+    calibrated = dataclasses.replace(calibrated, kv_capacity={(1, 1): kv_tokens})
+    link_gbps = (measured.link_bps or DEFAULT_LINK_BPS) / 1e9
+    problem = Problem(calibrated, workload.as_workload(), slo, rate, 1, 2, target,
+                      intra_node_gbps=link_gbps, workers=1,
+                      batch_tokens=settings.max_batch_tokens, max_batch=settings.max_running)
+    return candidates(problem, 2)
 
 
 def default_run_root() -> Path:

@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from shared.workloads import (
+    Lengths,
+    Workload,
     WorkloadError,
     WorkloadRequest,
     lognormal_outputs,
@@ -78,6 +80,12 @@ class BenchWorkload:
         return [BenchRequest(i, float(t) / rate, self._prompt(i, item, seed),
                              item.prompt_tokens, item.output_tokens)
                 for i, (t, item) in enumerate(zip(times, picked, strict=True))]
+
+    def as_workload(self) -> Workload:
+        """The lengths and arrival pattern, for the planner's simulator."""
+        lengths = Lengths(np.array([i.prompt_tokens for i in self.items]),
+                          np.array([i.output_tokens for i in self.items]))
+        return Workload(lengths, self.cv, self.trace_times)
 
     @staticmethod
     def _prompt(i: int, item: BenchItem, seed: int) -> str | list[int]:

@@ -32,6 +32,7 @@ from distserve.bench.results import RunResult, goodput
 from distserve.bench.runner import Unloaded, calibrate, sweep, system_report
 from distserve.bench.workload import BenchWorkload, Limits, parse_bench_workload
 from distserve.commands import bench_engine
+from services.planner.modes import Candidate, best
 from services.planner.profiles import ProfileError, load_profile
 from shared.metrics import SLO, goodput_from_curve
 from shared.workloads import WorkloadError
@@ -223,10 +224,15 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
               args.threads, "attainment_target": args.attainment, "rates": chosen,
               "unloaded": measured[0].unloaded.__dict__, "systems": reports,
               "ratio_disaggregated_to_colocated": ours / base if base > 0 else None}
+    if profile is not None:
+        found = cmp.recommend(measured[0], profile, workload, slo, args.attainment,
+                              chosen[len(chosen) // 2])
+        report["recommendation"] = recommendation(found, measured, reports)
     out = _out(args)
     _finish(console, out, report, curves, slo, args.attainment, workload.name)
     if profile is not None:
         _print_fidelity(console, curves, slo)
+        _print_recommendation(console, report["recommendation"])
     ratio = report["ratio_disaggregated_to_colocated"]
     if ratio is not None:
         console.print(f"per-device goodput ratio, disaggregated / colocated: {ratio:.2f}x")
@@ -234,6 +240,40 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         console.print("per-device goodput ratio: undefined, the colocated system missed the "
                       f"target even at {min(chosen):g} req/s (give lower --rates)")
     return 0
+
+
+def recommendation(found: Sequence[Candidate], measured: Sequence[cmp.Measured],
+                   reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The planner's pick among the modes on these two devices, next to the measured
+    ranking of the systems run (per-device goodput)."""
+    chosen = best(found)
+    ranking = sorted(((m.system.mode, r["per_device_goodput_rps"])
+                      for m, r in zip(measured, reports, strict=True)), key=lambda x: -x[1])
+    got = dict(ranking)
+    top = ranking[0][1]
+    return {"mode": chosen.mode,
+            "simulated": [{"mode": c.mode, "layout": c.layout, "goodput_rps": c.goodput_rps,
+                           "per_device_goodput_rps": c.per_device_rps,
+                           "attainment_at_rate": c.attainment} for c in found],
+            "measured_ranking": [{"mode": mode, "per_device_goodput_rps": g}
+                                 for mode, g in ranking],
+            "recommended_vs_best_measured": got[chosen.mode] / top
+            if chosen.mode in got and top > 0 else None}
+
+
+def _print_recommendation(console: Console, rec: dict[str, Any]) -> None:
+    simulated = ", ".join(f"{c['mode']} {c['per_device_goodput_rps']:.3f}"
+                          for c in rec["simulated"])
+    measured = ", ".join(f"{m['mode']} {m['per_device_goodput_rps']:.3f}"
+                         for m in rec["measured_ranking"])
+    console.print(f"planner recommends: [bold]{rec['mode']}[/bold] (simulated per-device "
+                  f"goodput: {simulated}); measured ranking: {measured}")
+    ratio = rec["recommended_vs_best_measured"]
+    if ratio is not None:
+        console.print(f"the recommended mode measured {ratio:.2f}x the best measured")
+    else:
+        console.print("the recommended mode was not among the systems run (add --chunked), "
+                      "or no system met the target at any rate")
 
 
 def _goodput_of(runs: Sequence[RunResult], attained: Sequence[float], target: float) -> float:

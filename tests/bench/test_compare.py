@@ -2,15 +2,19 @@
 
 import pytest
 
-from distserve.bench.compare import auto_rates, calibrated, systems
+from distserve.bench.compare import Measured, auto_rates, calibration_from, recommend, systems
 from distserve.bench.runner import CALIBRATION_TOKENS, Unloaded
+from distserve.bench.workload import Limits, parse_bench_workload
+from distserve.commands.bench import recommendation
 from services.planner.profiles import load_profile, shipped_cpu_profile
+from shared.metrics import SLO
 
 
 def test_calibration_makes_the_profile_predict_the_measured_unloaded_latencies() -> None:
-    latency = load_profile(shipped_cpu_profile(1)).latency(1, 1)
+    profile = load_profile(shipped_cpu_profile(1))
+    latency = profile.latency(1, 1)
     measured = Unloaded(ttft_s=1.3, tpot_s=0.07, prompt_tokens=512)
-    scaled = calibrated(latency, measured)
+    scaled = calibration_from(latency, measured).apply(profile).latency(1, 1)
     assert scaled.prefill_latency_s(512, 512 * 512) == pytest.approx(1.3)
     assert scaled.decode_step_s(1, 512 + CALIBRATION_TOKENS / 2) == pytest.approx(0.07)
     # the shape stays: a longer prompt costs the same multiple more
@@ -30,3 +34,26 @@ def test_default_rates_scale_with_unloaded_capacity() -> None:
     unloaded = Unloaded(ttft_s=1.0, tpot_s=0.05, prompt_tokens=512)
     # 2 workers / (1 s + 32 x 0.05 s) = 0.769 req/s
     assert auto_rates(unloaded, 32, 2, (0.5, 1.0)) == [0.385, 0.769]
+
+
+def measured(mode_index: int, unloaded: Unloaded) -> Measured:
+    return Measured(systems(1, 256, chunked=True)[mode_index], [], unloaded, None, {})
+
+
+def test_the_recommendation_sits_next_to_the_measured_ranking() -> None:
+    """Long prompts and a TPOT of 1.5x the unloaded one: the planner's simulator picks
+    disaggregation on this CPU's profile; the report ranks what was measured and says how
+    the pick fared."""
+    profile = load_profile(shipped_cpu_profile(1))
+    unloaded = Unloaded(ttft_s=1.05, tpot_s=0.054, prompt_tokens=512)
+    workload = parse_bench_workload("fixed:512:32", Limits())
+    runs = [measured(i, unloaded) for i in range(3)]
+    found = recommend(runs[0], profile, workload, SLO(5.25, 0.081), 0.9, rate=0.45)
+    assert [c.mode for c in found] == ["disaggregated", "colocated", "chunked"]
+    reports = [{"per_device_goodput_rps": g} for g in (0.12, 0.10, 0.13)]
+    rec = recommendation(found, runs, reports)
+    assert rec["mode"] == "disaggregated"
+    assert [m["mode"] for m in rec["measured_ranking"]] == ["chunked", "disaggregated",
+                                                             "colocated"]
+    assert rec["recommended_vs_best_measured"] == pytest.approx(0.12 / 0.13)
+    assert len(rec["simulated"]) == 3
