@@ -143,3 +143,9 @@ def shipped_cpu_profile(threads: int) -> Path:
     """The profile this project measured for the default model with `threads` torch
     threads per worker (profiles/smollm2-135m-cpu-<n>thread(s).json)."""
     return SHIPPED_PROFILES / f"smollm2-135m-cpu-{threads}thread{'s' if threads > 1 else ''}.json"
+
+
+def planner_profile(path: str, threads: int) -> Profile:
+    """The profile the online planner plans on (and the profiler calibrates): the file
+    DS_PLANNER_PROFILE names, else the shipped one for DS_THREADS threads per worker."""
+    return load_profile(path or shipped_cpu_profile(threads))

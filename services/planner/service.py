@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 from services.planner.calibration import Calibration
 from services.planner.decide import PlannerConfig, decide
 from services.planner.deployer import Deployer, LocalDeployer, LogOnlyDeployer
-from services.planner.profiles import Profile, load_profile, shipped_cpu_profile
+from services.planner.profiles import Profile, planner_profile
 from services.runtime import ControlService
 from shared import subjects
 from shared.bus import parse
@@ -57,7 +57,7 @@ class PlannerSettings(BaseSettings):
         return self.planner_devices or os.cpu_count() or 2
 
     def profile(self) -> Profile:
-        return load_profile(self.planner_profile or shipped_cpu_profile(self.threads))
+        return planner_profile(self.planner_profile, self.threads)
 
     def config(self) -> PlannerConfig:
         return PlannerConfig(self.profile(), SLO(self.planner_ttft_s, self.planner_tpot_s),

@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.exceptions import RedisError
 
 from services.planner.calibration import Calibration, Calibrator, replan_reason
-from services.planner.profiles import load_profile, shipped_cpu_profile
+from services.planner.profiles import planner_profile
 from services.profiler.detector import (
     DetectorConfig,
     RequestEvent,
@@ -73,7 +73,7 @@ class ProfilerService(ControlService):
         self.monitor = WorkloadMonitor(settings.detector())
         self.shifts: list[dict[str, object]] = []
         self.seen = 0
-        profile = load_profile(settings.planner_profile or shipped_cpu_profile(settings.threads))
+        profile = planner_profile(settings.planner_profile, settings.threads)
         self.calibrator = Calibrator(profile.latency(1, 1), settings.profiler_calibration_window)
         self.calibration = Calibration()  # as last saved
         self.planned_on = Calibration()  # as when the last replan was asked for
@@ -93,12 +93,12 @@ class ProfilerService(ControlService):
         found = self.calibrator.calibration()
         if found == self.calibration:
             return
-        self.calibration = found
         try:
             await self.redis.set(subjects.CALIBRATION_KEY, found.model_dump_json())
         except (RedisError, OSError) as e:  # the next heartbeat tries again
             log.warning("cannot save the calibration to Redis: %s", e)
             return
+        self.calibration = found
         reason = replan_reason(found, self.planned_on, self.settings.profiler_recalibrate_ratio,
                                self.calibrator.min_steps)
         if reason is not None and self.monitor.reference:  # a plan was made: make it again
