@@ -106,14 +106,27 @@ def measure(system: System, workload: BenchWorkload, rates: Callable[[Unloaded],
                     cpu)
 
 
-def calibration_from(latency: LatencyModel, unloaded: Unloaded) -> Calibration:
+def calibration_from(latency: LatencyModel, unloaded: Unloaded,
+                     transfer_s: float = 0.0) -> Calibration:
     """Prefill and decode scales that make `latency` predict the unloaded TTFT and TPOT
     measured through the running stack (workers sharing the cores, the gateway and the
-    network included), which a profile of the engine alone does not see."""
+    network included), which a profile of the engine alone does not see. `transfer_s`: the
+    KV transfer inside that TPOT (after the first token, before the second), which the
+    simulator models on its own and so must not be counted in the decode steps too."""
     prompt = unloaded.prompt_tokens
+    decoding = unloaded.tpot_s - transfer_s / (CALIBRATION_TOKENS - 1)
     return Calibration(
         prefill=unloaded.ttft_s / latency.prefill_latency_s(prompt, prompt * prompt),
-        decode=unloaded.tpot_s / latency.decode_step_s(1, prompt + CALIBRATION_TOKENS / 2))
+        decode=decoding / latency.decode_step_s(1, prompt + CALIBRATION_TOKENS / 2))
+
+
+def calibrated_profile(measured: Measured, profile: Profile) -> Profile:
+    """`profile` scaled to `measured`'s unloaded latencies (less its KV transfer)."""
+    transfer_s = 0.0
+    if measured.system.mode == "disaggregated":
+        kv_bytes = profile.model.kv_bytes_per_token * measured.unloaded.prompt_tokens
+        transfer_s = kv_bytes / (measured.link_bps or DEFAULT_LINK_BPS)
+    return calibration_from(profile.latency(1, 1), measured.unloaded, transfer_s).apply(profile)
 
 
 def simulate(measured: Measured, profile: Profile, workload: BenchWorkload, requests: int,
@@ -124,7 +137,7 @@ def simulate(measured: Measured, profile: Profile, workload: BenchWorkload, requ
     c = measured.system.stack
     kv_tokens = (c.kv_cache_mb << 20) // profile.model.kv_bytes_per_token
     if calibrate:
-        profile = calibration_from(profile.latency(1, 1), measured.unloaded).apply(profile)
+        profile = calibrated_profile(measured, profile)
     spec = InstanceSpec(profile.latency(1, 1), kv_tokens, settings.max_batch_tokens,
                         settings.max_running)
     out = []
@@ -148,8 +161,8 @@ def recommend(measured: Measured, profile: Profile, workload: BenchWorkload, slo
     `measured`'s unloaded latencies: each mode's simulated goodput (modes.candidates)."""
     settings = WorkerSettings()
     kv_tokens = (measured.system.stack.kv_cache_mb << 20) // profile.model.kv_bytes_per_token
-    calibrated = calibration_from(profile.latency(1, 1), measured.unloaded).apply(profile)
-    calibrated = dataclasses.replace(calibrated, kv_capacity={(1, 1): kv_tokens})
+    calibrated = dataclasses.replace(calibrated_profile(measured, profile),
+                                     kv_capacity={(1, 1): kv_tokens})
     link_gbps = (measured.link_bps or DEFAULT_LINK_BPS) / 1e9
     problem = Problem(calibrated, workload.as_workload(), slo, rate, 1, 2, target,
                       intra_node_gbps=link_gbps, workers=1,

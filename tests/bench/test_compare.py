@@ -17,6 +17,10 @@ def test_calibration_makes_the_profile_predict_the_measured_unloaded_latencies()
     scaled = calibration_from(latency, measured).apply(profile).latency(1, 1)
     assert scaled.prefill_latency_s(512, 512 * 512) == pytest.approx(1.3)
     assert scaled.decode_step_s(1, 512 + CALIBRATION_TOKENS / 2) == pytest.approx(0.07)
+    # a KV transfer inside the measured TPOT is left to the simulator's link
+    less = calibration_from(latency, measured, transfer_s=0.15).apply(profile).latency(1, 1)
+    assert less.decode_step_s(1, 512 + CALIBRATION_TOKENS / 2) == pytest.approx(
+        0.07 - 0.15 / (CALIBRATION_TOKENS - 1))
     # the shape stays: a longer prompt costs the same multiple more
     ratio = latency.prefill_latency_s(1024, 1024**2) / latency.prefill_latency_s(512, 512**2)
     assert scaled.prefill_latency_s(1024, 1024**2) / 1.3 == pytest.approx(ratio)
