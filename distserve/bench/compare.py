@@ -20,18 +20,9 @@ from distserve.bench.workload import BenchWorkload, as_simulated
 from services.launcher import Stack, StackConfig
 from services.planner.calibration import Calibration
 from services.planner.latency import LatencyModel
-from services.planner.modes import Candidate, Mode, candidates
+from services.planner.modes import Candidate, Mode, candidates, cluster
 from services.planner.placement import Problem
 from services.planner.profiles import Profile
-from services.planner.simulator import (
-    ColocatedCluster,
-    DisaggregatedCluster,
-    InstanceSpec,
-    Link,
-    SimResult,
-    simulate_colocated,
-    simulate_disaggregated,
-)
 from services.runtime import WorkerSettings
 from services.supervisor import free_port
 from shared.metrics import SLO
@@ -129,45 +120,39 @@ def calibrated_profile(measured: Measured, profile: Profile) -> Profile:
     return calibration_from(profile.latency(1, 1), measured.unloaded, transfer_s).apply(profile)
 
 
+def stack_problem(measured: Measured, profile: Profile, workload: BenchWorkload, slo: SLO,
+                  target: float, rate: float, calibrate: bool = True) -> Problem:
+    """The planner's problem for `measured`'s stack: its workers' KV pool and scheduler
+    limits, the KV link it measured, and (with `calibrate`) the profile scaled to its
+    unloaded latencies."""
+    settings = WorkerSettings()
+    kv_tokens = (measured.system.stack.kv_cache_mb << 20) // profile.model.kv_bytes_per_token
+    if calibrate:
+        profile = calibrated_profile(measured, profile)
+    link_gbps = (measured.link_bps or DEFAULT_LINK_BPS) / 1e9
+    return Problem(dataclasses.replace(profile, kv_capacity={(1, 1): kv_tokens}),
+                   workload.as_workload(), slo, rate, 1, 2, target, intra_node_gbps=link_gbps,
+                   workers=1, batch_tokens=settings.max_batch_tokens,
+                   max_batch=settings.max_running)
+
+
 def simulate(measured: Measured, profile: Profile, workload: BenchWorkload, requests: int,
              seed: int, slo: SLO, calibrate: bool = True) -> list[float]:
     """Simulated attainment of `measured`'s system at each of its rates, same requests; with
     `calibrate`, the profile is first scaled to the system's measured unloaded latencies."""
-    settings = WorkerSettings()
     c = measured.system.stack
-    kv_tokens = (c.kv_cache_mb << 20) // profile.model.kv_bytes_per_token
-    if calibrate:
-        profile = calibrated_profile(measured, profile)
-    spec = InstanceSpec(profile.latency(1, 1), kv_tokens, settings.max_batch_tokens,
-                        settings.max_running)
-    out = []
-    for run in measured.runs:
-        batch = as_simulated(workload.requests(run.rate, requests, seed))
-        result: SimResult
-        if c.mode == "colocated":
-            result = simulate_colocated(ColocatedCluster([spec] * c.replicas,
-                                                         chunked=c.chunked_prefill), batch)
-        else:
-            link = Link(profile.model.kv_bytes_per_token, measured.link_bps or DEFAULT_LINK_BPS)
-            result = simulate_disaggregated(
-                DisaggregatedCluster([spec] * c.prefill, [spec] * c.decode, link), batch)
-        out.append(result.attainment(slo))
-    return out
+    problem = stack_problem(measured, profile, workload, slo, 0.9, 1.0, calibrate)
+    counts = (c.prefill, c.decode, 0) if c.mode == "disaggregated" else (0, 0, c.replicas)
+    run_cluster = cluster(problem, measured.system.mode, counts)
+    return [run_cluster(as_simulated(workload.requests(run.rate, requests, seed))
+                        ).attainment(slo) for run in measured.runs]
 
 
 def recommend(measured: Measured, profile: Profile, workload: BenchWorkload, slo: SLO,
               target: float, rate: float) -> list[Candidate]:
     """What the planner weighs for these two devices, on the profile calibrated to
     `measured`'s unloaded latencies: each mode's simulated goodput (modes.candidates)."""
-    settings = WorkerSettings()
-    kv_tokens = (measured.system.stack.kv_cache_mb << 20) // profile.model.kv_bytes_per_token
-    calibrated = dataclasses.replace(calibrated_profile(measured, profile),
-                                     kv_capacity={(1, 1): kv_tokens})
-    link_gbps = (measured.link_bps or DEFAULT_LINK_BPS) / 1e9
-    problem = Problem(calibrated, workload.as_workload(), slo, rate, 1, 2, target,
-                      intra_node_gbps=link_gbps, workers=1,
-                      batch_tokens=settings.max_batch_tokens, max_batch=settings.max_running)
-    return candidates(problem, 2)
+    return candidates(stack_problem(measured, profile, workload, slo, target, rate), 2)
 
 
 def default_run_root() -> Path:

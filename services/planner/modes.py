@@ -59,7 +59,8 @@ class Candidate:
 Simulate = Callable[[Sequence[WorkloadRequest]], SimResult]
 
 
-def _cluster(problem: Problem, mode: Mode, counts: tuple[int, int, int]) -> Simulate:
+def cluster(problem: Problem, mode: Mode, counts: tuple[int, int, int]) -> Simulate:
+    """The simulation of `counts` = (prefill, decode, colocated) single-device instances."""
     n_p, n_d, n_c = counts
     spec = problem.instance(1, 1)
     if mode == "disaggregated":
@@ -71,7 +72,7 @@ def _cluster(problem: Problem, mode: Mode, counts: tuple[int, int, int]) -> Simu
 
 def _candidate(problem: Problem, mode: Mode, counts: tuple[int, int, int],
                upper: float, by_capacity: bool = False) -> Candidate:
-    simulate = _cluster(problem, mode, counts)
+    simulate = cluster(problem, mode, counts)
     attained = problem.attainment_at(simulate, lambda r: r.attainment(problem.slo))
     goodput = max_rate(attained, problem.target, guess=max(upper / 4, 1e-3), upper=upper)
     return Candidate(mode, *counts, goodput_rps=goodput, attainment=attained(problem.rate),
