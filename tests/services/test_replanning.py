@@ -155,7 +155,7 @@ def test_longer_prompts_move_capacity_to_prefill_without_losing_requests(
         # the workers' step times calibrated the planner's model (1.0: too few steps yet)
         calibration = Calibration.model_validate_json(redis.get(subjects.CALIBRATION_KEY) or "")
         assert calibration.prefill_steps >= 10 and calibration.decode_steps >= 10
-        assert 0.5 < calibration.prefill < 4 and 0.5 < calibration.decode < 4
+        assert 0.3 < calibration.prefill < 10 and 0.3 < calibration.decode < 10
         capsys.readouterr()
         assert main(["plan", "--live", "--redis-url", stack.env["DS_REDIS_URL"]]) == 0
         shown = capsys.readouterr().out
