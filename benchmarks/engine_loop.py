@@ -9,7 +9,8 @@ Then the engine alone, in this process with the workers' threads, times the same
 prompt of the workload's length, and decode steps at batch 1 and 2 at the context the
 stack's requests decode at (a context the profile's 64-token decode points miss by ~10%).
 The decode instance's ms per step is compared with the alone figure at its mean batch
-(linear between batch 1 and 2), the prefill instance's with the alone prefill.
+(linear in the batch through the batch-1 and batch-2 figures), the prefill instance's with
+the alone prefill.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def main() -> None:
 
 def engine_alone(workload: str, threads: int, steps: int = 30) -> dict[str | int, float]:
     """Median ms of a prefill of the workload's prompt, and of decode steps at batch 1 and 2
-    at the context the stack's requests decode at (prompt + half the output)."""
+    from the middle of the output on (the context the stack's requests decode at)."""
     import torch
 
     from shared.engine.config import EngineConfig

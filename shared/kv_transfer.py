@@ -108,7 +108,7 @@ ucxx_listen.exchange_peer_info = _exchange_peer_info
 # safety net: UCX events, and requests handed to the thread (it is signalled), wake it at
 # once, so pulls are as fast with 100 ms (measured, 4 KiB to 24 MB). DS_UCX_PROGRESS_TIMEOUT_MS
 # overrides it (1: ucxx's own).
-PROGRESS_EPOLL_TIMEOUT_MS = int(os.environ.get("DS_UCX_PROGRESS_TIMEOUT_MS", "100"))
+PROGRESS_EPOLL_TIMEOUT_MS = max(1, int(os.environ.get("DS_UCX_PROGRESS_TIMEOUT_MS", "100")))
 
 
 class _ThreadMode(ucxx_progress.ProgressTask):  # type: ignore[misc]  # ucxx is untyped

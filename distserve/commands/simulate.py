@@ -80,7 +80,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--rate must be positive")
     stats = summary(simulate_plan(plan, profile, workload.requests(rate, args.requests,
                                                                     args.seed)), slo)
-    table = Table(title=f"{plan.algorithm} plan at {rate} req/s: attainment "
+    table = Table(title=f"{plan.mode} plan at {rate} req/s: attainment "
                         f"{stats['attainment']:.1%} (TTFT {slo.ttft_s}s, TPOT {slo.tpot_s}s)")
     for column in ("", "p50", "p90", "p99"):
         table.add_column(column, justify="right")
@@ -106,8 +106,8 @@ def sweep(args: argparse.Namespace, parser: argparse.ArgumentParser, plan: Plan,
         print(f"distserve simulate: colocated baseline: {e}", file=sys.stderr)
         return 1
     curves: dict[str, Any] = {}
-    for name, p, prof in (("disaggregated", plan, profile), ("colocated", baseline,
-                                                              base_profile)):
+    for name, p, prof in ((plan.mode, plan, profile), ("colocated baseline", baseline,
+                                                       base_profile)):
         attained = [simulate_plan(p, prof, workload.requests(r, args.requests, args.seed))
                     .attainment(slo) for r in rates]
         goodput = goodput_from_curve(rates, attained, plan.attainment_target)

@@ -41,7 +41,8 @@ class Decision:
 
     @property
     def target(self) -> dict[Role, int]:
-        return {"prefill": self.plan.prefill, "decode": self.plan.decode}
+        return {"prefill": self.plan.prefill, "decode": self.plan.decode,
+                "colocated": self.plan.colocated}
 
 
 def problem_for(workload: WorkloadSummary, config: PlannerConfig,
@@ -65,7 +66,11 @@ def decide(request: ReplanRequest, last_workload: WorkloadSummary | None,
         return None
     calibration = calibration or Calibration()
     found = candidates(problem_for(workload, config, calibration), config.budget, MODES)
-    plan = best([c for c in found if c.mode in config.modes])
+    deployable = [c for c in found if c.mode in config.modes]
+    if not deployable:
+        raise ValueError(f"no {'/'.join(config.modes)} plan fits a budget of {config.budget} "
+                         "device(s) (disaggregated serving needs two)")
+    plan = best(deployable)
     record: dict[str, Any] = {
         "made_at": now, "reasons": list(request.reasons), "budget": config.budget,
         "slo": asdict(config.slo), **asdict(plan),

@@ -72,6 +72,9 @@ class LocalDeployer:
                 for role in ROLES}
 
     async def apply(self, counts: dict[Role, int]) -> dict[str, list[str]]:
+        if counts.get("colocated"):
+            raise DeployError(f"the local deployer runs prefill and decode workers only, not "
+                              f"the plan {counts}")
         live = await self.live()
         started = [self._spawn(role) for role in ROLES
                    for _ in range(counts[role] - len(live[role]))]

@@ -92,11 +92,22 @@ def candidates(problem: Problem, budget: int, modes: Sequence[Mode] = MODES
             upper = min(split.prefill * capacity["prefill"], split.decode * capacity["decode"])
             out.append(_candidate(problem, mode, (split.prefill, split.decode, 0), upper,
                                   split.by_capacity))
-        else:
+        elif mode == "colocated":
             # a colocated device spends each request's prefill and decode time itself
             upper = budget / (1 / capacity["prefill"] + 1 / capacity["decode"])
             out.append(_candidate(problem, mode, (0, 0, budget), upper))
+        else:
+            out.append(_candidate(problem, mode, (0, 0, budget),
+                                  budget * chunked_bound(problem)))
     return out
+
+
+def chunked_bound(problem: Problem) -> float:
+    """Requests/s one chunked-prefill instance sustains at best: every step a full token
+    budget, decodes riding along at a prompt token's cost (attention left out)."""
+    lengths, budget = problem.workload.lengths, problem.l_m
+    step_s = problem.profile.latency(1, 1).prefill_stage_s(budget, budget)
+    return budget / step_s / (lengths.mean_prompt + max(1.0, lengths.mean_output - 1))
 
 
 def best(found: Sequence[Candidate]) -> Candidate:

@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.exceptions import RedisError
 
 from services.planner.calibration import Calibration, Calibrator, replan_reason
-from services.planner.profiles import planner_profile
+from services.planner.profiles import ProfileError, planner_profile
 from services.profiler.detector import (
     DetectorConfig,
     RequestEvent,
@@ -73,8 +73,13 @@ class ProfilerService(ControlService):
         self.monitor = WorkloadMonitor(settings.detector())
         self.shifts: list[dict[str, object]] = []
         self.seen = 0
-        profile = planner_profile(settings.planner_profile, settings.threads)
-        self.calibrator = Calibrator(profile.latency(1, 1), settings.profiler_calibration_window)
+        self.calibrator: Calibrator | None = None
+        try:
+            profile = planner_profile(settings.planner_profile, settings.threads)
+            self.calibrator = Calibrator(profile.latency(1, 1),
+                                         settings.profiler_calibration_window)
+        except (ProfileError, OSError) as e:  # shift detection goes on without it
+            log.warning("no latency profile to calibrate (%s): step times are not watched", e)
         self.calibration = Calibration()  # as last saved
         self.planned_on = Calibration()  # as when the last replan was asked for
 
@@ -88,9 +93,10 @@ class ProfilerService(ControlService):
         """The workers' latest step timings calibrate the planner's latency model; once it
         has moved far enough from what the last plan was made on, the planner plans again."""
         info = parse(msg, InstanceInfo)
-        if not self.calibrator.observe(info.instance_id, info.recent_steps):
+        calibrator = self.calibrator
+        if calibrator is None or not calibrator.observe(info.instance_id, info.recent_steps):
             return
-        found = self.calibrator.calibration()
+        found = calibrator.calibration()
         if found == self.calibration:
             return
         try:
@@ -100,7 +106,7 @@ class ProfilerService(ControlService):
             return
         self.calibration = found
         reason = replan_reason(found, self.planned_on, self.settings.profiler_recalibrate_ratio,
-                               self.calibrator.min_steps)
+                               calibrator.min_steps)
         if reason is not None and self.monitor.reference:  # a plan was made: make it again
             self.planned_on = found
             log.info("%s; asking for a new plan", reason)

@@ -130,6 +130,7 @@ class Engine:
         try:
             return self._run(out)
         except Exception as e:  # the model, sampling or update: any of it fails only this step
+            self.last_shape = None  # a failed step's time says nothing of the model
             log.exception("a step of %d requests failed", len(out.chunks))
             return self._fail(out, f"the engine step failed: {type(e).__name__}: {e}")
 

@@ -79,8 +79,8 @@ def test_a_slower_decode_side_moves_the_plan_toward_decode() -> None:
     as_profiled = decide(request, None, config, now=1.0)
     measured = decide(request, None, config, now=1.0, calibration=calibrator.calibration())
     assert as_profiled is not None and measured is not None
-    assert as_profiled.target == {"prefill": 3, "decode": 1}
-    assert measured.target == {"prefill": 2, "decode": 2}
+    assert as_profiled.target == {"prefill": 3, "decode": 1, "colocated": 0}
+    assert measured.target == {"prefill": 2, "decode": 2, "colocated": 0}
     assert measured.record["calibration"]["decode"] == pytest.approx(1.2, rel=0.03)
 
 

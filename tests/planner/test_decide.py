@@ -3,6 +3,8 @@
 import dataclasses
 import json
 
+import pytest
+
 from services.planner.decide import PlannerConfig, decide
 from services.planner.profiles import load_profile, shipped_cpu_profile
 from shared.messages import ReplanRequest, WorkloadSummary
@@ -23,10 +25,10 @@ def test_nothing_is_decided_before_a_workload_is_seen() -> None:
 def test_the_plan_follows_the_workload_and_a_timer_plans_for_the_last_one() -> None:
     chat = decide(ReplanRequest(reasons=["first full window"], workload=window(16, 24)), None,
                   CONFIG, now=10.0)
-    assert chat is not None and chat.target == {"prefill": 1, "decode": 2}
+    assert chat is not None and chat.target == {"prefill": 1, "decode": 2, "colocated": 0}
     shifted = decide(ReplanRequest(reasons=["prompt lengths changed"],
                                    workload=window(384, 2)), chat.workload, CONFIG, now=20.0)
-    assert shifted is not None and shifted.target == {"prefill": 2, "decode": 1}
+    assert shifted is not None and shifted.target == {"prefill": 2, "decode": 1, "colocated": 0}
     again = decide(ReplanRequest(reasons=["timer"]), shifted.workload, CONFIG, now=30.0)
     assert again is not None and again.workload == shifted.workload
     assert again.target == shifted.target and again.record["made_at"] == 30.0
@@ -62,3 +64,9 @@ def test_every_mode_is_weighed_and_the_plan_keeps_to_what_can_be_deployed() -> N
     chosen = decide(ReplanRequest(reasons=["first full window"], workload=window(16, 24)),
                     None, free, now=1.0)
     assert chosen is not None and chosen.plan == best
+
+
+def test_a_budget_too_small_for_what_can_be_deployed_is_a_clear_error() -> None:
+    one = dataclasses.replace(CONFIG, budget=1)
+    with pytest.raises(ValueError, match="disaggregated serving needs two"):
+        decide(ReplanRequest(reasons=["x"], workload=window(16, 24)), None, one, now=1.0)
