@@ -27,6 +27,7 @@ from shared.bus import connect, publish
 from shared.engine.config import EngineConfig, Role
 from shared.engine.engine import Engine, RequestOutput, RequestRejected
 from shared.engine.request import Request
+from shared.engine.scheduler import StepShape
 from shared.messages import Cancel, PrefillRequest, TokenChunk
 from shared.state import InstanceInfo, Registry, StepSample, redis_client
 from shared.telemetry import setup_tracing
@@ -92,7 +93,8 @@ class EngineHost:
         self.step_s = 0.0
         self.outputs_s = 0.0
         self.batched = 0  # requests that got a token, summed over steps
-        self.samples: deque[StepSample] = deque(maxlen=32)  # priced steps, for calibration
+        # the last priced steps, for calibration: (step count, shape, seconds)
+        self.samples: deque[tuple[int, StepShape, float]] = deque(maxlen=32)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -115,11 +117,8 @@ class EngineHost:
             self.steps += 1
             self.batched += len(outputs)
             self.step_s += handled - started
-            shape = self.engine.last_shape
-            if shape is not None:
-                self.samples.append(StepSample(step=self.steps, prompts=list(shape.prompts),
-                                               batch=shape.batch, context=shape.context,
-                                               seconds=handled - started))
+            if self.engine.last_shape is not None:
+                self.samples.append((self.steps, self.engine.last_shape, handled - started))
             self.outputs_s += time.time() - handled
 
 
@@ -260,7 +259,13 @@ class Worker:
                             draining=self.draining, max_request_tokens=capacity,
                             max_running=scheduler.config.max_running, steps=self.host.steps,
                             step_seconds=self.host.step_s, outputs_seconds=self.host.outputs_s,
-                            batched=self.host.batched, recent_steps=list(self.host.samples.copy()))
+                            batched=self.host.batched, recent_steps=self.recent_steps())
+
+    def recent_steps(self) -> list[StepSample]:
+        """The engine's last priced steps, for the heartbeat (its thread, not the loop's)."""
+        return [StepSample(step=step, prompts=list(shape.prompts), batch=shape.batch,
+                           context=shape.context, seconds=seconds)
+                for step, shape, seconds in self.host.samples.copy()]
 
     def holding(self) -> int:
         """Requests the service holds outside the engine (decode: announced, not pulled)."""

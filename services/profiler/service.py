@@ -81,6 +81,7 @@ class ProfilerService(ControlService):
         except (ProfileError, OSError) as e:  # shift detection goes on without it
             log.warning("no latency profile to calibrate (%s): step times are not watched", e)
         self.calibration = Calibration()  # as last saved
+        self.saved_at = 0.0
         self.planned_on = Calibration()  # as when the last replan was asked for
 
     async def serve(self, stop: asyncio.Event) -> None:
@@ -97,14 +98,14 @@ class ProfilerService(ControlService):
         if calibrator is None or not calibrator.observe(info.instance_id, info.recent_steps):
             return
         found = calibrator.calibration()
-        if found == self.calibration:
-            return
+        if not found.differs(self.calibration, 1.02) and time.time() - self.saved_at < 10:
+            return  # no Redis write for every heartbeat that moves the medians a little
         try:
             await self.redis.set(subjects.CALIBRATION_KEY, found.model_dump_json())
         except (RedisError, OSError) as e:  # the next heartbeat tries again
             log.warning("cannot save the calibration to Redis: %s", e)
             return
-        self.calibration = found
+        self.calibration, self.saved_at = found, time.time()
         reason = replan_reason(found, self.planned_on, self.settings.profiler_recalibrate_ratio,
                                calibrator.min_steps)
         if reason is not None and self.monitor.reference:  # a plan was made: make it again
