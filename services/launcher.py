@@ -114,7 +114,7 @@ class StackConfig:
     threads: int = 1  # torch threads per worker
     kv_cache_mb: int = 256
     chunked_prefill: bool = False
-    planner: bool = False  # run the workload profiler and the planner (disaggregated only)
+    planner: bool = False  # run the workload profiler and the planner (which may switch modes)
     api_keys: list[str] = field(default_factory=list)  # the gateway's; none: the API is open
     extra_env: dict[str, str] = field(default_factory=dict)
     run_dir: Path = Path("runs")
@@ -189,7 +189,8 @@ class Stack:
         for service in ("profiler", "planner") if c.planner else ():
             self.supervisor.spawn(service, module(service), fixed(env), restart=True)
         self.supervisor.spawn("gateway", module("gateway"), fixed(
-            env | {"DS_PORT": str(c.port), "DS_MODE": c.mode,
+            # with a planner the mode may change: the gateway serves whatever is live
+            env | {"DS_PORT": str(c.port), "DS_MODE": "auto" if c.planner else c.mode,
                    "DS_API_KEYS": ",".join(c.api_keys)}), restart=True)
         expected = ({"colocated": c.replicas} if c.mode == "colocated"
                     else {"prefill": c.prefill, "decode": c.decode})

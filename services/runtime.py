@@ -257,6 +257,7 @@ class Worker:
                             queue_len=len(scheduler.waiting), running=len(scheduler.running),
                             free_blocks=blocks.num_free, total_blocks=blocks.num_blocks,
                             draining=self.draining, max_request_tokens=capacity,
+                            chunked=self.role == "colocated" and scheduler.config.chunked_prefill,
                             max_running=scheduler.config.max_running, steps=self.host.steps,
                             step_seconds=self.host.step_s, outputs_seconds=self.host.outputs_s,
                             batched=self.host.batched, recent_steps=self.recent_steps())

@@ -69,14 +69,20 @@ def show_live(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                       "window of requests (is the stack running with --planner auto?)")
     else:
         applied = plan.get("applied") or {}
-        console.print(f"[bold]plan[/bold] ({_ago(plan['made_at'])}): {plan['prefill']} prefill "
-                      f"+ {plan['decode']} decode of {plan['budget']} devices; predicted "
-                      f"goodput {plan['goodput_rps']:.2f} req/s, attainment "
-                      f"{plan['attainment']:.0%} at the rate")
+        console.print(f"[bold]plan[/bold] ({_ago(plan['made_at'])}): {layout(plan)} of "
+                      f"{plan['budget']} devices; predicted goodput {plan['goodput_rps']:.2f} "
+                      f"req/s, attainment {plan['attainment']:.0%} at the rate")
         console.print(f"  why: {'; '.join(plan['reasons'])}")
         console.print("  modes weighed (goodput on the budget): " + ", ".join(
             f"{c['mode']} {c['goodput_rps']:.2f} req/s" for c in plan.get("candidates", []))
             + (f"; best: {plan['best_mode']}" if plan.get("best_mode") else ""))
+        current, best = plan.get("current_mode"), plan.get("best_mode")
+        if current and current != plan["mode"]:
+            console.print(f"  switching from {current} to {plan['mode']}")
+        elif best and best != plan["mode"]:
+            why = ("not enough better to restart the workers for it"
+                   if best in plan.get("deployable", []) else "not one the planner deploys")
+            console.print(f"  kept {plan['mode']}: {best} is {why}")
         w = plan["workload"]
         console.print(f"  for: {w['rate_rps']:.2f} req/s (CV {w['arrival_cv']:.2f}), prompts "
                       f"{w['prompt_mean']:.0f} and outputs {w['output_mean']:.0f} tokens on "
@@ -106,8 +112,17 @@ def show_live(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             console.print(f"  shift {_ago(shift['at'])}: {'; '.join(shift['reasons'])}")
     if len(history) > 1:
         console.print("earlier plans: " + ", ".join(
-            f"{h['prefill']}P+{h['decode']}D ({_ago(h['made_at'])})" for h in history[1:]))
+            f"{layout(h, short=True)} ({_ago(h['made_at'])})" for h in history[1:]))
     return 0
+
+
+def layout(plan: dict[str, Any], short: bool = False) -> str:
+    """A recorded plan's workers: '1 prefill + 2 decode' ('1P+2D'), '2 chunked colocated'."""
+    mode = plan.get("mode", "disaggregated")
+    if mode == "disaggregated":
+        p, d = plan["prefill"], plan["decode"]
+        return f"{p}P+{d}D" if short else f"{p} prefill + {d} decode"
+    return f"{plan['colocated']} {'chunked ' if mode == 'chunked' else ''}colocated"
 
 
 def without_password(url: str) -> str:

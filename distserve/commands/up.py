@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from services.launcher import Stack, StackConfig
+from services.planner.modes import MODES
 
 
 def register(sub: Any) -> None:
@@ -33,7 +34,14 @@ def register(sub: Any) -> None:
     p.add_argument("--run-dir", type=Path, default=Path("runs"), help="logs and traces")
     p.add_argument("--planner", choices=["off", "auto"], default="off",
                    help="auto: run the workload profiler and the planner, which re-plans on a "
-                        "workload shift and starts/drains instances (disaggregated only)")
+                        "workload shift and starts/drains workers, switching modes where "
+                        "another serves enough more (the --mode given is where it starts)")
+    p.add_argument("--planner-modes", default=",".join(MODES), metavar="MODES",
+                   help="the modes the planner may deploy, comma-separated (default: %(default)s;"
+                        " it weighs all of them either way)")
+    p.add_argument("--switch-margin", type=float, default=1.2,
+                   help="the planner switches modes only for this many times the goodput "
+                        "(default: %(default)s)")
     p.add_argument("--devices", type=int, default=0,
                    help="the planner's device budget (default: the number of CPU cores)")
     p.add_argument("--ttft", type=float, default=5.0, help="the planner's TTFT objective (s)")
@@ -73,13 +81,16 @@ def api_keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if min(args.prefill, args.decode, args.replicas) < 1:
         parser.error("--prefill, --decode and --replicas must be at least 1")
-    if args.planner == "auto" and args.mode != "disaggregated":
-        parser.error("--planner auto plans prefill and decode instances: use it with "
-                     "--mode disaggregated")
-    if args.ttft <= 0 or args.tpot <= 0 or args.devices < 0:
-        parser.error("--ttft and --tpot must be positive, --devices at least 0")
+    if args.ttft <= 0 or args.tpot <= 0 or args.devices < 0 or args.switch_margin < 1:
+        parser.error("--ttft and --tpot must be positive, --devices at least 0, "
+                     "--switch-margin at least 1")
+    modes = [m.strip() for m in args.planner_modes.split(",") if m.strip()]
+    if not modes or set(modes) - set(MODES):
+        parser.error(f"--planner-modes: choose from {', '.join(MODES)}")
     planner_env = {"DS_PLANNER_DEVICES": str(args.devices),
-                   "DS_PLANNER_TTFT_S": str(args.ttft), "DS_PLANNER_TPOT_S": str(args.tpot)}
+                   "DS_PLANNER_TTFT_S": str(args.ttft), "DS_PLANNER_TPOT_S": str(args.tpot),
+                   "DS_PLANNER_MODES": ",".join(modes),
+                   "DS_PLANNER_SWITCH_MARGIN": str(args.switch_margin)}
     try:
         config = StackConfig(mode=args.mode, prefill=args.prefill, decode=args.decode,
                              replicas=args.replicas, port=args.port, nats_url=args.nats_url,

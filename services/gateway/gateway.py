@@ -55,7 +55,8 @@ class GatewaySettings(BaseSettings):
     nats_url: str = "nats://127.0.0.1:4222"
     redis_url: str = "redis://127.0.0.1:6379"
     model: str = "smollm2-135m"
-    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    # what it dispatches to; auto: whatever is live (the online planner may switch modes)
+    mode: Literal["auto", "disaggregated", "colocated"] = "auto"
     host: str = "127.0.0.1"
     port: int = 8000
     gateway_id: str = ""  # names its in-flight counts in Redis (default: random)
@@ -161,7 +162,10 @@ class Gateway:
 
     @property
     def roles(self) -> tuple[Role, ...]:
-        return ("colocated",) if self.settings.mode == "colocated" else ("prefill", "decode")
+        mode = self.settings.mode
+        if mode == "auto":
+            return ("prefill", "decode", "colocated")
+        return ("colocated",) if mode == "colocated" else ("prefill", "decode")
 
     async def start(self) -> None:
         self.nc = await connect(self.settings.nats_url, self.id)
@@ -234,8 +238,8 @@ class Gateway:
     def inflight_limit(self) -> int:
         if self.settings.max_inflight:
             return self.settings.max_inflight
-        decoding: Role = "colocated" if self.settings.mode == "colocated" else "decode"
-        return max(16, 2 * sum(i.max_running for i in self.live(decoding)))
+        decoding = [role for role in self.roles if role != "prefill"]
+        return max(16, 2 * sum(i.max_running for role in decoding for i in self.live(role)))
 
     def admit(self) -> Ticket:
         """A slot for one more request, or 429 with Retry-After before any work is done."""
@@ -255,16 +259,50 @@ class Gateway:
         return pick_prefill(instances, self.ledger.prefilling if role == "prefill"
                             else self.ledger.decoding)
 
-    def dispatch(self) -> Target:
-        chosen = [self._pick(role, self.dispatchable(role)) for role in self.roles]
-        live = [i for i in chosen if i is not None]
-        if len(live) < len(chosen):
-            raise APIError(503, f"no {'/'.join(self.roles)} instance is available; retry "
-                                f"after {self.settings.retry_after_s}s", kind="server_error",
-                           headers={"Retry-After": str(self.settings.retry_after_s)})
-        limits = [i.max_request_tokens for i in live if i.max_request_tokens]
-        return Target(live[0].instance_id, live[1].instance_id if len(live) > 1 else "",
+    def _load(self, instance: InstanceInfo) -> float:
+        """How full the instance that decodes a route's requests is: what this gateway has
+        in flight there and its queue, against the batch it runs."""
+        held = self.ledger.decoding.get(instance.instance_id, 0) + instance.queue_len
+        return held / max(1, instance.max_running)
+
+    def routes(self, pools: dict[Role, list[InstanceInfo]], avoid: str = "") -> list[Target]:
+        """Where a request can go, least-loaded first: a colocated worker, or a prefill
+        instance and a decode instance (in "auto" mode both kinds: while the planner switches
+        modes, or where both run side by side). `avoid` (an instance that failed) is passed
+        over where its role has another."""
+        def pool(role: Role) -> list[InstanceInfo]:
+            instances = pools.get(role, [])
+            return [i for i in instances if i.instance_id != avoid] or instances
+
+        found: list[tuple[float, Target]] = []
+        worker = self._pick("colocated", pool("colocated"))
+        if worker is not None:
+            found.append((self._load(worker), self._target(worker, None)))
+        prefill, decode = self._pick("prefill", pool("prefill")), self._pick("decode",
+                                                                            pool("decode"))
+        if prefill is not None and decode is not None:
+            found.append((self._load(decode), self._target(prefill, decode)))
+        return [target for _, target in sorted(found, key=lambda f: f[0])]
+
+    def _target(self, worker: InstanceInfo, decode: InstanceInfo | None) -> Target:
+        limits = [i.max_request_tokens for i in (worker, decode)
+                  if i is not None and i.max_request_tokens]
+        return Target(worker.instance_id, decode.instance_id if decode else "",
                       min([self.max_context, *limits]))
+
+    @property
+    def wanted(self) -> str:
+        """What serves a request, in words (for a 503)."""
+        return {"disaggregated": "prefill/decode instance", "colocated": "colocated worker"
+                }.get(self.settings.mode, "colocated worker nor prefill and decode instance")
+
+    def dispatch(self) -> Target:
+        found = self.routes({role: self.dispatchable(role) for role in self.roles})
+        if not found:
+            raise APIError(503, f"no {self.wanted} is available; retry after "
+                                f"{self.settings.retry_after_s}s", kind="server_error",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        return found[0]
 
     def sampling(self, target: Target, prompt_len: int,
                  req: CompletionRequest | ChatRequest) -> Sampling:
@@ -361,22 +399,17 @@ class Gateway:
         old_worker, old_decode, prefilled = relay.worker, relay.decode, relay.prefilled
         prefill_died = lost.cause == "prefill_died"
         failed = old_worker if prefill_died else relay.serving
+        kv_held = bool(old_decode) and prefilled and not prefill_died
+        route = await self._live_route(avoid=failed, decode=kv_held)
         path = "re_prefill"
-        if not old_decode:
-            worker = await self._live_instance("colocated", avoid=failed)
-            relay.retarget(worker.instance_id, "", prefilled=True)
-            await self._prefill(relay, prompt_ids, sampling, timing)
-        else:
-            decode = await self._live_instance("decode", avoid=old_decode if prefilled else "")
+        if kv_held and route.decode:
             attempt = relay.new_attempt()
-            if prefilled and not prefill_died and \
-                    await self._resume(relay, old_worker, decode.instance_id, attempt):
-                relay.retarget(old_worker, decode.instance_id, prefilled=True, attempt=attempt)
+            if await self._resume(relay, old_worker, route.decode, attempt):
+                relay.retarget(old_worker, route.decode, prefilled=True, attempt=attempt)
                 path = "kv_held"
-            else:  # a new attempt: a late "held" answer acts on the one it was asked for
-                prefill = await self._live_instance("prefill", avoid=failed)
-                relay.retarget(prefill.instance_id, decode.instance_id, prefilled=False)
-                await self._prefill(relay, prompt_ids, sampling, timing)
+        if path == "re_prefill":  # a new attempt: a late "held" answer acts on the one asked
+            relay.retarget(route.worker, route.decode, prefilled=not route.decode)
+            await self._prefill(relay, prompt_ids, sampling, timing)
         self.metrics.moves.labels(lost.cause, path).inc()
         log.info("moved %s after %d tokens (%s: %s) to %s%s, by %s", relay.request_id,
                  len(relay.output_ids), lost.cause, lost, relay.worker,
@@ -401,18 +434,18 @@ class Gateway:
             log.info("%s cannot resume %s: %s", prefill, relay.request_id, e)
             return False
 
-    async def _live_instance(self, role: Role, avoid: str) -> InstanceInfo:
-        """A live instance of `role` to move a request to, another than `avoid` if there is
-        one; waits up to `failover_wait_s` for one (a supervisor restarting it), then
-        GaveUp."""
+    async def _live_route(self, avoid: str, decode: bool) -> Target:
+        """Live instances to move a request to, others than `avoid` where there are (with
+        `decode`, a route through a decode instance if any: it can resume from the KV the
+        prefill instance holds); waits up to `failover_wait_s` for one (a supervisor
+        restarting it), then GaveUp."""
         deadline = time.monotonic() + self.settings.failover_wait_s
         while True:
-            live = self.live(role)
-            chosen = self._pick(role, [i for i in live if i.instance_id != avoid] or live)
-            if chosen is not None:
-                return chosen
+            found = self.routes({role: self.live(role) for role in self.roles}, avoid)
+            if found:
+                return next((r for r in found if r.decode), found[0]) if decode else found[0]
             if time.monotonic() >= deadline:
-                raise GaveUp(f"no live {role} instance to move the request to")
+                raise GaveUp(f"no live {self.wanted} to move the request to")
             await asyncio.sleep(0.25)
 
     async def _after(self, relay: Relay, timing: RequestTiming, outcome: str) -> None:

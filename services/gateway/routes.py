@@ -206,12 +206,13 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        live = {role: len(gateway.live(role)) for role in gateway.roles}
-        ok = all(live.values())
+        pools = {role: gateway.live(role) for role in gateway.roles}
+        ok = bool(gateway.routes(pools))  # a request can be served
         return JSONResponse({"status": "ok" if ok else "degraded",
-                             "mode": gateway.settings.mode, "instances": live,
-                             "instance_ids": sorted(i.instance_id for role in gateway.roles
-                                                    for i in gateway.live(role))},
+                             "mode": gateway.settings.mode,
+                             "instances": {role: len(pool) for role, pool in pools.items()},
+                             "instance_ids": sorted(i.instance_id for pool in pools.values()
+                                                    for i in pool)},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -12,12 +12,11 @@ from typing import Any
 import numpy as np
 
 from services.planner.calibration import Calibration
-from services.planner.modes import MODES, Candidate, Mode, best, candidates
+from services.planner.modes import MODES, Candidate, Kind, Mode, best, candidates, worth_switching
 from services.planner.placement import Problem
 from services.planner.profiles import Profile
 from shared.messages import ReplanRequest, WorkloadSummary
 from shared.metrics import SLO
-from shared.state import Role
 from shared.workloads import Lengths, Workload
 
 
@@ -27,7 +26,8 @@ class PlannerConfig:
     slo: SLO
     attainment: float  # the share of requests that must meet both objectives
     budget: int  # devices
-    modes: tuple[Mode, ...] = ("disaggregated",)  # what the deployer can run; all are weighed
+    modes: tuple[Mode, ...] = MODES  # what the deployer may run; all are weighed
+    switch_margin: float = 1.2  # another mode's goodput must be this much higher to switch
     batch_tokens: int = 0  # the workers' prompt tokens per step (0: the profile's L_m)
     max_running: int = 0  # the workers' running requests at most (0: the profile's)
 
@@ -40,9 +40,8 @@ class Decision:
     record: dict[str, Any]  # what the planner stores in its history (JSON-ready)
 
     @property
-    def target(self) -> dict[Role, int]:
-        return {"prefill": self.plan.prefill, "decode": self.plan.decode,
-                "colocated": self.plan.colocated}
+    def target(self) -> dict[Kind, int]:
+        return self.plan.deployment
 
 
 def problem_for(workload: WorkloadSummary, config: PlannerConfig,
@@ -55,12 +54,14 @@ def problem_for(workload: WorkloadSummary, config: PlannerConfig,
 
 
 def decide(request: ReplanRequest, last_workload: WorkloadSummary | None,
-           config: PlannerConfig, now: float,
-           calibration: Calibration | None = None) -> Decision | None:
+           config: PlannerConfig, now: float, calibration: Calibration | None = None,
+           current: Mode | None = None) -> Decision | None:
     """The plan for the request's workload (a request without one, e.g. the timer's, plans
     for `last_workload` again) on the profile as calibrated on the running stack (as
-    profiled when None); None before any workload was seen. `now` stamps the record; the
-    record's `inputs` and `calibration` hold the rest, so the decision can be made again."""
+    profiled when None); None before any workload was seen. The best mode the deployer may
+    run wins, but the `current` one (what the live workers serve in) stays unless the other
+    is `switch_margin` better. `now` stamps the record; the record's `inputs`,
+    `calibration` and `current_mode` hold the rest, so the decision can be made again."""
     workload = request.workload or last_workload
     if workload is None:
         return None
@@ -71,10 +72,14 @@ def decide(request: ReplanRequest, last_workload: WorkloadSummary | None,
         raise ValueError(f"no {'/'.join(config.modes)} plan fits a budget of {config.budget} "
                          "device(s) (disaggregated serving needs two)")
     plan = best(deployable)
+    stay = next((c for c in deployable if c.mode == current), None)
+    if stay is not None and not worth_switching(plan, stay, config.switch_margin):
+        plan = stay
     record: dict[str, Any] = {
         "made_at": now, "reasons": list(request.reasons), "budget": config.budget,
         "slo": asdict(config.slo), **asdict(plan),
-        "best_mode": best(found).mode,
+        "best_mode": best(found).mode, "current_mode": current,
+        "deployable": list(config.modes),
         "candidates": [asdict(c) for c in found],
         "workload": {"rate_rps": workload.rate_rps, "arrival_cv": workload.arrival_cv,
                      "requests": len(workload.prompt_tokens),

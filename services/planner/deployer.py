@@ -1,6 +1,8 @@
-"""Deployers apply a plan's instance counts. The local one starts prefill/decode worker
-processes on this host and drains the ones no longer needed; scaling up completes (the new
-instances heartbeat, so the gateway dispatches to them) before anything is drained."""
+"""Deployers apply a plan's worker counts. The local one starts prefill, decode and
+colocated (plain or chunked-prefill) worker processes on this host and drains the ones no
+longer needed; scaling up completes (the new workers heartbeat, so the gateway dispatches to
+them) before anything is drained. A change of mode is one such step: the new mode's workers
+start, then the old mode's drain, finishing what they hold."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Protocol
 from nats.aio.client import Client
 
 from services.launcher import assign_devices, gpu_count
+from services.planner.modes import KINDS, Kind
 from services.supervisor import Supervisor, incarnation
 from shared import subjects
 from shared.bus import publish
@@ -23,7 +26,25 @@ from shared.messages import Drain
 from shared.state import InstanceInfo, Registry, Role
 
 log = logging.getLogger(__name__)
-ROLES: tuple[Role, Role] = ("prefill", "decode")
+ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
+
+
+def kind_of(info: InstanceInfo) -> Kind:
+    return "chunked" if info.role == "colocated" and info.chunked else info.role
+
+
+def role_of(kind: Kind) -> Role:
+    return "colocated" if kind == "chunked" else kind
+
+
+async def live_workers(registry: Registry) -> dict[Kind, list[InstanceInfo]]:
+    """The live workers that take requests (none draining), by kind."""
+    live: dict[Kind, list[InstanceInfo]] = {kind: [] for kind in KINDS}
+    for role in ROLES:
+        for info in await registry.instances(role):
+            if not info.draining:
+                live[kind_of(info)].append(info)
+    return live
 
 
 class DeployError(RuntimeError):
@@ -31,7 +52,7 @@ class DeployError(RuntimeError):
 
 
 class Deployer(Protocol):
-    async def apply(self, counts: dict[Role, int]) -> dict[str, list[str]]: ...
+    async def apply(self, counts: dict[Kind, int]) -> dict[str, list[str]]: ...
 
     def stop(self) -> None: ...
 
@@ -47,7 +68,7 @@ class LogOnlyDeployer:
     """Records plans without acting (e.g. under docker-compose, where an orchestrator
     scales the containers)."""
 
-    async def apply(self, counts: dict[Role, int]) -> dict[str, list[str]]:
+    async def apply(self, counts: dict[Kind, int]) -> dict[str, list[str]]:
         log.info("plan (not applied): %s", counts)
         return {"started": [], "drained": []}
 
@@ -67,34 +88,30 @@ class LocalDeployer:
         self.gpus = gpu_count(os.environ)
         self.spawned = 0
 
-    async def live(self) -> dict[Role, list[InstanceInfo]]:
-        return {role: [i for i in await self.registry.instances(role) if not i.draining]
-                for role in ROLES}
-
-    async def apply(self, counts: dict[Role, int]) -> dict[str, list[str]]:
-        if counts.get("colocated"):
-            raise DeployError(f"the local deployer runs prefill and decode workers only, not "
-                              f"the plan {counts}")
-        live = await self.live()
-        started = [self._spawn(role) for role in ROLES
-                   for _ in range(counts[role] - len(live[role]))]
+    async def apply(self, counts: dict[Kind, int]) -> dict[str, list[str]]:
+        live = await live_workers(self.registry)
+        started = [self._spawn(kind) for kind in KINDS
+                   for _ in range(counts.get(kind, 0) - len(live[kind]))]
         if started:
             await self._wait_healthy(started)
-        drained = [i.instance_id for role in ROLES for i in to_drain(live[role], counts[role])]
+        drained = [i.instance_id for kind in KINDS
+                   for i in to_drain(live[kind], counts.get(kind, 0))]
         for instance in drained:
             await publish(self.nc, subjects.drain(instance), Drain(reason=f"plan {counts}"))
         if started or drained:
             log.info("applied %s: started %s, draining %s", counts, started, drained)
         return {"started": started, "drained": drained}
 
-    def _spawn(self, role: Role) -> str:
+    def _spawn(self, kind: Kind) -> str:
         """A new worker; on a GPU host on the next GPU in turn (the planner does not know
         which GPUs the workers it did not start use: they may share one)."""
-        instance = f"{role}-{uuid.uuid4().hex[:6]}"
+        instance = f"{kind}-{uuid.uuid4().hex[:6]}"
         device = assign_devices(self.spawned + 1, self.gpus)[-1]
         env = {**os.environ, **({"DS_DEVICE": device} if device else {})}
+        if role_of(kind) == "colocated":
+            env["DS_CHUNKED_PREFILL"] = str(kind == "chunked").lower()
         self.spawned += 1
-        self.supervisor.spawn(instance, [sys.executable, "-m", f"services.{role}"],
+        self.supervisor.spawn(instance, [sys.executable, "-m", f"services.{role_of(kind)}"],
                               lambda restarts: {**env,
                                                 "DS_INSTANCE_ID": incarnation(instance, restarts)},
                               restart=True)

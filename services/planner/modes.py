@@ -29,6 +29,9 @@ from shared.workloads import WorkloadRequest
 
 Mode = Literal["disaggregated", "colocated", "chunked"]
 MODES: tuple[Mode, ...] = ("disaggregated", "colocated", "chunked")
+# what a deployer starts: a worker role, colocated workers with and without chunked prefill
+Kind = Literal["prefill", "decode", "colocated", "chunked"]
+KINDS: tuple[Kind, ...] = ("prefill", "decode", "colocated", "chunked")
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,13 @@ class Candidate:
     @property
     def per_device_rps(self) -> float:
         return self.goodput_rps / self.devices
+
+    @property
+    def deployment(self) -> dict[Kind, int]:
+        """The workers of each kind this candidate runs."""
+        return {"prefill": self.prefill, "decode": self.decode,
+                "colocated": self.colocated if self.mode == "colocated" else 0,
+                "chunked": self.colocated if self.mode == "chunked" else 0}
 
     @property
     def layout(self) -> str:
@@ -114,3 +124,23 @@ def best(found: Sequence[Candidate]) -> Candidate:
     """The highest goodput; where none meets the objectives at any rate, the best attainment
     at the problem's rate. Ties go to the earlier candidate (`MODES` order)."""
     return max(found, key=lambda c: (c.goodput_rps, c.attainment if c.goodput_rps == 0 else 0))
+
+
+def serving_mode(counts: dict[Kind, int]) -> Mode | None:
+    """The mode live workers of each kind serve in: the one most of them serve (None when
+    none are live; prefill or decode instances alone serve nothing)."""
+    served: dict[Mode, int] = {
+        "disaggregated": counts.get("prefill", 0) + counts.get("decode", 0)
+        if counts.get("prefill", 0) and counts.get("decode", 0) else 0,
+        "colocated": counts.get("colocated", 0), "chunked": counts.get("chunked", 0)}
+    mode = max(MODES, key=lambda m: served[m])
+    return mode if served[mode] else None
+
+
+def worth_switching(to: Candidate, stay: Candidate, margin: float) -> bool:
+    """Whether moving from `stay` to `to` pays for restarting the workers: a goodput
+    `margin` times higher (where neither meets the objectives at any rate, an attainment
+    `margin` times higher at the rate)."""
+    if to.goodput_rps or stay.goodput_rps:
+        return to.goodput_rps > margin * stay.goodput_rps
+    return to.attainment > margin * stay.attainment

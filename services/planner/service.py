@@ -14,12 +14,14 @@ import time
 from typing import Any, Literal
 
 from nats.aio.msg import Msg
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.exceptions import RedisError
 
 from services.planner.calibration import Calibration
 from services.planner.decide import PlannerConfig, decide
-from services.planner.deployer import Deployer, LocalDeployer, LogOnlyDeployer
+from services.planner.deployer import Deployer, LocalDeployer, LogOnlyDeployer, live_workers
+from services.planner.modes import MODES, Mode, serving_mode
 from services.planner.profiles import Profile, planner_profile
 from services.runtime import ControlService
 from shared import subjects
@@ -47,6 +49,8 @@ class PlannerSettings(BaseSettings):
     planner_attainment: float = 0.9
     planner_devices: int = 0  # device budget; 0 = the number of CPU cores
     planner_deployer: Literal["local", "none"] = "local"
+    planner_modes: str = ",".join(MODES)  # the modes it may deploy (all are weighed)
+    planner_switch_margin: float = Field(default=1.2, ge=1.0)  # a new mode's goodput gain
     planner_interval_s: float = 0.0  # also plan again this often (0: only when asked)
     # the workers' scheduler limits (the same DS_ variables the workers read)
     max_batch_tokens: int = 512
@@ -59,9 +63,24 @@ class PlannerSettings(BaseSettings):
     def profile(self) -> Profile:
         return planner_profile(self.planner_profile, self.threads)
 
+    @field_validator("planner_modes")
+    @classmethod
+    def _known_modes(cls, value: str) -> str:
+        modes = [m.strip() for m in value.split(",") if m.strip()]
+        unknown = set(modes) - set(MODES)
+        if unknown or not modes:
+            raise ValueError(f"DS_PLANNER_MODES: {', '.join(sorted(unknown)) or 'none given'}"
+                             f"; the modes are {', '.join(MODES)}")
+        return ",".join(modes)
+
+    @property
+    def modes(self) -> tuple[Mode, ...]:
+        return tuple(m for m in MODES if m in self.planner_modes.split(","))
+
     def config(self) -> PlannerConfig:
         return PlannerConfig(self.profile(), SLO(self.planner_ttft_s, self.planner_tpot_s),
-                             self.planner_attainment, self.budget,
+                             self.planner_attainment, self.budget, modes=self.modes,
+                             switch_margin=self.planner_switch_margin,
                              batch_tokens=self.max_batch_tokens, max_running=self.max_running)
 
 
@@ -76,9 +95,10 @@ class PlannerService(ControlService):
         self.last_workload: WorkloadSummary | None = None
         self.wake = asyncio.Event()
         self.deployer: Deployer
+        self.registry: Registry
 
     async def serve(self, stop: asyncio.Event) -> None:
-        registry = Registry(self.redis, self.settings.heartbeat_ttl_s)
+        registry = self.registry = Registry(self.redis, self.settings.heartbeat_ttl_s)
         self.deployer = (LocalDeployer(self.nc, registry, self.settings.run_dir)
                          if self.settings.planner_deployer == "local" else LogOnlyDeployer())
         log.info("planner ready: budget %d devices, SLO TTFT %.3gs TPOT %.3gs, %s deployer",
@@ -120,20 +140,33 @@ class PlannerService(ControlService):
             return None
         return Calibration.model_validate_json(text) if text else None
 
+    async def serving(self) -> Mode | None:
+        """The mode the live workers serve in (None: none live, or Redis unreachable)."""
+        try:
+            live = await live_workers(self.registry)
+        except (RedisError, OSError) as e:
+            log.warning("cannot read the live workers from Redis (%s)", e)
+            return None
+        return serving_mode({kind: len(workers) for kind, workers in live.items()})
+
     async def replan(self, request: ReplanRequest) -> dict[str, Any]:
         started = time.monotonic()
-        calibration = await self.calibration()
+        calibration, current = await self.calibration(), await self.serving()
         decision = await asyncio.get_running_loop().run_in_executor(
-            None, decide, request, self.last_workload, self.config, time.time(), calibration)
+            None, decide, request, self.last_workload, self.config, time.time(), calibration,
+            current)
         if decision is None:
             log.warning("replan requested (%s) before any workload was seen",
                         "; ".join(request.reasons))
             return {}
         self.last_workload = decision.workload
         record = {**decision.record, "search_s": time.monotonic() - started}
-        log.info("plan: %s, predicted goodput %.2f req/s (%s); %s", decision.plan.layout,
+        scales = calibration or Calibration()
+        log.info("plan: %s, predicted goodput %.2f req/s (%s); %s; live: %s; step times "
+                 "%.2fx (prefill), %.2fx (decode) the profile", decision.plan.layout,
                  decision.plan.goodput_rps, "; ".join(request.reasons),
-                 ", ".join(f"{c.mode} {c.goodput_rps:.2f}" for c in decision.candidates))
+                 ", ".join(f"{c.mode} {c.goodput_rps:.2f}" for c in decision.candidates),
+                 current or "nothing", scales.prefill, scales.decode)
         await self._save(record)
         record["applied"] = await self.deployer.apply(decision.target)
         record["applied_at"] = time.time()

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from services.planner.budget import plan_within_budget, split
-from services.planner.deployer import to_drain
+from services.planner.deployer import kind_of, role_of, to_drain
 from services.planner.placement import Problem
 from services.planner.profiles import load_profile, shipped_cpu_profile
 from shared.metrics import SLO
@@ -44,3 +44,12 @@ def test_scale_down_drains_the_least_loaded_instances() -> None:
             InstanceInfo(instance_id="d-c", role="decode", running=2, queue_len=3)]
     assert [i.instance_id for i in to_drain(live, 1)] == ["d-b", "d-a"]
     assert to_drain(live, 3) == [] and to_drain(live, 5) == []
+
+
+def test_colocated_workers_are_counted_by_how_they_prefill() -> None:
+    chunked = InstanceInfo(instance_id="c-a", role="colocated", chunked=True)
+    plain = InstanceInfo(instance_id="c-b", role="colocated")
+    assert [kind_of(i) for i in (chunked, plain)] == ["chunked", "colocated"]
+    assert kind_of(InstanceInfo(instance_id="p", role="prefill", chunked=True)) == "prefill"
+    assert [role_of(k) for k in ("chunked", "colocated", "decode")] == ["colocated",
+                                                                       "colocated", "decode"]

@@ -70,7 +70,8 @@ def test_a_slower_decode_side_moves_the_plan_toward_decode() -> None:
     """256-token prompts, 32-token outputs on 4 devices: as profiled, prefill is the
     bottleneck (3 prefill + 1 decode); with decode steps 20% slower than profiled, as the
     stack measured them, the planner gives decode a second instance."""
-    config = PlannerConfig(PROFILE, SLO(5.0, 0.25), 0.9, 4, batch_tokens=512, max_running=64)
+    config = PlannerConfig(PROFILE, SLO(5.0, 0.25), 0.9, 4, modes=("disaggregated",),
+                           batch_tokens=512, max_running=64)
     window = WorkloadSummary(rate_rps=1.0, arrival_cv=1.0, prompt_tokens=[256] * 20,
                              output_tokens=[32] * 20)
     request = ReplanRequest(reasons=["first full window"], workload=window)
@@ -79,8 +80,8 @@ def test_a_slower_decode_side_moves_the_plan_toward_decode() -> None:
     as_profiled = decide(request, None, config, now=1.0)
     measured = decide(request, None, config, now=1.0, calibration=calibrator.calibration())
     assert as_profiled is not None and measured is not None
-    assert as_profiled.target == {"prefill": 3, "decode": 1, "colocated": 0}
-    assert measured.target == {"prefill": 2, "decode": 2, "colocated": 0}
+    assert (as_profiled.plan.prefill, as_profiled.plan.decode) == (3, 1)
+    assert (measured.plan.prefill, measured.plan.decode) == (2, 2)
     assert measured.record["calibration"]["decode"] == pytest.approx(1.2, rel=0.03)
 
 

@@ -6,11 +6,13 @@ import json
 import pytest
 
 from services.planner.decide import PlannerConfig, decide
+from services.planner.modes import MODES
 from services.planner.profiles import load_profile, shipped_cpu_profile
 from shared.messages import ReplanRequest, WorkloadSummary
 from shared.metrics import SLO
 
-CONFIG = PlannerConfig(load_profile(shipped_cpu_profile(1)), SLO(5.0, 0.25), 0.9, 3)
+CONFIG = PlannerConfig(load_profile(shipped_cpu_profile(1)), SLO(5.0, 0.25), 0.9, 3,
+                       modes=("disaggregated",))
 
 
 def window(prompt: int, output: int) -> WorkloadSummary:
@@ -25,10 +27,12 @@ def test_nothing_is_decided_before_a_workload_is_seen() -> None:
 def test_the_plan_follows_the_workload_and_a_timer_plans_for_the_last_one() -> None:
     chat = decide(ReplanRequest(reasons=["first full window"], workload=window(16, 24)), None,
                   CONFIG, now=10.0)
-    assert chat is not None and chat.target == {"prefill": 1, "decode": 2, "colocated": 0}
+    assert chat is not None and chat.target == {"prefill": 1, "decode": 2, "colocated": 0,
+                                                "chunked": 0}
     shifted = decide(ReplanRequest(reasons=["prompt lengths changed"],
                                    workload=window(384, 2)), chat.workload, CONFIG, now=20.0)
-    assert shifted is not None and shifted.target == {"prefill": 2, "decode": 1, "colocated": 0}
+    assert shifted is not None and shifted.target == {"prefill": 2, "decode": 1, "colocated": 0,
+                                                      "chunked": 0}
     again = decide(ReplanRequest(reasons=["timer"]), shifted.workload, CONFIG, now=30.0)
     assert again is not None and again.workload == shifted.workload
     assert again.target == shifted.target and again.record["made_at"] == 30.0
@@ -60,7 +64,7 @@ def test_every_mode_is_weighed_and_the_plan_keeps_to_what_can_be_deployed() -> N
     assert made.record["best_mode"] == best.mode
     assert [c["mode"] for c in made.record["candidates"]] == ["disaggregated", "colocated",
                                                               "chunked"]
-    free = dataclasses.replace(CONFIG, modes=("disaggregated", "colocated", "chunked"))
+    free = dataclasses.replace(CONFIG, modes=MODES)
     chosen = decide(ReplanRequest(reasons=["first full window"], workload=window(16, 24)),
                     None, free, now=1.0)
     assert chosen is not None and chosen.plan == best
@@ -70,3 +74,30 @@ def test_a_budget_too_small_for_what_can_be_deployed_is_a_clear_error() -> None:
     one = dataclasses.replace(CONFIG, budget=1)
     with pytest.raises(ValueError, match="disaggregated serving needs two"):
         decide(ReplanRequest(reasons=["x"], workload=window(16, 24)), None, one, now=1.0)
+
+
+def test_the_live_mode_stays_unless_another_is_worth_the_switch() -> None:
+    """Short prompts on two devices, as profiled: chunked colocated replicas serve ~1.2x
+    what 1P+1D does at a 250 ms TPOT, and ~13x at 100 ms. A planner that finds the workers
+    disaggregated keeps them so for the first (the switch restarts every worker), switches
+    for the second, and records what it found so the decision replays."""
+    free = dataclasses.replace(CONFIG, budget=2, modes=MODES, switch_margin=1.25)
+    chat = ReplanRequest(reasons=["first full window"], workload=window(16, 24))
+    fresh = decide(chat, None, free, now=1.0)
+    assert fresh is not None and fresh.plan.mode == "chunked"  # nothing live: the best
+    by_mode = {c.mode: c for c in fresh.candidates}
+    assert 1.0 < by_mode["chunked"].goodput_rps / by_mode["disaggregated"].goodput_rps < 1.25
+    kept = decide(chat, None, free, now=1.0, current="disaggregated")
+    assert kept is not None and kept.plan == by_mode["disaggregated"]
+    assert (kept.record["mode"], kept.record["best_mode"]) == ("disaggregated", "chunked")
+    assert kept.record["current_mode"] == "disaggregated"
+    assert kept.target == {"prefill": 1, "decode": 1, "colocated": 0, "chunked": 0}
+    tight = dataclasses.replace(free, slo=SLO(5.0, 0.1))
+    switched = decide(chat, None, tight, now=1.0, current="disaggregated")
+    assert switched is not None and switched.target == {"prefill": 0, "decode": 0,
+                                                        "colocated": 0, "chunked": 2}
+    stored = json.loads(json.dumps(switched.record))
+    replayed = decide(ReplanRequest(reasons=stored["reasons"],
+                                    workload=WorkloadSummary(**stored["inputs"])),
+                      None, tight, now=stored["made_at"], current=stored["current_mode"])
+    assert replayed is not None and json.loads(json.dumps(replayed.record)) == stored

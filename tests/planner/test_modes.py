@@ -2,12 +2,14 @@
 hand-made profiles: which mode wins follows from what a prompt token costs next to a decode
 step, and from how tight the TPOT objective is."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from services.planner.latency import PhaseCoefficients
 from services.planner.models import model_spec
-from services.planner.modes import Candidate, best, candidates
+from services.planner.modes import Candidate, best, candidates, serving_mode, worth_switching
 from services.planner.placement import Problem
 from services.planner.profiles import Profile
 from shared.metrics import SLO
@@ -87,3 +89,34 @@ def test_when_no_mode_meets_the_objectives_the_best_attainment_wins() -> None:
              Candidate("chunked", 0, 0, 2, 0.0, 0.50)]
     assert best(found).mode == "colocated"
     assert best([*found[:2], Candidate("chunked", 0, 0, 2, 0.1, 0.2)]).mode == "chunked"
+
+
+def test_the_serving_mode_is_what_most_live_workers_serve() -> None:
+    assert serving_mode({"prefill": 1, "decode": 2}) == "disaggregated"
+    assert serving_mode({"prefill": 1, "decode": 0, "chunked": 0}) is None  # serves nothing
+    assert serving_mode({"prefill": 1, "decode": 1, "chunked": 1}) == "disaggregated"
+    # mid-switch: the new mode's workers started, the old ones not yet drained
+    assert serving_mode({"prefill": 1, "decode": 1, "chunked": 3}) == "chunked"
+    assert serving_mode({"colocated": 2}) == "colocated"
+    assert serving_mode({}) is None
+
+
+def test_a_mode_switch_must_pay_for_itself() -> None:
+    stay = Candidate("disaggregated", 1, 1, 0, goodput_rps=1.0, attainment=1.0)
+    assert worth_switching(dataclasses.replace(stay, mode="chunked", goodput_rps=1.3), stay,
+                           1.2)
+    assert not worth_switching(dataclasses.replace(stay, mode="chunked", goodput_rps=1.1),
+                               stay, 1.2)
+    # neither meets the objectives at any rate: attainment at the rate decides
+    lost = dataclasses.replace(stay, goodput_rps=0.0, attainment=0.5)
+    assert worth_switching(dataclasses.replace(lost, mode="colocated", attainment=0.7), lost,
+                           1.2)
+    assert not worth_switching(dataclasses.replace(lost, mode="colocated", attainment=0.55),
+                               lost, 1.2)
+
+
+def test_a_candidate_names_the_workers_a_deployer_starts() -> None:
+    chunked = Candidate("chunked", 0, 0, 2, goodput_rps=1.0, attainment=1.0)
+    assert chunked.deployment == {"prefill": 0, "decode": 0, "colocated": 0, "chunked": 2}
+    split = Candidate("disaggregated", 2, 1, 0, goodput_rps=1.0, attainment=1.0)
+    assert split.deployment == {"prefill": 2, "decode": 1, "colocated": 0, "chunked": 0}

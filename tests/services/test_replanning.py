@@ -1,7 +1,8 @@
 """Draining and online replanning with real processes, NATS and Valkey: a drained decode
 instance finishes what it holds; a workload whose prompts get much longer makes the
 profiler flag a shift, the planner move capacity toward prefill and the local deployer
-rescale, while every request completes."""
+rescale; short prompts make the planner switch a disaggregated stack to chunked-prefill
+replicas; every request completes throughout."""
 
 from __future__ import annotations
 
@@ -112,7 +113,8 @@ def assert_history_replays(history: list[dict[str, Any]], env: dict[str, str]) -
     for entry in history:
         replayed = decide(ReplanRequest(reasons=entry["reasons"],
                                         workload=WorkloadSummary(**entry["inputs"])),
-                          None, config, entry["made_at"], Calibration(**entry["calibration"]))
+                          None, config, entry["made_at"], Calibration(**entry["calibration"]),
+                          entry["current_mode"])
         assert replayed is not None
         recorded = {k: v for k, v in entry.items() if k != "search_s"}
         assert json.loads(json.dumps(replayed.record)) == recorded
@@ -120,7 +122,8 @@ def assert_history_replays(history: list[dict[str, Any]], env: dict[str, str]) -
 
 def test_longer_prompts_move_capacity_to_prefill_without_losing_requests(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    env = {"DS_PLANNER_DEVICES": "3", "DS_PROFILER_WINDOW": "20",
+    env = {"DS_PLANNER_DEVICES": "3", "DS_PLANNER_MODES": "disaggregated",
+           "DS_PROFILER_WINDOW": "20",
            "DS_PROFILER_COOLDOWN_S": "5", "DS_PROFILER_CHECK_EVERY": "2",
            "DS_PROFILER_ALPHA": "0.01", "DS_PLANNER_TTFT_S": "5", "DS_PLANNER_TPOT_S": "0.25",
            # plans follow the workload only here (a busy host's slower steps would replan)
@@ -162,5 +165,52 @@ def test_longer_prompts_move_capacity_to_prefill_without_losing_requests(
         assert "2 prefill + 1 decode of 3 devices" in shown
         assert "prompt lengths changed" in shown and "1P+2D" in shown
         assert "step times on the workers" in shown and "modes weighed" in shown
+    finally:
+        stack.stop()
+
+
+def test_the_planner_switches_a_disaggregated_stack_to_colocated_workers(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A stack started disaggregated (1P+1D) whose planner may deploy colocated modes only
+    (which of plain and chunked colocated wins is the simulator's call, tested on its own in
+    tests/planner): on the first full window of chat-like requests the planner switches
+    modes. Two colocated workers start, then the prefill and decode instances drain and
+    exit; the gateway (auto mode) follows, and no request is lost on the way."""
+    env = {"DS_PLANNER_DEVICES": "2", "DS_PLANNER_MODES": "colocated,chunked",
+           "DS_PROFILER_WINDOW": "16", "DS_PROFILER_COOLDOWN_S": "5",
+           "DS_PROFILER_CHECK_EVERY": "2", "DS_PLANNER_TTFT_S": "5", "DS_PLANNER_TPOT_S": "0.2",
+           "DS_PROFILER_RECALIBRATE_RATIO": "100"}
+    stack = start_stack(tmp_path, prefill=1, decode=1, planner=True, extra_env=env)
+    try:
+        redis = Redis.from_url(stack.env["DS_REDIS_URL"])
+        target = Target(stack.url, MODEL, timeout_s=300)
+        thread, result = in_background(target, requests(40, 16, 24, 0.4))
+
+        def switched() -> bool:
+            return len(live(redis, "colocated")) == 2 and not live(redis, "prefill") \
+                and not live(redis, "decode")
+
+        wait_for(switched, 240, "two colocated workers to replace the prefill/decode pair")
+        thread.join(timeout=300)
+        early = result[0].records
+        assert [r.error for r in early] == [None] * 40 and {r.tokens for r in early} == {24}
+        # only the colocated workers are live now, and they serve
+        late = asyncio.run(run_requests(target, requests(6, 16, 24, 0.2), 1.0)).records
+        assert [r.error for r in late] == [None] * 6 and {r.tokens for r in late} == {24}
+        assert stack.child("prefill-0").wait(timeout=60) == 0  # drained, not killed
+        assert stack.child("decode-0").wait(timeout=60) == 0
+        history = [json.loads(h) for h in redis.lrange(subjects.PLAN_HISTORY_KEY, 0, -1)]
+        first = history[-1]
+        assert first["reasons"] == ["first full window"] and first["colocated"] == 2
+        assert first["current_mode"] == "disaggregated" and first["mode"] in ("colocated",
+                                                                              "chunked")
+        # the workers prefill as the plan's mode does
+        workers = live(redis, "colocated").values()
+        assert [w["chunked"] for w in workers] == [history[0]["mode"] == "chunked"] * 2
+        assert_history_replays(history, stack.env)
+        capsys.readouterr()
+        assert main(["plan", "--live", "--redis-url", stack.env["DS_REDIS_URL"]]) == 0
+        shown = capsys.readouterr().out
+        assert "colocated of 2 devices" in shown
     finally:
         stack.stop()

@@ -4,6 +4,8 @@ timing, the OpenAI request models, and the door (API keys, body limit)."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import time
 
 import httpx
 import pytest
@@ -11,8 +13,9 @@ from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from services.gateway.app import Door
+from services.gateway.gateway import Gateway, GatewaySettings
 from services.gateway.ledger import Ledger, Overloaded
-from services.gateway.openai_api import ChatRequest, CompletionRequest
+from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
 from services.gateway.timing import RequestTiming
 from services.gateway.view import InstanceView
 from shared.state import InstanceInfo
@@ -142,3 +145,57 @@ def test_view_offers_recently_heard_instances_when_none_is_strictly_live() -> No
     assert view.instances("prefill", 3.0) == []
     assert [i.instance_id for i in view.recent("prefill", 3.0)] == ["p0"]
     assert view.recent("prefill", 11.0) == []  # beyond the hard TTL: gone
+
+
+def worker(instance_id: str, role: str, **fields: object) -> InstanceInfo:
+    return InstanceInfo(instance_id=instance_id, role=role, max_running=8,  # type: ignore[arg-type]
+                        **fields)
+
+
+@functools.cache
+def built_gateway() -> Gateway:
+    return Gateway(GatewaySettings())  # reads the model's tokenizer: once
+
+
+def gateway_seeing(mode: str, *instances: InstanceInfo) -> Gateway:
+    """The gateway, not started, in `mode` with these instances live and nothing in flight."""
+    gateway = built_gateway()
+    gateway.settings = GatewaySettings(mode=mode)  # type: ignore[arg-type]
+    gateway.view, gateway.ledger = InstanceView(gateway.settings.heartbeat_ttl_s), Ledger()
+    for instance in instances:
+        gateway.view.observe(instance, time.monotonic())
+    return gateway
+
+
+def test_an_auto_gateway_dispatches_to_whichever_mode_is_live() -> None:
+    """While the planner switches modes both kinds of workers are live: each request goes to
+    the route whose decoding instance is least loaded; draining workers get none."""
+    pair = (worker("p0", "prefill"), worker("d0", "decode"))
+    gateway = gateway_seeing("auto", *pair)
+    assert (gateway.dispatch().worker, gateway.dispatch().decode) == ("p0", "d0")
+    gateway.view.observe(worker("c0", "colocated", chunked=True), time.monotonic())
+    gateway.ledger.sent("p0", "d0")  # d0 holds one request, c0 none
+    assert (gateway.dispatch().worker, gateway.dispatch().decode) == ("c0", "")
+    gateway.ledger.sent("c0", "")
+    gateway.ledger.sent("c0", "")
+    assert gateway.dispatch().decode == "d0"
+    # the old mode drained away: only the colocated worker is dispatched to
+    for old in pair:
+        gateway.view.observe(old.model_copy(update={"draining": True}), time.monotonic())
+    assert gateway.dispatch().worker == "c0"
+    health = gateway.routes({role: gateway.live(role) for role in gateway.roles})
+    assert [t.worker for t in health] == ["c0"]
+
+
+def test_a_fixed_mode_gateway_dispatches_to_its_mode_only() -> None:
+    disaggregated = gateway_seeing("disaggregated", worker("c0", "colocated"),
+                                   worker("p0", "prefill"))
+    with pytest.raises(APIError) as refused:
+        disaggregated.dispatch()  # no decode instance; the colocated worker is not its mode
+    assert refused.value.status == 503 and "prefill/decode instance" in refused.value.message
+    assert refused.value.headers["Retry-After"] == "1"
+    colocated = gateway_seeing("colocated", worker("c0", "colocated"), worker("p0", "prefill"),
+                               worker("d0", "decode"))
+    assert colocated.dispatch().worker == "c0"
+    with pytest.raises(APIError, match="colocated worker nor prefill and decode"):
+        gateway_seeing("auto", worker("p0", "prefill")).dispatch()
