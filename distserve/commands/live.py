@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from services.launcher import read_run_env
+from services.planner.calibration import Calibration
 from shared import subjects
 from shared.bus import connect, publish
 from shared.messages import ReplanRequest
@@ -103,11 +104,11 @@ def show_live(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                               f"{s['prompt_p90']:.0f}", f"{s['output_p50']:.0f}",
                               f"{s['output_p90']:.0f}")
         console.print(table)
-        c = view.get("calibration")
-        if c:
-            console.print(f"  step times on the workers: prefill {c['prefill']:.2f}x, decode "
-                          f"{c['decode']:.2f}x the profile (over {c['prefill_steps']} and "
-                          f"{c['decode_steps']} steps)")
+        if view.get("calibration"):
+            c = Calibration.model_validate(view["calibration"])
+            console.print(f"  step times on the workers: prefill {c.describe('prefill')}, "
+                          f"decode {c.describe('decode')} (over {c.prefill_steps} and "
+                          f"{c.decode_steps} steps)")
         for shift in view.get("shifts", [])[-3:]:
             console.print(f"  shift {_ago(shift['at'])}: {'; '.join(shift['reasons'])}")
     if len(history) > 1:

@@ -1,16 +1,23 @@
 """The latency model calibrated on the running stack (pure): the workers time every engine
 step and heartbeat the last ones (`StepSample`: whole prompts, or a batch of decodes); the
-calibrator compares each with what the profile predicts for the same step and keeps, per
-phase, the median of measured / predicted over a sliding window. The profile gives the
-shape of the model (how time grows with tokens, batch and context, which a live workload
-rarely spans widely enough to fit), the stack gives its level: steps slowed by everything
-else the stack runs on the same cores, which a profile of the engine alone cannot see."""
+calibrator compares each with what the profile predicts for the same step over a sliding
+window, and fits per phase whichever of two corrections explains the steps better: a scale
+(measured = k x predicted: steps slowed by everything else the stack runs on the same
+cores) or a fixed time a step (measured = predicted + d: a per-step cost the profile's fit
+misses, as on a host whose small steps cost more than the profiled one's, or a per-step
+overhead of the stack). The profile keeps the shape of the model (how time grows with
+tokens, batch and context, which a live workload rarely spans widely enough to fit); the
+choice matters where the planner prices steps far larger than the live ones: on the
+development VM a 16-token prefill step took 1.45x the profile but a 512-token one 1.0x,
+which a scale would have priced at 1.45x and a fixed +34 ms at 1.04x."""
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
 from collections import deque
+from collections.abc import Callable
+from typing import Literal
 
 from pydantic import BaseModel
 
@@ -18,18 +25,38 @@ from services.planner.latency import LatencyModel
 from services.planner.profiles import Profile
 from shared.state import StepSample
 
+Fit = Literal["scale", "offset"]
+
 
 class Calibration(BaseModel):
-    """Measured / predicted step time per phase (1.0: as profiled), and the steps behind it."""
+    """Per phase: measured / predicted step time at the live steps (the median; 1.0: as
+    profiled), the correction that fits them best, and the steps behind it."""
 
     prefill: float = 1.0
     decode: float = 1.0
     prefill_steps: int = 0
     decode_steps: int = 0
+    prefill_fit: Fit = "scale"  # "offset": the profile's times plus prefill_offset_s a step
+    decode_fit: Fit = "scale"
+    prefill_offset_s: float = 0.0
+    decode_offset_s: float = 0.0
 
     def apply(self, profile: Profile) -> Profile:
-        by_tp = {tp: co.slowed(self.prefill, self.decode) for tp, co in profile.by_tp.items()}
+        scale = {phase: getattr(self, phase) if getattr(self, f"{phase}_fit") == "scale"
+                 else 1.0 for phase in ("prefill", "decode")}
+        plus_ms = {phase: 1e3 * getattr(self, f"{phase}_offset_s")
+                   if getattr(self, f"{phase}_fit") == "offset" else 0.0
+                   for phase in ("prefill", "decode")}
+        by_tp = {tp: co.slowed(scale["prefill"], scale["decode"], plus_ms["prefill"],
+                               plus_ms["decode"]) for tp, co in profile.by_tp.items()}
         return dataclasses.replace(profile, by_tp=by_tp)
+
+    def describe(self, phase: str) -> str:
+        """'1.45x the profile (+33 ms a step fits best)', for logs and `plan --live`."""
+        text = f"{getattr(self, phase):.2f}x the profile"
+        if getattr(self, f"{phase}_fit") == "offset":
+            text += f" ({1e3 * getattr(self, f'{phase}_offset_s'):+.0f} ms a step fits best)"
+        return text
 
     def differs(self, other: Calibration, by: float) -> bool:
         """Either phase's scale moved by more than the ratio `by` (e.g. 1.2)."""
@@ -44,8 +71,9 @@ class Calibrator:
     min_steps: int = 10  # a phase's scale stays 1.0 until this many steps were seen
 
     def __post_init__(self) -> None:
-        self.ratios: dict[str, deque[float]] = {"prefill": deque(maxlen=self.window),
-                                                "decode": deque(maxlen=self.window)}
+        # (predicted, measured) seconds of the last steps of each phase
+        self.steps: dict[str, deque[tuple[float, float]]] = {
+            "prefill": deque(maxlen=self.window), "decode": deque(maxlen=self.window)}
         self.seen: dict[str, int] = {}  # instance -> the last step taken from it
 
     def observe(self, instance: str, samples: list[StepSample]) -> int:
@@ -56,10 +84,10 @@ class Calibrator:
             if s.prompts:
                 predicted = self.latency.prefill_latency_s(sum(s.prompts),
                                                            sum(n * n for n in s.prompts))
-                self.ratios["prefill"].append(s.seconds / predicted)
+                self.steps["prefill"].append((predicted, s.seconds))
             elif s.batch:
                 predicted = self.latency.decode_step_s(s.batch, s.context)
-                self.ratios["decode"].append(s.seconds / predicted)
+                self.steps["decode"].append((predicted, s.seconds))
         if new:
             self.seen[instance] = max(s.step for s in new)
         return len(new)
@@ -68,13 +96,27 @@ class Calibrator:
         self.seen.pop(instance, None)
 
     def calibration(self) -> Calibration:
-        def scale(phase: str) -> float:
-            ratios = self.ratios[phase]
-            return statistics.median(ratios) if len(ratios) >= self.min_steps else 1.0
+        fields: dict[str, object] = {}
+        for phase, steps in self.steps.items():
+            fields[f"{phase}_steps"] = len(steps)
+            if len(steps) >= self.min_steps:
+                ratio, fit, offset_s = fit_steps(list(steps))
+                fields |= {phase: ratio, f"{phase}_fit": fit, f"{phase}_offset_s": offset_s}
+        return Calibration.model_validate(fields)
 
-        return Calibration(prefill=scale("prefill"), decode=scale("decode"),
-                           prefill_steps=len(self.ratios["prefill"]),
-                           decode_steps=len(self.ratios["decode"]))
+
+def fit_steps(steps: list[tuple[float, float]]) -> tuple[float, Fit, float]:
+    """(median measured / predicted, the better fit, its time a step) for (predicted,
+    measured) pairs: a scale or a fixed time a step, each the median over the steps, the one
+    whose median relative error is smaller (a scale on a tie)."""
+    ratio = statistics.median(m / p for p, m in steps)
+    offset_s = statistics.median(m - p for p, m in steps)
+
+    def error(predict: Callable[[float], float]) -> float:
+        return statistics.median(abs(predict(p) - m) / m for p, m in steps)
+
+    better = error(lambda p: p + offset_s) < error(lambda p: p * ratio)
+    return ratio, "offset" if better else "scale", offset_s if better else 0.0
 
 
 def replan_reason(found: Calibration, planned_on: Calibration, ratio: float,
@@ -85,5 +127,6 @@ def replan_reason(found: Calibration, planned_on: Calibration, ratio: float,
     if min(found.prefill_steps, found.decode_steps) < min_steps or \
             not found.differs(planned_on, ratio):
         return None
-    return (f"step times moved: prefill {found.prefill:.2f}x, decode {found.decode:.2f}x the "
-            f"profile (were {planned_on.prefill:.2f}x, {planned_on.decode:.2f}x)")
+    return (f"step times moved: prefill {found.describe('prefill')}, decode "
+            f"{found.describe('decode')} (were {planned_on.prefill:.2f}x, "
+            f"{planned_on.decode:.2f}x)")

@@ -32,14 +32,18 @@ class PhaseCoefficients:
         return PhaseCoefficients(div(self.prefill), div(self.decode_small),
                                  div(self.decode_large), self.decode_threshold)
 
-    def slowed(self, prefill: float, decode: float) -> PhaseCoefficients:
-        """Prefill times multiplied by `prefill`, decode times by `decode`."""
+    def slowed(self, prefill: float, decode: float, prefill_ms: float = 0.0,
+               decode_ms: float = 0.0) -> PhaseCoefficients:
+        """Prefill times multiplied by `prefill` plus `prefill_ms` a step, decode times by
+        `decode` plus `decode_ms` a step."""
 
-        def mul(t: Triple, k: float) -> Triple:
-            return (t[0] * k, t[1] * k, t[2] * k)
+        def mul(t: Triple, k: float, plus: float) -> Triple:
+            return (max(0.0, t[0] * k + plus), t[1] * k, t[2] * k)
 
-        return PhaseCoefficients(mul(self.prefill, prefill), mul(self.decode_small, decode),
-                                 mul(self.decode_large, decode), self.decode_threshold)
+        return PhaseCoefficients(mul(self.prefill, prefill, prefill_ms),
+                                 mul(self.decode_small, decode, decode_ms),
+                                 mul(self.decode_large, decode, decode_ms),
+                                 self.decode_threshold)
 
 
 @dataclass(frozen=True)

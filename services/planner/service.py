@@ -162,11 +162,11 @@ class PlannerService(ControlService):
         self.last_workload = decision.workload
         record = {**decision.record, "search_s": time.monotonic() - started}
         scales = calibration or Calibration()
-        log.info("plan: %s, predicted goodput %.2f req/s (%s); %s; live: %s; step times "
-                 "%.2fx (prefill), %.2fx (decode) the profile", decision.plan.layout,
+        log.info("plan: %s, predicted goodput %.2f req/s (%s); %s; live: %s; step times: "
+                 "prefill %s, decode %s", decision.plan.layout,
                  decision.plan.goodput_rps, "; ".join(request.reasons),
                  ", ".join(f"{c.mode} {c.goodput_rps:.2f}" for c in decision.candidates),
-                 current or "nothing", scales.prefill, scales.decode)
+                 current or "nothing", scales.describe("prefill"), scales.describe("decode"))
         await self._save(record)
         record["applied"] = await self.deployer.apply(decision.target)
         record["applied_at"] = time.time()

@@ -111,3 +111,25 @@ def test_the_engine_reports_which_steps_the_model_can_price() -> None:
     assert SchedulerOutput([ScheduledChunk(b, 0, 30)], [ScheduledChunk(a, 100, 1)]).shape() \
         is None
     assert SchedulerOutput([ScheduledChunk(a, 64, 36)], []).shape() is None
+
+
+def test_a_fixed_cost_a_step_is_fitted_as_one_and_not_scaled_up_to_long_prompts() -> None:
+    """Short prompts, 1-3 a step, each step 34 ms longer than profiled (as the 16-token
+    steps of the development VM, whose 512-token steps match the profile): the calibrator
+    fits a fixed time a step, so a 512-token step is priced ~3% slower, not ~40%."""
+    rng = random.Random(1)
+    steps = []
+    for step in range(1, 41):
+        prompts = [rng.randint(12, 20) for _ in range(rng.randint(1, 3))]
+        seconds = LATENCY.prefill_latency_s(sum(prompts), sum(p * p for p in prompts)) + 0.034
+        steps.append(StepSample(step=step, prompts=prompts,
+                                seconds=seconds * rng.uniform(0.97, 1.03)))
+    calibrator = Calibrator(LATENCY)
+    calibrator.observe("prefill-0", steps)
+    found = calibrator.calibration()
+    assert found.prefill_fit == "offset" and found.prefill > 1.25  # at the live steps
+    assert found.prefill_offset_s == pytest.approx(0.034, abs=0.006)
+    assert "ms a step fits best" in found.describe("prefill")
+    long = found.apply(PROFILE).latency(1, 1).prefill_latency_s(512, 512 * 512)
+    assert long / LATENCY.prefill_latency_s(512, 512 * 512) == pytest.approx(1.033, abs=0.01)
+    assert found.decode_fit == "scale" and found.decode == 1.0  # no decode step seen
