@@ -105,18 +105,23 @@ class Calibrator:
         return Calibration.model_validate(fields)
 
 
-def fit_steps(steps: list[tuple[float, float]]) -> tuple[float, Fit, float]:
+def fit_steps(steps: list[tuple[float, float]], spread: float = 1.5
+              ) -> tuple[float, Fit, float]:
     """(median measured / predicted, the better fit, its time a step) for (predicted,
     measured) pairs: a scale or a fixed time a step, each the median over the steps, the one
-    whose median relative error is smaller (a scale on a tie)."""
+    whose median relative error is smaller. Steps of about one size (their predicted times'
+    10th and 90th percentiles within `spread`) cannot tell the two apart: the fixed time
+    then, which adds what was measured where it was measured and scales nothing beyond."""
     ratio = statistics.median(m / p for p, m in steps)
     offset_s = statistics.median(m - p for p, m in steps)
 
     def error(predict: Callable[[float], float]) -> float:
         return statistics.median(abs(predict(p) - m) / m for p, m in steps)
 
-    better = error(lambda p: p + offset_s) < error(lambda p: p * ratio)
-    return ratio, "offset" if better else "scale", offset_s if better else 0.0
+    deciles = statistics.quantiles([p for p, _ in steps], n=10)
+    alike = deciles[-1] <= spread * deciles[0]
+    offset = alike or error(lambda p: p + offset_s) < error(lambda p: p * ratio)
+    return ratio, "offset" if offset else "scale", offset_s if offset else 0.0
 
 
 def replan_reason(found: Calibration, planned_on: Calibration, ratio: float,

@@ -3,9 +3,10 @@ than the profile move the phase's scale by as much, and the plan follows."""
 
 import random
 
+import numpy as np
 import pytest
 
-from services.planner.calibration import Calibration, Calibrator, replan_reason
+from services.planner.calibration import Calibration, Calibrator, fit_steps, replan_reason
 from services.planner.decide import PlannerConfig, decide
 from services.planner.profiles import load_profile, shipped_cpu_profile
 from shared.engine.request import Request, SamplingParams
@@ -133,3 +134,16 @@ def test_a_fixed_cost_a_step_is_fitted_as_one_and_not_scaled_up_to_long_prompts(
     long = found.apply(PROFILE).latency(1, 1).prefill_latency_s(512, 512 * 512)
     assert long / LATENCY.prefill_latency_s(512, 512 * 512) == pytest.approx(1.033, abs=0.01)
     assert found.decode_fit == "scale" and found.decode == 1.0  # no decode step seen
+
+
+def test_steps_of_one_size_cannot_tell_a_scale_from_a_fixed_time() -> None:
+    """Every step the same (predicted 100 ms, measured 150 ms +-2%): both fits explain it;
+    the fixed time is kept, which prices other sizes by what was measured, not by a ratio."""
+    rng = random.Random(2)
+    alike = [(0.1, 0.15 * rng.uniform(0.98, 1.02)) for _ in range(30)]
+    ratio, fit, offset_s = fit_steps(alike)
+    assert (fit, ratio) == ("offset", pytest.approx(1.5, rel=0.02))
+    assert offset_s == pytest.approx(0.05, rel=0.05)
+    # the same slowdown over steps of 50-400 ms is a scale
+    spread = [(p, 1.5 * p * rng.uniform(0.98, 1.02)) for p in np.linspace(0.05, 0.4, 30)]
+    assert fit_steps(spread)[1:] == ("scale", 0.0)
