@@ -61,6 +61,15 @@ class LatencyModel:
         a, b, c = co.decode_large if batch >= co.decode_threshold else co.decode_small
         return a + b * sum_ctx + c * batch
 
+    def riding_ms(self, batch: int, sum_ctx: float) -> float:
+        """What `batch` decodes add to a step that computes prompt tokens anyway (chunked
+        prefill): the decode model's cost per request and per context token, without its
+        constant, from the large-batch fit (the small-batch fit's per-request slope carries
+        the fixed costs of tiny steps). On the development VM (Intel, 1 thread) each decode
+        at a 200-token context added 3-5 ms to a prefill chunk; a prompt token costs 1.45."""
+        _, per_ctx, per_request = self.coefficients.decode_large
+        return per_ctx * sum_ctx + per_request * batch
+
     # Times for the simulator: seconds, with pipeline stages.
 
     def prefill_stage_s(self, sum_len: float, sum_sq: float) -> float:

@@ -114,7 +114,8 @@ def candidates(problem: Problem, budget: int, modes: Sequence[Mode] = MODES
 
 def chunked_bound(problem: Problem) -> float:
     """Requests/s one chunked-prefill instance sustains at best: every step a full token
-    budget, decodes riding along at a prompt token's cost (attention left out)."""
+    budget, a decode costing no more than a prompt token (an upper bound for the search:
+    the simulator prices decodes at more, `LatencyModel.riding_ms`)."""
     lengths, budget = problem.workload.lengths, problem.l_m
     step_s = problem.profile.latency(1, 1).prefill_stage_s(budget, budget)
     return budget / step_s / (lengths.mean_prompt + max(1.0, lengths.mean_output - 1))

@@ -58,9 +58,10 @@ def test_cheap_prompts_and_long_outputs_pick_colocated() -> None:
     modes = by_mode(found)
     assert best(found).mode in ("colocated", "chunked")
     assert best(found).goodput_rps > 1.5 * modes["disaggregated"].goodput_rps
-    # chunked prefill lets decodes ride along in full-budget steps: more than either
+    # chunked prefill folds each prompt into a decode step instead of a step of its own
+    # (each costing the 30 ms of reading the weights): more than either
     assert best(found).mode == "chunked"
-    assert modes["chunked"].goodput_rps > 2 * modes["colocated"].goodput_rps
+    assert modes["chunked"].goodput_rps > 1.2 * modes["colocated"].goodput_rps
 
 
 def test_a_loose_tpot_lets_colocation_win_even_on_long_prompts() -> None:

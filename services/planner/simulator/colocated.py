@@ -5,7 +5,9 @@ output when it is admitted, so the simulated engines never preempt. Two schedule
 - `PrefillFirstInstance` (vLLM's default): a prefill-only step whenever prompts can be
   admitted (up to L_m tokens together), else a decode step of the running batch;
 - `ChunkedInstance` (chunked prefill): every step runs the running decodes plus chunks of
-  the admitted prompts, within a token budget."""
+  the admitted prompts, within a token budget: priced as the prompt chunks' prefill plus
+  what the decodes add to it (`LatencyModel.riding_ms`), or as a decode step when no prompt
+  is in it."""
 
 from __future__ import annotations
 
@@ -133,10 +135,12 @@ class ChunkedInstance(ColocatedInstance):
             chunks.append((p, take))
             left -= take
         lat = self.spec.latency
-        tokens = sum(n for _, n in chunks) + self.batch.size
+        if not chunks:  # the engine runs it as any decode step
+            return lat.decode_step_s(self.batch.size, self.batch.sum_ctx), [], True
+        tokens = sum(n for _, n in chunks)
         squares = sum(n * (p.done + n) for p, n in chunks)
-        attention = lat.coefficients.decode_small[1] * self.batch.sum_ctx
-        seconds = (lat.prefill_ms(tokens, squares) + attention) / lat.pp / 1e3
+        riding = lat.riding_ms(self.batch.size, self.batch.sum_ctx)
+        seconds = (lat.prefill_ms(tokens, squares) + riding) / lat.pp / 1e3
         return seconds, chunks, self.batch.size > 0
 
 
