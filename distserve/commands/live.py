@@ -79,11 +79,12 @@ def show_live(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             + (f"; best: {plan['best_mode']}" if plan.get("best_mode") else ""))
         current, best = plan.get("current_mode"), plan.get("best_mode")
         if current and current != plan["mode"]:
-            console.print(f"  switching from {current} to {plan['mode']}")
+            console.print(f"  the plan moves the workers from {current} to {plan['mode']}")
         elif best and best != plan["mode"]:
-            why = ("not enough better to restart the workers for it"
-                   if best in plan.get("deployable", []) else "not one the planner deploys")
-            console.print(f"  kept {plan['mode']}: {best} is {why}")
+            why = (f"not {plan.get('switch_margin', 1.2)}x better: not worth restarting the "
+                   "workers for" if best in plan.get("deployable", [])
+                   else "not one the planner deploys")
+            console.print(f"  {plan['mode']} rather than {best}: {why}")
         w = plan["workload"]
         console.print(f"  for: {w['rate_rps']:.2f} req/s (CV {w['arrival_cv']:.2f}), prompts "
                       f"{w['prompt_mean']:.0f} and outputs {w['output_mean']:.0f} tokens on "

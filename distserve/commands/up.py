@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from services.launcher import Stack, StackConfig
-from services.planner.modes import MODES
+from services.planner.modes import MODES, SWITCH_MARGIN, parse_modes
 
 
 def register(sub: Any) -> None:
@@ -39,7 +39,7 @@ def register(sub: Any) -> None:
     p.add_argument("--planner-modes", default=",".join(MODES), metavar="MODES",
                    help="the modes the planner may deploy, comma-separated (default: %(default)s;"
                         " it weighs all of them either way)")
-    p.add_argument("--switch-margin", type=float, default=1.2,
+    p.add_argument("--switch-margin", type=float, default=SWITCH_MARGIN,
                    help="the planner switches modes only for this many times the goodput "
                         "(default: %(default)s)")
     p.add_argument("--devices", type=int, default=0,
@@ -84,9 +84,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.ttft <= 0 or args.tpot <= 0 or args.devices < 0 or args.switch_margin < 1:
         parser.error("--ttft and --tpot must be positive, --devices at least 0, "
                      "--switch-margin at least 1")
-    modes = [m.strip() for m in args.planner_modes.split(",") if m.strip()]
-    if not modes or set(modes) - set(MODES):
-        parser.error(f"--planner-modes: choose from {', '.join(MODES)}")
+    try:
+        modes = parse_modes(args.planner_modes)
+    except ValueError as e:
+        parser.error(f"--planner-modes: {e}")
     planner_env = {"DS_PLANNER_DEVICES": str(args.devices),
                    "DS_PLANNER_TTFT_S": str(args.ttft), "DS_PLANNER_TPOT_S": str(args.tpot),
                    "DS_PLANNER_MODES": ",".join(modes),

@@ -1,6 +1,8 @@
 """The gateway's core: its view of the instances (from their NATS heartbeats), admission
-(bounded in-flight requests), dispatch to the prefill instance with the shortest queue and the
-least-loaded decode instance, and each request's token stream and follow-up."""
+(bounded in-flight requests), dispatch (to the prefill instance with the shortest queue and
+the least-loaded decode instance, or to the least-loaded colocated worker; in auto mode to
+whichever of the two routes is less loaded), and each request's token stream, moves and
+follow-up."""
 
 from __future__ import annotations
 
@@ -80,6 +82,11 @@ class GatewaySettings(BaseSettings):
             lines = Path(self.api_key_file).read_text().splitlines()
             keys += [line.split("#", 1)[0].strip() for line in lines]
         return frozenset(k for k in keys if k)
+
+
+def others(instances: list[InstanceInfo], avoid: str) -> list[InstanceInfo]:
+    """`instances` but `avoid`, unless it is the only one."""
+    return [i for i in instances if i.instance_id != avoid] or instances
 
 
 class HeartbeatListener:
@@ -268,21 +275,18 @@ class Gateway:
     def routes(self, pools: dict[Role, list[InstanceInfo]], avoid: str = "") -> list[Target]:
         """Where a request can go, least-loaded first: a colocated worker, or a prefill
         instance and a decode instance (in "auto" mode both kinds: while the planner switches
-        modes, or where both run side by side). `avoid` (an instance that failed) is passed
-        over where its role has another."""
-        def pool(role: Role) -> list[InstanceInfo]:
-            instances = pools.get(role, [])
-            return [i for i in instances if i.instance_id != avoid] or instances
-
+        modes, or where both run side by side). `avoid` (an instance that failed) is in no
+        route where there is another without it."""
         found: list[tuple[float, Target]] = []
-        worker = self._pick("colocated", pool("colocated"))
+        worker = self._pick("colocated", others(pools.get("colocated", []), avoid))
         if worker is not None:
             found.append((self._load(worker), self._target(worker, None)))
-        prefill, decode = self._pick("prefill", pool("prefill")), self._pick("decode",
-                                                                            pool("decode"))
+        prefill = self._pick("prefill", others(pools.get("prefill", []), avoid))
+        decode = self._pick("decode", others(pools.get("decode", []), avoid))
         if prefill is not None and decode is not None:
             found.append((self._load(decode), self._target(prefill, decode)))
-        return [target for _, target in sorted(found, key=lambda f: f[0])]
+        ordered = [target for _, target in sorted(found, key=lambda f: f[0])]
+        return [t for t in ordered if not avoid or avoid not in (t.worker, t.decode)] or ordered
 
     def _target(self, worker: InstanceInfo, decode: InstanceInfo | None) -> Target:
         limits = [i.max_request_tokens for i in (worker, decode)
@@ -297,7 +301,11 @@ class Gateway:
                 }.get(self.settings.mode, "colocated worker nor prefill and decode instance")
 
     def dispatch(self) -> Target:
-        found = self.routes({role: self.dispatchable(role) for role in self.roles})
+        """The least-loaded route through live instances; if there is none, through those
+        heard from lately (a starved host delays heartbeats: better a request that may have
+        to move than a 503)."""
+        found = self.routes({role: self.live(role) for role in self.roles}) or \
+            self.routes({role: self.dispatchable(role) for role in self.roles})
         if not found:
             raise APIError(503, f"no {self.wanted} is available; retry after "
                                 f"{self.settings.retry_after_s}s", kind="server_error",
@@ -399,15 +407,18 @@ class Gateway:
         old_worker, old_decode, prefilled = relay.worker, relay.decode, relay.prefilled
         prefill_died = lost.cause == "prefill_died"
         failed = old_worker if prefill_died else relay.serving
-        kv_held = bool(old_decode) and prefilled and not prefill_died
-        route = await self._live_route(avoid=failed, decode=kv_held)
+        deadline = time.monotonic() + self.settings.failover_wait_s
         path = "re_prefill"
-        if kv_held and route.decode:
-            attempt = relay.new_attempt()
-            if await self._resume(relay, old_worker, route.decode, attempt):
-                relay.retarget(old_worker, route.decode, prefilled=True, attempt=attempt)
-                path = "kv_held"
+        if old_decode and prefilled and not prefill_died:  # its prefill instance holds the KV
+            decode = await self._decode_to_resume(old_decode, deadline)
+            if decode is not None:
+                attempt = relay.new_attempt()
+                if await self._resume(relay, old_worker, decode.instance_id, attempt):
+                    relay.retarget(old_worker, decode.instance_id, prefilled=True,
+                                   attempt=attempt)
+                    path = "kv_held"
         if path == "re_prefill":  # a new attempt: a late "held" answer acts on the one asked
+            route = await self._live_route(failed, deadline)
             relay.retarget(route.worker, route.decode, prefilled=not route.decode)
             await self._prefill(relay, prompt_ids, sampling, timing)
         self.metrics.moves.labels(lost.cause, path).inc()
@@ -434,16 +445,28 @@ class Gateway:
             log.info("%s cannot resume %s: %s", prefill, relay.request_id, e)
             return False
 
-    async def _live_route(self, avoid: str, decode: bool) -> Target:
-        """Live instances to move a request to, others than `avoid` where there are (with
-        `decode`, a route through a decode instance if any: it can resume from the KV the
-        prefill instance holds); waits up to `failover_wait_s` for one (a supervisor
-        restarting it), then GaveUp."""
-        deadline = time.monotonic() + self.settings.failover_wait_s
+    def _live_routes(self, avoid: str) -> list[Target]:
+        return self.routes({role: self.live(role) for role in self.roles}, avoid)
+
+    async def _decode_to_resume(self, avoid: str, deadline: float) -> InstanceInfo | None:
+        """A live decode instance (another than `avoid` if there is one) to resume a request
+        on from the KV its prefill instance holds (that instance may be draining); waits for
+        one until `deadline` (a supervisor restarting it), or None: at once where another
+        route serves (in auto mode, colocated workers)."""
         while True:
-            found = self.routes({role: self.live(role) for role in self.roles}, avoid)
+            decode = self._pick("decode", others(self.live("decode"), avoid))
+            if decode is not None or self._live_routes(avoid) or time.monotonic() >= deadline:
+                return decode
+            await asyncio.sleep(0.25)
+
+    async def _live_route(self, avoid: str, deadline: float) -> Target:
+        """Live instances to move a request to, prefilled again, others than `avoid` where
+        there are; waits for some until `deadline` (a supervisor restarting them), then
+        GaveUp."""
+        while True:
+            found = self._live_routes(avoid)
             if found:
-                return next((r for r in found if r.decode), found[0]) if decode else found[0]
+                return found[0]
             if time.monotonic() >= deadline:
                 raise GaveUp(f"no live {self.wanted} to move the request to")
             await asyncio.sleep(0.25)

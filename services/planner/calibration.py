@@ -95,23 +95,32 @@ class Calibrator:
     def forget(self, instance: str) -> None:
         self.seen.pop(instance, None)
 
+    def _constant_s(self, phase: str) -> float:
+        """The smallest constant of the phase's fitted step times, in seconds."""
+        co = self.latency.coefficients
+        constants = [co.prefill[0]] if phase == "prefill" else [co.decode_small[0],
+                                                                 co.decode_large[0]]
+        return min(constants) / 1e3
+
     def calibration(self) -> Calibration:
         fields: dict[str, object] = {}
         for phase, steps in self.steps.items():
             fields[f"{phase}_steps"] = len(steps)
             if len(steps) >= self.min_steps:
-                ratio, fit, offset_s = fit_steps(list(steps))
+                ratio, fit, offset_s = fit_steps(list(steps), floor_s=-self._constant_s(phase))
                 fields |= {phase: ratio, f"{phase}_fit": fit, f"{phase}_offset_s": offset_s}
         return Calibration.model_validate(fields)
 
 
-def fit_steps(steps: list[tuple[float, float]], spread: float = 1.5
-              ) -> tuple[float, Fit, float]:
+def fit_steps(steps: list[tuple[float, float]], spread: float = 1.5,
+              floor_s: float = float("-inf")) -> tuple[float, Fit, float]:
     """(median measured / predicted, the better fit, its time a step) for (predicted,
     measured) pairs: a scale or a fixed time a step, each the median over the steps, the one
     whose median relative error is smaller. Steps of about one size (their predicted times'
     10th and 90th percentiles within `spread`) cannot tell the two apart: the fixed time
-    then, which adds what was measured where it was measured and scales nothing beyond."""
+    then, which adds what was measured where it was measured and scales nothing beyond. A
+    fixed time below `floor_s` (less than the model's constant: a host much faster than the
+    profiled one) would price small steps below zero: the scale then."""
     ratio = statistics.median(m / p for p, m in steps)
     offset_s = statistics.median(m - p for p, m in steps)
 
@@ -120,7 +129,8 @@ def fit_steps(steps: list[tuple[float, float]], spread: float = 1.5
 
     deciles = statistics.quantiles([p for p, _ in steps], n=10)
     alike = deciles[-1] <= spread * deciles[0]
-    offset = alike or error(lambda p: p + offset_s) < error(lambda p: p * ratio)
+    offset = offset_s > floor_s and (
+        alike or error(lambda p: p + offset_s) < error(lambda p: p * ratio))
     return ratio, "offset" if offset else "scale", offset_s if offset else 0.0
 
 

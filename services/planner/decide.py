@@ -12,7 +12,16 @@ from typing import Any
 import numpy as np
 
 from services.planner.calibration import Calibration
-from services.planner.modes import MODES, Candidate, Kind, Mode, best, candidates, worth_switching
+from services.planner.modes import (
+    MODES,
+    SWITCH_MARGIN,
+    Candidate,
+    Kind,
+    Mode,
+    best,
+    candidates,
+    worth_switching,
+)
 from services.planner.placement import Problem
 from services.planner.profiles import Profile
 from shared.messages import ReplanRequest, WorkloadSummary
@@ -27,7 +36,7 @@ class PlannerConfig:
     attainment: float  # the share of requests that must meet both objectives
     budget: int  # devices
     modes: tuple[Mode, ...] = MODES  # what the deployer may run; all are weighed
-    switch_margin: float = 1.2  # another mode's goodput must be this much higher to switch
+    switch_margin: float = SWITCH_MARGIN  # another mode's goodput must be this much higher
     batch_tokens: int = 0  # the workers' prompt tokens per step (0: the profile's L_m)
     max_running: int = 0  # the workers' running requests at most (0: the profile's)
 
@@ -79,7 +88,7 @@ def decide(request: ReplanRequest, last_workload: WorkloadSummary | None,
         "made_at": now, "reasons": list(request.reasons), "budget": config.budget,
         "slo": asdict(config.slo), **asdict(plan),
         "best_mode": best(found).mode, "current_mode": current,
-        "deployable": list(config.modes),
+        "deployable": list(config.modes), "switch_margin": config.switch_margin,
         "candidates": [asdict(c) for c in found],
         "workload": {"rate_rps": workload.rate_rps, "arrival_cv": workload.arrival_cv,
                      "requests": len(workload.prompt_tokens),

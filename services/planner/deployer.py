@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Set
 from pathlib import Path
 from typing import Protocol
 
@@ -37,12 +38,14 @@ def role_of(kind: Kind) -> Role:
     return "colocated" if kind == "chunked" else kind
 
 
-async def live_workers(registry: Registry) -> dict[Kind, list[InstanceInfo]]:
-    """The live workers that take requests (none draining), by kind."""
+async def live_workers(registry: Registry, drained: Set[str] = frozenset()
+                       ) -> dict[Kind, list[InstanceInfo]]:
+    """The live workers that take requests (none draining, none in `drained`: told to
+    drain, their heartbeat may not say so yet), by kind."""
     live: dict[Kind, list[InstanceInfo]] = {kind: [] for kind in KINDS}
     for role in ROLES:
         for info in await registry.instances(role):
-            if not info.draining:
+            if not info.draining and info.instance_id not in drained:
                 live[kind_of(info)].append(info)
     return live
 
@@ -52,6 +55,8 @@ class DeployError(RuntimeError):
 
 
 class Deployer(Protocol):
+    drained: set[str]  # the workers it told to drain
+
     async def apply(self, counts: dict[Kind, int]) -> dict[str, list[str]]: ...
 
     def stop(self) -> None: ...
@@ -67,6 +72,9 @@ def to_drain(live: list[InstanceInfo], want: int) -> list[InstanceInfo]:
 class LogOnlyDeployer:
     """Records plans without acting (e.g. under docker-compose, where an orchestrator
     scales the containers)."""
+
+    def __init__(self) -> None:
+        self.drained: set[str] = set()
 
     async def apply(self, counts: dict[Kind, int]) -> dict[str, list[str]]:
         log.info("plan (not applied): %s", counts)
@@ -87,9 +95,10 @@ class LocalDeployer:
         self.supervisor = Supervisor(Path(run_dir or "."))
         self.gpus = gpu_count(os.environ)
         self.spawned = 0
+        self.drained: set[str] = set()
 
     async def apply(self, counts: dict[Kind, int]) -> dict[str, list[str]]:
-        live = await live_workers(self.registry)
+        live = await live_workers(self.registry, self.drained)
         started = [self._spawn(kind) for kind in KINDS
                    for _ in range(counts.get(kind, 0) - len(live[kind]))]
         if started:
@@ -98,6 +107,7 @@ class LocalDeployer:
                    for i in to_drain(live[kind], counts.get(kind, 0))]
         for instance in drained:
             await publish(self.nc, subjects.drain(instance), Drain(reason=f"plan {counts}"))
+            self.drained.add(instance)
         if started or drained:
             log.info("applied %s: started %s, draining %s", counts, started, drained)
         return {"started": started, "drained": drained}

@@ -29,6 +29,18 @@ from shared.workloads import WorkloadRequest
 
 Mode = Literal["disaggregated", "colocated", "chunked"]
 MODES: tuple[Mode, ...] = ("disaggregated", "colocated", "chunked")
+SWITCH_MARGIN = 1.2  # another mode must serve this many times more to switch to it
+
+
+def parse_modes(text: str) -> tuple[Mode, ...]:
+    """'colocated, chunked' -> the modes, in `MODES` order; ValueError naming the rest."""
+    named = {m.strip() for m in text.split(",") if m.strip()}
+    if not named or named - set(MODES):
+        unknown = ", ".join(sorted(named - set(MODES))) or "none given"
+        raise ValueError(f"unknown modes: {unknown}; the modes are {', '.join(MODES)}")
+    return tuple(m for m in MODES if m in named)
+
+
 # what a deployer starts: a worker role, colocated workers with and without chunked prefill
 Kind = Literal["prefill", "decode", "colocated", "chunked"]
 KINDS: tuple[Kind, ...] = ("prefill", "decode", "colocated", "chunked")
@@ -113,12 +125,16 @@ def candidates(problem: Problem, budget: int, modes: Sequence[Mode] = MODES
 
 
 def chunked_bound(problem: Problem) -> float:
-    """Requests/s one chunked-prefill instance sustains at best: every step a full token
-    budget, a decode costing no more than a prompt token (an upper bound for the search:
-    the simulator prices decodes at more, `LatencyModel.riding_ms`)."""
-    lengths, budget = problem.workload.lengths, problem.l_m
-    step_s = problem.profile.latency(1, 1).prefill_stage_s(budget, budget)
-    return budget / step_s / (lengths.mean_prompt + max(1.0, lengths.mean_output - 1))
+    """Requests/s one chunked-prefill instance sustains at best (an upper bound for the
+    search): every step full, its token budget shared by prompt tokens and decodes (one
+    token each) in the workload's proportion, each decode costing what it adds to a step at
+    no context (`LatencyModel.riding_ms`), attention left out."""
+    lengths, lat = problem.workload.lengths, problem.profile.latency(1, 1)
+    constant_ms, per_token_ms, _ = lat.coefficients.prefill
+    prompt, decodes = lengths.mean_prompt, max(1.0, lengths.mean_output - 1)
+    per_step = problem.l_m / (prompt + decodes)  # requests' worth of tokens in a full step
+    step_ms = constant_ms + per_step * (per_token_ms * prompt + lat.riding_ms(1, 0) * decodes)
+    return per_step / (step_ms / lat.pp / 1e3)
 
 
 def best(found: Sequence[Candidate]) -> Candidate:

@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 from services.planner.calibration import Calibration
 from services.planner.decide import PlannerConfig, decide
 from services.planner.deployer import Deployer, LocalDeployer, LogOnlyDeployer, live_workers
-from services.planner.modes import MODES, Mode, serving_mode
+from services.planner.modes import MODES, SWITCH_MARGIN, Mode, parse_modes, serving_mode
 from services.planner.profiles import Profile, planner_profile
 from services.runtime import ControlService
 from shared import subjects
@@ -50,7 +50,7 @@ class PlannerSettings(BaseSettings):
     planner_devices: int = 0  # device budget; 0 = the number of CPU cores
     planner_deployer: Literal["local", "none"] = "local"
     planner_modes: str = ",".join(MODES)  # the modes it may deploy (all are weighed)
-    planner_switch_margin: float = Field(default=1.2, ge=1.0)  # a new mode's goodput gain
+    planner_switch_margin: float = Field(default=SWITCH_MARGIN, ge=1.0)  # a new mode's gain
     planner_interval_s: float = 0.0  # also plan again this often (0: only when asked)
     # the workers' scheduler limits (the same DS_ variables the workers read)
     max_batch_tokens: int = 512
@@ -66,16 +66,11 @@ class PlannerSettings(BaseSettings):
     @field_validator("planner_modes")
     @classmethod
     def _known_modes(cls, value: str) -> str:
-        modes = [m.strip() for m in value.split(",") if m.strip()]
-        unknown = set(modes) - set(MODES)
-        if unknown or not modes:
-            raise ValueError(f"DS_PLANNER_MODES: {', '.join(sorted(unknown)) or 'none given'}"
-                             f"; the modes are {', '.join(MODES)}")
-        return ",".join(modes)
+        return ",".join(parse_modes(value))
 
     @property
     def modes(self) -> tuple[Mode, ...]:
-        return tuple(m for m in MODES if m in self.planner_modes.split(","))
+        return parse_modes(self.planner_modes)
 
     def config(self) -> PlannerConfig:
         return PlannerConfig(self.profile(), SLO(self.planner_ttft_s, self.planner_tpot_s),
@@ -96,6 +91,7 @@ class PlannerService(ControlService):
         self.wake = asyncio.Event()
         self.deployer: Deployer
         self.registry: Registry
+        self.applied_mode: Mode | None = None
 
     async def serve(self, stop: asyncio.Event) -> None:
         registry = self.registry = Registry(self.redis, self.settings.heartbeat_ttl_s)
@@ -141,13 +137,16 @@ class PlannerService(ControlService):
         return Calibration.model_validate_json(text) if text else None
 
     async def serving(self) -> Mode | None:
-        """The mode the live workers serve in (None: none live, or Redis unreachable)."""
+        """The mode the live workers serve in (less those the deployer drained and whose
+        heartbeats may not say so yet); where Redis cannot tell (unreachable, or no mode
+        has its workers live, as while one restarts), the mode last applied."""
         try:
-            live = await live_workers(self.registry)
+            live = await live_workers(self.registry, self.deployer.drained)
         except (RedisError, OSError) as e:
             log.warning("cannot read the live workers from Redis (%s)", e)
-            return None
-        return serving_mode({kind: len(workers) for kind, workers in live.items()})
+            return self.applied_mode
+        found = serving_mode({kind: len(workers) for kind, workers in live.items()})
+        return found or self.applied_mode
 
     async def replan(self, request: ReplanRequest) -> dict[str, Any]:
         started = time.monotonic()
@@ -170,6 +169,7 @@ class PlannerService(ControlService):
         await self._save(record)
         record["applied"] = await self.deployer.apply(decision.target)
         record["applied_at"] = time.time()
+        self.applied_mode = decision.plan.mode
         await self._save(record)
         return record
 

@@ -147,3 +147,17 @@ def test_steps_of_one_size_cannot_tell_a_scale_from_a_fixed_time() -> None:
     # the same slowdown over steps of 50-400 ms is a scale
     spread = [(p, 1.5 * p * rng.uniform(0.98, 1.02)) for p in np.linspace(0.05, 0.4, 30)]
     assert fit_steps(spread)[1:] == ("scale", 0.0)
+
+
+def test_a_host_much_faster_than_the_profile_is_fitted_as_a_scale() -> None:
+    """Decode steps of one size at 0.4x the profile: a fixed time a step would be below the
+    model's constant (negative small steps); the scale prices them right."""
+    steps = [StepSample(step=i, batch=b, context=b * 300,
+                        seconds=0.4 * LATENCY.decode_step_s(b, b * 300))
+             for i, b in enumerate([6, 7, 8] * 10, start=1)]
+    calibrator = Calibrator(LATENCY)
+    calibrator.observe("decode-0", steps)
+    found = calibrator.calibration()
+    assert (found.decode_fit, found.decode) == ("scale", pytest.approx(0.4))
+    fitted = found.apply(PROFILE).latency(1, 1)
+    assert fitted.decode_step_s(7, 2100) == pytest.approx(0.4 * LATENCY.decode_step_s(7, 2100))

@@ -199,3 +199,41 @@ def test_a_fixed_mode_gateway_dispatches_to_its_mode_only() -> None:
     assert colocated.dispatch().worker == "c0"
     with pytest.raises(APIError, match="colocated worker nor prefill and decode"):
         gateway_seeing("auto", worker("p0", "prefill")).dispatch()
+
+
+def test_a_failed_instance_is_in_no_route_where_another_serves() -> None:
+    gateway = gateway_seeing("auto", worker("c0", "colocated"), worker("p0", "prefill"),
+                             worker("d0", "decode"), worker("d1", "decode"))
+    pools = {role: gateway.live(role) for role in gateway.roles}
+    # c0 failed: it is the least loaded, yet the move goes to a prefill/decode pair
+    assert [(t.worker, t.decode) for t in gateway.routes(pools, avoid="c0")] == [("p0", "d0")]
+    assert {t.decode for t in gateway.routes(pools, avoid="d0")} == {"", "d1"}
+    # the only decode instance failed: the colocated worker serves, and no route has d0
+    only = {"colocated": pools["colocated"], "prefill": pools["prefill"],
+            "decode": [i for i in pools["decode"] if i.instance_id == "d0"]}
+    assert [(t.worker, t.decode) for t in gateway.routes(only, avoid="d0")] == [("c0", "")]
+
+
+def test_a_dead_worker_is_dispatched_to_only_when_nothing_is_live() -> None:
+    """A colocated worker silent next to its peers (dead, its count zero) draws no request
+    while a live prefill/decode pair serves; heard-from-lately instances are the fallback
+    when no route is live."""
+    gateway = gateway_seeing("auto", worker("p0", "prefill"), worker("d0", "decode"))
+    now = time.monotonic()
+    gateway.view.observe(worker("c0", "colocated"), now - 5.0)  # silent next to p0 and d0
+    gateway.ledger.sent("p0", "d0")
+    assert (gateway.dispatch().worker, gateway.dispatch().decode) == ("p0", "d0")
+    quiet = gateway_seeing("auto")
+    quiet.view.observe(worker("c0", "colocated"), now - 5.0)
+    quiet.view.observe(worker("p0", "prefill"), now)  # p0 alone serves nothing
+    assert quiet.dispatch().worker == "c0"
+
+
+def test_kv_held_resumes_on_a_decode_instance_while_its_prefill_instance_drains() -> None:
+    """Fixed disaggregated mode, the only prefill instance draining, d0 failed: the request
+    resumes on d1 from the KV p0 holds (no second prefill instance needed)."""
+    gateway = gateway_seeing("disaggregated", worker("p0", "prefill", draining=True),
+                             worker("d0", "decode"), worker("d1", "decode"))
+    assert gateway.routes({role: gateway.live(role) for role in gateway.roles}) == []
+    decode = asyncio.run(gateway._decode_to_resume("d0", deadline=time.monotonic()))
+    assert decode is not None and decode.instance_id == "d1"
