@@ -107,20 +107,22 @@ class Calibrator:
         for phase, steps in self.steps.items():
             fields[f"{phase}_steps"] = len(steps)
             if len(steps) >= self.min_steps:
-                ratio, fit, offset_s = fit_steps(list(steps), floor_s=-self._constant_s(phase))
+                ratio, fit, offset_s = fit_steps(list(steps), self._constant_s(phase))
                 fields |= {phase: ratio, f"{phase}_fit": fit, f"{phase}_offset_s": offset_s}
         return Calibration.model_validate(fields)
 
 
-def fit_steps(steps: list[tuple[float, float]], spread: float = 1.5,
-              floor_s: float = float("-inf")) -> tuple[float, Fit, float]:
+def fit_steps(steps: list[tuple[float, float]], constant_s: float = float("inf"),
+              spread: float = 1.5) -> tuple[float, Fit, float]:
     """(median measured / predicted, the better fit, its time a step) for (predicted,
     measured) pairs: a scale or a fixed time a step, each the median over the steps, the one
     whose median relative error is smaller. Steps of about one size (their predicted times'
     10th and 90th percentiles within `spread`) cannot tell the two apart: the fixed time
-    then, which adds what was measured where it was measured and scales nothing beyond. A
-    fixed time below `floor_s` (less than the model's constant: a host much faster than the
-    profiled one) would price small steps below zero: the scale then."""
+    then, which adds what was measured where it was measured and scales nothing beyond,
+    unless it is more than `constant_s` (the model's fixed part of a step): a per-step cost
+    beyond a whole step's fixed part is a slowdown (the cores shared with other work), a
+    scale. A fixed time below -`constant_s` (a host much faster than the profiled one)
+    would price small steps below zero: the scale then too."""
     ratio = statistics.median(m / p for p, m in steps)
     offset_s = statistics.median(m - p for p, m in steps)
 
@@ -129,8 +131,11 @@ def fit_steps(steps: list[tuple[float, float]], spread: float = 1.5,
 
     deciles = statistics.quantiles([p for p, _ in steps], n=10)
     alike = deciles[-1] <= spread * deciles[0]
-    offset = offset_s > floor_s and (
-        alike or error(lambda p: p + offset_s) < error(lambda p: p * ratio))
+    if alike:
+        offset = abs(offset_s) <= constant_s
+    else:
+        offset = offset_s > -constant_s and \
+            error(lambda p: p + offset_s) < error(lambda p: p * ratio)
     return ratio, "offset" if offset else "scale", offset_s if offset else 0.0
 
 

@@ -161,3 +161,15 @@ def test_a_host_much_faster_than_the_profile_is_fitted_as_a_scale() -> None:
     assert (found.decode_fit, found.decode) == ("scale", pytest.approx(0.4))
     fitted = found.apply(PROFILE).latency(1, 1)
     assert fitted.decode_step_s(7, 2100) == pytest.approx(0.4 * LATENCY.decode_step_s(7, 2100))
+
+
+def test_steps_of_one_size_far_slower_than_the_model_is_fixed_are_a_slowdown() -> None:
+    """16-token prompts at 3x the profile (a host whose cores other work takes): +150 ms a
+    step is more than the model's whole fixed part of a step (51 ms), so it is a scale, and
+    a 512-token step is priced 3x too."""
+    steps = [StepSample(step=i, prompts=[16],
+                        seconds=3.0 * LATENCY.prefill_latency_s(16, 256)) for i in range(1, 31)]
+    calibrator = Calibrator(LATENCY)
+    calibrator.observe("prefill-0", steps)
+    found = calibrator.calibration()
+    assert (found.prefill_fit, found.prefill) == ("scale", pytest.approx(3.0))
