@@ -15,6 +15,7 @@ from rich.table import Table
 
 from services.launcher import read_run_env
 from services.planner.calibration import Calibration
+from services.planner.modes import SWITCH_MARGIN
 from shared import subjects
 from shared.bus import connect, publish
 from shared.messages import ReplanRequest
@@ -81,9 +82,9 @@ def show_live(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if current and current != plan["mode"]:
             console.print(f"  the plan moves the workers from {current} to {plan['mode']}")
         elif best and best != plan["mode"]:
-            why = (f"not {plan.get('switch_margin', 1.2)}x better: not worth restarting the "
-                   "workers for" if best in plan.get("deployable", [])
-                   else "not one the planner deploys")
+            margin = plan.get("switch_margin", SWITCH_MARGIN)
+            why = (f"not {margin}x better: not worth restarting the workers for"
+                   if best in plan.get("deployable", []) else "not one the planner deploys")
             console.print(f"  {plan['mode']} rather than {best}: {why}")
         w = plan["workload"]
         console.print(f"  for: {w['rate_rps']:.2f} req/s (CV {w['arrival_cv']:.2f}), prompts "

@@ -209,6 +209,10 @@ class Gateway:
     def live(self, role: Role) -> list[InstanceInfo]:
         return self.view.instances(role, time.monotonic())
 
+    def live_pools(self) -> dict[Role, list[InstanceInfo]]:
+        """The live instances of each role this gateway dispatches to."""
+        return {role: self.live(role) for role in self.roles}
+
     def dispatchable(self, role: Role) -> list[InstanceInfo]:
         """The live instances; if none, those heard from lately (a starved host delays
         heartbeats: better a request that may have to move than a 503)."""
@@ -304,7 +308,7 @@ class Gateway:
         """The least-loaded route through live instances; if there is none, through those
         heard from lately (a starved host delays heartbeats: better a request that may have
         to move than a 503)."""
-        found = self.routes({role: self.live(role) for role in self.roles}) or \
+        found = self.routes(self.live_pools()) or \
             self.routes({role: self.dispatchable(role) for role in self.roles})
         if not found:
             raise APIError(503, f"no {self.wanted} is available; retry after "
@@ -446,7 +450,7 @@ class Gateway:
             return False
 
     def _live_routes(self, avoid: str) -> list[Target]:
-        return self.routes({role: self.live(role) for role in self.roles}, avoid)
+        return self.routes(self.live_pools(), avoid)
 
     async def _decode_to_resume(self, avoid: str, deadline: float) -> InstanceInfo | None:
         """A live decode instance (another than `avoid` if there is one) to resume a request

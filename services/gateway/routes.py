@@ -206,7 +206,7 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        pools = {role: gateway.live(role) for role in gateway.roles}
+        pools = gateway.live_pools()
         ok = bool(gateway.routes(pools))  # a request can be served
         return JSONResponse({"status": "ok" if ok else "degraded",
                              "mode": gateway.settings.mode,

@@ -41,22 +41,24 @@ class Calibration(BaseModel):
     prefill_offset_s: float = 0.0
     decode_offset_s: float = 0.0
 
+    def correction(self, phase: str) -> tuple[float, float]:
+        """(scale, ms added a step) for the profile's step times of `phase`."""
+        if getattr(self, f"{phase}_fit") == "offset":
+            return 1.0, 1e3 * getattr(self, f"{phase}_offset_s")
+        return getattr(self, phase), 0.0
+
     def apply(self, profile: Profile) -> Profile:
-        scale = {phase: getattr(self, phase) if getattr(self, f"{phase}_fit") == "scale"
-                 else 1.0 for phase in ("prefill", "decode")}
-        plus_ms = {phase: 1e3 * getattr(self, f"{phase}_offset_s")
-                   if getattr(self, f"{phase}_fit") == "offset" else 0.0
-                   for phase in ("prefill", "decode")}
-        by_tp = {tp: co.slowed(scale["prefill"], scale["decode"], plus_ms["prefill"],
-                               plus_ms["decode"]) for tp, co in profile.by_tp.items()}
+        (prefill, prefill_ms), (decode, decode_ms) = (self.correction("prefill"),
+                                                      self.correction("decode"))
+        by_tp = {tp: co.slowed(prefill, decode, prefill_ms, decode_ms)
+                 for tp, co in profile.by_tp.items()}
         return dataclasses.replace(profile, by_tp=by_tp)
 
     def describe(self, phase: str) -> str:
         """'1.45x the profile (+33 ms a step fits best)', for logs and `plan --live`."""
-        text = f"{getattr(self, phase):.2f}x the profile"
-        if getattr(self, f"{phase}_fit") == "offset":
-            text += f" ({1e3 * getattr(self, f'{phase}_offset_s'):+.0f} ms a step fits best)"
-        return text
+        _, plus_ms = self.correction(phase)
+        fits = f" ({plus_ms:+.0f} ms a step fits best)" if plus_ms else ""
+        return f"{getattr(self, phase):.2f}x the profile{fits}"
 
     def differs(self, other: Calibration, by: float) -> bool:
         """Either phase's scale moved by more than the ratio `by` (e.g. 1.2)."""

@@ -95,6 +95,17 @@ def test_draining_a_decode_instance_loses_none_of_its_requests(tmp_path: Path) -
         stack.stop()
 
 
+def planner_env(devices: int, modes: str, window: int, tpot_s: float,
+                **more: str) -> dict[str, str]:
+    """A planner on `devices` deploying `modes`, a profiler flagging shifts over a
+    `window` of requests within seconds; plans follow the workload only (a busy host's
+    slower steps would replan)."""
+    return {"DS_PLANNER_DEVICES": str(devices), "DS_PLANNER_MODES": modes,
+            "DS_PROFILER_WINDOW": str(window), "DS_PROFILER_COOLDOWN_S": "5",
+            "DS_PROFILER_CHECK_EVERY": "2", "DS_PLANNER_TTFT_S": "5",
+            "DS_PLANNER_TPOT_S": str(tpot_s), "DS_PROFILER_RECALIBRATE_RATIO": "100", **more}
+
+
 def write_trace(path: Path) -> None:
     """Mooncake JSONL: 30 short-prompt, longer-output requests every 0.5 s, then 36 with
     long prompts and 2-token outputs every 1 s."""
@@ -122,12 +133,8 @@ def assert_history_replays(history: list[dict[str, Any]], env: dict[str, str]) -
 
 def test_longer_prompts_move_capacity_to_prefill_without_losing_requests(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    env = {"DS_PLANNER_DEVICES": "3", "DS_PLANNER_MODES": "disaggregated",
-           "DS_PROFILER_WINDOW": "20",
-           "DS_PROFILER_COOLDOWN_S": "5", "DS_PROFILER_CHECK_EVERY": "2",
-           "DS_PROFILER_ALPHA": "0.01", "DS_PLANNER_TTFT_S": "5", "DS_PLANNER_TPOT_S": "0.25",
-           # plans follow the workload only here (a busy host's slower steps would replan)
-           "DS_PROFILER_RECALIBRATE_RATIO": "100"}
+    env = planner_env(devices=3, modes="disaggregated", window=20, tpot_s=0.25,
+                      DS_PROFILER_ALPHA="0.01")
     stack = start_stack(tmp_path, prefill=1, decode=2, planner=True, extra_env=env)
     try:
         redis = Redis.from_url(stack.env["DS_REDIS_URL"])
@@ -176,10 +183,7 @@ def test_the_planner_switches_a_disaggregated_stack_to_colocated_workers(
     tests/planner): on the first full window of chat-like requests the planner switches
     modes. Two colocated workers start, then the prefill and decode instances drain and
     exit; the gateway (auto mode) follows, and no request is lost on the way."""
-    env = {"DS_PLANNER_DEVICES": "2", "DS_PLANNER_MODES": "colocated,chunked",
-           "DS_PROFILER_WINDOW": "16", "DS_PROFILER_COOLDOWN_S": "5",
-           "DS_PROFILER_CHECK_EVERY": "2", "DS_PLANNER_TTFT_S": "5", "DS_PLANNER_TPOT_S": "0.2",
-           "DS_PROFILER_RECALIBRATE_RATIO": "100"}
+    env = planner_env(devices=2, modes="colocated,chunked", window=16, tpot_s=0.2)
     stack = start_stack(tmp_path, prefill=1, decode=1, planner=True, extra_env=env)
     try:
         redis = Redis.from_url(stack.env["DS_REDIS_URL"])

@@ -183,7 +183,7 @@ def test_an_auto_gateway_dispatches_to_whichever_mode_is_live() -> None:
     for old in pair:
         gateway.view.observe(old.model_copy(update={"draining": True}), time.monotonic())
     assert gateway.dispatch().worker == "c0"
-    health = gateway.routes({role: gateway.live(role) for role in gateway.roles})
+    health = gateway.routes(gateway.live_pools())
     assert [t.worker for t in health] == ["c0"]
 
 
@@ -204,7 +204,7 @@ def test_a_fixed_mode_gateway_dispatches_to_its_mode_only() -> None:
 def test_a_failed_instance_is_in_no_route_where_another_serves() -> None:
     gateway = gateway_seeing("auto", worker("c0", "colocated"), worker("p0", "prefill"),
                              worker("d0", "decode"), worker("d1", "decode"))
-    pools = {role: gateway.live(role) for role in gateway.roles}
+    pools = gateway.live_pools()
     # c0 failed: it is the least loaded, yet the move goes to a prefill/decode pair
     assert [(t.worker, t.decode) for t in gateway.routes(pools, avoid="c0")] == [("p0", "d0")]
     assert {t.decode for t in gateway.routes(pools, avoid="d0")} == {"", "d1"}
@@ -234,6 +234,6 @@ def test_kv_held_resumes_on_a_decode_instance_while_its_prefill_instance_drains(
     resumes on d1 from the KV p0 holds (no second prefill instance needed)."""
     gateway = gateway_seeing("disaggregated", worker("p0", "prefill", draining=True),
                              worker("d0", "decode"), worker("d1", "decode"))
-    assert gateway.routes({role: gateway.live(role) for role in gateway.roles}) == []
+    assert gateway.routes(gateway.live_pools()) == []
     decode = asyncio.run(gateway._decode_to_resume("d0", deadline=time.monotonic()))
     assert decode is not None and decode.instance_id == "d1"
