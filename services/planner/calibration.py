@@ -120,11 +120,12 @@ def fit_steps(steps: list[tuple[float, float]], constant_s: float = float("inf")
     measured) pairs: a scale or a fixed time a step, each the median over the steps, the one
     whose median relative error is smaller. Steps of about one size (their predicted times'
     10th and 90th percentiles within `spread`) cannot tell the two apart: the fixed time
-    then, which adds what was measured where it was measured and scales nothing beyond,
-    unless it is more than `constant_s` (the model's fixed part of a step): a per-step cost
-    beyond a whole step's fixed part is a slowdown (the cores shared with other work), a
-    scale. A fixed time below -`constant_s` (a host much faster than the profiled one)
-    would price small steps below zero: the scale then too."""
+    then, which adds what was measured where it was measured and scales nothing beyond.
+    Either way a fixed time is only taken within `constant_s` (the model's fixed part of a
+    step) of zero: a per-step cost beyond a whole step's fixed part is a slowdown (the cores
+    shared with other work: a few long steps among many short ones do not outvote the
+    short ones' medians), and one below -`constant_s` (a host much faster than the profiled
+    one) would price small steps below zero: the scale then."""
     ratio = statistics.median(m / p for p, m in steps)
     offset_s = statistics.median(m - p for p, m in steps)
 
@@ -133,11 +134,8 @@ def fit_steps(steps: list[tuple[float, float]], constant_s: float = float("inf")
 
     deciles = statistics.quantiles([p for p, _ in steps], n=10)
     alike = deciles[-1] <= spread * deciles[0]
-    if alike:
-        offset = abs(offset_s) <= constant_s
-    else:
-        offset = offset_s > -constant_s and \
-            error(lambda p: p + offset_s) < error(lambda p: p * ratio)
+    offset = abs(offset_s) <= constant_s and (
+        alike or error(lambda p: p + offset_s) < error(lambda p: p * ratio))
     return ratio, "offset" if offset else "scale", offset_s if offset else 0.0
 
 

@@ -173,3 +173,19 @@ def test_steps_of_one_size_far_slower_than_the_model_is_fixed_are_a_slowdown() -
     calibrator.observe("prefill-0", steps)
     found = calibrator.calibration()
     assert (found.prefill_fit, found.prefill) == ("scale", pytest.approx(3.0))
+
+
+def test_a_slowdown_over_mostly_short_steps_is_a_scale() -> None:
+    """The window a workload shift leaves: mostly 16-token prompts, every eighth 200 tokens,
+    all 3x the profile (a CPU hog beside the stack). The short steps' medians fit a fixed
+    +150 ms as well as a scale; beyond the model's 51 ms constant it is a slowdown."""
+    rng = random.Random(3)
+    steps = []
+    for i in range(1, 41):
+        n = 200 if i % 8 == 0 else 16
+        seconds = 3.0 * LATENCY.prefill_latency_s(n, n * n) * rng.uniform(0.85, 1.15)
+        steps.append(StepSample(step=i, prompts=[n], seconds=seconds))
+    calibrator = Calibrator(LATENCY)
+    calibrator.observe("prefill-0", steps)
+    found = calibrator.calibration()
+    assert (found.prefill_fit, found.prefill) == ("scale", pytest.approx(3.0, rel=0.05))
