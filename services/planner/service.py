@@ -52,6 +52,7 @@ class PlannerSettings(BaseSettings):
     planner_modes: str = ",".join(MODES)  # the modes it may deploy (all are weighed)
     planner_switch_margin: float = Field(default=SWITCH_MARGIN, ge=1.0)  # a new mode's gain
     planner_interval_s: float = 0.0  # also plan again this often (0: only when asked)
+    planner_calibrate: bool = True  # plan on the profile as the workers' step times correct it
     # the workers' scheduler limits (the same DS_ variables the workers read)
     max_batch_tokens: int = 512
     max_running: int = 64
@@ -128,7 +129,10 @@ class PlannerService(ControlService):
                     log.exception("replanning failed")
 
     async def calibration(self) -> Calibration | None:
-        """The latency model's scales as the profiler last measured them on the workers."""
+        """The latency model's correction as the profiler last measured it on the workers
+        (None: plan on the profile as it is, also with DS_PLANNER_CALIBRATE=false)."""
+        if not self.settings.planner_calibrate:
+            return None
         try:
             text = await self.redis.get(subjects.CALIBRATION_KEY)
         except (RedisError, OSError) as e:

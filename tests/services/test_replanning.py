@@ -133,8 +133,11 @@ def assert_history_replays(history: list[dict[str, Any]], env: dict[str, str]) -
 
 def test_longer_prompts_move_capacity_to_prefill_without_losing_requests(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the plans follow the workload only: on a loaded host the short prompts' prefill steps
+    # ran 2.5x the profile and decode 1.1x, and a calibrated planner gave prefill two
+    # instances from the start (how the calibration moves plans: tests/planner)
     env = planner_env(devices=3, modes="disaggregated", window=20, tpot_s=0.25,
-                      DS_PROFILER_ALPHA="0.01")
+                      DS_PROFILER_ALPHA="0.01", DS_PLANNER_CALIBRATE="false")
     stack = start_stack(tmp_path, prefill=1, decode=2, planner=True, extra_env=env)
     try:
         redis = Redis.from_url(stack.env["DS_REDIS_URL"])
@@ -162,7 +165,7 @@ def test_longer_prompts_move_capacity_to_prefill_without_losing_requests(
         wait_for(lambda: seen() >= 66, 30, "the profiler to see every request")
         assert seen() == 66
         assert_history_replays(history, stack.env)
-        # the workers' step times calibrated the planner's model (1.0: too few steps yet)
+        # the profiler still measured the workers' step times (1.0: too few steps yet)
         calibration = Calibration.model_validate_json(redis.get(subjects.CALIBRATION_KEY) or "")
         assert calibration.prefill_steps >= 10 and calibration.decode_steps >= 10
         assert 0.3 < calibration.prefill < 10 and 0.3 < calibration.decode < 10
