@@ -26,7 +26,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from services.gateway.ledger import Ledger, Overloaded, Ticket
+from services.gateway.ledger import Booking, Ledger, Overloaded, Ticket
 from services.gateway.metrics import Metrics
 from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
 from services.gateway.stream import GaveUp, Lost, Relay
@@ -130,25 +130,6 @@ class Target:
     worker: str
     decode: str
     max_request_tokens: int
-
-
-@dataclass
-class Booking:
-    """What one attempt of a request counts in the ledger, to be taken out exactly once."""
-
-    worker: str
-    decode: str
-    counted: bool = False  # out of the prefill instance's queue already
-
-    def prefilled(self, ledger: Ledger) -> None:
-        if not self.counted and self.decode:
-            ledger.prefilled(self.worker)
-        self.counted = True
-
-    def settle(self, ledger: Ledger) -> None:
-        """The attempt is over (the request ended or moved): nothing of it stays counted."""
-        self.prefilled(ledger)
-        ledger.left(self.decode or self.worker)
 
 
 class Gateway:
@@ -304,16 +285,18 @@ class Gateway:
         return {"disaggregated": "prefill/decode instance", "colocated": "colocated worker"
                 }.get(self.settings.mode, "colocated worker nor prefill and decode instance")
 
-    def dispatch(self) -> Target:
+    def dispatch(self, ticket: Ticket) -> Target:
         """The least-loaded route through live instances; if there is none, through those
         heard from lately (a starved host delays heartbeats: better a request that may have
-        to move than a 503)."""
+        to move than a 503). Booked on the ticket at once: the next request of a burst,
+        dispatched before this one's stream opens, sees it."""
         found = self.routes(self.live_pools()) or \
             self.routes({role: self.dispatchable(role) for role in self.roles})
         if not found:
             raise APIError(503, f"no {self.wanted} is available; retry after "
                                 f"{self.settings.retry_after_s}s", kind="server_error",
                            headers={"Retry-After": str(self.settings.retry_after_s)})
+        ticket.booking = self.ledger.book(found[0].worker, found[0].decode)
         return found[0]
 
     def sampling(self, target: Target, prompt_len: int,
@@ -337,11 +320,12 @@ class Gateway:
 
     # -- one request ---------------------------------------------------------------------
 
-    async def generate(self, request_id: str, target: Target, prompt_ids: list[int],
-                       sampling: Sampling, timing: RequestTiming
+    async def generate(self, request_id: str, target: Target, booked: Booking | None,
+                       prompt_ids: list[int], sampling: Sampling, timing: RequestTiming
                        ) -> AsyncGenerator[TokenChunk, None]:
         """The request's token chunks until it finishes, moved to other instances (up to
-        `max_moves` times) when the ones serving it fail; GaveUp if it cannot finish."""
+        `max_moves` times) when the ones serving it fail; GaveUp if it cannot finish.
+        `booked`: the target's count in the ledger (from dispatch), settled here."""
         relay = Relay(self.nc, self.view, request_id, target.worker, target.decode,
                       self.settings.stall_timeout_s)
         await relay.open()
@@ -349,7 +333,6 @@ class Gateway:
             "request_id": request_id, "prompt_tokens": len(prompt_ids),
             "max_tokens": sampling.max_tokens, "prefill": target.worker,
             "decode": target.decode})
-        booked: Booking | None = self._book(relay)
         outcome = "cancelled"
         try:
             await self._prefill(relay, prompt_ids, sampling, timing, headers_for(span))
@@ -358,7 +341,7 @@ class Gateway:
                     chunk = await relay.next()
                 except Lost as lost:
                     if booked is not None:
-                        booked.settle(self.ledger)
+                        booked.settle()
                         booked = None
                     await self._move(relay, lost, prompt_ids, sampling, timing)
                     span.add_event("moved", {"cause": lost.cause, "prefill": relay.worker,
@@ -366,7 +349,7 @@ class Gateway:
                     booked = self._book(relay)
                     continue
                 if relay.prefilled and booked is not None:
-                    booked.prefilled(self.ledger)
+                    booked.prefilled()
                 timing.tokens(len(chunk.token_ids))
                 outcome = chunk.error or chunk.finish_reason or outcome
                 yield chunk
@@ -377,17 +360,16 @@ class Gateway:
             span.set_attribute("outcome", outcome)
             span.end()
             if booked is not None:
-                booked.settle(self.ledger)
+                booked.settle()
             # its own task: when the client went away this generator is being cancelled, and
             # every await here would be cancelled too, losing the cancel and the report
             self._spawn(self._after(relay, timing, outcome))
 
     def _book(self, relay: Relay) -> Booking:
         """Count the relay's attempt in the ledger (dispatch spreads by these counts)."""
-        self.ledger.sent(relay.worker, relay.decode)
-        booking = Booking(relay.worker, relay.decode)
+        booking = self.ledger.book(relay.worker, relay.decode)
         if relay.prefilled:
-            booking.prefilled(self.ledger)
+            booking.prefilled()
         return booking
 
     async def _prefill(self, relay: Relay, prompt_ids: list[int], sampling: Sampling,

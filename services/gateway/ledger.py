@@ -13,13 +13,40 @@ class Overloaded(Exception):
 
 
 @dataclass
+class Booking:
+    """What one attempt of a request counts in the ledger, to be taken out exactly once."""
+
+    ledger: Ledger
+    worker: str
+    decode: str
+    counted: bool = False  # out of the prefill instance's queue already
+    settled: bool = False
+
+    def prefilled(self) -> None:
+        if not self.counted and self.decode:
+            self.ledger.prefilling[self.worker] -= 1
+        self.counted = True
+
+    def settle(self) -> None:
+        """The attempt is over (the request ended or moved): nothing of it stays counted."""
+        if not self.settled:
+            self.settled = True
+            self.prefilled()
+            self.ledger.decoding[self.decode or self.worker] -= 1
+
+
+@dataclass
 class Ticket:
-    """An admitted request's slot; released once, however the request ends."""
+    """An admitted request's slot; released once, however the request ends, with the
+    booking of the instances it was dispatched to (if nothing settled that first)."""
 
     ledger: Ledger
     released: bool = False
+    booking: Booking | None = None
 
     def release(self) -> None:
+        if self.booking is not None:
+            self.booking.settle()
         if not self.released:
             self.released = True
             self.ledger.admitted -= 1
@@ -37,17 +64,13 @@ class Ledger:
         self.admitted += 1
         return Ticket(self)
 
-    def sent(self, prefill: str, decode: str) -> None:
-        """A request went to `prefill` (a colocated worker when `decode` is empty)."""
+    def book(self, prefill: str, decode: str) -> Booking:
+        """A request goes to `prefill` (a colocated worker when `decode` is empty): counted
+        from the moment it is dispatched, so the next request of a burst sees it."""
         if decode:
             self.prefilling[prefill] += 1
         self.decoding[decode or prefill] += 1
-
-    def prefilled(self, prefill: str) -> None:
-        self.prefilling[prefill] -= 1
-
-    def left(self, decode: str) -> None:
-        self.decoding[decode] -= 1
+        return Booking(self, prefill, decode)
 
     def forget_idle(self, written: dict[str, int]) -> None:
         """Drop instances with nothing in flight whose zero count was written out."""

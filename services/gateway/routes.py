@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from services.gateway import openai_api as api
 from services.gateway.gateway import Gateway, Target
-from services.gateway.ledger import Ticket
+from services.gateway.ledger import Booking, Ticket
 from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
 from services.gateway.stream import GaveUp
 from services.gateway.timing import RequestTiming
@@ -30,8 +30,10 @@ class Call:
     """One admitted request: what shapes its answer, and its timing."""
 
     def __init__(self, gateway: Gateway, model: str, chat: bool, target: Target,
-                 prompt_ids: list[int], sampling: Sampling, include_usage: bool) -> None:
+                 booking: Booking | None, prompt_ids: list[int], sampling: Sampling,
+                 include_usage: bool) -> None:
         self.gateway, self.model, self.chat, self.target = gateway, model, chat, target
+        self.booking = booking
         self.prompt_ids, self.sampling, self.include_usage = prompt_ids, sampling, include_usage
         self.request_id = uuid.uuid4().hex
         self.id = api.response_id(self.request_id, chat)
@@ -39,8 +41,8 @@ class Call:
         self.logprobs: list[float] = []
 
     def chunks(self) -> AsyncIterator[TokenChunk]:
-        return self.gateway.generate(self.request_id, self.target, self.prompt_ids,
-                                     self.sampling, self.timing)
+        return self.gateway.generate(self.request_id, self.target, self.booking,
+                                     self.prompt_ids, self.sampling, self.timing)
 
     def logprob_block(self, tokens: list[int], logprobs: list[float]) -> dict[str, Any] | None:
         if not self.sampling.logprobs:
@@ -183,9 +185,10 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
             ids = await (chat_ids(req) if chat else completion_ids(req))  # type: ignore[arg-type]
             if not ids:
                 raise APIError(400, "the prompt is empty", "prompt")
-            target = gateway.dispatch()
+            target = gateway.dispatch(ticket)
             sampling = gateway.sampling(target, len(ids), req)
-            call = Call(gateway, req.model, chat, target, ids, sampling, req.include_usage)
+            call = Call(gateway, req.model, chat, target, ticket.booking, ids, sampling,
+                        req.include_usage)
             return await respond(call, ticket, request, req.stream)
         except BaseException:
             ticket.release()

@@ -53,15 +53,20 @@ def test_ledger_admits_up_to_its_limit_and_counts_per_instance() -> None:
     tickets[0].release()
     tickets[0].release()  # idempotent
     assert ledger.admitted == 1
-    ledger.sent("p0", "d0")
-    ledger.sent("c0", "")
+    pair, worker = ledger.book("p0", "d0"), ledger.book("c0", "")
     assert ledger.per_instance() == {"p0": 1, "d0": 1, "c0": 1}
-    ledger.prefilled("p0")
-    ledger.left("d0")
+    pair.prefilled()
+    assert ledger.per_instance() == {"p0": 0, "d0": 1, "c0": 1}
+    pair.settle()
+    pair.settle()  # idempotent
+    tickets[1].booking = worker
+    assert ledger.per_instance() == {"p0": 0, "d0": 0, "c0": 1}
     written = ledger.per_instance()
     assert written == {"p0": 0, "d0": 0, "c0": 1}
     ledger.forget_idle(written)
     assert ledger.per_instance() == {"c0": 1}
+    tickets[1].release()  # the request ended before any stream settled its booking
+    assert (ledger.admitted, ledger.per_instance()) == (0, {"c0": 0})
 
 
 def test_timing_feeds_ttft_tpot_and_the_event() -> None:
@@ -157,6 +162,16 @@ def built_gateway() -> Gateway:
     return Gateway(GatewaySettings())  # reads the model's tokenizer: once
 
 
+def route(gateway: Gateway, hold: bool = False) -> tuple[str, str]:
+    """Where the next request goes: (worker, decode); its booking is settled at once
+    unless `hold` (a request still in flight)."""
+    ticket = gateway.ledger.admit(limit=1000)
+    target = gateway.dispatch(ticket)
+    if not hold:
+        ticket.release()
+    return target.worker, target.decode
+
+
 def gateway_seeing(mode: str, *instances: InstanceInfo) -> Gateway:
     """The gateway, not started, in `mode` with these instances live and nothing in flight."""
     gateway = built_gateway()
@@ -172,33 +187,44 @@ def test_an_auto_gateway_dispatches_to_whichever_mode_is_live() -> None:
     the route whose decoding instance is least loaded; draining workers get none."""
     pair = (worker("p0", "prefill"), worker("d0", "decode"))
     gateway = gateway_seeing("auto", *pair)
-    assert (gateway.dispatch().worker, gateway.dispatch().decode) == ("p0", "d0")
+    assert route(gateway) == ("p0", "d0")
     gateway.view.observe(worker("c0", "colocated", chunked=True), time.monotonic())
-    gateway.ledger.sent("p0", "d0")  # d0 holds one request, c0 none
-    assert (gateway.dispatch().worker, gateway.dispatch().decode) == ("c0", "")
-    gateway.ledger.sent("c0", "")
-    gateway.ledger.sent("c0", "")
-    assert gateway.dispatch().decode == "d0"
+    gateway.ledger.book("p0", "d0")  # d0 holds one request, c0 none
+    assert route(gateway) == ("c0", "")
+    gateway.ledger.book("c0", "")
+    gateway.ledger.book("c0", "")
+    assert route(gateway) == ("p0", "d0")
     # the old mode drained away: only the colocated worker is dispatched to
     for old in pair:
         gateway.view.observe(old.model_copy(update={"draining": True}), time.monotonic())
-    assert gateway.dispatch().worker == "c0"
+    assert route(gateway) == ("c0", "")
     health = gateway.routes(gateway.live_pools())
     assert [t.worker for t in health] == ["c0"]
+
+
+def test_a_burst_spreads_before_any_stream_opens() -> None:
+    """Requests dispatched back to back, none of them started yet, go to different
+    instances: each is counted at dispatch (a burst once landed on one prefill instance)."""
+    gateway = gateway_seeing("disaggregated", worker("p0", "prefill"), worker("p1", "prefill"),
+                             worker("d0", "decode"), worker("d1", "decode"))
+    burst = [route(gateway, hold=True) for _ in range(4)]
+    assert sorted(p for p, _ in burst) == ["p0", "p0", "p1", "p1"]
+    assert sorted(d for _, d in burst) == ["d0", "d0", "d1", "d1"]
+    assert gateway.ledger.per_instance() == {"p0": 2, "p1": 2, "d0": 2, "d1": 2}
 
 
 def test_a_fixed_mode_gateway_dispatches_to_its_mode_only() -> None:
     disaggregated = gateway_seeing("disaggregated", worker("c0", "colocated"),
                                    worker("p0", "prefill"))
     with pytest.raises(APIError) as refused:
-        disaggregated.dispatch()  # no decode instance; the colocated worker is not its mode
+        route(disaggregated)  # no decode instance; the colocated worker is not its mode
     assert refused.value.status == 503 and "prefill/decode instance" in refused.value.message
     assert refused.value.headers["Retry-After"] == "1"
     colocated = gateway_seeing("colocated", worker("c0", "colocated"), worker("p0", "prefill"),
                                worker("d0", "decode"))
-    assert colocated.dispatch().worker == "c0"
+    assert route(colocated) == ("c0", "")
     with pytest.raises(APIError, match="colocated worker nor prefill and decode"):
-        gateway_seeing("auto", worker("p0", "prefill")).dispatch()
+        route(gateway_seeing("auto", worker("p0", "prefill")))
 
 
 def test_a_failed_instance_is_in_no_route_where_another_serves() -> None:
@@ -221,12 +247,12 @@ def test_a_dead_worker_is_dispatched_to_only_when_nothing_is_live() -> None:
     gateway = gateway_seeing("auto", worker("p0", "prefill"), worker("d0", "decode"))
     now = time.monotonic()
     gateway.view.observe(worker("c0", "colocated"), now - 5.0)  # silent next to p0 and d0
-    gateway.ledger.sent("p0", "d0")
-    assert (gateway.dispatch().worker, gateway.dispatch().decode) == ("p0", "d0")
+    gateway.ledger.book("p0", "d0")
+    assert route(gateway) == ("p0", "d0")
     quiet = gateway_seeing("auto")
     quiet.view.observe(worker("c0", "colocated"), now - 5.0)
     quiet.view.observe(worker("p0", "prefill"), now)  # p0 alone serves nothing
-    assert quiet.dispatch().worker == "c0"
+    assert route(quiet)[0] == "c0"
 
 
 def test_kv_held_resumes_on_a_decode_instance_while_its_prefill_instance_drains() -> None:
