@@ -109,34 +109,37 @@ class DecodeService(Worker):
                 queued = {id(r) for r in self.pending}  # a cancel may have taken some out
                 taken = {id(r) for r, _ in pairs}
                 self.pending = deque(r for r in self.pending if id(r) not in taken)
-                for ready, blocks in pairs:  # no await before all are in `pulling`
+                for ready, (blocks, buffer) in pairs:  # no await before all are in `pulling`
                     if id(ready) in queued:
                         self.pulling[ready.request_id] = asyncio.create_task(
-                            self._pull(ready, blocks))
-                for ready, blocks in pairs:
+                            self._pull(ready, blocks, buffer))
+                for ready, (blocks, _) in pairs:
                     if id(ready) not in queued:
                         await self.host.call(self.engine.free, blocks)
 
-    def _allocate_in_order(self, wanted: list[KvReady]) -> list[list[int]]:
-        """On the engine thread: blocks for the longest prefix of `wanted` the pool holds."""
+    def _allocate_in_order(self, wanted: list[KvReady]
+                           ) -> list[tuple[list[int], torch.Tensor]]:
+        """On the engine thread: blocks for the longest prefix of `wanted` the pool holds,
+        each with the buffer its KV is received into (one engine call for both: each call
+        waits for the running step, and a pull used to make three)."""
         granted = []
         for ready in wanted:
             blocks = self.engine.allocate(ready.computed)
             if blocks is None:
                 break
-            granted.append(blocks)
+            granted.append((blocks, self._receive_buffer(len(blocks))))
+        device = self.engine.runner.kv.data.device
+        if granted and device.type == "cuda":  # the buffers exist before UCX writes them
+            torch.cuda.current_stream(device).synchronize()
         return granted
 
     def _receive_buffer(self, num_blocks: int) -> torch.Tensor:
-        """On the engine thread: room for `num_blocks` blocks, ready before UCX writes it."""
+        """On the engine thread: room for `num_blocks` blocks of this pool's layout."""
         kv = self.engine.runner.kv
         shape = (*kv.data.shape[:2], num_blocks, *kv.data.shape[3:])
-        buffer = torch.empty(shape, dtype=kv.data.dtype, device=kv.data.device)
-        if buffer.device.type == "cuda":
-            torch.cuda.current_stream(buffer.device).synchronize()
-        return buffer
+        return torch.empty(shape, dtype=kv.data.dtype, device=kv.data.device)
 
-    async def _pull(self, ready: KvReady, blocks: list[int]) -> None:
+    async def _pull(self, ready: KvReady, blocks: list[int], buffer: torch.Tensor) -> None:
         headers, announced = self.traces.pop(ready.request_id, ({}, time.time()))
         parent = context_from(headers)
         pull_start = time.time()
@@ -145,7 +148,6 @@ class DecodeService(Worker):
             if ready.num_blocks != len(blocks):
                 raise TransferError(f"prefill sent {ready.num_blocks} blocks, expected "
                                     f"{len(blocks)}: block sizes differ")
-            buffer = await self.host.call(self._receive_buffer, len(blocks))
             target = buffer.numpy() if buffer.device.type == "cpu" else buffer
             await self.kv_client.pull(ready.kv_address, ready.request_id, ready.token,
                                       target)
