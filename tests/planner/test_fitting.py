@@ -4,6 +4,7 @@ from services.planner.fitting import (
     DecodePoint,
     PrefillPoint,
     fit,
+    fit_decode,
     fit_phase,
     interior_held_out,
     relative_errors,
@@ -44,3 +45,23 @@ def test_held_out_points_are_interior_and_extremes_stay_in_the_fit() -> None:
     kept, held = interior_held_out(points, lambda p: p.batch)
     assert [p.batch for p in held] == [4, 16]
     assert {1, 32} <= {p.batch for p in kept} and not set(held) & set(kept)
+
+
+def two_regime_points(drift: dict[int, float]) -> list[DecodePoint]:
+    """Decode steps of a small-batch regime (B < 8) and a large one sharing attention's
+    cost per context token (0.009 ms), each context's steps slowed by `drift`."""
+    small, large = (30.0, 0.009, 16.0), (60.0, 0.009, 4.0)
+    return [DecodePoint(b, b * c, (t[0] + t[1] * b * c + t[2] * b) * drift[c])
+            for c in drift for b in (1, 2, 4, 8, 16, 32)
+            for t in [small if b < 8 else large]]
+
+
+def test_decode_regimes_share_the_cost_per_context_token() -> None:
+    small, large, threshold = fit_decode(two_regime_points({64: 1.0, 256: 1.0, 512: 1.0}))
+    assert threshold == 8
+    assert small == pytest.approx((30.0, 0.009, 16.0), rel=1e-6)
+    assert large == pytest.approx((60.0, 0.009, 4.0), rel=1e-6)
+    # the host got 9% quieter over the run: fitted alone, the small batches' few ms of
+    # attention drown (0.0027 ms a token); shared, the large batches carry it
+    small, large, _ = fit_decode(two_regime_points({64: 1.05, 256: 1.0, 512: 0.96}))
+    assert small[1] == large[1] > 0.6 * 0.009
