@@ -66,7 +66,7 @@ class LatencyModel:
         prefill): the decode model's cost per request and per context token, without its
         constant, from the large-batch fit (the small-batch fit's per-request slope carries
         the fixed costs of tiny steps). On the development VM (Intel, 1 thread) each decode
-        at a 200-token context added 3-5 ms to a prefill chunk; a prompt token costs 1.45."""
+        at a 200-token context added 3-5 ms to a prefill chunk; a prompt token costs 1.25."""
         _, per_ctx, per_request = self.coefficients.decode_large
         return per_ctx * sum_ctx + per_request * batch
 

@@ -77,17 +77,17 @@ def test_a_budget_too_small_for_what_can_be_deployed_is_a_clear_error() -> None:
 
 
 def test_the_live_mode_stays_unless_another_is_worth_the_switch() -> None:
-    """Short prompts on two devices, as profiled: chunked colocated replicas serve ~1.4x
-    what 1P+1D does at a 250 ms TPOT, and ~2.6x at 100 ms. A planner that finds the workers
-    disaggregated keeps them so for the first (with a margin of 1.5: the switch restarts
+    """Short prompts on two devices, as profiled: chunked colocated replicas serve ~1.5x
+    what 1P+1D does at a 250 ms TPOT, and ~2.2x at 100 ms. A planner that finds the workers
+    disaggregated keeps them so for the first (with a margin of 1.8: the switch restarts
     every worker), switches for the second, and records what it found so the decision
     replays."""
-    free = dataclasses.replace(CONFIG, budget=2, modes=MODES, switch_margin=1.5)
+    free = dataclasses.replace(CONFIG, budget=2, modes=MODES, switch_margin=1.8)
     chat = ReplanRequest(reasons=["first full window"], workload=window(16, 24))
     fresh = decide(chat, None, free, now=1.0)
     assert fresh is not None and fresh.plan.mode == "chunked"  # nothing live: the best
     by_mode = {c.mode: c for c in fresh.candidates}
-    assert 1.0 < by_mode["chunked"].goodput_rps / by_mode["disaggregated"].goodput_rps < 1.5
+    assert 1.0 < by_mode["chunked"].goodput_rps / by_mode["disaggregated"].goodput_rps < 1.8
     kept = decide(chat, None, free, now=1.0, current="disaggregated")
     assert kept is not None and kept.plan == by_mode["disaggregated"]
     assert (kept.record["mode"], kept.record["best_mode"]) == ("disaggregated", "chunked")
