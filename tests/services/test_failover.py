@@ -92,11 +92,14 @@ def wait_until_whole(stack: Stack, prefill: int, decode: int, within_s: float = 
 
 def busiest(stack: Stack, role: str) -> str:
     """The child running the instance of `role` the gateway has the most requests on, by the
-    in-flight counts it writes to Redis (which instance a burst lands on depends on the
-    instances' last heartbeats: it may land on one only)."""
+    in-flight counts it writes to Redis (a burst spreads by the gateway's counts and the
+    instances' reported queues, so which one holds the most is not fixed)."""
     redis = Redis.from_url(stack.env["DS_REDIS_URL"], socket_timeout=5)
-    counts = {k.decode().split(":")[2]: int(redis.get(k) or 0)
-              for k in redis.keys(f"ds:inflight:{role}-*")}
+    try:
+        counts = {k.decode().split(":")[2]: int(redis.get(k) or 0)
+                  for k in redis.keys(f"ds:inflight:{role}-*")}
+    finally:
+        redis.close()
     return re.sub(r"-r\d+$", "", max(sorted(counts), key=lambda i: counts[i]))
 
 
