@@ -1,7 +1,8 @@
 """Where each worker's time goes under load: a 1 prefill + 1 decode stack serves a
 prompt-heavy workload, and the engine-loop counters the workers heartbeat (`ds_engine_*` on
-the gateway's /metrics) give steps, mean requests per step, seconds per step and seconds
-handling each step's outputs.
+the gateway's /metrics) give steps, mean requests per step, seconds per step (and of them the
+engine thread's on a CPU and runnable waiting for one) and seconds handling each step's
+outputs.
 
     .venv/bin/python benchmarks/engine_loop.py [--rate 0.6] [--requests 32]
 
@@ -69,6 +70,11 @@ def main() -> None:
                 alone[1] + (alone[2] - alone[1]) * (batch - 1)
             print(f"{instance}: {1e3 * stepping / steps:.1f} ms per step in the stack vs "
                   f"{same:.1f} ms alone at the same batch ({stepping / steps * 1e3 / same:.3f}x)")
+            cpu, queued = d["ds_engine_step_cpu_seconds"], d["ds_engine_step_queued_seconds"]
+            print(f"{instance}: of each step's {1e3 * stepping / steps:.1f} ms, the engine thread "
+                  f"ran {1e3 * cpu / steps:.1f} ms on a CPU, waited {1e3 * queued / steps:.1f} ms "
+                  f"runnable for one, and {1e3 * (stepping - cpu - queued) / steps:.1f} ms "
+                  "elsewhere (blocked, the thread handoff, the intra-op threads)")
             print(f"{instance}: {steps:.0f} steps, {d['ds_engine_batched_requests'] / steps:.2f} "
                   f"requests per step, {1e3 * stepping / steps:.1f} ms per step, "
                   f"{1e3 * handling / steps:.2f} ms handling its outputs; busy "

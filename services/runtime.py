@@ -79,6 +79,17 @@ class WorkerSettings(BaseSettings):
         return self.model_copy(update={"instance_id": f"{role}-{uuid.uuid4().hex[:6]}"})
 
 
+def thread_clock() -> tuple[float, float]:
+    """The calling thread's seconds on a CPU and seconds runnable but waiting for one, so far
+    (the second from the kernel's /proc/thread-self/schedstat; 0 where it does not say)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            waited = int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        waited = 0.0
+    return time.thread_time(), waited
+
+
 class EngineHost:
     """Runs every engine call on one dedicated thread, in order: the event loop stays free
     for NATS, UCX and heartbeats while a step computes, and the engine needs no locks."""
@@ -91,6 +102,10 @@ class EngineHost:
         # where the loop's time goes: engine steps, handling their outputs, requests per step
         self.steps = 0
         self.step_s = 0.0
+        # of which the engine thread ran on a CPU, and waited runnable for one (a step slower
+        # than alone with no more CPU is the host's other work taking the core)
+        self.step_cpu_s = 0.0
+        self.step_queued_s = 0.0
         self.outputs_s = 0.0
         self.batched = 0  # requests that got a token, summed over steps
         # the last priced steps, for calibration: (step count, shape, seconds)
@@ -109,7 +124,7 @@ class EngineHost:
                 await self._wake.wait()
                 continue
             started = time.time()
-            outputs = await self.call(self.engine.step)
+            outputs = await self.call(self._step)
             handled = time.time()
             self.step_started = started
             if outputs:
@@ -120,6 +135,15 @@ class EngineHost:
             if self.engine.last_shape is not None:
                 self.samples.append((self.steps, self.engine.last_shape, handled - started))
             self.outputs_s += time.time() - handled
+
+
+    def _step(self) -> list[RequestOutput]:
+        cpu, queued = thread_clock()
+        outputs = self.engine.step()
+        cpu_after, queued_after = thread_clock()
+        self.step_cpu_s += cpu_after - cpu
+        self.step_queued_s += queued_after - queued
+        return outputs
 
 
 class Heartbeats:
@@ -259,7 +283,9 @@ class Worker:
                             draining=self.draining, max_request_tokens=capacity,
                             chunked=self.role == "colocated" and scheduler.config.chunked_prefill,
                             max_running=scheduler.config.max_running, steps=self.host.steps,
-                            step_seconds=self.host.step_s, outputs_seconds=self.host.outputs_s,
+                            step_seconds=self.host.step_s, step_cpu_seconds=self.host.step_cpu_s,
+                            step_queued_seconds=self.host.step_queued_s,
+                            outputs_seconds=self.host.outputs_s,
                             batched=self.host.batched, recent_steps=self.recent_steps())
 
     def recent_steps(self) -> list[StepSample]:

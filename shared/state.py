@@ -50,6 +50,8 @@ class InstanceInfo(BaseModel):
     kv_bytes: int = 0
     steps: int = 0  # engine steps so far
     step_seconds: float = 0.0  # spent in them (the engine thread, handoff included)
+    step_cpu_seconds: float = 0.0  # of which the engine thread was on a CPU
+    step_queued_seconds: float = 0.0  # of which it was runnable, waiting for a CPU
     outputs_seconds: float = 0.0  # spent handling their outputs before the next step
     batched: int = 0  # requests that got a token, summed over steps
     recent_steps: list[StepSample] = []  # the last steps the latency model can price

@@ -18,6 +18,10 @@ INSTANCE_GAUGES = {
     "total_blocks": ("ds_kv_total_blocks", "KV blocks in the pool"),
     "steps": ("ds_engine_steps", "engine steps so far"),
     "step_seconds": ("ds_engine_step_seconds", "seconds in engine steps"),
+    "step_cpu_seconds": ("ds_engine_step_cpu_seconds",
+                         "of the seconds in engine steps, the engine thread's on a CPU"),
+    "step_queued_seconds": ("ds_engine_step_queued_seconds", "of the seconds in engine "
+                            "steps, the engine thread's runnable but waiting for a CPU"),
     "outputs_seconds": ("ds_engine_outputs_seconds", "seconds handling step outputs"),
     "batched": ("ds_engine_batched_requests", "requests that got a token, summed over steps"),
 }

@@ -77,9 +77,13 @@ def test_concurrent_streams_across_instances(stack: Stack, engine: Engine) -> No
     steps, batched = metric(stack.url, "ds_engine_steps"), \
         metric(stack.url, "ds_engine_batched_requests")
     seconds = metric(stack.url, "ds_engine_step_seconds")
+    cpu, queued = metric(stack.url, "ds_engine_step_cpu_seconds"), \
+        metric(stack.url, "ds_engine_step_queued_seconds")
     decoding = [i for i in steps if i.startswith("decode") and steps[i] > 0]
     assert len(decoding) == 2
     assert all(batched[i] >= steps[i] and seconds[i] > 0 for i in decoding)
+    # the step time splits into the engine thread's CPU time and its wait for a CPU
+    assert all(cpu[i] > 0 and cpu[i] + queued[i] <= seconds[i] * 1.05 + 0.01 for i in decoding)
 
 
 def all_free(url: str) -> bool:

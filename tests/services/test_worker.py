@@ -5,6 +5,8 @@ random-weight engine)."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import os
 import time
 
 import pytest
@@ -13,7 +15,7 @@ from nats.aio.msg import Msg
 from redis.asyncio import Redis
 
 from services.colocated.service import ColocatedService
-from services.runtime import WorkerFailed, WorkerSettings
+from services.runtime import WorkerFailed, WorkerSettings, thread_clock
 from shared import subjects
 from shared.bus import connect, parse, publish
 from shared.engine.config import EngineConfig
@@ -119,3 +121,33 @@ def test_a_failed_step_fails_its_request_and_the_worker_serves_on(
         await registry.redis.aclose()
 
     asyncio.run(main())
+
+
+def spin(seconds: float) -> None:
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        pass
+
+
+def test_thread_clock_splits_cpu_time_from_waiting_for_a_cpu() -> None:
+    """A thread sharing its one CPU with a spinning process is on it about half the time and
+    waits runnable for the rest: the split the engine-loop counters report per step."""
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    neighbour = multiprocessing.get_context("fork").Process(target=spin, args=(5.0,))
+    try:
+        neighbour.start()
+        time.sleep(0.2)  # the neighbour spinning
+        cpu_0, queued_0 = thread_clock()
+        started = time.monotonic()
+        spin(1.0)
+        wall = time.monotonic() - started
+        cpu_s, queued_s = thread_clock()[0] - cpu_0, thread_clock()[1] - queued_0
+    finally:
+        neighbour.kill()
+        neighbour.join()
+        os.sched_setaffinity(0, mine)
+    assert 0.05 < cpu_s < 0.9 * wall  # it shared the CPU
+    assert queued_s > 0.1 * wall  # and waited for it, runnable
+    assert cpu_s + queued_s == pytest.approx(wall, rel=0.15)
