@@ -79,8 +79,8 @@ from distserve.bench.workload import Tokenizer, humaneval_prompts
 from services.launcher import Stack, StackConfig
 from services.runtime import WorkerSettings
 from services.supervisor import free_port, wait_for_port
-from shared.engine.gguf_loader import read_gguf_meta
 from shared.engine.kv_cache import block_bytes
+from shared.engine.loader import read_meta
 from shared.engine.model_runner import resolve_device, resolve_dtype
 from shared.metrics import percentiles
 from shared.workloads import unit_rate_gaps
@@ -543,7 +543,7 @@ def prefill_held(samples: list[Sample], since: float, until: float, bytes_per_bl
 def kv_block_bytes(model: str) -> int:
     """The bytes of one KV block of `model` in a worker with default settings."""
     settings = WorkerSettings(model=model)
-    config, _ = read_gguf_meta(model)
+    config, _ = read_meta(model)
     return block_bytes(config, settings.block_size,
                        resolve_dtype(settings.dtype, resolve_device(settings.device)))
 

@@ -111,6 +111,7 @@ class StackConfig:
     nats_url: str | None = None
     redis_url: str | None = None
     model: str = "smollm2-135m"
+    served_model_name: str = ""  # the gateway's name for it (default: see served_name)
     threads: int = 1  # torch threads per worker
     kv_cache_mb: int = 256
     chunked_prefill: bool = False
@@ -174,6 +175,7 @@ class Stack:
         nats_url = self._start_nats() if c.nats_url is None else c.nats_url
         redis_url = self._start_valkey() if c.redis_url is None else c.redis_url
         env = {"DS_NATS_URL": nats_url, "DS_REDIS_URL": redis_url, "DS_MODEL": c.model,
+               "DS_SERVED_MODEL_NAME": c.served_model_name,
                "DS_THREADS": str(c.threads), "DS_KV_CACHE_MB": str(c.kv_cache_mb),
                "DS_CHUNKED_PREFILL": str(c.chunked_prefill).lower(),
                "DS_RUN_DIR": str(self.run_dir), **c.extra_env}

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -250,6 +251,17 @@ async def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) 
 def setup_logging(name: str) -> None:
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s {name} %(levelname)s %(message)s")
+
+
+def built_or_exit(name: str, build: Callable[[], T]) -> T:
+    """`build()`, or, where the settings name a model or a value the process cannot start
+    with (an unknown model, a checkpoint it cannot read, a dtype the device lacks), that reason
+    in the log and exit code 2: a message, not a traceback."""
+    try:
+        return build()
+    except ValueError as e:  # ModelNotFoundError, CheckpointError, bad settings
+        log.error("%s cannot start: %s", name, e)
+        sys.exit(2)
 
 
 class WorkerFailed(RuntimeError):

@@ -104,10 +104,9 @@ class Tokenizer:
     """The built-in model's tokenizer, loaded on first use."""
 
     def __init__(self) -> None:
-        from shared.engine.gguf_loader import read_gguf_tokenizer
-        from shared.engine.tokenizer import TextTokenizer
+        from shared.engine.loader import read_tokenizer
 
-        self._tok = TextTokenizer(read_gguf_tokenizer("smollm2-135m"))
+        self._tok = read_tokenizer("smollm2-135m")
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text)

@@ -17,8 +17,9 @@ def positive_int(text: str) -> int:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default="smollm2-135m",
-                       help="built-in model name, path to a .gguf, or a Llama shape with random "
-                            "weights (llama-2-7b, llama-3-8b, tiny); default: %(default)s")
+                       help="built-in model name, path to a .gguf, a Hugging Face model "
+                            "directory (Llama, Mistral, Qwen2, Qwen3), or a Llama shape with "
+                            "random weights (llama-2-7b, llama-3-8b, tiny); default: %(default)s")
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     group.add_argument("--dtype", default="auto",
                        choices=["auto", "float32", "bfloat16", "float16"],

@@ -28,7 +28,13 @@ def register(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8000, help="gateway port")
     p.add_argument("--nats-url", help="use this NATS server instead of starting one")
     p.add_argument("--redis-url", help="use this Redis/Valkey server instead of starting one")
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="built-in model name, path to a .gguf, or a Hugging Face model "
+                        "directory (config.json, *.safetensors, tokenizer.json); default: "
+                        "%(default)s")
+    p.add_argument("--served-model-name", default="",
+                   help="the model name clients send (default: the directory's name, or the "
+                        "model as given)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV pool per worker (MiB)")
     p.add_argument("--run-dir", type=Path, default=Path("runs"), help="logs and traces")
@@ -92,10 +98,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                    "DS_PLANNER_TTFT_S": str(args.ttft), "DS_PLANNER_TPOT_S": str(args.tpot),
                    "DS_PLANNER_MODES": ",".join(modes),
                    "DS_PLANNER_SWITCH_MARGIN": str(args.switch_margin)}
+    from shared.engine.loader import read_meta
+
+    model = str(Path(args.model).resolve()) if os.path.exists(args.model) else args.model
+    try:
+        read_meta(model)  # an unknown model or a checkpoint the workers cannot read: say so now
+    except ValueError as e:
+        parser.error(str(e))
     try:
         config = StackConfig(mode=args.mode, prefill=args.prefill, decode=args.decode,
                              replicas=args.replicas, port=args.port, nats_url=args.nats_url,
-                             redis_url=args.redis_url, model=args.model, threads=args.threads,
+                             redis_url=args.redis_url, model=model,
+                             served_model_name=args.served_model_name, threads=args.threads,
                              kv_cache_mb=args.kv_cache_mb, chunked_prefill=args.chunked_prefill,
                              run_dir=args.run_dir, planner=args.planner == "auto",
                              api_keys=api_keys(args, parser),

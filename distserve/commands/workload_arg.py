@@ -27,10 +27,9 @@ from shared.workloads import (
 
 @functools.cache
 def _count_tokens() -> object:
-    from shared.engine.gguf_loader import read_gguf_tokenizer
-    from shared.engine.tokenizer import TextTokenizer
+    from shared.engine.loader import read_tokenizer
 
-    tokenizer = TextTokenizer(read_gguf_tokenizer("smollm2-135m"))
+    tokenizer = read_tokenizer("smollm2-135m")
     return lambda text: len(tokenizer.encode(text))
 
 

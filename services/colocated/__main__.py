@@ -3,9 +3,9 @@
 import asyncio
 
 from services.colocated.service import ColocatedService
-from services.runtime import WorkerSettings, run_until_signalled, setup_logging
+from services.runtime import WorkerSettings, built_or_exit, run_until_signalled, setup_logging
 
 if __name__ == "__main__":
     setup_logging("colocated")
-    service = ColocatedService(WorkerSettings())
+    service = built_or_exit("colocated", lambda: ColocatedService(WorkerSettings()))
     asyncio.run(run_until_signalled(service.run))

@@ -157,7 +157,7 @@ class DecodeService(Worker):
                    source=ready.prefill_instance, bytes=int(buffer.nbytes), blocks=len(blocks))
             self.traces[ready.request_id] = (headers, joined)
             request = Request(ready.request_id, ready.prompt_ids, ready.sampling.params(),
-                              eos_id=self.engine.eos_id, output_ids=list(ready.output_ids),
+                              eos_ids=self.engine.eos_ids, output_ids=list(ready.output_ids),
                               output_logprobs=[] if ready.last_logprob is None
                               else [ready.last_logprob])
             self.attempts[ready.request_id] = ready.attempt

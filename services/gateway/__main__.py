@@ -3,10 +3,11 @@
 import uvicorn
 
 from services.gateway.app import GatewaySettings, create_app
-from services.runtime import setup_logging
+from services.runtime import built_or_exit, setup_logging
 
 if __name__ == "__main__":
     setup_logging("gateway")
-    settings = GatewaySettings()
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+    settings = built_or_exit("gateway", GatewaySettings)
+    app = built_or_exit("gateway", lambda: create_app(settings))
+    uvicorn.run(app, host=settings.host, port=settings.port,
                 log_level="warning")

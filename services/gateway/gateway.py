@@ -34,8 +34,7 @@ from services.gateway.timing import RequestTiming
 from services.gateway.view import InstanceView
 from shared import subjects
 from shared.bus import connect, parse, publish
-from shared.engine.gguf_loader import read_gguf_meta
-from shared.engine.tokenizer import TextTokenizer
+from shared.engine.loader import read_meta, served_name
 from shared.messages import Cancel, PrefillRequest, Resume, ResumeReply, Sampling, TokenChunk
 from shared.state import (
     InstanceInfo,
@@ -56,7 +55,8 @@ class GatewaySettings(BaseSettings):
 
     nats_url: str = "nats://127.0.0.1:4222"
     redis_url: str = "redis://127.0.0.1:6379"
-    model: str = "smollm2-135m"
+    model: str = "smollm2-135m"  # a built-in name, a .gguf, or a Hugging Face model directory
+    served_model_name: str = ""  # what clients ask for (default: the directory's name)
     # what it dispatches to; auto: whatever is live (the online planner may switch modes)
     mode: Literal["auto", "disaggregated", "colocated"] = "auto"
     host: str = "127.0.0.1"
@@ -75,6 +75,10 @@ class GatewaySettings(BaseSettings):
     api_key_file: str | None = None  # one key per line; '#' starts a comment
     protect_metrics: bool = False  # /metrics needs a key too
     run_dir: str | None = None  # traces go here as JSON lines (unless OTLP is configured)
+
+    @property
+    def served_model(self) -> str:
+        return self.served_model_name or served_name(self.model)
 
     def keys(self) -> frozenset[str]:
         keys = [k.strip() for k in self.api_keys.split(",")]
@@ -136,8 +140,7 @@ class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.id = settings.gateway_id or f"gateway-{uuid.uuid4().hex[:6]}"
-        config, tokenizer_data = read_gguf_meta(settings.model)
-        self.tokenizer = TextTokenizer(tokenizer_data)
+        config, self.tokenizer = read_meta(settings.model)
         self.max_context = config.max_context
         self.metrics = Metrics()
         self.tracer = setup_tracing("gateway", settings.run_dir)
@@ -223,9 +226,9 @@ class Gateway:
     # -- admission and dispatch ------------------------------------------------------------
 
     def check_model(self, model: str) -> None:
-        if model != self.settings.model:
+        if model != self.settings.served_model:
             raise APIError(400, f"The model `{model}` does not exist; this server serves "
-                                f"`{self.settings.model}`.", "model", "model_not_found")
+                                f"`{self.settings.served_model}`.", "model", "model_not_found")
 
     def inflight_limit(self) -> int:
         if self.settings.max_inflight:

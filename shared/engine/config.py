@@ -9,8 +9,23 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """How positions stretch past the trained context: `linear` divides every frequency by
+    `factor`; `llama3` (Llama 3.1+) leaves high frequencies alone, divides low ones by
+    `factor` and blends the band between."""
+
+    kind: str  # "linear" or "llama3"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_context: int = 8192
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-architecture decoder."""
+    """Shape of a Llama-family decoder. The families differ in small, named ways: Qwen2 adds
+    a bias to the Q/K/V projections, Qwen3 RMS-normalises each Q and K head before RoPE, Llama
+    3.1 scales RoPE's frequencies."""
 
     name: str
     vocab_size: int
@@ -24,6 +39,10 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     max_context: int = 4096
     tie_embeddings: bool = True
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: RopeScaling | None = None
+    architecture: str = "llama"  # for logs and errors
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, "GQA needs heads divisible by kv heads"
@@ -40,6 +59,8 @@ class ModelConfig:
         """Parameter count (embeddings counted once when tied)."""
         h, i = self.hidden_size, self.intermediate_size
         per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        per_layer += (self.q_size + 2 * self.kv_size) * self.qkv_bias  # Qwen2
+        per_layer += 2 * self.head_dim * self.qk_norm  # Qwen3
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return self.num_layers * per_layer + embed + h
 
@@ -97,7 +118,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "smollm2-135m"  # a GGUF model name, a path to a .gguf, or a LLAMA_SHAPES key
+    model: str = "smollm2-135m"  # a GGUF name or path, a HF directory or a LLAMA_SHAPES key
     device: str = "auto"  # "cpu", "cuda", "cuda:1" or "auto"
     dtype: str = "auto"  # "float32", "bfloat16", "float16" or "auto" (fp32 on CPU, bf16 on CUDA)
     kv_cache_bytes: int = 256 * 1024 * 1024  # memory budget of the paged KV pool

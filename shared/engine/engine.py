@@ -12,7 +12,8 @@ import torch
 
 from shared.engine.block_manager import BlockManager, blocks_for
 from shared.engine.config import EngineConfig, ModelConfig
-from shared.engine.model_runner import LoadedModel, ModelRunner
+from shared.engine.loader import LoadedModel
+from shared.engine.model_runner import ModelRunner
 from shared.engine.request import Request, RequestStatus, SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerOutput, StepShape
 from shared.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
@@ -73,8 +74,7 @@ class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.runner = ModelRunner(config, loaded)
-        data = self.runner.tokenizer_data
-        self.tokenizer = TextTokenizer(data) if data is not None else None
+        self.tokenizer = self.runner.tokenizer
         self.blocks = BlockManager(self.runner.kv.num_blocks, config.scheduler.block_size)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.last_shape: StepShape | None = None  # of the last step (its timing's meaning)
@@ -86,8 +86,9 @@ class Engine:
         return self.runner.model_config
 
     @property
-    def eos_id(self) -> int | None:
-        return None if self.tokenizer is None else self.tokenizer.eos_id
+    def eos_ids(self) -> frozenset[int]:
+        """The ids that end a generation (none for a model without a tokenizer)."""
+        return frozenset() if self.tokenizer is None else self.tokenizer.eos_ids
 
     def check_fits(self, num_prompt: int, max_tokens: int) -> None:
         """Raise RequestRejected if a request of this size can never run here."""
@@ -106,7 +107,7 @@ class Engine:
     def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      output_ids: list[int] | None = None) -> Request:
         self.check_fits(len(prompt_ids), params.max_tokens)
-        return Request(request_id, list(prompt_ids), params, eos_id=self.eos_id,
+        return Request(request_id, list(prompt_ids), params, eos_ids=self.eos_ids,
                        arrival=next(self._arrivals), output_ids=list(output_ids or []))
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,

@@ -58,7 +58,8 @@ def resolve_gguf_path(model: str) -> Path:
     if model.endswith(".gguf") and os.path.isfile(model):
         return Path(model)
     raise ModelNotFoundError(
-        f"unknown model {model!r}: use one of {sorted(BUILTIN_MODELS)} or a path to a .gguf file"
+        f"unknown model {model!r}: use one of {sorted(BUILTIN_MODELS)}, a path to a .gguf file "
+        "or a Hugging Face model directory"
     )
 
 

@@ -1,8 +1,10 @@
-"""A Llama-architecture decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over the
-paged KV pool. Weights are plain tensors; Q/K/V and gate/up are fused into one matmul each."""
+"""A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over the paged KV
+pool: Llama, Mistral, Qwen2 (Q/K/V bias) and Qwen3 (per-head Q/K norm). Weights are plain
+tensors; Q/K/V and gate/up are fused into one matmul each."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -16,7 +18,7 @@ from shared.engine.attention import (
     PrefillSegment,
     gather_decode_attention,
 )
-from shared.engine.config import ModelConfig
+from shared.engine.config import ModelConfig, RopeScaling
 from shared.engine.kv_cache import KVCache
 
 
@@ -30,6 +32,27 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # [hidden, 2*intermediate]
     down: torch.Tensor
+    qkv_bias: torch.Tensor | None = None  # [q_size + 2*kv_size] (Qwen2)
+    qk_norm: torch.Tensor | None = None  # [heads + kv_heads, head_dim]: each head's norm (Qwen3)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """RoPE's inverse frequencies ([head_dim / 2]), scaled as the model was trained to."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq.float()
+    if scaling.kind == "linear":
+        return (inv_freq / scaling.factor).float()
+    # llama3: wavelengths longer than the original context / low_freq_factor are divided by
+    # the factor, shorter than it / high_freq_factor kept, the band between blended
+    wavelen = 2 * math.pi / inv_freq
+    old = scaling.original_max_context
+    smooth = (old / wavelen - scaling.low_freq_factor) / \
+        (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > old / scaling.low_freq_factor, inv_freq / scaling.factor,
+                         torch.where(wavelen < old / scaling.high_freq_factor, inv_freq, blended))
+    return scaled.float()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -45,17 +68,21 @@ class LlamaModel:
         self.embed = weights["embed_tokens"]
         self.norm = weights["norm"]
         self.lm_head = self.embed if config.tie_embeddings else weights["lm_head"]
-        self.layers = [self._layer(weights, f"layers.{i}.") for i in range(config.num_layers)]
+        self.layers = [self._layer(config, weights, f"layers.{i}.")
+                       for i in range(config.num_layers)]
         self.device, self.dtype = self.embed.device, self.embed.dtype
-        inv_freq = 1.0 / (config.rope_theta ** (
-            torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
+        inv_freq = rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         freqs = torch.outer(torch.arange(config.max_context, dtype=torch.float32), inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
         self.cos = angles.cos().to(self.device, self.dtype)
         self.sin = angles.sin().to(self.device, self.dtype)
 
     @staticmethod
-    def _layer(w: Mapping[str, torch.Tensor], p: str) -> LayerWeights:
+    def _layer(config: ModelConfig, w: Mapping[str, torch.Tensor], p: str) -> LayerWeights:
+        qk_norm = None
+        if config.qk_norm:  # one weight per head, Q heads then K heads as the fused view
+            qk_norm = torch.cat([w[p + "q_norm"].expand(config.num_heads, -1),
+                                 w[p + "k_norm"].expand(config.num_kv_heads, -1)])
         return LayerWeights(
             input_norm=w[p + "input_layernorm"],
             qkv=torch.cat([w[p + "q_proj"], w[p + "k_proj"], w[p + "v_proj"]]).t().contiguous(),
@@ -63,6 +90,9 @@ class LlamaModel:
             post_norm=w[p + "post_attention_layernorm"],
             gate_up=torch.cat([w[p + "gate_proj"], w[p + "up_proj"]]).t().contiguous(),
             down=w[p + "down_proj"].t().contiguous(),
+            qkv_bias=torch.cat([w[p + "q_bias"], w[p + "k_bias"], w[p + "v_bias"]])
+            if config.qkv_bias else None,
+            qk_norm=qk_norm,
         )
 
     @classmethod
@@ -84,11 +114,17 @@ class LlamaModel:
              "norm": torch.ones(h, device=device, dtype=dtype)}
         if not config.tie_embeddings:
             w["lm_head"] = rand(config.vocab_size, h)
-        shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-                  "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+        shapes: dict[str, tuple[int, ...]] = {
+            "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+        if config.qkv_bias:
+            shapes |= {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
         for layer in range(config.num_layers):
             p = f"layers.{layer}."
             w |= {p + name: rand(*shape) for name, shape in shapes.items()}
+            if config.qk_norm:
+                w |= {p + name: torch.ones(config.head_dim, device=device, dtype=dtype)
+                      for name in ("q_norm", "k_norm")}
             w[p + "input_layernorm"] = torch.ones(h, device=device, dtype=dtype)
             w[p + "post_attention_layernorm"] = torch.ones(h, device=device, dtype=dtype)
         return cls(config, w)
@@ -101,8 +137,12 @@ class LlamaModel:
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
-            qk, v = torch.split(h @ layer.qkv, [cfg.q_size + cfg.kv_size, cfg.kv_size], -1)
+            qkv = h @ layer.qkv if layer.qkv_bias is None else \
+                torch.addmm(layer.qkv_bias, h, layer.qkv)
+            qk, v = torch.split(qkv, [cfg.q_size + cfg.kv_size, cfg.kv_size], -1)
             qk = qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            if layer.qk_norm is not None:
+                qk = F.rms_norm(qk, (cfg.head_dim,), eps=cfg.rms_norm_eps) * layer.qk_norm
             qk = qk * cos + _rotate_half(qk) * sin  # RoPE on Q and K heads at once
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import torch
 
+from shared.engine import loader
 from shared.engine.attention import (
     AttentionMetadata,
     DecodeGroup,
     PrefillSegment,
     pick_decode_attention,
 )
-from shared.engine.config import LLAMA_SHAPES, EngineConfig, ModelConfig
-from shared.engine.gguf_loader import TokenizerData, load_gguf
+from shared.engine.config import EngineConfig, ModelConfig
 from shared.engine.kv_cache import KVCache
-from shared.engine.model import LlamaModel
+from shared.engine.loader import LoadedModel
 from shared.engine.sampler import sample
 from shared.engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -32,20 +32,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}: choose one of {sorted(DTYPES)}")
+    if DTYPES[name] is torch.bfloat16 and device.type == "cuda" and \
+            not torch.cuda.is_bf16_supported():
+        raise ValueError(f"{device} cannot compute in bfloat16: use --dtype float16 or float32")
     return DTYPES[name]
 
 
-LoadedModel = tuple[LlamaModel, TokenizerData | None]
-
-
 def load_model(config: EngineConfig) -> LoadedModel:
-    """The model named in `config`: a GGUF (real weights) or a Llama shape (random)."""
+    """The model named in `config` (a Hugging Face directory, a GGUF, or a Llama shape with
+    random weights) on its device, in its dtype, with its tokenizer."""
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    if config.model in LLAMA_SHAPES:
-        return LlamaModel.random(LLAMA_SHAPES[config.model], config.seed, device, dtype), None
-    gguf = load_gguf(config.model)
-    return LlamaModel.from_numpy(gguf.config, gguf.weights, device, dtype), gguf.tokenizer
+    return loader.load(config.model, config.seed, device, resolve_dtype(config.dtype, device))
 
 
 class ModelRunner:
@@ -53,7 +50,7 @@ class ModelRunner:
         """`loaded` lets several engines (roles, tests, benchmarks) share one model copy."""
         if config.threads > 0:
             torch.set_num_threads(config.threads)
-        self.model, self.tokenizer_data = loaded if loaded is not None else load_model(config)
+        self.model, self.tokenizer = loaded if loaded is not None else load_model(config)
         self.device, self.dtype = self.model.device, self.model.dtype
         self.model.decode_attention = pick_decode_attention(self.device)
         self.kv = KVCache.from_budget(self.model.config, config.kv_cache_bytes,

@@ -57,7 +57,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    eos_id: int | None = None
+    eos_ids: frozenset[int] = frozenset()  # ids that end the generation
     arrival: int = 0  # order of arrival; the newest running request is preempted first
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -102,7 +102,7 @@ class Request:
         self.output_ids.append(token)
         if logprob is not None:
             self.output_logprobs.append(logprob)
-        if token == self.eos_id and not self.params.ignore_eos:
+        if token in self.eos_ids and not self.params.ignore_eos:
             self.status = RequestStatus.FINISHED_STOPPED
         elif len(self.output_ids) >= self.params.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH

@@ -1,11 +1,13 @@
-"""Byte-level BPE tokenizer and chat template, built from the data inside a GGUF file."""
+"""The tokenizer and chat template: a Hugging Face directory's own, or a byte-level BPE built
+from the data inside a GGUF file."""
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from shared.engine.gguf_loader import TokenizerData
 
@@ -16,31 +18,65 @@ class ChatTemplateError(ValueError):
     """The model has no chat template, or the messages do not fit it."""
 
 
+# the pre-tokenizer regexes of the BPE vocabularies GGUF files name in tokenizer.ggml.pre
+# (the same as the models' tokenizer.json); GPT-2's is ByteLevel's own
+PRE_TOKENIZER_PATTERNS = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
+             r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
+                 r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+
+def raise_exception(message: str) -> None:
+    """Chat templates call it to refuse messages they cannot render (as in transformers)."""
+    raise ChatTemplateError(message)
+
+
+def strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
 class TextTokenizer:
-    def __init__(self, data: TokenizerData) -> None:
+    """Text to ids and back, and the chat template, over a `tokenizers` tokenizer: the one a
+    Hugging Face directory ships (`tokenizer.json`) or one built from a GGUF's vocabulary."""
+
+    def __init__(self, tokenizer: Tokenizer, *, chat_template: str | None = None,
+                 bos_token: str | None = None, eos_token: str | None = None,
+                 eos_ids: Sequence[int] = ()) -> None:
+        self._tokenizer = tokenizer
+        self.bos_token, self.eos_token = bos_token, eos_token
+        # every id that ends a generation; eos_id is the template's EOS (the first)
+        self.eos_ids = frozenset(eos_ids)
+        self.eos_id = eos_ids[0] if eos_ids else None
+        self.bos_id = None if bos_token is None else tokenizer.token_to_id(bos_token)
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals |= {"raise_exception": raise_exception, "strftime_now": strftime_now}
+        self._template = env.from_string(chat_template) if chat_template else None
+
+    @classmethod
+    def from_gguf(cls, data: TokenizerData) -> TextTokenizer:
         vocab = {token: i for i, token in enumerate(data.tokens)}
         merges = [(a, b) for a, b in (m.split(" ", 1) for m in data.merges)]
         tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        # llama.cpp's "smollm" pre-tokenizer splits digits one by one before the GPT-2 regex.
-        splits = [pre_tokenizers.Digits(individual_digits=True)] if data.pre == "smollm" else []
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
+        pattern = PRE_TOKENIZER_PATTERNS.get(data.pre)
+        if pattern is not None:
+            pre = [pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                   pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        else:
+            # llama.cpp's "smollm" pre-tokenizer splits digits one by one before GPT-2's regex
+            digits = [pre_tokenizers.Digits(individual_digits=True)] if data.pre == "smollm" \
+                else []
+            pre = [*digits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(pre)
         tokenizer.decoder = decoders.ByteLevel()
         tokenizer.add_special_tokens(
             [AddedToken(t, special=True, normalized=False) for t in data.special_tokens]
         )
-        self._tokenizer = tokenizer
-        self._data = data
-        self.eos_id = data.eos_id
-        self.bos_id = data.bos_id
-        self.vocab_size = len(data.tokens)
-        self._template = (
-            ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
-                data.chat_template
-            )
-            if data.chat_template
-            else None
-        )
+        bos = None if data.bos_id is None else data.tokens[data.bos_id]
+        return cls(tokenizer, chat_template=data.chat_template, bos_token=bos,
+                   eos_token=data.tokens[data.eos_id], eos_ids=[data.eos_id])
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
@@ -52,13 +88,9 @@ class TextTokenizer:
         """Render messages as the model's chat prompt, ending with the assistant's turn."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template")
-        eos = self._data.tokens[self.eos_id]
-        bos = "" if self.bos_id is None else self._data.tokens[self.bos_id]
-        return str(
-            self._template.render(
-                messages=list(messages), add_generation_prompt=True, eos_token=eos, bos_token=bos
-            )
-        )
+        return str(self._template.render(messages=list(messages), add_generation_prompt=True,
+                                         eos_token=self.eos_token or "",
+                                         bos_token=self.bos_token or ""))
 
 
 class IncrementalDetokenizer:

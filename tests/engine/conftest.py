@@ -8,7 +8,8 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.hf_reference import load_hf_reference
-from shared.engine.model_runner import LoadedModel, load_model
+from shared.engine.loader import LoadedModel
+from shared.engine.model_runner import load_model
 from shared.engine.tokenizer import TextTokenizer
 
 PROMPTS = [
@@ -32,7 +33,7 @@ def loaded() -> LoadedModel:
 @pytest.fixture(scope="session")
 def tokenizer(loaded: LoadedModel) -> TextTokenizer:
     assert loaded[1] is not None
-    return TextTokenizer(loaded[1])
+    return loaded[1]
 
 
 @pytest.fixture(scope="session")

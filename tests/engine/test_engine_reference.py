@@ -9,7 +9,7 @@ import pytest
 from shared.engine.config import EngineConfig, Role
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.kv_cache import block_bytes
-from shared.engine.model_runner import LoadedModel
+from shared.engine.loader import LoadedModel
 from shared.engine.request import Request, SamplingParams
 from tests.engine.conftest import NEW_TOKENS
 
@@ -102,7 +102,7 @@ def test_disaggregated_round_trip(loaded: LoadedModel, prompt_ids: list[list[int
         buffer = prefill.export_kv(parked.request_id)
         blocks = decode.allocate(len(ids))
         assert blocks is not None and not set(blocks) & set(parked.block_table)
-        request = Request(parked.request_id, ids, GREEDY, eos_id=decode.eos_id,
+        request = Request(parked.request_id, ids, GREEDY, eos_ids=decode.eos_ids,
                           output_ids=list(parked.output_ids))
         decode.admit_imported(request, blocks, buffer)
         assert prefill.release(parked.request_id)
@@ -187,7 +187,7 @@ def test_a_request_resumed_mid_stream_continues_as_if_uninterrupted(
             outputs_so_far = parked.output_ids
         blocks = decode.allocate(parked.num_computed)
         assert blocks is not None
-        request = Request(request_id, ids, params, eos_id=decode.eos_id,
+        request = Request(request_id, ids, params, eos_ids=decode.eos_ids,
                           output_ids=list(outputs_so_far))
         decode.admit_imported(request, blocks, prefill.export_kv(request_id),
                               computed=parked.num_computed)

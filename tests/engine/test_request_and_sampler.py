@@ -15,12 +15,12 @@ def test_sampling_params_reject_out_of_range(bad: dict[str, float]) -> None:
 def test_request_rejects_empty_prompt_and_stops_on_eos_or_length() -> None:
     with pytest.raises(ValueError):
         Request("x", [], SamplingParams())
-    r = Request("a", [1, 2], SamplingParams(max_tokens=3), eos_id=0)
+    r = Request("a", [1, 2], SamplingParams(max_tokens=3), eos_ids=frozenset({0}))
     r.append(5, None)
     assert r.status is RequestStatus.WAITING
     r.append(0, None)
     assert r.status is RequestStatus.FINISHED_STOPPED and r.finish_reason == "stop"
-    r = Request("b", [1], SamplingParams(max_tokens=2, ignore_eos=True), eos_id=0)
+    r = Request("b", [1], SamplingParams(max_tokens=2, ignore_eos=True), eos_ids=frozenset({0}))
     r.append(0, None)
     r.append(0, None)
     assert r.finish_reason == "length"

@@ -13,7 +13,7 @@ def make(role: Role = Role.COLOCATED, blocks: int = 64, **kw: object) -> Schedul
 
 def req(rid: str, prompt_len: int, max_tokens: int = 4, arrival: int = 0) -> Request:
     return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
-                   eos_id=None, arrival=arrival)
+                   arrival=arrival)
 
 
 def run_step(s: Scheduler, token: int = 7) -> SchedulerOutput | None:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.engine.gguf_loader import read_gguf_tokenizer
+from shared.engine.loader import read_tokenizer
 from shared.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 SHAREGPT = Path(__file__).parents[3] / "shared" / "data" / "sharegpt_v3_filtered_1000_prompts.json"
@@ -13,7 +13,7 @@ SHAREGPT = Path(__file__).parents[3] / "shared" / "data" / "sharegpt_v3_filtered
 
 @pytest.fixture(scope="module")
 def tok() -> TextTokenizer:
-    return TextTokenizer(read_gguf_tokenizer("smollm2-135m"))
+    return read_tokenizer("smollm2-135m")
 
 
 def test_round_trip_and_special_tokens(tok: TextTokenizer) -> None:

@@ -102,7 +102,8 @@ def test_the_engine_reports_which_steps_the_model_can_price() -> None:
     """Whole prompts or decodes alone are priced; a mixed step (chunked prefill, a failover
     replay beside decodes) is not."""
     def request(n: int) -> Request:
-        return Request(f"r{n}", list(range(n)), SamplingParams(max_tokens=4), eos_id=0)
+        return Request(f"r{n}", list(range(n)), SamplingParams(max_tokens=4),
+                       eos_ids=frozenset({0}))
 
     a, b, c = request(100), request(30), request(50)
     assert SchedulerOutput([ScheduledChunk(a, 0, 100), ScheduledChunk(b, 0, 30)], []).shape() \

@@ -14,8 +14,7 @@ from services.planner.low_affinity import low_affinity
 from services.planner.placement import NoFeasiblePlan, Problem, high_affinity
 from services.planner.plan import Plan
 from services.planner.profiles import ProfileError, kv_capacity_tokens, load_profile
-from shared.engine.gguf_loader import read_gguf_tokenizer
-from shared.engine.tokenizer import TextTokenizer
+from shared.engine.loader import read_tokenizer
 from shared.metrics import SLO
 from shared.workloads import Workload, read_trace, sharegpt_lengths
 
@@ -31,7 +30,7 @@ OPT_CONTEXT = 2048
 @functools.cache
 def chatbot() -> Workload:
     """First-turn ShareGPT prompts (token-counted), Azure-trace output lengths."""
-    tokenizer = TextTokenizer(read_gguf_tokenizer("smollm2-135m"))
+    tokenizer = read_tokenizer("smollm2-135m")
     lengths = sharegpt_lengths(SHAREGPT, lambda text: len(tokenizer.encode(text)))
     return Workload(lengths.within(OPT_CONTEXT))
 

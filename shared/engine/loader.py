@@ -1,0 +1,58 @@
+"""What a model name means, and reading it: a Hugging Face model directory, a GGUF file (a path
+or a built-in name), or a Llama shape with random weights (no tokenizer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from shared.engine import hf_checkpoint
+from shared.engine.config import LLAMA_SHAPES, ModelConfig
+from shared.engine.gguf_loader import load_gguf, read_gguf_meta, read_gguf_tokenizer
+from shared.engine.model import LlamaModel
+from shared.engine.tokenizer import TextTokenizer
+
+LoadedModel = tuple[LlamaModel, TextTokenizer | None]
+
+
+def served_name(model: str) -> str:
+    """The name clients ask for: a model directory's own name, otherwise the model as named."""
+    return Path(model).resolve().name if hf_checkpoint.is_model_dir(model) else model
+
+
+def directory_tokenizer(directory: Path) -> TextTokenizer:
+    tokenizer, template, bos, eos, stop = hf_checkpoint.read_tokenizer(directory)
+    return TextTokenizer(tokenizer, chat_template=template, bos_token=bos, eos_token=eos,
+                         eos_ids=stop)
+
+
+def read_tokenizer(model: str) -> TextTokenizer:
+    """Only the tokenizer (cheap: the gateway and the workload builders need no weights)."""
+    if hf_checkpoint.is_model_dir(model):
+        return directory_tokenizer(Path(model))
+    return TextTokenizer.from_gguf(read_gguf_tokenizer(model))
+
+
+def read_meta(model: str) -> tuple[ModelConfig, TextTokenizer]:
+    """Config and tokenizer without reading any weight."""
+    if hf_checkpoint.is_model_dir(model):
+        directory = Path(model)
+        return hf_checkpoint.read_config(directory, served_name(model)), \
+            directory_tokenizer(directory)
+    config, data = read_gguf_meta(model)
+    return config, TextTokenizer.from_gguf(data)
+
+
+def load(model: str, seed: int, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    if model in LLAMA_SHAPES:
+        return LlamaModel.random(LLAMA_SHAPES[model], seed, device, dtype), None
+    if hf_checkpoint.is_model_dir(model):
+        directory = Path(model)
+        config = hf_checkpoint.read_config(directory, served_name(model))
+        tokenizer = directory_tokenizer(directory)  # before the weights: fail fast
+        config, weights = hf_checkpoint.read_weights(directory, config, device, dtype)
+        return LlamaModel(config, weights), tokenizer
+    gguf = load_gguf(model)
+    return LlamaModel.from_numpy(gguf.config, gguf.weights, device, dtype), \
+        TextTokenizer.from_gguf(gguf.tokenizer)
