@@ -84,3 +84,49 @@ def hf_greedy(directory: Path, prompts: list[list[int]], new_tokens: int) -> lis
                                    pad_token_id=0, eos_token_id=None)
         out.append(generated[0, len(ids):].tolist())
     return out
+
+
+def write_gguf(source: Path, path: Path, arch: str) -> Path:
+    """A random `write_random` model of a Qwen architecture as a GGUF file, named as
+    llama.cpp's own gguf-py maps Hugging Face tensors (Qwen's Q/K rows are not permuted), F32,
+    with SmolLM2's vocabulary under the `qwen2` pre-tokenizer."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    from shared.engine.gguf_loader import CONTROL_TOKEN_TYPE, read_gguf_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    tokens = read_gguf_tokenizer("smollm2-135m")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens.tokens)
+    writer.add_token_types([CONTROL_TOKEN_TYPE if t in tokens.special_tokens else 1
+                            for t in tokens.tokens])
+    writer.add_token_merges(tokens.merges)
+    writer.add_eos_token_id(tokens.eos_id)
+    if tokens.chat_template:
+        writer.add_chat_template(tokens.chat_template)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")),
+                          tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,4 +1,5 @@
-"""Read a Llama-architecture GGUF file: config, dequantized weights and tokenizer data."""
+"""Read a GGUF file of the Llama family (architectures `llama`, `qwen2`, `qwen3`): config,
+dequantized weights and tokenizer data."""
 
 from __future__ import annotations
 
@@ -76,17 +77,24 @@ def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return np.ascontiguousarray(w.swapaxes(1, 2).reshape(weight.shape))
 
 
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
 def _read_config(reader: GGUFReader, name: str) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelNotFoundError(f"{name}: architecture {arch!r} is not supported (llama only)")
+    if arch not in ARCHITECTURES:
+        raise ModelNotFoundError(f"{name}: architecture {arch!r} is not supported "
+                                 f"({', '.join(ARCHITECTURES)})")
 
     def get(key: str, default: object = None) -> Any:
-        return _field(reader, f"llama.{key}", default)
+        return _field(reader, f"{arch}.{key}", default)
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
     tensors = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:
+        raise ModelNotFoundError(f"{name}: RoPE frequency factors (rope_freqs, Llama 3.1 GGUFs) "
+                                 "are not supported; serve the Hugging Face directory instead")
     return ModelConfig(
         name=name,
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
@@ -95,11 +103,15 @@ def _read_config(reader: GGUFReader, name: str) -> ModelConfig:
         num_layers=int(get("block_count")),
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("rope.dimension_count", hidden // heads)),
+        head_dim=int(get("attention.key_length") or get("rope.dimension_count") or
+                     hidden // heads),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         max_context=int(get("context_length", 2048)),
         tie_embeddings="output.weight" not in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        architecture=arch,
     )
 
 
@@ -113,12 +125,16 @@ _LAYER_NAMES = {
     "ffn_gate": "gate_proj",
     "ffn_up": "up_proj",
     "ffn_down": "down_proj",
+    "attn_q_norm": "q_norm",
+    "attn_k_norm": "k_norm",
 }
 _GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 
 
-def _hf_name(gguf_name: str) -> str:
-    parts = gguf_name.removesuffix(".weight").split(".")
+def _engine_name(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and parts[-1] == "bias":  # blk.0.attn_q.bias -> layers.0.q_bias
+        return f"layers.{parts[1]}.{_LAYER_NAMES[parts[2]][0]}_bias"
     if parts[0] == "blk":
         return f"layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
     return _GLOBAL_NAMES[parts[0]]
@@ -127,13 +143,14 @@ def _hf_name(gguf_name: str) -> str:
 def _read_weights(reader: GGUFReader, config: ModelConfig) -> dict[str, np.ndarray]:
     weights: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+        name = _engine_name(tensor.name)
         # a copy: F32 tensors would otherwise be read-only views of the memory-mapped file
         array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        if name.endswith("q_proj"):
-            array = _unpermute_rope(array, config.num_heads)
-        elif name.endswith("k_proj"):
-            array = _unpermute_rope(array, config.num_kv_heads)
+        if config.architecture == "llama":  # llama.cpp permutes Llama's Q/K rows only
+            if name.endswith(("q_proj", "q_bias")):
+                array = _unpermute_rope(array, config.num_heads)
+            elif name.endswith(("k_proj", "k_bias")):
+                array = _unpermute_rope(array, config.num_kv_heads)
         weights[name] = array
     return weights
 
