@@ -1,0 +1,85 @@
+"""The disaggregated stack serves a Hugging Face model directory end to end, under the
+directory's name; a checkpoint the processes cannot read stops them with its reason, not a
+traceback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from distserve.cli import main as distserve
+from services.launcher import Stack
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from tests.model_dirs import write_smollm2
+from tests.services.conftest import greedy, metric, start_stack
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+NAME = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_smollm2(tmp_path_factory.mktemp("models") / NAME)
+
+
+@pytest.fixture(scope="module")
+def dir_stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Stack]:
+    s = start_stack(tmp_path_factory.mktemp("stack"), prefill=1, decode=1, model=str(model_dir))
+    yield s
+    s.stop()
+
+
+def test_the_stack_serves_a_model_directory(dir_stack: Stack, model_dir: Path) -> None:
+    engine = Engine(EngineConfig(model=str(model_dir)))
+    assert engine.tokenizer is not None
+    c = openai.OpenAI(base_url=f"{dir_stack.url}/v1", api_key="unused", timeout=120)
+    assert [m.id for m in c.models.list().data] == [NAME]
+    prompt = "The capital of France is"
+    expected = greedy(engine, engine.tokenizer.encode(prompt), 16)
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=NAME, prompt=prompt, max_tokens=16, temperature=0, stream=True) if ch.choices)
+    assert streamed == expected and len(expected) > 10
+    messages = [{"role": "user", "content": "Name three colors."}]
+    chat_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
+    r = c.chat.completions.create(model=NAME, messages=messages,  # type: ignore[arg-type]
+                                  max_tokens=20, temperature=0)
+    assert r.choices[0].message.content == greedy(engine, chat_ids, 20)
+    # the KV crossed from the prefill to the decode instance
+    assert sum(v for i, v in metric(dir_stack.url, "ds_kv_transfer_requests").items()
+               if i.startswith("decode")) >= 2
+    wrong = httpx.post(f"{dir_stack.url}/v1/completions", timeout=30,
+                       json={"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2})
+    assert wrong.status_code == 400
+    assert wrong.json()["error"]["code"] == "model_not_found" and NAME in wrong.text
+
+
+def test_a_checkpoint_the_processes_cannot_read_stops_them_with_its_reason(
+        model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "no-tokenizer"
+    bad.mkdir()
+    for file in model_dir.iterdir():
+        if file.name != "tokenizer.json":
+            os.symlink(file, bad / file.name)
+    reason = "has no tokenizer.json"
+    # a worker started on it: exit code 2, the reason in its log, no traceback
+    done = subprocess.run([sys.executable, "-m", "services.prefill"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "DS_MODEL": str(bad)})
+    assert done.returncode == 2
+    assert reason in done.stderr and "Traceback" not in done.stderr
+    # `distserve up` checks the model before starting anything
+    with pytest.raises(SystemExit) as exit_:
+        distserve(["up", "--model", str(bad), "--run-dir", str(tmp_path / "runs")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert reason in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
+    shutil.rmtree(bad)
