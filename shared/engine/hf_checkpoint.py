@@ -146,14 +146,11 @@ def _shards(directory: Path) -> dict[str, Path]:
 
 class CheckpointWeights(Mapping[str, torch.Tensor]):
     """The engine's weight names over the safetensors files: a tensor is read from its
-    memory-mapped file when asked for and cast to the engine's device and dtype."""
+    memory-mapped file when asked for, in the file's dtype."""
 
-    def __init__(self, directory: Path, config: ModelConfig, device: torch.device,
-                 dtype: torch.dtype) -> None:
-        self.device, self.dtype = device, dtype
+    def __init__(self, directory: Path, config: ModelConfig) -> None:
         self._where = {name: (path, hf) for hf, path in _shards(directory).items()
                        if (name := _engine_name(hf)) is not None}
-        self._files: dict[Path, Any] = {}
         missing = [n for n in expected_weights(config) if n not in self._where]
         if missing:
             raise CheckpointError(f"{directory}: the checkpoint lacks {len(missing)} weight(s) a "
@@ -161,15 +158,15 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         path, hf = self._where[name]
-        if path not in self._files:
-            self._files[path] = safe_open(str(path), framework="pt")
-        handle = self._files[path]
-        dtype = handle.get_slice(hf).get_dtype()
-        if dtype not in WEIGHT_DTYPES:
-            raise CheckpointError(f"{path.name}: tensor {hf} is {dtype}; only F32, F16 and BF16 "
-                                  "weights are supported")
-        tensor: torch.Tensor = handle.get_tensor(hf)
-        return tensor.to(self.device, self.dtype)
+        # a handle per tensor: the file's pages are mapped only while the tensor lives, so a
+        # load holds one tensor of the checkpoint at a time, not all it has read
+        with safe_open(str(path), framework="pt") as handle:
+            dtype = handle.get_slice(hf).get_dtype()
+            if dtype not in WEIGHT_DTYPES:
+                raise CheckpointError(f"{path.name}: tensor {hf} is {dtype}; only F32, F16 and "
+                                      "BF16 weights are supported")
+            tensor: torch.Tensor = handle.get_tensor(hf)
+        return tensor  # in the file's dtype: the model casts it as it places it
 
     def __contains__(self, name: object) -> bool:  # without reading the tensor
         return name in self._where
@@ -190,12 +187,11 @@ def expected_weights(config: ModelConfig) -> list[str]:
     return names + [f"layers.{i}.{n}" for i in range(config.num_layers) for n in per_layer]
 
 
-def read_weights(directory: Path, config: ModelConfig, device: torch.device,
-                 dtype: torch.dtype) -> tuple[ModelConfig, CheckpointWeights]:
+def read_weights(directory: Path, config: ModelConfig) -> tuple[ModelConfig, CheckpointWeights]:
     """The weights, and the config corrected where the files say more than config.json (a
     checkpoint without `lm_head` ties it to the embeddings)."""
     probe = dataclasses.replace(config, tie_embeddings=True)
-    weights = CheckpointWeights(directory, probe, device, dtype)
+    weights = CheckpointWeights(directory, probe)
     if not config.tie_embeddings and "lm_head" not in weights:
         config = probe
     return config, weights

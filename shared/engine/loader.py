@@ -51,8 +51,8 @@ def load(model: str, seed: int, device: torch.device, dtype: torch.dtype) -> Loa
         directory = Path(model)
         config = hf_checkpoint.read_config(directory, served_name(model))
         tokenizer = directory_tokenizer(directory)  # before the weights: fail fast
-        config, weights = hf_checkpoint.read_weights(directory, config, device, dtype)
-        return LlamaModel(config, weights), tokenizer
+        config, weights = hf_checkpoint.read_weights(directory, config)
+        return LlamaModel(config, weights, device, dtype), tokenizer
     gguf = load_gguf(model)
     return LlamaModel.from_numpy(gguf.config, gguf.weights, device, dtype), \
         TextTokenizer.from_gguf(gguf.tokenizer)

@@ -61,44 +61,65 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor],
+                 device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+        """`weights` by the engine's names, in any dtype and on any device: each is read once
+        and placed on `device` in `dtype` (default: the embeddings'), so a lazy mapping over a
+        checkpoint's files is loaded one tensor at a time."""
         self.config = config
         # how decode tokens attend to the pool; the model runner picks the best for its device
         self.decode_attention: DecodeAttention = gather_decode_attention
-        self.embed = weights["embed_tokens"]
-        self.norm = weights["norm"]
-        self.lm_head = self.embed if config.tie_embeddings else weights["lm_head"]
-        self.layers = [self._layer(config, weights, f"layers.{i}.")
-                       for i in range(config.num_layers)]
-        self.device, self.dtype = self.embed.device, self.embed.dtype
+        embed = weights["embed_tokens"]
+        self.device = device or embed.device
+        self.dtype = dtype or embed.dtype
+        self.embed = self._place(embed)
+        del embed  # the checkpoint's copy, when it was cast: not held through the load
+        self.norm = self._place(weights["norm"])
+        self.lm_head = self.embed if config.tie_embeddings else self._place(weights["lm_head"])
+        self.layers = [self._layer(weights, f"layers.{i}.") for i in range(config.num_layers)]
         inv_freq = rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         freqs = torch.outer(torch.arange(config.max_context, dtype=torch.float32), inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
         self.cos = angles.cos().to(self.device, self.dtype)
         self.sin = angles.sin().to(self.device, self.dtype)
 
-    @staticmethod
-    def _layer(config: ModelConfig, w: Mapping[str, torch.Tensor], p: str) -> LayerWeights:
-        qk_norm = None
+    def _place(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, self.dtype)
+
+    def _transposed(self, *parts: torch.Tensor) -> torch.Tensor:
+        """[in, out] matrix of (out, in) parts stacked by rows: each part copied (and cast)
+        once into its columns, not cast, concatenated and transposed in three passes."""
+        out = torch.empty(parts[0].shape[1], sum(p.shape[0] for p in parts),
+                          device=self.device, dtype=self.dtype)
+        column = 0
+        for part in parts:
+            out[:, column:column + part.shape[0]].copy_(part.t())
+            column += part.shape[0]
+        return out
+
+    def _layer(self, w: Mapping[str, torch.Tensor], p: str) -> LayerWeights:
+        config = self.config
+        qk_norm = qkv_bias = None
         if config.qk_norm:  # one weight per head, Q heads then K heads as the fused view
-            qk_norm = torch.cat([w[p + "q_norm"].expand(config.num_heads, -1),
-                                 w[p + "k_norm"].expand(config.num_kv_heads, -1)])
+            qk_norm = self._place(torch.cat([w[p + "q_norm"].expand(config.num_heads, -1),
+                                             w[p + "k_norm"].expand(config.num_kv_heads, -1)]))
+        if config.qkv_bias:
+            qkv_bias = self._place(torch.cat([w[p + "q_bias"], w[p + "k_bias"], w[p + "v_bias"]]))
         return LayerWeights(
-            input_norm=w[p + "input_layernorm"],
-            qkv=torch.cat([w[p + "q_proj"], w[p + "k_proj"], w[p + "v_proj"]]).t().contiguous(),
-            o=w[p + "o_proj"].t().contiguous(),
-            post_norm=w[p + "post_attention_layernorm"],
-            gate_up=torch.cat([w[p + "gate_proj"], w[p + "up_proj"]]).t().contiguous(),
-            down=w[p + "down_proj"].t().contiguous(),
-            qkv_bias=torch.cat([w[p + "q_bias"], w[p + "k_bias"], w[p + "v_bias"]])
-            if config.qkv_bias else None,
+            input_norm=self._place(w[p + "input_layernorm"]),
+            qkv=self._transposed(w[p + "q_proj"], w[p + "k_proj"], w[p + "v_proj"]),
+            o=self._transposed(w[p + "o_proj"]),
+            post_norm=self._place(w[p + "post_attention_layernorm"]),
+            gate_up=self._transposed(w[p + "gate_proj"], w[p + "up_proj"]),
+            down=self._transposed(w[p + "down_proj"]),
+            qkv_bias=qkv_bias,
             qk_norm=qk_norm,
         )
 
     @classmethod
     def from_numpy(cls, config: ModelConfig, weights: Mapping[str, np.ndarray],
                    device: torch.device, dtype: torch.dtype) -> LlamaModel:
-        return cls(config, {k: torch.from_numpy(v).to(device, dtype) for k, v in weights.items()})
+        return cls(config, {k: torch.from_numpy(v) for k, v in weights.items()}, device, dtype)
 
     @classmethod
     def random(cls, config: ModelConfig, seed: int, device: torch.device,
