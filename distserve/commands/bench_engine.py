@@ -17,7 +17,7 @@ from rich.table import Table
 
 from distserve.commands.common import add_engine_args, engine_config
 from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
+from shared.engine.engine import Engine, RequestRejected
 from shared.engine.hf_reference import load_hf_reference
 from shared.engine.request import SamplingParams
 
@@ -176,7 +176,12 @@ def _table(results: dict[str, Any], kind: str, key: str, label: str) -> Table:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = engine_config(args).with_scheduler(max_batch_tokens=max(args.lengths),
                                                 max_running=max(args.batches))
-    results = measure(config, args)
+    try:
+        results = measure(config, args)
+    except RequestRejected as e:
+        parser.error(f"{e}: pass smaller --lengths or --context")
+    except ValueError as e:  # an unknown model, a checkpoint the engine cannot read
+        parser.error(str(e))
     console = Console(stderr=args.json)
     console.print(_table(results, "Prefill", "prefill_ms", "prompt tokens"))
     console.print(_table(results, "Decode step", "decode_step_ms", f"batch (ctx {args.context})"))

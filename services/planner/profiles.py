@@ -9,6 +9,7 @@ Two formats are read:
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -105,8 +106,11 @@ def load_profile(path: str | Path, model: str | None = None,
 
 
 def _load_ours(data: dict[str, Any]) -> Profile:
+    # the model's shape, where the file carries it: any model profiled here (a Hugging Face
+    # directory too), not only the ones the planner knows by name
+    spec = ModelSpec(**data["model_spec"]) if "model_spec" in data else model_spec(data["model"])
     return Profile(
-        model=model_spec(data["model"]), device=data["device"],
+        model=spec, device=data["device"],
         device_memory_bytes=int(data["device_memory_bytes"]),
         by_tp={int(tp): _coefficients(e) for tp, e in data["configs"].items()},
         l_m=int(data["l_m"]), max_decode_batch=int(data.get("max_decode_batch", 256)),
@@ -116,7 +120,8 @@ def _load_ours(data: dict[str, Any]) -> Profile:
 
 def save_profile(profile: Profile, path: str | Path) -> None:
     data = {
-        "format": FORMAT, "model": profile.model.name, "device": profile.device,
+        "format": FORMAT, "model": profile.model.name,
+        "model_spec": dataclasses.asdict(profile.model), "device": profile.device,
         "device_memory_bytes": profile.device_memory_bytes, "l_m": profile.l_m,
         "max_decode_batch": profile.max_decode_batch,
         "stage_overhead_ms": profile.stage_overhead_ms,

@@ -1,3 +1,6 @@
+import dataclasses
+from pathlib import Path
+
 import pytest
 
 from services.planner.fitting import (
@@ -10,7 +13,12 @@ from services.planner.fitting import (
     relative_errors,
 )
 from services.planner.latency import PhaseCoefficients
-from services.planner.profiles import saturation_length
+from services.planner.profiles import (
+    load_profile,
+    saturation_length,
+    save_profile,
+    shipped_cpu_profile,
+)
 
 
 def test_fit_recovers_known_coefficients() -> None:
@@ -65,3 +73,14 @@ def test_decode_regimes_share_the_cost_per_context_token() -> None:
     # attention drown (0.0027 ms a token); shared, the large batches carry it
     small, large, _ = fit_decode(two_regime_points({64: 1.05, 256: 1.0, 512: 0.96}))
     assert small[1] == large[1] > 0.6 * 0.009
+
+
+def test_a_profile_carries_its_models_shape(tmp_path: Path) -> None:
+    """A profile of a model the planner does not know by name (a Hugging Face directory
+    profiled here) loads with the model's shape from the file."""
+    shipped = load_profile(shipped_cpu_profile(1))
+    mine = dataclasses.replace(shipped, model=dataclasses.replace(
+        shipped.model, name="Qwen3-0.6B", num_layers=28, kv_size=1024))
+    save_profile(mine, tmp_path / "p.json")
+    again = load_profile(tmp_path / "p.json")
+    assert again.model == mine.model and again.by_tp == shipped.by_tp
