@@ -46,11 +46,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     tokenizer = engine.tokenizer
     if tokenizer is None:
         parser.error(f"model {args.model!r} has random weights and no tokenizer")
-    text = args.prompt
     if args.chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user",
+                                                               "content": args.prompt}]))
+    else:
+        ids = tokenizer.encode(args.prompt, add_special_tokens=True)
     try:
-        engine.add_request("cli", tokenizer.encode(text), params)
+        engine.add_request("cli", ids, params)
     except RequestRejected as e:
         parser.error(str(e))
     while engine.has_work():

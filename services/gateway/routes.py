@@ -164,7 +164,7 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def completion_ids(req: CompletionRequest) -> list[int]:
         prompt = req.text_or_ids
         if isinstance(prompt, str):
-            return await asyncio.to_thread(tokenizer.encode, prompt)
+            return await asyncio.to_thread(tokenizer.encode, prompt, True)
         if any(not 0 <= t < tokenizer.vocab_size for t in prompt):
             raise APIError(400, f"token ids must be in [0, {tokenizer.vocab_size})", "prompt")
         return list(prompt)

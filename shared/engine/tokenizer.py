@@ -78,8 +78,10 @@ class TextTokenizer:
         return cls(tokenizer, chat_template=data.chat_template, bos_token=bos,
                    eos_token=data.tokens[data.eos_id], eos_ids=[data.eos_id])
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`add_special_tokens`: what the model's tokenizer adds around raw text (Llama 3's
+        BOS), for a prompt given as text; a chat template writes its own."""
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))

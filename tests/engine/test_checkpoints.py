@@ -174,3 +174,23 @@ def test_qwen_gguf_files_generate_what_transformers_does(
     # keeps one space with them: "\n\n ", " c")
     assert [tokenizer.decode([i]) for i in tokenizer.encode("a  b\n\n  c")][-3:] == \
         ["\n\n", " ", " c"]
+
+
+def test_every_eos_id_of_generation_config_ends_a_generation(smollm2_dir: Path,
+                                                             tmp_path: Path) -> None:
+    """generation_config.json may list several EOS ids (Llama 3 lists two): each ends it."""
+    ids = [1, 4093, 1848, 314]  # any prompt
+    loaded = load(str(smollm2_dir), 0, CPU, torch.float32)
+    (free,) = greedy(loaded, [ids], 6)
+    stop = next(i for i in range(1, 6) if free[i] not in free[:i])  # first new token after one
+    directory = tmp_path / "eos"
+    directory.mkdir()
+    for file in smollm2_dir.iterdir():
+        if file.name != "generation_config.json":
+            (directory / file.name).symlink_to(file)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, free[stop]]}))
+    model, tokenizer = load(str(directory), 0, CPU, torch.float32)
+    assert tokenizer is not None and tokenizer.eos_ids == {2, free[stop]}
+    engine = Engine(EngineConfig(device="cpu"), (model, tokenizer))
+    (request,) = engine.generate([ids], SamplingParams(max_tokens=6))
+    assert request.output_ids == free[:stop + 1] and request.finish_reason == "stop"

@@ -57,3 +57,19 @@ def test_incremental_detokenizer_holds_back_partial_utf8(tok: TextTokenizer) -> 
     pieces = [detok.update(ids[: i + 1]) for i in range(len(ids))]
     assert "".join(pieces) == "a 🎉 b"
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_raw_text_gets_the_tokenizers_own_special_tokens_on_request(tok: TextTokenizer) -> None:
+    """A tokenizer.json whose post-processor adds a BOS (as Llama 3's does): a completion's raw
+    prompt gets it, a chat prompt (whose template writes it) does not get it twice."""
+    from tokenizers import Tokenizer, processors
+
+    inner = Tokenizer.from_str(tok._tokenizer.to_str())
+    inner.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    with_bos = TextTokenizer(inner, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                             eos_ids=[2])
+    plain = tok.encode("Hello")
+    assert with_bos.encode("Hello", add_special_tokens=True) == [1, *plain]
+    assert with_bos.encode("Hello") == plain
+    assert with_bos.bos_id == 1 and with_bos.eos_ids == {2}

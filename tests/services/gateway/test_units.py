@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -263,3 +264,12 @@ def test_kv_held_resumes_on_a_decode_instance_while_its_prefill_instance_drains(
     assert gateway.routes(gateway.live_pools()) == []
     decode = asyncio.run(gateway._decode_to_resume("d0", deadline=time.monotonic()))
     assert decode is not None and decode.instance_id == "d1"
+
+
+def test_the_served_model_name_is_the_directorys_unless_given(tmp_path: Path) -> None:
+    directory = tmp_path / "Qwen3-0.6B"
+    directory.mkdir()
+    assert GatewaySettings(model=str(directory)).served_model == "Qwen3-0.6B"
+    assert GatewaySettings(model=f"{directory}/").served_model == "Qwen3-0.6B"
+    assert GatewaySettings(model=str(directory), served_model_name="qwen").served_model == "qwen"
+    assert GatewaySettings(model="smollm2-135m").served_model == "smollm2-135m"
