@@ -23,6 +23,7 @@ from services.runtime import WorkerSettings
 ROOT = Path(__file__).parents[1]
 VARIABLE = re.compile(r"\$\{(\w+)(?:(:?)([-?])([^}]*))?\}")
 SECRETS = {"DS_NATS_PASSWORD": "nats-pw", "DS_REDIS_PASSWORD": "redis-pw", "DS_API_KEYS": "k1,k2"}
+OPTIONS = {"DS_MODEL", "DS_SERVED_MODEL_NAME", "DS_MODELS_DIR"}  # empty in .env: defaults
 
 
 def interpolate(text: str, env: dict[str, str]) -> str:
@@ -119,8 +120,21 @@ def test_env_example_names_every_variable_compose_reads() -> None:
     used = set(VARIABLE.findall((ROOT / "docker-compose.yml").read_text()))
     lines = (ROOT / ".env.example").read_text().splitlines()
     example = dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
-    assert {name for name, *_ in used} == set(example) == set(SECRETS)
+    assert {name for name, *_ in used} == set(example) == set(SECRETS) | OPTIONS
     assert not any(example.values())  # no default secret anyone could copy
+
+
+def test_the_model_is_the_built_in_one_or_a_directory_mounted_at_models() -> None:
+    services = compose()
+    for name in ("prefill", "decode", "gateway"):
+        env = services[name]["environment"]
+        assert isinstance(env, dict) and env["DS_MODEL"] == "smollm2-135m"
+        assert services[name]["volumes"] == ["./models:/models:ro"]
+    mine = compose({**SECRETS, "DS_MODEL": "/models/Qwen3-0.6B", "DS_MODELS_DIR": "/srv/m"})
+    for name in ("prefill", "decode", "gateway"):
+        env = mine[name]["environment"]
+        assert isinstance(env, dict) and env["DS_MODEL"] == "/models/Qwen3-0.6B"
+        assert mine[name]["volumes"] == ["/srv/m:/models:ro"]
 
 
 def test_only_the_gateway_and_jaegers_ui_are_published_on_loopback() -> None:
