@@ -42,6 +42,7 @@ class PlannerSettings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379"
     run_dir: str | None = None
     threads: int = 1
+    model: str = "smollm2-135m"  # what the workers serve (DS_MODEL)
     heartbeat_ttl_s: float = 2.0
     planner_profile: str = ""  # default: the shipped CPU profile for DS_THREADS
     planner_ttft_s: float = 5.0
@@ -62,7 +63,14 @@ class PlannerSettings(BaseSettings):
         return self.planner_devices or os.cpu_count() or 2
 
     def profile(self) -> Profile:
-        return planner_profile(self.planner_profile, self.threads)
+        from shared.engine.loader import served_name
+
+        profile = planner_profile(self.planner_profile, self.threads)
+        if profile.model.name != served_name(self.model):
+            log.warning("planning on a profile of %s while the workers serve %s: measure one "
+                        "with `distserve profile --model %s` and name it in DS_PLANNER_PROFILE",
+                        profile.model.name, served_name(self.model), self.model)
+        return profile
 
     @field_validator("planner_modes")
     @classmethod
