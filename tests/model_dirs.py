@@ -15,6 +15,9 @@ from shared.engine.loader import read_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 VOCAB = 49152  # SmolLM2's: the random models share its tokenizer
+# the GGUFs' user-defined token (in place of the control token <empty_output>, which no merge
+# uses) and end-of-turn id
+THINK, THINK_ID, EOT = "<think>", 16, 5
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
              initializer_range=0.2)  # large weights: logits far apart, no greedy ties
@@ -89,11 +92,16 @@ def hf_greedy(directory: Path, prompts: list[list[int]], new_tokens: int) -> lis
 def write_gguf(source: Path, path: Path, arch: str) -> Path:
     """A random `write_random` model of a Qwen architecture as a GGUF file, named as
     llama.cpp's own gguf-py maps Hugging Face tensors (Qwen's Q/K rows are not permuted), F32,
-    with SmolLM2's vocabulary under the `qwen2` pre-tokenizer."""
+    with SmolLM2's vocabulary under the `qwen2` pre-tokenizer, its token 16 a user-defined
+    `<think>` (as Qwen3's), an end-of-turn id besides EOS and a BOS added to raw text."""
     import gguf
     from transformers import AutoModelForCausalLM
 
-    from shared.engine.gguf_loader import CONTROL_TOKEN_TYPE, read_gguf_tokenizer
+    from shared.engine.gguf_loader import (
+        CONTROL_TOKEN_TYPE,
+        USER_DEFINED_TOKEN_TYPE,
+        read_gguf_tokenizer,
+    )
 
     model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
     config = model.config
@@ -112,11 +120,15 @@ def write_gguf(source: Path, path: Path, arch: str) -> Path:
     tokens = read_gguf_tokenizer("smollm2-135m")
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens.tokens)
-    writer.add_token_types([CONTROL_TOKEN_TYPE if t in tokens.special_tokens else 1
-                            for t in tokens.tokens])
+    names = [THINK if i == THINK_ID else t for i, t in enumerate(tokens.tokens)]
+    writer.add_token_list(names)
+    writer.add_token_types([USER_DEFINED_TOKEN_TYPE if i == THINK_ID else CONTROL_TOKEN_TYPE
+                            if t in tokens.special_tokens else 1 for i, t in enumerate(names)])
     writer.add_token_merges(tokens.merges)
     writer.add_eos_token_id(tokens.eos_id)
+    writer.add_eot_token_id(EOT)
+    writer.add_bos_token_id(1)
+    writer.add_add_bos_token(True)
     if tokens.chat_template:
         writer.add_chat_template(tokens.chat_template)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)

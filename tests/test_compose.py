@@ -126,12 +126,12 @@ def test_env_example_names_every_variable_compose_reads() -> None:
 
 def test_the_model_is_the_built_in_one_or_a_directory_mounted_at_models() -> None:
     services = compose()
-    for name in ("prefill", "decode", "gateway"):
+    for name in ("prefill", "decode", "gateway", "planner"):
         env = services[name]["environment"]
         assert isinstance(env, dict) and env["DS_MODEL"] == "smollm2-135m"
         assert services[name]["volumes"] == ["./models:/models:ro"]
     mine = compose({**SECRETS, "DS_MODEL": "/models/Qwen3-0.6B", "DS_MODELS_DIR": "/srv/m"})
-    for name in ("prefill", "decode", "gateway"):
+    for name in ("prefill", "decode", "gateway", "planner"):
         env = mine[name]["environment"]
         assert isinstance(env, dict) and env["DS_MODEL"] == "/models/Qwen3-0.6B"
         assert mine[name]["volumes"] == ["/srv/m:/models:ro"]

@@ -23,7 +23,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     group.add_argument("--dtype", default="auto",
                        choices=["auto", "float32", "bfloat16", "float16"],
-                       help="auto: float32 on CPU, bfloat16 on CUDA")
+                       help="auto: float32 on CPU; bfloat16 on a GPU that computes it (Ampere "
+                            "on), else float16")
     group.add_argument("--threads", type=int, default=0,
                        help="torch threads (0: torch's default)")
     group.add_argument("--kv-cache-mb", type=positive_int, default=256,

@@ -10,6 +10,7 @@ from distserve.commands.common import add_engine_args, engine_config
 from shared.engine.engine import Engine, RequestRejected
 from shared.engine.gguf_loader import ModelNotFoundError
 from shared.engine.request import SamplingParams
+from shared.engine.tokenizer import ChatTemplateError
 
 
 def register(sub: Any) -> None:
@@ -47,8 +48,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if tokenizer is None:
         parser.error(f"model {args.model!r} has random weights and no tokenizer")
     if args.chat:
-        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user",
-                                                               "content": args.prompt}]))
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        except ChatTemplateError as e:
+            parser.error(str(e))
+        ids = tokenizer.encode(text)
     else:
         ids = tokenizer.encode(args.prompt, add_special_tokens=True)
     try:

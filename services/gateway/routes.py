@@ -23,6 +23,7 @@ from services.gateway.ledger import Booking, Ticket
 from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
 from services.gateway.stream import GaveUp
 from services.gateway.timing import RequestTiming
+from shared.engine.tokenizer import ChatTemplateError
 from shared.messages import Sampling, TokenChunk
 
 
@@ -173,7 +174,10 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
         messages = [{"role": m.role, "content": m.text} for m in req.messages]
 
         def encode() -> list[int]:
-            return tokenizer.encode(tokenizer.apply_chat_template(messages))
+            try:
+                return tokenizer.encode(tokenizer.apply_chat_template(messages))
+            except ChatTemplateError as e:  # no template, or one refusing these messages
+                raise APIError(400, str(e), "messages") from e
 
         return await asyncio.to_thread(encode)
 

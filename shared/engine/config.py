@@ -120,7 +120,7 @@ class SchedulerConfig:
 class EngineConfig:
     model: str = "smollm2-135m"  # a GGUF name or path, a HF directory or a LLAMA_SHAPES key
     device: str = "auto"  # "cpu", "cuda", "cuda:1" or "auto"
-    dtype: str = "auto"  # "float32", "bfloat16", "float16" or "auto" (fp32 on CPU, bf16 on CUDA)
+    dtype: str = "auto"  # "float32", "bfloat16", "float16", "auto" (CPU fp32, GPU bf16 or fp16)
     kv_cache_bytes: int = 256 * 1024 * 1024  # memory budget of the paged KV pool
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     seed: int = 0  # seed for random (dummy) weights

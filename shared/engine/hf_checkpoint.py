@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
 from shared.engine.config import ModelConfig, RopeScaling
@@ -42,12 +42,14 @@ def _json(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read: {e.strerror}") from e
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} does not hold a JSON object")
     return data
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def _rope(raw: dict[str, Any], max_context: int) -> tuple[float, RopeScaling | None]:
     """RoPE's base and scaling: transformers 5 writes `rope_parameters` (with the base
     inside), older checkpoints `rope_theta` and `rope_scaling`."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -60,11 +62,24 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     if kind == "llama3":
         return theta, RopeScaling(
             "llama3", float(params["factor"]), float(params["low_freq_factor"]),
-            float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+            float(params["high_freq_factor"]),
+            int(params.get("original_max_position_embeddings", max_context)))
     raise CheckpointError(f"RoPE scaling {kind!r} is not supported (default, linear, llama3)")
 
 
 def read_config(directory: Path, name: str) -> ModelConfig:
+    try:
+        return _config(directory, name)
+    except KeyError as e:
+        raise CheckpointError(f"{directory}/config.json lacks {e}") from e
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{directory}/config.json holds a value of the wrong kind: {e}") \
+            from e
+
+
+def _config(directory: Path, name: str) -> ModelConfig:
     path = directory / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{directory} has no config.json: not a Hugging Face model "
@@ -81,11 +96,15 @@ def read_config(directory: Path, name: str) -> ModelConfig:
                               "use a bf16, fp16 or fp32 checkpoint")
     if raw.get("hidden_act", "silu") != "silu" or raw.get("mlp_bias"):
         raise CheckpointError(f"{directory}: only SiLU MLPs without bias are supported")
+    if arch != "qwen2" and raw.get("attention_bias"):  # a bias on O too, which we lack
+        raise CheckpointError(f"{directory}: attention_bias (a bias on every attention "
+                              "projection) is not supported")
     heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
-    theta, scaling = _rope(raw)
     max_context = int(raw.get("max_position_embeddings", 4096))
-    window = raw.get("sliding_window")
+    theta, scaling = _rope(raw, max_context)
+    # transformers' MistralConfig windows at 4096 where config.json does not say
+    window = raw.get("sliding_window", 4096 if arch == "mistral" else None)
     if window and raw.get("use_sliding_window", arch == "mistral") and window < max_context:
         max_context = int(window)  # within the window, attention is full attention
     return ModelConfig(
@@ -101,7 +120,7 @@ def read_config(directory: Path, name: str) -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_context=max_context,
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+        qkv_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",
         rope_scaling=scaling,
         architecture=arch,
@@ -140,8 +159,17 @@ def _shards(directory: Path) -> dict[str, Path]:
         found = sorted(p.name for p in directory.glob("*.safetensors"))
         raise CheckpointError(f"{directory}: no model.safetensors and no {INDEX}" +
                               (f" (found {', '.join(found)})" if found else ""))
-    with safe_open(str(single), framework="pt") as f:
+    with _opened(single) as f:
         return dict.fromkeys(f.keys(), single)
+
+
+def _opened(path: Path) -> Any:
+    """The safetensors file open, or a CheckpointError where it is not one (a truncated
+    download, a Git LFS pointer)."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from e
 
 
 class CheckpointWeights(Mapping[str, torch.Tensor]):
@@ -160,12 +188,15 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
         path, hf = self._where[name]
         # a handle per tensor: the file's pages are mapped only while the tensor lives, so a
         # load holds one tensor of the checkpoint at a time, not all it has read
-        with safe_open(str(path), framework="pt") as handle:
-            dtype = handle.get_slice(hf).get_dtype()
-            if dtype not in WEIGHT_DTYPES:
-                raise CheckpointError(f"{path.name}: tensor {hf} is {dtype}; only F32, F16 and "
-                                      "BF16 weights are supported")
-            tensor: torch.Tensor = handle.get_tensor(hf)
+        with _opened(path) as handle:
+            try:
+                dtype = handle.get_slice(hf).get_dtype()
+                tensor: torch.Tensor = handle.get_tensor(hf)
+            except SafetensorError as e:
+                raise CheckpointError(f"{path.name}: tensor {hf} cannot be read: {e}") from e
+        if dtype not in WEIGHT_DTYPES:
+            raise CheckpointError(f"{path.name}: tensor {hf} is {dtype}; only F32, F16 and "
+                                  "BF16 weights are supported")
         return tensor  # in the file's dtype: the model casts it as it places it
 
     def __contains__(self, name: object) -> bool:  # without reading the tensor

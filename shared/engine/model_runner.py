@@ -27,13 +27,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def bf16_native(device: torch.device) -> bool:
+    """Whether the GPU computes in bfloat16 itself (Ampere on), not by emulation."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if bf16_native(device) else torch.float16
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}: choose one of {sorted(DTYPES)}")
-    if DTYPES[name] is torch.bfloat16 and device.type == "cuda" and \
-            not torch.cuda.is_bf16_supported():
+    if DTYPES[name] is torch.bfloat16 and device.type == "cuda" and not bf16_native(device):
         raise ValueError(f"{device} cannot compute in bfloat16: use --dtype float16 or float32")
     return DTYPES[name]
 

@@ -4,10 +4,21 @@ from the data inside a GGUF file."""
 from __future__ import annotations
 
 import datetime
+import json
 from collections.abc import Sequence
+from typing import Any
 
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+)
 
 from shared.engine.gguf_loader import TokenizerData
 
@@ -28,6 +39,9 @@ PRE_TOKENIZER_PATTERNS = {
 }
 
 
+GPT2_PRE_TOKENIZERS = ("default", "gpt2", "smollm")  # GPT-2's regex (smollm: digits split)
+
+
 def raise_exception(message: str) -> None:
     """Chat templates call it to refuse messages they cannot render (as in transformers)."""
     raise ChatTemplateError(message)
@@ -35,6 +49,13 @@ def raise_exception(message: str) -> None:
 
 def strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
+
+
+def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+           separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """transformers' tojson: plain JSON, not jinja's HTML-escaped one."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 class TextTokenizer:
@@ -51,9 +72,15 @@ class TextTokenizer:
         self.eos_id = eos_ids[0] if eos_ids else None
         self.bos_id = None if bos_token is None else tokenizer.token_to_id(bos_token)
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # the environment transformers renders chat templates in
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = tojson
         env.globals |= {"raise_exception": raise_exception, "strftime_now": strftime_now}
-        self._template = env.from_string(chat_template) if chat_template else None
+        try:
+            self._template = env.from_string(chat_template) if chat_template else None
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"the model's chat template does not compile: {e}") from e
 
     @classmethod
     def from_gguf(cls, data: TokenizerData) -> TextTokenizer:
@@ -61,6 +88,9 @@ class TextTokenizer:
         merges = [(a, b) for a, b in (m.split(" ", 1) for m in data.merges)]
         tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
         pattern = PRE_TOKENIZER_PATTERNS.get(data.pre)
+        if pattern is None and data.pre not in GPT2_PRE_TOKENIZERS:
+            raise ValueError(f"the GGUF's pre-tokenizer {data.pre!r} is not supported "
+                             f"({', '.join([*GPT2_PRE_TOKENIZERS, *PRE_TOKENIZER_PATTERNS])})")
         if pattern is not None:
             pre = [pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
@@ -74,9 +104,14 @@ class TextTokenizer:
         tokenizer.add_special_tokens(
             [AddedToken(t, special=True, normalized=False) for t in data.special_tokens]
         )
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                              for t in data.user_tokens])
         bos = None if data.bos_id is None else data.tokens[data.bos_id]
+        if data.add_bos and bos is not None:
+            tokenizer.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", special_tokens=[(bos, data.bos_id)])
         return cls(tokenizer, chat_template=data.chat_template, bos_token=bos,
-                   eos_token=data.tokens[data.eos_id], eos_ids=[data.eos_id])
+                   eos_token=data.tokens[data.eos_id], eos_ids=[data.eos_id, *data.stop_ids])
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """`add_special_tokens`: what the model's tokenizer adds around raw text (Llama 3's
@@ -90,9 +125,15 @@ class TextTokenizer:
         """Render messages as the model's chat prompt, ending with the assistant's turn."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template")
-        return str(self._template.render(messages=list(messages), add_generation_prompt=True,
-                                         eos_token=self.eos_token or "",
-                                         bos_token=self.bos_token or ""))
+        try:
+            return str(self._template.render(
+                messages=list(messages), add_generation_prompt=True, tools=None,
+                documents=None, eos_token=self.eos_token or "", bos_token=self.bos_token or ""))
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"the model's chat template cannot render these messages: "
+                                    f"{e}") from e
 
 
 class IncrementalDetokenizer:

@@ -20,7 +20,16 @@ from shared.engine.hf_checkpoint import CheckpointError
 from shared.engine.loader import LoadedModel, load, read_meta, served_name
 from shared.engine.request import SamplingParams
 from tests.engine.conftest import NEW_TOKENS, PROMPTS
-from tests.model_dirs import ARCHITECTURES, hf_greedy, write_gguf, write_random, write_smollm2
+from tests.model_dirs import (
+    ARCHITECTURES,
+    EOT,
+    THINK,
+    THINK_ID,
+    hf_greedy,
+    write_gguf,
+    write_random,
+    write_smollm2,
+)
 
 pytestmark = pytest.mark.slow
 CPU = torch.device("cpu")
@@ -121,6 +130,16 @@ def test_bad_checkpoints_get_a_message_naming_the_problem(
     cases["quantized checkpoints (gptq) are not supported"] = d = \
         broken(random_dirs["llama"], tmp_path / "quant")
     edit_config(d, quantization_config={"quant_method": "gptq", "bits": 4})
+    cases["attention_bias (a bias on every attention projection) is not supported"] = d = \
+        broken(random_dirs["llama"], tmp_path / "bias")
+    edit_config(d, attention_bias=True)
+    cases["config.json lacks 'hidden_size'"] = d = broken(random_dirs["llama"], tmp_path / "key")
+    config = json.loads((d / "config.json").read_text())
+    del config["hidden_size"]
+    (d / "config.json").write_text(json.dumps(config))
+    cases["is not a readable safetensors file"] = d = broken(random_dirs["mistral"],
+                                                             tmp_path / "lfs")
+    (d / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\n")
     cases["has no config.json"] = d = broken(random_dirs["llama"], tmp_path / "config")
     (d / "config.json").unlink()
     cases["RoPE scaling 'yarn' is not supported"] = d = broken(random_dirs["llama"],
@@ -170,6 +189,12 @@ def test_qwen_gguf_files_generate_what_transformers_does(
         assert ours == [hf.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16,
                                     do_sample=False, pad_token_id=0,
                                     eos_token_id=None)[0, len(ids):].tolist() for ids in IDS]
+    # the GGUF's user-defined token is one id, shown when decoding; its end-of-turn id stops a
+    # generation; raw text starts with its BOS
+    think = tokenizer.encode(f"a {THINK} b")
+    assert THINK_ID in think and tokenizer.decode(think) == f"a {THINK} b"
+    assert tokenizer.eos_ids == {2, EOT}
+    assert tokenizer.encode("hi", add_special_tokens=True) == [1, *tokenizer.encode("hi")]
     # the qwen2 pre-tokenizer's regex: line breaks apart from the next line's indent (GPT-2's
     # keeps one space with them: "\n\n ", " c")
     assert [tokenizer.decode([i]) for i in tokenizer.encode("a  b\n\n  c")][-3:] == \

@@ -1,12 +1,14 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
+from shared.engine.gguf_loader import read_gguf_tokenizer
 from shared.engine.loader import read_tokenizer
-from shared.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
+from shared.engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, TextTokenizer
 
 SHAREGPT = Path(__file__).parents[3] / "shared" / "data" / "sharegpt_v3_filtered_1000_prompts.json"
 
@@ -73,3 +75,27 @@ def test_raw_text_gets_the_tokenizers_own_special_tokens_on_request(tok: TextTok
     assert with_bos.encode("Hello", add_special_tokens=True) == [1, *plain]
     assert with_bos.encode("Hello") == plain
     assert with_bos.bos_id == 1 and with_bos.eos_ids == {2}
+
+
+def test_chat_templates_render_as_in_transformers(tok: TextTokenizer) -> None:
+    """loop controls, plain tojson, tools=None, and raise_exception as a ChatTemplateError."""
+    template = ("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+                "{{ m | tojson }}{% endfor %}{% if tools is not none %}TOOLS{% endif %}"
+                "{% if messages | length > 2 %}{{ raise_exception('too many') }}{% endif %}")
+    t = TextTokenizer(tok._tokenizer, chat_template=template, eos_token="<|im_end|>",
+                      eos_ids=[2])
+    one = {"role": "user", "content": "<b>&'"}
+    assert t.apply_chat_template([one, one]) == '{"role": "user", "content": "<b>&\'"}'
+    with pytest.raises(ChatTemplateError, match="too many"):
+        t.apply_chat_template([one, one, one])
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        TextTokenizer(tok._tokenizer).apply_chat_template([one])
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        TextTokenizer(tok._tokenizer, chat_template="{% for %}")
+
+
+def test_a_gguf_pre_tokenizer_we_do_not_know_is_refused() -> None:
+    """Not silently GPT-2's regex: the tokens would differ from the model's."""
+    data = read_gguf_tokenizer("smollm2-135m")
+    with pytest.raises(ValueError, match="pre-tokenizer 'deepseek-r1-qwen' is not supported"):
+        TextTokenizer.from_gguf(dataclasses.replace(data, pre="deepseek-r1-qwen"))

@@ -26,9 +26,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 NAME = "SmolLM2-135M-Instruct"
 
 
+# as Mistral's and Llama 2's templates do, this one refuses some messages
+REFUSING = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system messages') }}" \
+           "{% endif %}"
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_smollm2(tmp_path_factory.mktemp("models") / NAME)
+    directory = write_smollm2(tmp_path_factory.mktemp("models") / NAME)
+    template = directory / "chat_template.jinja"
+    template.write_text(REFUSING + template.read_text())
+    return directory
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +61,11 @@ def test_the_stack_serves_a_model_directory(dir_stack: Stack, model_dir: Path) -
     r = c.chat.completions.create(model=NAME, messages=messages,  # type: ignore[arg-type]
                                   max_tokens=20, temperature=0)
     assert r.choices[0].message.content == greedy(engine, chat_ids, 20)
+    # messages the template refuses: a 400 in OpenAI's shape naming why, not a 500
+    refused = httpx.post(f"{dir_stack.url}/v1/chat/completions", timeout=30, json={
+        "model": NAME, "messages": [{"role": "system", "content": "Be brief."}, *messages]})
+    assert refused.status_code == 400
+    assert "no system messages" in refused.json()["error"]["message"]
     # the KV crossed from the prefill to the decode instance
     assert sum(v for i, v in metric(dir_stack.url, "ds_kv_transfer_requests").items()
                if i.startswith("decode")) >= 2
