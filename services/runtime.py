@@ -125,26 +125,29 @@ class EngineHost:
                 await self._wake.wait()
                 continue
             started = time.time()
-            outputs = await self.call(self._step)
+            outputs, cpu_s, queued_s = await self.call(self._step)
             handled = time.time()
             self.step_started = started
             if outputs:
                 await on_outputs(outputs)
             self.steps += 1
             self.batched += len(outputs)
+            # the step's seconds before their parts: a heartbeat read between these lines
+            # never sees more CPU time than step time
             self.step_s += handled - started
+            self.step_cpu_s += cpu_s
+            self.step_queued_s += queued_s
             if self.engine.last_shape is not None:
                 self.samples.append((self.steps, self.engine.last_shape, handled - started))
             self.outputs_s += time.time() - handled
 
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> tuple[list[RequestOutput], float, float]:
+        """A step, with the engine thread's seconds on a CPU and waiting for one in it."""
         cpu, queued = thread_clock()
         outputs = self.engine.step()
         cpu_after, queued_after = thread_clock()
-        self.step_cpu_s += cpu_after - cpu
-        self.step_queued_s += queued_after - queued
-        return outputs
+        return outputs, cpu_after - cpu, queued_after - queued
 
 
 class Heartbeats:
