@@ -141,7 +141,6 @@ class EngineHost:
                 self.samples.append((self.steps, self.engine.last_shape, handled - started))
             self.outputs_s += time.time() - handled
 
-
     def _step(self) -> tuple[list[RequestOutput], float, float]:
         """A step, with the engine thread's seconds on a CPU and waiting for one in it."""
         cpu, queued = thread_clock()

@@ -34,7 +34,8 @@ from services.gateway.timing import RequestTiming
 from services.gateway.view import InstanceView
 from shared import subjects
 from shared.bus import connect, parse, publish
-from shared.engine.loader import read_meta, served_name
+from shared.engine.config import served_name
+from shared.engine.loader import read_meta
 from shared.messages import Cancel, PrefillRequest, Resume, ResumeReply, Sampling, TokenChunk
 from shared.state import (
     InstanceInfo,
@@ -141,6 +142,7 @@ class Gateway:
         self.settings = settings
         self.id = settings.gateway_id or f"gateway-{uuid.uuid4().hex[:6]}"
         config, self.tokenizer = read_meta(settings.model)
+        self.served_model = settings.served_model  # once: it looks at the file system
         self.max_context = config.max_context
         self.metrics = Metrics()
         self.tracer = setup_tracing("gateway", settings.run_dir)
@@ -226,9 +228,9 @@ class Gateway:
     # -- admission and dispatch ------------------------------------------------------------
 
     def check_model(self, model: str) -> None:
-        if model != self.settings.served_model:
+        if model != self.served_model:
             raise APIError(400, f"The model `{model}` does not exist; this server serves "
-                                f"`{self.settings.served_model}`.", "model", "model_not_found")
+                                f"`{self.served_model}`.", "model", "model_not_found")
 
     def inflight_limit(self) -> int:
         if self.settings.max_inflight:

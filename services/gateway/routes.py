@@ -208,7 +208,7 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": gateway.settings.served_model, "object": "model",
+        return {"object": "list", "data": [{"id": gateway.served_model, "object": "model",
                                             "created": 0, "owned_by": "distserve"}]}
 
     @app.get("/health")

@@ -26,6 +26,7 @@ from services.planner.profiles import Profile, planner_profile
 from services.runtime import ControlService
 from shared import subjects
 from shared.bus import parse
+from shared.engine.config import served_name
 from shared.messages import ReplanRequest, WorkloadSummary
 from shared.metrics import SLO
 from shared.state import Registry
@@ -63,8 +64,6 @@ class PlannerSettings(BaseSettings):
         return self.planner_devices or os.cpu_count() or 2
 
     def profile(self) -> Profile:
-        from shared.engine.loader import served_name
-
         profile = planner_profile(self.planner_profile, self.threads)
         if profile.model.name != served_name(self.model):
             log.warning("planning on a profile of %s while the workers serve %s: measure one "

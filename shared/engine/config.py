@@ -5,7 +5,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+
+def served_name(model: str) -> str:
+    """The name clients ask for: a model directory's own name, otherwise the model as named."""
+    return Path(model).resolve().name if Path(model).is_dir() else model
 
 
 @dataclass(frozen=True)

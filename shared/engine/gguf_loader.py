@@ -3,10 +3,9 @@ dequantized weights and tokenizer data."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +36,8 @@ class TokenizerData:
     eos_id: int
     chat_template: str | None
     pre: str
-    user_tokens: list[str] = dataclasses.field(default_factory=list)
-    stop_ids: list[int] = dataclasses.field(default_factory=list)  # end of turn, of message
+    user_tokens: list[str] = field(default_factory=list)
+    stop_ids: list[int] = field(default_factory=list)  # end of turn, of message
     add_bos: bool = False  # raw text starts with the BOS token
 
 

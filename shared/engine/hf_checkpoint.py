@@ -17,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
 from shared.engine.config import ModelConfig, RopeScaling
+from shared.engine.tokenizer import TextTokenizer
 
 # architecture in config.json -> the Llama-family variant the engine runs it as
 ARCHITECTURES = {
@@ -176,13 +177,9 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
     """The engine's weight names over the safetensors files: a tensor is read from its
     memory-mapped file when asked for, in the file's dtype."""
 
-    def __init__(self, directory: Path, config: ModelConfig) -> None:
+    def __init__(self, directory: Path) -> None:
         self._where = {name: (path, hf) for hf, path in _shards(directory).items()
                        if (name := _engine_name(hf)) is not None}
-        missing = [n for n in expected_weights(config) if n not in self._where]
-        if missing:
-            raise CheckpointError(f"{directory}: the checkpoint lacks {len(missing)} weight(s) a "
-                                  f"{config.architecture} model needs, e.g. {missing[0]}")
 
     def __getitem__(self, name: str) -> torch.Tensor:
         path, hf = self._where[name]
@@ -221,10 +218,13 @@ def expected_weights(config: ModelConfig) -> list[str]:
 def read_weights(directory: Path, config: ModelConfig) -> tuple[ModelConfig, CheckpointWeights]:
     """The weights, and the config corrected where the files say more than config.json (a
     checkpoint without `lm_head` ties it to the embeddings)."""
-    probe = dataclasses.replace(config, tie_embeddings=True)
-    weights = CheckpointWeights(directory, probe)
-    if not config.tie_embeddings and "lm_head" not in weights:
-        config = probe
+    weights = CheckpointWeights(directory)
+    if "lm_head" not in weights:
+        config = dataclasses.replace(config, tie_embeddings=True)
+    missing = [n for n in expected_weights(config) if n not in weights]
+    if missing:
+        raise CheckpointError(f"{directory}: the checkpoint lacks {len(missing)} weight(s) a "
+                              f"{config.architecture} model needs, e.g. {missing[0]}")
     return config, weights
 
 
@@ -252,9 +252,8 @@ def _ids(value: Any) -> list[int]:
     return [v for v in value if isinstance(v, int)] if isinstance(value, list) else []
 
 
-def read_tokenizer(directory: Path) -> tuple[Tokenizer, str | None, str | None, str | None,
-                                              list[int]]:
-    """The tokenizer, its chat template, BOS and EOS text, and every id that ends a
+def read_tokenizer(directory: Path) -> TextTokenizer:
+    """The tokenizer with its chat template, BOS and EOS text, and every id that ends a
     generation (generation_config.json's, config.json's and the EOS token's)."""
     file = directory / "tokenizer.json"
     if not file.is_file():
@@ -276,4 +275,5 @@ def read_tokenizer(directory: Path) -> tuple[Tokenizer, str | None, str | None, 
         stop.insert(0, eos_id)
     if eos is None and stop:
         eos = tokenizer.id_to_token(stop[0])
-    return tokenizer, _chat_template(directory, config), bos, eos, list(dict.fromkeys(stop))
+    return TextTokenizer(tokenizer, chat_template=_chat_template(directory, config),
+                         bos_token=bos, eos_token=eos, eos_ids=list(dict.fromkeys(stop)))

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from shared.engine import hf_checkpoint
-from shared.engine.config import LLAMA_SHAPES, ModelConfig
+from shared.engine.config import LLAMA_SHAPES, ModelConfig, served_name
 from shared.engine.gguf_loader import load_gguf, read_gguf_meta, read_gguf_tokenizer
 from shared.engine.model import LlamaModel
 from shared.engine.tokenizer import TextTokenizer
@@ -16,21 +16,10 @@ from shared.engine.tokenizer import TextTokenizer
 LoadedModel = tuple[LlamaModel, TextTokenizer | None]
 
 
-def served_name(model: str) -> str:
-    """The name clients ask for: a model directory's own name, otherwise the model as named."""
-    return Path(model).resolve().name if hf_checkpoint.is_model_dir(model) else model
-
-
-def directory_tokenizer(directory: Path) -> TextTokenizer:
-    tokenizer, template, bos, eos, stop = hf_checkpoint.read_tokenizer(directory)
-    return TextTokenizer(tokenizer, chat_template=template, bos_token=bos, eos_token=eos,
-                         eos_ids=stop)
-
-
 def read_tokenizer(model: str) -> TextTokenizer:
     """Only the tokenizer (cheap: the gateway and the workload builders need no weights)."""
     if hf_checkpoint.is_model_dir(model):
-        return directory_tokenizer(Path(model))
+        return hf_checkpoint.read_tokenizer(Path(model))
     return TextTokenizer.from_gguf(read_gguf_tokenizer(model))
 
 
@@ -39,7 +28,7 @@ def read_meta(model: str) -> tuple[ModelConfig, TextTokenizer]:
     if hf_checkpoint.is_model_dir(model):
         directory = Path(model)
         return hf_checkpoint.read_config(directory, served_name(model)), \
-            directory_tokenizer(directory)
+            hf_checkpoint.read_tokenizer(directory)
     config, data = read_gguf_meta(model)
     return config, TextTokenizer.from_gguf(data)
 
@@ -48,10 +37,8 @@ def load(model: str, seed: int, device: torch.device, dtype: torch.dtype) -> Loa
     if model in LLAMA_SHAPES:
         return LlamaModel.random(LLAMA_SHAPES[model], seed, device, dtype), None
     if hf_checkpoint.is_model_dir(model):
-        directory = Path(model)
-        config = hf_checkpoint.read_config(directory, served_name(model))
-        tokenizer = directory_tokenizer(directory)  # before the weights: fail fast
-        config, weights = hf_checkpoint.read_weights(directory, config)
+        config, tokenizer = read_meta(model)  # before the weights: fail fast
+        config, weights = hf_checkpoint.read_weights(Path(model), config)
         return LlamaModel(config, weights, device, dtype), tokenizer
     gguf = load_gguf(model)
     return LlamaModel.from_numpy(gguf.config, gguf.weights, device, dtype), \

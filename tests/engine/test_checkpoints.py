@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import save_file
 
 from distserve.cli import main as distserve
-from shared.engine.config import EngineConfig
+from shared.engine.config import EngineConfig, served_name
 from shared.engine.engine import Engine
 from shared.engine.hf_checkpoint import CheckpointError
-from shared.engine.loader import LoadedModel, load, read_meta, served_name
+from shared.engine.loader import LoadedModel, load, read_meta
 from shared.engine.request import SamplingParams
 from tests.engine.conftest import NEW_TOKENS, PROMPTS
 from tests.model_dirs import (

@@ -5,7 +5,6 @@ traceback."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -95,4 +94,3 @@ def test_a_checkpoint_the_processes_cannot_read_stops_them_with_its_reason(
     err = capsys.readouterr().err
     assert reason in err and "Traceback" not in err
     assert not (tmp_path / "runs").exists()
-    shutil.rmtree(bad)
