@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shared.engine.kernels import paged_attention
+from shared.engine.kernels import cpu_kernels
 from shared.engine.kv_cache import KVCache
 
 
@@ -61,7 +61,7 @@ def gather_decode_attention(layer: int, q: torch.Tensor, group: DecodeGroup,
 def paged_decode_attention(layer: int, q: torch.Tensor, group: DecodeGroup,
                            kv: KVCache) -> torch.Tensor:
     """Read K/V in place from the pool with the C++ kernel (CPU): no gather copy."""
-    kernel = paged_attention()
+    kernel = cpu_kernels()
     assert kernel is not None
     keys, values = kv.data[layer, 0], kv.data[layer, 1]
     out = kernel.paged_decode_attention(q, keys, values, group.block_tables, group.context_lens,
@@ -70,6 +70,6 @@ def paged_decode_attention(layer: int, q: torch.Tensor, group: DecodeGroup,
 
 
 def pick_decode_attention(device: torch.device) -> DecodeAttention:
-    if device.type == "cpu" and paged_attention() is not None:
+    if device.type == "cpu" and cpu_kernels() is not None:
         return paged_decode_attention
     return gather_decode_attention

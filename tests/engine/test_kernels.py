@@ -1,8 +1,11 @@
-"""The compiled kernel survives a build killed half-way: a later process does not wait
-forever on the lock file the killed builder left."""
+"""The compiled kernels: a build killed half-way does not leave later processes waiting on
+its lock; a build is never loaded on a CPU lacking the instructions it was built for; the
+AVX2 and the portable builds compute what the torch reference does."""
 
 from __future__ import annotations
 
+import json
+import os
 import platform
 import subprocess
 import sys
@@ -10,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from shared.engine.kernels import build_name, cpu_flags
+
 LOAD = """
 from torch.utils.cpp_extension import _get_build_directory
-from shared.engine.kernels import paged_attention
-print(paged_attention() is not None)
+from shared.engine.kernels import cpu_kernels
+print(cpu_kernels() is not None)
 """
 
 
@@ -21,7 +26,7 @@ print(paged_attention() is not None)
 def test_a_stale_build_lock_is_removed_not_waited_on() -> None:
     from torch.utils.cpp_extension import _get_build_directory
 
-    name = f"distserve_paged_attention_{platform.machine()}"
+    name = build_name(platform.machine(), "native", cpu_flags())
     subprocess.run([sys.executable, "-c", LOAD], check=True, timeout=800)  # built, cached
     lock = Path(_get_build_directory(name, verbose=False)) / "lock"
     lock.touch()  # what a builder killed mid-build leaves behind
@@ -30,3 +35,65 @@ def test_a_stale_build_lock_is_removed_not_waited_on() -> None:
     assert done.stdout.strip() == "True", done.stderr
     assert "left by a build that was killed" in done.stderr
     assert not lock.exists()
+
+
+AVX512_HOST = {"fpu", "sse2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
+
+
+def test_a_native_build_is_named_by_the_cpu_it_was_built_on() -> None:
+    on_avx512 = build_name("x86_64", "native", AVX512_HOST)
+    assert build_name("x86_64", "native", sorted(AVX512_HOST)) == on_avx512  # order aside
+    # an AVX2-only CPU (AMD EPYC of some hosts here) must build its own, not load this one
+    assert build_name("x86_64", "native", AVX512_HOST - {"avx512f", "avx512bw", "avx512vl"}) \
+        != on_avx512
+    assert build_name("x86_64", "native", AVX512_HOST | {"amx_tile"}) != on_avx512
+    assert build_name("aarch64", "native", AVX512_HOST) != on_avx512
+    # a named target runs on any CPU that has it: one build, whatever CPU built it
+    assert build_name("x86_64", "x86-64-v3", AVX512_HOST) == \
+        build_name("x86_64", "x86-64-v3", {"avx2"}) == "distserve_kernels_x86_64_x86_64_v3"
+    assert cpu_flags() or platform.system() != "Linux"
+
+
+CHECK = """
+import json, torch
+from shared.engine.kernels import cpu_kernels
+from shared.engine.quant import quantize
+k = cpu_kernels()
+gen = torch.Generator().manual_seed(0)
+errors = {}
+blocks, bs, kv_heads, dim = 64, 16, 3, 64
+kc, vc = (torch.randn(blocks, bs, kv_heads, dim, generator=gen) for _ in range(2))
+for batch, ctx in ((1, 200), (5, 37)):
+    q = torch.randn(batch, 9, dim, generator=gen)
+    tables = torch.stack([torch.randperm(blocks, generator=gen)[:-(-ctx // bs)]
+                          for _ in range(batch)])
+    out = k.paged_decode_attention(q, kc, vc, tables, torch.full((batch,), ctx), dim ** -0.5)
+    keys, values = (c[tables].flatten(1, 2)[:, :ctx].transpose(1, 2) for c in (kc, vc))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.view(batch, kv_heads, 3, dim), keys, values).reshape(batch, 9, dim)
+    errors[f"attention b{batch}"] = (out - ref).abs().max().item()
+w = torch.randn(67, 96, generator=gen)
+for bits in (8, 4):
+    m = quantize(w, bits)
+    mins = m.mins if m.mins is not None else torch.empty(0)
+    for rows in (1, 3, 9):
+        x = torch.randn(rows, 96, generator=gen)
+        out = k.quantized_matmul(x, m.qweight, m.scales, mins, bits)
+        errors[f"int{bits} m{rows}"] = (out - x @ m.dequantize().T).abs().max().item()
+print(json.dumps(errors))
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction-set targets")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2 + FMA; SSE2 only
+@pytest.mark.timeout(900)
+def test_the_avx2_and_portable_builds_compute_what_torch_does(march: str) -> None:
+    """What a CPU without AVX-512 runs (the AVX2 intrinsics; the loops the compiler
+    vectorises), built and checked on this one."""
+    env = os.environ | {"DS_KERNEL_MARCH": march}
+    done = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True,
+                          env=env, timeout=800)
+    assert done.returncode == 0, done.stderr
+    errors = json.loads(done.stdout.splitlines()[-1])
+    assert len(errors) == 8
+    assert all(error < 1e-4 for error in errors.values()), errors

@@ -2,6 +2,12 @@
 cached (TORCH_EXTENSIONS_DIR). Where no compiler is available the engine keeps its pure
 torch path and logs why.
 
+They are built for the CPU at hand (-march=native: AVX-512 or AVX2 intrinsics, the rest
+vectorised by the compiler), so a cached build must never be loaded on another CPU (a shared
+cache, a container image moved between hosts): the build's name carries a digest of the
+CPU's feature flags. DS_KERNEL_MARCH names another target instead (e.g. `x86-64-v3` for a
+build any AVX2 machine runs, `x86-64` for one without any).
+
 torch marks a build in progress with a lock file that only the builder removes: a process
 killed mid-build (a worker restarted by its supervisor) leaves it, and every later process
 waits on it forever. So builds here are serialised by an advisory lock the kernel drops
@@ -12,14 +18,17 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import logging
+import os
 import platform
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.cpp", "quantized_matmul.cpp")]
+FUNCTIONS = ["paged_decode_attention", "quantized_matmul"]
 
 
 @contextlib.contextmanager
@@ -37,23 +46,45 @@ def build_lock(name: str) -> Iterator[None]:
         yield
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo), empty where the system does not say."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):  # x86, ARM
+                return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def build_name(machine: str, march: str, flags: Iterable[str]) -> str:
+    """The cache name of a build for `march` on this machine: a native build is named by the
+    CPU's flags too, so a CPU lacking one of them never loads it."""
+    name = f"distserve_kernels_{machine}_{march.replace('-', '_')}"
+    if march == "native":
+        name += "_" + hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:12]
+    return name
+
+
 @functools.cache
-def paged_attention() -> ModuleType | None:
-    """The compiled module with `paged_decode_attention`, or None if it cannot be built."""
+def cpu_kernels() -> ModuleType | None:
+    """The compiled module (`paged_decode_attention`, `quantized_matmul`), or None if it
+    cannot be built."""
     from torch.utils.cpp_extension import load_inline
 
-    # -march=native code must not be reused on another CPU: name it by the machine
-    name = f"distserve_paged_attention_{platform.machine()}"
+    march = os.environ.get("DS_KERNEL_MARCH", "native")
+    name = build_name(platform.machine(), march, cpu_flags())
     try:
         with build_lock(name):
             return load_inline(  # type: ignore[no-untyped-call,no-any-return]
                 name=name,
-                cpp_sources=[SOURCE.read_text()],
-                functions=["paged_decode_attention"],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                cpp_sources=[source.read_text() for source in SOURCES],
+                functions=FUNCTIONS,
+                extra_cflags=["-O3", f"-march={march}", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
     except (OSError, RuntimeError, ImportError) as e:
-        log.warning("paged attention kernel unavailable (%s); using the torch gather path", e)
+        log.warning("CPU kernels unavailable (%s): decode attention takes the torch gather "
+                    "path, quantized weights are refused", e)
         return None

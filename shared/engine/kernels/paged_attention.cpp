@@ -4,6 +4,8 @@
 // its block table. Reading the blocks in place saves the gather copy the torch path needs,
 // and the query heads that share a KV head are handled together, so each key and value is
 // read once. Work is split over (request, KV head) pairs; scores and accumulation are float.
+// Float K/V use AVX-512 or AVX2+FMA intrinsics where the build targets them; every other
+// case is the portable loops below, vectorised by the compiler.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -11,7 +13,7 @@
 #include <cmath>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -22,15 +24,19 @@ inline float load(const double* p, int64_t i) { return float(p[i]); }
 inline float load(const at::BFloat16* p, int64_t i) { return float(p[i]); }
 inline float load(const at::Half* p, int64_t i) { return float(p[i]); }
 
+// The portable loops: `omp simd` lets the compiler vectorise the reduction for whatever
+// -march it builds for (without it a float sum stays scalar, one add after another).
 template <typename T>
 inline float dot(const float* __restrict__ q, const T* __restrict__ k, int64_t n) {
   float s = 0.0f;
+#pragma omp simd reduction(+ : s)
   for (int64_t d = 0; d < n; ++d) s += q[d] * load(k, d);
   return s;
 }
 
 template <typename T>
 inline void axpy(float a, const T* __restrict__ v, float* __restrict__ acc, int64_t n) {
+#pragma omp simd
   for (int64_t d = 0; d < n; ++d) acc[d] += a * load(v, d);
 }
 
@@ -51,6 +57,36 @@ inline void axpy<float>(float a, const float* __restrict__ v, float* __restrict_
   int64_t d = 0;
   for (; d + 16 <= n; d += 16)
     _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(av, _mm512_loadu_ps(v + d), _mm512_loadu_ps(acc + d)));
+  for (; d < n; ++d) acc[d] += a * v[d];
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <>
+inline float dot<float>(const float* __restrict__ q, const float* __restrict__ k, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();  // two chains hide FMA latency
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(k + d + 8), s1);
+  }
+  for (; d + 8 <= n; d += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), s0);
+  float r = hsum(_mm256_add_ps(s0, s1));
+  for (; d < n; ++d) r += q[d] * k[d];
+  return r;
+}
+
+template <>
+inline void axpy<float>(float a, const float* __restrict__ v, float* __restrict__ acc, int64_t n) {
+  const __m256 av = _mm256_set1_ps(a);
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8)
+    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(av, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc + d)));
   for (; d < n; ++d) acc[d] += a * v[d];
 }
 #endif
