@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Literal
 
 from services.supervisor import Child, Env, Supervisor, free_port, incarnation, wait_for_port
+from shared.engine.config import weight_bits
 
 BIN = Path(sys.executable).parent
 NATS_USER = "distserve"
@@ -113,6 +114,9 @@ class StackConfig:
     model: str = "smollm2-135m"
     served_model_name: str = ""  # the gateway's name for it (default: see served_name)
     threads: int = 1  # torch threads per worker
+    weights: str = "auto"  # every worker's weight format (see shared.engine.quant) ...
+    prefill_weights: str = ""  # ... unless its role's is given: an fp32 prefill instance
+    decode_weights: str = ""  # may hand its KV to an int4 decode instance
     kv_cache_mb: int = 256
     chunked_prefill: bool = False
     planner: bool = False  # run the workload profiler and the planner (which may switch modes)
@@ -121,9 +125,16 @@ class StackConfig:
     run_dir: Path = Path("runs")
 
     def __post_init__(self) -> None:
+        for name in (self.weights, self.prefill_weights, self.decode_weights):
+            if name:
+                weight_bits(name)  # an unknown format: ValueError
         for key in self.api_keys:
             if not key or "," in key or any(ch.isspace() for ch in key):
                 raise ValueError("an API key must be non-empty, without commas or whitespace")
+
+    def weights_for(self, role: str) -> str:
+        own = {"prefill": self.prefill_weights, "decode": self.decode_weights}.get(role, "")
+        return own or self.weights
 
 
 class Stack:
@@ -185,7 +196,8 @@ class Stack:
                    + [("decode", i) for i in range(c.decode)])
         devices = assign_devices(len(workers), gpu_count({**os.environ, **env}))
         for (role, i), device in zip(workers, devices, strict=True):
-            own = env | ({"DS_DEVICE": device} if device else {})
+            own = env | {"DS_WEIGHTS": c.weights_for(role)} | \
+                ({"DS_DEVICE": device} if device else {})
             self.supervisor.spawn(f"{role}-{i}", module(role), worker_env(own, f"{role}-{i}"),
                                   restart=True)
         for service in ("profiler", "planner") if c.planner else ():

@@ -51,6 +51,7 @@ class WorkerSettings(BaseSettings):
     model: str = "smollm2-135m"
     device: str = "auto"
     dtype: str = "auto"
+    weights: str = "auto"  # "int8" / "int4": quantized matrices (a decode instance's choice)
     threads: int = 0
     kv_cache_mb: int = 256
     block_size: int = 16
@@ -68,7 +69,8 @@ class WorkerSettings(BaseSettings):
 
     def engine_config(self, role: Role) -> EngineConfig:
         config = EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
-                              threads=self.threads, kv_cache_bytes=self.kv_cache_mb << 20)
+                              weights=self.weights, threads=self.threads,
+                              kv_cache_bytes=self.kv_cache_mb << 20)
         return config.with_scheduler(role=role, block_size=self.block_size,
                                      max_batch_tokens=self.max_batch_tokens,
                                      max_running=self.max_running,

@@ -122,18 +122,18 @@ class HFDecode:
 
 
 def bandwidth_bound_ms(engine: Engine) -> tuple[float, float]:
-    """(ms to read all weights once at the measured bandwidth, bandwidth in GB/s).
-    The bandwidth is the better of streaming-read (sum) and copy (read+write bytes) over a
-    buffer as large as the weights, with the same threads, so the bound is not loose."""
-    cfg = engine.model_config
+    """(ms to read the weights a decode step reads once at the measured bandwidth, bandwidth
+    in GB/s). The bandwidth is the better of streaming-read (sum) and copy (read+write bytes)
+    over a buffer as large as the model's parameters, with the same threads, so the bound is
+    not loose; quantized weights are fewer bytes at the same bandwidth."""
     element = torch.empty((), dtype=engine.runner.dtype).element_size()
-    weight_bytes = cfg.num_params() * element  # tied: the LM head reads the embedding once
-    src = torch.ones(weight_bytes // 4, dtype=torch.float32)
+    buffer_bytes = engine.model_config.num_params() * element
+    src = torch.ones(buffer_bytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     read_ms, copy_ms = side_by_side([lambda: _ms(src.sum), lambda: _ms(lambda: dst.copy_(src))],
                                     5)
-    gbps = max(weight_bytes / read_ms, 2 * weight_bytes / copy_ms) / 1e6
-    return weight_bytes / gbps / 1e6, gbps
+    gbps = max(buffer_bytes / read_ms, 2 * buffer_bytes / copy_ms) / 1e6
+    return engine.runner.model.weight_bytes() / gbps / 1e6, gbps
 
 
 def measure(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
@@ -141,7 +141,7 @@ def measure(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
     vocab = engine.model_config.vocab_size
     hf = None if args.no_hf else load_hf_reference(config.model, engine.runner.dtype)
     results: dict[str, Any] = {"threads": torch.get_num_threads(),
-                               "dtype": str(engine.runner.dtype)}
+                               "dtype": str(engine.runner.dtype), "weights": config.weights}
     for key in ("prefill_ms", "decode_step_ms", "hf_prefill_ms", "hf_decode_step_ms"):
         results[key] = {}
     for n in track(args.lengths, description="prefill", transient=True):
@@ -188,7 +188,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     bound, step1 = results["bandwidth_bound_ms"], results["decode_step_ms"].get(1)
     console.print(f"bandwidth {results['bandwidth_gbps']:.1f} GB/s -> bound {bound:.2f} ms/step"
                   + ("" if step1 is None else f"; batch-1 step is {step1 / bound:.2f}x the bound")
-                  + f"; threads {results['threads']}, {results['dtype']}")
+                  + f"; threads {results['threads']}, {results['dtype']}, "
+                  f"weights {results['weights']}")
     if args.json:
         print(json.dumps(results))
     return 0

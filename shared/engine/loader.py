@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from shared.engine import hf_checkpoint
-from shared.engine.config import LLAMA_SHAPES, ModelConfig, served_name
+from shared.engine.config import LLAMA_SHAPES, ModelConfig, served_name, weight_bits
 from shared.engine.gguf_loader import load_gguf, read_gguf_meta, read_gguf_tokenizer
 from shared.engine.model import LlamaModel
 from shared.engine.tokenizer import TextTokenizer
@@ -33,13 +33,17 @@ def read_meta(model: str) -> tuple[ModelConfig, TextTokenizer]:
     return config, TextTokenizer.from_gguf(data)
 
 
-def load(model: str, seed: int, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def load(model: str, seed: int, device: torch.device, dtype: torch.dtype,
+         weights: str = "auto") -> LoadedModel:
+    """`weights`: "auto" (floats in `dtype`), "int8" or "int4" (quantized matrices; a GGUF's
+    blocks of that kind read as they are)."""
+    bits = weight_bits(weights)
     if model in LLAMA_SHAPES:
-        return LlamaModel.random(LLAMA_SHAPES[model], seed, device, dtype), None
+        return LlamaModel.random(LLAMA_SHAPES[model], seed, device, dtype, bits), None
     if hf_checkpoint.is_model_dir(model):
         config, tokenizer = read_meta(model)  # before the weights: fail fast
-        config, weights = hf_checkpoint.read_weights(Path(model), config)
-        return LlamaModel(config, weights, device, dtype), tokenizer
-    gguf = load_gguf(model)
-    return LlamaModel.from_numpy(gguf.config, gguf.weights, device, dtype), \
+        config, tensors = hf_checkpoint.read_weights(Path(model), config)
+        return LlamaModel(config, tensors, device, dtype, bits), tokenizer
+    gguf = load_gguf(model, keep_blocks=bits)
+    return LlamaModel.from_numpy(gguf.config, gguf.weights, device, dtype, bits), \
         TextTokenizer.from_gguf(gguf.tokenizer)

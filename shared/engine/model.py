@@ -1,9 +1,11 @@
 """A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over the paged KV
 pool: Llama, Mistral, Qwen2 (Q/K/V bias) and Qwen3 (per-head Q/K norm). Weights are plain
-tensors; Q/K/V and gate/up are fused into one matmul each."""
+tensors, or (`weight_bits`) int8/int4 blocks for the CPU's quantized matmul; Q/K/V and
+gate/up are fused into one matmul each."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,19 +21,25 @@ from shared.engine.attention import (
     gather_decode_attention,
 )
 from shared.engine.config import ModelConfig, RopeScaling
+from shared.engine.kernels import cpu_kernels
 from shared.engine.kv_cache import KVCache
+from shared.engine.quant import QuantizedMatrix, matmul, stack_rows
+
+Matrix = torch.Tensor | QuantizedMatrix  # float [in, out], or quantized (out, in)
+Weights = Mapping[str, torch.Tensor | QuantizedMatrix]
 
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """Matrices are stored [in, out] (x @ w): MKL runs the skinny decode GEMMs faster so."""
+    """Float matrices are stored [in, out] (x @ w): MKL runs the skinny decode GEMMs faster
+    so; quantized ones (out, in), blocks along a row."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [hidden, q_size + 2*kv_size]
-    o: torch.Tensor
+    qkv: Matrix  # [hidden, q_size + 2*kv_size]
+    o: Matrix
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [hidden, 2*intermediate]
-    down: torch.Tensor
+    gate_up: Matrix  # [hidden, 2*intermediate]
+    down: Matrix
     qkv_bias: torch.Tensor | None = None  # [q_size + 2*kv_size] (Qwen2)
     qk_norm: torch.Tensor | None = None  # [heads + kv_heads, head_dim]: each head's norm (Qwen3)
 
@@ -61,21 +69,29 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor],
-                 device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, config: ModelConfig, weights: Weights, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None, weight_bits: int | None = None) -> None:
         """`weights` by the engine's names, in any dtype and on any device: each is read once
         and placed on `device` in `dtype` (default: the embeddings'), so a lazy mapping over a
-        checkpoint's files is loaded one tensor at a time."""
+        checkpoint's files is loaded one tensor at a time. With `weight_bits` (8 or 4) the
+        layers' matrices are quantized (blocks already quantized so, a GGUF's, kept as they
+        are) and the LM head is int8; activations, norms and the embedding stay float32."""
         self.config = config
+        self.weight_bits = weight_bits
         # how decode tokens attend to the pool; the model runner picks the best for its device
         self.decode_attention: DecodeAttention = gather_decode_attention
         embed = weights["embed_tokens"]
-        self.device = device or embed.device
-        self.dtype = dtype or embed.dtype
+        floats = embed if isinstance(embed, torch.Tensor) else torch.empty(0)
+        self.device, self.dtype = device or floats.device, dtype or floats.dtype
+        if weight_bits is not None:
+            self._check_quantizable()
         self.embed = self._place(embed)
-        del embed  # the checkpoint's copy, when it was cast: not held through the load
         self.norm = self._place(weights["norm"])
-        self.lm_head = self.embed if config.tie_embeddings else self._place(weights["lm_head"])
+        head = embed if config.tie_embeddings else weights["lm_head"]
+        del embed  # the checkpoint's copy, when it was cast: not held through the load
+        self.lm_head: Matrix = (stack_rows([head], 8) if weight_bits is not None else
+                                self.embed if config.tie_embeddings else self._place(head))
+        del head
         self.layers = [self._layer(weights, f"layers.{i}.") for i in range(config.num_layers)]
         inv_freq = rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         freqs = torch.outer(torch.arange(config.max_context, dtype=torch.float32), inv_freq)
@@ -83,47 +99,80 @@ class LlamaModel:
         self.cos = angles.cos().to(self.device, self.dtype)
         self.sin = angles.sin().to(self.device, self.dtype)
 
-    def _place(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _check_quantizable(self) -> None:
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            raise ValueError(f"quantized weights run on the CPU in float32, not {self.device} "
+                             f"{self.dtype}")
+        if cpu_kernels() is None:
+            raise ValueError("quantized weights need the compiled CPU kernels (a C++ compiler)")
+
+    def _place(self, tensor: torch.Tensor | QuantizedMatrix) -> torch.Tensor:
+        if isinstance(tensor, QuantizedMatrix):  # a GGUF's quantized embedding
+            tensor = tensor.dequantize()
         return tensor.to(self.device, self.dtype)
 
-    def _transposed(self, *parts: torch.Tensor) -> torch.Tensor:
-        """[in, out] matrix of (out, in) parts stacked by rows: each part copied (and cast)
-        once into its columns, not cast, concatenated and transposed in three passes."""
+    def _matrix(self, *parts: torch.Tensor | QuantizedMatrix) -> Matrix:
+        """One matrix of (out, in) parts stacked by rows: quantized, or [in, out] floats with
+        each part copied (and cast) once into its columns, not cast, concatenated and
+        transposed in three passes."""
+        if self.weight_bits is not None:
+            return stack_rows(parts, self.weight_bits)
         out = torch.empty(parts[0].shape[1], sum(p.shape[0] for p in parts),
                           device=self.device, dtype=self.dtype)
         column = 0
         for part in parts:
+            if isinstance(part, QuantizedMatrix):
+                part = part.dequantize()
             out[:, column:column + part.shape[0]].copy_(part.t())
             column += part.shape[0]
         return out
 
-    def _layer(self, w: Mapping[str, torch.Tensor], p: str) -> LayerWeights:
+    def weight_bytes(self) -> int:
+        """Bytes a decode step reads: every layer's weights and the LM head (of the
+        embedding, a few rows)."""
+        def size(t: Matrix | None) -> int:
+            return 0 if t is None else t.nbytes if isinstance(t, QuantizedMatrix) else \
+                t.numel() * t.element_size()
+        per_layer = [size(getattr(layer, f.name)) for layer in self.layers
+                     for f in dataclasses.fields(layer)]
+        return sum(per_layer) + size(self.lm_head) + size(self.norm)
+
+    def _layer(self, w: Weights, p: str) -> LayerWeights:
         config = self.config
+
+        def vector(name: str) -> torch.Tensor:
+            tensor = w[p + name]
+            assert isinstance(tensor, torch.Tensor), "only matrices come quantized"
+            return tensor
+
         qk_norm = qkv_bias = None
         if config.qk_norm:  # one weight per head, Q heads then K heads as the fused view
-            qk_norm = self._place(torch.cat([w[p + "q_norm"].expand(config.num_heads, -1),
-                                             w[p + "k_norm"].expand(config.num_kv_heads, -1)]))
+            qk_norm = self._place(torch.cat([vector("q_norm").expand(config.num_heads, -1),
+                                             vector("k_norm").expand(config.num_kv_heads, -1)]))
         if config.qkv_bias:
-            qkv_bias = self._place(torch.cat([w[p + "q_bias"], w[p + "k_bias"], w[p + "v_bias"]]))
+            qkv_bias = self._place(torch.cat([vector("q_bias"), vector("k_bias"),
+                                              vector("v_bias")]))
         return LayerWeights(
             input_norm=self._place(w[p + "input_layernorm"]),
-            qkv=self._transposed(w[p + "q_proj"], w[p + "k_proj"], w[p + "v_proj"]),
-            o=self._transposed(w[p + "o_proj"]),
+            qkv=self._matrix(w[p + "q_proj"], w[p + "k_proj"], w[p + "v_proj"]),
+            o=self._matrix(w[p + "o_proj"]),
             post_norm=self._place(w[p + "post_attention_layernorm"]),
-            gate_up=self._transposed(w[p + "gate_proj"], w[p + "up_proj"]),
-            down=self._transposed(w[p + "down_proj"]),
+            gate_up=self._matrix(w[p + "gate_proj"], w[p + "up_proj"]),
+            down=self._matrix(w[p + "down_proj"]),
             qkv_bias=qkv_bias,
             qk_norm=qk_norm,
         )
 
     @classmethod
-    def from_numpy(cls, config: ModelConfig, weights: Mapping[str, np.ndarray],
-                   device: torch.device, dtype: torch.dtype) -> LlamaModel:
-        return cls(config, {k: torch.from_numpy(v) for k, v in weights.items()}, device, dtype)
+    def from_numpy(cls, config: ModelConfig, weights: Mapping[str, np.ndarray | QuantizedMatrix],
+                   device: torch.device, dtype: torch.dtype,
+                   weight_bits: int | None = None) -> LlamaModel:
+        return cls(config, {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+                            for k, v in weights.items()}, device, dtype, weight_bits)
 
     @classmethod
     def random(cls, config: ModelConfig, seed: int, device: torch.device,
-               dtype: torch.dtype) -> LlamaModel:
+               dtype: torch.dtype, weight_bits: int | None = None) -> LlamaModel:
         """Random weights of the right shapes, for profiling at realistic sizes."""
         gen = torch.Generator(device=device).manual_seed(seed)
         h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
@@ -148,7 +197,7 @@ class LlamaModel:
                       for name in ("q_norm", "k_norm")}
             w[p + "input_layernorm"] = torch.ones(h, device=device, dtype=dtype)
             w[p + "post_attention_layernorm"] = torch.ones(h, device=device, dtype=dtype)
-        return cls(config, w)
+        return cls(config, w, device, dtype, weight_bits)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
@@ -158,8 +207,12 @@ class LlamaModel:
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
-            qkv = h @ layer.qkv if layer.qkv_bias is None else \
-                torch.addmm(layer.qkv_bias, h, layer.qkv)
+            if layer.qkv_bias is None:
+                qkv = matmul(h, layer.qkv)
+            elif isinstance(layer.qkv, QuantizedMatrix):
+                qkv = matmul(h, layer.qkv) + layer.qkv_bias
+            else:
+                qkv = torch.addmm(layer.qkv_bias, h, layer.qkv)
             qk, v = torch.split(qkv, [cfg.q_size + cfg.kv_size, cfg.kv_size], -1)
             qk = qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
             if layer.qk_norm is not None:
@@ -169,13 +222,15 @@ class LlamaModel:
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
             kv.write(index, k, v, meta.slots)
             attn = self._attention(index, q, k, v, meta, kv)
-            x = x + attn @ layer.o
+            x = x + matmul(attn, layer.o)
             h = F.rms_norm(x, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
-            gate, up = (h @ layer.gate_up).chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ layer.down
+            gate, up = matmul(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + matmul(F.silu(gate) * up, layer.down)
         return F.rms_norm(x, (cfg.hidden_size,), self.norm, cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.lm_head, QuantizedMatrix):
+            return matmul(hidden, self.lm_head)
         return F.linear(hidden, self.lm_head).float()
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

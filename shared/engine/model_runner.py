@@ -48,7 +48,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     """The model named in `config` (a Hugging Face directory, a GGUF, or a Llama shape with
     random weights) on its device, in its dtype, with its tokenizer."""
     device = resolve_device(config.device)
-    return loader.load(config.model, config.seed, device, resolve_dtype(config.dtype, device))
+    return loader.load(config.model, config.seed, device, resolve_dtype(config.dtype, device),
+                       config.weights)
 
 
 class ModelRunner:

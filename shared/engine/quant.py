@@ -1,0 +1,126 @@
+"""Weight-only quantized matrices for decoding on the CPU: blocks of 32 weights along the input
+dimension, each with a scale (int8, GGUF's Q8_0) or a scale and a minimum (int4, GGUF's Q4_1;
+Q4_0 is a minimum of -8 scales). Decode reads every weight once a step, so fewer bytes a
+weight is a faster step; activations and the KV cache stay float32, so a full-precision
+prefill instance hands its KV to a quantized decode instance unchanged.
+
+A GGUF's own blocks are taken as they are (no re-quantising of dequantized floats); any other
+weights are quantized here, per block, to the nearest level."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shared.engine.kernels import cpu_kernels
+
+BLOCK = 32  # weights a block
+# GGUF block types the formats read directly: name -> (bits, bytes a block)
+GGUF_BLOCKS = {"Q8_0": (8, 34), "Q4_0": (4, 18), "Q4_1": (4, 20)}
+
+
+@dataclass(frozen=True)
+class QuantizedMatrix:
+    """An (out, in) matrix: `qweight` uint8 [out, in * bits / 8] (4 bits: byte j of a block
+    holds weight j in its low nibble, j + 16 in its high one, as GGUF packs them), `scales`
+    and (4 bits) `mins` float32 [out, in / 32]."""
+
+    bits: int
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qweight.shape[0], self.scales.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.qweight, self.scales, self.mins) if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        out, blocks = self.scales.shape
+        q = self.qweight.view(out, blocks, -1)
+        if self.bits == 4:
+            levels = torch.cat((q & 15, q >> 4), dim=-1).float()
+            assert self.mins is not None
+            w = levels * self.scales[..., None] + self.mins[..., None]
+        else:
+            w = q.view(torch.int8).float() * self.scales[..., None]
+        return w.reshape(out, blocks * BLOCK)
+
+    def rows(self, index: torch.Tensor) -> QuantizedMatrix:
+        """The rows of `index`, in its order (blocks run along a row, so rows move whole)."""
+        return QuantizedMatrix(self.bits, self.qweight[index].contiguous(),
+                               self.scales[index].contiguous(),
+                               None if self.mins is None else self.mins[index].contiguous())
+
+
+def quantize(weight: torch.Tensor, bits: int) -> QuantizedMatrix:
+    """Quantize an (out, in) float matrix block by block to the nearest level."""
+    out, width = weight.shape
+    if width % BLOCK:
+        raise ValueError(f"{bits}-bit weights need input sizes divisible by {BLOCK}, not {width}")
+    w = weight.detach().to("cpu", torch.float32).reshape(out, width // BLOCK, BLOCK)
+    if bits == 8:
+        scales = w.abs().amax(-1) / 127
+        q = (w / scales.clamp_min(1e-30)[..., None]).round().clamp(-127, 127).to(torch.int8)
+        return QuantizedMatrix(8, q.view(torch.uint8).reshape(out, width).contiguous(),
+                               scales.contiguous())
+    low, high = w.amin(-1), w.amax(-1)
+    scales = (high - low) / 15
+    q = ((w - low[..., None]) / scales.clamp_min(1e-30)[..., None]).round().clamp(0, 15)
+    q = q.to(torch.uint8)
+    packed = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
+    return QuantizedMatrix(4, packed.reshape(out, width // 2).contiguous(), scales.contiguous(),
+                           low.contiguous())
+
+
+def from_gguf_blocks(data: np.ndarray, kind: str) -> QuantizedMatrix:
+    """A GGUF tensor of Q8_0, Q4_0 or Q4_1 blocks ([out, bytes a row] uint8), as stored."""
+    _, size = GGUF_BLOCKS[kind]
+    out = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(out, -1, size)
+    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q8_0":
+        return QuantizedMatrix(8, torch.from_numpy(blocks[..., 2:].reshape(out, -1).copy()),
+                               torch.from_numpy(scales))
+    if kind == "Q4_1":
+        mins = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        packed = blocks[..., 4:]
+    else:  # Q4_0: w = d * (q - 8)
+        mins = -8 * scales
+        packed = blocks[..., 2:]
+    return QuantizedMatrix(4, torch.from_numpy(packed.reshape(out, -1).copy()),
+                           torch.from_numpy(scales), torch.from_numpy(mins))
+
+
+def stack_rows(parts: Sequence[torch.Tensor | QuantizedMatrix], bits: int) -> QuantizedMatrix:
+    """(out, in) parts stacked by rows into one `bits` matrix (Q, K, V into QKV). A part
+    already quantized to `bits` is kept as it is; any other is quantized (a dequantized
+    one first)."""
+    quantized = [p if isinstance(p, QuantizedMatrix) and p.bits == bits else
+                 quantize(p.dequantize() if isinstance(p, QuantizedMatrix) else p, bits)
+                 for p in parts]
+    if len(quantized) == 1:
+        return quantized[0]
+    mins = [q.mins for q in quantized]
+    return QuantizedMatrix(bits, torch.cat([q.qweight for q in quantized]),
+                           torch.cat([q.scales for q in quantized]),
+                           None if bits == 8 else torch.cat([m for m in mins if m is not None]))
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix) -> torch.Tensor:
+    """x @ W for a float [in, out] matrix, x @ W^T for a quantized (out, in) one."""
+    if isinstance(weight, torch.Tensor):
+        return x @ weight
+    kernels = cpu_kernels()
+    assert kernels is not None, "quantized weights need the CPU kernels (checked at load)"
+    mins = weight.mins if weight.mins is not None else weight.scales.new_empty(0)
+    out = kernels.quantized_matmul(x.reshape(-1, x.shape[-1]), weight.qweight, weight.scales,
+                                   mins, weight.bits)
+    return out.view(*x.shape[:-1], -1)  # type: ignore[no-any-return]
