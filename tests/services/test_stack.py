@@ -1,11 +1,14 @@
 """The disaggregated stack end to end: separate processes for the gateway, 2 prefill and 2
-decode instances, real nats-server and valkey-server, KV over UCX."""
+decode instances, real nats-server and valkey-server, KV over UCX. The decode instances run
+int4 weights (the GGUF's own Q4_1 blocks, the very weights the float32 prefill instances
+dequantized), so every greedy text below is also float32's: each phase its precision."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -65,6 +68,12 @@ def test_concurrent_streams_across_instances(stack: Stack, engine: Engine) -> No
 
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         assert list(pool.map(stream, PROMPTS)) == expected
+    # float32 prefill instances handed their KV to int4 decode instances
+    logs = {c.name: Path(c.log).read_text() for c in stack.children
+            if c.name.startswith(("prefill", "decode"))}
+    assert len(logs) == 4
+    assert all(("(int4 weights)" if name.startswith("decode") else "(auto weights)") in text
+               for name, text in logs.items()), logs
     after = metric(stack.url, "ds_kv_transfer_requests")
     pulled = {i: after[i] - before.get(i, 0) for i in after if i.startswith("decode")}
     assert sum(pulled.values()) >= len(PROMPTS)  # every request's KV crossed over UCX
