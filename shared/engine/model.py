@@ -121,8 +121,7 @@ class LlamaModel:
                           device=self.device, dtype=self.dtype)
         column = 0
         for part in parts:
-            if isinstance(part, QuantizedMatrix):
-                part = part.dequantize()
+            assert isinstance(part, torch.Tensor), "blocks are kept only for quantized weights"
             out[:, column:column + part.shape[0]].copy_(part.t())
             column += part.shape[0]
         return out

@@ -108,10 +108,10 @@ def stack_rows(parts: Sequence[torch.Tensor | QuantizedMatrix], bits: int) -> Qu
                  for p in parts]
     if len(quantized) == 1:
         return quantized[0]
-    mins = [q.mins for q in quantized]
+    mins = [q.mins for q in quantized if q.mins is not None]
     return QuantizedMatrix(bits, torch.cat([q.qweight for q in quantized]),
                            torch.cat([q.scales for q in quantized]),
-                           None if bits == 8 else torch.cat([m for m in mins if m is not None]))
+                           torch.cat(mins) if mins else None)
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix) -> torch.Tensor:

@@ -27,7 +27,10 @@ from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.cpp", "quantized_matmul.cpp")]
+# vec.h first: torch names a build by the hash of its sources, and an #include'd header is not
+# one of them, so its text goes in too (its include guard skips the #include that follows)
+SOURCES = [Path(__file__).with_name(f)
+           for f in ("vec.h", "paged_attention.cpp", "quantized_matmul.cpp")]
 FUNCTIONS = ["paged_decode_attention", "quantized_matmul"]
 
 
@@ -81,6 +84,7 @@ def cpu_kernels() -> ModuleType | None:
                 cpp_sources=[source.read_text() for source in SOURCES],
                 functions=FUNCTIONS,
                 extra_cflags=["-O3", f"-march={march}", "-fopenmp"],
+                extra_include_paths=[str(SOURCES[0].parent)],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )

@@ -4,7 +4,7 @@
 // its block table. Reading the blocks in place saves the gather copy the torch path needs,
 // and the query heads that share a KV head are handled together, so each key and value is
 // read once. Work is split over (request, KV head) pairs; scores and accumulation are float.
-// Float K/V use AVX-512 or AVX2+FMA intrinsics where the build targets them; every other
+// Float K/V use the build's vector registers (vec.h: AVX-512 or AVX2+FMA); every other
 // case is the portable loops below, vectorised by the compiler.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -13,9 +13,7 @@
 #include <cmath>
 #include <vector>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 namespace {
 
@@ -40,53 +38,28 @@ inline void axpy(float a, const T* __restrict__ v, float* __restrict__ acc, int6
   for (int64_t d = 0; d < n; ++d) acc[d] += a * load(v, d);
 }
 
-#if defined(__AVX512F__)
-template <>
-inline float dot<float>(const float* __restrict__ q, const float* __restrict__ k, int64_t n) {
-  __m512 s = _mm512_setzero_ps();
-  int64_t d = 0;
-  for (; d + 16 <= n; d += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), s);
-  float r = _mm512_reduce_add_ps(s);
-  for (; d < n; ++d) r += q[d] * k[d];
-  return r;
-}
-
-template <>
-inline void axpy<float>(float a, const float* __restrict__ v, float* __restrict__ acc, int64_t n) {
-  const __m512 av = _mm512_set1_ps(a);
-  int64_t d = 0;
-  for (; d + 16 <= n; d += 16)
-    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(av, _mm512_loadu_ps(v + d), _mm512_loadu_ps(acc + d)));
-  for (; d < n; ++d) acc[d] += a * v[d];
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+#if defined(DS_VEC)
+using namespace ds;
 
 template <>
 inline float dot<float>(const float* __restrict__ q, const float* __restrict__ k, int64_t n) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();  // two chains hide FMA latency
+  V s0 = vzero(), s1 = vzero();  // two chains hide the FMA's latency
   int64_t d = 0;
-  for (; d + 16 <= n; d += 16) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(k + d + 8), s1);
+  for (; d + 2 * W <= n; d += 2 * W) {
+    s0 = vfma(vload(q + d), vload(k + d), s0);
+    s1 = vfma(vload(q + d + W), vload(k + d + W), s1);
   }
-  for (; d + 8 <= n; d += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), s0);
-  float r = hsum(_mm256_add_ps(s0, s1));
+  for (; d + W <= n; d += W) s0 = vfma(vload(q + d), vload(k + d), s0);
+  float r = vsum(vadd(s0, s1));
   for (; d < n; ++d) r += q[d] * k[d];
   return r;
 }
 
 template <>
 inline void axpy<float>(float a, const float* __restrict__ v, float* __restrict__ acc, int64_t n) {
-  const __m256 av = _mm256_set1_ps(a);
+  const V av = vset(a);
   int64_t d = 0;
-  for (; d + 8 <= n; d += 8)
-    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(av, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc + d)));
+  for (; d + W <= n; d += W) vstore(acc + d, vfma(av, vload(v + d), vload(acc + d)));
   for (; d < n; ++d) acc[d] += a * v[d];
 }
 #endif

@@ -14,50 +14,16 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 namespace {
 
 constexpr int64_t QK = 32;  // weights per block
 
-// The vector the build targets: W floats a register.
-#if defined(__AVX512F__)
-using V = __m512;
-constexpr int W = 16;
-constexpr int R_MAX = 8;  // rows of x a pass: 2 + 8 accumulators and 2 weight registers of 32
-inline V vzero() { return _mm512_setzero_ps(); }
-inline V vset(float a) { return _mm512_set1_ps(a); }
-inline V vload(const float* p) { return _mm512_loadu_ps(p); }
-inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
-inline float vsum(V a) { return _mm512_reduce_add_ps(a); }
-#elif defined(__AVX2__) && defined(__FMA__)
-using V = __m256;
-constexpr int W = 8;
-constexpr int R_MAX = 4;  // 16 registers: 4 accumulators, 4 weights, the x loads
-inline V vzero() { return _mm256_setzero_ps(); }
-inline V vset(float a) { return _mm256_set1_ps(a); }
-inline V vload(const float* p) { return _mm256_loadu_ps(p); }
-inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
-inline float vsum(V a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#else
-using V = float;
-constexpr int W = 1;
-constexpr int R_MAX = 4;
-inline V vzero() { return 0.0f; }
-inline V vset(float a) { return a; }
-inline V vload(const float* p) { return *p; }
-inline V vfma(V a, V b, V c) { return a * b + c; }
-inline V vadd(V a, V b) { return a + b; }
-inline float vsum(V a) { return a; }
-#endif
+using namespace ds;
+// rows of x a pass: AVX-512 keeps 8 accumulators and 2 weight registers of its 32, AVX2 4 and
+// 4 of its 16 (and the x loads)
+constexpr int R_MAX = W == 16 ? 8 : 4;
 constexpr int NV = QK / W;  // registers a block
 
 // One block's 32 weights as floats, in registers (compilers do not vectorise the nibble
