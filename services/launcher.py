@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import itertools
 import json
 import os
 import secrets
@@ -19,7 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -95,11 +96,13 @@ def gpu_count(env: Mapping[str, str]) -> int:
     return int(torch.cuda.device_count())
 
 
-def assign_devices(workers: int, gpus: int) -> list[str]:
-    """A device per worker, round robin over the GPUs (each its own while there are enough;
-    an instance's KV pool is sized from its budget, so several may share one); "" on a host
-    without GPUs (the worker's default device)."""
-    return [f"cuda:{i % gpus}" if gpus else "" for i in range(workers)]
+def assign_devices(ranks: Sequence[int], gpus: int) -> list[str]:
+    """The first device of each worker, whose `ranks[i]` ranks take that GPU and the next
+    ones: round robin over the GPUs (each rank its own while there are enough; an instance's
+    KV pool is sized from its budget, so several may share one); "" on a host without GPUs
+    (the worker's default device)."""
+    starts = list(itertools.accumulate(ranks, initial=0))[:-1]
+    return [f"cuda:{start % gpus}" if gpus else "" for start in starts]
 
 
 @dataclass
@@ -117,6 +120,9 @@ class StackConfig:
     weights: str = "auto"  # every worker's weight format (see shared.engine.quant) ...
     prefill_weights: str = ""  # ... unless its role's is given: an fp32 prefill instance
     decode_weights: str = ""  # may hand its KV to an int4 decode instance
+    tp: int = 1  # every worker's tensor-parallel ranks ...
+    prefill_tp: int = 0  # ... unless its role's is given (0: not given)
+    decode_tp: int = 0
     kv_cache_mb: int = 256
     chunked_prefill: bool = False
     planner: bool = False  # run the workload profiler and the planner (which may switch modes)
@@ -128,6 +134,8 @@ class StackConfig:
         for name in (self.weights, self.prefill_weights, self.decode_weights):
             if name:
                 weight_bits(name)  # an unknown format: ValueError
+        if min(self.tp, self.prefill_tp or 1, self.decode_tp or 1) < 1:
+            raise ValueError("tensor parallelism needs at least 1 rank an instance")
         for key in self.api_keys:
             if not key or "," in key or any(ch.isspace() for ch in key):
                 raise ValueError("an API key must be non-empty, without commas or whitespace")
@@ -135,6 +143,9 @@ class StackConfig:
     def weights_for(self, role: str) -> str:
         own = {"prefill": self.prefill_weights, "decode": self.decode_weights}.get(role, "")
         return own or self.weights
+
+    def tp_for(self, role: str) -> int:
+        return {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role, 0) or self.tp
 
 
 class Stack:
@@ -194,9 +205,10 @@ class Stack:
         workers = ([("colocated", i) for i in range(c.replicas)] if c.mode == "colocated"
                    else [("prefill", i) for i in range(c.prefill)]
                    + [("decode", i) for i in range(c.decode)])
-        devices = assign_devices(len(workers), gpu_count({**os.environ, **env}))
+        devices = assign_devices([c.tp_for(role) for role, _ in workers],
+                                 gpu_count({**os.environ, **env}))
         for (role, i), device in zip(workers, devices, strict=True):
-            own = env | {"DS_WEIGHTS": c.weights_for(role)} | \
+            own = env | {"DS_WEIGHTS": c.weights_for(role), "DS_TP": str(c.tp_for(role))} | \
                 ({"DS_DEVICE": device} if device else {})
             self.supervisor.spawn(f"{role}-{i}", module(role), worker_env(own, f"{role}-{i}"),
                                   restart=True)

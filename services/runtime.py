@@ -53,6 +53,7 @@ class WorkerSettings(BaseSettings):
     dtype: str = "auto"
     weights: str = "auto"  # "int8" / "int4": quantized matrices (a decode instance's choice)
     threads: int = 0
+    tp: int = 1  # tensor-parallel ranks of this instance (processes it starts)
     kv_cache_mb: int = 256
     block_size: int = 16
     max_batch_tokens: int = 512  # prefill: L_m; colocated: tokens per prefill step / chunk
@@ -69,7 +70,7 @@ class WorkerSettings(BaseSettings):
 
     def engine_config(self, role: Role) -> EngineConfig:
         config = EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
-                              weights=self.weights, threads=self.threads,
+                              weights=self.weights, threads=self.threads, tp=self.tp,
                               kv_cache_bytes=self.kv_cache_mb << 20)
         return config.with_scheduler(role=role, block_size=self.block_size,
                                      max_batch_tokens=self.max_batch_tokens,
@@ -361,6 +362,7 @@ class Worker:
         with contextlib.suppress(RedisError, OSError):  # it expires by itself otherwise
             await registry.remove(self.id, self.role)
         await self.closing()
+        await self.host.call(self.engine.close)  # after the step in progress: its ranks stop
         shutdown_tracing()
         await self.nc.drain()
         await redis.aclose()

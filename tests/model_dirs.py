@@ -51,15 +51,15 @@ def write_smollm2(directory: Path) -> Path:
     return directory
 
 
-def write_random(directory: Path, arch: str, shard_kb: int = 0) -> Path:
+def write_random(directory: Path, arch: str, shard_kb: int = 0, **shape: Any) -> Path:
     """A small random-weight model of `arch`, saved by transformers (in shards of `shard_kb`
-    KB when given), with SmolLM2's tokenizer."""
+    KB when given), with SmolLM2's tokenizer; `shape` overrides the config's sizes."""
     import transformers
 
     config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
                     "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
     torch.manual_seed(0)
-    config = config_class(**SMALL, **ARCHITECTURES[arch])
+    config = config_class(**(SMALL | ARCHITECTURES[arch] | shape))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for layer in model.model.layers:  # not transformers' ones and zeros: the test must see
         attention = layer.self_attn  # them applied

@@ -30,7 +30,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "of 32 (CPU; a GGUF's own Q8_0 / Q4_0 / Q4_1 blocks as stored): "
                             "fewer bytes a decode step reads")
     group.add_argument("--threads", type=int, default=0,
-                       help="torch threads (0: torch's default)")
+                       help="torch threads, shared by the ranks with --tp (0: torch's default; "
+                            "with --tp, the cores this process may use)")
+    group.add_argument("--tp", type=positive_int, default=1,
+                       help="tensor-parallel ranks: processes splitting each layer's heads and "
+                            "MLP columns (gloo on the CPU, NCCL and one GPU each on GPUs); "
+                            "must divide the model's KV heads (default: %(default)s)")
     group.add_argument("--kv-cache-mb", type=positive_int, default=256,
                        help="memory budget of the paged KV pool in MiB (default: %(default)s)")
     group.add_argument("--block-size", type=positive_int, default=16,
@@ -39,6 +44,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                          weights=args.weights, threads=args.threads,
+                          weights=args.weights, threads=args.threads, tp=args.tp,
                           kv_cache_bytes=args.kv_cache_mb << 20)
     return config.with_scheduler(block_size=args.block_size)

@@ -44,6 +44,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         engine = Engine(engine_config(args))
     except (ModelNotFoundError, ValueError) as e:
         parser.error(str(e))
+    try:
+        return _generate(engine, args, params, parser)
+    finally:
+        engine.close()
+
+
+def _generate(engine: Engine, args: argparse.Namespace, params: SamplingParams,
+              parser: argparse.ArgumentParser) -> int:
     tokenizer = engine.tokenizer
     if tokenizer is None:
         parser.error(f"model {args.model!r} has random weights and no tokenizer")

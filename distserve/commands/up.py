@@ -46,7 +46,17 @@ def register(sub: Any) -> None:
     p.add_argument("--decode-weights", choices=list(WEIGHT_FORMATS),
                    help="the decode instances' (default: --weights); decode reads every "
                         "weight a step, so int4 steps faster; the KV stays float either way")
-    p.add_argument("--kv-cache-mb", type=int, default=256, help="KV pool per worker (MiB)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks of every worker: processes splitting each "
+                        "layer's heads (one GPU each on GPUs; on the CPU --threads is shared "
+                        "by them); must divide the model's KV heads (default: %(default)s)")
+    p.add_argument("--prefill-tp", type=int, default=0, metavar="N",
+                   help="the prefill instances' ranks (default: --tp)")
+    p.add_argument("--decode-tp", type=int, default=0, metavar="N",
+                   help="the decode instances' ranks (default: --tp); KV moves between "
+                        "instances of any tp")
+    p.add_argument("--kv-cache-mb", type=int, default=256,
+                   help="KV pool per worker, per rank with --tp (MiB)")
     p.add_argument("--run-dir", type=Path, default=Path("runs"), help="logs and traces")
     p.add_argument("--planner", choices=["off", "auto"], default="off",
                    help="auto: run the workload profiler and the planner, which re-plans on a "
@@ -97,6 +107,9 @@ def api_keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if min(args.prefill, args.decode, args.replicas) < 1:
         parser.error("--prefill, --decode and --replicas must be at least 1")
+    if args.tp < 1 or min(args.prefill_tp, args.decode_tp) < 0:
+        parser.error("--tp must be at least 1, --prefill-tp and --decode-tp at least 1 "
+                     "when given")
     if args.ttft <= 0 or args.tpot <= 0 or args.devices < 0 or args.switch_margin < 1:
         parser.error("--ttft and --tpot must be positive, --devices at least 0, "
                      "--switch-margin at least 1")
@@ -121,7 +134,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                              redis_url=args.redis_url, model=model,
                              served_model_name=args.served_model_name, threads=args.threads,
                              weights=args.weights, prefill_weights=args.prefill_weights or "",
-                             decode_weights=args.decode_weights or "",
+                             decode_weights=args.decode_weights or "", tp=args.tp,
+                             prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                              kv_cache_mb=args.kv_cache_mb, chunked_prefill=args.chunked_prefill,
                              run_dir=args.run_dir, planner=args.planner == "auto",
                              api_keys=api_keys(args, parser),

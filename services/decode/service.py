@@ -127,17 +127,11 @@ class DecodeService(Worker):
             blocks = self.engine.allocate(ready.computed)
             if blocks is None:
                 break
-            granted.append((blocks, self._receive_buffer(len(blocks))))
-        device = self.engine.runner.kv.data.device
+            granted.append((blocks, self.engine.runner.kv_buffer(len(blocks))))
+        device = self.engine.runner.device
         if granted and device.type == "cuda":  # the buffers exist before UCX writes them
             torch.cuda.current_stream(device).synchronize()
         return granted
-
-    def _receive_buffer(self, num_blocks: int) -> torch.Tensor:
-        """On the engine thread: room for `num_blocks` blocks of this pool's layout."""
-        kv = self.engine.runner.kv
-        shape = (*kv.data.shape[:2], num_blocks, *kv.data.shape[3:])
-        return torch.empty(shape, dtype=kv.data.dtype, device=kv.data.device)
 
     async def _pull(self, ready: KvReady, blocks: list[int], buffer: torch.Tensor) -> None:
         headers, announced = self.traces.pop(ready.request_id, ({}, time.time()))

@@ -116,7 +116,7 @@ class LocalDeployer:
         """A new worker; on a GPU host on the next GPU in turn (the planner does not know
         which GPUs the workers it did not start use: they may share one)."""
         instance = f"{kind}-{uuid.uuid4().hex[:6]}"
-        device = assign_devices(self.spawned + 1, self.gpus)[-1]
+        device = assign_devices([1] * (self.spawned + 1), self.gpus)[-1]
         env = {**os.environ, **({"DS_DEVICE": device} if device else {})}
         if role_of(kind) == "colocated":
             env["DS_CHUNKED_PREFILL"] = str(kind == "chunked").lower()

@@ -112,16 +112,20 @@ def profile_engine(config: EngineConfig, grid: Grid,
                                    max_running=max(max(grid.decode_batches),
                                                    max(grid.prefill_batches)))
     engine = Engine(config)
-    dtype_bytes = engine.runner.dtype.itemsize
-    spec = MODELS.get(config.model) or from_config(engine.model_config, dtype_bytes)
-    needed = biggest * engine.model_config.kv_bytes_per_token(dtype_bytes)
-    have = engine.blocks.num_blocks * engine.blocks.block_size * \
-        engine.model_config.kv_bytes_per_token(dtype_bytes)
-    if have < needed:
-        raise ValueError(f"the profiling grid needs a KV pool of {needed / 2**20:.0f} MiB, "
-                         f"the budget holds {have / 2**20:.0f} MiB: raise --kv-cache-mb")
-    prefill, decode = Profiler(engine, grid).run(progress)
+    try:
+        dtype_bytes = engine.runner.dtype.itemsize
+        spec = MODELS.get(config.model) or from_config(engine.model_config, dtype_bytes)
+        needed = biggest * engine.model_config.kv_bytes_per_token(dtype_bytes)
+        have = engine.blocks.num_blocks * engine.blocks.block_size * \
+            engine.model_config.kv_bytes_per_token(dtype_bytes)
+        if have < needed:
+            raise ValueError(f"the profiling grid needs a KV pool of {needed / 2**20:.0f} MiB, "
+                             f"the budget holds {have / 2**20:.0f} MiB: raise --kv-cache-mb")
+        prefill, decode = Profiler(engine, grid).run(progress)
+    finally:
+        engine.close()
     coefficients, report = fit_phase(prefill, decode)
     return Profile(model=spec, device=device_name(engine.runner.device),
                    device_memory_bytes=device_memory_bytes(engine.runner.device),
-                   by_tp={1: coefficients}, l_m=saturation_length(coefficients), fit=report)
+                   by_tp={config.tp: coefficients}, l_m=saturation_length(coefficients),
+                   fit=report)

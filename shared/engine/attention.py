@@ -32,6 +32,13 @@ class DecodeGroup:
     context_lens: torch.Tensor  # [B] long, keys each row attends to (its new token included)
     mask: torch.Tensor  # [B, 1, 1, max_blocks*block_size] bool, True where a key is valid
 
+    @classmethod
+    def of(cls, start: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
+           block_size: int) -> DecodeGroup:
+        keys = torch.arange(block_tables.shape[1] * block_size, device=block_tables.device)
+        mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :]
+        return cls(start, block_tables, context_lens, mask)
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:

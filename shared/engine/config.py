@@ -103,6 +103,12 @@ LLAMA_SHAPES: dict[str, ModelConfig] = {
         num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
         max_context=8192, tie_embeddings=False,
     ),
+    # Qwen2.5-0.5B's shape (2 KV heads: tp 2 splits it), for tensor-parallel figures on a CPU.
+    "qwen2.5-0.5b": ModelConfig(
+        name="qwen2.5-0.5b", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+        num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, max_context=32768, qkv_bias=True, architecture="qwen2",
+    ),
     # A tiny shape for fast tests of the engine mechanics.
     "tiny": ModelConfig(
         name="tiny", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -141,9 +147,14 @@ class EngineConfig:
     dtype: str = "auto"  # "float32", "bfloat16", "float16", "auto" (CPU fp32, GPU bf16 or fp16)
     weights: str = "auto"  # "auto" (floats in dtype), "int8" or "int4" (CPU, float32 compute)
     kv_cache_bytes: int = 256 * 1024 * 1024  # memory budget of the paged KV pool
-    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    threads: int = 0  # torch intra-op threads (tp > 1: shared by the ranks); 0: torch's default
+    tp: int = 1  # tensor-parallel ranks (processes; one device each on GPUs)
     seed: int = 0  # seed for random (dummy) weights
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"tp must be at least 1, not {self.tp}")
 
     def with_scheduler(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, scheduler=dataclasses.replace(self.scheduler, **changes))

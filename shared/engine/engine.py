@@ -14,6 +14,7 @@ from shared.engine.block_manager import BlockManager, blocks_for
 from shared.engine.config import EngineConfig, ModelConfig
 from shared.engine.loader import LoadedModel
 from shared.engine.model_runner import ModelRunner
+from shared.engine.parallel.group import RankFailed
 from shared.engine.request import Request, RequestStatus, SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerOutput, StepShape
 from shared.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
@@ -130,6 +131,8 @@ class Engine:
             return []
         try:
             return self._run(out)
+        except RankFailed:
+            raise  # the instance has lost a rank: no later step can run either
         except Exception as e:  # the model, sampling or update: any of it fails only this step
             self.last_shape = None  # a failed step's time says nothing of the model
             log.exception("a step of %d requests failed", len(out.chunks))
@@ -150,6 +153,10 @@ class Engine:
         return [RequestOutput(request_id, [], "", error=error, index=produced, arrival=arrival)
                 for request_id, produced, arrival in failed]
 
+    def close(self) -> None:
+        """Stop the instance's other ranks (tp > 1); the engine takes no step after."""
+        self.runner.close()
+
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
@@ -161,7 +168,7 @@ class Engine:
 
     def export_kv(self, request_id: str) -> torch.Tensor:
         request = self.scheduler.parked[request_id]
-        return self.runner.kv.export_blocks(request.block_table)
+        return self.runner.export_kv(request.block_table)
 
     def release(self, request_id: str) -> bool:
         self._text.pop(request_id, None)
@@ -182,7 +189,7 @@ class Engine:
         transfer). Tokens beyond `computed` are replayed in the next step, as a prefill
         chunk on top of the imported K/V."""
         if buffer is not None:
-            self.runner.kv.import_blocks(block_ids, buffer)
+            self.runner.import_kv(block_ids, buffer)
         request.block_table = block_ids
         request.num_computed = request.num_tokens - 1 if computed is None else computed
         request.arrival = next(self._arrivals)

@@ -61,6 +61,11 @@ class KVCache:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
         return self.data.index_select(2, index)
 
+    def empty_blocks(self, num_blocks: int) -> torch.Tensor:
+        """Room for `num_blocks` exported blocks of this pool's layout."""
+        shape = (*self.data.shape[:2], num_blocks, *self.data.shape[3:])
+        return torch.empty(shape, dtype=self.data.dtype, device=self.data.device)
+
     def import_blocks(self, block_ids: list[int], buffer: torch.Tensor) -> None:
         """Place exported blocks at (possibly different) block ids of this pool."""
         expected = (*self.data.shape[:2], len(block_ids), *self.data.shape[3:])

@@ -34,16 +34,16 @@ def read_meta(model: str) -> tuple[ModelConfig, TextTokenizer]:
 
 
 def load(model: str, seed: int, device: torch.device, dtype: torch.dtype,
-         weights: str = "auto") -> LoadedModel:
+         weights: str = "auto", rank: int = 0, tp: int = 1) -> LoadedModel:
     """`weights`: "auto" (floats in `dtype`), "int8" or "int4" (quantized matrices; a GGUF's
-    blocks of that kind read as they are)."""
+    blocks of that kind read as they are). With `tp` > 1: rank `rank`'s share of it."""
     bits = weight_bits(weights)
     if model in LLAMA_SHAPES:
-        return LlamaModel.random(LLAMA_SHAPES[model], seed, device, dtype, bits), None
+        return LlamaModel.random(LLAMA_SHAPES[model], seed, device, dtype, bits, rank, tp), None
     if hf_checkpoint.is_model_dir(model):
         config, tokenizer = read_meta(model)  # before the weights: fail fast
         config, tensors = hf_checkpoint.read_weights(Path(model), config)
-        return LlamaModel(config, tensors, device, dtype, bits), tokenizer
+        return LlamaModel(config, tensors, device, dtype, bits, rank, tp), tokenizer
     gguf = load_gguf(model, keep_blocks=bits)
-    return LlamaModel.from_numpy(gguf.config, gguf.weights, device, dtype, bits), \
+    return LlamaModel.from_numpy(gguf.config, gguf.weights, device, dtype, bits, rank, tp), \
         TextTokenizer.from_gguf(gguf.tokenizer)

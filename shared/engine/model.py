@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+import zlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,7 @@ from shared.engine.attention import (
 from shared.engine.config import ModelConfig, RopeScaling
 from shared.engine.kernels import cpu_kernels
 from shared.engine.kv_cache import KVCache
+from shared.engine.parallel.sharding import ShardedWeights, check_tp, shard_config
 from shared.engine.quant import QuantizedMatrix, matmul, stack_rows
 
 Matrix = torch.Tensor | QuantizedMatrix  # float [in, out], or quantized (out, in)
@@ -68,16 +70,62 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class RandomWeights(Mapping[str, torch.Tensor]):
+    """A model's weights drawn at random (norms 1), each from a seed of its own name when it
+    is read: the same seed gives the same weights in every process, one tensor at a time."""
+
+    def __init__(self, config: ModelConfig, seed: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.seed, self.device, self.dtype = seed, device, dtype
+        h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+        layer: dict[str, tuple[int, ...]] = {
+            "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),
+            "input_layernorm": (h,), "post_attention_layernorm": (h,)}
+        if config.qkv_bias:
+            layer |= {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
+        if config.qk_norm:
+            layer |= {"q_norm": (config.head_dim,), "k_norm": (config.head_dim,)}
+        self.shapes = {"embed_tokens": (config.vocab_size, h), "norm": (h,)}
+        if not config.tie_embeddings:
+            self.shapes["lm_head"] = (config.vocab_size, h)
+        self.shapes |= {f"layers.{n}.{name}": shape for n in range(config.num_layers)
+                        for name, shape in layer.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]
+        if name.endswith("norm"):
+            return torch.ones(shape, device=self.device, dtype=self.dtype)
+        gen = torch.Generator(device=self.device).manual_seed(
+            self.seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.randn(shape, generator=gen, device=self.device, dtype=self.dtype) * 0.02
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: Weights, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None, weight_bits: int | None = None) -> None:
+                 dtype: torch.dtype | None = None, weight_bits: int | None = None,
+                 rank: int = 0, tp: int = 1) -> None:
         """`weights` by the engine's names, in any dtype and on any device: each is read once
         and placed on `device` in `dtype` (default: the embeddings'), so a lazy mapping over a
         checkpoint's files is loaded one tensor at a time. With `weight_bits` (8 or 4) the
         layers' matrices are quantized (blocks already quantized so, a GGUF's, kept as they
-        are) and the LM head is int8; activations, norms and the embedding stay float32."""
-        self.config = config
-        self.weight_bits = weight_bits
+        are) and the LM head is int8; activations, norms and the embedding stay float32.
+        With `tp` > 1 the model is rank `rank`'s share of the heads and MLP columns
+        (`shard`), and only rank 0, which samples, holds the LM head."""
+        self.config = config  # the whole model's shape
+        self.shard = shard_config(config, tp) if tp > 1 else config  # what this rank computes
+        self.weight_bits, self.rank, self.tp = weight_bits, rank, tp
+        # tp > 1: sums the ranks' partial outputs of the output and down projections
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
+        if tp > 1:
+            check_tp(config, tp, quantized=weight_bits is not None)
+            weights = ShardedWeights(weights, config, rank, tp)
         # how decode tokens attend to the pool; the model runner picks the best for its device
         self.decode_attention: DecodeAttention = gather_decode_attention
         embed = weights["embed_tokens"]
@@ -87,11 +135,13 @@ class LlamaModel:
             self._check_quantizable()
         self.embed = self._place(embed)
         self.norm = self._place(weights["norm"])
-        head = embed if config.tie_embeddings else weights["lm_head"]
+        self.lm_head: Matrix | None = None
+        if rank == 0:
+            head = embed if config.tie_embeddings else weights["lm_head"]
+            self.lm_head = (stack_rows([head], 8) if weight_bits is not None else
+                            self.embed if config.tie_embeddings else self._place(head))
+            del head
         del embed  # the checkpoint's copy, when it was cast: not held through the load
-        self.lm_head: Matrix = (stack_rows([head], 8) if weight_bits is not None else
-                                self.embed if config.tie_embeddings else self._place(head))
-        del head
         self.layers = [self._layer(weights, f"layers.{i}.") for i in range(config.num_layers)]
         inv_freq = rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         freqs = torch.outer(torch.arange(config.max_context, dtype=torch.float32), inv_freq)
@@ -137,7 +187,7 @@ class LlamaModel:
         return sum(per_layer) + size(self.lm_head) + size(self.norm)
 
     def _layer(self, w: Weights, p: str) -> LayerWeights:
-        config = self.config
+        config = self.shard
 
         def vector(name: str) -> torch.Tensor:
             tensor = w[p + name]
@@ -164,44 +214,24 @@ class LlamaModel:
 
     @classmethod
     def from_numpy(cls, config: ModelConfig, weights: Mapping[str, np.ndarray | QuantizedMatrix],
-                   device: torch.device, dtype: torch.dtype,
-                   weight_bits: int | None = None) -> LlamaModel:
+                   device: torch.device, dtype: torch.dtype, weight_bits: int | None = None,
+                   rank: int = 0, tp: int = 1) -> LlamaModel:
         return cls(config, {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
-                            for k, v in weights.items()}, device, dtype, weight_bits)
+                            for k, v in weights.items()}, device, dtype, weight_bits, rank, tp)
 
     @classmethod
     def random(cls, config: ModelConfig, seed: int, device: torch.device,
-               dtype: torch.dtype, weight_bits: int | None = None) -> LlamaModel:
-        """Random weights of the right shapes, for profiling at realistic sizes."""
-        gen = torch.Generator(device=device).manual_seed(seed)
-        h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
-
-        def rand(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=gen, device=device, dtype=dtype) * 0.02
-
-        w = {"embed_tokens": rand(config.vocab_size, h),
-             "norm": torch.ones(h, device=device, dtype=dtype)}
-        if not config.tie_embeddings:
-            w["lm_head"] = rand(config.vocab_size, h)
-        shapes: dict[str, tuple[int, ...]] = {
-            "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
-        if config.qkv_bias:
-            shapes |= {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
-        for layer in range(config.num_layers):
-            p = f"layers.{layer}."
-            w |= {p + name: rand(*shape) for name, shape in shapes.items()}
-            if config.qk_norm:
-                w |= {p + name: torch.ones(config.head_dim, device=device, dtype=dtype)
-                      for name in ("q_norm", "k_norm")}
-            w[p + "input_layernorm"] = torch.ones(h, device=device, dtype=dtype)
-            w[p + "post_attention_layernorm"] = torch.ones(h, device=device, dtype=dtype)
-        return cls(config, w, device, dtype, weight_bits)
+               dtype: torch.dtype, weight_bits: int | None = None, rank: int = 0,
+               tp: int = 1) -> LlamaModel:
+        """Random weights of the right shapes, for profiling at realistic sizes (each drawn
+        from its own seed when read, so every rank of an instance draws the same ones)."""
+        return cls(config, RandomWeights(config, seed, device, dtype), device, dtype,
+                   weight_bits, rank, tp)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
         """Hidden states ([T, hidden]) of a flattened batch; writes the new K/V into `kv`."""
-        cfg = self.config
+        cfg = self.shard
         x = F.embedding(token_ids, self.embed)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         for index, layer in enumerate(self.layers):
@@ -221,20 +251,26 @@ class LlamaModel:
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
             kv.write(index, k, v, meta.slots)
             attn = self._attention(index, q, k, v, meta, kv)
-            x = x + matmul(attn, layer.o)
+            x = x + self._reduced(matmul(attn, layer.o))
             h = F.rms_norm(x, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
             gate, up = matmul(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + matmul(F.silu(gate) * up, layer.down)
+            x = x + self._reduced(matmul(F.silu(gate) * up, layer.down))
         return F.rms_norm(x, (cfg.hidden_size,), self.norm, cfg.rms_norm_eps)
 
+    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        if self.all_reduce is not None:
+            self.all_reduce(partial)
+        return partial
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "only rank 0 samples"
         if isinstance(self.lm_head, QuantizedMatrix):
             return matmul(hidden, self.lm_head)
         return F.linear(hidden, self.lm_head).float()
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
-        out = torch.empty(q.shape[0], self.config.q_size, device=q.device, dtype=q.dtype)
+        out = torch.empty(q.shape[0], self.shard.q_size, device=q.device, dtype=q.dtype)
         for seg in meta.prefills:
             rows = slice(seg.start, seg.start + seg.length)
             out[rows] = self._prefill_attention(layer, q[rows], k[rows], v[rows], seg, kv)

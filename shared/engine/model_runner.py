@@ -15,6 +15,8 @@ from shared.engine.attention import (
 from shared.engine.config import EngineConfig, ModelConfig
 from shared.engine.kv_cache import KVCache
 from shared.engine.loader import LoadedModel
+from shared.engine.parallel.group import Command, Ranks, rank_threads
+from shared.engine.parallel.packet import pack
 from shared.engine.sampler import sample
 from shared.engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -44,24 +46,47 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank `rank`'s device: the GPUs after rank 0's in turn; the CPU for every rank."""
+    if device.type != "cuda" or rank == 0:
+        return device
+    return torch.device("cuda", ((device.index or 0) + rank) % torch.cuda.device_count())
+
+
+def load_model(config: EngineConfig, rank: int = 0) -> LoadedModel:
     """The model named in `config` (a Hugging Face directory, a GGUF, or a Llama shape with
-    random weights) on its device, in its dtype, with its tokenizer."""
-    device = resolve_device(config.device)
+    random weights) on its device, in its dtype, with its tokenizer: rank `rank`'s share of
+    it when `config.tp` > 1."""
+    device = rank_device(resolve_device(config.device), rank)
     return loader.load(config.model, config.seed, device, resolve_dtype(config.dtype, device),
-                       config.weights)
+                       config.weights, rank, config.tp)
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        """`loaded` lets several engines (roles, tests, benchmarks) share one model copy."""
-        if config.threads > 0:
-            torch.set_num_threads(config.threads)
-        self.model, self.tokenizer = loaded if loaded is not None else load_model(config)
+        """`loaded` lets several engines (roles, tests, benchmarks) share one model copy.
+        With `config.tp` > 1 this is rank 0: it starts the other ranks first (they load
+        their shares while it loads its own)."""
+        assert loaded is None or config.tp == 1, "a tensor-parallel model is loaded per rank"
+        if config.threads > 0 or config.tp > 1:
+            torch.set_num_threads(rank_threads(config))
+        self.ranks = Ranks(config, resolve_device(config.device)) if config.tp > 1 else None
+        try:
+            self.model, self.tokenizer = loaded if loaded is not None else load_model(config)
+        except BaseException:
+            self.close()
+            raise
         self.device, self.dtype = self.model.device, self.model.dtype
         self.model.decode_attention = pick_decode_attention(self.device)
-        self.kv = KVCache.from_budget(self.model.config, config.kv_cache_bytes,
+        if self.ranks is not None:
+            self.model.all_reduce = self.ranks.all_reduce
+        self.kv = KVCache.from_budget(self.model.shard, config.kv_cache_bytes,
                                       config.scheduler.block_size, self.dtype, self.device)
+
+    def close(self) -> None:
+        """Stop the other ranks (nothing to do for one rank)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     @property
     def model_config(self) -> ModelConfig:
@@ -71,6 +96,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, float | None]]:
         """Run one step; return the sampled token (and logprob) of each request that samples."""
         ids, positions, meta = self._prepare(out)
+        if self.ranks is not None:
+            self.ranks.send(Command.STEP, pack(ids, positions, meta))
         hidden = self.model.forward(ids, positions, meta, self.kv)
         rows, sampling = [], []
         row = 0
@@ -86,6 +113,33 @@ class ModelRunner:
                                   [len(c.request.output_ids) for c in sampling])
         return {c.request.request_id: (t, lp)
                 for c, t, lp in zip(sampling, tokens, logprobs, strict=True)}
+
+    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
+        """Blocks of every layer and KV head as one buffer ([layers, 2, n, block_size, kv
+        heads, head dim]): with tp > 1, each rank's heads gathered to rank 0."""
+        local = self.kv.export_blocks(block_ids)
+        if self.ranks is None:
+            return local
+        self.ranks.send(Command.EXPORT, torch.tensor(block_ids))
+        return torch.cat(self.ranks.gather(local), dim=4)
+
+    def import_kv(self, block_ids: list[int], buffer: torch.Tensor) -> None:
+        """An exported buffer into blocks `block_ids`: with tp > 1, each rank's heads sent
+        to it."""
+        if self.ranks is None:
+            self.kv.import_blocks(block_ids, buffer)
+            return
+        self.ranks.send(Command.IMPORT, torch.tensor(block_ids))
+        heads = buffer.to(self.device, self.dtype).chunk(self.ranks.collective.size, dim=4)
+        own = self.kv.empty_blocks(len(block_ids))
+        self.ranks.scatter(own, [h.contiguous() for h in heads])
+        self.kv.import_blocks(block_ids, own)
+
+    def kv_buffer(self, num_blocks: int) -> torch.Tensor:
+        """Room for `num_blocks` blocks as `export_kv` lays them out (every rank's heads)."""
+        local = self.kv.empty_blocks(num_blocks)
+        return local.new_empty((*local.shape[:4], self.model_config.num_kv_heads,
+                                local.shape[5]))
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
                                                       AttentionMetadata]:
@@ -121,9 +175,7 @@ class ModelRunner:
         tables = [c.request.block_table + [0] * (width - len(c.request.block_table))
                   for c in chunks]
         lengths = self._tensor([c.start + 1 for c in chunks])
-        keys = torch.arange(width * self.kv.block_size, device=self.device)
-        mask = (keys.unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :]
-        return DecodeGroup(start, self._tensor(tables), lengths, mask)
+        return DecodeGroup.of(start, self._tensor(tables), lengths, self.kv.block_size)
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

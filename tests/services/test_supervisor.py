@@ -156,7 +156,8 @@ def test_stop_some_children_leaves_the_others_running(tmp_path: Path) -> None:
 def test_each_worker_gets_its_own_gpu_while_there_are_enough() -> None:
     from services.launcher import assign_devices, gpu_count
 
-    assert assign_devices(3, 4) == ["cuda:0", "cuda:1", "cuda:2"]
-    assert assign_devices(3, 2) == ["cuda:0", "cuda:1", "cuda:0"]
-    assert assign_devices(2, 0) == ["", ""]
+    assert assign_devices([1, 1, 1], 4) == ["cuda:0", "cuda:1", "cuda:2"]
+    assert assign_devices([1, 1, 1], 2) == ["cuda:0", "cuda:1", "cuda:0"]
+    assert assign_devices([2, 1, 1], 4) == ["cuda:0", "cuda:2", "cuda:3"]  # tp 2: GPUs 0, 1
+    assert assign_devices([1, 1], 0) == ["", ""]
     assert gpu_count({"DS_DEVICE": "cpu"}) == 0  # the run chose the device itself

@@ -1,0 +1,104 @@
+"""Tensor parallelism on this machine: prefill latency and the decode step at each tp, side by
+side in one run, with the share of each step rank 0 spends in all-reduces (two a layer; the
+wait for the slowest rank included).
+
+    .venv/bin/python benchmarks/tensor_parallel.py                 # qwen2.5-0.5b shape, tp 1, 2
+    .venv/bin/python benchmarks/tensor_parallel.py --model smollm2-135m --tp 1 3
+
+On the CPU the instance's threads (--threads) are split between its ranks, so tp > 1 on one
+host measures what splitting the same cores costs: the all-reduces and the smaller GEMMs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from distserve.commands.bench_engine import EngineDecode, EnginePrefill
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+
+
+def timed(engine: Engine, fn: Callable[[], float], repeats: int) -> tuple[float, float]:
+    """Median ms of `fn` over `repeats` runs after a warm-up, and rank 0's median ms in
+    all-reduces a run (0 at tp 1)."""
+    fn()
+    ranks = engine.runner.ranks
+    step_ms, reduce_ms = [], []
+    for _ in range(repeats):
+        before = ranks.reduce_s if ranks else 0.0
+        step_ms.append(fn())
+        reduce_ms.append(((ranks.reduce_s if ranks else 0.0) - before) * 1e3)
+    return statistics.median(step_ms), statistics.median(reduce_ms)
+
+
+def measure(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
+    engine = Engine(config)
+    try:
+        results: dict[str, Any] = {}
+        for n in args.lengths:
+            results[f"prefill {n}"] = timed(engine, EnginePrefill(engine, n), args.repeats)
+        for b in args.batches:
+            decode = EngineDecode(engine, b, args.context, args.steps + 1)
+            results[f"decode b{b} ctx {args.context}"] = timed(engine, decode, args.steps)
+            decode.close()
+        return results
+    finally:
+        engine.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-0.5b",
+                   help="a model or random Llama shape whose KV heads every --tp divides")
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--threads", type=int, default=2, help="the instance's, split by its ranks")
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3, help="prefill runs (median)")
+    p.add_argument("--steps", type=int, default=8, help="decode steps (median)")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args()
+    console = Console()
+    figures = {}
+    for tp in args.tp:
+        console.print(f"tp {tp} ...")
+        config = EngineConfig(model=args.model, tp=tp, threads=args.threads,
+                              kv_cache_bytes=2 << 30).with_scheduler(
+            max_batch_tokens=max(args.lengths), max_running=max(args.batches))
+        figures[tp] = measure(config, args)
+    base = args.tp[0]
+    table = Table(title=f"{args.model}, {args.threads} threads per instance (ms)")
+    table.add_column("step")
+    for tp in args.tp:
+        table.add_column(f"tp {tp}", justify="right")
+        if tp != base:
+            table.add_column(f"tp {base} / tp {tp}", justify="right")
+            table.add_column(f"tp {tp} all-reduce", justify="right")
+    for step in figures[base]:
+        row = [step]
+        for tp in args.tp:
+            ms, reduce_ms = figures[tp][step]
+            row.append(f"{ms:.1f}")
+            if tp != base:
+                row += [f"{figures[base][step][0] / ms:.2f}x",
+                        f"{reduce_ms:.1f} ({reduce_ms / ms:.0%})"]
+        table.add_row(*row)
+    console.print(table)
+    if args.json:
+        args.json.write_text(json.dumps({
+            "model": args.model, "threads": args.threads,
+            "figures": {tp: {step: {"ms": ms, "all_reduce_ms": r} for step, (ms, r) in f.items()}
+                        for tp, f in figures.items()}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""The ranks of one tensor-parallel instance. Rank 0 (the engine's process) starts the other
+ranks as processes of their own, joins them in a process group of their own (gloo on the
+CPU, NCCL on GPUs; never torch's global default group, so several instances live in one
+process) and drives them one command at a time: a step's inputs, a KV export or import, stop.
+
+A rank that dies fails the instance, never hangs it: a collective on a closed connection
+raises at once, and `RankFailed` ends the engine's loop (the service exits and its requests
+fail over). Ranks die with rank 0 (the parent-death signal)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import enum
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import TypeAdapter
+from torch._C._distributed_c10d import Backend, Store, TCPStore
+
+from shared.engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+# how long a collective waits for a rank that neither answers nor dies (a rank still loading
+# its weights answers the first one late)
+TIMEOUT = timedelta(minutes=10)
+POLL_S = 0.5  # rank 0 checks its ranks' processes this often while it waits for them
+CONFIG = TypeAdapter(EngineConfig)
+
+
+class RankFailed(RuntimeError):
+    """A rank of the instance died or its collective failed: the instance cannot go on."""
+
+
+class Command(enum.IntEnum):
+    STOP = 0
+    STEP = 1  # payload: the step's packed inputs (parallel.packet)
+    EXPORT = 2  # payload: block ids; then each rank's K/V heads are gathered to rank 0
+    IMPORT = 3  # payload: block ids; then rank 0 scatters each rank's K/V heads
+
+
+@dataclass
+class Collective:
+    """One instance's process group, seen from rank `rank` of `size`. With `check`, a wait
+    for a collective wakes every POLL_S to call it (it raises where a rank has died: a dead
+    peer is not always seen by gloo's own connection at once)."""
+
+    group: Any  # a c10d Backend (gloo or NCCL): its type stubs lack the collectives
+    rank: int
+    size: int
+    check: Callable[[], None] | None = None
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` over the ranks, in place."""
+        self._wait(self.group.allreduce([tensor]))
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Rank 0's `tensor` into every rank's (same shape and dtype)."""
+        self._wait(self.group.broadcast(tensor, 0))
+
+    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor`, in rank order, on rank 0 (an empty list elsewhere)."""
+        parts = [torch.empty_like(tensor) for _ in range(self.size)] if self.rank == 0 else []
+        self._wait(self.group.gather(parts, tensor, 0))
+        return parts
+
+    def scatter(self, out: torch.Tensor, parts: list[torch.Tensor] | None = None) -> None:
+        """Rank 0's `parts[r]` into rank r's `out`."""
+        self._wait(self.group.scatter(out, parts or [], 0))
+
+    def _wait(self, work: Any) -> None:
+        if self.check is None:
+            work.wait()
+            return
+        deadline = time.monotonic() + TIMEOUT.total_seconds()
+        while True:
+            try:
+                work.wait(timedelta(seconds=POLL_S))
+                return
+            except RuntimeError:
+                # a failed collective is completed (with its error); a slice that timed out
+                # is still running: go on waiting while every rank lives
+                if work.is_completed() or time.monotonic() > deadline:
+                    raise
+                self.check()
+
+
+def connect(store: Store, rank: int, size: int, device: torch.device) -> Collective:
+    if device.type == "cuda":
+        nccl = dist.ProcessGroupNCCL
+        group: Backend = nccl(store, rank, size, nccl.Options())
+    else:
+        group = dist.ProcessGroupGloo(store, rank, size, TIMEOUT)
+    return Collective(group, rank, size)
+
+
+def rank_threads(config: EngineConfig) -> int:
+    """Torch threads a rank takes on the CPU: its share of the instance's (of the cores the
+    process may run on, when the config says 0)."""
+    total = config.threads or len(os.sched_getaffinity(0))
+    return max(1, total // config.tp)
+
+
+def receive(collective: Collective) -> tuple[Command, torch.Tensor]:
+    """A rank's next command from rank 0 and its payload."""
+    header = torch.empty(2, dtype=torch.long)
+    collective.broadcast(header)
+    command, length = Command(int(header[0])), int(header[1])
+    payload = torch.empty(length, dtype=torch.long)
+    if length:
+        collective.broadcast(payload)
+    return command, payload
+
+
+class Ranks:
+    """Rank 0's handle on the other ranks of its instance: their processes and the group."""
+
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        size = config.tp
+        store = TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                              timeout=TIMEOUT)
+        blob = CONFIG.dump_json(config).decode()
+        self.processes = [subprocess.Popen(
+            [sys.executable, "-m", "shared.engine.parallel.rank", "--rank", str(rank),
+             "--port", str(store.port), "--parent", str(os.getpid()), "--config", blob])
+            for rank in range(1, size)]
+        self._finalizer = weakref.finalize(self, _kill, self.processes)
+        try:
+            self.collective = connect(store, 0, size, device)
+            self.collective.check = self.check
+        except RuntimeError as e:
+            self.close()
+            raise RankFailed(f"the ranks of a tp {size} instance did not connect: {e}") from e
+        self.store = store  # rank 0 hosts it: kept for the group's life
+        self.reduce_s = 0.0  # rank 0's seconds in all-reduces (waiting for the slowest rank
+        self.reduces = 0  # included), and how many: the share of a step they take
+
+    def send(self, command: Command, payload: torch.Tensor | None = None) -> None:
+        payload = torch.empty(0, dtype=torch.long) if payload is None else payload
+        with self._guarded():
+            self.check()
+            self.collective.broadcast(torch.tensor([int(command), payload.numel()]))
+            if payload.numel():
+                self.collective.broadcast(payload)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        started = time.perf_counter()
+        with self._guarded():
+            self.collective.all_reduce(tensor)
+        self.reduce_s += time.perf_counter() - started
+        self.reduces += 1
+
+    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        with self._guarded():
+            return self.collective.gather(tensor)
+
+    def scatter(self, out: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        with self._guarded():
+            self.collective.scatter(out, parts)
+
+    def check(self) -> None:
+        """RankFailed if a rank's process has exited."""
+        dead = self._dead()
+        if dead:
+            raise RankFailed(dead)
+
+    def _dead(self) -> str:
+        return ", ".join(f"rank {rank} exited with {p.poll()}"
+                         for rank, p in enumerate(self.processes, start=1)
+                         if p.poll() is not None)
+
+    @contextlib.contextmanager
+    def _guarded(self) -> Iterator[None]:
+        """A failed collective as RankFailed, naming the ranks that exited."""
+        try:
+            yield
+        except RankFailed:
+            raise
+        except RuntimeError as e:
+            raise RankFailed(f"{self._dead() or 'a collective failed'}: {e}") from e
+
+    def close(self) -> None:
+        """Stop the ranks: a STOP each will read, then a kill for any still running."""
+        if all(p.poll() is None for p in self.processes) and hasattr(self, "collective"):
+            with contextlib.suppress(RankFailed):  # one is gone: the rest are killed below
+                self.send(Command.STOP)
+            for process in self.processes:
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    log.warning("rank %d did not stop: killing it", process.pid)
+        self._finalizer()
+
+
+def _kill(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def die_with_parent(parent: int) -> None:
+    """Linux: SIGKILL this process when its parent dies (a killed rank 0 leaves no ranks)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(1)

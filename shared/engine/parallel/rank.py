@@ -1,0 +1,85 @@
+"""A rank other than 0 of a tensor-parallel instance: its share of the model and of the KV
+pool (the same block ids as every rank's), running each step rank 0 sends it. Started by
+`Ranks` as `python -m shared.engine.parallel.rank`; not a command for people."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import torch
+from torch._C._distributed_c10d import TCPStore
+
+from shared.engine.attention import pick_decode_attention
+from shared.engine.config import EngineConfig
+from shared.engine.kv_cache import KVCache
+from shared.engine.model_runner import load_model, resolve_device
+from shared.engine.parallel.group import (
+    CONFIG,
+    TIMEOUT,
+    Collective,
+    Command,
+    connect,
+    die_with_parent,
+    rank_threads,
+    receive,
+)
+from shared.engine.parallel.packet import unpack
+
+log = logging.getLogger(__name__)
+
+
+class RankWorker:
+    def __init__(self, config: EngineConfig, collective: Collective) -> None:
+        self.collective = collective
+        self.model, _ = load_model(config, collective.rank)
+        self.model.decode_attention = pick_decode_attention(self.model.device)
+        self.model.all_reduce = collective.all_reduce
+        self.kv = KVCache.from_budget(self.model.shard, config.kv_cache_bytes,
+                                      config.scheduler.block_size, self.model.dtype,
+                                      self.model.device)
+
+    @torch.inference_mode()
+    def serve(self) -> None:
+        """Run rank 0's commands until it says stop."""
+        while True:
+            command, payload = receive(self.collective)
+            if command is Command.STOP:
+                return
+            if command is Command.STEP:
+                ids, positions, meta = unpack(payload, self.kv.block_size, self.model.device)
+                self.model.forward(ids, positions, meta, self.kv)
+            elif command is Command.EXPORT:
+                self.collective.gather(self.kv.export_blocks(payload.tolist()))
+            elif command is Command.IMPORT:
+                buffer = self.kv.empty_blocks(payload.numel())
+                self.collective.scatter(buffer)
+                self.kv.import_blocks(payload.tolist(), buffer)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--parent", type=int, required=True)
+    parser.add_argument("--config", required=True, help="the instance's EngineConfig as JSON")
+    args = parser.parse_args()
+    die_with_parent(args.parent)
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s rank {args.rank} %(levelname)s %(message)s")
+    config = CONFIG.validate_json(args.config)
+    torch.set_num_threads(rank_threads(config))
+    store = TCPStore("127.0.0.1", args.port, config.tp, is_master=False,
+                                       timeout=TIMEOUT)
+    collective = connect(store, args.rank, config.tp, resolve_device(config.device))
+    try:
+        worker = RankWorker(config, collective)
+    except ValueError as e:  # rank 0 meets the same reason and reports it
+        log.error("cannot load its share of %s: %s", config.model, e)
+        sys.exit(2)
+    worker.serve()
+
+
+if __name__ == "__main__":
+    main()

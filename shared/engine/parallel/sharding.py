@@ -1,0 +1,93 @@
+"""Which part of each weight a tensor-parallel rank holds (pure).
+
+Megatron's split of a Llama layer: Q/K/V and gate/up by output rows (each rank computes its
+own query and KV heads and its own slice of the MLP), the output and down projections by
+input columns (each rank's partial sums are added by one all-reduce after each). Norms and
+the embedding are whole on every rank; the LM head only on rank 0, which samples."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from shared.engine.config import ModelConfig
+from shared.engine.quant import BLOCK, QuantizedMatrix
+
+Tensor = torch.Tensor | QuantizedMatrix
+
+
+def check_tp(config: ModelConfig, tp: int, quantized: bool = False) -> None:
+    """ValueError unless `tp` ranks can split `config` evenly (and, for quantized weights,
+    at the quantization blocks)."""
+    if tp < 1:
+        raise ValueError(f"tensor parallelism needs at least 1 rank, not {tp}")
+    for what, count in (("KV heads", config.num_kv_heads), ("query heads", config.num_heads),
+                        ("MLP columns", config.intermediate_size)):
+        if count % tp:
+            raise ValueError(f"{config.name} has {count} {what}: tp {tp} does not divide them")
+    if quantized:
+        for what, width in (("query", config.q_size // tp),
+                            ("MLP", config.intermediate_size // tp)):
+            if width % BLOCK:
+                raise ValueError(f"quantized weights at tp {tp}: a rank's {what} columns "
+                                 f"({width}) are not whole blocks of {BLOCK}")
+
+
+def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
+    """The shape one of `tp` ranks computes: its share of the heads and MLP columns."""
+    check_tp(config, tp)
+    return dataclasses.replace(config, num_heads=config.num_heads // tp,
+                               num_kv_heads=config.num_kv_heads // tp,
+                               intermediate_size=config.intermediate_size // tp)
+
+
+def _split(config: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:
+    """Weight name (its last part) -> (dimension split, width of one rank's part)."""
+    q, kv, mlp = config.q_size // tp, config.kv_size // tp, config.intermediate_size // tp
+    return {"q_proj": (0, q), "k_proj": (0, kv), "v_proj": (0, kv),
+            "q_bias": (0, q), "k_bias": (0, kv), "v_bias": (0, kv),
+            "gate_proj": (0, mlp), "up_proj": (0, mlp),
+            "o_proj": (1, q), "down_proj": (1, mlp)}
+
+
+def narrow(tensor: Tensor, dim: int, start: int, width: int) -> Tensor:
+    """`width` rows (dim 0) or input columns (dim 1) of an (out, in) weight from `start`."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.narrow(dim, start, width)
+    if dim == 0:
+        return tensor.rows(torch.arange(start, start + width))
+    assert start % BLOCK == 0 and width % BLOCK == 0, "checked by check_tp"
+    per_block = BLOCK * tensor.bits // 8
+    blocks = slice(start // BLOCK, (start + width) // BLOCK)
+    return QuantizedMatrix(
+        tensor.bits,
+        tensor.qweight[:, blocks.start * per_block:blocks.stop * per_block].contiguous(),
+        tensor.scales[:, blocks].contiguous(),
+        None if tensor.mins is None else tensor.mins[:, blocks].contiguous())
+
+
+class ShardedWeights(Mapping[str, Tensor]):
+    """Rank `rank`'s part of each weight of `weights` (by the engine's names), cut as it is
+    read, so a lazy mapping over a checkpoint is still read one tensor at a time."""
+
+    def __init__(self, weights: Mapping[str, Tensor], config: ModelConfig, rank: int,
+                 tp: int) -> None:
+        check_tp(config, tp)
+        self.weights, self.rank = weights, rank
+        self.split = _split(config, tp)
+
+    def __getitem__(self, name: str) -> Tensor:
+        tensor = self.weights[name]
+        how = self.split.get(name.rsplit(".", 1)[-1])
+        if how is None:
+            return tensor
+        dim, width = how
+        return narrow(tensor, dim, self.rank * width, width)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)

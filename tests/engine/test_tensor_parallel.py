@@ -1,0 +1,251 @@
+"""Tensor parallelism: a model split over ranks (real processes, gloo) generates exactly the
+tokens of the whole model, batched, joining mid-way and across a KV move between instances of
+different tp; a rank that dies fails its instance at once, and ranks die with rank 0."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment
+from shared.engine.config import EngineConfig, ModelConfig, Role
+from shared.engine.engine import Engine
+from shared.engine.loader import LoadedModel, load
+from shared.engine.parallel.group import RankFailed
+from shared.engine.parallel.packet import pack, unpack
+from shared.engine.parallel.sharding import ShardedWeights, check_tp, narrow, shard_config
+from shared.engine.quant import quantize
+from shared.engine.request import Request, SamplingParams
+from tests.engine.conftest import NEW_TOKENS
+from tests.model_dirs import write_random
+
+CPU = torch.device("cpu")
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS)
+KV = 32 << 20
+
+
+# -- pure: how weights split, and the step packet ------------------------------------------
+
+def test_a_tp_that_does_not_divide_the_heads_is_refused() -> None:
+    smollm2 = ModelConfig(
+        name="smollm2", vocab_size=10, hidden_size=576, intermediate_size=1536, num_layers=1,
+        num_heads=9, num_kv_heads=3, head_dim=64)
+    assert shard_config(smollm2, 3).num_heads == 3
+    with pytest.raises(ValueError, match="3 KV heads: tp 2"):
+        check_tp(smollm2, 2)
+    narrow_heads = dataclasses.replace(smollm2, num_heads=8, num_kv_heads=8, head_dim=8)
+    check_tp(narrow_heads, 4)
+    with pytest.raises(ValueError, match="query columns"):  # 64 / 4 = 16: half a block
+        check_tp(narrow_heads, 4, quantized=True)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_ranks_parts_make_up_each_weight(tp: int) -> None:
+    config = ModelConfig(
+        name="t", vocab_size=64, hidden_size=256, intermediate_size=512, num_layers=1,
+        num_heads=8, num_kv_heads=4, head_dim=32, tie_embeddings=False)
+    full = {"layers.0.q_proj": torch.randn(256, 256), "layers.0.k_proj": torch.randn(128, 256),
+            "layers.0.o_proj": torch.randn(256, 256), "layers.0.down_proj": torch.randn(256, 512),
+            "layers.0.input_layernorm": torch.randn(256)}
+    shards = [ShardedWeights(full, config, rank, tp) for rank in range(tp)]
+    for name, dim in (("q_proj", 0), ("k_proj", 0), ("o_proj", 1), ("down_proj", 1)):
+        parts = [s[f"layers.0.{name}"] for s in shards]
+        assert torch.equal(torch.cat(parts, dim), full[f"layers.0.{name}"])  # type: ignore
+    assert all(s["layers.0.input_layernorm"] is full["layers.0.input_layernorm"] for s in shards)
+    # quantized: a rank's input columns are whole blocks, the same blocks as the whole matrix's
+    q = quantize(full["layers.0.down_proj"], 4)
+    parts = [narrow(q, 1, rank * 512 // tp, 512 // tp) for rank in range(tp)]
+    assert torch.equal(torch.cat([p.dequantize() for p in parts], 1), q.dequantize())
+
+
+def test_a_step_packet_unpacks_to_the_same_inputs() -> None:
+    ids, positions = torch.tensor([5, 6, 7, 8, 9, 10]), torch.tensor([0, 1, 2, 4, 9, 30])
+    meta = AttentionMetadata(
+        slots=torch.tensor([16, 17, 18, 36, 41, 62]),
+        prefills=[PrefillSegment(0, 3, 0, torch.empty(0, dtype=torch.long)),
+                  PrefillSegment(3, 1, 4, torch.tensor([2]))],
+        decode=DecodeGroup.of(4, torch.tensor([[2, 0], [3, 1]]), torch.tensor([10, 31]), 16))
+    got_ids, got_positions, got = unpack(pack(ids, positions, meta), 16, CPU)
+    assert torch.equal(got_ids, ids) and torch.equal(got_positions, positions)
+    assert torch.equal(got.slots, meta.slots)
+    assert [(s.start, s.length, s.cached, s.block_table.tolist()) for s in got.prefills] == \
+        [(0, 3, 0, []), (3, 1, 4, [2])]
+    assert got.decode is not None and meta.decode is not None
+    for field in ("block_tables", "context_lens", "mask"):
+        assert torch.equal(getattr(got.decode, field), getattr(meta.decode, field))
+    assert got.decode.start == 4
+
+
+# -- real ranks --------------------------------------------------------------------------
+
+def staggered(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    """Continuous batching: prompt i joins at step 2i, while the earlier ones decode."""
+    requests: list[Request] = []
+    step = 0
+    while len(requests) < len(prompts) or engine.has_work():
+        if len(requests) < len(prompts) and step % 2 == 0:
+            requests.append(engine.add_request(f"s{len(requests)}", prompts[len(requests)],
+                                               GREEDY))
+        engine.step()
+        step += 1
+    return [r.output_ids for r in requests]
+
+
+@pytest.fixture(scope="module")
+def tp3() -> Iterator[Engine]:
+    engine = Engine(EngineConfig(tp=3, kv_cache_bytes=KV))
+    yield engine
+    engine.close()
+
+
+@pytest.mark.slow
+def test_smollm2_at_tp3_generates_the_tokens_of_tp1(
+        tp3: Engine, loaded: LoadedModel, prompt_ids: list[list[int]]) -> None:
+    whole = Engine(EngineConfig(kv_cache_bytes=KV), loaded)
+    expected = [r.output_ids for r in whole.generate(prompt_ids, GREEDY)]
+    assert tp3.runner.model.shard.num_heads == 3 and tp3.runner.model.shard.num_kv_heads == 1
+    assert [r.output_ids for r in tp3.generate(prompt_ids, GREEDY)] == expected
+    assert staggered(tp3, prompt_ids) == expected
+    assert tp3.blocks.num_free == tp3.blocks.num_blocks
+
+
+@pytest.fixture(scope="module")
+def eight_heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Random 8-head models (8 KV heads: tp 2, 4 and 8 divide them)."""
+    root = tmp_path_factory.mktemp("tp")
+    shape = dict(num_attention_heads=8, num_key_value_heads=8, head_dim=8)
+    return {arch: write_random(root / arch, arch, **shape) for arch in ("llama", "qwen2")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "tp"), [("qwen2", 2), ("llama", 4)])
+def test_random_eight_head_models_split_over_ranks_generate_as_whole(
+        eight_heads: dict[str, Path], arch: str, tp: int) -> None:
+    """Qwen2's Q/K/V biases split with their heads; Llama's untied LM head stays on rank 0."""
+    model = str(eight_heads[arch])
+    prompts = [[(i * 7919 + j * 104729) % 49000 + 100 for j in range(5 + 3 * i)]
+               for i in range(8)]
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    whole = Engine(EngineConfig(model=model, kv_cache_bytes=KV), load(model, 0, CPU,
+                                                                       torch.float32))
+    expected = [r.output_ids for r in whole.generate(prompts, params)]
+    assert len({tuple(t) for t in expected}) == 8  # not one degenerate continuation
+    split = Engine(EngineConfig(model=model, tp=tp, kv_cache_bytes=KV))
+    try:
+        assert [r.output_ids for r in split.generate(prompts, params)] == expected
+    finally:
+        split.close()
+
+
+def move(prefill: Engine, decode: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    """Prefill every prompt on `prefill`, move its KV to `decode` and decode it there."""
+    for i, ids in enumerate(prompts):
+        prefill.add_request(f"m{i}", ids, GREEDY)
+    while prefill.scheduler.waiting:
+        prefill.step()
+    moved = []
+    for i, ids in enumerate(prompts):
+        parked = prefill.scheduler.parked[f"m{i}"]
+        blocks = decode.allocate(len(ids))
+        assert blocks is not None
+        request = Request(parked.request_id, ids, GREEDY, eos_ids=decode.eos_ids,
+                          output_ids=list(parked.output_ids))
+        decode.admit_imported(request, blocks, prefill.export_kv(parked.request_id))
+        prefill.release(parked.request_id)
+        moved.append(request)
+    while decode.has_work():
+        decode.step()
+    return [r.output_ids for r in moved]
+
+
+@pytest.mark.slow
+def test_kv_moves_between_instances_of_different_tp(
+        loaded: LoadedModel, prompt_ids: list[list[int]]) -> None:
+    """A tp 3 prefill instance's KV (each rank's heads gathered) decodes on a tp 1 instance,
+    and a tp 1 instance's on a tp 3 one (each rank sent its heads): the tokens of tp 1."""
+    config = EngineConfig(kv_cache_bytes=KV)
+    whole = Engine(config, loaded)
+    expected = [r.output_ids for r in whole.generate(prompt_ids, GREEDY)]
+    one = {role: Engine(config.with_scheduler(role=role), loaded)
+           for role in (Role.PREFILL, Role.DECODE)}
+    for prefill_role, decode_role in ((Role.PREFILL, None), (None, Role.DECODE)):
+        role = prefill_role or decode_role
+        three = Engine(dataclasses.replace(config, tp=3).with_scheduler(role=role))
+        try:
+            prefill = three if prefill_role else one[Role.PREFILL]
+            decode = three if decode_role else one[Role.DECODE]
+            assert move(prefill, decode, prompt_ids) == expected
+            assert three.blocks.num_free == three.blocks.num_blocks
+        finally:
+            three.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["between steps", "during a step"])
+def test_a_rank_that_dies_fails_its_instance_at_once(when: str) -> None:
+    engine = Engine(EngineConfig(model="tiny", tp=2, kv_cache_bytes=1 << 20))
+    try:
+        assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].output_ids
+        (rank1,) = engine.runner.ranks.processes  # type: ignore[union-attr]
+        if when == "between steps":
+            rank1.kill()
+            rank1.wait()
+        else:  # stopped: it takes the step's inputs, then never answers the all-reduce
+            rank1.send_signal(signal.SIGSTOP)
+            threading.Timer(1.0, rank1.kill).start()
+        engine.add_request("after", [1, 2, 3], SamplingParams(max_tokens=4))
+        started = time.monotonic()
+        with pytest.raises(RankFailed, match="rank 1 exited with -9"):
+            engine.step()
+        assert time.monotonic() - started < 60  # seen, not gloo's 10-minute timeout
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_a_model_the_tp_cannot_split_is_refused_by_every_rank() -> None:
+    with pytest.raises(ValueError, match="tiny has 2 KV heads: tp 3 does not divide them"):
+        Engine(EngineConfig(model="tiny", tp=3, kv_cache_bytes=1 << 20))
+
+
+RANK0 = """
+import sys
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+engine = Engine(EngineConfig(model="tiny", tp=2, kv_cache_bytes=1 << 20))
+print(*(p.pid for p in engine.runner.ranks.processes), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.slow
+def test_the_ranks_die_with_rank_0() -> None:
+    rank0 = subprocess.Popen([sys.executable, "-c", RANK0], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert rank0.stdout is not None
+    pids = [int(p) for p in rank0.stdout.readline().split()]
+    assert len(pids) == 1 and all(alive(p) for p in pids)
+    rank0.send_signal(signal.SIGKILL)
+    rank0.wait()
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped by init, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
