@@ -299,7 +299,7 @@ class Worker:
                             free_blocks=blocks.num_free, total_blocks=blocks.num_blocks,
                             draining=self.draining, max_request_tokens=capacity,
                             chunked=self.role == "colocated" and scheduler.config.chunked_prefill,
-                            weights=self.engine.config.weights,
+                            weights=self.engine.config.weights, tp=self.engine.config.tp,
                             max_running=scheduler.config.max_running, steps=self.host.steps,
                             step_seconds=self.host.step_s, step_cpu_seconds=self.host.step_cpu_s,
                             step_queued_seconds=self.host.step_queued_s,
@@ -352,7 +352,9 @@ class Worker:
         named = {"engine loop": self.host.run(self.on_outputs)}
         named |= {f"background {i}": c for i, c in enumerate(self.background())}
         tasks = [asyncio.create_task(c, name=n) for n, c in named.items()]
-        log.info("%s %s ready (%s weights)", self.role, self.id, self.engine.config.weights)
+        config = self.engine.config
+        log.info("%s %s ready (%s weights%s)", self.role, self.id, config.weights,
+                 f", tp {config.tp}" if config.tp > 1 else "")
         ending = asyncio.create_task(self._drain_after(stop, registry, redis), name="drain")
         done, _ = await asyncio.wait([ending, *tasks], return_when=asyncio.FIRST_COMPLETED)
         failed = next((t for t in done if t is not ending), None)

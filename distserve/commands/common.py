@@ -14,7 +14,8 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, tp: bool = True) -> None:
+    """The engine's flags; `tp`: with --tp (a command taking several tps defines its own)."""
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default="smollm2-135m",
                        help="built-in model name, path to a .gguf, a Hugging Face model "
@@ -32,10 +33,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--threads", type=int, default=0,
                        help="torch threads, shared by the ranks with --tp (0: torch's default; "
                             "with --tp, the cores this process may use)")
-    group.add_argument("--tp", type=positive_int, default=1,
-                       help="tensor-parallel ranks: processes splitting each layer's heads and "
-                            "MLP columns (gloo on the CPU, NCCL and one GPU each on GPUs); "
-                            "must divide the model's KV heads (default: %(default)s)")
+    if tp:
+        group.add_argument("--tp", type=positive_int, default=1,
+                           help="tensor-parallel ranks: processes splitting each layer's heads "
+                                "and MLP columns (gloo on the CPU, NCCL and one GPU each on "
+                                "GPUs); must divide the model's KV heads (default: %(default)s)")
     group.add_argument("--kv-cache-mb", type=positive_int, default=256,
                        help="memory budget of the paged KV pool in MiB (default: %(default)s)")
     group.add_argument("--block-size", type=positive_int, default=16,
@@ -44,6 +46,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                          weights=args.weights, threads=args.threads, tp=args.tp,
+                          weights=args.weights, threads=args.threads,
+                          tp=getattr(args, "tp", 1),
                           kv_cache_bytes=args.kv_cache_mb << 20)
     return config.with_scheduler(block_size=args.block_size)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.progress import Progress
 
-from distserve.commands.common import add_engine_args, engine_config
+from distserve.commands.common import add_engine_args, engine_config, positive_int
+from services.planner.latency import PhaseCoefficients
 from services.planner.profiles import save_profile
 from services.planner.profiling import Grid, profile_engine
 
@@ -18,29 +20,46 @@ def register(sub: Any) -> None:
     p = sub.add_parser("profile", help="profile the engine and fit the latency model",
                        description="Run the engine over prefill and decode grids, fit the "
                                    "paper's latency model (Appendix A) and write a profile.")
-    p.add_argument("--tp", type=int, default=1, help="tensor parallelism (only 1 so far)")
+    p.add_argument("--tp", type=positive_int, nargs="+", default=[1],
+                   help="tensor parallelism: profile each of these (an instance of that many "
+                        "ranks, the threads split between them) into one profile, for the "
+                        "planner to weigh (default: 1)")
     p.add_argument("--quick", action="store_true", help="a smaller grid (about a minute)")
     p.add_argument("--output", "-o", type=Path, help="profile file to write "
                    "(default: profiles/<model>-<device>.json)")
-    add_engine_args(p)
+    add_engine_args(p, tp=False)
     p.set_defaults(parser=p, run=run, kv_cache_mb=2048)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if args.tp != 1:
-        parser.error("--tp > 1 needs a multi-device engine, which this build does not have")
     console = Console()
+    profiles = []
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("profiling", total=None)
-        try:
-            profile = profile_engine(engine_config(args), Grid.quick() if args.quick else Grid(),
-                                     lambda what: bar.update(task, description=what))
-        except ValueError as e:
-            parser.error(str(e))
+        for tp in args.tp:
+            def progress(what: str, tp: int = tp) -> None:
+                bar.update(task, description=f"tp {tp}: {what}")
+
+            try:
+                profiles.append(profile_engine(dataclasses.replace(engine_config(args), tp=tp),
+                                               Grid.quick() if args.quick else Grid(), progress))
+            except ValueError as e:
+                parser.error(str(e))
+    profile = dataclasses.replace(profiles[0], by_tp={
+        tp: co for p in profiles for tp, co in p.by_tp.items()})
     out = args.output or Path("profiles") / f"{profile.model.name}-{profile.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     save_profile(profile, out)
-    co = profile.by_tp[1]
+    for tp, co in sorted(profile.by_tp.items()):
+        console.print(f"tp {tp}:")
+        print_coefficients(console, co)
+    for key, value in profile.fit.items():
+        console.print(f"  {key}: {value:.3f}")
+    console.print(f"L_m = {profile.l_m} tokens; wrote {out}")
+    return 0
+
+
+def print_coefficients(console: Console, co: PhaseCoefficients) -> None:
     console.print(f"prefill ms = {co.prefill[0]:.3f} + {co.prefill[1]:.4g}*sum(l) + "
                   f"{co.prefill[2]:.3g}*sum(l^2)")
     for label, (a, b, c) in (("decode ms (B small)", co.decode_small),
@@ -48,7 +67,3 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         console.print(f"{label} = {a:.3f} + {b:.4g}*sum(ctx) + {c:.4g}*B")
     if co.decode_threshold < 1 << 30:
         console.print(f"  large-batch regime from B = {co.decode_threshold}")
-    for key, value in profile.fit.items():
-        console.print(f"  {key}: {value:.3f}")
-    console.print(f"L_m = {profile.l_m} tokens; wrote {out}")
-    return 0

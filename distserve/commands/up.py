@@ -55,6 +55,11 @@ def register(sub: Any) -> None:
     p.add_argument("--decode-tp", type=int, default=0, metavar="N",
                    help="the decode instances' ranks (default: --tp); KV moves between "
                         "instances of any tp")
+    p.add_argument("--plan", type=Path, metavar="PLAN_JSON",
+                   help="start exactly the instances of a plan written by `distserve plan -o`: "
+                        "its mode and each phase's instance count and tp (these override "
+                        "--mode, --prefill, --decode, --replicas, --chunked-prefill and the tp "
+                        "flags)")
     p.add_argument("--kv-cache-mb", type=int, default=256,
                    help="KV pool per worker, per rank with --tp (MiB)")
     p.add_argument("--run-dir", type=Path, default=Path("runs"), help="logs and traces")
@@ -104,7 +109,34 @@ def api_keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[
     return [*(args.api_key or []), *file_keys]
 
 
+def apply_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The instances of the plan file `args.plan`, as if given by flags."""
+    from pydantic import ValidationError
+
+    from services.planner.plan import Plan
+
+    try:
+        plan = Plan.model_validate_json(args.plan.read_text())
+    except (OSError, ValidationError) as e:
+        parser.error(f"--plan {args.plan}: not a plan from `distserve plan -o`: {e}")
+    phases = [p for p in (plan.prefill, plan.decode, plan.colocated) if p is not None]
+    if any(p.pp > 1 for p in phases):
+        parser.error(f"--plan {args.plan}: its instances use pipeline parallelism "
+                     f"(pp {max(p.pp for p in phases)}), which the engine does not run yet")
+    if plan.mode == "disaggregated":
+        assert plan.prefill is not None and plan.decode is not None
+        args.mode, args.prefill, args.decode = "disaggregated", plan.prefill.count, \
+            plan.decode.count
+        args.prefill_tp, args.decode_tp = plan.prefill.tp, plan.decode.tp
+    else:
+        assert plan.colocated is not None
+        args.mode, args.replicas, args.tp = "colocated", plan.colocated.count, plan.colocated.tp
+        args.chunked_prefill = plan.mode == "chunked"
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.plan is not None:
+        apply_plan(args, parser)
     if min(args.prefill, args.decode, args.replicas) < 1:
         parser.error("--prefill, --decode and --replicas must be at least 1")
     if args.tp < 1 or min(args.prefill_tp, args.decode_tp) < 0:

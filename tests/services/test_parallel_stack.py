@@ -13,11 +13,14 @@ from pathlib import Path
 import openai
 import psutil
 import pytest
+from redis import Redis
 
 from services.launcher import Stack
+from shared import subjects
 from shared.engine.block_manager import blocks_for
 from shared.engine.engine import Engine
 from shared.engine.kv_cache import block_bytes
+from shared.state import InstanceInfo
 from tests.services.conftest import greedy, metric, start_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -72,5 +75,12 @@ def test_instances_of_different_tp_serve_the_single_process_text(
             tp = 3 if child.name.startswith("prefill") == (tp_stack.config.prefill_tp == 3) \
                 else 1
             assert len(ranks) == tp - 1, child.name
+    # the registry tells each instance's tp (the planner and `plan --live` read it there)
+    with Redis.from_url(tp_stack.env["DS_REDIS_URL"]) as redis:
+        registered = {role: [InstanceInfo.model_validate_json(redis.get(
+            subjects.instance_key(i.decode())) or b"{}").tp
+            for i in redis.smembers(subjects.role_set(role))] for role in ("prefill", "decode")}
+    assert registered == {"prefill": [tp_stack.config.prefill_tp],
+                          "decode": [tp_stack.config.decode_tp]}
     logs = {c.name: Path(c.log).read_text() for c in tp_stack.children}
     assert all("Traceback" not in text for text in logs.values())

@@ -1,0 +1,69 @@
+"""`distserve up --plan`: the instances of a plan written by `distserve plan`, with each
+phase's tp, as the stack's own flags would give them; a plan the engine cannot run is refused
+with the reason."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distserve.cli import build_parser
+from distserve.commands.up import apply_plan
+
+PROFILE = Path(__file__).parents[2] / "profiles" / "smollm2-135m-cpu-1thread.json"
+
+
+def tp3_profile(path: Path) -> Path:
+    """The shipped profile, plus tp 3 at a third of tp 1's times (as `distserve profile --tp
+    1 3` would measure on three devices that split the work evenly)."""
+    profile = json.loads(PROFILE.read_text())
+    one = profile["configs"]["1"]
+    profile["configs"]["3"] = {k: [c / 3 for c in v] if isinstance(v, list) else v
+                               for k, v in one.items()}
+    path.write_text(json.dumps(profile))
+    return path
+
+
+def parsed(*argv: str) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+    args = build_parser().parse_args(["up", *argv])
+    return args, args.parser
+
+
+def test_up_takes_the_plans_instances_and_their_tp(tmp_path: Path) -> None:
+    plan_file = tmp_path / "plan.json"
+    # 512-token prompts within 0.6 s: only a tp 3 prefill instance (about 0.3 s) makes it
+    planned = subprocess.run(
+        [sys.executable, "-m", "distserve.cli", "plan", "--profile",
+         str(tp3_profile(tmp_path / "profile.json")), "--workload", "fixed:512:16", "--ttft",
+         "0.6", "--tpot", "0.5", "--rate", "0.5", "--nodes", "1", "--gpus-per-node", "4",
+         "--mode", "disaggregated", "--requests", "200", "--workers", "1", "-o",
+         str(plan_file)], capture_output=True, text=True, timeout=300)
+    assert planned.returncode == 0, planned.stderr
+    args, parser = parsed("--plan", str(plan_file), "--mode", "colocated", "--prefill", "5")
+    apply_plan(args, parser)
+    assert (args.mode, args.prefill, args.decode) == ("disaggregated", 1, 1)
+    assert (args.prefill_tp, args.decode_tp) == (3, 1)
+
+
+def test_a_plan_the_engine_cannot_run_is_refused(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    plan = {"model": "smollm2-135m", "algorithm": "high-affinity", "rate_rps": 1.0,
+            "ttft_s": 1.0, "tpot_s": 0.1, "attainment_target": 0.9, "nodes": 1,
+            "gpus_per_node": 4, "prefill": {"tp": 1, "pp": 2, "count": 1, "goodput_rps": 1},
+            "decode": {"tp": 1, "pp": 1, "count": 1, "goodput_rps": 1}, "instances": [],
+            "devices_used": 3, "per_device_goodput_rps": 1, "predicted_attainment": 1}
+    (tmp_path / "pp.json").write_text(json.dumps(plan))
+    (tmp_path / "junk.json").write_text("{}")
+    for name, reason in (("pp.json", "pipeline parallelism (pp 2)"),
+                         ("junk.json", "not a plan from `distserve plan -o`"),
+                         ("missing.json", "not a plan")):
+        args, parser = parsed("--plan", str(tmp_path / name))
+        with pytest.raises(SystemExit) as exit_:
+            apply_plan(args, parser)
+        assert exit_.value.code == 2
+        assert reason in capsys.readouterr().err
