@@ -120,9 +120,12 @@ class StackConfig:
     weights: str = "auto"  # every worker's weight format (see shared.engine.quant) ...
     prefill_weights: str = ""  # ... unless its role's is given: an fp32 prefill instance
     decode_weights: str = ""  # may hand its KV to an int4 decode instance
-    tp: int = 1  # every worker's tensor-parallel ranks ...
-    prefill_tp: int = 0  # ... unless its role's is given (0: not given)
+    tp: int = 1  # every worker's tensor-parallel ranks and pipeline stages ...
+    pp: int = 1
+    prefill_tp: int = 0  # ... unless its role's are given (0: not given)
     decode_tp: int = 0
+    prefill_pp: int = 0
+    decode_pp: int = 0
     kv_cache_mb: int = 256
     chunked_prefill: bool = False
     planner: bool = False  # run the workload profiler and the planner (which may switch modes)
@@ -134,8 +137,9 @@ class StackConfig:
         for name in (self.weights, self.prefill_weights, self.decode_weights):
             if name:
                 weight_bits(name)  # an unknown format: ValueError
-        if min(self.tp, self.prefill_tp or 1, self.decode_tp or 1) < 1:
-            raise ValueError("tensor parallelism needs at least 1 rank an instance")
+        if min(self.tp, self.pp, self.prefill_tp or 1, self.decode_tp or 1,
+               self.prefill_pp or 1, self.decode_pp or 1) < 1:
+            raise ValueError("an instance has at least 1 rank and 1 stage")
         for key in self.api_keys:
             if not key or "," in key or any(ch.isspace() for ch in key):
                 raise ValueError("an API key must be non-empty, without commas or whitespace")
@@ -146,6 +150,9 @@ class StackConfig:
 
     def tp_for(self, role: str) -> int:
         return {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role, 0) or self.tp
+
+    def pp_for(self, role: str) -> int:
+        return {"prefill": self.prefill_pp, "decode": self.decode_pp}.get(role, 0) or self.pp
 
 
 class Stack:
@@ -205,10 +212,11 @@ class Stack:
         workers = ([("colocated", i) for i in range(c.replicas)] if c.mode == "colocated"
                    else [("prefill", i) for i in range(c.prefill)]
                    + [("decode", i) for i in range(c.decode)])
-        devices = assign_devices([c.tp_for(role) for role, _ in workers],
+        devices = assign_devices([c.tp_for(role) * c.pp_for(role) for role, _ in workers],
                                  gpu_count({**os.environ, **env}))
         for (role, i), device in zip(workers, devices, strict=True):
-            own = env | {"DS_WEIGHTS": c.weights_for(role), "DS_TP": str(c.tp_for(role))} | \
+            own = env | {"DS_WEIGHTS": c.weights_for(role), "DS_TP": str(c.tp_for(role)),
+                         "DS_PP": str(c.pp_for(role))} | \
                 ({"DS_DEVICE": device} if device else {})
             self.supervisor.spawn(f"{role}-{i}", module(role), worker_env(own, f"{role}-{i}"),
                                   restart=True)

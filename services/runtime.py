@@ -53,7 +53,8 @@ class WorkerSettings(BaseSettings):
     dtype: str = "auto"
     weights: str = "auto"  # "int8" / "int4": quantized matrices (a decode instance's choice)
     threads: int = 0
-    tp: int = 1  # tensor-parallel ranks of this instance (processes it starts)
+    tp: int = 1  # tensor-parallel ranks a stage of this instance (processes it starts) ...
+    pp: int = 1  # ... and its pipeline stages
     kv_cache_mb: int = 256
     block_size: int = 16
     max_batch_tokens: int = 512  # prefill: L_m; colocated: tokens per prefill step / chunk
@@ -70,7 +71,7 @@ class WorkerSettings(BaseSettings):
 
     def engine_config(self, role: Role) -> EngineConfig:
         config = EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
-                              weights=self.weights, threads=self.threads, tp=self.tp,
+                              weights=self.weights, threads=self.threads, tp=self.tp, pp=self.pp,
                               kv_cache_bytes=self.kv_cache_mb << 20)
         return config.with_scheduler(role=role, block_size=self.block_size,
                                      max_batch_tokens=self.max_batch_tokens,
@@ -300,6 +301,7 @@ class Worker:
                             draining=self.draining, max_request_tokens=capacity,
                             chunked=self.role == "colocated" and scheduler.config.chunked_prefill,
                             weights=self.engine.config.weights, tp=self.engine.config.tp,
+                            pp=self.engine.config.pp,
                             max_running=scheduler.config.max_running, steps=self.host.steps,
                             step_seconds=self.host.step_s, step_cpu_seconds=self.host.step_cpu_s,
                             step_queued_seconds=self.host.step_queued_s,
@@ -354,7 +356,7 @@ class Worker:
         tasks = [asyncio.create_task(c, name=n) for n, c in named.items()]
         config = self.engine.config
         log.info("%s %s ready (%s weights%s)", self.role, self.id, config.weights,
-                 f", tp {config.tp}" if config.tp > 1 else "")
+                 f", tp {config.tp} pp {config.pp}" if config.ranks > 1 else "")
         ending = asyncio.create_task(self._drain_after(stop, registry, redis), name="drain")
         done, _ = await asyncio.wait([ending, *tasks], return_when=asyncio.FIRST_COMPLETED)
         failed = next((t for t in done if t is not ending), None)

@@ -38,6 +38,10 @@ def add_engine_args(parser: argparse.ArgumentParser, tp: bool = True) -> None:
                            help="tensor-parallel ranks: processes splitting each layer's heads "
                                 "and MLP columns (gloo on the CPU, NCCL and one GPU each on "
                                 "GPUs); must divide the model's KV heads (default: %(default)s)")
+        group.add_argument("--pp", type=positive_int, default=1,
+                           help="pipeline stages: processes each running a contiguous run of "
+                                "layers (of --tp ranks each), one stage after another a step "
+                                "(default: %(default)s)")
     group.add_argument("--kv-cache-mb", type=positive_int, default=256,
                        help="memory budget of the paged KV pool in MiB (default: %(default)s)")
     group.add_argument("--block-size", type=positive_int, default=16,
@@ -47,6 +51,6 @@ def add_engine_args(parser: argparse.ArgumentParser, tp: bool = True) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                           weights=args.weights, threads=args.threads,
-                          tp=getattr(args, "tp", 1),
+                          tp=getattr(args, "tp", 1), pp=getattr(args, "pp", 1),
                           kv_cache_bytes=args.kv_cache_mb << 20)
     return config.with_scheduler(block_size=args.block_size)

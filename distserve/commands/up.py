@@ -54,12 +54,19 @@ def register(sub: Any) -> None:
                    help="the prefill instances' ranks (default: --tp)")
     p.add_argument("--decode-tp", type=int, default=0, metavar="N",
                    help="the decode instances' ranks (default: --tp); KV moves between "
-                        "instances of any tp")
+                        "instances of any tp and pp")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages of every worker, each a run of layers on --tp "
+                        "ranks of its own (default: %(default)s)")
+    p.add_argument("--prefill-pp", type=int, default=0, metavar="N",
+                   help="the prefill instances' stages (default: --pp)")
+    p.add_argument("--decode-pp", type=int, default=0, metavar="N",
+                   help="the decode instances' stages (default: --pp)")
     p.add_argument("--plan", type=Path, metavar="PLAN_JSON",
                    help="start exactly the instances of a plan written by `distserve plan -o`: "
-                        "its mode and each phase's instance count and tp (these override "
+                        "its mode and each phase's instance count, tp and pp (these override "
                         "--mode, --prefill, --decode, --replicas, --chunked-prefill and the tp "
-                        "flags)")
+                        "and pp flags)")
     p.add_argument("--kv-cache-mb", type=int, default=256,
                    help="KV pool per worker, per rank with --tp (MiB)")
     p.add_argument("--run-dir", type=Path, default=Path("runs"), help="logs and traces")
@@ -119,18 +126,16 @@ def apply_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         plan = Plan.model_validate_json(args.plan.read_text())
     except (OSError, ValidationError) as e:
         parser.error(f"--plan {args.plan}: not a plan from `distserve plan -o`: {e}")
-    phases = [p for p in (plan.prefill, plan.decode, plan.colocated) if p is not None]
-    if any(p.pp > 1 for p in phases):
-        parser.error(f"--plan {args.plan}: its instances use pipeline parallelism "
-                     f"(pp {max(p.pp for p in phases)}), which the engine does not run yet")
     if plan.mode == "disaggregated":
         assert plan.prefill is not None and plan.decode is not None
         args.mode, args.prefill, args.decode = "disaggregated", plan.prefill.count, \
             plan.decode.count
         args.prefill_tp, args.decode_tp = plan.prefill.tp, plan.decode.tp
+        args.prefill_pp, args.decode_pp = plan.prefill.pp, plan.decode.pp
     else:
         assert plan.colocated is not None
-        args.mode, args.replicas, args.tp = "colocated", plan.colocated.count, plan.colocated.tp
+        args.mode, args.replicas = "colocated", plan.colocated.count
+        args.tp, args.pp = plan.colocated.tp, plan.colocated.pp
         args.chunked_prefill = plan.mode == "chunked"
 
 
@@ -139,9 +144,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         apply_plan(args, parser)
     if min(args.prefill, args.decode, args.replicas) < 1:
         parser.error("--prefill, --decode and --replicas must be at least 1")
-    if args.tp < 1 or min(args.prefill_tp, args.decode_tp) < 0:
-        parser.error("--tp must be at least 1, --prefill-tp and --decode-tp at least 1 "
-                     "when given")
+    if min(args.tp, args.pp) < 1 or min(args.prefill_tp, args.decode_tp, args.prefill_pp,
+                                         args.decode_pp) < 0:
+        parser.error("--tp and --pp must be at least 1, the per-phase ones at least 1 when "
+                     "given")
     if args.ttft <= 0 or args.tpot <= 0 or args.devices < 0 or args.switch_margin < 1:
         parser.error("--ttft and --tpot must be positive, --devices at least 0, "
                      "--switch-margin at least 1")
@@ -167,7 +173,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                              served_model_name=args.served_model_name, threads=args.threads,
                              weights=args.weights, prefill_weights=args.prefill_weights or "",
                              decode_weights=args.decode_weights or "", tp=args.tp,
-                             prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+                             pp=args.pp, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+                             prefill_pp=args.prefill_pp, decode_pp=args.decode_pp,
                              kv_cache_mb=args.kv_cache_mb, chunked_prefill=args.chunked_prefill,
                              run_dir=args.run_dir, planner=args.planner == "auto",
                              api_keys=api_keys(args, parser),

@@ -147,14 +147,19 @@ class EngineConfig:
     dtype: str = "auto"  # "float32", "bfloat16", "float16", "auto" (CPU fp32, GPU bf16 or fp16)
     weights: str = "auto"  # "auto" (floats in dtype), "int8" or "int4" (CPU, float32 compute)
     kv_cache_bytes: int = 256 * 1024 * 1024  # memory budget of the paged KV pool
-    threads: int = 0  # torch intra-op threads (tp > 1: shared by the ranks); 0: torch's default
-    tp: int = 1  # tensor-parallel ranks (processes; one device each on GPUs)
+    threads: int = 0  # torch intra-op threads (shared by the ranks); 0: torch's default
+    tp: int = 1  # tensor-parallel ranks a pipeline stage (processes; one device each on GPUs)
+    pp: int = 1  # pipeline stages (each of tp ranks)
     seed: int = 0  # seed for random (dummy) weights
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.tp < 1:
-            raise ValueError(f"tp must be at least 1, not {self.tp}")
+        if self.tp < 1 or self.pp < 1:
+            raise ValueError(f"tp and pp must be at least 1, not {self.tp} and {self.pp}")
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.pp
 
     def with_scheduler(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, scheduler=dataclasses.replace(self.scheduler, **changes))

@@ -10,7 +10,8 @@ import torch
 from shared.engine import hf_checkpoint
 from shared.engine.config import LLAMA_SHAPES, ModelConfig, served_name, weight_bits
 from shared.engine.gguf_loader import load_gguf, read_gguf_meta, read_gguf_tokenizer
-from shared.engine.model import LlamaModel
+from shared.engine.model import WHOLE, LlamaModel
+from shared.engine.parallel.sharding import RankPlace
 from shared.engine.tokenizer import TextTokenizer
 
 LoadedModel = tuple[LlamaModel, TextTokenizer | None]
@@ -34,16 +35,17 @@ def read_meta(model: str) -> tuple[ModelConfig, TextTokenizer]:
 
 
 def load(model: str, seed: int, device: torch.device, dtype: torch.dtype,
-         weights: str = "auto", rank: int = 0, tp: int = 1) -> LoadedModel:
+         weights: str = "auto", place: RankPlace = WHOLE) -> LoadedModel:
     """`weights`: "auto" (floats in `dtype`), "int8" or "int4" (quantized matrices; a GGUF's
-    blocks of that kind read as they are). With `tp` > 1: rank `rank`'s share of it."""
+    blocks of that kind read as they are). `place`: the part of it one rank of a parallel
+    instance holds."""
     bits = weight_bits(weights)
     if model in LLAMA_SHAPES:
-        return LlamaModel.random(LLAMA_SHAPES[model], seed, device, dtype, bits, rank, tp), None
+        return LlamaModel.random(LLAMA_SHAPES[model], seed, device, dtype, bits, place), None
     if hf_checkpoint.is_model_dir(model):
         config, tokenizer = read_meta(model)  # before the weights: fail fast
         config, tensors = hf_checkpoint.read_weights(Path(model), config)
-        return LlamaModel(config, tensors, device, dtype, bits, rank, tp), tokenizer
+        return LlamaModel(config, tensors, device, dtype, bits, place), tokenizer
     gguf = load_gguf(model, keep_blocks=bits)
-    return LlamaModel.from_numpy(gguf.config, gguf.weights, device, dtype, bits, rank, tp), \
+    return LlamaModel.from_numpy(gguf.config, gguf.weights, device, dtype, bits, place), \
         TextTokenizer.from_gguf(gguf.tokenizer)

@@ -24,10 +24,16 @@ from shared.engine.attention import (
 from shared.engine.config import ModelConfig, RopeScaling
 from shared.engine.kernels import cpu_kernels
 from shared.engine.kv_cache import KVCache
-from shared.engine.parallel.sharding import ShardedWeights, check_tp, shard_config
+from shared.engine.parallel.sharding import (
+    RankPlace,
+    ShardedWeights,
+    check_tp,
+    shard_config,
+)
 from shared.engine.quant import QuantizedMatrix, matmul, stack_rows
 
 Matrix = torch.Tensor | QuantizedMatrix  # float [in, out], or quantized (out, in)
+WHOLE = RankPlace()  # the whole model in one rank
 Weights = Mapping[str, torch.Tensor | QuantizedMatrix]
 
 
@@ -110,39 +116,46 @@ class RandomWeights(Mapping[str, torch.Tensor]):
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: Weights, device: torch.device | None = None,
                  dtype: torch.dtype | None = None, weight_bits: int | None = None,
-                 rank: int = 0, tp: int = 1) -> None:
+                 place: RankPlace = WHOLE) -> None:
         """`weights` by the engine's names, in any dtype and on any device: each is read once
-        and placed on `device` in `dtype` (default: the embeddings'), so a lazy mapping over a
-        checkpoint's files is loaded one tensor at a time. With `weight_bits` (8 or 4) the
+        and placed on `device` in `dtype` (default: the final norm's), so a lazy mapping over
+        a checkpoint's files is loaded one tensor at a time. With `weight_bits` (8 or 4) the
         layers' matrices are quantized (blocks already quantized so, a GGUF's, kept as they
         are) and the LM head is int8; activations, norms and the embedding stay float32.
-        With `tp` > 1 the model is rank `rank`'s share of the heads and MLP columns
-        (`shard`), and only rank 0, which samples, holds the LM head."""
+        `place`: the rank's part of an instance of several (parallel.sharding): its stage's
+        layers and, with tp > 1, its share of their heads and MLP columns (`shard`); the
+        embedding on the first stage, the LM head on rank 0 only, which samples."""
         self.config = config  # the whole model's shape
-        self.shard = shard_config(config, tp) if tp > 1 else config  # what this rank computes
-        self.weight_bits, self.rank, self.tp = weight_bits, rank, tp
-        # tp > 1: sums the ranks' partial outputs of the output and down projections
+        self.place, self.weight_bits = place, weight_bits
+        self.layer_ids = place.layers(config.num_layers)
+        shard = shard_config(config, place.tp) if place.tp > 1 else config
+        # what this rank computes: its layers, its heads
+        self.shard = dataclasses.replace(shard, num_layers=len(self.layer_ids))
+        # tp > 1: sums the stage's partial outputs of the output and down projections
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
-        if tp > 1:
-            check_tp(config, tp, quantized=weight_bits is not None)
-            weights = ShardedWeights(weights, config, rank, tp)
+        if place.tp > 1:
+            check_tp(config, place.tp, quantized=weight_bits is not None)
+            weights = ShardedWeights(weights, config, place.tp_rank, place.tp)
         # how decode tokens attend to the pool; the model runner picks the best for its device
         self.decode_attention: DecodeAttention = gather_decode_attention
-        embed = weights["embed_tokens"]
-        floats = embed if isinstance(embed, torch.Tensor) else torch.empty(0)
-        self.device, self.dtype = device or floats.device, dtype or floats.dtype
+        norm = weights["norm"]
+        assert isinstance(norm, torch.Tensor), "only matrices come quantized"
+        self.device, self.dtype = device or norm.device, dtype or norm.dtype
         if weight_bits is not None:
             self._check_quantizable()
-        self.embed = self._place(embed)
-        self.norm = self._place(weights["norm"])
+        self.norm = self._place(norm)
+        self.embed: torch.Tensor | None = None
         self.lm_head: Matrix | None = None
-        if rank == 0:
-            head = embed if config.tie_embeddings else weights["lm_head"]
-            self.lm_head = (stack_rows([head], 8) if weight_bits is not None else
-                            self.embed if config.tie_embeddings else self._place(head))
-            del head
-        del embed  # the checkpoint's copy, when it was cast: not held through the load
-        self.layers = [self._layer(weights, f"layers.{i}.") for i in range(config.num_layers)]
+        if place.first:
+            embed = weights["embed_tokens"]
+            self.embed = self._place(embed)
+            if place.rank == 0:
+                head = embed if config.tie_embeddings else weights["lm_head"]
+                self.lm_head = (stack_rows([head], 8) if weight_bits is not None else
+                                self.embed if config.tie_embeddings else self._place(head))
+                del head
+            del embed  # the checkpoint's copy, when it was cast: not held through the load
+        self.layers = [self._layer(weights, f"layers.{i}.") for i in self.layer_ids]
         inv_freq = rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         freqs = torch.outer(torch.arange(config.max_context, dtype=torch.float32), inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
@@ -215,24 +228,31 @@ class LlamaModel:
     @classmethod
     def from_numpy(cls, config: ModelConfig, weights: Mapping[str, np.ndarray | QuantizedMatrix],
                    device: torch.device, dtype: torch.dtype, weight_bits: int | None = None,
-                   rank: int = 0, tp: int = 1) -> LlamaModel:
+                   place: RankPlace = WHOLE) -> LlamaModel:
         return cls(config, {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
-                            for k, v in weights.items()}, device, dtype, weight_bits, rank, tp)
+                            for k, v in weights.items()}, device, dtype, weight_bits, place)
 
     @classmethod
     def random(cls, config: ModelConfig, seed: int, device: torch.device,
-               dtype: torch.dtype, weight_bits: int | None = None, rank: int = 0,
-               tp: int = 1) -> LlamaModel:
+               dtype: torch.dtype, weight_bits: int | None = None,
+               place: RankPlace = WHOLE) -> LlamaModel:
         """Random weights of the right shapes, for profiling at realistic sizes (each drawn
         from its own seed when read, so every rank of an instance draws the same ones)."""
         return cls(config, RandomWeights(config, seed, device, dtype), device, dtype,
-                   weight_bits, rank, tp)
+                   weight_bits, place)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
-        """Hidden states ([T, hidden]) of a flattened batch; writes the new K/V into `kv`."""
+                meta: AttentionMetadata, kv: KVCache,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states ([T, hidden]) of a flattened batch after this rank's layers (the
+        final norm applied on the last stage); writes the new K/V into `kv`. `hidden`: the
+        previous stage's output (the first stage embeds `token_ids` instead)."""
         cfg = self.shard
-        x = F.embedding(token_ids, self.embed)
+        if hidden is None:
+            assert self.embed is not None, "only the first stage embeds tokens"
+            x = F.embedding(token_ids, self.embed)
+        else:
+            x = hidden
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
@@ -255,6 +275,8 @@ class LlamaModel:
             h = F.rms_norm(x, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
             gate, up = matmul(h, layer.gate_up).chunk(2, dim=-1)
             x = x + self._reduced(matmul(F.silu(gate) * up, layer.down))
+        if not self.place.last:
+            return x
         return F.rms_norm(x, (cfg.hidden_size,), self.norm, cfg.rms_norm_eps)
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,8 @@ from shared.engine.kv_cache import KVCache
 from shared.engine.loader import LoadedModel
 from shared.engine.parallel.group import Command, Ranks, rank_threads
 from shared.engine.parallel.packet import pack
+from shared.engine.parallel.pipeline import run_stage
+from shared.engine.parallel.sharding import RankPlace
 from shared.engine.sampler import sample
 from shared.engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -55,22 +57,22 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 def load_model(config: EngineConfig, rank: int = 0) -> LoadedModel:
     """The model named in `config` (a Hugging Face directory, a GGUF, or a Llama shape with
-    random weights) on its device, in its dtype, with its tokenizer: rank `rank`'s share of
-    it when `config.tp` > 1."""
+    random weights) on its device, in its dtype, with its tokenizer: rank `rank`'s part of
+    it where the config has several ranks (tp, pp)."""
     device = rank_device(resolve_device(config.device), rank)
     return loader.load(config.model, config.seed, device, resolve_dtype(config.dtype, device),
-                       config.weights, rank, config.tp)
+                       config.weights, RankPlace(rank, config.tp, config.pp))
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         """`loaded` lets several engines (roles, tests, benchmarks) share one model copy.
-        With `config.tp` > 1 this is rank 0: it starts the other ranks first (they load
-        their shares while it loads its own)."""
-        assert loaded is None or config.tp == 1, "a tensor-parallel model is loaded per rank"
-        if config.threads > 0 or config.tp > 1:
+        With several ranks (`config.tp`, `config.pp`) this is rank 0: it starts the other
+        ranks first (they load their parts while it loads its own)."""
+        assert loaded is None or config.ranks == 1, "a parallel model is loaded per rank"
+        if config.threads > 0 or config.ranks > 1:
             torch.set_num_threads(rank_threads(config))
-        self.ranks = Ranks(config, resolve_device(config.device)) if config.tp > 1 else None
+        self.ranks = Ranks(config, resolve_device(config.device)) if config.ranks > 1 else None
         try:
             self.model, self.tokenizer = loaded if loaded is not None else load_model(config)
         except BaseException:
@@ -96,9 +98,12 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, float | None]]:
         """Run one step; return the sampled token (and logprob) of each request that samples."""
         ids, positions, meta = self._prepare(out)
-        if self.ranks is not None:
-            self.ranks.send(Command.STEP, pack(ids, positions, meta))
-        hidden = self.model.forward(ids, positions, meta, self.kv)
+        if self.ranks is None:
+            hidden = self.model.forward(ids, positions, meta, self.kv)
+        else:
+            self.ranks.command(Command.STEP, pack(ids, positions, meta))
+            hidden = run_stage(self.model, self.kv, ids, positions, meta, self.ranks.send,
+                               self.ranks.receive)
         rows, sampling = [], []
         row = 0
         for chunk in out.chunks:
@@ -116,29 +121,45 @@ class ModelRunner:
 
     def export_kv(self, block_ids: list[int]) -> torch.Tensor:
         """Blocks of every layer and KV head as one buffer ([layers, 2, n, block_size, kv
-        heads, head dim]): with tp > 1, each rank's heads gathered to rank 0."""
+        heads, head dim]): with several ranks, each sends rank 0 its layers' heads."""
         local = self.kv.export_blocks(block_ids)
         if self.ranks is None:
             return local
-        self.ranks.send(Command.EXPORT, torch.tensor(block_ids))
-        return torch.cat(self.ranks.gather(local), dim=4)
+        self.ranks.command(Command.EXPORT, torch.tensor(block_ids))
+        whole = self.kv_buffer(len(block_ids))
+        for place in self.ranks.places:
+            part = self._part(whole, place)
+            if place.rank == 0:
+                part.copy_(local)
+            else:
+                received = torch.empty_like(part)
+                self.ranks.receive(received, place.rank)
+                part.copy_(received)
+        return whole
 
     def import_kv(self, block_ids: list[int], buffer: torch.Tensor) -> None:
-        """An exported buffer into blocks `block_ids`: with tp > 1, each rank's heads sent
-        to it."""
+        """An exported buffer into blocks `block_ids`: with several ranks, each is sent its
+        layers' heads."""
         if self.ranks is None:
             self.kv.import_blocks(block_ids, buffer)
             return
-        self.ranks.send(Command.IMPORT, torch.tensor(block_ids))
-        heads = buffer.to(self.device, self.dtype).chunk(self.ranks.collective.size, dim=4)
-        own = self.kv.empty_blocks(len(block_ids))
-        self.ranks.scatter(own, [h.contiguous() for h in heads])
-        self.kv.import_blocks(block_ids, own)
+        self.ranks.command(Command.IMPORT, torch.tensor(block_ids))
+        buffer = buffer.to(self.device, self.dtype)
+        for place in self.ranks.places[1:]:
+            self.ranks.send(self._part(buffer, place).contiguous(), place.rank)
+        self.kv.import_blocks(block_ids, self._part(buffer, self.ranks.places[0]))
+
+    def _part(self, buffer: torch.Tensor, place: RankPlace) -> torch.Tensor:
+        """The view of an exported buffer that rank `place` holds: its layers, its heads."""
+        layers = place.layers(self.model_config.num_layers)
+        heads = place.kv_heads(self.model_config.num_kv_heads)
+        return buffer[layers.start:layers.stop, :, :, :, heads.start:heads.stop]
 
     def kv_buffer(self, num_blocks: int) -> torch.Tensor:
         """Room for `num_blocks` blocks as `export_kv` lays them out (every rank's heads)."""
         local = self.kv.empty_blocks(num_blocks)
-        return local.new_empty((*local.shape[:4], self.model_config.num_kv_heads,
+        config = self.model_config
+        return local.new_empty((config.num_layers, *local.shape[1:4], config.num_kv_heads,
                                 local.shape[5]))
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,

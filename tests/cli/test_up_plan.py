@@ -1,6 +1,6 @@
 """`distserve up --plan`: the instances of a plan written by `distserve plan`, with each
-phase's tp, as the stack's own flags would give them; a plan the engine cannot run is refused
-with the reason."""
+phase's tp and pp, as the stack's own flags would give them; a file that is not a plan is
+refused with the reason."""
 
 from __future__ import annotations
 
@@ -47,10 +47,10 @@ def test_up_takes_the_plans_instances_and_their_tp(tmp_path: Path) -> None:
     args, parser = parsed("--plan", str(plan_file), "--mode", "colocated", "--prefill", "5")
     apply_plan(args, parser)
     assert (args.mode, args.prefill, args.decode) == ("disaggregated", 1, 1)
-    assert (args.prefill_tp, args.decode_tp) == (3, 1)
+    assert (args.prefill_tp, args.decode_tp, args.prefill_pp, args.decode_pp) == (3, 1, 1, 1)
 
 
-def test_a_plan_the_engine_cannot_run_is_refused(tmp_path: Path,
+def test_a_plan_file_is_read_or_refused_with_the_reason(tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     plan = {"model": "smollm2-135m", "algorithm": "high-affinity", "rate_rps": 1.0,
             "ttft_s": 1.0, "tpot_s": 0.1, "attainment_target": 0.9, "nodes": 1,
@@ -58,9 +58,11 @@ def test_a_plan_the_engine_cannot_run_is_refused(tmp_path: Path,
             "decode": {"tp": 1, "pp": 1, "count": 1, "goodput_rps": 1}, "instances": [],
             "devices_used": 3, "per_device_goodput_rps": 1, "predicted_attainment": 1}
     (tmp_path / "pp.json").write_text(json.dumps(plan))
+    args, parser = parsed("--plan", str(tmp_path / "pp.json"))
+    apply_plan(args, parser)  # pipeline stages as planned
+    assert (args.prefill_pp, args.decode_pp) == (2, 1)
     (tmp_path / "junk.json").write_text("{}")
-    for name, reason in (("pp.json", "pipeline parallelism (pp 2)"),
-                         ("junk.json", "not a plan from `distserve plan -o`"),
+    for name, reason in (("junk.json", "not a plan from `distserve plan -o`"),
                          ("missing.json", "not a plan")):
         args, parser = parsed("--plan", str(tmp_path / name))
         with pytest.raises(SystemExit) as exit_:

@@ -1,7 +1,7 @@
-"""Tensor-parallel instances in the stack: a prefill instance at tp 3 hands its KV (each rank's
-KV heads gathered) to a decode instance at tp 1, and a tp 1 prefill instance to a tp 3 decode
-instance (each rank sent its heads); the openai client gets the single-process engine's
-greedy text, and the KV crosses over UCX once."""
+"""Parallel instances in the stack: a prefill instance at tp 3 hands its KV (each rank's KV
+heads sent to rank 0) to a one-rank decode instance, and a one-rank prefill instance to a
+decode instance of 2 pipeline stages (each sent its layers); the openai client gets the
+single-process engine's greedy text, and the KV crosses over UCX once."""
 
 from __future__ import annotations
 
@@ -28,12 +28,11 @@ MODEL = "smollm2-135m"
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time"]
 
 
-@pytest.fixture(scope="module", params=[(3, 1), (1, 3)], ids=["prefill-tp3", "decode-tp3"])
+@pytest.fixture(scope="module", params=[dict(prefill_tp=3), dict(decode_pp=2)],
+                ids=["prefill-tp3", "decode-pp2"])
 def tp_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[Stack]:
-    prefill_tp, decode_tp = request.param
-    s = start_stack(tmp_path_factory.mktemp("stack"), prefill=1, decode=1,
-                    prefill_tp=prefill_tp, decode_tp=decode_tp)
+    s = start_stack(tmp_path_factory.mktemp("stack"), prefill=1, decode=1, **request.param)
     yield s
     s.stop()
 
@@ -67,20 +66,22 @@ def test_instances_of_different_tp_serve_the_single_process_text(
             break
         time.sleep(0.3)
     assert pulled == served == one_copy
-    # each tp 3 worker runs its other two ranks as child processes
+    # each worker runs its other ranks as child processes
+    config = tp_stack.config
+    shape = {role: (config.tp_for(role), config.pp_for(role)) for role in ("prefill", "decode")}
     for child in tp_stack.children:
-        if child.name.startswith(("prefill", "decode")):
+        role = child.name.split("-")[0]
+        if role in shape:
             ranks = [p for p in psutil.Process(child.proc.pid).children()
                      if "shared.engine.parallel.rank" in " ".join(p.cmdline())]
-            tp = 3 if child.name.startswith("prefill") == (tp_stack.config.prefill_tp == 3) \
-                else 1
-            assert len(ranks) == tp - 1, child.name
-    # the registry tells each instance's tp (the planner and `plan --live` read it there)
+            assert len(ranks) == shape[role][0] * shape[role][1] - 1, child.name
+    # the registry tells each instance's tp and pp (the planner and `plan --live` read it)
     with Redis.from_url(tp_stack.env["DS_REDIS_URL"]) as redis:
-        registered = {role: [InstanceInfo.model_validate_json(redis.get(
-            subjects.instance_key(i.decode())) or b"{}").tp
-            for i in redis.smembers(subjects.role_set(role))] for role in ("prefill", "decode")}
-    assert registered == {"prefill": [tp_stack.config.prefill_tp],
-                          "decode": [tp_stack.config.decode_tp]}
+        registered = {}
+        for role in shape:
+            infos = [InstanceInfo.model_validate_json(redis.get(subjects.instance_key(
+                i.decode())) or b"{}") for i in redis.smembers(subjects.role_set(role))]
+            registered[role] = [(info.tp, info.pp) for info in infos]
+    assert registered == {role: [tp_pp] for role, tp_pp in shape.items()}
     logs = {c.name: Path(c.log).read_text() for c in tp_stack.children}
     assert all("Traceback" not in text for text in logs.values())

@@ -1,7 +1,8 @@
-"""The ranks of one tensor-parallel instance. Rank 0 (the engine's process) starts the other
-ranks as processes of their own, joins them in a process group of their own (gloo on the
-CPU, NCCL on GPUs; never torch's global default group, so several instances live in one
-process) and drives them one command at a time: a step's inputs, a KV export or import, stop.
+"""The ranks of one parallel instance (pp stages of tp ranks). Rank 0 (the engine's process)
+starts the other ranks as processes of their own, joins them in a process group of their own
+(gloo on the CPU, NCCL on GPUs; never torch's global default group, so several instances live
+in one process), each stage's tp ranks in a group of theirs for the all-reduces, and drives
+them one command at a time: a step's inputs, a KV export or import, stop.
 
 A rank that dies fails the instance, never hangs it: a collective on a closed connection
 raises at once, and `RankFailed` ends the engine's loop (the service exits and its requests
@@ -27,9 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from pydantic import TypeAdapter
-from torch._C._distributed_c10d import Backend, Store, TCPStore
+from torch._C._distributed_c10d import Backend, PrefixStore, Store, TCPStore
 
 from shared.engine.config import EngineConfig
+from shared.engine.parallel.sharding import RankPlace
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +49,8 @@ class RankFailed(RuntimeError):
 class Command(enum.IntEnum):
     STOP = 0
     STEP = 1  # payload: the step's packed inputs (parallel.packet)
-    EXPORT = 2  # payload: block ids; then each rank's K/V heads are gathered to rank 0
-    IMPORT = 3  # payload: block ids; then rank 0 scatters each rank's K/V heads
+    EXPORT = 2  # payload: block ids; then each rank sends rank 0 its layers' K/V heads
+    IMPORT = 3  # payload: block ids; then rank 0 sends each rank its layers' K/V heads
 
 
 @dataclass
@@ -70,15 +72,12 @@ class Collective:
         """Rank 0's `tensor` into every rank's (same shape and dtype)."""
         self._wait(self.group.broadcast(tensor, 0))
 
-    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's `tensor`, in rank order, on rank 0 (an empty list elsewhere)."""
-        parts = [torch.empty_like(tensor) for _ in range(self.size)] if self.rank == 0 else []
-        self._wait(self.group.gather(parts, tensor, 0))
-        return parts
+    def send(self, tensor: torch.Tensor, to: int) -> None:
+        self._wait(self.group.send([tensor], to, 0))
 
-    def scatter(self, out: torch.Tensor, parts: list[torch.Tensor] | None = None) -> None:
-        """Rank 0's `parts[r]` into rank r's `out`."""
-        self._wait(self.group.scatter(out, parts or [], 0))
+    def receive(self, tensor: torch.Tensor, source: int) -> None:
+        """Rank `source`'s `send` into `tensor` (its shape and dtype)."""
+        self._wait(self.group.recv([tensor], source, 0))
 
     def _wait(self, work: Any) -> None:
         if self.check is None:
@@ -106,11 +105,20 @@ def connect(store: Store, rank: int, size: int, device: torch.device) -> Collect
     return Collective(group, rank, size)
 
 
+def connect_stage(store: Store, instance: Collective, place: RankPlace,
+                  device: torch.device) -> Collective:
+    """The group of `place`'s stage (its tp ranks), for the all-reduces: the instance's own
+    group where there is one stage."""
+    if place.pp == 1:
+        return instance
+    return connect(PrefixStore(f"stage{place.stage}", store), place.tp_rank, place.tp, device)
+
+
 def rank_threads(config: EngineConfig) -> int:
     """Torch threads a rank takes on the CPU: its share of the instance's (of the cores the
     process may run on, when the config says 0)."""
     total = config.threads or len(os.sched_getaffinity(0))
-    return max(1, total // config.tp)
+    return max(1, total // config.ranks)
 
 
 def receive(collective: Collective) -> tuple[Command, torch.Tensor]:
@@ -128,7 +136,8 @@ class Ranks:
     """Rank 0's handle on the other ranks of its instance: their processes and the group."""
 
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
-        size = config.tp
+        size = config.ranks
+        self.places = [RankPlace(rank, config.tp, config.pp) for rank in range(size)]
         store = TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                               timeout=TIMEOUT)
         blob = CONFIG.dump_json(config).decode()
@@ -140,14 +149,16 @@ class Ranks:
         try:
             self.collective = connect(store, 0, size, device)
             self.collective.check = self.check
+            self.stage = connect_stage(store, self.collective, self.places[0], device)
+            self.stage.check = self.check
         except RuntimeError as e:
             self.close()
-            raise RankFailed(f"the ranks of a tp {size} instance did not connect: {e}") from e
+            raise RankFailed(f"the {size} ranks of an instance did not connect: {e}") from e
         self.store = store  # rank 0 hosts it: kept for the group's life
         self.reduce_s = 0.0  # rank 0's seconds in all-reduces (waiting for the slowest rank
         self.reduces = 0  # included), and how many: the share of a step they take
 
-    def send(self, command: Command, payload: torch.Tensor | None = None) -> None:
+    def command(self, command: Command, payload: torch.Tensor | None = None) -> None:
         payload = torch.empty(0, dtype=torch.long) if payload is None else payload
         with self._guarded():
             self.check()
@@ -156,19 +167,20 @@ class Ranks:
                 self.collective.broadcast(payload)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Over rank 0's stage."""
         started = time.perf_counter()
         with self._guarded():
-            self.collective.all_reduce(tensor)
+            self.stage.all_reduce(tensor)
         self.reduce_s += time.perf_counter() - started
         self.reduces += 1
 
-    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def send(self, tensor: torch.Tensor, to: int) -> None:
         with self._guarded():
-            return self.collective.gather(tensor)
+            self.collective.send(tensor, to)
 
-    def scatter(self, out: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    def receive(self, tensor: torch.Tensor, source: int) -> None:
         with self._guarded():
-            self.collective.scatter(out, parts)
+            self.collective.receive(tensor, source)
 
     def check(self) -> None:
         """RankFailed if a rank's process has exited."""
@@ -195,7 +207,7 @@ class Ranks:
         """Stop the ranks: a STOP each will read, then a kill for any still running."""
         if all(p.poll() is None for p in self.processes) and hasattr(self, "collective"):
             with contextlib.suppress(RankFailed):  # one is gone: the rest are killed below
-                self.send(Command.STOP)
+                self.command(Command.STOP)
             for process in self.processes:
                 try:
                     process.wait(timeout=10)

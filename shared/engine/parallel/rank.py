@@ -1,6 +1,7 @@
-"""A rank other than 0 of a tensor-parallel instance: its share of the model and of the KV
-pool (the same block ids as every rank's), running each step rank 0 sends it. Started by
-`Ranks` as `python -m shared.engine.parallel.rank`; not a command for people."""
+"""A rank other than 0 of a parallel instance: its part of the model (its stage's layers, its
+share of their heads) and of the KV pool (the same block ids as every rank's), running each
+step rank 0 sends it. Started by `Ranks` as `python -m shared.engine.parallel.rank`; not a
+command for people."""
 
 from __future__ import annotations
 
@@ -21,21 +22,24 @@ from shared.engine.parallel.group import (
     Collective,
     Command,
     connect,
+    connect_stage,
     die_with_parent,
     rank_threads,
     receive,
 )
 from shared.engine.parallel.packet import unpack
+from shared.engine.parallel.pipeline import run_stage
+from shared.engine.parallel.sharding import RankPlace
 
 log = logging.getLogger(__name__)
 
 
 class RankWorker:
-    def __init__(self, config: EngineConfig, collective: Collective) -> None:
+    def __init__(self, config: EngineConfig, collective: Collective, stage: Collective) -> None:
         self.collective = collective
         self.model, _ = load_model(config, collective.rank)
         self.model.decode_attention = pick_decode_attention(self.model.device)
-        self.model.all_reduce = collective.all_reduce
+        self.model.all_reduce = stage.all_reduce
         self.kv = KVCache.from_budget(self.model.shard, config.kv_cache_bytes,
                                       config.scheduler.block_size, self.model.dtype,
                                       self.model.device)
@@ -49,12 +53,13 @@ class RankWorker:
                 return
             if command is Command.STEP:
                 ids, positions, meta = unpack(payload, self.kv.block_size, self.model.device)
-                self.model.forward(ids, positions, meta, self.kv)
+                run_stage(self.model, self.kv, ids, positions, meta, self.collective.send,
+                          self.collective.receive)
             elif command is Command.EXPORT:
-                self.collective.gather(self.kv.export_blocks(payload.tolist()))
+                self.collective.send(self.kv.export_blocks(payload.tolist()), 0)
             elif command is Command.IMPORT:
                 buffer = self.kv.empty_blocks(payload.numel())
-                self.collective.scatter(buffer)
+                self.collective.receive(buffer, 0)
                 self.kv.import_blocks(payload.tolist(), buffer)
 
 
@@ -72,9 +77,11 @@ def main() -> None:
     torch.set_num_threads(rank_threads(config))
     store = TCPStore("127.0.0.1", args.port, config.tp, is_master=False,
                                        timeout=TIMEOUT)
-    collective = connect(store, args.rank, config.tp, resolve_device(config.device))
+    device = resolve_device(config.device)
+    collective = connect(store, args.rank, config.ranks, device)
+    stage = connect_stage(store, collective, RankPlace(args.rank, config.tp, config.pp), device)
     try:
-        worker = RankWorker(config, collective)
+        worker = RankWorker(config, collective, stage)
     except ValueError as e:  # rank 0 meets the same reason and reports it
         log.error("cannot load its share of %s: %s", config.model, e)
         sys.exit(2)

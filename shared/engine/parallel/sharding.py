@@ -1,14 +1,19 @@
-"""Which part of each weight a tensor-parallel rank holds (pure).
+"""Which part of the model each rank of an instance holds (pure).
 
-Megatron's split of a Llama layer: Q/K/V and gate/up by output rows (each rank computes its
-own query and KV heads and its own slice of the MLP), the output and down projections by
-input columns (each rank's partial sums are added by one all-reduce after each). Norms and
-the embedding are whole on every rank; the LM head only on rank 0, which samples."""
+Ranks form a grid of `pp` pipeline stages of `tp` ranks each (rank = stage * tp + tp rank).
+A stage holds a contiguous run of layers (the first stages one more where `pp` does not
+divide them). Within a stage, Megatron's split of a Llama layer: Q/K/V and gate/up by output
+rows (each rank computes its own query and KV heads and its own slice of the MLP), the output
+and down projections by input columns (each rank's partial sums are added by one all-reduce
+after each). Norms are whole on every rank of their stage, the embedding on the first stage,
+the final norm on the last; the LM head only on rank 0, which samples."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +21,65 @@ from shared.engine.config import ModelConfig
 from shared.engine.quant import BLOCK, QuantizedMatrix
 
 Tensor = torch.Tensor | QuantizedMatrix
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where a rank sits in its instance's grid of `pp` stages x `tp` ranks."""
+
+    rank: int = 0
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.rank < self.tp * self.pp
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.pp - 1
+
+    def layers(self, num_layers: int) -> range:
+        """The layers of this rank's stage."""
+        return stage_layers(num_layers, self.pp)[self.stage]
+
+    def kv_heads(self, num_kv_heads: int) -> range:
+        """The KV heads this rank holds."""
+        share = num_kv_heads // self.tp
+        return range(self.tp_rank * share, (self.tp_rank + 1) * share)
+
+    @property
+    def source(self) -> int | None:
+        """The rank whose hidden states this rank's stage takes (None: it embeds tokens)."""
+        return None if self.first else self.rank - self.tp
+
+    @property
+    def target(self) -> int | None:
+        """The rank this rank hands its hidden states to: its peer in the next stage; from the
+        last stage, rank 0 (which samples), by the stage's first rank."""
+        if not self.last:
+            return self.rank + self.tp
+        return 0 if self.tp_rank == 0 and self.pp > 1 else None
+
+
+def stage_layers(num_layers: int, pp: int) -> list[range]:
+    """Contiguous layers of each of `pp` stages, the first ones a layer more if need be."""
+    if not 1 <= pp <= num_layers:
+        raise ValueError(f"pp {pp} needs between 1 and the model's {num_layers} layers")
+    size, extra = divmod(num_layers, pp)
+    starts = [stage * size + min(stage, extra) for stage in range(pp + 1)]
+    return [range(a, b) for a, b in itertools.pairwise(starts)]
 
 
 def check_tp(config: ModelConfig, tp: int, quantized: bool = False) -> None:

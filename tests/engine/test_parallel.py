@@ -1,6 +1,7 @@
-"""Tensor parallelism: a model split over ranks (real processes, gloo) generates exactly the
-tokens of the whole model, batched, joining mid-way and across a KV move between instances of
-different tp; a rank that dies fails its instance at once, and ranks die with rank 0."""
+"""Parallel instances: a model split over ranks (real processes, gloo), by heads (tp), by
+layers (pp) or both, generates exactly the tokens of the whole model, batched, joining mid-way
+and across a KV move between instances of different tp and pp; a rank that dies fails its
+instance at once, and ranks die with rank 0."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,14 @@ from shared.engine.engine import Engine
 from shared.engine.loader import LoadedModel, load
 from shared.engine.parallel.group import RankFailed
 from shared.engine.parallel.packet import pack, unpack
-from shared.engine.parallel.sharding import ShardedWeights, check_tp, narrow, shard_config
+from shared.engine.parallel.sharding import (
+    RankPlace,
+    ShardedWeights,
+    check_tp,
+    narrow,
+    shard_config,
+    stage_layers,
+)
 from shared.engine.quant import quantize
 from shared.engine.request import Request, SamplingParams
 from tests.engine.conftest import NEW_TOKENS
@@ -67,6 +74,21 @@ def test_the_ranks_parts_make_up_each_weight(tp: int) -> None:
     assert torch.equal(torch.cat([p.dequantize() for p in parts], 1), q.dequantize())
 
 
+def test_stages_take_contiguous_layers_and_hand_on_to_their_peer() -> None:
+    assert stage_layers(30, 4) == [range(0, 8), range(8, 16), range(16, 23), range(23, 30)]
+    assert stage_layers(2, 1) == [range(0, 2)]
+    with pytest.raises(ValueError, match="pp 3 needs between 1 and the model's 2 layers"):
+        stage_layers(2, 3)
+    # 2 stages of tp 3: ranks 0-2, then 3-5; the last stage's first rank returns to rank 0
+    places = [RankPlace(rank, tp=3, pp=2) for rank in range(6)]
+    assert [(p.stage, p.tp_rank) for p in places] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1),
+                                                      (1, 2)]
+    assert [p.source for p in places] == [None, None, None, 0, 1, 2]
+    assert [p.target for p in places] == [3, 4, 5, 0, None, None]
+    assert places[4].kv_heads(3) == range(1, 2) and places[4].layers(30) == range(15, 30)
+    assert RankPlace().target is None and RankPlace().source is None
+
+
 def test_a_step_packet_unpacks_to_the_same_inputs() -> None:
     ids, positions = torch.tensor([5, 6, 7, 8, 9, 10]), torch.tensor([0, 1, 2, 4, 9, 30])
     meta = AttentionMetadata(
@@ -100,22 +122,22 @@ def staggered(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     return [r.output_ids for r in requests]
 
 
-@pytest.fixture(scope="module")
-def tp3() -> Iterator[Engine]:
-    engine = Engine(EngineConfig(tp=3, kv_cache_bytes=KV))
-    yield engine
-    engine.close()
-
-
 @pytest.mark.slow
-def test_smollm2_at_tp3_generates_the_tokens_of_tp1(
-        tp3: Engine, loaded: LoadedModel, prompt_ids: list[list[int]]) -> None:
+@pytest.mark.parametrize(("tp", "pp"), [(3, 1), (1, 2)])
+def test_smollm2_split_over_ranks_generates_the_tokens_of_one(
+        tp: int, pp: int, loaded: LoadedModel, prompt_ids: list[list[int]]) -> None:
     whole = Engine(EngineConfig(kv_cache_bytes=KV), loaded)
     expected = [r.output_ids for r in whole.generate(prompt_ids, GREEDY)]
-    assert tp3.runner.model.shard.num_heads == 3 and tp3.runner.model.shard.num_kv_heads == 1
-    assert [r.output_ids for r in tp3.generate(prompt_ids, GREEDY)] == expected
-    assert staggered(tp3, prompt_ids) == expected
-    assert tp3.blocks.num_free == tp3.blocks.num_blocks
+    split = Engine(EngineConfig(tp=tp, pp=pp, kv_cache_bytes=KV))
+    try:
+        shard = split.runner.model.shard
+        assert (shard.num_heads, shard.num_kv_heads, shard.num_layers) == (9 // tp, 3 // tp,
+                                                                           30 // pp)
+        assert [r.output_ids for r in split.generate(prompt_ids, GREEDY)] == expected
+        assert staggered(split, prompt_ids) == expected
+        assert split.blocks.num_free == split.blocks.num_blocks
+    finally:
+        split.close()
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +149,12 @@ def eight_heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "tp"), [("qwen2", 2), ("llama", 4)])
+@pytest.mark.parametrize(("arch", "tp", "pp"), [("qwen2", 2, 1), ("llama", 4, 1),
+                                                ("llama", 2, 2)])
 def test_random_eight_head_models_split_over_ranks_generate_as_whole(
-        eight_heads: dict[str, Path], arch: str, tp: int) -> None:
-    """Qwen2's Q/K/V biases split with their heads; Llama's untied LM head stays on rank 0."""
+        eight_heads: dict[str, Path], arch: str, tp: int, pp: int) -> None:
+    """Qwen2's Q/K/V biases split with their heads; Llama's untied LM head stays on rank 0;
+    2 stages of 2 ranks each reduce within their stage."""
     model = str(eight_heads[arch])
     prompts = [[(i * 7919 + j * 104729) % 49000 + 100 for j in range(5 + 3 * i)]
                for i in range(8)]
@@ -139,7 +163,7 @@ def test_random_eight_head_models_split_over_ranks_generate_as_whole(
                                                                        torch.float32))
     expected = [r.output_ids for r in whole.generate(prompts, params)]
     assert len({tuple(t) for t in expected}) == 8  # not one degenerate continuation
-    split = Engine(EngineConfig(model=model, tp=tp, kv_cache_bytes=KV))
+    split = Engine(EngineConfig(model=model, tp=tp, pp=pp, kv_cache_bytes=KV))
     try:
         assert [r.output_ids for r in split.generate(prompts, params)] == expected
     finally:
@@ -168,10 +192,12 @@ def move(prefill: Engine, decode: Engine, prompts: list[list[int]]) -> list[list
 
 
 @pytest.mark.slow
-def test_kv_moves_between_instances_of_different_tp(
-        loaded: LoadedModel, prompt_ids: list[list[int]]) -> None:
-    """A tp 3 prefill instance's KV (each rank's heads gathered) decodes on a tp 1 instance,
-    and a tp 1 instance's on a tp 3 one (each rank sent its heads): the tokens of tp 1."""
+@pytest.mark.parametrize(("tp", "pp"), [(3, 1), (1, 2)])
+def test_kv_moves_between_instances_of_different_parallelism(
+        tp: int, pp: int, loaded: LoadedModel, prompt_ids: list[list[int]]) -> None:
+    """A split prefill instance's KV (each rank's layers and heads sent to rank 0) decodes on
+    a one-rank instance, and a one-rank instance's on a split one (each rank sent its
+    layers' heads): the tokens of one rank."""
     config = EngineConfig(kv_cache_bytes=KV)
     whole = Engine(config, loaded)
     expected = [r.output_ids for r in whole.generate(prompt_ids, GREEDY)]
@@ -179,14 +205,14 @@ def test_kv_moves_between_instances_of_different_tp(
            for role in (Role.PREFILL, Role.DECODE)}
     for prefill_role, decode_role in ((Role.PREFILL, None), (None, Role.DECODE)):
         role = prefill_role or decode_role
-        three = Engine(dataclasses.replace(config, tp=3).with_scheduler(role=role))
+        split = Engine(dataclasses.replace(config, tp=tp, pp=pp).with_scheduler(role=role))
         try:
-            prefill = three if prefill_role else one[Role.PREFILL]
-            decode = three if decode_role else one[Role.DECODE]
+            prefill = split if prefill_role else one[Role.PREFILL]
+            decode = split if decode_role else one[Role.DECODE]
             assert move(prefill, decode, prompt_ids) == expected
-            assert three.blocks.num_free == three.blocks.num_blocks
+            assert split.blocks.num_free == split.blocks.num_blocks
         finally:
-            three.close()
+            split.close()
 
 
 @pytest.mark.slow
