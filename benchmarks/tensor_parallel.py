@@ -1,12 +1,13 @@
-"""Tensor parallelism on this machine: prefill latency and the decode step at each tp, side by
-side in one run, with the share of each step rank 0 spends in all-reduces (two a layer; the
-wait for the slowest rank included).
+"""Parallel instances on this machine: prefill latency and the decode step of each tp x pp,
+side by side in one run, with the share of each step rank 0 spends in all-reduces (two a
+layer; the wait for the slowest rank of its stage included).
 
-    .venv/bin/python benchmarks/tensor_parallel.py                 # qwen2.5-0.5b shape, tp 1, 2
-    .venv/bin/python benchmarks/tensor_parallel.py --model smollm2-135m --tp 1 3
+    .venv/bin/python benchmarks/tensor_parallel.py        # qwen2.5-0.5b shape: 1x1, 2x1, 1x2
+    .venv/bin/python benchmarks/tensor_parallel.py --model smollm2-135m --configs 1x1 3x1
 
-On the CPU the instance's threads (--threads) are split between its ranks, so tp > 1 on one
-host measures what splitting the same cores costs: the all-reduces and the smaller GEMMs."""
+On the CPU the instance's threads (--threads) are split between its ranks, so a split on one
+host measures what splitting the same cores costs: the all-reduces and smaller GEMMs (tp),
+the hand-offs between stages that run one after another (pp)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-0.5b",
                    help="a model or random Llama shape whose KV heads every --tp divides")
-    p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--configs", nargs="+", default=["1x1", "2x1", "1x2"], metavar="TPxPP",
+                   help="instances to measure, tp x pp (the first is the baseline)")
     p.add_argument("--threads", type=int, default=2, help="the instance's, split by its ranks")
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
@@ -69,26 +71,27 @@ def main() -> None:
     args = p.parse_args()
     console = Console()
     figures = {}
-    for tp in args.tp:
-        console.print(f"tp {tp} ...")
-        config = EngineConfig(model=args.model, tp=tp, threads=args.threads,
+    for name in args.configs:
+        tp, pp = (int(n) for n in name.split("x"))
+        console.print(f"tp {tp} x pp {pp} ...")
+        config = EngineConfig(model=args.model, tp=tp, pp=pp, threads=args.threads,
                               kv_cache_bytes=2 << 30).with_scheduler(
             max_batch_tokens=max(args.lengths), max_running=max(args.batches))
-        figures[tp] = measure(config, args)
-    base = args.tp[0]
-    table = Table(title=f"{args.model}, {args.threads} threads per instance (ms)")
+        figures[name] = measure(config, args)
+    base = args.configs[0]
+    table = Table(title=f"{args.model}, {args.threads} threads per instance (ms; tp x pp)")
     table.add_column("step")
-    for tp in args.tp:
-        table.add_column(f"tp {tp}", justify="right")
-        if tp != base:
-            table.add_column(f"tp {base} / tp {tp}", justify="right")
-            table.add_column(f"tp {tp} all-reduce", justify="right")
+    for name in args.configs:
+        table.add_column(name, justify="right")
+        if name != base:
+            table.add_column(f"{base} / {name}", justify="right")
+            table.add_column(f"{name} all-reduce", justify="right")
     for step in figures[base]:
         row = [step]
-        for tp in args.tp:
-            ms, reduce_ms = figures[tp][step]
+        for name in args.configs:
+            ms, reduce_ms = figures[name][step]
             row.append(f"{ms:.1f}")
-            if tp != base:
+            if name != base:
                 row += [f"{figures[base][step][0] / ms:.2f}x",
                         f"{reduce_ms:.1f} ({reduce_ms / ms:.0%})"]
         table.add_row(*row)
@@ -96,8 +99,9 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({
             "model": args.model, "threads": args.threads,
-            "figures": {tp: {step: {"ms": ms, "all_reduce_ms": r} for step, (ms, r) in f.items()}
-                        for tp, f in figures.items()}}, indent=1))
+            "figures": {name: {step: {"ms": ms, "all_reduce_ms": r}
+                               for step, (ms, r) in f.items()}
+                        for name, f in figures.items()}}, indent=1))
 
 
 if __name__ == "__main__":

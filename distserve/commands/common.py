@@ -36,8 +36,8 @@ def add_engine_args(parser: argparse.ArgumentParser, tp: bool = True) -> None:
     if tp:
         group.add_argument("--tp", type=positive_int, default=1,
                            help="tensor-parallel ranks: processes splitting each layer's heads "
-                                "and MLP columns (gloo on the CPU, NCCL and one GPU each on "
-                                "GPUs); must divide the model's KV heads (default: %(default)s)")
+                                "and MLP columns (CPU, gloo); must divide the model's KV heads "
+                                "(default: %(default)s)")
         group.add_argument("--pp", type=positive_int, default=1,
                            help="pipeline stages: processes each running a contiguous run of "
                                 "layers (of --tp ranks each), one stage after another a step "

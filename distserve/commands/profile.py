@@ -20,7 +20,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser("profile", help="profile the engine and fit the latency model",
                        description="Run the engine over prefill and decode grids, fit the "
                                    "paper's latency model (Appendix A) and write a profile.")
-    p.add_argument("--tp", type=positive_int, nargs="+", default=[1],
+    p.add_argument("--tp", dest="tps", type=positive_int, nargs="+", default=[1],
                    help="tensor parallelism: profile each of these (an instance of that many "
                         "ranks, the threads split between them) into one profile, for the "
                         "planner to weigh (default: 1)")
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     profiles = []
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("profiling", total=None)
-        for tp in args.tp:
+        for tp in args.tps:
             def progress(what: str, tp: int = tp) -> None:
                 bar.update(task, description=f"tp {tp}: {what}")
 

@@ -48,8 +48,8 @@ def register(sub: Any) -> None:
                         "weight a step, so int4 steps faster; the KV stays float either way")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks of every worker: processes splitting each "
-                        "layer's heads (one GPU each on GPUs; on the CPU --threads is shared "
-                        "by them); must divide the model's KV heads (default: %(default)s)")
+                        "layer's heads (CPU; --threads is shared by them); must divide the "
+                        "model's KV heads (default: %(default)s)")
     p.add_argument("--prefill-tp", type=int, default=0, metavar="N",
                    help="the prefill instances' ranks (default: --tp)")
     p.add_argument("--decode-tp", type=int, default=0, metavar="N",

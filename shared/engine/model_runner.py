@@ -3,6 +3,8 @@ SchedulerOutput into tensors, runs the forward pass and samples."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from shared.engine import loader
@@ -13,12 +15,13 @@ from shared.engine.attention import (
     pick_decode_attention,
 )
 from shared.engine.config import EngineConfig, ModelConfig
-from shared.engine.kv_cache import KVCache
+from shared.engine.kv_cache import KVCache, block_bytes
 from shared.engine.loader import LoadedModel
-from shared.engine.parallel.group import Command, Ranks, rank_threads
+from shared.engine.model import LlamaModel
+from shared.engine.parallel.group import Command, RankFailed, Ranks, rank_threads
 from shared.engine.parallel.packet import pack
 from shared.engine.parallel.pipeline import run_stage
-from shared.engine.parallel.sharding import RankPlace
+from shared.engine.parallel.sharding import RankPlace, stage_layers
 from shared.engine.sampler import sample
 from shared.engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -48,20 +51,26 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank `rank`'s device: the GPUs after rank 0's in turn; the CPU for every rank."""
-    if device.type != "cuda" or rank == 0:
-        return device
-    return torch.device("cuda", ((device.index or 0) + rank) % torch.cuda.device_count())
-
-
 def load_model(config: EngineConfig, rank: int = 0) -> LoadedModel:
     """The model named in `config` (a Hugging Face directory, a GGUF, or a Llama shape with
     random weights) on its device, in its dtype, with its tokenizer: rank `rank`'s part of
     it where the config has several ranks (tp, pp)."""
-    device = rank_device(resolve_device(config.device), rank)
+    device = resolve_device(config.device)
+    if config.ranks > 1 and device.type != "cpu":
+        raise ValueError("instances of several ranks (--tp, --pp) run on the CPU (gloo) in "
+                         "this build; on GPUs (NCCL) they are not built yet")
     return loader.load(config.model, config.seed, device, resolve_dtype(config.dtype, device),
                        config.weights, RankPlace(rank, config.tp, config.pp))
+
+
+def kv_pool(model: LlamaModel, config: EngineConfig) -> KVCache:
+    """The model's KV pool from the config's budget: the same number of blocks on every rank
+    of an instance (sized for its largest stage), so rank 0's block ids hold everywhere."""
+    stages = stage_layers(model.config.num_layers, config.pp)
+    widest = dataclasses.replace(model.shard, num_layers=max(len(s) for s in stages))
+    blocks = config.kv_cache_bytes // block_bytes(widest, config.scheduler.block_size,
+                                                  model.dtype)
+    return KVCache(model.shard, blocks, config.scheduler.block_size, model.dtype, model.device)
 
 
 class ModelRunner:
@@ -72,7 +81,7 @@ class ModelRunner:
         assert loaded is None or config.ranks == 1, "a parallel model is loaded per rank"
         if config.threads > 0 or config.ranks > 1:
             torch.set_num_threads(rank_threads(config))
-        self.ranks = Ranks(config, resolve_device(config.device)) if config.ranks > 1 else None
+        self.ranks = Ranks(config) if config.ranks > 1 else None
         try:
             self.model, self.tokenizer = loaded if loaded is not None else load_model(config)
         except BaseException:
@@ -82,8 +91,7 @@ class ModelRunner:
         self.model.decode_attention = pick_decode_attention(self.device)
         if self.ranks is not None:
             self.model.all_reduce = self.ranks.all_reduce
-        self.kv = KVCache.from_budget(self.model.shard, config.kv_cache_bytes,
-                                      config.scheduler.block_size, self.dtype, self.device)
+        self.kv = kv_pool(self.model, config)
 
     def close(self) -> None:
         """Stop the other ranks (nothing to do for one rank)."""
@@ -101,9 +109,7 @@ class ModelRunner:
         if self.ranks is None:
             hidden = self.model.forward(ids, positions, meta, self.kv)
         else:
-            self.ranks.command(Command.STEP, pack(ids, positions, meta))
-            hidden = run_stage(self.model, self.kv, ids, positions, meta, self.ranks.send,
-                               self.ranks.receive)
+            hidden = self._parallel_step(ids, positions, meta)
         rows, sampling = [], []
         row = 0
         for chunk in out.chunks:
@@ -118,6 +124,22 @@ class ModelRunner:
                                   [len(c.request.output_ids) for c in sampling])
         return {c.request.request_id: (t, lp)
                 for c, t, lp in zip(sampling, tokens, logprobs, strict=True)}
+
+    def _parallel_step(self, ids: torch.Tensor, positions: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """Rank 0's part of a step of several ranks. Any failure in it is the instance's:
+        the other ranks are mid-step (in an all-reduce or a hand-off) and out of step with
+        rank 0 for good."""
+        assert self.ranks is not None
+        self.ranks.command(Command.STEP, pack(ids, positions, meta))
+        try:
+            return run_stage(self.model, self.kv, ids, positions, meta, self.ranks.send,
+                             self.ranks.receive)
+        except RankFailed:
+            raise
+        except Exception as e:
+            self.ranks.failed = True
+            raise RankFailed(f"rank 0 failed mid-step: {type(e).__name__}: {e}") from e
 
     def export_kv(self, block_ids: list[int]) -> torch.Tensor:
         """Blocks of every layer and KV head as one buffer ([layers, 2, n, block_size, kv

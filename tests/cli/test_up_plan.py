@@ -1,6 +1,6 @@
 """`distserve up --plan`: the instances of a plan written by `distserve plan`, with each
 phase's tp and pp, as the stack's own flags would give them; a file that is not a plan is
-refused with the reason."""
+refused with the reason. `distserve profile --tp 1 2` measures both into one profile."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 from distserve.cli import build_parser
 from distserve.commands.up import apply_plan
+from tests.model_dirs import write_random
 
 PROFILE = Path(__file__).parents[2] / "profiles" / "smollm2-135m-cpu-1thread.json"
 
@@ -69,3 +70,17 @@ def test_a_plan_file_is_read_or_refused_with_the_reason(tmp_path: Path,
             apply_plan(args, parser)
         assert exit_.value.code == 2
         assert reason in capsys.readouterr().err
+
+
+def test_profile_measures_each_tp_into_one_profile(tmp_path: Path) -> None:
+    model = write_random(tmp_path / "llama", "llama", num_attention_heads=8,
+                         num_key_value_heads=8, head_dim=8)
+    out = tmp_path / "profile.json"
+    done = subprocess.run([sys.executable, "-m", "distserve.cli", "profile", "--quick",
+                           "--model", str(model), "--tp", "1", "2", "-o", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    configs = json.loads(out.read_text())["configs"]
+    assert set(configs) == {"1", "2"}
+    assert all(len(configs[tp]["prefill"]) == 3 for tp in configs)
+    assert "tp 2:" in done.stdout

@@ -238,9 +238,31 @@ def test_a_rank_that_dies_fails_its_instance_at_once(when: str) -> None:
 
 
 @pytest.mark.slow
+def test_a_failure_of_rank_0_mid_step_fails_the_instance() -> None:
+    """The other ranks are mid-step (waiting in an all-reduce): the instance cannot go on,
+    and closing it does not wait for them."""
+    engine = Engine(EngineConfig(model="tiny", tp=2, kv_cache_bytes=1 << 20))
+    try:
+        def broken(*_: object) -> torch.Tensor:
+            raise RuntimeError("injected")
+
+        engine.runner.model.forward = broken  # type: ignore[method-assign]
+        engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4))
+        with pytest.raises(RankFailed, match="rank 0 failed mid-step: RuntimeError: injected"):
+            engine.step()
+    finally:
+        started = time.monotonic()
+        engine.close()
+        assert time.monotonic() - started < 30
+    assert all(p.poll() is not None for p in engine.runner.ranks.processes)  # type: ignore
+
+
+@pytest.mark.slow
 def test_a_model_the_tp_cannot_split_is_refused_by_every_rank() -> None:
     with pytest.raises(ValueError, match="tiny has 2 KV heads: tp 3 does not divide them"):
         Engine(EngineConfig(model="tiny", tp=3, kv_cache_bytes=1 << 20))
+    with pytest.raises(ValueError, match="run on the CPU"):
+        Engine(EngineConfig(model="tiny", tp=2, device="cuda"))
 
 
 RANK0 = """

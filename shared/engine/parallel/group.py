@@ -1,8 +1,9 @@
 """The ranks of one parallel instance (pp stages of tp ranks). Rank 0 (the engine's process)
 starts the other ranks as processes of their own, joins them in a process group of their own
-(gloo on the CPU, NCCL on GPUs; never torch's global default group, so several instances live
-in one process), each stage's tp ranks in a group of theirs for the all-reduces, and drives
-them one command at a time: a step's inputs, a KV export or import, stop.
+(gloo, on the CPU: GPUs and NCCL are not built yet; never torch's global default group, so
+several instances live in one process), each stage's tp ranks in a group of theirs for the
+all-reduces, and drives them one command at a time: a step's inputs, a KV export or import,
+stop.
 
 A rank that dies fails the instance, never hangs it: a collective on a closed connection
 raises at once, and `RankFailed` ends the engine's loop (the service exits and its requests
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from pydantic import TypeAdapter
-from torch._C._distributed_c10d import Backend, PrefixStore, Store, TCPStore
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from shared.engine.config import EngineConfig
 from shared.engine.parallel.sharding import RankPlace
@@ -57,9 +58,12 @@ class Command(enum.IntEnum):
 class Collective:
     """One instance's process group, seen from rank `rank` of `size`. With `check`, a wait
     for a collective wakes every POLL_S to call it (it raises where a rank has died: a dead
-    peer is not always seen by gloo's own connection at once)."""
+    peer is not always seen by gloo's own connection at once). A send or receive is checked
+    before it starts, then waited for whole: a gloo send or receive whose wait times out is
+    abandoned (its connection closed), unlike a collective; a peer that dies during one
+    closes the connection it waits on."""
 
-    group: Any  # a c10d Backend (gloo or NCCL): its type stubs lack the collectives
+    group: Any  # a c10d Backend (gloo): its type stubs lack the collectives
     rank: int
     size: int
     check: Callable[[], None] | None = None
@@ -73,14 +77,16 @@ class Collective:
         self._wait(self.group.broadcast(tensor, 0))
 
     def send(self, tensor: torch.Tensor, to: int) -> None:
-        self._wait(self.group.send([tensor], to, 0))
+        self._wait(self.group.send([tensor], to, 0), sliced=False)
 
     def receive(self, tensor: torch.Tensor, source: int) -> None:
         """Rank `source`'s `send` into `tensor` (its shape and dtype)."""
-        self._wait(self.group.recv([tensor], source, 0))
+        self._wait(self.group.recv([tensor], source, 0), sliced=False)
 
-    def _wait(self, work: Any) -> None:
-        if self.check is None:
+    def _wait(self, work: Any, sliced: bool = True) -> None:
+        if self.check is not None and not sliced:
+            self.check()
+        if self.check is None or not sliced:
             work.wait()
             return
         deadline = time.monotonic() + TIMEOUT.total_seconds()
@@ -96,22 +102,16 @@ class Collective:
                 self.check()
 
 
-def connect(store: Store, rank: int, size: int, device: torch.device) -> Collective:
-    if device.type == "cuda":
-        nccl = dist.ProcessGroupNCCL
-        group: Backend = nccl(store, rank, size, nccl.Options())
-    else:
-        group = dist.ProcessGroupGloo(store, rank, size, TIMEOUT)
-    return Collective(group, rank, size)
+def connect(store: Store, rank: int, size: int) -> Collective:
+    return Collective(dist.ProcessGroupGloo(store, rank, size, TIMEOUT), rank, size)
 
 
-def connect_stage(store: Store, instance: Collective, place: RankPlace,
-                  device: torch.device) -> Collective:
+def connect_stage(store: Store, instance: Collective, place: RankPlace) -> Collective:
     """The group of `place`'s stage (its tp ranks), for the all-reduces: the instance's own
     group where there is one stage."""
     if place.pp == 1:
         return instance
-    return connect(PrefixStore(f"stage{place.stage}", store), place.tp_rank, place.tp, device)
+    return connect(PrefixStore(f"stage{place.stage}", store), place.tp_rank, place.tp)
 
 
 def rank_threads(config: EngineConfig) -> int:
@@ -135,23 +135,26 @@ def receive(collective: Collective) -> tuple[Command, torch.Tensor]:
 class Ranks:
     """Rank 0's handle on the other ranks of its instance: their processes and the group."""
 
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         size = config.ranks
         self.places = [RankPlace(rank, config.tp, config.pp) for rank in range(size)]
         store = TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
-                              timeout=TIMEOUT)
+                         timeout=TIMEOUT)
         blob = CONFIG.dump_json(config).decode()
         self.processes = [subprocess.Popen(
             [sys.executable, "-m", "shared.engine.parallel.rank", "--rank", str(rank),
              "--port", str(store.port), "--parent", str(os.getpid()), "--config", blob])
             for rank in range(1, size)]
         self._finalizer = weakref.finalize(self, _kill, self.processes)
+        self.failed = False  # a collective failed: the ranks are out of step, not stopped
         try:
-            self.collective = connect(store, 0, size, device)
+            self._wait_joined(store)
+            self.collective = connect(store, 0, size)
             self.collective.check = self.check
-            self.stage = connect_stage(store, self.collective, self.places[0], device)
+            self.stage = connect_stage(store, self.collective, self.places[0])
             self.stage.check = self.check
         except RuntimeError as e:
+            self.failed = True
             self.close()
             raise RankFailed(f"the {size} ranks of an instance did not connect: {e}") from e
         self.store = store  # rank 0 hosts it: kept for the group's life
@@ -182,6 +185,17 @@ class Ranks:
         with self._guarded():
             self.collective.receive(tensor, source)
 
+    def _wait_joined(self, store: Store) -> None:
+        """Until every rank has said it is up (`joined`), polling their processes: one that
+        exits first fails the instance now, not at the process group's timeout."""
+        keys = [joined_key(rank) for rank in range(1, len(self.places))]
+        while True:
+            try:
+                store.wait(keys, timedelta(seconds=POLL_S))
+                return
+            except RuntimeError:  # not all there yet: the store's wait timed out
+                self.check()
+
     def check(self) -> None:
         """RankFailed if a rank's process has exited."""
         dead = self._dead()
@@ -199,20 +213,23 @@ class Ranks:
         try:
             yield
         except RankFailed:
+            self.failed = True
             raise
         except RuntimeError as e:
+            self.failed = True
             raise RankFailed(f"{self._dead() or 'a collective failed'}: {e}") from e
 
     def close(self) -> None:
-        """Stop the ranks: a STOP each will read, then a kill for any still running."""
-        if all(p.poll() is None for p in self.processes) and hasattr(self, "collective"):
+        """Stop the ranks: a STOP each will read (unless a collective failed: they may be
+        waiting in another), then a kill for any still running."""
+        if not self.failed and all(p.poll() is None for p in self.processes):
             with contextlib.suppress(RankFailed):  # one is gone: the rest are killed below
                 self.command(Command.STOP)
             for process in self.processes:
                 try:
                     process.wait(timeout=10)
                 except subprocess.TimeoutExpired:
-                    log.warning("rank %d did not stop: killing it", process.pid)
+                    log.warning("rank process %d did not stop: killing it", process.pid)
         self._finalizer()
 
 
@@ -221,6 +238,11 @@ def _kill(processes: list[subprocess.Popen[bytes]]) -> None:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def joined_key(rank: int) -> str:
+    """The store key rank `rank` sets once it runs, before the process group forms."""
+    return f"joined/{rank}"
 
 
 def die_with_parent(parent: int) -> None:

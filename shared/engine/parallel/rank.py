@@ -14,8 +14,7 @@ from torch._C._distributed_c10d import TCPStore
 
 from shared.engine.attention import pick_decode_attention
 from shared.engine.config import EngineConfig
-from shared.engine.kv_cache import KVCache
-from shared.engine.model_runner import load_model, resolve_device
+from shared.engine.model_runner import kv_pool, load_model
 from shared.engine.parallel.group import (
     CONFIG,
     TIMEOUT,
@@ -24,6 +23,7 @@ from shared.engine.parallel.group import (
     connect,
     connect_stage,
     die_with_parent,
+    joined_key,
     rank_threads,
     receive,
 )
@@ -40,9 +40,7 @@ class RankWorker:
         self.model, _ = load_model(config, collective.rank)
         self.model.decode_attention = pick_decode_attention(self.model.device)
         self.model.all_reduce = stage.all_reduce
-        self.kv = KVCache.from_budget(self.model.shard, config.kv_cache_bytes,
-                                      config.scheduler.block_size, self.model.dtype,
-                                      self.model.device)
+        self.kv = kv_pool(self.model, config)
 
     @torch.inference_mode()
     def serve(self) -> None:
@@ -75,11 +73,10 @@ def main() -> None:
                         format=f"%(asctime)s rank {args.rank} %(levelname)s %(message)s")
     config = CONFIG.validate_json(args.config)
     torch.set_num_threads(rank_threads(config))
-    store = TCPStore("127.0.0.1", args.port, config.tp, is_master=False,
-                                       timeout=TIMEOUT)
-    device = resolve_device(config.device)
-    collective = connect(store, args.rank, config.ranks, device)
-    stage = connect_stage(store, collective, RankPlace(args.rank, config.tp, config.pp), device)
+    store = TCPStore("127.0.0.1", args.port, config.ranks, is_master=False, timeout=TIMEOUT)
+    store.set(joined_key(args.rank), "1")
+    collective = connect(store, args.rank, config.ranks)
+    stage = connect_stage(store, collective, RankPlace(args.rank, config.tp, config.pp))
     try:
         worker = RankWorker(config, collective, stage)
     except ValueError as e:  # rank 0 meets the same reason and reports it
