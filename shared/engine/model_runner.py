@@ -89,7 +89,7 @@ class ModelRunner:
             raise
         self.device, self.dtype = self.model.device, self.model.dtype
         self.model.decode_attention = pick_decode_attention(self.device)
-        if self.ranks is not None:
+        if self.ranks is not None and config.tp > 1:
             self.model.all_reduce = self.ranks.all_reduce
         self.kv = kv_pool(self.model, config)
 

@@ -189,12 +189,9 @@ class Ranks:
         """Until every rank has said it is up (`joined`), polling their processes: one that
         exits first fails the instance now, not at the process group's timeout."""
         keys = [joined_key(rank) for rank in range(1, len(self.places))]
-        while True:
-            try:
-                store.wait(keys, timedelta(seconds=POLL_S))
-                return
-            except RuntimeError:  # not all there yet: the store's wait timed out
-                self.check()
+        while not store.check(keys):
+            self.check()
+            time.sleep(0.05)
 
     def check(self) -> None:
         """RankFailed if a rank's process has exited."""

@@ -39,7 +39,8 @@ class RankWorker:
         self.collective = collective
         self.model, _ = load_model(config, collective.rank)
         self.model.decode_attention = pick_decode_attention(self.model.device)
-        self.model.all_reduce = stage.all_reduce
+        if config.tp > 1:
+            self.model.all_reduce = stage.all_reduce
         self.kv = kv_pool(self.model, config)
 
     @torch.inference_mode()
