@@ -127,7 +127,7 @@ class DecodeService(Worker):
             blocks = self.engine.allocate(ready.computed)
             if blocks is None:
                 break
-            granted.append((blocks, self.engine.runner.kv_buffer(len(blocks))))
+            granted.append((blocks, self.engine.kv_buffer(len(blocks))))
         device = self.engine.runner.device
         if granted and device.type == "cuda":  # the buffers exist before UCX writes them
             torch.cuda.current_stream(device).synchronize()

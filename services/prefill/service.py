@@ -67,12 +67,11 @@ class PrefillService(Worker):
     async def _lookup(self, request_id: str) -> Any:
         """Called by the UCX listener: the parked request's blocks as one buffer, complete
         before UCX reads it. On a GPU the copy runs on the engine thread (its stream, then
-        synchronised), and so does a tp > 1 instance's (its ranks take one command at a
+        synchronised), and so does a parallel instance's (its ranks take one command at a
         time). Otherwise it runs on a thread of its own, not queued behind the step in
         progress (seconds, for long prompts): it reads only the parked request's blocks,
         which no step writes, and the copy is done when it returns."""
-        runner = self.engine.runner
-        if runner.device.type == "cpu" and runner.ranks is None:
+        if self.engine.exports_off_thread:
             return await asyncio.to_thread(self._export, request_id)
         return await self.host.call(self._export, request_id)
 

@@ -170,6 +170,17 @@ class Engine:
         request = self.scheduler.parked[request_id]
         return self.runner.export_kv(request.block_table)
 
+    @property
+    def exports_off_thread(self) -> bool:
+        """Whether `export_kv` may run on another thread than the steps': on one CPU rank it
+        only reads the parked request's blocks, which no step writes; on a GPU it runs on
+        the engine's stream, and with several ranks it is a command to them, one at a time."""
+        return self.runner.device.type == "cpu" and self.runner.ranks is None
+
+    def kv_buffer(self, num_blocks: int) -> torch.Tensor:
+        """Room for `num_blocks` blocks as `export_kv` lays them out, to receive KV into."""
+        return self.runner.kv_buffer(num_blocks)
+
     def release(self, request_id: str) -> bool:
         self._text.pop(request_id, None)
         return self.scheduler.release(request_id) is not None

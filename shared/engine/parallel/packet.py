@@ -29,16 +29,11 @@ def pack(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) ->
 def unpack(packet: torch.Tensor, block_size: int, device: torch.device
            ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(token ids, positions, attention metadata) on `device`, as rank 0 computed them."""
-    values = packet.tolist()
-    tokens, num_prefills, batch, width = values[:4]
-    at = 4
-    shapes = []  # (start, length, cached, table length) a segment
-    for _ in range(num_prefills):
-        shapes.append(values[at:at + 4])
-        at += 4
-    start = 0
-    if batch:
-        start, at = values[at], at + 1
+    tokens, num_prefills, batch, width = packet[:4].tolist()
+    at = 4 + 4 * num_prefills + (1 if batch else 0)
+    header = packet[4:at].tolist()  # (start, length, cached, table length) a segment, ...
+    shapes = [header[i:i + 4] for i in range(0, 4 * num_prefills, 4)]
+    start = header[-1] if batch else 0
     data = packet[at:].to(device)
 
     def take(n: int) -> torch.Tensor:
