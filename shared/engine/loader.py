@@ -34,6 +34,13 @@ def read_meta(model: str) -> tuple[ModelConfig, TextTokenizer]:
     return config, TextTokenizer.from_gguf(data)
 
 
+def read_config(model: str) -> ModelConfig:
+    """The model's shape, reading no weight."""
+    if model in LLAMA_SHAPES:
+        return LLAMA_SHAPES[model]
+    return read_meta(model)[0]
+
+
 def load(model: str, seed: int, device: torch.device, dtype: torch.dtype,
          weights: str = "auto", place: RankPlace = WHOLE) -> LoadedModel:
     """`weights`: "auto" (floats in `dtype`), "int8" or "int4" (quantized matrices; a GGUF's

@@ -14,14 +14,14 @@ from shared.engine.attention import (
     PrefillSegment,
     pick_decode_attention,
 )
-from shared.engine.config import EngineConfig, ModelConfig
+from shared.engine.config import EngineConfig, ModelConfig, weight_bits
 from shared.engine.kv_cache import KVCache, block_bytes
 from shared.engine.loader import LoadedModel
 from shared.engine.model import LlamaModel
 from shared.engine.parallel.group import Command, RankFailed, Ranks, rank_threads
 from shared.engine.parallel.packet import pack
 from shared.engine.parallel.pipeline import run_stage
-from shared.engine.parallel.sharding import RankPlace, stage_layers
+from shared.engine.parallel.sharding import RankPlace, check_tp, stage_layers
 from shared.engine.sampler import sample
 from shared.engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -56,11 +56,18 @@ def load_model(config: EngineConfig, rank: int = 0) -> LoadedModel:
     random weights) on its device, in its dtype, with its tokenizer: rank `rank`'s part of
     it where the config has several ranks (tp, pp)."""
     device = resolve_device(config.device)
-    if config.ranks > 1 and device.type != "cpu":
-        raise ValueError("instances of several ranks (--tp, --pp) run on the CPU (gloo) in "
-                         "this build; on GPUs (NCCL) they are not built yet")
     return loader.load(config.model, config.seed, device, resolve_dtype(config.dtype, device),
                        config.weights, RankPlace(rank, config.tp, config.pp))
+
+
+def check_parallel(config: EngineConfig) -> None:
+    """ValueError, before any rank starts, where the config's ranks cannot run its model."""
+    if resolve_device(config.device).type != "cpu":
+        raise ValueError("instances of several ranks (--tp, --pp) run on the CPU (gloo) in "
+                         "this build; on GPUs (NCCL) they are not built yet")
+    model = loader.read_config(config.model)
+    check_tp(model, config.tp, quantized=weight_bits(config.weights) is not None)
+    stage_layers(model.num_layers, config.pp)
 
 
 def kv_pool(model: LlamaModel, config: EngineConfig) -> KVCache:
@@ -81,7 +88,10 @@ class ModelRunner:
         assert loaded is None or config.ranks == 1, "a parallel model is loaded per rank"
         if config.threads > 0 or config.ranks > 1:
             torch.set_num_threads(rank_threads(config))
-        self.ranks = Ranks(config) if config.ranks > 1 else None
+        self.ranks: Ranks | None = None
+        if config.ranks > 1:
+            check_parallel(config)
+            self.ranks = Ranks(config)
         try:
             self.model, self.tokenizer = loaded if loaded is not None else load_model(config)
         except BaseException:

@@ -199,6 +199,14 @@ class Ranks:
         if dead:
             raise RankFailed(dead)
 
+    def _dead_after_reset(self, grace_s: float = 2.0) -> str:
+        """The ranks that exited, given a moment: a killed rank's connections reset before
+        its exit status can be read."""
+        deadline = time.monotonic() + grace_s
+        while not self._dead() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self._dead()
+
     def _dead(self) -> str:
         return ", ".join(f"rank {rank} exited with {p.poll()}"
                          for rank, p in enumerate(self.processes, start=1)
@@ -214,7 +222,7 @@ class Ranks:
             raise
         except RuntimeError as e:
             self.failed = True
-            raise RankFailed(f"{self._dead() or 'a collective failed'}: {e}") from e
+            raise RankFailed(f"{self._dead_after_reset() or 'a collective failed'}: {e}") from e
 
     def close(self) -> None:
         """Stop the ranks: a STOP each will read (unless a collective failed: they may be
