@@ -189,10 +189,9 @@ class ModelRunner:
 
     def kv_buffer(self, num_blocks: int) -> torch.Tensor:
         """Room for `num_blocks` blocks as `export_kv` lays them out (every rank's heads)."""
-        local = self.kv.empty_blocks(num_blocks)
-        config = self.model_config
-        return local.new_empty((config.num_layers, *local.shape[1:4], config.num_kv_heads,
-                                local.shape[5]))
+        config, pool = self.model_config, self.kv.data
+        return pool.new_empty((config.num_layers, 2, num_blocks, self.kv.block_size,
+                               config.num_kv_heads, config.head_dim))
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
                                                       AttentionMetadata]:

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
 from shared.engine.hf_reference import load_hf_reference
 from shared.engine.loader import LoadedModel
 from shared.engine.model_runner import load_model
+from shared.engine.request import Request, SamplingParams
 from shared.engine.tokenizer import TextTokenizer
 
 PROMPTS = [
@@ -53,3 +55,27 @@ def hf_tokens(prompt_ids: list[list[int]]) -> list[list[int]]:
                               attention_mask=torch.ones(1, len(ids), dtype=torch.long))
             outputs.append(out[0, len(ids):].tolist())
     return outputs
+
+
+def prefill_then_decode(prefill: Engine, decode: Engine, prompts: list[list[int]],
+                        params: SamplingParams) -> list[Request]:
+    """Prefill every prompt on `prefill` (a prefill-role engine), move each one's KV to
+    `decode`, release it on `prefill` and decode there to the end: the disaggregated round
+    trip in one process."""
+    for i, ids in enumerate(prompts):
+        prefill.add_request(f"m{i}", ids, params)
+    while prefill.scheduler.waiting:
+        prefill.step()
+    moved = []
+    for i, ids in enumerate(prompts):
+        parked = prefill.scheduler.parked[f"m{i}"]
+        blocks = decode.allocate(len(ids))
+        assert blocks is not None
+        request = Request(parked.request_id, ids, params, eos_ids=decode.eos_ids,
+                          output_ids=list(parked.output_ids))
+        decode.admit_imported(request, blocks, prefill.export_kv(parked.request_id))
+        prefill.release(parked.request_id)
+        moved.append(request)
+    while decode.has_work():
+        decode.step()
+    return moved

@@ -32,7 +32,7 @@ from shared.engine.parallel.sharding import (
 )
 from shared.engine.quant import quantize
 from shared.engine.request import Request, SamplingParams
-from tests.engine.conftest import NEW_TOKENS
+from tests.engine.conftest import NEW_TOKENS, prefill_then_decode
 from tests.model_dirs import write_random
 
 CPU = torch.device("cpu")
@@ -170,27 +170,6 @@ def test_random_eight_head_models_split_over_ranks_generate_as_whole(
         split.close()
 
 
-def move(prefill: Engine, decode: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    """Prefill every prompt on `prefill`, move its KV to `decode` and decode it there."""
-    for i, ids in enumerate(prompts):
-        prefill.add_request(f"m{i}", ids, GREEDY)
-    while prefill.scheduler.waiting:
-        prefill.step()
-    moved = []
-    for i, ids in enumerate(prompts):
-        parked = prefill.scheduler.parked[f"m{i}"]
-        blocks = decode.allocate(len(ids))
-        assert blocks is not None
-        request = Request(parked.request_id, ids, GREEDY, eos_ids=decode.eos_ids,
-                          output_ids=list(parked.output_ids))
-        decode.admit_imported(request, blocks, prefill.export_kv(parked.request_id))
-        prefill.release(parked.request_id)
-        moved.append(request)
-    while decode.has_work():
-        decode.step()
-    return [r.output_ids for r in moved]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("tp", "pp"), [(3, 1), (1, 2)])
 def test_kv_moves_between_instances_of_different_parallelism(
@@ -209,7 +188,8 @@ def test_kv_moves_between_instances_of_different_parallelism(
         try:
             prefill = split if prefill_role else one[Role.PREFILL]
             decode = split if decode_role else one[Role.DECODE]
-            assert move(prefill, decode, prompt_ids) == expected
+            moved = prefill_then_decode(prefill, decode, prompt_ids, GREEDY)
+            assert [r.output_ids for r in moved] == expected
             assert split.blocks.num_free == split.blocks.num_blocks
         finally:
             split.close()

@@ -19,9 +19,9 @@ from shared.engine.loader import LoadedModel
 from shared.engine.model_runner import load_model
 from shared.engine.quality import compare
 from shared.engine.quant import QuantizedMatrix, from_gguf_blocks, matmul, quantize, stack_rows
-from shared.engine.request import Request, SamplingParams
+from shared.engine.request import SamplingParams
 
-from .conftest import NEW_TOKENS
+from .conftest import NEW_TOKENS, prefill_then_decode
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
 
@@ -118,21 +118,7 @@ def test_an_int4_decode_engine_continues_kv_prefilled_in_float32(
                      loaded)
     decode = Engine(EngineConfig(kv_cache_bytes=32 << 20, weights="int4").with_scheduler(
         role=Role.DECODE), int4)
-    moved = []
-    for i, ids in enumerate(prompt_ids):
-        prefill.add_request(f"r{i}", ids, GREEDY)
-    prefill.step()
-    for i, ids in enumerate(prompt_ids):
-        parked = prefill.scheduler.parked[f"r{i}"]
-        blocks = decode.allocate(len(ids))
-        assert blocks is not None
-        request = Request(parked.request_id, ids, GREEDY, eos_ids=decode.eos_ids,
-                          output_ids=list(parked.output_ids))
-        decode.admit_imported(request, blocks, prefill.export_kv(parked.request_id))
-        prefill.release(parked.request_id)
-        moved.append(request)
-    while decode.has_work():
-        decode.step()
+    moved = prefill_then_decode(prefill, decode, prompt_ids, GREEDY)
     compared = sum(len(tokens) for tokens in hf_tokens)  # HF's stop at EOS
     same = sum(a == b for r, tokens in zip(moved, hf_tokens, strict=True)
                for a, b in zip(r.output_ids, tokens, strict=False))

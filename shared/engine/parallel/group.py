@@ -84,9 +84,11 @@ class Collective:
         self._wait(self.group.recv([tensor], source, 0), sliced=False)
 
     def _wait(self, work: Any, sliced: bool = True) -> None:
-        if self.check is not None and not sliced:
+        if self.check is None:
+            work.wait()
+            return
+        if not sliced:
             self.check()
-        if self.check is None or not sliced:
             work.wait()
             return
         deadline = time.monotonic() + TIMEOUT.total_seconds()
