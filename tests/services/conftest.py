@@ -45,5 +45,12 @@ def greedy(engine: Engine, prompt_ids: list[int], max_tokens: int) -> str:
 
 def metric(url: str, name: str) -> dict[str, float]:
     """{instance: value} of a gauge on the gateway's /metrics."""
+    return metrics(url, name)[name]
+
+
+def metrics(url: str, *names: str) -> dict[str, dict[str, float]]:
+    """{name: {instance: value}} of gauges from one read of the gateway's /metrics, so each
+    instance's figures come from the same heartbeat."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {labels["instance"]: value for labels, value in scrape.samples(text, name)}
+    return {name: {labels["instance"]: value for labels, value in scrape.samples(text, name)}
+            for name in names}
