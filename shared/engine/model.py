@@ -1,7 +1,8 @@
 """A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over the paged KV
 pool: Llama, Mistral, Qwen2 (Q/K/V bias) and Qwen3 (per-head Q/K norm). Weights are plain
-tensors, or (`weight_bits`) int8/int4 blocks for the CPU's quantized matmul; Q/K/V and
-gate/up are fused into one matmul each."""
+tensors (float32 on the CPU: packed in panels for the CPU's float matmul), or (`weight_bits`)
+int8/int4 blocks for the CPU's quantized matmul; Q/K/V and gate/up are fused into one matmul
+each."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from shared.engine.attention import (
 from shared.engine.config import ModelConfig, RopeScaling
 from shared.engine.kernels import cpu_kernels
 from shared.engine.kv_cache import KVCache
+from shared.engine.panels import PanelMatrix, packable
 from shared.engine.parallel.sharding import (
     RankPlace,
     ShardedWeights,
@@ -32,15 +34,17 @@ from shared.engine.parallel.sharding import (
 )
 from shared.engine.quant import QuantizedMatrix, matmul, stack_rows
 
-Matrix = torch.Tensor | QuantizedMatrix  # float [in, out], or quantized (out, in)
+# float [in, out], or (out, in) in float32 panels (CPU) or quantized blocks
+Matrix = torch.Tensor | PanelMatrix | QuantizedMatrix
 WHOLE = RankPlace()  # the whole model in one rank
 Weights = Mapping[str, torch.Tensor | QuantizedMatrix]
 
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """Float matrices are stored [in, out] (x @ w): MKL runs the skinny decode GEMMs faster
-    so; quantized ones (out, in), blocks along a row."""
+    """Float32 matrices on the CPU are packed in panels (the engine's own kernel: BLAS reads
+    a decode step's skinny GEMMs' weights at half the memory bandwidth or less on some CPUs);
+    other float ones stored [in, out] (x @ w); quantized ones (out, in), blocks along a row."""
 
     input_norm: torch.Tensor
     qkv: Matrix  # [hidden, q_size + 2*kv_size]
@@ -143,17 +147,21 @@ class LlamaModel:
         self.device, self.dtype = device or norm.device, dtype or norm.dtype
         if weight_bits is not None:
             self._check_quantizable()
+        self.packed = weight_bits is None and packable(self.device, self.dtype)
         self.norm = self._place(norm)
-        self.embed: torch.Tensor | None = None
+        # a tied embedding packed for the LM head is read from its panels: one copy
+        self.embed: torch.Tensor | PanelMatrix | None = None
         self.lm_head: Matrix | None = None
         if place.first:
             embed = weights["embed_tokens"]
-            self.embed = self._place(embed)
             if place.rank == 0:
                 head = embed if config.tie_embeddings else weights["lm_head"]
                 self.lm_head = (stack_rows([head], 8) if weight_bits is not None else
-                                self.embed if config.tie_embeddings else self._place(head))
+                                PanelMatrix.pack(self._place(head)) if self.packed else
+                                self._place(head))
                 del head
+            tied = config.tie_embeddings and isinstance(self.lm_head, torch.Tensor | PanelMatrix)
+            self.embed = self.lm_head if tied else self._place(embed)  # type: ignore[assignment]
             del embed  # the checkpoint's copy, when it was cast: not held through the load
         self.layers = [self._layer(weights, f"layers.{i}.") for i in self.layer_ids]
         inv_freq = rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -175,11 +183,13 @@ class LlamaModel:
         return tensor.to(self.device, self.dtype)
 
     def _matrix(self, *parts: torch.Tensor | QuantizedMatrix) -> Matrix:
-        """One matrix of (out, in) parts stacked by rows: quantized, or [in, out] floats with
-        each part copied (and cast) once into its columns, not cast, concatenated and
-        transposed in three passes."""
+        """One matrix of (out, in) parts stacked by rows: quantized, packed in panels, or
+        [in, out] floats with each part copied (and cast) once into its columns, not cast,
+        concatenated and transposed in three passes."""
         if self.weight_bits is not None:
             return stack_rows(parts, self.weight_bits)
+        if self.packed:
+            return PanelMatrix.pack(torch.cat([self._place(part) for part in parts]))
         out = torch.empty(parts[0].shape[1], sum(p.shape[0] for p in parts),
                           device=self.device, dtype=self.dtype)
         column = 0
@@ -193,8 +203,8 @@ class LlamaModel:
         """Bytes a decode step reads: every layer's weights and the LM head (of the
         embedding, a few rows)."""
         def size(t: Matrix | None) -> int:
-            return 0 if t is None else t.nbytes if isinstance(t, QuantizedMatrix) else \
-                t.numel() * t.element_size()
+            return 0 if t is None else t.numel() * t.element_size() \
+                if isinstance(t, torch.Tensor) else t.nbytes
         per_layer = [size(getattr(layer, f.name)) for layer in self.layers
                      for f in dataclasses.fields(layer)]
         return sum(per_layer) + size(self.lm_head) + size(self.norm)
@@ -250,7 +260,8 @@ class LlamaModel:
         cfg = self.shard
         if hidden is None:
             assert self.embed is not None, "only the first stage embeds tokens"
-            x = F.embedding(token_ids, self.embed)
+            x = (F.embedding(token_ids, self.embed) if isinstance(self.embed, torch.Tensor)
+                 else self.embed.rows(token_ids))
         else:
             x = hidden
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
@@ -258,10 +269,10 @@ class LlamaModel:
             h = F.rms_norm(x, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
             if layer.qkv_bias is None:
                 qkv = matmul(h, layer.qkv)
-            elif isinstance(layer.qkv, QuantizedMatrix):
-                qkv = matmul(h, layer.qkv) + layer.qkv_bias
-            else:
+            elif isinstance(layer.qkv, torch.Tensor):
                 qkv = torch.addmm(layer.qkv_bias, h, layer.qkv)
+            else:
+                qkv = matmul(h, layer.qkv) + layer.qkv_bias
             qk, v = torch.split(qkv, [cfg.q_size + cfg.kv_size, cfg.kv_size], -1)
             qk = qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
             if layer.qk_norm is not None:
@@ -286,9 +297,9 @@ class LlamaModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.lm_head is not None, "only rank 0 samples"
-        if isinstance(self.lm_head, QuantizedMatrix):
-            return matmul(hidden, self.lm_head)
-        return F.linear(hidden, self.lm_head).float()
+        if isinstance(self.lm_head, torch.Tensor):  # (vocab, hidden), the embedding's layout
+            return F.linear(hidden, self.lm_head).float()
+        return matmul(hidden, self.lm_head)
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:

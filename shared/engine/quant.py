@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from shared.engine.kernels import cpu_kernels
+from shared.engine.panels import PanelMatrix
 
 BLOCK = 32  # weights a block
 # GGUF block types the formats read directly: name -> (bits, bytes a block)
@@ -114,10 +115,12 @@ def stack_rows(parts: Sequence[torch.Tensor | QuantizedMatrix], bits: int) -> Qu
                            torch.cat(mins) if mins else None)
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix) -> torch.Tensor:
-    """x @ W for a float [in, out] matrix, x @ W^T for a quantized (out, in) one."""
+def matmul(x: torch.Tensor, weight: torch.Tensor | PanelMatrix | QuantizedMatrix) -> torch.Tensor:
+    """x @ W for a float [in, out] matrix, x @ W^T for a packed or quantized (out, in) one."""
     if isinstance(weight, torch.Tensor):
         return x @ weight
+    if isinstance(weight, PanelMatrix):
+        return weight.matmul(x)
     kernels = cpu_kernels()
     assert kernels is not None, "quantized weights need the CPU kernels (checked at load)"
     mins = weight.mins if weight.mins is not None else weight.scales.new_empty(0)

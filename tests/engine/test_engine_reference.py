@@ -31,6 +31,19 @@ def test_hf_reference_really_generated(hf_tokens: list[list[int]]) -> None:
     assert len({tuple(t) for t in hf_tokens}) == 8
 
 
+def test_the_cpu_runs_its_own_float_matmul_with_one_copy_of_a_tied_embedding(
+        loaded: LoadedModel) -> None:
+    """float32 on the CPU: every layer's matrices and the LM head in panels (every greedy
+    token in this file comes through them), the tied embedding read from the head's panels,
+    not kept twice."""
+    from shared.engine.panels import PanelMatrix
+
+    model, _ = loaded
+    assert isinstance(model.lm_head, PanelMatrix) and model.embed is model.lm_head
+    assert all(isinstance(m, PanelMatrix) for layer in model.layers
+               for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+
+
 def test_one_at_a_time_matches_hf(loaded: LoadedModel, prompt_ids: list[list[int]],
                                   hf_tokens: list[list[int]]) -> None:
     e = engine(loaded)

@@ -1,6 +1,7 @@
 """The compiled kernels: a build killed half-way does not leave later processes waiting on
 its lock; a build is never loaded on a CPU lacking the instructions it was built for; the
-AVX2 and the portable builds compute what the torch reference does."""
+float matmul over panels computes x @ W^T at every remainder of its tiles; the AVX2 and the
+portable builds compute what the torch reference does."""
 
 from __future__ import annotations
 
@@ -80,6 +81,13 @@ for bits in (8, 4):
         x = torch.randn(rows, 96, generator=gen)
         out = k.quantized_matmul(x, m.qweight, m.scales, mins, bits)
         errors[f"int{bits} m{rows}"] = (out - x @ m.dequantize().T).abs().max().item()
+for n, width in ((67, 96), (100, 600)):  # a part panel; K past a chunk
+    w = torch.randn(n, width, generator=gen)
+    for rows in (1, 7, 70):  # a part register tile; a part block of rows
+        x = torch.randn(rows, width, generator=gen)
+        ref = x @ w.T
+        out = k.float_matmul(x, k.pack_panels(w), n)
+        errors[f"float {n}x{width} m{rows}"] = ((out - ref).abs().max() / ref.abs().max()).item()
 print(json.dumps(errors))
 """
 
@@ -95,5 +103,25 @@ def test_the_avx2_and_portable_builds_compute_what_torch_does(march: str) -> Non
                           env=env, timeout=800)
     assert done.returncode == 0, done.stderr
     errors = json.loads(done.stdout.splitlines()[-1])
-    assert len(errors) == 8
+    assert len(errors) == 14
     assert all(error < 1e-4 for error in errors.values()), errors
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 63, 64, 65, 200])
+def test_the_float_matmul_over_panels_is_x_times_w_transposed(rows: int) -> None:
+    """Rows of x around the register tile (AVX-512: 8, AVX2: 6) and a task's block (8 tiles);
+    output columns not a whole panel; an input longer than a chunk (512) and not a multiple
+    of a vector."""
+    import torch
+
+    from shared.engine.panels import PanelMatrix
+
+    gen = torch.Generator().manual_seed(rows)
+    for n, width in ((1, 16), (50, 40), (131, 1100)):
+        w = torch.randn(n, width, generator=gen)
+        x = torch.randn(rows, width, generator=gen)
+        packed = PanelMatrix.pack(w)
+        assert packed.shape == (n, width)
+        torch.testing.assert_close(packed.matmul(x), x @ w.T, rtol=1e-4, atol=1e-4)
+        ids = torch.randint(0, n, (rows,), generator=gen)
+        assert torch.equal(packed.rows(ids), w[ids])  # a tied embedding's lookup

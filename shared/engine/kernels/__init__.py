@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 # vec.h first: torch names a build by the hash of its sources, and an #include'd header is not
 # one of them, so its text goes in too (its include guard skips the #include that follows)
 SOURCES = [Path(__file__).with_name(f)
-           for f in ("vec.h", "paged_attention.cpp", "quantized_matmul.cpp")]
-FUNCTIONS = ["paged_decode_attention", "quantized_matmul"]
+           for f in ("vec.h", "paged_attention.cpp", "quantized_matmul.cpp", "float_matmul.cpp")]
+FUNCTIONS = ["paged_decode_attention", "quantized_matmul", "float_matmul", "pack_panels",
+             "panel_width"]
 
 
 @contextlib.contextmanager
@@ -71,8 +72,8 @@ def build_name(machine: str, march: str, flags: Iterable[str]) -> str:
 
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
-    """The compiled module (`paged_decode_attention`, `quantized_matmul`), or None if it
-    cannot be built."""
+    """The compiled module (`paged_decode_attention`, `quantized_matmul`, `float_matmul` and
+    its `pack_panels`), or None if it cannot be built."""
     from torch.utils.cpp_extension import load_inline
 
     march = os.environ.get("DS_KERNEL_MARCH", "native")
@@ -90,5 +91,5 @@ def cpu_kernels() -> ModuleType | None:
             )
     except (OSError, RuntimeError, ImportError) as e:
         log.warning("CPU kernels unavailable (%s): decode attention takes the torch gather "
-                    "path, quantized weights are refused", e)
+                    "path, float matmuls BLAS's, quantized weights are refused", e)
         return None

@@ -1,0 +1,116 @@
+// Float matmul of the engine's layers on the CPU: y = x @ W^T for float32 weights packed in
+// panels (`pack_panels`). BLAS's skinny GEMMs, the decode step's, read the weights at half the
+// memory bandwidth or less on some CPUs (MKL on AMD EPYC: 11-19 GB/s of 33 at one row of x),
+// and a decode step is bound by reading them once.
+//
+// A panel holds P = C vectors' worth of W's rows (output columns) interleaved along K: for
+// each k, the P weights of its columns side by side, so a panel streams from memory in one
+// pass. The micro-kernel keeps an R x P tile of y in registers: per k it loads C weight
+// vectors, broadcasts R values of x and issues R x C FMAs (the classic GEMM register tile:
+// no horizontal sums, each load feeding several FMAs). K is cut in chunks so a panel's chunk
+// stays in L2 and R rows of x in L1 while the next rows pass; work is split over panels and
+// blocks of rows.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "vec.h"
+
+namespace panels {  // named: the kernels' sources are built as one unit
+
+using namespace ds;
+// registers: R x C accumulators + C weight vectors + a broadcast (AVX-512 has 32, AVX2 16)
+constexpr int C = W == 16 ? 3 : W == 8 ? 2 : 16;
+constexpr int R = W == 16 ? 8 : W == 8 ? 6 : 4;
+constexpr int P = C * W;              // output columns a panel
+constexpr int64_t K_CHUNK = 512;      // a panel's chunk: 512 x 48 floats = 96 KiB (L2)
+constexpr int64_t M_BLOCK = 8 * R;    // rows of x a task
+
+// y[0:ROWS, 0:P] (+)= x[0:ROWS, k0:k1] @ panel[k0:k1]
+template <int ROWS>
+inline void micro(const float* __restrict__ x, int64_t ldx, const float* __restrict__ panel,
+                  int64_t k0, int64_t k1, float* __restrict__ y, int64_t ldy, int64_t cols,
+                  bool accumulate) {
+  V acc[ROWS][C];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vzero();
+  for (int64_t k = k0; k < k1; ++k) {
+    V w[C];
+    for (int c = 0; c < C; ++c) w[c] = vload(panel + k * P + c * W);
+    for (int r = 0; r < ROWS; ++r) {
+      const V xb = vset(x[r * ldx + k]);
+      for (int c = 0; c < C; ++c) acc[r][c] = vfma(w[c], xb, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    alignas(64) float tile[P];
+    for (int c = 0; c < C; ++c) vstore(tile + c * W, acc[r][c]);
+    float* out = y + r * ldy;
+    if (accumulate)
+      for (int64_t j = 0; j < cols; ++j) out[j] += tile[j];
+    else
+      for (int64_t j = 0; j < cols; ++j) out[j] = tile[j];
+  }
+}
+
+template <int ROWS>
+inline void micro_left(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1,
+                       float* y, int64_t ldy, int64_t cols, bool accumulate, int64_t rows) {
+  if constexpr (ROWS > 0) {
+    if (rows == ROWS) return micro<ROWS>(x, ldx, panel, k0, k1, y, ldy, cols, accumulate);
+    micro_left<ROWS - 1>(x, ldx, panel, k0, k1, y, ldy, cols, accumulate, rows);
+  }
+}
+
+
+void run(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
+         int64_t M, int64_t N, int64_t K) {
+  const int64_t blocks = (M + M_BLOCK - 1) / M_BLOCK, count = (N + P - 1) / P;
+  at::parallel_for(0, count * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t p = task / blocks, m0 = (task % blocks) * M_BLOCK;
+      const int64_t m1 = std::min(M, m0 + M_BLOCK), n0 = p * P;
+      const int64_t cols = std::min<int64_t>(P, N - n0);
+      const float* panel = w + p * K * P;
+      for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
+        const int64_t k1 = std::min(K, k0 + K_CHUNK);
+        int64_t m = m0;
+        for (; m + R <= m1; m += R)
+          micro<R>(x + m * K, K, panel, k0, k1, y + m * N + n0, N, cols, k0 > 0);
+        if (m < m1)
+          micro_left<R - 1>(x + m * K, K, panel, k0, k1, y + m * N + n0, N, cols, k0 > 0, m1 - m);
+      }
+    }
+  });
+}
+
+}  // namespace panels
+
+int64_t panel_width() { return panels::P; }
+
+// weight [N, K] float32 -> panels [ceil(N / P), K, P], the columns past N zero
+torch::Tensor pack_panels(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "weight: float32 [N, K]");
+  constexpr int64_t P = panels::P;
+  const int64_t N = weight.size(0), K = weight.size(1), count = (N + P - 1) / P;
+  auto padded = torch::zeros({count * P, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({count, P, K}).transpose(1, 2).contiguous();
+}
+
+// x [M, K] float32; packed [ceil(N / P), K, P] from pack_panels. Returns x @ W^T, [M, N].
+torch::Tensor float_matmul(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "x: float32 on the CPU");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == panels::P && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kFloat,
+              "panels: contiguous float32 [panels, K, P] from pack_panels");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(packed.size(1) == K && (N + panels::P - 1) / panels::P == packed.size(0),
+              "panels do not match x or N");
+  auto out = torch::empty({M, N}, x.options());
+  panels::run(x.data_ptr<float>(), packed.data_ptr<float>(), out.data_ptr<float>(), M, N, K);
+  return out;
+}

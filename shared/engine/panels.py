@@ -1,0 +1,55 @@
+"""Float32 matrices packed in panels for the CPU's float matmul (kernels/float_matmul.cpp):
+BLAS's skinny GEMMs, a decode step's, read the weights at half the memory bandwidth or less
+on some CPUs (MKL on AMD EPYC), and a decode step is bound by reading them once.
+
+A panel holds P of the matrix's rows (output columns) interleaved along its input, so it
+streams from memory in one pass into a register tile of the output. The packed matrix is the
+only copy the model keeps: a tied embedding reads its rows from the LM head's panels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.kernels import cpu_kernels
+
+
+@dataclass(frozen=True)
+class PanelMatrix:
+    """An (out, in) float32 matrix as panels [ceil(out / P), in, P], the columns past `out`
+    zero."""
+
+    panels: torch.Tensor
+    out_features: int
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> PanelMatrix:
+        kernels = cpu_kernels()
+        assert kernels is not None, "panels need the CPU kernels (checked by packable)"
+        return cls(kernels.pack_panels(weight.float()), weight.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.panels.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.numel() * self.panels.element_size()
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The matrix's rows at `index` ([*index.shape, in]): an embedding's lookup."""
+        width = self.panels.shape[2]
+        return self.panels[index // width, :, index % width]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T over x's last dimension."""
+        kernels = cpu_kernels()
+        assert kernels is not None
+        out = kernels.float_matmul(x.reshape(-1, x.shape[-1]), self.panels, self.out_features)
+        return out.view(*x.shape[:-1], -1)  # type: ignore[no-any-return]
+
+
+def packable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether float weights on `device` in `dtype` run on the panel kernel."""
+    return device.type == "cpu" and dtype == torch.float32 and cpu_kernels() is not None
