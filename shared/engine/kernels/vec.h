@@ -17,6 +17,25 @@ inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a); }
 inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
 inline float vsum(V a) { return _mm512_reduce_add_ps(a); }
+inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
+inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
+inline float vmaxall(V a) { return _mm512_reduce_max_ps(a); }
+// e^x to float precision (Cephes' polynomial on x - n ln 2, scaled by 2^n)
+inline V vexp(V x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, vset(88.37f)), vset(-87.33f));
+  const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, vset(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  V r = _mm512_fnmadd_ps(n, vset(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, vset(-2.12194440e-4f), r);
+  V p = vset(1.9875691500e-4f);
+  p = vfma(p, r, vset(1.3981999507e-3f));
+  p = vfma(p, r, vset(8.3334519073e-3f));
+  p = vfma(p, r, vset(4.1665795894e-2f));
+  p = vfma(p, r, vset(1.6666665459e-1f));
+  p = vfma(p, r, vset(5.0000001201e-1f));
+  p = vadd(vfma(p, _mm512_mul_ps(r, r), r), vset(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
 }  // namespace ds
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -35,8 +54,33 @@ inline float vsum(V a) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }
+inline V vmax(V a, V b) { return _mm256_max_ps(a, b); }
+inline float vmaxall(V a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline V vexp(V x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, vset(88.37f)), vset(-87.33f));
+  const V n = _mm256_round_ps(_mm256_mul_ps(x, vset(1.44269504f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  V r = _mm256_fnmadd_ps(n, vset(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, vset(-2.12194440e-4f), r);
+  V p = vset(1.9875691500e-4f);
+  p = vfma(p, r, vset(1.3981999507e-3f));
+  p = vfma(p, r, vset(8.3334519073e-3f));
+  p = vfma(p, r, vset(4.1665795894e-2f));
+  p = vfma(p, r, vset(1.6666665459e-1f));
+  p = vfma(p, r, vset(5.0000001201e-1f));
+  p = vadd(vfma(p, _mm256_mul_ps(r, r), r), vset(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                       _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
 }  // namespace ds
 #else
+#include <cmath>
 namespace ds {
 using V = float;
 constexpr int W = 1;
@@ -47,6 +91,10 @@ inline void vstore(float* p, V a) { *p = a; }
 inline V vfma(V a, V b, V c) { return a * b + c; }
 inline V vadd(V a, V b) { return a + b; }
 inline float vsum(V a) { return a; }
+inline V vsub(V a, V b) { return a - b; }
+inline V vmax(V a, V b) { return a > b ? a : b; }
+inline float vmaxall(V a) { return a; }
+inline V vexp(V x) { return std::exp(x); }
 }  // namespace ds
 #endif
 #endif  // DS_VEC_H
