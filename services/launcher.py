@@ -154,6 +154,16 @@ class StackConfig:
     def pp_for(self, role: str) -> int:
         return {"prefill": self.prefill_pp, "decode": self.decode_pp}.get(role, 0) or self.pp
 
+    def role_settings(self) -> dict[str, str]:
+        """Every role's weights, tp and pp, for the planner: the workers its deployer starts
+        run as the ones started here (services.planner.deployer.role_env)."""
+        settings = {"DS_WEIGHTS": self.weights, "DS_TP": str(self.tp), "DS_PP": str(self.pp)}
+        for role in ("prefill", "decode"):
+            settings |= {f"DS_{role.upper()}_WEIGHTS": self.weights_for(role),
+                         f"DS_{role.upper()}_TP": str(self.tp_for(role)),
+                         f"DS_{role.upper()}_PP": str(self.pp_for(role))}
+        return settings
+
 
 class Stack:
     """The stack's processes, run by one supervisor: workers, the gateway, the profiler and
@@ -220,8 +230,10 @@ class Stack:
                 ({"DS_DEVICE": device} if device else {})
             self.supervisor.spawn(f"{role}-{i}", module(role), worker_env(own, f"{role}-{i}"),
                                   restart=True)
-        for service in ("profiler", "planner") if c.planner else ():
-            self.supervisor.spawn(service, module(service), fixed(env), restart=True)
+        if c.planner:
+            self.supervisor.spawn("profiler", module("profiler"), fixed(env), restart=True)
+            self.supervisor.spawn("planner", module("planner"), fixed(env | c.role_settings()),
+                                  restart=True)
         self.supervisor.spawn("gateway", module("gateway"), fixed(
             # with a planner the mode may change: the gateway serves whatever is live
             env | {"DS_PORT": str(c.port), "DS_MODE": "auto" if c.planner else c.mode,

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Set
+from collections.abc import Mapping, Set
 from pathlib import Path
 from typing import Protocol
 
@@ -28,6 +28,24 @@ from shared.state import InstanceInfo, Registry, Role
 
 log = logging.getLogger(__name__)
 ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
+
+
+def role_env(env: Mapping[str, str], role: Role) -> dict[str, str]:
+    """A new `role` worker's weight format, tensor-parallel ranks and pipeline stages: its
+    role's (`DS_DECODE_WEIGHTS`, `DS_PREFILL_TP`, ...: what `distserve up` gave the role's
+    workers) or every worker's (`DS_WEIGHTS`, `DS_TP`, `DS_PP`); unset, the worker's own
+    defaults."""
+    own = {}
+    for setting in ("WEIGHTS", "TP", "PP"):
+        value = env.get(f"DS_{role.upper()}_{setting}") or env.get(f"DS_{setting}")
+        if value:
+            own[f"DS_{setting}"] = value
+    return own
+
+
+def ranks_of(env: Mapping[str, str]) -> int:
+    """The processes (and, on a GPU host, the GPUs) a worker of this environment runs."""
+    return int(env.get("DS_TP") or 1) * int(env.get("DS_PP") or 1)
 
 
 def kind_of(info: InstanceInfo) -> Kind:
@@ -94,7 +112,7 @@ class LocalDeployer:
         self.health_timeout_s = health_timeout_s
         self.supervisor = Supervisor(Path(run_dir or "."))
         self.gpus = gpu_count(os.environ)
-        self.spawned = 0
+        self.ranks: list[int] = []  # of each worker started, in turn
         self.drained: set[str] = set()
 
     async def apply(self, counts: dict[Kind, int]) -> dict[str, list[str]]:
@@ -113,14 +131,17 @@ class LocalDeployer:
         return {"started": started, "drained": drained}
 
     def _spawn(self, kind: Kind) -> str:
-        """A new worker; on a GPU host on the next GPU in turn (the planner does not know
-        which GPUs the workers it did not start use: they may share one)."""
+        """A new worker with its role's weights, tp and pp (`role_env`); on a GPU host on the
+        next GPUs in turn (the planner does not know which GPUs the workers it did not start
+        use: they may share one)."""
         instance = f"{kind}-{uuid.uuid4().hex[:6]}"
-        device = assign_devices([1] * (self.spawned + 1), self.gpus)[-1]
-        env = {**os.environ, **({"DS_DEVICE": device} if device else {})}
+        env = {**os.environ, **role_env(os.environ, role_of(kind))}
+        self.ranks.append(ranks_of(env))
+        device = assign_devices(self.ranks, self.gpus)[-1]
+        if device:
+            env["DS_DEVICE"] = device
         if role_of(kind) == "colocated":
             env["DS_CHUNKED_PREFILL"] = str(kind == "chunked").lower()
-        self.spawned += 1
         self.supervisor.spawn(instance, [sys.executable, "-m", f"services.{role_of(kind)}"],
                               lambda restarts: {**env,
                                                 "DS_INSTANCE_ID": incarnation(instance, restarts)},
