@@ -88,11 +88,11 @@ def child(directory: str, dtype: str) -> None:
     model, _ = load(directory, 0, torch.device("cpu"), DTYPES[dtype])
     seconds = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    tensors = [model.embed, model.norm, *([] if model.lm_head is model.embed else [model.lm_head])]
-    for layer in model.layers:
-        tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    held = [model.embed, model.norm, *([] if model.lm_head is model.embed else [model.lm_head])]
+    for layer in model.layers:  # tensors, and matrices packed in panels
+        held += [t for t in vars(layer).values() if t is not None]
     print(json.dumps({"seconds": seconds, "grew": peak - before,
-                      "model": sum(t.nbytes for t in tensors)}))
+                      "model": sum(t.nbytes for t in held)}))
 
 
 def main() -> None:

@@ -47,10 +47,10 @@ class LayerWeights:
     other float ones stored [in, out] (x @ w); quantized ones (out, in), blocks along a row."""
 
     input_norm: torch.Tensor
-    qkv: Matrix  # [hidden, q_size + 2*kv_size]
+    qkv: Matrix  # q_size + 2*kv_size outputs of hidden inputs
     o: Matrix
     post_norm: torch.Tensor
-    gate_up: Matrix  # [hidden, 2*intermediate]
+    gate_up: Matrix  # 2*intermediate outputs
     down: Matrix
     qkv_bias: torch.Tensor | None = None  # [q_size + 2*kv_size] (Qwen2)
     qk_norm: torch.Tensor | None = None  # [heads + kv_heads, head_dim]: each head's norm (Qwen3)
@@ -155,13 +155,11 @@ class LlamaModel:
         if place.first:
             embed = weights["embed_tokens"]
             if place.rank == 0:
-                head = embed if config.tie_embeddings else weights["lm_head"]
-                self.lm_head = (stack_rows([head], 8) if weight_bits is not None else
-                                PanelMatrix.pack(self._place(head)) if self.packed else
-                                self._place(head))
-                del head
-            tied = config.tie_embeddings and isinstance(self.lm_head, torch.Tensor | PanelMatrix)
-            self.embed = self.lm_head if tied else self._place(embed)  # type: ignore[assignment]
+                self.lm_head = self._head(embed if config.tie_embeddings else weights["lm_head"])
+            if config.tie_embeddings and isinstance(self.lm_head, torch.Tensor | PanelMatrix):
+                self.embed = self.lm_head
+            else:
+                self.embed = self._place(embed)
             del embed  # the checkpoint's copy, when it was cast: not held through the load
         self.layers = [self._layer(weights, f"layers.{i}.") for i in self.layer_ids]
         inv_freq = rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -169,6 +167,13 @@ class LlamaModel:
         angles = torch.cat((freqs, freqs), dim=-1)
         self.cos = angles.cos().to(self.device, self.dtype)
         self.sin = angles.sin().to(self.device, self.dtype)
+
+    def _head(self, head: torch.Tensor | QuantizedMatrix) -> Matrix:
+        """The LM head: int8 with quantized weights, else as the layers' matrices are (a
+        plain one (vocab, hidden), the embedding's layout)."""
+        if self.weight_bits is not None:
+            return stack_rows([head], 8)
+        return PanelMatrix.pack(self._place(head)) if self.packed else self._place(head)
 
     def _check_quantizable(self) -> None:
         if self.device.type != "cpu" or self.dtype != torch.float32:
@@ -189,7 +194,7 @@ class LlamaModel:
         if self.weight_bits is not None:
             return stack_rows(parts, self.weight_bits)
         if self.packed:
-            return PanelMatrix.pack(torch.cat([self._place(part) for part in parts]))
+            return PanelMatrix.pack(*(self._place(part) for part in parts))
         out = torch.empty(parts[0].shape[1], sum(p.shape[0] for p in parts),
                           device=self.device, dtype=self.dtype)
         column = 0
@@ -203,8 +208,7 @@ class LlamaModel:
         """Bytes a decode step reads: every layer's weights and the LM head (of the
         embedding, a few rows)."""
         def size(t: Matrix | None) -> int:
-            return 0 if t is None else t.numel() * t.element_size() \
-                if isinstance(t, torch.Tensor) else t.nbytes
+            return 0 if t is None else t.nbytes
         per_layer = [size(getattr(layer, f.name)) for layer in self.layers
                      for f in dataclasses.fields(layer)]
         return sum(per_layer) + size(self.lm_head) + size(self.norm)

@@ -24,10 +24,23 @@ class PanelMatrix:
     out_features: int
 
     @classmethod
-    def pack(cls, weight: torch.Tensor) -> PanelMatrix:
+    def pack(cls, *parts: torch.Tensor) -> PanelMatrix:
+        """(out, in) parts stacked by rows (Q, K, V into QKV), each copied (and cast) once
+        into its panels' columns: no concatenated or padded copy of the whole on the way."""
         kernels = cpu_kernels()
         assert kernels is not None, "panels need the CPU kernels (checked by packable)"
-        return cls(kernels.pack_panels(weight.float()), weight.shape[0])
+        width, inputs = kernels.panel_width(), parts[0].shape[1]
+        rows = sum(part.shape[0] for part in parts)
+        panels = torch.zeros(-(-rows // width), inputs, width, dtype=torch.float32)
+        row = 0
+        for part in parts:
+            done = 0
+            while done < part.shape[0]:  # the part's rows that fall in one panel at a time
+                panel, column = divmod(row, width)
+                take = min(width - column, part.shape[0] - done)
+                panels[panel, :, column:column + take].copy_(part[done:done + take].t())
+                done, row = done + take, row + take
+        return cls(panels, rows)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -47,7 +60,7 @@ class PanelMatrix:
         kernels = cpu_kernels()
         assert kernels is not None
         out = kernels.float_matmul(x.reshape(-1, x.shape[-1]), self.panels, self.out_features)
-        return out.view(*x.shape[:-1], -1)  # type: ignore[no-any-return]
+        return out.view(*x.shape[:-1], self.out_features)  # type: ignore[no-any-return]
 
 
 def packable(device: torch.device, dtype: torch.dtype) -> bool:

@@ -1,5 +1,6 @@
 """The C++ paged decode kernel and the torch gather path compute the same attention, and
-both equal plain attention over each request's contiguous context."""
+both equal plain attention over each request's contiguous context; the kernel's chunks of a
+long context merge to the same attention, chunks past a short one's end left out."""
 
 from __future__ import annotations
 
@@ -50,3 +51,30 @@ def test_paged_kernel_matches_contiguous_attention(dtype: torch.dtype, tol: floa
     expected = reference(kv, group, q, layer=1)
     got = paged_decode_attention(1, q, group, kv).float()
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_chunks_of_long_and_short_contexts_merge_to_the_same_attention(threads: int) -> None:
+    """Contexts of 300, 5 and 130 tokens split into chunks of 100 (at 2 threads): the short
+    requests' later chunks are empty; one thread (chunks of 300) and four (of 64) too."""
+    torch.manual_seed(threads)
+    lens = torch.tensor([300, 5, 130])
+    blocks = torch.randperm(200)
+    tables = torch.zeros(3, 75, dtype=torch.long)
+    start = 0
+    for b, length in enumerate(lens.tolist()):
+        n = -(-length // 4)
+        tables[b, :n] = blocks[start:start + n]
+        start += n
+    kv = KVCache(CFG, 200, 4, torch.float32, torch.device("cpu"))
+    kv.data.copy_(torch.randn(kv.data.shape) * 3)  # peaked scores: the rescaling matters
+    mask = (torch.arange(300)[None] < lens[:, None])[:, None, None, :]
+    group = DecodeGroup(0, tables, lens, mask)
+    q = torch.randn(3, CFG.num_heads, CFG.head_dim)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = paged_decode_attention(0, q, group, kv)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, reference(kv, group, q, layer=0), atol=1e-5, rtol=1e-5)

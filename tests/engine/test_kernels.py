@@ -58,6 +58,7 @@ def test_a_native_build_is_named_by_the_cpu_it_was_built_on() -> None:
 CHECK = """
 import json, torch
 from shared.engine.kernels import cpu_kernels
+from shared.engine.panels import PanelMatrix
 from shared.engine.quant import quantize
 k = cpu_kernels()
 gen = torch.Generator().manual_seed(0)
@@ -86,7 +87,7 @@ for n, width in ((67, 96), (100, 600)):  # a part panel; K past a chunk
     for rows in (1, 7, 70):  # a part register tile; a part block of rows
         x = torch.randn(rows, width, generator=gen)
         ref = x @ w.T
-        out = k.float_matmul(x, k.pack_panels(w), n)
+        out = PanelMatrix.pack(w[:n // 3], w[n // 3:]).matmul(x)  # two parts
         errors[f"float {n}x{width} m{rows}"] = ((out - ref).abs().max() / ref.abs().max()).item()
 print(json.dumps(errors))
 """
@@ -120,7 +121,7 @@ def test_the_float_matmul_over_panels_is_x_times_w_transposed(rows: int) -> None
     for n, width in ((1, 16), (50, 40), (131, 1100)):
         w = torch.randn(n, width, generator=gen)
         x = torch.randn(rows, width, generator=gen)
-        packed = PanelMatrix.pack(w)
+        packed = PanelMatrix.pack(w[: n // 2], w[n // 2 : n - 1], w[n - 1 :])  # Q, K, V
         assert packed.shape == (n, width)
         torch.testing.assert_close(packed.matmul(x), x @ w.T, rtol=1e-4, atol=1e-4)
         ids = torch.randint(0, n, (rows,), generator=gen)

@@ -31,8 +31,7 @@ log = logging.getLogger(__name__)
 # one of them, so its text goes in too (its include guard skips the #include that follows)
 SOURCES = [Path(__file__).with_name(f)
            for f in ("vec.h", "paged_attention.cpp", "quantized_matmul.cpp", "float_matmul.cpp")]
-FUNCTIONS = ["paged_decode_attention", "quantized_matmul", "float_matmul", "pack_panels",
-             "panel_width"]
+FUNCTIONS = ["paged_decode_attention", "quantized_matmul", "float_matmul", "panel_width"]
 
 
 @contextlib.contextmanager
@@ -73,7 +72,7 @@ def build_name(machine: str, march: str, flags: Iterable[str]) -> str:
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     """The compiled module (`paged_decode_attention`, `quantized_matmul`, `float_matmul` and
-    its `pack_panels`), or None if it cannot be built."""
+    its `panel_width`), or None if it cannot be built."""
     from torch.utils.cpp_extension import load_inline
 
     march = os.environ.get("DS_KERNEL_MARCH", "native")

@@ -1,5 +1,5 @@
 // Float matmul of the engine's layers on the CPU: y = x @ W^T for float32 weights packed in
-// panels (`pack_panels`). BLAS's skinny GEMMs, the decode step's, read the weights at half the
+// panels (shared/engine/panels.py packs them). BLAS's skinny GEMMs, the decode step's, read the weights at half the
 // memory bandwidth or less on some CPUs (MKL on AMD EPYC: 11-19 GB/s of 33 at one row of x),
 // and a decode step is bound by reading them once.
 //
@@ -90,27 +90,18 @@ void run(const float* __restrict__ x, const float* __restrict__ w, float* __rest
 
 int64_t panel_width() { return panels::P; }
 
-// weight [N, K] float32 -> panels [ceil(N / P), K, P], the columns past N zero
-torch::Tensor pack_panels(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "weight: float32 [N, K]");
-  constexpr int64_t P = panels::P;
-  const int64_t N = weight.size(0), K = weight.size(1), count = (N + P - 1) / P;
-  auto padded = torch::zeros({count * P, K}, weight.options());
-  padded.narrow(0, 0, N).copy_(weight);
-  return padded.view({count, P, K}).transpose(1, 2).contiguous();
-}
-
-// x [M, K] float32; packed [ceil(N / P), K, P] from pack_panels. Returns x @ W^T, [M, N].
+// x [M, K] float32; packed [ceil(N / P), K, P]: panel p's column j at k is W[p * P + j, k]. Returns x @ W^T, [M, N].
 torch::Tensor float_matmul(torch::Tensor x, torch::Tensor packed, int64_t N) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "x: float32 on the CPU");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == panels::P && packed.is_contiguous() &&
                   packed.scalar_type() == at::kFloat,
-              "panels: contiguous float32 [panels, K, P] from pack_panels");
+              "panels: contiguous float32 [panels, K, P]");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(packed.size(1) == K && (N + panels::P - 1) / panels::P == packed.size(0),
               "panels do not match x or N");
   auto out = torch::empty({M, N}, x.options());
+  pybind11::gil_scoped_release no_gil;  // the service's event loop runs meanwhile
   panels::run(x.data_ptr<float>(), packed.data_ptr<float>(), out.data_ptr<float>(), M, N, K);
   return out;
 }

@@ -71,7 +71,6 @@ inline void axpy<float>(float a, const float* __restrict__ v, float* __restrict_
 // row = exp(row - max(row)), in place; returns (max, sum of the exponentials)
 inline std::pair<float, float> exponentiate(float* __restrict__ row, int64_t n) {
 #if defined(DS_VEC)
-  using namespace ds;
   int64_t t = 0;
   V peaks = vset(-INFINITY);
   for (; t + W <= n; t += W) peaks = vmax(peaks, vload(row + t));
@@ -95,6 +94,7 @@ inline std::pair<float, float> exponentiate(float* __restrict__ row, int64_t n) 
 }
 
 constexpr int64_t MIN_CHUNK = 64;  // tokens: a chunk's merge costs about one token
+constexpr int64_t MAX_CHUNK = 2048;  // a task's scores stay in L2 at long contexts
 
 // One task: request b's tokens [t0, t1) against all its query heads. Reads each token's slot
 // (every KV head side by side) once, contiguously; leaves each head's unnormalised output, its
@@ -135,9 +135,10 @@ void decode_attention_kernel(const T* q, const T* k_cache, const T* v_cache,
                              int64_t head_dim, int64_t block_size, int64_t max_blocks,
                              float scale) {
   // chunks of a request's context: enough tasks for every thread even at batch 1
-  const int64_t longest = *std::max_element(context_lens, context_lens + batch);
+  const int64_t longest = std::max<int64_t>(1, *std::max_element(context_lens, context_lens + batch));
   const int64_t wanted = (4 * at::get_num_threads() + batch - 1) / batch;
-  const int64_t chunk = std::max<int64_t>(MIN_CHUNK, (longest + wanted - 1) / wanted);
+  const int64_t chunk =
+      std::clamp<int64_t>((longest + wanted - 1) / wanted, MIN_CHUNK, MAX_CHUNK);
   const int64_t chunks = (longest + chunk - 1) / chunk, width = head_dim + 2;
   std::vector<float> parts(batch * chunks * heads * width);
   at::parallel_for(0, batch * chunks, 1, [&](int64_t begin, int64_t end) {
@@ -177,7 +178,8 @@ void decode_attention_kernel(const T* q, const T* k_cache, const T* v_cache,
         for (int64_t d = 0; d < head_dim; ++d) acc[d] += w * p[d];
       }
       T* o = out + (b * heads + h) * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) o[d] = T(acc[d] / sum);
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // no context: zeros, not 0 / 0
+      for (int64_t d = 0; d < head_dim; ++d) o[d] = T(acc[d] * inv);
     }
   });
 }
@@ -196,8 +198,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   context_lens = context_lens.contiguous();
   auto out = torch::empty_like(q);
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  if (batch == 0) return out;
   const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
   TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == dim, "shape mismatch");
+  pybind11::gil_scoped_release no_gil;  // the service's event loop runs meanwhile
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     decode_attention_kernel<scalar_t>(
         q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),

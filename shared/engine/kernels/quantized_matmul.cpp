@@ -138,6 +138,7 @@ torch::Tensor quantized_matmul(torch::Tensor x, torch::Tensor qweight, torch::Te
     TORCH_CHECK(mins.sizes() == scales.sizes() && mins.is_contiguous(), "mins: [N, K / 32]");
     m = mins.data_ptr<float>();
   }
+  pybind11::gil_scoped_release no_gil;  // the service's event loop runs meanwhile
   if (bits == 4)
     quantized_matmul_kernel<4>(x.data_ptr<float>(), qweight.data_ptr<uint8_t>(),
                                scales.data_ptr<float>(), m, out.data_ptr<float>(), M, N, K);

@@ -22,7 +22,8 @@ inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
 inline float vmaxall(V a) { return _mm512_reduce_max_ps(a); }
 // e^x to float precision (Cephes' polynomial on x - n ln 2, scaled by 2^n)
 inline V vexp(V x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, vset(88.37f)), vset(-87.33f));
+  // clamped so 2^n stays a float; min/max return their second operand on a NaN: it goes through
+  x = _mm512_max_ps(vset(-87.33f), _mm512_min_ps(vset(88.37f), x));
   const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, vset(1.44269504f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   V r = _mm512_fnmadd_ps(n, vset(0.693359375f), x);
@@ -62,7 +63,7 @@ inline float vmaxall(V a) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 inline V vexp(V x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, vset(88.37f)), vset(-87.33f));
+  x = _mm256_max_ps(vset(-87.33f), _mm256_min_ps(vset(88.37f), x));  // a NaN goes through
   const V n = _mm256_round_ps(_mm256_mul_ps(x, vset(1.44269504f)),
                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   V r = _mm256_fnmadd_ps(n, vset(0.693359375f), x);
