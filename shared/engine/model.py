@@ -173,7 +173,14 @@ class LlamaModel:
         plain one (vocab, hidden), the embedding's layout)."""
         if self.weight_bits is not None:
             return stack_rows([head], 8)
-        return PanelMatrix.pack(self._place(head)) if self.packed else self._place(head)
+        return self._packed(head) if self.packed else self._place(head)
+
+    @staticmethod
+    def _packed(*parts: torch.Tensor | QuantizedMatrix) -> PanelMatrix:
+        """Parts cast while copied into their panels (a checkpoint's bf16 part is not first
+        copied whole to float32)."""
+        return PanelMatrix.pack(*(p.dequantize() if isinstance(p, QuantizedMatrix) else p
+                                  for p in parts))
 
     def _check_quantizable(self) -> None:
         if self.device.type != "cpu" or self.dtype != torch.float32:
@@ -194,7 +201,7 @@ class LlamaModel:
         if self.weight_bits is not None:
             return stack_rows(parts, self.weight_bits)
         if self.packed:
-            return PanelMatrix.pack(*(self._place(part) for part in parts))
+            return self._packed(*parts)
         out = torch.empty(parts[0].shape[1], sum(p.shape[0] for p in parts),
                           device=self.device, dtype=self.dtype)
         column = 0
