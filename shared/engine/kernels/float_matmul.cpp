@@ -1,7 +1,7 @@
 // Float matmul of the engine's layers on the CPU: y = x @ W^T for float32 weights packed in
-// panels (shared/engine/panels.py packs them). BLAS's skinny GEMMs, the decode step's, read the weights at half the
-// memory bandwidth or less on some CPUs (MKL on AMD EPYC: 11-19 GB/s of 33 at one row of x),
-// and a decode step is bound by reading them once.
+// panels (shared/engine/panels.py packs them). BLAS's skinny GEMMs, the decode step's, read
+// the weights at half the memory bandwidth or less on some CPUs (MKL on AMD EPYC: 11-19 GB/s
+// of 33 at one row of x), and a decode step is bound by reading them once.
 //
 // A panel holds P = C vectors' worth of W's rows (output columns) interleaved along K: for
 // each k, the P weights of its columns side by side, so a panel streams from memory in one
@@ -90,7 +90,8 @@ void run(const float* __restrict__ x, const float* __restrict__ w, float* __rest
 
 int64_t panel_width() { return panels::P; }
 
-// x [M, K] float32; packed [ceil(N / P), K, P]: panel p's column j at k is W[p * P + j, k]. Returns x @ W^T, [M, N].
+// x [M, K] float32; packed [ceil(N / P), K, P]: panel p's column j at k is W[p * P + j, k].
+// Returns x @ W^T, [M, N].
 torch::Tensor float_matmul(torch::Tensor x, torch::Tensor packed, int64_t N) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "x: float32 on the CPU");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == panels::P && packed.is_contiguous() &&

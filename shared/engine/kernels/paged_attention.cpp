@@ -135,7 +135,8 @@ void decode_attention_kernel(const T* q, const T* k_cache, const T* v_cache,
                              int64_t head_dim, int64_t block_size, int64_t max_blocks,
                              float scale) {
   // chunks of a request's context: enough tasks for every thread even at batch 1
-  const int64_t longest = std::max<int64_t>(1, *std::max_element(context_lens, context_lens + batch));
+  const int64_t longest =
+      std::max<int64_t>(1, *std::max_element(context_lens, context_lens + batch));
   const int64_t wanted = (4 * at::get_num_threads() + batch - 1) / batch;
   const int64_t chunk =
       std::clamp<int64_t>((longest + wanted - 1) / wanted, MIN_CHUNK, MAX_CHUNK);

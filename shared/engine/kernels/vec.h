@@ -20,23 +20,12 @@ inline float vsum(V a) { return _mm512_reduce_add_ps(a); }
 inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
 inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
 inline float vmaxall(V a) { return _mm512_reduce_max_ps(a); }
-// e^x to float precision (Cephes' polynomial on x - n ln 2, scaled by 2^n)
-inline V vexp(V x) {
-  // clamped so 2^n stays a float; min/max return their second operand on a NaN: it goes through
-  x = _mm512_max_ps(vset(-87.33f), _mm512_min_ps(vset(88.37f), x));
-  const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, vset(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  V r = _mm512_fnmadd_ps(n, vset(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, vset(-2.12194440e-4f), r);
-  V p = vset(1.9875691500e-4f);
-  p = vfma(p, r, vset(1.3981999507e-3f));
-  p = vfma(p, r, vset(8.3334519073e-3f));
-  p = vfma(p, r, vset(4.1665795894e-2f));
-  p = vfma(p, r, vset(1.6666665459e-1f));
-  p = vfma(p, r, vset(5.0000001201e-1f));
-  p = vadd(vfma(p, _mm512_mul_ps(r, r), r), vset(1.0f));
-  return _mm512_scalef_ps(p, n);
+inline V vmin(V a, V b) { return _mm512_min_ps(a, b); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V vround(V a) {
+  return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
+inline V vscale2(V a, V n) { return _mm512_scalef_ps(a, n); }  // a * 2^n, n whole
 }  // namespace ds
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -62,22 +51,15 @@ inline float vmaxall(V a) {
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
-inline V vexp(V x) {
-  x = _mm256_max_ps(vset(-87.33f), _mm256_min_ps(vset(88.37f), x));  // a NaN goes through
-  const V n = _mm256_round_ps(_mm256_mul_ps(x, vset(1.44269504f)),
-                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  V r = _mm256_fnmadd_ps(n, vset(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, vset(-2.12194440e-4f), r);
-  V p = vset(1.9875691500e-4f);
-  p = vfma(p, r, vset(1.3981999507e-3f));
-  p = vfma(p, r, vset(8.3334519073e-3f));
-  p = vfma(p, r, vset(4.1665795894e-2f));
-  p = vfma(p, r, vset(1.6666665459e-1f));
-  p = vfma(p, r, vset(5.0000001201e-1f));
-  p = vadd(vfma(p, _mm256_mul_ps(r, r), r), vset(1.0f));
+inline V vmin(V a, V b) { return _mm256_min_ps(a, b); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V vround(V a) {
+  return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+inline V vscale2(V a, V n) {  // a * 2^n, n whole: n + 127 as a float's exponent bits
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
                                                        _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_mul_ps(a, _mm256_castsi256_ps(e));
 }
 }  // namespace ds
 #else
@@ -96,6 +78,26 @@ inline V vsub(V a, V b) { return a - b; }
 inline V vmax(V a, V b) { return a > b ? a : b; }
 inline float vmaxall(V a) { return a; }
 inline V vexp(V x) { return std::exp(x); }
+}  // namespace ds
+#endif
+
+#if defined(DS_VEC)
+namespace ds {
+// e^x to float precision: Cephes' polynomial on r = x - n ln 2, scaled by 2^n. x is clamped
+// so 2^n stays a float; min and max return their second operand on a NaN, so it goes through.
+inline V vexp(V x) {
+  x = vmax(vset(-87.33f), vmin(vset(88.37f), x));
+  const V n = vround(vmul(x, vset(1.44269504f)));
+  V r = vfma(n, vset(-0.693359375f), x);
+  r = vfma(n, vset(2.12194440e-4f), r);
+  V p = vset(1.9875691500e-4f);
+  p = vfma(p, r, vset(1.3981999507e-3f));
+  p = vfma(p, r, vset(8.3334519073e-3f));
+  p = vfma(p, r, vset(4.1665795894e-2f));
+  p = vfma(p, r, vset(1.6666665459e-1f));
+  p = vfma(p, r, vset(5.0000001201e-1f));
+  return vscale2(vadd(vfma(p, vmul(r, r), r), vset(1.0f)), n);
+}
 }  // namespace ds
 #endif
 #endif  // DS_VEC_H
