@@ -33,7 +33,8 @@ from distserve.bench.runner import Unloaded, calibrate, sweep, system_report
 from distserve.bench.workload import BenchWorkload, Limits, parse_bench_workload
 from distserve.commands import bench_engine
 from services.planner.modes import Candidate, best
-from services.planner.profiles import ProfileError, load_profile
+from services.planner.profiles import ProfileError, load_profile, measured_elsewhere
+from shared.host import cpu_description
 from shared.metrics import SLO, goodput_from_curve
 from shared.workloads import WorkloadError
 
@@ -191,6 +192,11 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         except (ProfileError, FileNotFoundError) as e:
             parser.error(f"--simulate needs a profile for {args.threads} thread(s) per worker "
                          f"(distserve profile --threads {args.threads}): {e}")
+        elsewhere = measured_elsewhere(profile, cpu_description())
+        if elsewhere:
+            console.print(f"[yellow]warning[/yellow]: {elsewhere}; the simulated figures "
+                          "may be far off (distserve profile --threads "
+                          f"{args.threads} -o FILE, then --profile FILE)")
     requests = args.requests or (16 if args.quick else 48)
     factors = QUICK_RATE_FACTORS if args.quick else RATE_FACTORS
     chosen: list[float] = list(args.rates or [])

@@ -38,6 +38,7 @@ class Profile:
     stage_overhead_ms: float = 0.0
     kv_capacity: dict[tuple[int, int], int] = field(default_factory=dict)  # (tp, pp) -> tokens
     fit: dict[str, float] = field(default_factory=dict)
+    host: str = ""  # the CPU a CPU profile was measured on ('': not recorded)
 
     def latency(self, tp: int, pp: int) -> LatencyModel:
         return LatencyModel(self.by_tp[tp], pp, self.stage_overhead_ms)
@@ -115,7 +116,8 @@ def _load_ours(data: dict[str, Any]) -> Profile:
         by_tp={int(tp): _coefficients(e) for tp, e in data["configs"].items()},
         l_m=int(data["l_m"]), max_decode_batch=int(data.get("max_decode_batch", 256)),
         stage_overhead_ms=float(data.get("stage_overhead_ms", 0.0)),
-        fit={k: float(v) for k, v in data.get("fit", {}).items()})
+        fit={k: float(v) for k, v in data.get("fit", {}).items()},
+        host=str(data.get("host", "")))
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:
@@ -127,6 +129,7 @@ def save_profile(profile: Profile, path: str | Path) -> None:
         "stage_overhead_ms": profile.stage_overhead_ms,
         "configs": {str(tp): _entry(co) for tp, co in sorted(profile.by_tp.items())},
         "fit": profile.fit,
+        **({"host": profile.host} if profile.host else {}),
     }
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
@@ -148,6 +151,18 @@ def shipped_cpu_profile(threads: int) -> Path:
     """The profile this project measured for the default model with `threads` torch
     threads per worker (profiles/smollm2-135m-cpu-<n>thread(s).json)."""
     return SHIPPED_PROFILES / f"smollm2-135m-cpu-{threads}thread{'s' if threads > 1 else ''}.json"
+
+
+def measured_elsewhere(profile: Profile, host: str) -> str | None:
+    """Why `profile` may price this machine's steps wrong (its CPU is another, or it does not
+    say which), or None where it was measured on a CPU like `host`."""
+    if not profile.device.startswith("cpu"):
+        return None
+    if not profile.host:
+        return f"the profile {profile.device} does not say which CPU it was measured on"
+    if profile.host != host:
+        return f"the profile was measured on {profile.host}, this machine is {host}"
+    return None
 
 
 def planner_profile(path: str, threads: int) -> Profile:

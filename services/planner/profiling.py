@@ -16,6 +16,7 @@ from services.planner.profiles import Profile, saturation_length
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.request import SamplingParams
+from shared.host import cpu_description
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,15 @@ class Grid:
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48)
     decode_contexts: tuple[int, ...] = (64, 256, 512)
     repeats: int = 3
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """(length, batch) of every prefill point, at most `max_prefill_tokens` a batch."""
+        return [(length, batch) for length in self.prefill_lengths
+                for batch in self.prefill_batches if length * batch <= self.max_prefill_tokens]
+
+    @property
+    def points(self) -> int:
+        return len(self.prefill_shapes()) + len(self.decode_batches) * len(self.decode_contexts)
 
     @classmethod
     def quick(cls) -> Grid:
@@ -79,11 +89,9 @@ class Profiler:
                                                               list[DecodePoint]]:
         g = self.grid
         prefill = []
-        for length in g.prefill_lengths:
-            for batch in g.prefill_batches:
-                if length * batch <= g.max_prefill_tokens:
-                    progress(f"prefill {batch} x {length} tokens")
-                    prefill.append(self.prefill_point(length, batch))
+        for length, batch in g.prefill_shapes():
+            progress(f"prefill {batch} x {length} tokens")
+            prefill.append(self.prefill_point(length, batch))
         decode = []
         for context in g.decode_contexts:
             for batch in g.decode_batches:
@@ -128,4 +136,5 @@ def profile_engine(config: EngineConfig, grid: Grid,
     return Profile(model=spec, device=device_name(engine.runner.device),
                    device_memory_bytes=device_memory_bytes(engine.runner.device),
                    by_tp={config.tp: coefficients}, l_m=saturation_length(coefficients),
-                   fit=report)
+                   fit=report, host=cpu_description() if engine.runner.device.type == "cpu"
+                   else "")

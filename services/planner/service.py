@@ -22,11 +22,12 @@ from services.planner.calibration import Calibration
 from services.planner.decide import PlannerConfig, decide
 from services.planner.deployer import Deployer, LocalDeployer, LogOnlyDeployer, live_workers
 from services.planner.modes import MODES, SWITCH_MARGIN, Mode, parse_modes, serving_mode
-from services.planner.profiles import Profile, planner_profile
+from services.planner.profiles import Profile, measured_elsewhere, planner_profile
 from services.runtime import ControlService
 from shared import subjects
 from shared.bus import parse
 from shared.engine.config import served_name
+from shared.host import cpu_description
 from shared.messages import ReplanRequest, WorkloadSummary
 from shared.metrics import SLO
 from shared.state import Registry
@@ -69,6 +70,11 @@ class PlannerSettings(BaseSettings):
             log.warning("planning on a profile of %s while the workers serve %s: measure one "
                         "with `distserve profile --model %s` and name it in DS_PLANNER_PROFILE",
                         profile.model.name, served_name(self.model), self.model)
+        elsewhere = measured_elsewhere(profile, cpu_description())
+        if elsewhere:
+            log.warning("%s: its step times may be far off here (the live calibration corrects "
+                        "their level, not their shape); measure one with `distserve profile` "
+                        "and name it in DS_PLANNER_PROFILE", elsewhere)
         return profile
 
     @field_validator("planner_modes")

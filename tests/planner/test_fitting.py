@@ -15,6 +15,7 @@ from services.planner.fitting import (
 from services.planner.latency import PhaseCoefficients
 from services.planner.profiles import (
     load_profile,
+    measured_elsewhere,
     saturation_length,
     save_profile,
     shipped_cpu_profile,
@@ -84,3 +85,21 @@ def test_a_profile_carries_its_models_shape(tmp_path: Path) -> None:
     save_profile(mine, tmp_path / "p.json")
     again = load_profile(tmp_path / "p.json")
     assert again.model == mine.model and again.by_tp == shipped.by_tp
+
+
+def test_a_profile_says_which_cpu_it_was_measured_on(tmp_path: Path) -> None:
+    """The planner and `bench compare` warn when a CPU profile comes from another CPU (or
+    does not say): the same engine's steps differ 2-3x between hosts."""
+    shipped = load_profile(shipped_cpu_profile(1))
+    here = "AMD EPYC (family 23 model 1, avx2)"
+    mine = dataclasses.replace(shipped, host=here)
+    save_profile(mine, tmp_path / "p.json")
+    again = load_profile(tmp_path / "p.json")
+    assert again.host == here
+    assert measured_elsewhere(again, here) is None
+    elsewhere = measured_elsewhere(again, "Intel Xeon (family 6 model 143, avx512)")
+    assert elsewhere is not None and here in elsewhere
+    unsaid = measured_elsewhere(dataclasses.replace(shipped, host=""), here)
+    assert unsaid is not None and "does not say" in unsaid
+    gpu = dataclasses.replace(shipped, device="NVIDIA H100 80GB HBM3", host="")
+    assert measured_elsewhere(gpu, here) is None  # a GPU profile names its device already

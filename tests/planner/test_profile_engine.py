@@ -10,6 +10,7 @@ import pytest
 from services.planner.profiles import load_profile, save_profile
 from services.planner.profiling import Grid, profile_engine
 from shared.engine.config import EngineConfig
+from shared.host import cpu_description
 
 pytestmark = pytest.mark.slow
 SHIPPED = Path(__file__).parents[2] / "profiles"
@@ -34,6 +35,7 @@ def test_fitted_model_predicts_held_out_points(tmp_path: Path) -> None:
     save_profile(profile, path)
     again = load_profile(path)
     assert again.by_tp == profile.by_tp and again.l_m == profile.l_m
+    assert again.host == cpu_description()  # which CPU it was measured on
 
 
 def test_shipped_profiles_load_and_were_fitted_well() -> None:

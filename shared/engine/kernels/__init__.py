@@ -26,12 +26,15 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 
+from shared.host import cpu_flags
+
 log = logging.getLogger(__name__)
 # vec.h first: torch names a build by the hash of its sources, and an #include'd header is not
 # one of them, so its text goes in too (its include guard skips the #include that follows)
 SOURCES = [Path(__file__).with_name(f)
            for f in ("vec.h", "paged_attention.cpp", "quantized_matmul.cpp", "float_matmul.cpp")]
 FUNCTIONS = ["paged_decode_attention", "quantized_matmul", "float_matmul", "panel_width"]
+__all__ = ["build_name", "cpu_flags", "cpu_kernels"]
 
 
 @contextlib.contextmanager
@@ -47,17 +50,6 @@ def build_lock(name: str) -> Iterator[None]:
             log.warning("removing %s, left by a build that was killed", stale)
             stale.unlink(missing_ok=True)
         yield
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (/proc/cpuinfo), empty where the system does not say."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):  # x86, ARM
-                return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def build_name(machine: str, march: str, flags: Iterable[str]) -> str:
