@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
+import time
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import Progress
+from rich.progress import Progress, TimeElapsedColumn
 
 from distserve.commands.common import add_engine_args, engine_config, positive_int
 from services.planner.latency import PhaseCoefficients
@@ -34,15 +36,21 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     console = Console()
     profiles = []
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("profiling", total=None)
+    grid = Grid.quick() if args.quick else Grid()
+    started = time.monotonic()
+    with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console,
+                  transient=True) as bar:
+        task = bar.add_task("profiling", total=grid.points * len(args.tps))
+        done = itertools.count()
         for tp in args.tps:
             def progress(what: str, tp: int = tp) -> None:
-                bar.update(task, description=f"tp {tp}: {what}")
+                bar.update(task, completed=next(done), description=f"tp {tp}: {what}")
+                if not console.is_terminal:  # a log gets a line a point instead of a bar
+                    console.print(f"[{time.monotonic() - started:5.0f} s] tp {tp}: {what}")
 
             try:
                 profiles.append(profile_engine(dataclasses.replace(engine_config(args), tp=tp),
-                                               Grid.quick() if args.quick else Grid(), progress))
+                                               grid, progress))
             except ValueError as e:
                 parser.error(str(e))
     profile = dataclasses.replace(profiles[0], by_tp={

@@ -14,6 +14,7 @@ import pytest
 
 from distserve.cli import build_parser
 from distserve.commands.up import apply_plan
+from services.planner.profiling import Grid
 from tests.model_dirs import write_random
 
 PROFILE = Path(__file__).parents[2] / "profiles" / "smollm2-135m-cpu-1thread.json"
@@ -84,3 +85,7 @@ def test_profile_measures_each_tp_into_one_profile(tmp_path: Path) -> None:
     assert set(configs) == {"1", "2"}
     assert all(len(configs[tp]["prefill"]) == 3 for tp in configs)
     assert "tp 2:" in done.stdout
+    # piped to a log, every grid point is a line of its own (a bar would show nothing)
+    points = [line for line in done.stdout.splitlines() if " s] tp " in line]
+    assert len(points) == 2 * Grid.quick().points
+    assert "tp 2: decode batch 32 at context 256" in points[-1]
