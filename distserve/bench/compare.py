@@ -5,6 +5,7 @@ the same requests on the same placements (the paper's Table 2)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import tempfile
 import time
@@ -23,9 +24,10 @@ from services.planner.latency import LatencyModel
 from services.planner.modes import Candidate, Mode, candidates, cluster
 from services.planner.placement import Problem
 from services.planner.profiles import Profile
+from services.planner.simulator.core import SimResult
 from services.runtime import WorkerSettings
 from services.supervisor import free_port
-from shared.metrics import SLO
+from shared.metrics import SLO, attains
 
 DEFAULT_LINK_BPS = 0.5e9  # UCX between two local processes (loopback TCP), measured
 
@@ -137,15 +139,53 @@ def stack_problem(measured: Measured, profile: Profile, workload: BenchWorkload,
 
 
 def simulate(measured: Measured, profile: Profile, workload: BenchWorkload, requests: int,
-             seed: int, slo: SLO, calibrate: bool = True) -> list[float]:
-    """Simulated attainment of `measured`'s system at each of its rates, same requests; with
+             seed: int, slo: SLO, calibrate: bool = True) -> list[SimResult]:
+    """`measured`'s system simulated at each of its rates on the same requests; with
     `calibrate`, the profile is first scaled to the system's measured unloaded latencies."""
     c = measured.system.stack
     problem = stack_problem(measured, profile, workload, slo, 0.9, 1.0, calibrate)
     counts = (c.prefill, c.decode, 0) if c.mode == "disaggregated" else (0, 0, c.replicas)
     run_cluster = cluster(problem, measured.system.mode, counts)
-    return [run_cluster(as_simulated(workload.requests(run.rate, requests, seed))
-                        ).attainment(slo) for run in measured.runs]
+    return [run_cluster(as_simulated(workload.requests(run.rate, requests, seed)))
+            for run in measured.runs]
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """How one rate's simulation matches its measurement request by request (the same
+    requests, in the same order): median measured - simulated TTFT and TPOT, and the
+    requests whose outcome against the objectives differs (each is 1/n of the attainment
+    gap; a request near an objective flips on a few ms)."""
+
+    ttft_s: float
+    tpot_s: float
+    differ: int
+    near: int  # of those, the ones where measured and simulated lie within `near_share` of
+    # each objective they disagree on: flips of a few ms at the boundary, not of the model
+
+    def to_json(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+def fidelity(run: RunResult, simulated: SimResult, slo: SLO, near_share: float = 0.05
+             ) -> Fidelity:
+    pairs = list(zip(run.records, simulated.requests, strict=True))
+    ttft = [r.ttft - s.ttft for r, s in pairs if r.ttft is not None and s.ttft is not None]
+    tpot = [r.tpot - s.tpot for r, s in pairs if r.tpot is not None and s.tpot is not None]
+    def near_bound(x: float | None, y: float | None, bound: float) -> bool:
+        if x is not None and y is not None and (x <= bound) == (y <= bound):
+            return True  # not what they disagree on
+        return x is not None and y is not None and \
+            max(abs(x - bound), abs(y - bound)) <= near_share * bound
+
+    differ = near = 0
+    for r, s in pairs:
+        if attains(r.ttft, r.tpot, slo) == attains(s.ttft, s.tpot, slo):
+            continue
+        differ += 1
+        near += near_bound(r.ttft, s.ttft, slo.ttft_s) and near_bound(r.tpot, s.tpot, slo.tpot_s)
+    return Fidelity(statistics.median(ttft) if ttft else math.nan,
+                    statistics.median(tpot) if tpot else math.nan, differ, near)
 
 
 def recommend(measured: Measured, profile: Profile, workload: BenchWorkload, slo: SLO,

@@ -210,21 +210,26 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                             cmp.default_run_root(), console.print)
                 for system in cmp.systems(args.threads, args.kv_cache_mb, args.chunked)]
     slo = _slo(args, measured[0].unloaded)
-    curves = []
+    curves, fidelities = [], []
     for m in measured:
         simulated = raw = None
         if profile is not None:
-            simulated = cmp.simulate(m, profile, workload, requests, args.seed, slo)
-            raw = cmp.simulate(m, profile, workload, requests, args.seed, slo, calibrate=False)
+            sims = cmp.simulate(m, profile, workload, requests, args.seed, slo)
+            simulated = [sim.attainment(slo) for sim in sims]
+            raw = [sim.attainment(slo) for sim in cmp.simulate(
+                m, profile, workload, requests, args.seed, slo, calibrate=False)]
+            fidelities.append([cmp.fidelity(run, sim, slo)
+                               for run, sim in zip(m.runs, sims, strict=True)])
         curves.append(Curve(m.system.name, m.system.devices, m.runs, simulated, raw))
     reports = [system_report(c.name, c.devices, c.runs, slo, args.attainment) | {
         "cores_used": m.cores_used, "kv_link_bps": m.link_bps,
         "unloaded": m.unloaded.__dict__} for c, m in zip(curves, measured, strict=True)]
-    for report, c in zip(reports, curves, strict=True):
+    for report, c, fits in zip(reports, curves, fidelities, strict=False):
         if c.simulated is not None:
             report["simulated_attainment"] = list(c.simulated)
             report["simulated_attainment_uncalibrated"] = list(c.simulated_raw or [])
             report["simulated_goodput_rps"] = _goodput_of(c.runs, c.simulated, args.attainment)
+            report["fidelity"] = [f.to_json() for f in fits]
     ours, base = reports[0]["per_device_goodput_rps"], reports[1]["per_device_goodput_rps"]
     report = {"workload": workload.name, "slo": slo.__dict__, "threads_per_worker":
               args.threads, "attainment_target": args.attainment, "rates": chosen,
@@ -237,7 +242,7 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     out = _out(args)
     _finish(console, out, report, curves, slo, args.attainment, workload.name)
     if profile is not None:
-        _print_fidelity(console, curves, slo)
+        _print_fidelity(console, curves, fidelities, slo)
         _print_recommendation(console, report["recommendation"])
     ratio = report["ratio_disaggregated_to_colocated"]
     if ratio is not None:
@@ -317,16 +322,21 @@ def _print_table(console: Console, curve: Curve, slo: SLO, target: float) -> Non
     console.print(table)
 
 
-def _print_fidelity(console: Console, curves: Sequence[Curve], slo: SLO) -> None:
+def _print_fidelity(console: Console, curves: Sequence[Curve],
+                    fidelities: Sequence[Sequence[cmp.Fidelity]], slo: SLO) -> None:
     table = Table(title="measured vs simulated attainment (simulated: profile calibrated to "
-                        "the measured unloaded latencies; raw: the profile as fitted)")
+                        "the measured unloaded latencies; raw: the profile as fitted), and "
+                        "request by request: median measured - simulated TTFT and TPOT, "
+                        "requests whose outcome differs (near: within 5% of both objectives)")
     for column in ("system", "rate", "measured", "simulated", "difference", "raw",
-                   "raw difference"):
+                   "raw difference", "TTFT diff", "TPOT diff", "differ (near)"):
         table.add_column(column, justify="right")
-    for c in curves:
-        for run, sim, raw in zip(c.runs, c.simulated or [], c.simulated_raw or [],
-                                 strict=False):
+    for c, found in zip(curves, fidelities, strict=False):
+        for run, sim, raw, f in zip(c.runs, c.simulated or [], c.simulated_raw or [], found,
+                                    strict=False):
             got = run.attainment(slo)
             table.add_row(c.name, f"{run.rate:g}", f"{got:.0%}", f"{sim:.0%}",
-                          f"{100 * (sim - got):+.1f}", f"{raw:.0%}", f"{100 * (raw - got):+.1f}")
+                          f"{100 * (sim - got):+.1f}", f"{raw:.0%}", f"{100 * (raw - got):+.1f}",
+                          f"{f.ttft_s:+.3f} s", f"{1e3 * f.tpot_s:+.1f} ms",
+                          f"{f.differ} ({f.near})")
     console.print(table)

@@ -2,11 +2,20 @@
 
 import pytest
 
-from distserve.bench.compare import Measured, auto_rates, calibration_from, recommend, systems
+from distserve.bench.compare import (
+    Measured,
+    auto_rates,
+    calibration_from,
+    fidelity,
+    recommend,
+    systems,
+)
+from distserve.bench.results import RequestRecord, RunResult
 from distserve.bench.runner import CALIBRATION_TOKENS, Unloaded
 from distserve.bench.workload import Limits, parse_bench_workload
 from distserve.commands.bench import recommendation
 from services.planner.profiles import load_profile, shipped_cpu_profile
+from services.planner.simulator.core import SimRequest, SimResult
 from shared.metrics import SLO
 
 
@@ -61,3 +70,27 @@ def test_the_recommendation_sits_next_to_the_measured_ranking() -> None:
                                                              "colocated"]
     assert rec["recommended_vs_best_measured"] == pytest.approx(0.12 / 0.13)
     assert len(rec["simulated"]) == 3
+
+
+def test_fidelity_compares_the_same_requests_one_by_one() -> None:
+    """Median measured - simulated TTFT and TPOT over the same requests, and the requests
+    whose outcome differs: one a few ms either side of the TPOT objective (near), one the
+    simulator sends to a queue the stack did not (far)."""
+    slo = SLO(ttft_s=2.0, tpot_s=0.100)
+    timings = [  # (measured TTFT, TPOT), (simulated TTFT, TPOT), 11 output tokens
+        ((1.0, 0.080), (0.9, 0.078)),
+        ((1.2, 0.098), (1.0, 0.103)),  # flips on 5 ms: near
+        ((1.1, 0.090), (3.5, 0.090)),  # queued in the simulation only: far
+        ((1.0, 0.070), (0.8, 0.070)),
+    ]
+    records, simulated = [], []
+    for i, ((ttft, tpot), (sim_ttft, sim_tpot)) in enumerate(timings):
+        records.append(RequestRecord(i, 0.0, 512, 11, sent_s=0.0, first_token_s=ttft,
+                                     last_token_s=ttft + 10 * tpot, tokens=11))
+        simulated.append(SimRequest(i, 0.0, 512, 11, first_token=sim_ttft,
+                                    finish=sim_ttft + 10 * sim_tpot))
+    found = fidelity(RunResult(0.5, records, 10.0), SimResult(simulated), slo)
+    assert found.differ == 2 and found.near == 1
+    assert found.ttft_s == pytest.approx(0.15)  # the median of +0.1, +0.2, -2.4, +0.2 s
+    assert found.tpot_s == pytest.approx(0.0, abs=1e-9)  # of +2, -5, 0, 0 ms
+    assert found.to_json()["differ"] == 2
