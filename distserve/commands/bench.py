@@ -72,7 +72,8 @@ def register(sub: Any) -> None:
                    help="fewer rates and requests: about 12 minutes on 2 cores")
     c.add_argument("--simulate", action="store_true",
                    help="also simulate each system with the latency profile; prints measured "
-                        "vs simulated attainment")
+                        "vs simulated attainment, and request by request the TTFT and TPOT "
+                        "differences and the requests whose outcome differs")
     c.add_argument("--profile", type=Path, help="profile for --simulate (default: the shipped "
                    "profiles/smollm2-135m-cpu-<threads>thread(s).json)")
     _add_common(c)
