@@ -33,7 +33,12 @@ from distserve.bench.runner import Unloaded, calibrate, sweep, system_report
 from distserve.bench.workload import BenchWorkload, Limits, parse_bench_workload
 from distserve.commands import bench_engine
 from services.planner.modes import Candidate, best
-from services.planner.profiles import ProfileError, load_profile, measured_elsewhere
+from services.planner.profiles import (
+    ProfileError,
+    load_profile,
+    measured_elsewhere,
+    shipped_cpu_profile,
+)
 from shared.host import cpu_description
 from shared.metrics import SLO, goodput_from_curve
 from shared.workloads import WorkloadError
@@ -42,7 +47,6 @@ TTFT_FACTOR = 5.0
 TPOT_FACTOR = 2.0
 RATE_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
 QUICK_RATE_FACTORS = (0.25, 0.5, 0.75, 1.0)
-PROFILES = Path(__file__).resolve().parents[2] / "profiles"
 
 
 def register(sub: Any) -> None:
@@ -75,6 +79,7 @@ def register(sub: Any) -> None:
                         "vs simulated attainment, and request by request the TTFT and TPOT "
                         "differences and the requests whose outcome differs")
     c.add_argument("--profile", type=Path, help="profile for --simulate (default: the shipped "
+                   "profile for --threads measured on this CPU where one ships, else "
                    "profiles/smollm2-135m-cpu-<threads>thread(s).json)")
     _add_common(c)
     c.set_defaults(parser=c, run=run_compare)
@@ -186,8 +191,7 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     console = Console()
     profile = None
     if args.simulate:
-        path = args.profile or PROFILES / (
-            f"smollm2-135m-cpu-{args.threads}thread{'s' if args.threads > 1 else ''}.json")
+        path = args.profile or shipped_cpu_profile(args.threads, cpu_description())
         try:
             profile = load_profile(path)
         except (ProfileError, FileNotFoundError) as e:

@@ -147,10 +147,17 @@ def kv_capacity_tokens(profile: Profile, tp: int, pp: int, memory_use: float = 0
 SHIPPED_PROFILES = Path(__file__).resolve().parents[2] / "profiles"
 
 
-def shipped_cpu_profile(threads: int) -> Path:
+def shipped_cpu_profile(threads: int, host: str = "") -> Path:
     """The profile this project measured for the default model with `threads` torch
-    threads per worker (profiles/smollm2-135m-cpu-<n>thread(s).json)."""
-    return SHIPPED_PROFILES / f"smollm2-135m-cpu-{threads}thread{'s' if threads > 1 else ''}.json"
+    threads per worker: the one measured on a CPU like `host` where one ships
+    (profiles/smollm2-135m-cpu-<n>thread(s)-<cpu>.json, its `host` field equal to `host`),
+    else the generic profiles/smollm2-135m-cpu-<n>thread(s).json."""
+    stem = f"smollm2-135m-cpu-{threads}thread{'s' if threads > 1 else ''}"
+    if host:
+        for path in sorted(SHIPPED_PROFILES.glob(f"{stem}-*.json")):
+            if json.loads(path.read_text()).get("host") == host:
+                return path
+    return SHIPPED_PROFILES / f"{stem}.json"
 
 
 def measured_elsewhere(profile: Profile, host: str) -> str | None:
@@ -165,7 +172,8 @@ def measured_elsewhere(profile: Profile, host: str) -> str | None:
     return None
 
 
-def planner_profile(path: str, threads: int) -> Profile:
+def planner_profile(path: str, threads: int, host: str = "") -> Profile:
     """The profile the online planner plans on (and the profiler calibrates): the file
-    DS_PLANNER_PROFILE names, else the shipped one for DS_THREADS threads per worker."""
-    return load_profile(path or shipped_cpu_profile(threads))
+    DS_PLANNER_PROFILE names, else the shipped one for DS_THREADS threads per worker,
+    measured on a CPU like `host` where the project has one."""
+    return load_profile(path or shipped_cpu_profile(threads, host))

@@ -65,12 +65,13 @@ class PlannerSettings(BaseSettings):
         return self.planner_devices or os.cpu_count() or 2
 
     def profile(self) -> Profile:
-        profile = planner_profile(self.planner_profile, self.threads)
+        here = cpu_description()
+        profile = planner_profile(self.planner_profile, self.threads, here)
         if profile.model.name != served_name(self.model):
             log.warning("planning on a profile of %s while the workers serve %s: measure one "
                         "with `distserve profile --model %s` and name it in DS_PLANNER_PROFILE",
                         profile.model.name, served_name(self.model), self.model)
-        elsewhere = measured_elsewhere(profile, cpu_description())
+        elsewhere = measured_elsewhere(profile, here)
         if elsewhere:
             log.warning("%s: its step times may be far off here (the live calibration corrects "
                         "their level, not their shape); measure one with `distserve profile` "

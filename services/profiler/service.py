@@ -26,6 +26,7 @@ from services.profiler.detector import (
 from services.runtime import ControlService
 from shared import subjects
 from shared.bus import parse, publish
+from shared.host import cpu_description
 from shared.messages import ReplanRequest, RequestDone, WorkloadSummary
 from shared.state import InstanceInfo
 
@@ -75,7 +76,8 @@ class ProfilerService(ControlService):
         self.seen = 0
         self.calibrator: Calibrator | None = None
         try:
-            profile = planner_profile(settings.planner_profile, settings.threads)
+            profile = planner_profile(settings.planner_profile, settings.threads,
+                                      cpu_description())
             self.calibrator = Calibrator(profile.latency(1, 1),
                                          settings.profiler_calibration_window)
         except (ProfileError, OSError) as e:  # shift detection goes on without it

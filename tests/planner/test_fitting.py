@@ -103,3 +103,20 @@ def test_a_profile_says_which_cpu_it_was_measured_on(tmp_path: Path) -> None:
     assert unsaid is not None and "does not say" in unsaid
     gpu = dataclasses.replace(shipped, device="NVIDIA H100 80GB HBM3", host="")
     assert measured_elsewhere(gpu, here) is None  # a GPU profile names its device already
+
+
+def test_the_shipped_profile_is_the_one_measured_on_this_cpu_where_one_ships() -> None:
+    """With no profile named, the planner, the profiler and `bench compare --simulate` take
+    the shipped profile whose `host` is this CPU, else the generic one for the threads."""
+    generic = shipped_cpu_profile(1)
+    assert generic.name == "smollm2-135m-cpu-1thread.json"
+    assert shipped_cpu_profile(2).name == "smollm2-135m-cpu-2threads.json"
+    for path in generic.parent.glob("smollm2-135m-cpu-1thread-*.json"):
+        host = load_profile(path).host
+        assert host, f"{path.name} must say which CPU it was measured on"
+        assert shipped_cpu_profile(1, host) == path
+        assert shipped_cpu_profile(2, host).name == "smollm2-135m-cpu-2threads.json"
+    zen1 = "AMD EPYC (family 23 model 1, avx2)"
+    assert shipped_cpu_profile(1, zen1).name == "smollm2-135m-cpu-1thread-amd-epyc-zen1.json"
+    assert shipped_cpu_profile(1, "Some CPU (family 1 model 1, baseline)") == generic
+    assert shipped_cpu_profile(1, "") == generic

@@ -24,6 +24,7 @@ from distserve.bench.workload import BenchRequest
 from distserve.cli import main
 from services.planner.calibration import Calibration
 from services.planner.decide import decide
+from services.planner.profiles import shipped_cpu_profile
 from services.planner.service import PlannerSettings
 from shared import subjects
 from shared.bus import connect, publish
@@ -99,8 +100,9 @@ def planner_env(devices: int, modes: str, window: int, tpot_s: float,
                 **more: str) -> dict[str, str]:
     """A planner on `devices` deploying `modes`, a profiler flagging shifts over a
     `window` of requests within seconds; plans follow the workload only (a busy host's
-    slower steps would replan)."""
-    return {"DS_PLANNER_DEVICES": str(devices), "DS_PLANNER_MODES": modes,
+    slower steps would replan), priced by the generic shipped profile on every host."""
+    return {"DS_PLANNER_PROFILE": str(shipped_cpu_profile(1)),
+            "DS_PLANNER_DEVICES": str(devices), "DS_PLANNER_MODES": modes,
             "DS_PROFILER_WINDOW": str(window), "DS_PROFILER_COOLDOWN_S": "5",
             "DS_PROFILER_CHECK_EVERY": "2", "DS_PLANNER_TTFT_S": "5",
             "DS_PLANNER_TPOT_S": str(tpot_s), "DS_PROFILER_RECALIBRATE_RATIO": "100", **more}
