@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from services.planner.latency import LatencyModel
+from services.planner.latency import Contention, LatencyModel
 from services.planner.profiles import Profile
 from shared.state import StepSample
 
@@ -48,11 +48,16 @@ class Calibration(BaseModel):
         return getattr(self, phase), 0.0
 
     def apply(self, profile: Profile) -> Profile:
+        """`profile` corrected. Steps timed live already ran beside whatever else the host
+        ran, so a calibration made of them replaces the profile's contention (which would
+        count that slowdown twice); one made of unloaded requests keeps it."""
         (prefill, prefill_ms), (decode, decode_ms) = (self.correction("prefill"),
                                                       self.correction("decode"))
         by_tp = {tp: co.slowed(prefill, decode, prefill_ms, decode_ms)
                  for tp, co in profile.by_tp.items()}
-        return dataclasses.replace(profile, by_tp=by_tp)
+        live = self.prefill_steps > 0 or self.decode_steps > 0
+        return dataclasses.replace(profile, by_tp=by_tp,
+                                   contention=Contention() if live else profile.contention)
 
     def describe(self, phase: str) -> str:
         """'1.45x the profile (+33 ms a step fits best)', for logs and `plan --live`."""

@@ -11,7 +11,9 @@ still takes the full time plus a per-stage overhead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
 
 Triple = tuple[float, float, float]
 
@@ -46,11 +48,42 @@ class PhaseCoefficients:
                                  self.decode_threshold)
 
 
+Phase = Literal["prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class Contention:
+    """How much longer a step of one phase takes while another device of the same host runs
+    a step of a phase: factors >= 1, measured by `distserve profile` with a second engine
+    beside the profiled one. CPU cores share the memory bandwidth and the last-level cache:
+    on a 2-core Zen 4 EPYC a batch-1 decode step took 1.44x as long beside a decoding
+    engine (both stream the weights) and 1.1x beside a prefilling one, while the engine
+    alone shows nothing of it. 1.0 (the default) for devices that share nothing (GPUs)."""
+
+    decode_by_decode: float = 1.0
+    decode_by_prefill: float = 1.0
+    prefill_by_decode: float = 1.0
+    prefill_by_prefill: float = 1.0
+
+    def factor(self, phase: Phase, beside: Iterable[Phase], share: float = 1.0) -> float:
+        """A `phase` step's slowdown beside steps of the phases `beside`: each neighbour
+        adds its own (memory traffic adds up), on the `share` of the step that contends (a
+        decode step's reads: LatencyModel.reading_share; the factors are measured on steps
+        that are nearly all reads)."""
+        return 1.0 + share * sum(float(getattr(self, f"{phase}_by_{other}")) - 1.0
+                                 for other in beside)
+
+    @property
+    def none(self) -> bool:
+        return self == Contention()
+
+
 @dataclass(frozen=True)
 class LatencyModel:
     coefficients: PhaseCoefficients
     pp: int = 1
     stage_overhead_ms: float = 0.0
+    contention: Contention = field(default_factory=Contention)
 
     def prefill_ms(self, sum_len: float, sum_sq: float) -> float:
         a, b, c = self.coefficients.prefill
@@ -60,6 +93,17 @@ class LatencyModel:
         co = self.coefficients
         a, b, c = co.decode_large if batch >= co.decode_threshold else co.decode_small
         return a + b * sum_ctx + c * batch
+
+    def reading_share(self, batch: int, sum_ctx: float) -> float:
+        """The share of a decode step spent reading memory, as the model splits it: the
+        constant (the weights) and the context term (the KV) against the per-request term
+        (compute). Near 1 at batch 1; it falls as the batch grows, and so does what a
+        neighbour reading the same memory costs the step (Contention)."""
+        co = self.coefficients
+        a, b, c = co.decode_large if batch >= co.decode_threshold else co.decode_small
+        reads = max(0.0, a + b * sum_ctx)
+        total = reads + max(0.0, c * batch)
+        return reads / total if total > 0 else 1.0
 
     def riding_ms(self, batch: int, sum_ctx: float) -> float:
         """What `batch` decodes add to a step that computes prompt tokens anyway (chunked

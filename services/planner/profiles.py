@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.planner.latency import LatencyModel, PhaseCoefficients
+from services.planner.latency import Contention, LatencyModel, PhaseCoefficients
 from services.planner.models import ModelSpec, model_spec
 
 FORMAT = "distserve-profile/1"
@@ -39,9 +39,11 @@ class Profile:
     kv_capacity: dict[tuple[int, int], int] = field(default_factory=dict)  # (tp, pp) -> tokens
     fit: dict[str, float] = field(default_factory=dict)
     host: str = ""  # the CPU a CPU profile was measured on ('': not recorded)
+    # how its steps slow beside the host's other devices (measured; none recorded: 1.0)
+    contention: Contention = field(default_factory=Contention)
 
     def latency(self, tp: int, pp: int) -> LatencyModel:
-        return LatencyModel(self.by_tp[tp], pp, self.stage_overhead_ms)
+        return LatencyModel(self.by_tp[tp], pp, self.stage_overhead_ms, self.contention)
 
     @property
     def tps(self) -> list[int]:
@@ -117,7 +119,8 @@ def _load_ours(data: dict[str, Any]) -> Profile:
         l_m=int(data["l_m"]), max_decode_batch=int(data.get("max_decode_batch", 256)),
         stage_overhead_ms=float(data.get("stage_overhead_ms", 0.0)),
         fit={k: float(v) for k, v in data.get("fit", {}).items()},
-        host=str(data.get("host", "")))
+        host=str(data.get("host", "")),
+        contention=Contention(**{k: float(v) for k, v in data.get("contention", {}).items()}))
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:
@@ -130,6 +133,8 @@ def save_profile(profile: Profile, path: str | Path) -> None:
         "configs": {str(tp): _entry(co) for tp, co in sorted(profile.by_tp.items())},
         "fit": profile.fit,
         **({"host": profile.host} if profile.host else {}),
+        **({"contention": dataclasses.asdict(profile.contention)}
+           if not profile.contention.none else {}),
     }
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
 

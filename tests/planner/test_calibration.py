@@ -1,6 +1,7 @@
 """The latency model calibrated on the running stack's step timings (pure): steps slower
 than the profile move the phase's scale by as much, and the plan follows."""
 
+import dataclasses
 import random
 
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 
 from services.planner.calibration import Calibration, Calibrator, fit_steps, replan_reason
 from services.planner.decide import PlannerConfig, decide
+from services.planner.latency import Contention
 from services.planner.profiles import load_profile, shipped_cpu_profile
 from shared.engine.request import Request, SamplingParams
 from shared.engine.scheduler import ScheduledChunk, SchedulerOutput, StepShape
@@ -190,3 +192,15 @@ def test_a_slowdown_over_mostly_short_steps_is_a_scale() -> None:
     calibrator.observe("prefill-0", steps)
     found = calibrator.calibration()
     assert (found.prefill_fit, found.prefill) == ("scale", pytest.approx(3.0, rel=0.05))
+
+
+def test_live_steps_replace_the_profiles_contention_and_unloaded_ones_keep_it() -> None:
+    """Steps timed live ran beside the host's other steps: a calibration of them carries
+    that slowdown, so the profile's contention must not be counted on top; a calibration
+    of unloaded requests (bench compare's) saw none of it and keeps it."""
+    contended = dataclasses.replace(PROFILE, contention=Contention(decode_by_decode=1.4))
+    calibrator = Calibrator(LATENCY)
+    calibrator.observe("w-0", recorded_steps(1.0, 1.3))
+    assert calibrator.calibration().apply(contended).contention.none
+    unloaded = Calibration(prefill=1.1, decode=1.2)
+    assert unloaded.apply(contended).contention == contended.contention

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from services.planner.latency import LatencyModel, PhaseCoefficients
+from services.planner.latency import Contention, LatencyModel, PhaseCoefficients
 from services.planner.simulator import (
     ColocatedCluster,
     DisaggregatedCluster,
@@ -90,3 +92,59 @@ def test_colocated_completes_and_interference_raises_tpot(chunked: bool) -> None
     alone = simulate_decode_only(spec(), requests)
     mean = sum(r.tpot or 0 for r in result.requests) / 300
     assert mean > sum(r.tpot or 0 for r in alone.requests) / 300  # prefills stall decodes
+
+
+def test_a_step_slows_by_what_the_other_devices_of_its_host_run() -> None:
+    beside = Contention(decode_by_decode=1.4, decode_by_prefill=1.1, prefill_by_decode=1.05)
+    assert beside.factor("decode", []) == 1.0
+    assert beside.factor("decode", ["decode"]) == pytest.approx(1.4)
+    assert beside.factor("decode", ["decode", "prefill"]) == pytest.approx(1.5)  # adds up
+    assert beside.factor("prefill", ["prefill"]) == 1.0
+    assert Contention().none and not beside.none
+    # a neighbour slows only the part of a step that reads memory: nearly all of a batch-1
+    # decode step, less of a large batch's (its per-request compute grows)
+    assert beside.factor("decode", ["decode"], share=0.5) == pytest.approx(1.2)
+    latency = LatencyModel(COEFFS)
+    assert latency.reading_share(1, 256) > 0.95
+    assert latency.reading_share(64, 64 * 256) < 0.9 * latency.reading_share(1, 256)
+
+
+def contended(node: int, contention: Contention) -> InstanceSpec:
+    return InstanceSpec(LatencyModel(COEFFS, contention=contention), 10**6,
+                        max_batch_tokens=1024, node=node)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_colocated_replicas_on_one_host_slow_each_others_decode_steps(chunked: bool) -> None:
+    """Two requests at once, one on each replica: decoding side by side on one host, each
+    step takes the profile's decode_by_decode times as long; on two hosts, as long as alone."""
+    beside = Contention(decode_by_decode=1.5)
+    requests = Workload(fixed_lengths(64, 201)).requests(1e6, 2, seed=0)  # both at once
+
+    def tpots(nodes: tuple[int, int]) -> list[float]:
+        cluster = ColocatedCluster([contended(n, beside) for n in nodes], chunked)
+        return [r.tpot or 0.0 for r in simulate_colocated(cluster, requests).requests]
+
+    apart, together = tpots((0, 1)), tpots((0, 0))
+    alone = LatencyModel(COEFFS).decode_step_s(1, 64 + 100)
+    assert apart == pytest.approx([alone, alone], rel=0.02)
+    assert together == pytest.approx([1.5 * alone, 1.5 * alone], rel=0.02)
+
+
+def test_a_decode_instance_slows_while_the_prefill_instance_beside_it_runs() -> None:
+    """A long decode, then a stream of prefills on the same host: the decode steps taken
+    while a prefill runs cost decode_by_prefill times as long, so its TPOT rises; on another
+    host it does not."""
+    beside = Contention(decode_by_prefill=1.3)
+    first = Workload(fixed_lengths(64, 400)).requests(1e6, 1, seed=0)
+    later = Workload(fixed_lengths(1024, 2)).requests(5.0, 40, seed=1)
+    requests = first + [dataclasses.replace(r, arrival_s=r.arrival_s + 0.05) for r in later]
+
+    def tpot(decode_node: int) -> float:
+        cluster = DisaggregatedCluster([contended(0, beside)], [contended(decode_node, beside)],
+                                       Link(1, 1e12, 1e12))
+        return simulate_disaggregated(cluster, requests).requests[0].tpot or 0.0
+
+    alone = tpot(decode_node=1)
+    assert alone == pytest.approx(LatencyModel(COEFFS).decode_step_s(1, 64 + 200), rel=0.05)
+    assert 1.05 * alone < tpot(decode_node=0) <= 1.3 * alone

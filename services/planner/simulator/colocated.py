@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 from services.planner.simulator.core import (
     DecodeBatch,
     EventLoop,
+    Host,
     InstanceSpec,
     SimRequest,
     SimResult,
+    hosts,
     sim_requests,
 )
 from shared.workloads import WorkloadRequest
@@ -47,6 +49,7 @@ class ColocatedInstance:
     batch: DecodeBatch = field(default_factory=DecodeBatch)
     reserved: int = 0
     busy: bool = False
+    host: Host = field(default_factory=Host)
 
     @property
     def load(self) -> int:
@@ -80,9 +83,13 @@ class ColocatedInstance:
         self.busy = planned is not None
         if planned is not None:
             seconds, chunks, decoding = planned
-            self.loop.at(self.loop.now + seconds, self._step_done, (chunks, decoding))
+            lat = self.spec.latency
+            slowed = self.host.start(self, "prefill", lat) if chunks else self.host.start(
+                self, "decode", lat, lat.reading_share(self.batch.size, self.batch.sum_ctx))
+            self.loop.at(self.loop.now + seconds * slowed, self._step_done, (chunks, decoding))
 
     def _step_done(self, item: tuple[list[Chunk], bool]) -> None:
+        self.host.stop(self)
         chunks, decoding = item
         if decoding:
             for r in self.batch.advance(self.loop.now):
@@ -153,9 +160,9 @@ class ColocatedCluster:
 
 def simulate_colocated(cluster: ColocatedCluster,
                        workload: Sequence[WorkloadRequest]) -> SimResult:
-    loop = EventLoop()
+    loop, on = EventLoop(), hosts()
     kind = ChunkedInstance if cluster.chunked else PrefillFirstInstance
-    instances = [kind(loop, spec) for spec in cluster.instances]
+    instances = [kind(loop, spec, host=on[spec.node]) for spec in cluster.instances]
     requests = sim_requests(workload)
     for r in requests:
         loop.at(r.arrival, lambda r: min(instances, key=lambda i: i.load).arrive(r), r)

@@ -4,6 +4,7 @@ result with its attainment and per-phase breakdown."""
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import math
@@ -11,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.planner.latency import LatencyModel
+from services.planner.latency import LatencyModel, Phase
 from shared.metrics import SLO, attainment, tpot
 from shared.workloads import WorkloadRequest
 
@@ -78,6 +79,33 @@ class EventLoop:
         while self._heap:
             self.now, _, fn, arg = heapq.heappop(self._heap)
             fn(arg)
+
+
+class Host:
+    """The devices of one host (a node), as the simulator prices their steps: a step takes
+    its latency model's time, times its contention factor beside the steps the host's other
+    devices run when it starts. The factor is fixed for the step: decode steps are short
+    next to how often a neighbour starts or stops, and a prefill step is slowed little by
+    anything (1.0 with a profile that measured no contention, as on GPUs)."""
+
+    def __init__(self) -> None:
+        self.running: dict[int, Phase] = {}  # id(instance) -> the phase of its step
+
+    def start(self, instance: object, phase: Phase, latency: LatencyModel,
+              share: float = 1.0) -> float:
+        """`instance` starts a step of `phase` (`share` of it contending for memory): how
+        many times its time alone it takes."""
+        beside = [p for who, p in self.running.items() if who != id(instance)]
+        self.running[id(instance)] = phase
+        return latency.contention.factor(phase, beside, share)
+
+    def stop(self, instance: object) -> None:
+        self.running.pop(id(instance), None)
+
+
+def hosts() -> collections.defaultdict[int, Host]:
+    """One simulation's hosts by node, made as instances name them."""
+    return collections.defaultdict(Host)
 
 
 class DecodeBatch:

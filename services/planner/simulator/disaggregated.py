@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from services.planner.simulator.core import (
     DecodeBatch,
     EventLoop,
+    Host,
     InstanceSpec,
     Link,
     SimRequest,
     SimResult,
+    hosts,
     sim_requests,
 )
 from shared.workloads import WorkloadRequest
@@ -24,8 +26,10 @@ from shared.workloads import WorkloadRequest
 
 class PrefillInstance:
     def __init__(self, loop: EventLoop, spec: InstanceSpec,
-                 on_prefilled: Callable[[SimRequest, PrefillInstance], None]) -> None:
+                 on_prefilled: Callable[[SimRequest, PrefillInstance], None],
+                 host: Host | None = None) -> None:
         self.loop, self.spec, self.on_prefilled = loop, spec, on_prefilled
+        self.host = host or Host()
         self.queue: deque[SimRequest] = deque()
         self.busy = False
         self.held = 0  # KV tokens of prefilled requests not yet pulled, plus the running batch
@@ -62,10 +66,12 @@ class PrefillInstance:
             r.prefill_start = now
         self.held += total
         self.busy = True
-        self.loop.at(now + lat.prefill_stage_s(total, squares), self._stage_free)
-        self.loop.at(now + lat.prefill_latency_s(total, squares), self._done, batch)
+        slowed = self.host.start(self, "prefill", lat)
+        self.loop.at(now + lat.prefill_stage_s(total, squares) * slowed, self._stage_free)
+        self.loop.at(now + lat.prefill_latency_s(total, squares) * slowed, self._done, batch)
 
     def _stage_free(self, _: None) -> None:
+        self.host.stop(self)
         self.busy = False
         self._try_start()
 
@@ -76,8 +82,10 @@ class PrefillInstance:
 
 
 class DecodeInstance:
-    def __init__(self, loop: EventLoop, spec: InstanceSpec, link: Link | None) -> None:
+    def __init__(self, loop: EventLoop, spec: InstanceSpec, link: Link | None,
+                 host: Host | None = None) -> None:
         self.loop, self.spec, self.link = loop, spec, link
+        self.host = host or Host()
         self.pending: deque[tuple[SimRequest, PrefillInstance | None]] = deque()
         self.joining: list[SimRequest] = []
         self.batch = DecodeBatch()
@@ -125,10 +133,14 @@ class DecodeInstance:
         self.joining.clear()
         self.stepping = self.batch.size > 0
         if self.stepping:
-            step = self.spec.latency.decode_step_s(self.batch.size, self.batch.sum_ctx)
-            self.loop.at(self.loop.now + step, self._step_done)
+            lat = self.spec.latency
+            step = lat.decode_step_s(self.batch.size, self.batch.sum_ctx)
+            slowed = self.host.start(self, "decode", lat,
+                                     lat.reading_share(self.batch.size, self.batch.sum_ctx))
+            self.loop.at(self.loop.now + step * slowed, self._step_done)
 
     def _step_done(self, _: None) -> None:
+        self.host.stop(self)
         for r in self.batch.advance(self.loop.now):
             self.reserved -= r.prompt + r.output
         self._try_pull()
@@ -145,8 +157,9 @@ class DisaggregatedCluster:
 
 def simulate_disaggregated(cluster: DisaggregatedCluster,
                            workload: Sequence[WorkloadRequest]) -> SimResult:
-    loop = EventLoop()
-    decodes = [DecodeInstance(loop, spec, cluster.link) for spec in cluster.decode]
+    loop, on = EventLoop(), hosts()
+    decodes = [DecodeInstance(loop, spec, cluster.link, on[spec.node])
+               for spec in cluster.decode]
 
     def prefilled(r: SimRequest, src: PrefillInstance) -> None:
         if r.output <= 1 or not decodes:  # done at the first token (or prefill-only study)
@@ -155,7 +168,8 @@ def simulate_disaggregated(cluster: DisaggregatedCluster,
             return
         min(decodes, key=lambda d: d.load).enqueue(r, src)
 
-    prefills = [PrefillInstance(loop, spec, prefilled) for spec in cluster.prefill]
+    prefills = [PrefillInstance(loop, spec, prefilled, on[spec.node])
+                for spec in cluster.prefill]
     requests = sim_requests(workload)
     for r in requests:
         loop.at(r.arrival, lambda r: min(prefills, key=lambda p: p.load).arrive(r), r)
