@@ -15,7 +15,7 @@ from rich.progress import Progress, TimeElapsedColumn
 from distserve.commands.common import add_engine_args, engine_config, positive_int
 from services.planner.latency import PhaseCoefficients
 from services.planner.profiles import save_profile
-from services.planner.profiling import Grid, profile_engine
+from services.planner.profiling import Grid, enough_cores_for_contention, profile_engine
 
 
 def register(sub: Any) -> None:
@@ -27,6 +27,10 @@ def register(sub: Any) -> None:
                         "ranks, the threads split between them) into one profile, for the "
                         "planner to weigh (default: 1)")
     p.add_argument("--quick", action="store_true", help="a smaller grid (about a minute)")
+    p.add_argument("--no-contention", action="store_true",
+                   help="on a CPU, skip measuring how steps slow beside a second engine (the "
+                        "simulator's contention between devices of one host; about a minute, "
+                        "tp 1 only, where the host has cores for two engines)")
     p.add_argument("--output", "-o", type=Path, help="profile file to write "
                    "(default: profiles/<model>-<device>.json)")
     add_engine_args(p, tp=False)
@@ -37,10 +41,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     console = Console()
     profiles = []
     grid = Grid.quick() if args.quick else Grid()
+    contention = not args.no_contention and enough_cores_for_contention(args.threads)
     started = time.monotonic()
     with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console,
                   transient=True) as bar:
-        task = bar.add_task("profiling", total=grid.points * len(args.tps))
+        task = bar.add_task("profiling", total=(grid.points + 3 * contention) * len(args.tps))
         done = itertools.count()
         for tp in args.tps:
             def progress(what: str, tp: int = tp) -> None:
@@ -50,7 +55,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
             try:
                 profiles.append(profile_engine(dataclasses.replace(engine_config(args), tp=tp),
-                                               grid, progress))
+                                               grid, progress, contention and tp == 1))
             except ValueError as e:
                 parser.error(str(e))
     profile = dataclasses.replace(profiles[0], by_tp={
@@ -63,6 +68,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print_coefficients(console, co)
     for key, value in profile.fit.items():
         console.print(f"  {key}: {value:.3f}")
+    c = profile.contention
+    if not c.none:
+        console.print(f"beside a second engine: decode steps {c.decode_by_decode:.2f}x as "
+                      f"long beside decodes, {c.decode_by_prefill:.2f}x beside prefills; "
+                      f"prefill {c.prefill_by_decode:.2f}x and {c.prefill_by_prefill:.2f}x")
     console.print(f"L_m = {profile.l_m} tokens; wrote {out}")
     return 0
 

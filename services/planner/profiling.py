@@ -3,14 +3,18 @@ the latency model and find L_m. The only planner module that touches a device.""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from services.planner.fitting import DecodePoint, PrefillPoint, fit_phase
+from services.planner.latency import Contention
 from services.planner.models import MODELS, from_config
 from services.planner.profiles import Profile, saturation_length
 from shared.engine.config import EngineConfig
@@ -100,6 +104,117 @@ class Profiler:
         return prefill, decode
 
 
+NEIGHBOUR_MODES = ("idle", "decode", "prefill")
+CONTENTION_CONTEXT, CONTENTION_PROMPT = 256, 512
+
+
+def _neighbour(config: EngineConfig, mode: Any, ready: Any, steps: Any) -> None:
+    """A second engine on the host, stepping as `mode` says (an index of NEIGHBOUR_MODES;
+    -1: exit): continuously decoding one request at a 256-token context, or prefilling
+    512-token prompts one after another; `steps` counts its steps."""
+    engine = Engine(config)
+    profiler, decoding = Profiler(engine, Grid()), ""
+    ready.set()
+    try:
+        while mode.value >= 0:
+            phase = NEIGHBOUR_MODES[mode.value]
+            if phase != "decode" and decoding:
+                engine.abort(decoding)
+                decoding = ""
+            if phase == "decode":
+                if not decoding or engine.scheduler.get(decoding) is None:
+                    decoding = profiler._add(CONTENTION_CONTEXT, 4096, 0)
+                engine.step()
+            elif phase == "prefill":
+                profiler._add(CONTENTION_PROMPT, 1, 0)
+                engine.step()
+            else:
+                time.sleep(0.01)
+                continue
+            steps.value += 1
+    finally:
+        engine.close()
+
+
+def measure_contention(engine: Engine, config: EngineConfig, decode_steps: int = 100,
+                       prefills: int = 4, progress: Callable[[str], None] = lambda _: None
+                       ) -> Contention:
+    """How much longer `engine`'s steps take while a second engine of `config` in another
+    process decodes or prefills beside it: a batch-1 decode step at a 256-token context and
+    a 512-token prefill, medians, each against the same with the neighbour idle."""
+    context = multiprocessing.get_context("spawn")
+    mode, ready, steps = context.Value("i", 0), context.Event(), context.Value("l", 0)
+    neighbour = context.Process(target=_neighbour, args=(config, mode, ready, steps),
+                                daemon=True)
+    neighbour.start()
+    profiler = Profiler(engine, Grid())
+    try:
+        while not ready.wait(1.0):
+            if not neighbour.is_alive():
+                raise RuntimeError(f"the neighbour engine exited (code {neighbour.exitcode}) "
+                                   "before it started")
+        medians: dict[str, tuple[float, float]] = {}
+        for i, phase in enumerate(NEIGHBOUR_MODES):
+            progress(f"contention: steps beside a neighbour {phase}")
+            mode.value = i
+            _settle(steps, 0 if phase == "idle" else 2)  # the neighbour is in its new loop
+            before = steps.value
+            medians[phase] = (_decode_median(profiler, decode_steps),
+                              _prefill_median(profiler, prefills))
+            if phase != "idle" and steps.value == before:
+                raise RuntimeError(f"the neighbour engine took no step while {phase}: "
+                                   "nothing was measured beside it")
+    finally:
+        mode.value = -1
+        neighbour.join(60)
+        if neighbour.is_alive():
+            neighbour.kill()
+    alone_decode, alone_prefill = medians["idle"]
+
+    def slowdown(got: float, alone: float) -> float:
+        return max(1.0, got / alone)  # a neighbour only ever adds time
+
+    return Contention(
+        decode_by_decode=slowdown(medians["decode"][0], alone_decode),
+        decode_by_prefill=slowdown(medians["prefill"][0], alone_decode),
+        prefill_by_decode=slowdown(medians["decode"][1], alone_prefill),
+        prefill_by_prefill=slowdown(medians["prefill"][1], alone_prefill))
+
+
+def _settle(steps: Any, more: int, timeout_s: float = 60.0) -> None:
+    """Wait until the neighbour has taken `more` steps (its first one in a new mode may be
+    a prefill of the request it then decodes), and a second besides."""
+    start, deadline = steps.value, time.monotonic() + timeout_s
+    while steps.value < start + more and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)
+
+
+def _decode_median(profiler: Profiler, steps: int) -> float:
+    engine = profiler.engine
+    rid = profiler._add(CONTENTION_CONTEXT, steps + 4, 1)
+    engine.step()  # its prefill
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    engine.abort(rid)
+    return statistics.median(times)
+
+
+def _prefill_median(profiler: Profiler, prompts: int) -> float:
+    return statistics.median(profiler.prefill_point(CONTENTION_PROMPT, 1).ms
+                             for _ in range(prompts))
+
+
+def enough_cores_for_contention(threads: int) -> bool:
+    """Room for a second engine of `threads` threads (0: torch's default, every core)
+    beside the profiled one."""
+    cores = len(os.sched_getaffinity(0))
+    return threads > 0 and cores >= 2 * threads
+
+
 def device_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
@@ -113,7 +228,10 @@ def device_name(device: torch.device) -> str:
 
 
 def profile_engine(config: EngineConfig, grid: Grid,
-                   progress: Callable[[str], None] = lambda _: None) -> Profile:
+                   progress: Callable[[str], None] = lambda _: None,
+                   contention: bool = False) -> Profile:
+    """The profile of `config`'s engine over `grid`; with `contention`, on a CPU, also how
+    its steps slow beside a second engine (measure_contention)."""
     biggest = max(grid.max_prefill_tokens,
                   max(grid.decode_batches) * (max(grid.decode_contexts) + grid.repeats + 8))
     config = config.with_scheduler(max_batch_tokens=grid.max_prefill_tokens,
@@ -130,6 +248,9 @@ def profile_engine(config: EngineConfig, grid: Grid,
             raise ValueError(f"the profiling grid needs a KV pool of {needed / 2**20:.0f} MiB, "
                              f"the budget holds {have / 2**20:.0f} MiB: raise --kv-cache-mb")
         prefill, decode = Profiler(engine, grid).run(progress)
+        beside = Contention()
+        if contention and engine.runner.device.type == "cpu":
+            beside = measure_contention(engine, config, progress=progress)
     finally:
         engine.close()
     coefficients, report = fit_phase(prefill, decode)
@@ -137,4 +258,4 @@ def profile_engine(config: EngineConfig, grid: Grid,
                    device_memory_bytes=device_memory_bytes(engine.runner.device),
                    by_tp={config.tp: coefficients}, l_m=saturation_length(coefficients),
                    fit=report, host=cpu_description() if engine.runner.device.type == "cpu"
-                   else "")
+                   else "", contention=beside)

@@ -1,15 +1,19 @@
-"""Profiling the real engine: the fitted latency model predicts held-out points."""
+"""Profiling the real engine: the fitted latency model predicts held-out points; the
+contention between two engines on one host is measured beside a real second one."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import multiprocessing
 from pathlib import Path
 
 import pytest
 
 from services.planner.profiles import load_profile, save_profile
-from services.planner.profiling import Grid, profile_engine
+from services.planner.profiling import Grid, measure_contention, profile_engine
 from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
 from shared.host import cpu_description
 
 pytestmark = pytest.mark.slow
@@ -46,3 +50,19 @@ def test_shipped_profiles_load_and_were_fitted_well() -> None:
         assert json.loads(path.read_text())["format"] == "distserve-profile/1"
         assert profile.fit["prefill_heldout_median_rel_err"] < 0.10
         assert profile.latency(1, 1).prefill_ms(512, 512**2) > 0
+
+
+def test_contention_is_measured_beside_a_real_second_engine() -> None:
+    """A second engine in its own process decodes, then prefills, beside the profiled one
+    (measure_contention raises if it took no step in either): every factor is a slowdown
+    of a plausible size, and the neighbour is gone afterwards."""
+    config = EngineConfig(kv_cache_bytes=256 << 20, threads=1)
+    engine = Engine(config)
+    try:
+        found = measure_contention(engine, config, decode_steps=30, prefills=2)
+    finally:
+        engine.close()
+    print(f"\ncontention on this machine: {found}")
+    for factor in dataclasses.astuple(found):
+        assert 1.0 <= factor < 5.0
+    assert not multiprocessing.active_children()
