@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from distserve.bench.loadgen import Target
-from distserve.bench.results import RunResult, span_seconds
+from distserve.bench.results import RequestRecord, RunResult, span_seconds
 from distserve.bench.runner import CALIBRATION_TOKENS, Unloaded, calibrate, read_spans, sweep
-from distserve.bench.workload import BenchWorkload, as_simulated
+from distserve.bench.workload import BenchWorkload
 from services.launcher import Stack, StackConfig
 from services.planner.calibration import Calibration
 from services.planner.latency import LatencyModel
@@ -28,6 +28,7 @@ from services.planner.simulator.core import SimResult
 from services.runtime import WorkerSettings
 from services.supervisor import free_port
 from shared.metrics import SLO, attains
+from shared.workloads import WorkloadRequest
 
 DEFAULT_LINK_BPS = 0.5e9  # UCX between two local processes (loopback TCP), measured
 
@@ -138,16 +139,41 @@ def stack_problem(measured: Measured, profile: Profile, workload: BenchWorkload,
                    max_batch=settings.max_running)
 
 
-def simulate(measured: Measured, profile: Profile, workload: BenchWorkload, requests: int,
-             seed: int, slo: SLO, calibrate: bool = True) -> list[SimResult]:
-    """`measured`'s system simulated at each of its rates on the same requests; with
-    `calibrate`, the profile is first scaled to the system's measured unloaded latencies."""
+def simulate(measured: Measured, profile: Profile, workload: BenchWorkload, slo: SLO,
+             calibrate: bool = True) -> list[SimResult]:
+    """`measured`'s system simulated at each of its rates on the requests it was sent (their
+    arrival times and lengths); with `calibrate`, the profile is first scaled to the
+    system's measured unloaded latencies."""
     c = measured.system.stack
     problem = stack_problem(measured, profile, workload, slo, 0.9, 1.0, calibrate)
     counts = (c.prefill, c.decode, 0) if c.mode == "disaggregated" else (0, 0, c.replicas)
     run_cluster = cluster(problem, measured.system.mode, counts)
-    return [run_cluster(as_simulated(workload.requests(run.rate, requests, seed)))
-            for run in measured.runs]
+    return [run_cluster([WorkloadRequest(r.arrival_s, r.prompt_tokens, r.max_tokens)
+                         for r in run.records]) for run in measured.runs]
+
+
+def recorded(report: dict[str, Any]) -> list[Measured]:
+    """The systems of a results.json that `bench compare` wrote, as measured: what
+    `--from` simulates again (with another profile, or a newer simulator)."""
+    threads = int(report["threads_per_worker"])
+    kv_cache_mb = int(report.get("kv_cache_mb", 256))
+    known = {s.name: s for s in systems(threads, kv_cache_mb, chunked=True)}
+    out = []
+    for entry in report["systems"]:
+        if entry["name"] not in known:
+            raise ValueError(f"{entry['name']!r} is not a system bench compare runs")
+        runs = [RunResult(run["rate"], [RequestRecord(**{
+                    k: v for k, v in record.items() if k in RECORD_FIELDS})
+                    for record in run["records"]],
+                    run["completed"] / run["throughput_rps"] if run["throughput_rps"] else 0.0,
+                    run.get("breakdown_s") or {})
+                for run in entry["runs"]]
+        out.append(Measured(known[entry["name"]], runs, Unloaded(**entry["unloaded"]),
+                            entry.get("kv_link_bps"), entry.get("cores_used", {})))
+    return out
+
+
+RECORD_FIELDS = {f.name for f in dataclasses.fields(RequestRecord)}
 
 
 @dataclass(frozen=True)

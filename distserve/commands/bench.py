@@ -34,6 +34,7 @@ from distserve.bench.workload import BenchWorkload, Limits, parse_bench_workload
 from distserve.commands import bench_engine
 from services.planner.modes import Candidate, best
 from services.planner.profiles import (
+    Profile,
     ProfileError,
     load_profile,
     measured_elsewhere,
@@ -78,6 +79,10 @@ def register(sub: Any) -> None:
                    help="also simulate each system with the latency profile; prints measured "
                         "vs simulated attainment, and request by request the TTFT and TPOT "
                         "differences and the requests whose outcome differs")
+    c.add_argument("--from", dest="recorded", type=Path, metavar="RESULTS_JSON",
+                   help="start nothing: simulate the requests of an earlier run again (the "
+                        "results.json it wrote; give its --workload) with --profile, and "
+                        "report as --simulate does; writes --out")
     c.add_argument("--profile", type=Path, help="profile for --simulate (default: the shipped "
                    "profile for --threads measured on this CPU where one ships, else "
                    "profiles/smollm2-135m-cpu-<threads>thread(s).json)")
@@ -189,8 +194,18 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     workload = _setup(args, parser)
     console = Console()
+    recorded: dict[str, Any] = {}
+    if args.recorded is not None:
+        try:
+            recorded = json.loads(args.recorded.read_text())
+            args.threads = int(recorded["threads_per_worker"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            parser.error(f"--from {args.recorded}: not a results.json of bench compare ({e})")
+        if recorded.get("workload") != workload.name:
+            parser.error(f"--from {args.recorded} ran the workload {recorded.get('workload')!r}:"
+                         f" give the same --workload (and its options), not {workload.name!r}")
     profile = None
-    if args.simulate:
+    if args.simulate or recorded:
         path = args.profile or shipped_cpu_profile(args.threads, cpu_description())
         try:
             profile = load_profile(path)
@@ -202,6 +217,13 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             console.print(f"[yellow]warning[/yellow]: {elsewhere}; the simulated figures "
                           "may be far off (distserve profile --threads "
                           f"{args.threads} -o FILE, then --profile FILE)")
+    if recorded:
+        try:
+            measured = cmp.recorded(recorded)
+        except (ValueError, KeyError, TypeError) as e:
+            parser.error(f"--from {args.recorded}: {e}")
+        return _report_compare(args, console, workload, measured, list(recorded["rates"]),
+                               SLO(**recorded["slo"]), profile)
     requests = args.requests or (16 if args.quick else 48)
     factors = QUICK_RATE_FACTORS if args.quick else RATE_FACTORS
     chosen: list[float] = list(args.rates or [])
@@ -214,15 +236,23 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     measured = [cmp.measure(system, workload, rates, requests, args.seed,
                             cmp.default_run_root(), console.print)
                 for system in cmp.systems(args.threads, args.kv_cache_mb, args.chunked)]
-    slo = _slo(args, measured[0].unloaded)
+    return _report_compare(args, console, workload, measured, chosen,
+                           _slo(args, measured[0].unloaded), profile)
+
+
+def _report_compare(args: argparse.Namespace, console: Console, workload: BenchWorkload,
+                    measured: Sequence[cmp.Measured], chosen: Sequence[float], slo: SLO,
+                    profile: Profile | None) -> int:
+    """The tables, plots and results.json of the systems measured (or recorded), with their
+    simulation where there is a profile."""
     curves, fidelities = [], []
     for m in measured:
         simulated = raw = None
         if profile is not None:
-            sims = cmp.simulate(m, profile, workload, requests, args.seed, slo)
+            sims = cmp.simulate(m, profile, workload, slo)
             simulated = [sim.attainment(slo) for sim in sims]
             raw = [sim.attainment(slo) for sim in cmp.simulate(
-                m, profile, workload, requests, args.seed, slo, calibrate=False)]
+                m, profile, workload, slo, calibrate=False)]
             fidelities.append([cmp.fidelity(run, sim, slo)
                                for run, sim in zip(m.runs, sims, strict=True)])
         curves.append(Curve(m.system.name, m.system.devices, m.runs, simulated, raw))
@@ -237,7 +267,8 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             report["fidelity"] = [f.to_json() for f in fits]
     ours, base = reports[0]["per_device_goodput_rps"], reports[1]["per_device_goodput_rps"]
     report = {"workload": workload.name, "slo": slo.__dict__, "threads_per_worker":
-              args.threads, "attainment_target": args.attainment, "rates": chosen,
+              args.threads, "kv_cache_mb": measured[0].system.stack.kv_cache_mb,
+              "attainment_target": args.attainment, "rates": list(chosen),
               "unloaded": measured[0].unloaded.__dict__, "systems": reports,
               "ratio_disaggregated_to_colocated": ours / base if base > 0 else None}
     if profile is not None:

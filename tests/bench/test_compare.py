@@ -1,4 +1,9 @@
-"""The pure parts of `distserve bench compare`: systems, calibration, default rates."""
+"""The pure parts of `distserve bench compare`: systems, calibration, default rates, the
+simulation of a recorded comparison."""
+
+import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -8,11 +13,14 @@ from distserve.bench.compare import (
     calibration_from,
     fidelity,
     recommend,
+    recorded,
+    simulate,
     systems,
 )
 from distserve.bench.results import RequestRecord, RunResult
-from distserve.bench.runner import CALIBRATION_TOKENS, Unloaded
+from distserve.bench.runner import CALIBRATION_TOKENS, Unloaded, system_report
 from distserve.bench.workload import Limits, parse_bench_workload
+from distserve.cli import main
 from distserve.commands.bench import recommendation
 from services.planner.profiles import load_profile, shipped_cpu_profile
 from services.planner.simulator.core import SimRequest, SimResult
@@ -94,3 +102,54 @@ def test_fidelity_compares_the_same_requests_one_by_one() -> None:
     assert found.ttft_s == pytest.approx(0.15)  # the median of +0.1, +0.2, -2.4, +0.2 s
     assert found.tpot_s == pytest.approx(0.0, abs=1e-9)  # of +2, -5, 0, 0 ms
     assert found.to_json()["differ"] == 2
+
+
+def recorded_comparison(path: Path) -> dict[str, Any]:
+    """A results.json as `bench compare --chunked` writes it: three systems, two rates,
+    six requests each (fixed 128-token prompts, 8 tokens out)."""
+    slo, unloaded = SLO(1.0, 0.05), Unloaded(0.2, 0.025, 128)
+    reports = []
+    for system in systems(1, 256, chunked=True):
+        runs = []
+        for rate, tpot in ((0.5, 0.03), (2.0, 0.06)):
+            records = [RequestRecord(i, i / rate, 128, 8, sent_s=i / rate,
+                                     first_token_s=i / rate + 0.25,
+                                     last_token_s=i / rate + 0.25 + 7 * tpot, tokens=8,
+                                     request_id=f"r{i}") for i in range(6)]
+            runs.append(RunResult(rate, records, 6 / rate))
+        reports.append(system_report(system.name, system.devices, runs, slo, 0.9) | {
+            "cores_used": {}, "kv_link_bps": 6e8, "unloaded": unloaded.__dict__})
+    report = {"workload": "fixed:128:8", "slo": slo.__dict__, "threads_per_worker": 1,
+              "kv_cache_mb": 256, "attainment_target": 0.9, "rates": [0.5, 2.0],
+              "unloaded": unloaded.__dict__, "systems": reports}
+    path.write_text(json.dumps(report))
+    return report
+
+
+def test_a_recorded_comparison_is_simulated_again_on_the_requests_it_sent(
+        tmp_path: Path) -> None:
+    """`bench compare --from results.json` starts nothing: the recorded systems, their
+    requests (arrivals and lengths) simulated again, the report and the planner's pick."""
+    report = recorded_comparison(tmp_path / "results.json")
+    measured = recorded(report)
+    assert [m.system.mode for m in measured] == ["disaggregated", "colocated", "chunked"]
+    assert measured[0].link_bps == 6e8 and measured[1].unloaded.prompt_tokens == 128
+    workload = parse_bench_workload("fixed:128:8", Limits())
+    sims = simulate(measured[1], load_profile(shipped_cpu_profile(1)), workload, SLO(1.0, 0.05))
+    assert len(sims) == 2
+    assert [r.arrival for r in sims[1].requests] == [i / 2.0 for i in range(6)]
+    assert {(r.prompt, r.output) for r in sims[1].requests} == {(128, 8)}
+
+    out = tmp_path / "again"
+    assert main(["bench", "compare", "--from", str(tmp_path / "results.json"), "--workload",
+                 "fixed:128:8", "--out", str(out)]) == 0
+    again = json.loads((out / "results.json").read_text())
+    for before, after in zip(report["systems"], again["systems"], strict=True):
+        assert [r["attainment"] for r in after["runs"]] == \
+            [r["attainment"] for r in before["runs"]]  # what was measured stays
+        assert len(after["simulated_attainment"]) == len(after["fidelity"]) == 2
+    assert again["recommendation"]["mode"] in {"disaggregated", "colocated", "chunked"}
+    assert (out / "attainment_vs_rate.png").stat().st_size > 0
+    with pytest.raises(SystemExit):  # another workload than the one recorded
+        main(["bench", "compare", "--from", str(tmp_path / "results.json"), "--workload",
+              "fixed:512:32", "--out", str(out)])
