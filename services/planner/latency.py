@@ -56,9 +56,10 @@ class Contention:
     """How much longer a step of one phase takes while another device of the same host runs
     a step of a phase: factors >= 1, measured by `distserve profile` with a second engine
     beside the profiled one. CPU cores share the memory bandwidth and the last-level cache:
-    on a 2-core Zen 4 EPYC a batch-1 decode step took 1.44x as long beside a decoding
-    engine (both stream the weights) and 1.1x beside a prefilling one, while the engine
-    alone shows nothing of it. 1.0 (the default) for devices that share nothing (GPUs)."""
+    on 2-vCPU Zen 4 EPYC hosts a batch-1 decode step took 1.16-1.55x as long beside a
+    decoding engine (both stream the weights; four runs) and 1.00-1.06x beside a prefilling
+    one, while the engine alone shows nothing of it. 1.0 (the default) for devices that
+    share nothing (GPUs)."""
 
     decode_by_decode: float = 1.0
     decode_by_prefill: float = 1.0
