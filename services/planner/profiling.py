@@ -142,6 +142,24 @@ def measure_contention(engine: Engine, config: EngineConfig, decode_steps: int =
     """How much longer `engine`'s steps take while a second engine of `config` in another
     process decodes or prefills beside it: a batch-1 decode step at a 256-token context and
     a 512-token prefill, medians, each against the same with the neighbour idle."""
+    medians = contention_medians(engine, config, decode_steps, prefills, progress)
+    alone_decode, alone_prefill = medians["idle"]
+
+    def slowdown(got: float, alone: float) -> float:
+        return max(1.0, got / alone)  # a neighbour only ever adds time
+
+    return Contention(
+        decode_by_decode=slowdown(medians["decode"][0], alone_decode),
+        decode_by_prefill=slowdown(medians["prefill"][0], alone_decode),
+        prefill_by_decode=slowdown(medians["decode"][1], alone_prefill),
+        prefill_by_prefill=slowdown(medians["prefill"][1], alone_prefill))
+
+
+def contention_medians(engine: Engine, config: EngineConfig, decode_steps: int = 100,
+                       prefills: int = 4, progress: Callable[[str], None] = lambda _: None
+                       ) -> dict[str, tuple[float, float]]:
+    """`engine`'s median decode step and prefill (seconds) beside a second engine of
+    `config` in another process, by what the neighbour does (NEIGHBOUR_MODES)."""
     context = multiprocessing.get_context("spawn")
     mode, ready, steps = context.Value("i", 0), context.Event(), context.Value("l", 0)
     neighbour = context.Process(target=_neighbour, args=(config, mode, ready, steps),
@@ -169,16 +187,7 @@ def measure_contention(engine: Engine, config: EngineConfig, decode_steps: int =
         neighbour.join(60)
         if neighbour.is_alive():
             neighbour.kill()
-    alone_decode, alone_prefill = medians["idle"]
-
-    def slowdown(got: float, alone: float) -> float:
-        return max(1.0, got / alone)  # a neighbour only ever adds time
-
-    return Contention(
-        decode_by_decode=slowdown(medians["decode"][0], alone_decode),
-        decode_by_prefill=slowdown(medians["prefill"][0], alone_decode),
-        prefill_by_decode=slowdown(medians["decode"][1], alone_prefill),
-        prefill_by_prefill=slowdown(medians["prefill"][1], alone_prefill))
+    return medians
 
 
 def _settle(steps: Any, more: int, timeout_s: float = 60.0) -> None:
@@ -205,7 +214,7 @@ def _decode_median(profiler: Profiler, steps: int) -> float:
 
 def _prefill_median(profiler: Profiler, prompts: int) -> float:
     return statistics.median(profiler.prefill_point(CONTENTION_PROMPT, 1).ms
-                             for _ in range(prompts))
+                             for _ in range(prompts)) / 1e3
 
 
 def enough_cores_for_contention(threads: int) -> bool:
