@@ -71,9 +71,53 @@ class Measured:
     cores_used: dict[str, float]  # each process's CPU time over the runs' wall time
 
 
-def measure(system: System, workload: BenchWorkload, rates: Callable[[Unloaded], list[float]],
-            requests: int, seed: int, run_root: Path, log: Callable[[str], None]) -> Measured:
-    """Bring `system` up, calibrate, run every rate, bring it down."""
+def next_rate(runs: Sequence[RunResult], slo: SLO, target: float, grid: int, most: int,
+              step: float = 1.5) -> float | None:
+    """Past a rate grid of `grid` runs, the next rate that brackets the goodput: `step` x the
+    highest rate run while every run met the target (its goodput would only be a lower
+    bound), the lowest / `step` while none did (it would be 0); None once some run met it and
+    some did not, or after `most` extra runs."""
+    extra = len(runs) - grid
+    if not runs or extra < 0 or extra >= most:
+        return None
+    met = [run.attainment(slo) >= target for run in runs]
+    if all(met):
+        return round(max(run.rate for run in runs) * step, 3)
+    if not any(met):
+        return round(min(run.rate for run in runs) / step, 3)
+    return None
+
+
+@dataclass
+class RateGrid:
+    """The rates every system runs and the objectives, both set from the first system's
+    unloaded latencies (`rates` and `slo` given up front win), and how far past the grid each
+    system goes to bracket its own goodput (`extend` extra runs at most)."""
+
+    factors: Sequence[float]
+    mean_output: float
+    slo_of: Callable[[Unloaded], SLO]
+    target: float
+    extend: int
+    rates: list[float] = dataclasses.field(default_factory=list)
+    slo: SLO | None = None
+
+    def start(self, unloaded: Unloaded) -> list[float]:
+        if not self.rates:
+            self.rates.extend(auto_rates(unloaded, self.mean_output, 2, self.factors))
+        if self.slo is None:
+            self.slo = self.slo_of(unloaded)
+        return self.rates
+
+    def more(self, runs: Sequence[RunResult]) -> float | None:
+        assert self.slo is not None, "start() comes first"
+        return next_rate(runs, self.slo, self.target, len(self.rates), self.extend)
+
+
+def measure(system: System, workload: BenchWorkload, grid: RateGrid, requests: int,
+            seed: int, run_root: Path, log: Callable[[str], None]) -> Measured:
+    """Bring `system` up, calibrate, run the grid's rates (and past them until its goodput is
+    bracketed), bring it down."""
     config = dataclasses.replace(system.stack, port=free_port(), run_dir=run_root)
     stack = Stack(config)
     log(f"starting {system.name} (logs in {stack.run_dir})")
@@ -84,8 +128,12 @@ def measure(system: System, workload: BenchWorkload, rates: Callable[[Unloaded],
         log(f"{system.name}: unloaded TTFT {1e3 * unloaded.ttft_s:.0f} ms, TPOT "
             f"{1e3 * unloaded.tpot_s:.1f} ms at a {unloaded.prompt_tokens}-token prompt")
         cpu_before, started = stack.cpu_seconds(), time.monotonic()
-        runs = sweep(target, workload, rates(unloaded), requests, seed, system.name,
-                     trace_dir=stack.run_dir)
+        runs = sweep(target, workload, grid.start(unloaded), requests, seed, system.name,
+                     trace_dir=stack.run_dir, more=grid.more)
+        if len(runs) > len(grid.rates):
+            log(f"{system.name}: past the grid at " +
+                ", ".join(f"{run.rate:g}" for run in runs[len(grid.rates):]) +
+                " req/s, to bracket its goodput")
         elapsed = time.monotonic() - started
         cpu = {name: (used - cpu_before.get(name, 0.0)) / elapsed
                for name, used in stack.cpu_seconds().items()}

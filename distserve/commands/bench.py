@@ -75,6 +75,11 @@ def register(sub: Any) -> None:
                    help="also run colocated replicas with chunked prefill")
     c.add_argument("--quick", action="store_true",
                    help="fewer rates and requests: about 12 minutes on 2 cores")
+    c.add_argument("--extend", type=int, default=3, metavar="N",
+                   help="past the rate grid, run each system at up to N more rates (1.5x the "
+                        "highest while it meets the attainment target at every rate, the "
+                        "lowest / 1.5 while it meets it at none) so that its goodput is "
+                        "measured, not a lower bound; 0: the grid only (default: %(default)s)")
     c.add_argument("--simulate", action="store_true",
                    help="also simulate each system with the latency profile; prints measured "
                         "vs simulated attainment, and request by request the TTFT and TPOT "
@@ -117,6 +122,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _setup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> BenchWorkload:
+    if getattr(args, "extend", 0) < 0:
+        parser.error("--extend must be 0 or more")
     if args.requests is not None and args.requests < 1:
         parser.error("--requests must be at least 1")
     if not 0 < args.attainment <= 1:
@@ -225,19 +232,14 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         return _report_compare(args, console, workload, measured, list(recorded["rates"]),
                                SLO(**recorded["slo"]), profile)
     requests = args.requests or (16 if args.quick else 48)
-    factors = QUICK_RATE_FACTORS if args.quick else RATE_FACTORS
-    chosen: list[float] = list(args.rates or [])
-
-    def rates(unloaded: Unloaded) -> list[float]:
-        if not chosen:  # set by the first system's calibration, then shared
-            chosen.extend(cmp.auto_rates(unloaded, _mean_output(workload), 2, factors))
-        return chosen
-
-    measured = [cmp.measure(system, workload, rates, requests, args.seed,
+    grid = cmp.RateGrid(QUICK_RATE_FACTORS if args.quick else RATE_FACTORS,
+                        _mean_output(workload), lambda unloaded: _slo(args, unloaded),
+                        args.attainment, args.extend, list(args.rates or []))
+    measured = [cmp.measure(system, workload, grid, requests, args.seed,
                             cmp.default_run_root(), console.print)
                 for system in cmp.systems(args.threads, args.kv_cache_mb, args.chunked)]
-    return _report_compare(args, console, workload, measured, chosen,
-                           _slo(args, measured[0].unloaded), profile)
+    assert grid.slo is not None, "set by the first system's calibration"
+    return _report_compare(args, console, workload, measured, grid.rates, grid.slo, profile)
 
 
 def _report_compare(args: argparse.Namespace, console: Console, workload: BenchWorkload,
@@ -282,7 +284,12 @@ def _report_compare(args: argparse.Namespace, console: Console, workload: BenchW
         _print_recommendation(console, report["recommendation"])
     ratio = report["ratio_disaggregated_to_colocated"]
     if ratio is not None:
-        console.print(f"per-device goodput ratio, disaggregated / colocated: {ratio:.2f}x")
+        bound = {(True, False): "at least ", (False, True): "at most ",
+                 (True, True): "undetermined (both met the target at every rate; raise "
+                               "--extend or --rates): "}.get(
+            (reports[0]["goodput_lower_bound"], reports[1]["goodput_lower_bound"]), "")
+        console.print(f"per-device goodput ratio, disaggregated / colocated: {bound}"
+                      f"{ratio:.2f}x")
     else:
         console.print("per-device goodput ratio: undefined, the colocated system missed the "
                       f"target even at {min(chosen):g} req/s (give lower --rates)")
@@ -342,9 +349,10 @@ def _finish(console: Console, out: Path, report: dict[str, Any], curves: Sequenc
 
 def _print_table(console: Console, curve: Curve, slo: SLO, target: float) -> None:
     best = goodput(curve.runs, slo, target)
-    table = Table(title=f"{curve.name}: goodput {best:.3f} req/s, {best / curve.devices:.3f} "
-                        f"per device (TTFT {slo.ttft_s:.3g} s, TPOT {slo.tpot_s:.3g} s, "
-                        f"target {target:.0%})")
+    at_least = "at least " if all(r.attainment(slo) >= target for r in curve.runs) else ""
+    table = Table(title=f"{curve.name}: goodput {at_least}{best:.3f} req/s, "
+                        f"{best / curve.devices:.3f} per device (TTFT {slo.ttft_s:.3g} s, "
+                        f"TPOT {slo.tpot_s:.3g} s, target {target:.0%})")
     for column in ("rate", "done", "failed", "attain", "TTFT p50", "TTFT p90", "TPOT p50",
                    "TPOT p90", "tok/s", "tightest scale"):
         table.add_column(column, justify="right")

@@ -9,9 +9,11 @@ import pytest
 
 from distserve.bench.compare import (
     Measured,
+    RateGrid,
     auto_rates,
     calibration_from,
     fidelity,
+    next_rate,
     recommend,
     recorded,
     simulate,
@@ -55,6 +57,42 @@ def test_default_rates_scale_with_unloaded_capacity() -> None:
     unloaded = Unloaded(ttft_s=1.0, tpot_s=0.05, prompt_tokens=512)
     # 2 workers / (1 s + 32 x 0.05 s) = 0.769 req/s
     assert auto_rates(unloaded, 32, 2, (0.5, 1.0)) == [0.385, 0.769]
+
+
+def run_at(rate: float, met: int, of: int = 10) -> RunResult:
+    """A run at `rate` where `met` of `of` requests meet SLO(1 s, 0.1 s)."""
+    records = [RequestRecord(i, 0.0, 64, 11, sent_s=0.0, first_token_s=0.5 if i < met else 3,
+                             last_token_s=(0.5 if i < met else 3) + 10 * 0.05, tokens=11)
+               for i in range(of)]
+    return RunResult(rate, records, 10.0)
+
+
+def test_past_the_grid_each_system_runs_until_its_goodput_is_bracketed() -> None:
+    slo, grid = SLO(1.0, 0.1), 2
+    met_everywhere = [run_at(0.5, 10), run_at(1.0, 9)]
+    assert next_rate(met_everywhere, slo, 0.9, grid, most=3) == 1.5  # 1.5x the highest
+    assert next_rate([*met_everywhere, run_at(1.5, 9)], slo, 0.9, grid, 3) == 2.25
+    # bracketed: a rate that met the target and one that did not
+    assert next_rate([*met_everywhere, run_at(1.5, 6)], slo, 0.9, grid, 3) is None
+    assert next_rate([run_at(0.5, 10), run_at(1.0, 5)], slo, 0.9, grid, 3) is None
+    # met nowhere: below the lowest rate
+    assert next_rate([run_at(0.6, 5), run_at(1.0, 2)], slo, 0.9, grid, 3) == 0.4
+    # the extension is spent, or off, or the grid is not done yet
+    spent = [*met_everywhere, run_at(1.5, 10), run_at(2.25, 10), run_at(3.375, 10)]
+    assert next_rate(spent, slo, 0.9, grid, 3) is None
+    assert next_rate(met_everywhere, slo, 0.9, grid, 0) is None
+    assert next_rate(met_everywhere[:1], slo, 0.9, grid, 3) is None
+
+
+def test_the_first_system_sets_the_grid_and_objectives_for_all() -> None:
+    grid = RateGrid((0.5, 1.0), 32, lambda u: u.slo(5, 1.5), 0.9, extend=2)
+    first, second = Unloaded(1.0, 0.05, 512), Unloaded(2.0, 0.1, 512)
+    assert grid.start(first) == [0.385, 0.769] == grid.start(second)
+    assert grid.slo is not None and (grid.slo.ttft_s, grid.slo.tpot_s) == pytest.approx(
+        (5.0, 0.075))
+    assert grid.more([run_at(0.385, 10), run_at(0.769, 10)]) == pytest.approx(1.153)
+    given = RateGrid((0.5, 1.0), 32, lambda u: u.slo(5, 1.5), 0.9, 0, rates=[0.3])
+    assert given.start(first) == [0.3] and given.more([run_at(0.3, 10)]) is None
 
 
 def measured(mode_index: int, unloaded: Unloaded) -> Measured:

@@ -10,9 +10,14 @@ from typing import Any
 
 import pytest
 
+from distserve.bench.compare import RateGrid
+from distserve.bench.loadgen import Target
+from distserve.bench.runner import Unloaded, sweep, system_report
+from distserve.bench.workload import Limits, parse_bench_workload
 from distserve.cli import main
 from services.launcher import Stack
 from services.supervisor import free_port
+from shared.metrics import SLO
 from tests.services.conftest import start_stack
 
 pytestmark = pytest.mark.slow
@@ -52,6 +57,22 @@ def test_every_request_completes_with_figures_plots_and_breakdown(stack: Stack,
     assert system["goodput_rps"] == 4.0  # met at every measured rate
     for name in ("attainment_vs_rate.png", "attainment_vs_slo_scale.png", "breakdown.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_sweep_goes_past_its_grid_until_the_goodput_is_bracketed(stack: Stack) -> None:
+    """Objectives far beyond this load's latencies: every rate meets them, so the sweep
+    raises the rate (1.5x) as often as the grid allows and the goodput stays a lower
+    bound, said so in the report."""
+    workload = parse_bench_workload("fixed:40:4", Limits())
+    slo = SLO(30.0, 5.0)
+    grid = RateGrid((), 4, lambda _: slo, 0.9, extend=2, rates=[2.0])
+    target = Target(stack.url, stack.config.model, timeout_s=120)
+    runs = sweep(target, workload, grid.start(Unloaded(0.1, 0.01, 40)), 4, 0, more=grid.more)
+    assert [run.rate for run in runs] == [2.0, 3.0, 4.5]
+    assert all(len(run.records) == 4 and all(r.ok for r in run.records) and
+               run.attainment(slo) == 1.0 for run in runs)
+    report = system_report("stack", 2, runs, slo, 0.9)
+    assert report["goodput_rps"] == 4.5 and report["goodput_lower_bound"]
 
 
 def test_timed_out_requests_count_as_failed_not_lost(stack: Stack, tmp_path: Path) -> None:
