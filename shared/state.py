@@ -101,6 +101,19 @@ def pick_prefill(instances: Sequence[InstanceInfo],
                                     i.instance_id), default=None)
 
 
+def pick_colocated(instances: Sequence[InstanceInfo], in_flight: Mapping[str, int],
+                   queued: Mapping[str, int]) -> InstanceInfo | None:
+    """The colocated worker with the fewest requests, counted as the caller's own in flight
+    there (fresh) or as its last heartbeat's running and waiting (which sees other
+    gateways'), whichever is more; on a tie, the fewest of the caller's still awaiting their
+    first token (a new prompt waits behind those); then by id. The planner's simulator
+    dispatches by the same key, so that its requests go where the stack's do."""
+    live = [i for i in instances if not i.draining]
+    return min(live, key=lambda i: (max(in_flight.get(i.instance_id, 0),
+                                        i.running + i.queue_len),
+                                    queued.get(i.instance_id, 0), i.instance_id), default=None)
+
+
 def pick_decode(instances: Sequence[InstanceInfo],
                 in_flight: Mapping[str, int] | None = None) -> InstanceInfo | None:
     """The least-loaded decode instance: fewest requests the caller has sent there still

@@ -74,7 +74,8 @@ def register(sub: Any) -> None:
     c.add_argument("--chunked", action="store_true",
                    help="also run colocated replicas with chunked prefill")
     c.add_argument("--quick", action="store_true",
-                   help="fewer rates and requests: about 12 minutes on 2 cores")
+                   help="fewer rates and requests (4 rates of 16): about 12 minutes on 2 "
+                        "cores for two systems, more with --chunked and rates past the grid")
     c.add_argument("--extend", type=int, default=3, metavar="N",
                    help="past the rate grid, run each system at up to N more rates (1.5x the "
                         "highest while it meets the attainment target at every rate, the "

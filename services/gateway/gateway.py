@@ -41,6 +41,7 @@ from shared.state import (
     InstanceInfo,
     Registry,
     Role,
+    pick_colocated,
     pick_decode,
     pick_prefill,
     redis_client,
@@ -252,9 +253,9 @@ class Gateway:
         """The instance of `role` a request goes to, by what this gateway has in flight."""
         if role == "decode":
             return pick_decode(instances, self.ledger.decoding)
-        # a colocated worker's requests are counted as decoding from the start
-        return pick_prefill(instances, self.ledger.prefilling if role == "prefill"
-                            else self.ledger.decoding)
+        if role == "colocated":  # its requests are counted as decoding from the start
+            return pick_colocated(instances, self.ledger.decoding, self.ledger.queued)
+        return pick_prefill(instances, self.ledger.prefilling)
 
     def _load(self, instance: InstanceInfo) -> float:
         """How full the instance that decodes a route's requests is: what this gateway has

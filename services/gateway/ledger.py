@@ -23,8 +23,8 @@ class Booking:
     settled: bool = False
 
     def prefilled(self) -> None:
-        if not self.counted and self.decode:
-            self.ledger.prefilling[self.worker] -= 1
+        if not self.counted:
+            (self.ledger.prefilling if self.decode else self.ledger.queued)[self.worker] -= 1
         self.counted = True
 
     def settle(self) -> None:
@@ -57,6 +57,9 @@ class Ledger:
     admitted: int = 0
     prefilling: collections.Counter[str] = field(default_factory=collections.Counter)
     decoding: collections.Counter[str] = field(default_factory=collections.Counter)
+    # of a colocated worker's requests (in `decoding` from dispatch on), those not yet past
+    # their first token
+    queued: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def admit(self, limit: int) -> Ticket:
         if self.admitted >= limit:
@@ -67,8 +70,7 @@ class Ledger:
     def book(self, prefill: str, decode: str) -> Booking:
         """A request goes to `prefill` (a colocated worker when `decode` is empty): counted
         from the moment it is dispatched, so the next request of a burst sees it."""
-        if decode:
-            self.prefilling[prefill] += 1
+        (self.prefilling if decode else self.queued)[prefill] += 1
         self.decoding[decode or prefill] += 1
         return Booking(self, prefill, decode)
 
@@ -76,8 +78,8 @@ class Ledger:
         """Drop instances with nothing in flight whose zero count was written out."""
         now = self.per_instance()
         for instance in [i for i, n in written.items() if n == 0 and now.get(i) == 0]:
-            self.prefilling.pop(instance, None)
-            self.decoding.pop(instance, None)
+            for counts in (self.prefilling, self.decoding, self.queued):
+                counts.pop(instance, None)
 
     def per_instance(self) -> dict[str, int]:
         """Requests in flight to each instance this gateway has ever sent to (zeros kept,

@@ -129,6 +129,8 @@ def test_colocated_replicas_on_one_host_slow_each_others_decode_steps(chunked: b
     alone = LatencyModel(COEFFS).decode_step_s(1, 64 + 100)
     assert apart == pytest.approx([alone, alone], rel=0.02)
     assert together == pytest.approx([1.5 * alone, 1.5 * alone], rel=0.02)
+    cluster = ColocatedCluster([contended(0, beside)] * 2, chunked)  # one on each replica
+    assert [r.instance for r in simulate_colocated(cluster, requests).requests] == [0, 1]
 
 
 def test_a_decode_instance_slows_while_the_prefill_instance_beside_it_runs() -> None:

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from redis.asyncio import Redis
 
-from shared.state import InstanceInfo, Registry, pick_decode, pick_prefill
+from shared.state import InstanceInfo, Registry, pick_colocated, pick_decode, pick_prefill
 
 
 def info(name: str, role: str = "prefill", **load: int | bool) -> InstanceInfo:
@@ -49,3 +49,22 @@ def test_dispatch_rules() -> None:
     prefills = [info("a", queue_len=2), info("b", queue_len=2, running=1), info("c", queue_len=4)]
     chosen = pick_prefill(prefills)
     assert chosen is not None and chosen.instance_id == "a"
+
+
+def test_colocated_dispatch_counts_what_is_in_flight_then_what_awaits_a_first_token() -> None:
+    """Two workers with one request each: the new one goes where that request is already
+    decoding, not where it still waits for its prefill (it would queue behind it), whatever
+    the stale heartbeats say; a heartbeat showing other gateways' requests counts."""
+    workers = [info("c0", "colocated", running=1), info("c1", "colocated")]
+    mine, queued = {"c0": 1, "c1": 1}, {"c0": 1, "c1": 0}
+    chosen = pick_colocated(workers, mine, queued)
+    assert chosen is not None and chosen.instance_id == "c1"
+    chosen = pick_colocated(workers, mine, {})  # a tie throughout: by id
+    assert chosen is not None and chosen.instance_id == "c0"
+    busy = [info("c0", "colocated", running=3, queue_len=1), info("c1", "colocated", running=1)]
+    chosen = pick_colocated(busy, {"c0": 1, "c1": 2}, {})  # c0 holds 4, 3 of them others'
+    assert chosen is not None and chosen.instance_id == "c1"
+    draining = [info("c0", "colocated", draining=True), info("c1", "colocated", running=5)]
+    chosen = pick_colocated(draining, {}, {})
+    assert chosen is not None and chosen.instance_id == "c1"
+    assert pick_colocated([], {}, {}) is None

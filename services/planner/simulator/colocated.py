@@ -55,6 +55,11 @@ class ColocatedInstance:
     def load(self) -> int:
         return len(self.waiting) + len(self.prefilling) + self.batch.size
 
+    @property
+    def queued(self) -> int:
+        """Its requests not yet past their first token."""
+        return len(self.waiting) + len(self.prefilling)
+
     def arrive(self, r: SimRequest) -> None:
         self.waiting.append(r)
         if not self.busy:
@@ -164,7 +169,13 @@ def simulate_colocated(cluster: ColocatedCluster,
     kind = ChunkedInstance if cluster.chunked else PrefillFirstInstance
     instances = [kind(loop, spec, host=on[spec.node]) for spec in cluster.instances]
     requests = sim_requests(workload)
+
+    def dispatch(r: SimRequest) -> None:  # the gateway's key (shared.state.pick_colocated)
+        r.instance = min(range(len(instances)), key=lambda i: (instances[i].load,
+                                                               instances[i].queued, i))
+        instances[r.instance].arrive(r)
+
     for r in requests:
-        loop.at(r.arrival, lambda r: min(instances, key=lambda i: i.load).arrive(r), r)
+        loop.at(r.arrival, dispatch, r)
     loop.run()
     return SimResult(requests, cluster.devices)

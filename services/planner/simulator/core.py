@@ -31,6 +31,7 @@ class SimRequest:
     transfer_end: float = NAN
     decode_start: float = NAN
     finish: float = NAN
+    instance: int = -1  # the colocated replica it was dispatched to (its index)
 
     @property
     def done(self) -> bool:

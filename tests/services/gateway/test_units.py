@@ -56,8 +56,12 @@ def test_ledger_admits_up_to_its_limit_and_counts_per_instance() -> None:
     assert ledger.admitted == 1
     pair, worker = ledger.book("p0", "d0"), ledger.book("c0", "")
     assert ledger.per_instance() == {"p0": 1, "d0": 1, "c0": 1}
+    assert ledger.queued == {"c0": 1}  # a colocated request awaits its first token
     pair.prefilled()
+    worker.prefilled()
+    worker.prefilled()  # idempotent
     assert ledger.per_instance() == {"p0": 0, "d0": 1, "c0": 1}
+    assert ledger.queued == {"c0": 0}
     pair.settle()
     pair.settle()  # idempotent
     tickets[1].booking = worker
