@@ -109,9 +109,16 @@ def pick_colocated(instances: Sequence[InstanceInfo], in_flight: Mapping[str, in
     first token (a new prompt waits behind those); then by id. The planner's simulator
     dispatches by the same key, so that its requests go where the stack's do."""
     live = [i for i in instances if not i.draining]
-    return min(live, key=lambda i: (max(in_flight.get(i.instance_id, 0),
-                                        i.running + i.queue_len),
-                                    queued.get(i.instance_id, 0), i.instance_id), default=None)
+    return min(live, key=lambda i: colocated_key(
+        max(in_flight.get(i.instance_id, 0), i.running + i.queue_len),
+        queued.get(i.instance_id, 0), i.instance_id), default=None)
+
+
+def colocated_key(held: int, queued: int, tiebreak: str | int) -> tuple[int, int, str | int]:
+    """The order colocated dispatch goes by, least first: requests held, then those of them
+    awaiting their first token, then the name (the gateway's) or position (the
+    simulator's)."""
+    return held, queued, tiebreak
 
 
 def pick_decode(instances: Sequence[InstanceInfo],

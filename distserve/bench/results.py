@@ -130,6 +130,11 @@ def goodput(runs: Sequence[RunResult], slo: SLO, target: float) -> float:
     return goodput_from_curve([r.rate for r in runs], [r.attainment(slo) for r in runs], target)
 
 
+def met_everywhere(runs: Sequence[RunResult], slo: SLO, target: float) -> bool:
+    """Every rate run met the target: the goodput is the highest rate run, a lower bound."""
+    return bool(runs) and all(r.attainment(slo) >= target for r in runs)
+
+
 def stage_breakdown(spans: Iterable[dict[str, Any]], request_ids: set[str]) -> dict[str, float]:
     """Mean seconds per stage over the requests in `request_ids`, from the services' spans
     (OpenTelemetry JSON): a request's spans share the trace of its gateway "request" span."""

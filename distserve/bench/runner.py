@@ -15,7 +15,7 @@ from typing import Any
 from tqdm import tqdm
 
 from distserve.bench.loadgen import Target, run_requests
-from distserve.bench.results import RunResult, goodput, stage_breakdown
+from distserve.bench.results import RunResult, goodput, met_everywhere, stage_breakdown
 from distserve.bench.workload import BenchRequest, BenchWorkload
 from shared.metrics import SLO
 
@@ -94,8 +94,7 @@ def system_report(name: str, devices: int, runs: Sequence[RunResult], slo: SLO,
         "devices": devices,
         "goodput_rps": best,
         "per_device_goodput_rps": best / devices,
-        # every rate met the target: the goodput is the highest rate run, a lower bound
-        "goodput_lower_bound": bool(runs) and all(r.attainment(slo) >= target for r in runs),
+        "goodput_lower_bound": met_everywhere(runs, slo, target),
         "runs": [{**run.summary(slo, target),
                   "records": [r.to_json() for r in run.records]} for run in runs],
     }

@@ -28,7 +28,7 @@ from distserve.bench.plots import (
     plot_attainment_vs_scale,
     plot_breakdown,
 )
-from distserve.bench.results import RunResult, goodput
+from distserve.bench.results import RunResult, goodput, met_everywhere
 from distserve.bench.runner import Unloaded, calibrate, sweep, system_report
 from distserve.bench.workload import BenchWorkload, Limits, parse_bench_workload
 from distserve.commands import bench_engine
@@ -123,8 +123,6 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _setup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> BenchWorkload:
-    if getattr(args, "extend", 0) < 0:
-        parser.error("--extend must be 0 or more")
     if args.requests is not None and args.requests < 1:
         parser.error("--requests must be at least 1")
     if not 0 < args.attainment <= 1:
@@ -201,6 +199,8 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     workload = _setup(args, parser)
+    if args.extend < 0:
+        parser.error("--extend must be 0 or more")
     console = Console()
     recorded: dict[str, Any] = {}
     if args.recorded is not None:
@@ -350,7 +350,7 @@ def _finish(console: Console, out: Path, report: dict[str, Any], curves: Sequenc
 
 def _print_table(console: Console, curve: Curve, slo: SLO, target: float) -> None:
     best = goodput(curve.runs, slo, target)
-    at_least = "at least " if all(r.attainment(slo) >= target for r in curve.runs) else ""
+    at_least = "at least " if met_everywhere(curve.runs, slo, target) else ""
     table = Table(title=f"{curve.name}: goodput {at_least}{best:.3f} req/s, "
                         f"{best / curve.devices:.3f} per device (TTFT {slo.ttft_s:.3g} s, "
                         f"TPOT {slo.tpot_s:.3g} s, target {target:.0%})")

@@ -16,7 +16,7 @@ from services.planner.simulator import (
     simulate_decode_only,
     simulate_disaggregated,
 )
-from shared.workloads import Workload, fixed_lengths
+from shared.workloads import Workload, WorkloadRequest, fixed_lengths
 
 PROMPT = 512
 COEFFS = PhaseCoefficients((10.0, 0.1, 0.0), (10.0, 0.001, 0.05), (10.0, 0.001, 0.05))
@@ -131,6 +131,16 @@ def test_colocated_replicas_on_one_host_slow_each_others_decode_steps(chunked: b
     assert together == pytest.approx([1.5 * alone, 1.5 * alone], rel=0.02)
     cluster = ColocatedCluster([contended(0, beside)] * 2, chunked)  # one on each replica
     assert [r.instance for r in simulate_colocated(cluster, requests).requests] == [0, 1]
+
+
+def test_a_tie_goes_to_the_replica_whose_request_already_decodes() -> None:
+    """A long prompt on replica 0 and a short one on replica 1 at once; the next request
+    comes while the long one still prefills and the short one decodes: one request each,
+    so it goes where none awaits its first token (the gateway's key), replica 1."""
+    requests = [WorkloadRequest(0.0, 1000, 200), WorkloadRequest(0.0, 10, 200),
+                WorkloadRequest(0.05, 10, 20)]  # the long prefill takes 0.11 s
+    cluster = ColocatedCluster([contended(n, Contention()) for n in (0, 1)])
+    assert [r.instance for r in simulate_colocated(cluster, requests).requests] == [0, 1, 1]
 
 
 def test_a_decode_instance_slows_while_the_prefill_instance_beside_it_runs() -> None:

@@ -25,6 +25,7 @@ from services.planner.simulator.core import (
     hosts,
     sim_requests,
 )
+from shared.state import colocated_key
 from shared.workloads import WorkloadRequest
 
 
@@ -170,9 +171,9 @@ def simulate_colocated(cluster: ColocatedCluster,
     instances = [kind(loop, spec, host=on[spec.node]) for spec in cluster.instances]
     requests = sim_requests(workload)
 
-    def dispatch(r: SimRequest) -> None:  # the gateway's key (shared.state.pick_colocated)
-        r.instance = min(range(len(instances)), key=lambda i: (instances[i].load,
-                                                               instances[i].queued, i))
+    def dispatch(r: SimRequest) -> None:  # as the gateway does (shared.state.pick_colocated)
+        r.instance = min(range(len(instances)), key=lambda i: colocated_key(
+            instances[i].load, instances[i].queued, i))
         instances[r.instance].arrive(r)
 
     for r in requests:
