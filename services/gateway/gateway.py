@@ -374,8 +374,8 @@ class Gateway:
     def _book(self, relay: Relay) -> Booking:
         """Count the relay's attempt in the ledger (dispatch spreads by these counts)."""
         booking = self.ledger.book(relay.worker, relay.decode)
-        if relay.prefilled:
-            booking.prefilled()
+        if relay.prefilled and relay.decode:  # its KV is held: only the decode side speaks
+            booking.prefilled()  # (a colocated worker prefills it again: counted until then)
         return booking
 
     async def _prefill(self, relay: Relay, prompt_ids: list[int], sampling: Sampling,

@@ -17,6 +17,7 @@ from services.gateway.app import Door
 from services.gateway.gateway import Gateway, GatewaySettings
 from services.gateway.ledger import Ledger, Overloaded
 from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
+from services.gateway.stream import Relay
 from services.gateway.timing import RequestTiming
 from services.gateway.view import InstanceView
 from shared.state import InstanceInfo
@@ -185,6 +186,18 @@ def gateway_seeing(mode: str, *instances: InstanceInfo) -> Gateway:
     for instance in instances:
         gateway.view.observe(instance, time.monotonic())
     return gateway
+
+
+def test_a_request_moved_to_a_colocated_worker_awaits_its_first_token_there() -> None:
+    """After a move the worker prefills the prompt and every token so far again: until its
+    first chunk the request counts as queued there, as a new one would."""
+    gateway = gateway_seeing("colocated", worker("c0", "colocated"))
+    relay = Relay(None, gateway.view, "r1", "c0", "", stall_s=1.0)  # type: ignore[arg-type]
+    booking = gateway._book(relay)
+    assert gateway.ledger.queued == {"c0": 1} and gateway.ledger.decoding == {"c0": 1}
+    booking.prefilled()  # its first chunk came
+    booking.settle()
+    assert gateway.ledger.queued == {"c0": 0} and gateway.ledger.decoding == {"c0": 0}
 
 
 def test_an_auto_gateway_dispatches_to_whichever_mode_is_live() -> None:
