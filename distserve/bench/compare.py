@@ -73,18 +73,19 @@ class Measured:
 
 def next_rate(runs: Sequence[RunResult], slo: SLO, target: float, grid: int, most: int,
               step: float = 1.5) -> float | None:
-    """Past a rate grid of `grid` runs, the next rate that brackets the goodput: `step` x the
-    highest rate run while every run met the target (its goodput would only be a lower
-    bound), the lowest / `step` while none did (it would be 0); None once some run met it and
-    some did not, or after `most` extra runs."""
+    """Past a rate grid of `grid` runs, the next rate that brackets the goodput: the lowest
+    rate run / `step` while that one missed the target (the goodput would be 0), `step` x the
+    highest while every run met it (it would only be a lower bound); None once it is
+    bracketed, or after `most` extra runs."""
     extra = len(runs) - grid
     if not runs or extra < 0 or extra >= most:
         return None
-    met = [run.attainment(slo) >= target for run in runs]
-    if all(met):
+    lowest = min(runs, key=lambda run: run.rate)
+    if lowest.attainment(slo) < target:
+        lower = round(lowest.rate / step, 3)
+        return lower if lower > 0 else None
+    if all(run.attainment(slo) >= target for run in runs):
         return round(max(run.rate for run in runs) * step, 3)
-    if not any(met):
-        return round(min(run.rate for run in runs) / step, 3)
     return None
 
 

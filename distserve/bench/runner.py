@@ -72,6 +72,7 @@ def sweep(target: Target, workload: BenchWorkload, rates: Sequence[float], reque
                 pending.append(extra)
                 bar.total += requests
                 bar.refresh()
+    runs.sort(key=lambda run: run.rate)  # rates run below the grid came last
     if trace_dir is not None:
         time.sleep(1.5)  # the services flush their spans every 0.5 s
         spans = read_spans(trace_dir)

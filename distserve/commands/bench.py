@@ -292,8 +292,9 @@ def _report_compare(args: argparse.Namespace, console: Console, workload: BenchW
         console.print(f"per-device goodput ratio, disaggregated / colocated: {bound}"
                       f"{ratio:.2f}x")
     else:
+        lowest = min(run.rate for run in measured[1].runs)
         console.print("per-device goodput ratio: undefined, the colocated system missed the "
-                      f"target even at {min(chosen):g} req/s (give lower --rates)")
+                      f"target even at {lowest:g} req/s (give lower --rates)")
     return 0
 
 

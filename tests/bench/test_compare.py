@@ -77,6 +77,9 @@ def test_past_the_grid_each_system_runs_until_its_goodput_is_bracketed() -> None
     assert next_rate([run_at(0.5, 10), run_at(1.0, 5)], slo, 0.9, grid, 3) is None
     # met nowhere: below the lowest rate
     assert next_rate([run_at(0.6, 5), run_at(1.0, 2)], slo, 0.9, grid, 3) == 0.4
+    # the lowest rate missed, a higher one met (noise): the goodput would be 0, so below too
+    assert next_rate([run_at(0.6, 8), run_at(1.0, 9)], slo, 0.9, grid, 3) == 0.4
+    assert next_rate([run_at(0.0006, 5), run_at(1.0, 9)], slo, 0.9, grid, 3) is None  # not 0
     # the extension is spent, or off, or the grid is not done yet
     spent = [*met_everywhere, run_at(1.5, 10), run_at(2.25, 10), run_at(3.375, 10)]
     assert next_rate(spent, slo, 0.9, grid, 3) is None
