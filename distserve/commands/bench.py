@@ -79,7 +79,7 @@ def register(sub: Any) -> None:
     c.add_argument("--extend", type=int, default=3, metavar="N",
                    help="past the rate grid, run each system at up to N more rates (1.5x the "
                         "highest while it meets the attainment target at every rate, the "
-                        "lowest / 1.5 while it meets it at none) so that its goodput is "
+                        "lowest / 1.5 while that one misses it) so that its goodput is "
                         "measured, not a lower bound; 0: the grid only (default: %(default)s)")
     c.add_argument("--simulate", action="store_true",
                    help="also simulate each system with the latency profile; prints measured "
