@@ -148,6 +148,9 @@ class LlamaModel:
         if weight_bits is not None:
             self._check_quantizable()
         self.packed = weight_bits is None and packable(self.device, self.dtype)
+        # norms, SwiGLU and RoPE in one compiled call each on the CPU (torch: 4-8 operators)
+        self.ops = cpu_kernels() if self.device.type == "cpu" and self.dtype == torch.float32 \
+            else None
         self.norm = self._place(norm)
         # a tied embedding packed for the LM head is read from its panels: one copy
         self.embed: torch.Tensor | PanelMatrix | None = None
@@ -275,9 +278,8 @@ class LlamaModel:
                  else self.embed.rows(token_ids))
         else:
             x = hidden
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         for index, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
+            h = self._rms_norm(x, layer.input_norm)
             if layer.qkv_bias is None:
                 qkv = matmul(h, layer.qkv)
             elif isinstance(layer.qkv, torch.Tensor):
@@ -288,18 +290,37 @@ class LlamaModel:
             qk = qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
             if layer.qk_norm is not None:
                 qk = F.rms_norm(qk, (cfg.head_dim,), eps=cfg.rms_norm_eps) * layer.qk_norm
-            qk = qk * cos + _rotate_half(qk) * sin  # RoPE on Q and K heads at once
+            qk = self._rope(qk, positions)  # on Q and K heads at once
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
             kv.write(index, k, v, meta.slots)
             attn = self._attention(index, q, k, v, meta, kv)
             x = x + self._reduced(matmul(attn, layer.o))
-            h = F.rms_norm(x, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
-            gate, up = matmul(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + self._reduced(matmul(F.silu(gate) * up, layer.down))
+            h = self._rms_norm(x, layer.post_norm)
+            x = x + self._reduced(matmul(self._swiglu(matmul(h, layer.gate_up)), layer.down))
         if not self.place.last:
             return x
-        return F.rms_norm(x, (cfg.hidden_size,), self.norm, cfg.rms_norm_eps)
+        return self._rms_norm(x, self.norm)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.rms_norm(x, weight, self.shard.rms_norm_eps)  # type: ignore[no-any-return]
+        return F.rms_norm(x, (self.shard.hidden_size,), weight, self.shard.rms_norm_eps)
+
+    def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.silu_mul(gate_up)  # type: ignore[no-any-return]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def _rope(self, qk: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE on [tokens, heads, head_dim] (in place where compiled: a view of the step's
+        fused QKV output, which nothing else reads)."""
+        if self.ops is not None:
+            self.ops.rope(qk, self.cos, self.sin, positions)
+            return qk
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return qk * cos + _rotate_half(qk) * sin
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
         if self.all_reduce is not None:

@@ -1,7 +1,8 @@
 """The compiled kernels: a build killed half-way does not leave later processes waiting on
 its lock; a build is never loaded on a CPU lacking the instructions it was built for; the
-float matmul over panels computes x @ W^T at every remainder of its tiles; the AVX2 and the
-portable builds compute what the torch reference does."""
+float matmul over panels computes x @ W^T at every remainder of its tiles; a layer's fused
+small operations compute what torch's do; the AVX2 and the portable builds compute what the
+torch reference does."""
 
 from __future__ import annotations
 
@@ -89,6 +90,19 @@ for n, width in ((67, 96), (100, 600)):  # a part panel; K past a chunk
         ref = x @ w.T
         out = PanelMatrix.pack(w[:n // 3], w[n // 3:]).matmul(x)  # two parts
         errors[f"float {n}x{width} m{rows}"] = ((out - ref).abs().max() / ref.abs().max()).item()
+x, w = torch.randn(5, 100, generator=gen), torch.randn(100, generator=gen)  # past a vector
+errors["rms_norm"] = (k.rms_norm(x, w, 1e-5) - torch.nn.functional.rms_norm(
+    x, (100,), w, 1e-5)).abs().max().item()
+gate_up = 4 * torch.randn(3, 2 * 37, generator=gen)
+gate, up = gate_up.chunk(2, dim=-1)
+errors["silu_mul"] = (k.silu_mul(gate_up) - torch.nn.functional.silu(gate) * up).abs().max().item()
+angles = torch.randn(50, 20, generator=gen).repeat(1, 2)
+qk, positions = torch.randn(6, 3, 40, generator=gen), torch.randint(0, 50, (6,), generator=gen)
+cos, sin = angles.cos(), angles.sin()
+rotated = torch.cat((-qk[..., 20:], qk[..., :20]), -1)
+ref = qk * cos[positions, None] + rotated * sin[positions, None]
+k.rope(qk, cos, sin, positions)
+errors["rope"] = (qk - ref).abs().max().item()
 print(json.dumps(errors))
 """
 
@@ -104,8 +118,40 @@ def test_the_avx2_and_portable_builds_compute_what_torch_does(march: str) -> Non
                           env=env, timeout=800)
     assert done.returncode == 0, done.stderr
     errors = json.loads(done.stdout.splitlines()[-1])
-    assert len(errors) == 14
+    assert len(errors) == 17
     assert all(error < 1e-4 for error in errors.values()), errors
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 3, 17, 40])  # across a task of rows (16)
+def test_the_layer_ops_compute_what_torch_does(tokens: int) -> None:
+    """RMSNorm, SiLU(gate) * up and RoPE, one call each; RoPE in place on Q and K as a view of
+    the fused QKV output (rows strided), its V untouched."""
+    import torch
+    import torch.nn.functional as F
+
+    from shared.engine.kernels import cpu_kernels
+    from shared.engine.model import _rotate_half
+
+    k = cpu_kernels()
+    assert k is not None
+    gen = torch.Generator().manual_seed(tokens)
+    x, w = torch.randn(tokens, 576, generator=gen), torch.randn(576, generator=gen)
+    torch.testing.assert_close(k.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5))
+    gate_up = 4 * torch.randn(tokens, 2 * 1536, generator=gen)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(k.silu_mul(gate_up), F.silu(gate) * up)
+    qkv = torch.randn(tokens, (9 + 3 + 3) * 64, generator=gen)
+    qk, v = qkv[:, : 12 * 64].view(-1, 12, 64), qkv[:, 12 * 64 :].clone()
+    angles = torch.randn(100, 32, generator=gen).repeat(1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.randint(0, 100, (tokens,), generator=gen)
+    expected = qk * cos[positions, None] + _rotate_half(qk) * sin[positions, None]
+    k.rope(qk, cos, sin, positions)
+    torch.testing.assert_close(qk, expected)
+    assert torch.equal(qkv[:, 12 * 64 :], v)
+    if tokens:
+        with pytest.raises(RuntimeError, match="past the RoPE tables"):
+            k.rope(qk, cos, sin, torch.full((tokens,), 100))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 63, 64, 65, 200])

@@ -32,8 +32,10 @@ log = logging.getLogger(__name__)
 # vec.h first: torch names a build by the hash of its sources, and an #include'd header is not
 # one of them, so its text goes in too (its include guard skips the #include that follows)
 SOURCES = [Path(__file__).with_name(f)
-           for f in ("vec.h", "paged_attention.cpp", "quantized_matmul.cpp", "float_matmul.cpp")]
-FUNCTIONS = ["paged_decode_attention", "quantized_matmul", "float_matmul", "panel_width"]
+           for f in ("vec.h", "paged_attention.cpp", "quantized_matmul.cpp", "float_matmul.cpp",
+                     "layer_ops.cpp")]
+FUNCTIONS = ["paged_decode_attention", "quantized_matmul", "float_matmul", "panel_width",
+             "rms_norm", "silu_mul", "rope"]
 __all__ = ["build_name", "cpu_flags", "cpu_kernels"]
 
 
@@ -64,7 +66,8 @@ def build_name(machine: str, march: str, flags: Iterable[str]) -> str:
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     """The compiled module (`paged_decode_attention`, `quantized_matmul`, `float_matmul` and
-    its `panel_width`), or None if it cannot be built."""
+    its `panel_width`, a layer's `rms_norm`, `silu_mul` and `rope`), or None if it cannot be
+    built."""
     from torch.utils.cpp_extension import load_inline
 
     march = os.environ.get("DS_KERNEL_MARCH", "native")

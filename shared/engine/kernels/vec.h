@@ -22,6 +22,7 @@ inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
 inline float vmaxall(V a) { return _mm512_reduce_max_ps(a); }
 inline V vmin(V a, V b) { return _mm512_min_ps(a, b); }
 inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
 inline V vround(V a) {
   return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
@@ -53,6 +54,7 @@ inline float vmaxall(V a) {
 }
 inline V vmin(V a, V b) { return _mm256_min_ps(a, b); }
 inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
 inline V vround(V a) {
   return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
@@ -77,6 +79,8 @@ inline float vsum(V a) { return a; }
 inline V vsub(V a, V b) { return a - b; }
 inline V vmax(V a, V b) { return a > b ? a : b; }
 inline float vmaxall(V a) { return a; }
+inline V vmul(V a, V b) { return a * b; }
+inline V vdiv(V a, V b) { return a / b; }
 inline V vexp(V x) { return std::exp(x); }
 }  // namespace ds
 #endif
