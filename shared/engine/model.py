@@ -335,6 +335,8 @@ class LlamaModel:
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+        if not meta.prefills and meta.decode is not None and meta.decode.start == 0:  # no copy
+            return self.decode_attention(layer, q, meta.decode, kv)
         out = torch.empty(q.shape[0], self.shard.q_size, device=q.device, dtype=q.dtype)
         for seg in meta.prefills:
             rows = slice(seg.start, seg.start + seg.length)

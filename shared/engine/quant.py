@@ -21,6 +21,7 @@ from shared.engine.panels import PanelMatrix
 BLOCK = 32  # weights a block
 # GGUF block types the formats read directly: name -> (bits, bytes a block)
 GGUF_BLOCKS = {"Q8_0": (8, 34), "Q4_0": (4, 18), "Q4_1": (4, 20)}
+_NO_MINS = torch.empty(0)  # int8 blocks have none
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor | PanelMatrix | QuantizedMatrix
         return weight.matmul(x)
     kernels = cpu_kernels()
     assert kernels is not None, "quantized weights need the CPU kernels (checked at load)"
-    mins = weight.mins if weight.mins is not None else weight.scales.new_empty(0)
+    mins = weight.mins if weight.mins is not None else _NO_MINS
     out = kernels.quantized_matmul(x.reshape(-1, x.shape[-1]), weight.qweight, weight.scales,
                                    mins, weight.bits)
     return out.view(*x.shape[:-1], -1)  # type: ignore[no-any-return]
