@@ -32,10 +32,10 @@ from shared.engine.parallel.sharding import (
     check_tp,
     shard_config,
 )
-from shared.engine.quant import QuantizedMatrix, matmul, stack_rows
+from shared.engine.quant import QuantizedMatrix, QuantizedPanels, matmul, stack_rows
 
 # float [in, out], or (out, in) in float32 panels (CPU) or quantized blocks
-Matrix = torch.Tensor | PanelMatrix | QuantizedMatrix
+Matrix = torch.Tensor | PanelMatrix | QuantizedPanels
 WHOLE = RankPlace()  # the whole model in one rank
 Weights = Mapping[str, torch.Tensor | QuantizedMatrix]
 
@@ -175,7 +175,7 @@ class LlamaModel:
         """The LM head: int8 with quantized weights, else as the layers' matrices are (a
         plain one (vocab, hidden), the embedding's layout)."""
         if self.weight_bits is not None:
-            return stack_rows([head], 8)
+            return QuantizedPanels.pack(stack_rows([head], 8))
         return self._packed(head) if self.packed else self._place(head)
 
     @staticmethod
@@ -202,7 +202,7 @@ class LlamaModel:
         [in, out] floats with each part copied (and cast) once into its columns, not cast,
         concatenated and transposed in three passes."""
         if self.weight_bits is not None:
-            return stack_rows(parts, self.weight_bits)
+            return QuantizedPanels.pack(stack_rows(parts, self.weight_bits))
         if self.packed:
             return self._packed(*parts)
         out = torch.empty(parts[0].shape[1], sum(p.shape[0] for p in parts),

@@ -19,6 +19,7 @@ from shared.engine.kernels import cpu_kernels
 from shared.engine.panels import PanelMatrix
 
 BLOCK = 32  # weights a block
+PANEL = 16  # output columns a panel of the kernel's layout
 # GGUF block types the formats read directly: name -> (bits, bytes a block)
 GGUF_BLOCKS = {"Q8_0": (8, 34), "Q4_0": (4, 18), "Q4_1": (4, 20)}
 _NO_MINS = torch.empty(0)  # int8 blocks have none
@@ -46,13 +47,9 @@ class QuantizedMatrix:
 
     def dequantize(self) -> torch.Tensor:
         out, blocks = self.scales.shape
-        q = self.qweight.view(out, blocks, -1)
-        if self.bits == 4:
-            levels = torch.cat((q & 15, q >> 4), dim=-1).float()
-            assert self.mins is not None
-            w = levels * self.scales[..., None] + self.mins[..., None]
-        else:
-            w = q.view(torch.int8).float() * self.scales[..., None]
+        w = _levels(self).float() * self.scales[..., None]
+        if self.mins is not None:
+            w = w + self.mins[..., None]
         return w.reshape(out, blocks * BLOCK)
 
     def rows(self, index: torch.Tensor) -> QuantizedMatrix:
@@ -60,6 +57,73 @@ class QuantizedMatrix:
         return QuantizedMatrix(self.bits, self.qweight[index].contiguous(),
                                self.scales[index].contiguous(),
                                None if self.mins is None else self.mins[index].contiguous())
+
+
+@dataclass(frozen=True)
+class QuantizedPanels:
+    """A QuantizedMatrix laid out for the kernel (kernels/quantized_matmul.cpp): panels of
+    PANEL output columns; within a panel, block by block, the levels of each input for the
+    panel's columns side by side (int4: inputs k and k + 1 of a column in one byte, low and
+    high nibble; int8: input k's 16 bytes, then k + 1's). `weights` uint8 [panels, blocks,
+    32 * PANEL * bits / 8], `scales` and (4 bits) `mins` float32 [panels, blocks, PANEL]; the
+    last panel's columns past `out_features` are zero."""
+
+    bits: int
+    out_features: int
+    weights: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+
+    @classmethod
+    def pack(cls, m: QuantizedMatrix) -> QuantizedPanels:
+        out = m.scales.shape[0]
+        pad = -out % PANEL
+
+        def panels(t: torch.Tensor) -> torch.Tensor:  # [out, blocks, ...] to
+            # [panels, blocks, PANEL, ...]
+            t = torch.cat((t, t.new_zeros(pad, *t.shape[1:]))) if pad else t
+            return t.view(-1, PANEL, *t.shape[1:]).transpose(1, 2)
+
+        levels = panels(_levels(m)).transpose(2, 3)  # [panels, blocks, 32 inputs, PANEL]
+        if m.bits == 4:
+            packed = (levels[:, :, 0::2] | (levels[:, :, 1::2] << 4)).to(torch.uint8)
+        else:
+            packed = levels.to(torch.int8).view(torch.uint8)
+        return cls(m.bits, out, packed.reshape(*packed.shape[:2], -1).contiguous(),
+                   panels(m.scales).contiguous(),
+                   None if m.mins is None else panels(m.mins).contiguous())
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.scales.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.weights, self.scales, self.mins) if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        panels, blocks, _ = self.weights.shape
+        if self.bits == 4:
+            pairs = self.weights.view(panels, blocks, BLOCK // 2, PANEL)
+            levels = torch.stack((pairs & 15, pairs >> 4), dim=3).flatten(2, 3).float()
+        else:
+            levels = self.weights.view(torch.int8).view(panels, blocks, BLOCK, PANEL).float()
+        w = levels * self.scales[:, :, None]
+        if self.mins is not None:
+            w = w + self.mins[:, :, None]
+        # [panels, blocks, 32, PANEL] -> [panels * PANEL, blocks * 32]
+        w = w.permute(0, 3, 1, 2).reshape(panels * PANEL, blocks * BLOCK)
+        return w[: self.out_features]
+
+
+def _levels(m: QuantizedMatrix) -> torch.Tensor:
+    """Each weight's integer level, [out, blocks, 32] (int16)."""
+    out, blocks = m.scales.shape
+    q = m.qweight.view(out, blocks, -1)
+    if m.bits == 4:
+        return torch.cat((q & 15, q >> 4), dim=-1).short()
+    return q.view(torch.int8).short()
 
 
 def quantize(weight: torch.Tensor, bits: int) -> QuantizedMatrix:
@@ -116,7 +180,7 @@ def stack_rows(parts: Sequence[torch.Tensor | QuantizedMatrix], bits: int) -> Qu
                            torch.cat(mins) if mins else None)
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor | PanelMatrix | QuantizedMatrix) -> torch.Tensor:
+def matmul(x: torch.Tensor, weight: torch.Tensor | PanelMatrix | QuantizedPanels) -> torch.Tensor:
     """x @ W for a float [in, out] matrix, x @ W^T for a packed or quantized (out, in) one."""
     if isinstance(weight, torch.Tensor):
         return x @ weight
@@ -125,6 +189,6 @@ def matmul(x: torch.Tensor, weight: torch.Tensor | PanelMatrix | QuantizedMatrix
     kernels = cpu_kernels()
     assert kernels is not None, "quantized weights need the CPU kernels (checked at load)"
     mins = weight.mins if weight.mins is not None else _NO_MINS
-    out = kernels.quantized_matmul(x.reshape(-1, x.shape[-1]), weight.qweight, weight.scales,
-                                   mins, weight.bits)
+    out = kernels.quantized_matmul(x.reshape(-1, x.shape[-1]), weight.weights, weight.scales,
+                                   mins, weight.bits, weight.out_features)
     return out.view(*x.shape[:-1], -1)  # type: ignore[no-any-return]

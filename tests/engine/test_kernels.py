@@ -60,7 +60,7 @@ CHECK = """
 import json, torch
 from shared.engine.kernels import cpu_kernels
 from shared.engine.panels import PanelMatrix
-from shared.engine.quant import quantize
+from shared.engine.quant import QuantizedPanels, matmul, quantize
 k = cpu_kernels()
 gen = torch.Generator().manual_seed(0)
 errors = {}
@@ -77,11 +77,10 @@ for batch, ctx in ((1, 200), (5, 37)):
     errors[f"attention b{batch}"] = (out - ref).abs().max().item()
 w = torch.randn(67, 96, generator=gen)
 for bits in (8, 4):
-    m = quantize(w, bits)
-    mins = m.mins if m.mins is not None else torch.empty(0)
-    for rows in (1, 3, 9):
+    m = quantize(w, bits)  # 67 columns: a part panel
+    for rows in (1, 3, 9):  # AVX2's tile of rows is 2, AVX-512's 8
         x = torch.randn(rows, 96, generator=gen)
-        out = k.quantized_matmul(x, m.qweight, m.scales, mins, bits)
+        out = matmul(x, QuantizedPanels.pack(m))
         errors[f"int{bits} m{rows}"] = (out - x @ m.dequantize().T).abs().max().item()
 for n, width in ((67, 96), (100, 600)):  # a part panel; K past a chunk
     w = torch.randn(n, width, generator=gen)

@@ -18,7 +18,14 @@ from shared.engine.gguf_loader import resolve_gguf_path
 from shared.engine.loader import LoadedModel
 from shared.engine.model_runner import load_model
 from shared.engine.quality import compare
-from shared.engine.quant import QuantizedMatrix, from_gguf_blocks, matmul, quantize, stack_rows
+from shared.engine.quant import (
+    QuantizedMatrix,
+    QuantizedPanels,
+    from_gguf_blocks,
+    matmul,
+    quantize,
+    stack_rows,
+)
 from shared.engine.request import SamplingParams
 
 from .conftest import NEW_TOKENS, prefill_then_decode
@@ -66,12 +73,17 @@ def test_quantizing_rounds_each_weight_to_its_blocks_nearest_level(bits: int) ->
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 13, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 13, 33, 70])
 def test_the_kernel_multiplies_as_the_dequantized_floats_do(bits: int, rows: int) -> None:
+    """Rows around the kernel's tiles (AVX-512: 8, AVX2: 2) and past a task's run of them;
+    83 columns: five panels of 16 and a part one."""
     gen = torch.Generator().manual_seed(rows)
     q = quantize(torch.randn(83, 160, generator=gen), bits)
+    panels = QuantizedPanels.pack(q)
+    assert torch.equal(panels.dequantize(), q.dequantize())  # the layout loses nothing
+    assert panels.shape == q.shape == (83, 160)
     x = torch.randn(rows, 160, generator=gen)
-    torch.testing.assert_close(matmul(x, q), x @ q.dequantize().T, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(matmul(x, panels), x @ q.dequantize().T, rtol=1e-4, atol=1e-4)
 
 
 def test_stacked_rows_keep_blocks_already_in_the_format() -> None:
@@ -113,7 +125,7 @@ def test_an_int4_decode_engine_continues_kv_prefilled_in_float32(
     """The disaggregated round trip with a full-precision prefill and an int4 decode engine:
     the KV is float32 on both sides and moves unchanged."""
     int4 = load_model(EngineConfig(weights="int4"))
-    assert isinstance(int4[0].layers[0].qkv, QuantizedMatrix)
+    assert isinstance(int4[0].layers[0].qkv, QuantizedPanels)
     prefill = Engine(EngineConfig(kv_cache_bytes=32 << 20).with_scheduler(role=Role.PREFILL),
                      loaded)
     decode = Engine(EngineConfig(kv_cache_bytes=32 << 20, weights="int4").with_scheduler(
