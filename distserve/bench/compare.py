@@ -50,15 +50,23 @@ class System:
         return c.replicas if c.mode == "colocated" else c.prefill + c.decode
 
 
-def systems(threads: int, kv_cache_mb: int, chunked: bool) -> list[System]:
+def systems(threads: int, kv_cache_mb: int, chunked: bool, weights: str = "auto",
+            decode_weights: str = "") -> list[System]:
     """1 prefill + 1 decode against 2 colocated replicas (and chunked-prefill replicas): two
-    workers, `threads` each, in every system."""
-    common: dict[str, Any] = {"threads": threads, "kv_cache_mb": kv_cache_mb}
-    out = [System("disaggregated 1P+1D", StackConfig(mode="disaggregated", **common)),
-           System("colocated x2", StackConfig(mode="colocated", replicas=2, **common))]
+    workers, `threads` each, in every system. Every worker's weights are `weights`, but the
+    decode instance's `decode_weights` where given: disaggregation lets each phase run its
+    own format, a colocated worker runs one for both. A format other than float32 is named
+    after the system."""
+    common: dict[str, Any] = {"threads": threads, "kv_cache_mb": kv_cache_mb,
+                              "weights": weights}
+    every = "" if weights == "auto" else f" ({weights})"
+    decode = f" (decode {decode_weights})" if decode_weights not in ("", weights) else every
+    out = [System(f"disaggregated 1P+1D{decode}",
+                  StackConfig(mode="disaggregated", decode_weights=decode_weights, **common)),
+           System(f"colocated x2{every}", StackConfig(mode="colocated", replicas=2, **common))]
     if chunked:
-        out.append(System("chunked x2", StackConfig(mode="colocated", replicas=2,
-                                                    chunked_prefill=True, **common)))
+        out.append(System(f"chunked x2{every}", StackConfig(
+            mode="colocated", replicas=2, chunked_prefill=True, **common)))
     return out
 
 
@@ -206,7 +214,9 @@ def recorded(report: dict[str, Any]) -> list[Measured]:
     `--from` simulates again (with another profile, or a newer simulator)."""
     threads = int(report["threads_per_worker"])
     kv_cache_mb = int(report.get("kv_cache_mb", 256))
-    known = {s.name: s for s in systems(threads, kv_cache_mb, chunked=True)}
+    known = {s.name: s for s in systems(threads, kv_cache_mb, chunked=True,
+                                         weights=report.get("weights", "auto"),
+                                         decode_weights=report.get("decode_weights", ""))}
     out = []
     for entry in report["systems"]:
         if entry["name"] not in known:

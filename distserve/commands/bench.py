@@ -40,6 +40,7 @@ from services.planner.profiles import (
     measured_elsewhere,
     shipped_cpu_profile,
 )
+from shared.engine.config import WEIGHT_FORMATS
 from shared.host import cpu_description
 from shared.metrics import SLO, goodput_from_curve
 from shared.workloads import WorkloadError
@@ -73,6 +74,12 @@ def register(sub: Any) -> None:
     c.add_argument("--kv-cache-mb", type=int, default=256, help="KV pool per worker (MiB)")
     c.add_argument("--chunked", action="store_true",
                    help="also run colocated replicas with chunked prefill")
+    c.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="auto",
+                   help="every worker's weight format (default: %(default)s, float32 on CPU)")
+    c.add_argument("--decode-weights", choices=list(WEIGHT_FORMATS), default="",
+                   help="the disaggregated decode instance's format (e.g. int4 beside a "
+                        "float32 prefill instance; a colocated worker runs --weights for both "
+                        "phases)")
     c.add_argument("--quick", action="store_true",
                    help="fewer rates and requests (4 rates of 16): about 12 minutes on 2 "
                         "cores for two systems, more with --chunked and rates past the grid")
@@ -225,6 +232,12 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             console.print(f"[yellow]warning[/yellow]: {elsewhere}; the simulated figures "
                           "may be far off (distserve profile --threads "
                           f"{args.threads} -o FILE, then --profile FILE)")
+        formats = {recorded.get("weights", args.weights),
+                   recorded.get("decode_weights", args.decode_weights)} - {"", "auto"}
+        if formats:
+            console.print(f"[yellow]warning[/yellow]: a profile prices one weight format; "
+                          f"the {'/'.join(sorted(formats))} instances are simulated at its step "
+                          "times (distserve profile --weights ... for theirs)")
     if recorded:
         try:
             measured = cmp.recorded(recorded)
@@ -238,7 +251,8 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                         args.attainment, args.extend, list(args.rates or []))
     measured = [cmp.measure(system, workload, grid, requests, args.seed,
                             cmp.default_run_root(), console.print)
-                for system in cmp.systems(args.threads, args.kv_cache_mb, args.chunked)]
+                for system in cmp.systems(args.threads, args.kv_cache_mb, args.chunked,
+                                          args.weights, args.decode_weights)]
     assert grid.slo is not None, "set by the first system's calibration"
     return _report_compare(args, console, workload, measured, grid.rates, grid.slo, profile)
 
@@ -269,8 +283,10 @@ def _report_compare(args: argparse.Namespace, console: Console, workload: BenchW
             report["simulated_goodput_rps"] = _goodput_of(c.runs, c.simulated, args.attainment)
             report["fidelity"] = [f.to_json() for f in fits]
     ours, base = reports[0]["per_device_goodput_rps"], reports[1]["per_device_goodput_rps"]
+    stack = measured[0].system.stack
     report = {"workload": workload.name, "slo": slo.__dict__, "threads_per_worker":
-              args.threads, "kv_cache_mb": measured[0].system.stack.kv_cache_mb,
+              args.threads, "kv_cache_mb": stack.kv_cache_mb, "weights": stack.weights,
+              "decode_weights": stack.decode_weights,
               "attainment_target": args.attainment, "rates": list(chosen),
               "unloaded": measured[0].unloaded.__dict__, "systems": reports,
               "ratio_disaggregated_to_colocated": ours / base if base > 0 else None}

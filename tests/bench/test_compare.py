@@ -53,6 +53,24 @@ def test_both_systems_get_two_workers_and_the_same_threads() -> None:
     assert len(systems(1, 128, chunked=False)) == 2
 
 
+def test_a_decode_format_goes_to_the_decode_instance_only() -> None:
+    """`--decode-weights int4`: the disaggregated decode instance runs int4 beside a float32
+    prefill instance; colocated workers run --weights for both phases; names say so, and a
+    recorded run maps back to its systems by them."""
+    disaggregated, colocated, chunked = systems(1, 128, chunked=True, decode_weights="int4")
+    assert disaggregated.stack.weights_for("decode") == "int4"
+    assert disaggregated.stack.weights_for("prefill") == "auto"
+    assert colocated.stack.weights_for("colocated") == chunked.stack.weights == "auto"
+    assert disaggregated.name == "disaggregated 1P+1D (decode int4)"
+    assert colocated.name == "colocated x2"
+    every = systems(1, 128, chunked=False, weights="int8")
+    assert [s.name for s in every] == ["disaggregated 1P+1D (int8)", "colocated x2 (int8)"]
+    assert every[0].stack.weights_for("decode") == every[1].stack.weights == "int8"
+    report = {"threads_per_worker": 1, "kv_cache_mb": 128, "decode_weights": "int4", "systems": [
+        {"name": disaggregated.name, "runs": [], "unloaded": Unloaded(0.2, 0.02, 8).__dict__}]}
+    assert recorded(report)[0].system == disaggregated
+
+
 def test_default_rates_scale_with_unloaded_capacity() -> None:
     unloaded = Unloaded(ttft_s=1.0, tpot_s=0.05, prompt_tokens=512)
     # 2 workers / (1 s + 32 x 0.05 s) = 0.769 req/s
