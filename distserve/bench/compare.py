@@ -55,8 +55,8 @@ def systems(threads: int, kv_cache_mb: int, chunked: bool, weights: str = "auto"
     """1 prefill + 1 decode against 2 colocated replicas (and chunked-prefill replicas): two
     workers, `threads` each, in every system. Every worker's weights are `weights`, but the
     decode instance's `decode_weights` where given: disaggregation lets each phase run its
-    own format, a colocated worker runs one for both. A format other than float32 is named
-    after the system."""
+    own format, while a colocated worker runs one for both, so colocated replicas are then
+    run in either format. A format other than float32 is named after the system."""
     common: dict[str, Any] = {"threads": threads, "kv_cache_mb": kv_cache_mb,
                               "weights": weights}
     every = "" if weights == "auto" else f" ({weights})"
@@ -67,6 +67,9 @@ def systems(threads: int, kv_cache_mb: int, chunked: bool, weights: str = "auto"
     if chunked:
         out.append(System(f"chunked x2{every}", StackConfig(
             mode="colocated", replicas=2, chunked_prefill=True, **common)))
+    if decode_weights not in ("", weights):
+        out.append(System(f"colocated x2 ({decode_weights})", StackConfig(
+            mode="colocated", replicas=2, **common | {"weights": decode_weights})))
     return out
 
 

@@ -55,14 +55,17 @@ def test_both_systems_get_two_workers_and_the_same_threads() -> None:
 
 def test_a_decode_format_goes_to_the_decode_instance_only() -> None:
     """`--decode-weights int4`: the disaggregated decode instance runs int4 beside a float32
-    prefill instance; colocated workers run --weights for both phases; names say so, and a
-    recorded run maps back to its systems by them."""
-    disaggregated, colocated, chunked = systems(1, 128, chunked=True, decode_weights="int4")
+    prefill instance; colocated workers run one format for both phases, so they run in each;
+    names say so, and a recorded run maps back to its systems by them."""
+    disaggregated, colocated, chunked, colocated4 = systems(1, 128, chunked=True,
+                                                           decode_weights="int4")
     assert disaggregated.stack.weights_for("decode") == "int4"
     assert disaggregated.stack.weights_for("prefill") == "auto"
     assert colocated.stack.weights_for("colocated") == chunked.stack.weights == "auto"
+    assert colocated4.stack.weights_for("colocated") == "int4"  # one format for both phases
     assert disaggregated.name == "disaggregated 1P+1D (decode int4)"
-    assert colocated.name == "colocated x2"
+    assert [colocated.name, colocated4.name] == ["colocated x2", "colocated x2 (int4)"]
+    assert colocated4.devices == 2 and colocated4.mode == "colocated"
     every = systems(1, 128, chunked=False, weights="int8")
     assert [s.name for s in every] == ["disaggregated 1P+1D (int8)", "colocated x2 (int8)"]
     assert every[0].stack.weights_for("decode") == every[1].stack.weights == "int8"
