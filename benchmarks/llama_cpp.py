@@ -53,7 +53,8 @@ class LlamaServer:
             "w+", prefix="llama-server-", suffix=".log")
         self.process = subprocess.Popen(
             [binary, "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
-             "-c", str(context), "-np", "1", "--port", str(port), "--host", "127.0.0.1"],
+             "-c", str(context), "-np", "1", "--port", str(port), "--host", "127.0.0.1",
+             "-lv", "4"],  # its system_info line: the instruction sets its build uses
             stdout=self.log, stderr=subprocess.STDOUT)
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600)
         deadline = time.monotonic() + 120
@@ -73,8 +74,10 @@ class LlamaServer:
 
     def system_info(self) -> str:
         """The CPU features its build uses, as it logs them."""
-        return next((line.strip() for line in self.output().splitlines()
-                     if "system_info" in line or "CPU :" in line), "(not logged)")
+        lines = self.output().splitlines()
+        found = [next((line.split(what, 1)[1].strip(" :|") for line in lines if what in line),
+                      "") for what in ("CPU :", "llama_kv_cache: size")]
+        return f"{found[0] or '(no system_info logged)'}; KV cache {found[1] or '?'}"
 
     def complete(self, ids: list[int], tokens: int) -> dict[str, float]:
         answer = self.client.post("/completion", json={

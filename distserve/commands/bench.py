@@ -282,14 +282,18 @@ def _report_compare(args: argparse.Namespace, console: Console, workload: BenchW
             report["simulated_attainment_uncalibrated"] = list(c.simulated_raw or [])
             report["simulated_goodput_rps"] = _goodput_of(c.runs, c.simulated, args.attainment)
             report["fidelity"] = [f.to_json() for f in fits]
-    ours, base = reports[0]["per_device_goodput_rps"], reports[1]["per_device_goodput_rps"]
+    # the baseline: the better colocated system (one a weight format, with --decode-weights)
+    baseline = max((i for i, m in enumerate(measured) if m.system.mode == "colocated"),
+                   key=lambda i: reports[i]["per_device_goodput_rps"])
+    ours, base = reports[0]["per_device_goodput_rps"], reports[baseline]["per_device_goodput_rps"]
     stack = measured[0].system.stack
     report = {"workload": workload.name, "slo": slo.__dict__, "threads_per_worker":
               args.threads, "kv_cache_mb": stack.kv_cache_mb, "weights": stack.weights,
               "decode_weights": stack.decode_weights,
               "attainment_target": args.attainment, "rates": list(chosen),
               "unloaded": measured[0].unloaded.__dict__, "systems": reports,
-              "ratio_disaggregated_to_colocated": ours / base if base > 0 else None}
+              "ratio_disaggregated_to_colocated": ours / base if base > 0 else None,
+              "colocated_baseline": reports[baseline]["name"]}
     if profile is not None:
         found = cmp.recommend(measured[0], profile, workload, slo, args.attainment,
                               chosen[len(chosen) // 2])
@@ -304,13 +308,13 @@ def _report_compare(args: argparse.Namespace, console: Console, workload: BenchW
         bound = {(True, False): "at least ", (False, True): "at most ",
                  (True, True): "undetermined (both met the target at every rate; raise "
                                "--extend or --rates): "}.get(
-            (reports[0]["goodput_lower_bound"], reports[1]["goodput_lower_bound"]), "")
-        console.print(f"per-device goodput ratio, disaggregated / colocated: {bound}"
-                      f"{ratio:.2f}x")
+            (reports[0]["goodput_lower_bound"], reports[baseline]["goodput_lower_bound"]), "")
+        names = f"{reports[0]['name']} / {reports[baseline]['name']}"
+        console.print(f"per-device goodput ratio, {names}: {bound}{ratio:.2f}x")
     else:
-        lowest = min(run.rate for run in measured[1].runs)
-        console.print("per-device goodput ratio: undefined, the colocated system missed the "
-                      f"target even at {lowest:g} req/s (give lower --rates)")
+        lowest = min(run.rate for run in measured[baseline].runs)
+        console.print(f"per-device goodput ratio: undefined, {reports[baseline]['name']} "
+                      f"missed the target even at {lowest:g} req/s (give lower --rates)")
     return 0
 
 

@@ -1,8 +1,8 @@
 """A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over the paged KV
 pool: Llama, Mistral, Qwen2 (Q/K/V bias) and Qwen3 (per-head Q/K norm). Weights are plain
 tensors (float32 on the CPU: packed in panels for the CPU's float matmul), or (`weight_bits`)
-int8/int4 blocks for the CPU's quantized matmul; Q/K/V and gate/up are fused into one matmul
-each."""
+int8/int4 blocks in panels for the CPU's quantized matmul; Q/K/V and gate/up are fused into one
+matmul each."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ Weights = Mapping[str, torch.Tensor | QuantizedMatrix]
 class LayerWeights:
     """Float32 matrices on the CPU are packed in panels (the engine's own kernel: BLAS reads
     a decode step's skinny GEMMs' weights at half the memory bandwidth or less on some CPUs);
-    other float ones stored [in, out] (x @ w); quantized ones (out, in), blocks along a row."""
+    other float ones stored [in, out] (x @ w); quantized ones in the kernel's panels of 16
+    output columns (quant.QuantizedPanels)."""
 
     input_norm: torch.Tensor
     qkv: Matrix  # q_size + 2*kv_size outputs of hidden inputs

@@ -53,6 +53,22 @@ def test_both_systems_get_two_workers_and_the_same_threads() -> None:
     assert len(systems(1, 128, chunked=False)) == 2
 
 
+def test_disaggregation_is_compared_with_the_better_colocated_format(tmp_path: Path) -> None:
+    """With --decode-weights int4 colocated replicas run in float32 and in int4; the ratio
+    is taken against whichever has the higher goodput (here int4's, which meets the TPOT
+    at 2 req/s where float32's does not)."""
+    recorded_comparison(tmp_path / "results.json", decode_weights="int4")
+    out = tmp_path / "again"
+    assert main(["bench", "compare", "--from", str(tmp_path / "results.json"), "--workload",
+                 "fixed:128:8", "--out", str(out)]) == 0
+    again = json.loads((out / "results.json").read_text())
+    goodputs = {s["name"]: s["per_device_goodput_rps"] for s in again["systems"]}
+    assert goodputs["colocated x2 (int4)"] > goodputs["colocated x2"]
+    assert again["colocated_baseline"] == "colocated x2 (int4)"
+    assert again["ratio_disaggregated_to_colocated"] == pytest.approx(
+        goodputs["disaggregated 1P+1D (decode int4)"] / goodputs["colocated x2 (int4)"])
+
+
 def test_a_decode_format_goes_to_the_decode_instance_only() -> None:
     """`--decode-weights int4`: the disaggregated decode instance runs int4 beside a float32
     prefill instance; colocated workers run one format for both phases, so they run in each;
@@ -166,14 +182,16 @@ def test_fidelity_compares_the_same_requests_one_by_one() -> None:
     assert found.to_json()["differ"] == 2
 
 
-def recorded_comparison(path: Path) -> dict[str, Any]:
-    """A results.json as `bench compare --chunked` writes it: three systems, two rates,
-    six requests each (fixed 128-token prompts, 8 tokens out)."""
+def recorded_comparison(path: Path, decode_weights: str = "") -> dict[str, Any]:
+    """A results.json as `bench compare --chunked` writes it: three systems (four with
+    `decode_weights`), two rates, six requests each (fixed 128-token prompts, 8 tokens out);
+    a colocated system in another format meets the TPOT at the higher rate too."""
     slo, unloaded = SLO(1.0, 0.05), Unloaded(0.2, 0.025, 128)
     reports = []
-    for system in systems(1, 256, chunked=True):
+    for system in systems(1, 256, chunked=True, decode_weights=decode_weights):
         runs = []
-        for rate, tpot in ((0.5, 0.03), (2.0, 0.06)):
+        fast = system.stack.weights != "auto"
+        for rate, tpot in ((0.5, 0.03), (2.0, 0.04 if fast else 0.06)):
             records = [RequestRecord(i, i / rate, 128, 8, sent_s=i / rate,
                                      first_token_s=i / rate + 0.25,
                                      last_token_s=i / rate + 0.25 + 7 * tpot, tokens=8,
@@ -182,7 +200,8 @@ def recorded_comparison(path: Path) -> dict[str, Any]:
         reports.append(system_report(system.name, system.devices, runs, slo, 0.9) | {
             "cores_used": {}, "kv_link_bps": 6e8, "unloaded": unloaded.__dict__})
     report = {"workload": "fixed:128:8", "slo": slo.__dict__, "threads_per_worker": 1,
-              "kv_cache_mb": 256, "attainment_target": 0.9, "rates": [0.5, 2.0],
+              "kv_cache_mb": 256, "decode_weights": decode_weights,
+              "attainment_target": 0.9, "rates": [0.5, 2.0],
               "unloaded": unloaded.__dict__, "systems": reports}
     path.write_text(json.dumps(report))
     return report
@@ -211,6 +230,7 @@ def test_a_recorded_comparison_is_simulated_again_on_the_requests_it_sent(
             [r["attainment"] for r in before["runs"]]  # what was measured stays
         assert len(after["simulated_attainment"]) == len(after["fidelity"]) == 2
     assert again["recommendation"]["mode"] in {"disaggregated", "colocated", "chunked"}
+    assert again["colocated_baseline"] == "colocated x2"
     assert (out / "attainment_vs_rate.png").stat().st_size > 0
     with pytest.raises(SystemExit):  # another workload than the one recorded
         main(["bench", "compare", "--from", str(tmp_path / "results.json"), "--workload",
