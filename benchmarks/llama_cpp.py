@@ -67,6 +67,7 @@ class LlamaServer:
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
+        self.close()
         raise RuntimeError("llama-server did not become healthy in 120 s")
 
     def output(self) -> str:
@@ -89,7 +90,11 @@ class LlamaServer:
 
     def close(self) -> None:
         self.process.terminate()
-        self.process.wait(timeout=30)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
         self.log.close()
 
 
@@ -126,7 +131,7 @@ def main() -> None:
     try:
         for _ in track(range(args.repeats), description="rounds"):
             for c, row in zip(args.contexts, rows, strict=False):
-                timings = server.complete(_prompt(c, vocab, 1), args.tokens)
+                timings = server.complete(_prompt(c, vocab, 0), args.tokens)  # EngineDecode's
                 results[row].setdefault("llama.cpp", []).append(timings["predicted_per_token_ms"])
                 for w, engine in engines.items():
                     results[row].setdefault(w, []).append(engine_decode_ms(engine, c, args.tokens))

@@ -56,11 +56,14 @@ def systems(threads: int, kv_cache_mb: int, chunked: bool, weights: str = "auto"
     workers, `threads` each, in every system. Every worker's weights are `weights`, but the
     decode instance's `decode_weights` where given: disaggregation lets each phase run its
     own format, while a colocated worker runs one for both, so colocated replicas are then
-    run in either format. A format other than float32 is named after the system."""
+    run in either format. A format other than `auto` is named after the system."""
     common: dict[str, Any] = {"threads": threads, "kv_cache_mb": kv_cache_mb,
                               "weights": weights}
     every = "" if weights == "auto" else f" ({weights})"
-    decode = f" (decode {decode_weights})" if decode_weights not in ("", weights) else every
+    decode = every
+    if decode_weights not in ("", weights):
+        decode = f" ({weights}, decode {decode_weights})" if every else \
+            f" (decode {decode_weights})"
     out = [System(f"disaggregated 1P+1D{decode}",
                   StackConfig(mode="disaggregated", decode_weights=decode_weights, **common)),
            System(f"colocated x2{every}", StackConfig(mode="colocated", replicas=2, **common))]

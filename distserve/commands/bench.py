@@ -78,11 +78,13 @@ def register(sub: Any) -> None:
                    help="every worker's weight format (default: %(default)s, float32 on CPU)")
     c.add_argument("--decode-weights", choices=list(WEIGHT_FORMATS), default="",
                    help="the disaggregated decode instance's format (e.g. int4 beside a "
-                        "float32 prefill instance; a colocated worker runs --weights for both "
-                        "phases)")
+                        "float32 prefill instance); a colocated worker runs one format for "
+                        "both phases, so colocated replicas then run in each of the two and "
+                        "the ratio is taken against the better")
     c.add_argument("--quick", action="store_true",
                    help="fewer rates and requests (4 rates of 16): about 12 minutes on 2 "
-                        "cores for two systems, more with --chunked and rates past the grid")
+                        "cores for two systems, more with --chunked, --decode-weights and "
+                        "rates past the grid")
     c.add_argument("--extend", type=int, default=3, metavar="N",
                    help="past the rate grid, run each system at up to N more rates (1.5x the "
                         "highest while it meets the attainment target at every rate, the "
@@ -323,16 +325,17 @@ def recommendation(found: Sequence[Candidate], measured: Sequence[cmp.Measured],
     """The planner's pick among the modes on these two devices, next to the measured
     ranking of the systems run (per-device goodput)."""
     chosen = best(found)
-    ranking = sorted(((m.system.mode, r["per_device_goodput_rps"])
-                      for m, r in zip(measured, reports, strict=True)), key=lambda x: -x[1])
+    named = sorted(((m.system.mode, r["per_device_goodput_rps"], m.system.name)
+                    for m, r in zip(measured, reports, strict=True)), key=lambda x: -x[1])
+    ranking = [(mode, g) for mode, g, _ in named]
     got = dict(reversed(ranking))  # a mode run twice (in two weight formats): its best
     top = ranking[0][1]
     return {"mode": chosen.mode,
             "simulated": [{"mode": c.mode, "layout": c.layout, "goodput_rps": c.goodput_rps,
                            "per_device_goodput_rps": c.per_device_rps,
                            "attainment_at_rate": c.attainment} for c in found],
-            "measured_ranking": [{"mode": mode, "per_device_goodput_rps": g}
-                                 for mode, g in ranking],
+            "measured_ranking": [{"mode": mode, "system": name, "per_device_goodput_rps": g}
+                                 for mode, g, name in named],
             "recommended_vs_best_measured": got[chosen.mode] / top
             if chosen.mode in got and top > 0 else None}
 
@@ -340,7 +343,7 @@ def recommendation(found: Sequence[Candidate], measured: Sequence[cmp.Measured],
 def _print_recommendation(console: Console, rec: dict[str, Any]) -> None:
     simulated = ", ".join(f"{c['mode']} {c['per_device_goodput_rps']:.3f}"
                           for c in rec["simulated"])
-    measured = ", ".join(f"{m['mode']} {m['per_device_goodput_rps']:.3f}"
+    measured = ", ".join(f"{m.get('system', m['mode'])} {m['per_device_goodput_rps']:.3f}"
                          for m in rec["measured_ranking"])
     console.print(f"planner recommends: [bold]{rec['mode']}[/bold] (simulated per-device "
                   f"goodput: {simulated}); measured ranking: {measured}")

@@ -86,9 +86,9 @@ class QuantizedPanels:
 
         levels = panels(_levels(m)).transpose(2, 3)  # [panels, blocks, 32 inputs, PANEL]
         if m.bits == 4:
-            packed = (levels[:, :, 0::2] | (levels[:, :, 1::2] << 4)).to(torch.uint8)
+            packed = levels[:, :, 0::2] | (levels[:, :, 1::2] << 4)
         else:
-            packed = levels.to(torch.int8).view(torch.uint8)
+            packed = levels.view(torch.uint8)
         return cls(m.bits, out, packed.reshape(*packed.shape[:2], -1).contiguous(),
                    panels(m.scales).contiguous(),
                    None if m.mins is None else panels(m.mins).contiguous())
@@ -118,12 +118,12 @@ class QuantizedPanels:
 
 
 def _levels(m: QuantizedMatrix) -> torch.Tensor:
-    """Each weight's integer level, [out, blocks, 32] (int16)."""
+    """Each weight's integer level, [out, blocks, 32] (int4: uint8 0..15; int8: int8)."""
     out, blocks = m.scales.shape
     q = m.qweight.view(out, blocks, -1)
     if m.bits == 4:
-        return torch.cat((q & 15, q >> 4), dim=-1).short()
-    return q.view(torch.int8).short()
+        return torch.cat((q & 15, q >> 4), dim=-1)
+    return q.view(torch.int8)
 
 
 def quantize(weight: torch.Tensor, bits: int) -> QuantizedMatrix:

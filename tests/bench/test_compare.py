@@ -85,6 +85,9 @@ def test_a_decode_format_goes_to_the_decode_instance_only() -> None:
     every = systems(1, 128, chunked=False, weights="int8")
     assert [s.name for s in every] == ["disaggregated 1P+1D (int8)", "colocated x2 (int8)"]
     assert every[0].stack.weights_for("decode") == every[1].stack.weights == "int8"
+    both = systems(1, 128, chunked=False, weights="int8", decode_weights="int4")
+    assert [s.name for s in both] == ["disaggregated 1P+1D (int8, decode int4)",
+                                      "colocated x2 (int8)", "colocated x2 (int4)"]
     report = {"threads_per_worker": 1, "kv_cache_mb": 128, "decode_weights": "int4", "systems": [
         {"name": disaggregated.name, "runs": [], "unloaded": Unloaded(0.2, 0.02, 8).__dict__}]}
     assert recorded(report)[0].system == disaggregated
@@ -154,6 +157,8 @@ def test_the_recommendation_sits_next_to_the_measured_ranking() -> None:
     assert rec["mode"] == "disaggregated"
     assert [m["mode"] for m in rec["measured_ranking"]] == ["chunked", "disaggregated",
                                                              "colocated"]
+    assert [m["system"] for m in rec["measured_ranking"]] == [
+        "chunked x2", "disaggregated 1P+1D", "colocated x2"]
     assert rec["recommended_vs_best_measured"] == pytest.approx(0.12 / 0.13)
     assert len(rec["simulated"]) == 3
 

@@ -134,11 +134,20 @@ def test_the_layer_ops_compute_what_torch_does(tokens: int) -> None:
     k = cpu_kernels()
     assert k is not None
     gen = torch.Generator().manual_seed(tokens)
-    x, w = torch.randn(tokens, 576, generator=gen), torch.randn(576, generator=gen)
-    torch.testing.assert_close(k.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5))
-    gate_up = 4 * torch.randn(tokens, 2 * 1536, generator=gen)
-    gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(k.silu_mul(gate_up), F.silu(gate) * up)
+    for hidden in (576, 100):  # whole vectors; a remainder past them
+        x, w = torch.randn(tokens, hidden, generator=gen), torch.randn(hidden, generator=gen)
+        torch.testing.assert_close(k.rms_norm(x, w, 1e-5), F.rms_norm(x, (hidden,), w, 1e-5))
+    for inner in (1536, 37):
+        gate_up = 4 * torch.randn(tokens, 2 * inner, generator=gen)
+        gate, up = gate_up.chunk(2, dim=-1)
+        torch.testing.assert_close(k.silu_mul(gate_up), F.silu(gate) * up)
+    qk40 = torch.randn(tokens, 3, 40, generator=gen)  # half a head: 20, past a vector
+    angles40 = torch.randn(50, 20, generator=gen).repeat(1, 2)
+    at = torch.randint(0, 50, (tokens,), generator=gen)
+    expected40 = (qk40 * angles40.cos()[at, None]
+                  + _rotate_half(qk40) * angles40.sin()[at, None])
+    k.rope(qk40, angles40.cos(), angles40.sin(), at)
+    torch.testing.assert_close(qk40, expected40)
     qkv = torch.randn(tokens, (9 + 3 + 3) * 64, generator=gen)
     qk, v = qkv[:, : 12 * 64].view(-1, 12, 64), qkv[:, 12 * 64 :].clone()
     angles = torch.randn(100, 32, generator=gen).repeat(1, 2)

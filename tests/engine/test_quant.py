@@ -73,7 +73,7 @@ def test_quantizing_rounds_each_weight_to_its_blocks_nearest_level(bits: int) ->
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 13, 33, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 13, 33, 70])
 def test_the_kernel_multiplies_as_the_dequantized_floats_do(bits: int, rows: int) -> None:
     """Rows around the kernel's tiles (AVX-512: 8, AVX2: 2) and past a task's run of them;
     83 columns: five panels of 16 and a part one."""
