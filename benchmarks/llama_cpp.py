@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -31,17 +30,12 @@ from rich.progress import track
 from rich.table import Table
 
 from distserve.commands.bench_engine import EngineDecode, EnginePrefill, _prompt
+from services.supervisor import free_port
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.gguf_loader import resolve_gguf_path
 
 FORMATS = ("auto", "int8", "int4")  # auto: float32 on the CPU
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class LlamaServer:

@@ -60,8 +60,9 @@ def systems(threads: int, kv_cache_mb: int, chunked: bool, weights: str = "auto"
     common: dict[str, Any] = {"threads": threads, "kv_cache_mb": kv_cache_mb,
                               "weights": weights}
     every = "" if weights == "auto" else f" ({weights})"
+    split = decode_weights not in ("", weights)  # the phases in two formats
     decode = every
-    if decode_weights not in ("", weights):
+    if split:
         decode = f" ({weights}, decode {decode_weights})" if every else \
             f" (decode {decode_weights})"
     out = [System(f"disaggregated 1P+1D{decode}",
@@ -70,7 +71,7 @@ def systems(threads: int, kv_cache_mb: int, chunked: bool, weights: str = "auto"
     if chunked:
         out.append(System(f"chunked x2{every}", StackConfig(
             mode="colocated", replicas=2, chunked_prefill=True, **common)))
-    if decode_weights not in ("", weights):
+    if split:
         out.append(System(f"colocated x2 ({decode_weights})", StackConfig(
             mode="colocated", replicas=2, **common | {"weights": decode_weights})))
     return out

@@ -42,8 +42,7 @@ class QuantizedMatrix:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (self.qweight, self.scales, self.mins) if t is not None)
+        return _nbytes(self.qweight, self.scales, self.mins)
 
     def dequantize(self) -> torch.Tensor:
         out, blocks = self.scales.shape
@@ -99,8 +98,16 @@ class QuantizedPanels:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (self.weights, self.scales, self.mins) if t is not None)
+        return _nbytes(self.weights, self.scales, self.mins)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T over x's last dimension."""
+        kernels = cpu_kernels()
+        assert kernels is not None, "quantized weights need the CPU kernels (checked at load)"
+        mins = self.mins if self.mins is not None else _NO_MINS
+        out = kernels.quantized_matmul(x.reshape(-1, x.shape[-1]), self.weights, self.scales,
+                                       mins, self.bits, self.out_features)
+        return out.view(*x.shape[:-1], -1)  # type: ignore[no-any-return]
 
     def dequantize(self) -> torch.Tensor:
         panels, blocks, _ = self.weights.shape
@@ -115,6 +122,10 @@ class QuantizedPanels:
         # [panels, blocks, 32, PANEL] -> [panels * PANEL, blocks * 32]
         w = w.permute(0, 3, 1, 2).reshape(panels * PANEL, blocks * BLOCK)
         return w[: self.out_features]
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def _levels(m: QuantizedMatrix) -> torch.Tensor:
@@ -184,11 +195,4 @@ def matmul(x: torch.Tensor, weight: torch.Tensor | PanelMatrix | QuantizedPanels
     """x @ W for a float [in, out] matrix, x @ W^T for a packed or quantized (out, in) one."""
     if isinstance(weight, torch.Tensor):
         return x @ weight
-    if isinstance(weight, PanelMatrix):
-        return weight.matmul(x)
-    kernels = cpu_kernels()
-    assert kernels is not None, "quantized weights need the CPU kernels (checked at load)"
-    mins = weight.mins if weight.mins is not None else _NO_MINS
-    out = kernels.quantized_matmul(x.reshape(-1, x.shape[-1]), weight.weights, weight.scales,
-                                   mins, weight.bits, weight.out_features)
-    return out.view(*x.shape[:-1], -1)  # type: ignore[no-any-return]
+    return weight.matmul(x)  # panels, float or quantized
