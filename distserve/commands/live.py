@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from services.launcher import read_run_env
+from services.planner.budget import Shape
 from services.planner.calibration import Calibration
 from services.planner.modes import SWITCH_MARGIN
 from shared import subjects
@@ -120,12 +121,19 @@ def show_live(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def layout(plan: dict[str, Any], short: bool = False) -> str:
-    """A recorded plan's workers: '1 prefill + 2 decode' ('1P+2D'), '2 chunked colocated'."""
+    """A recorded plan's workers: '1 prefill tp2 + 2 decode' ('1P tp2+2D'), '2 chunked
+    colocated'."""
+    def named(role: str, name: str) -> str:
+        return Shape(**plan.get(f"{role}_shape", {})).after(name)
+
     mode = plan.get("mode", "disaggregated")
     if mode == "disaggregated":
         p, d = plan["prefill"], plan["decode"]
-        return f"{p}P+{d}D" if short else f"{p} prefill + {d} decode"
-    return f"{plan['colocated']} {'chunked ' if mode == 'chunked' else ''}colocated"
+        if short:
+            return f"{p}{named('prefill', 'P')}+{d}{named('decode', 'D')}"
+        return f"{p} {named('prefill', 'prefill')} + {d} {named('decode', 'decode')}"
+    return (f"{plan['colocated']} {'chunked ' if mode == 'chunked' else ''}"
+            f"{named('colocated', 'colocated')}")
 
 
 def without_password(url: str) -> str:

@@ -1,14 +1,17 @@
-"""Online planning on a fixed device budget (pure): how to split `budget` single-device
-instances between prefill and decode for the workload seen recently.
+"""Online planning on a fixed device budget (pure): which shape (tensor-parallel ranks) each
+phase's instances take and how many of each, within `budget` devices, for the workload seen
+recently.
 
-Each phase's per-instance goodput comes from the simulator (simu_prefill: TTFT attainment of
-one prefill instance; simu_decode: TPOT attainment of one decode instance, as in
-Algorithm 1); the split maximises the cluster's goodput, min(n_p x prefill, n_d x decode),
-with at least one instance per phase. A phase that meets its objective at no rate is sized by
-its raw capacity instead, so the plan still leans the right way."""
+Each phase's per-instance goodput comes from the simulator for every shape the planner may
+run (simu_prefill: TTFT attainment of one prefill instance; simu_decode: TPOT attainment of
+one decode instance, as in Algorithm 1); the split maximises the cluster's goodput,
+min(n_p x prefill, n_d x decode), with at least one instance per phase. A phase that meets
+its objective at no rate is sized by its raw capacity instead, so the plan still leans the
+right way."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.planner.placement import (
@@ -21,6 +24,47 @@ from services.planner.placement import (
 
 
 @dataclass(frozen=True)
+class Shape:
+    """An instance's parallelism: `pp` pipeline stages of `tp` ranks, a device each."""
+
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp
+
+    def __str__(self) -> str:
+        """'tp2', 'tp2 pp2' (pp only where several)."""
+        return f"tp{self.tp}" + (f" pp{self.pp}" if self.pp > 1 else "")
+
+    def after(self, role: str) -> str:
+        """'prefill' for one device, else 'prefill tp2': a role's instances, named."""
+        return role if self == ONE else f"{role} {self}"
+
+
+ONE = Shape()
+
+
+def searched_shapes(problem: Problem, budget: int) -> tuple[Shape, ...]:
+    """The shapes the online planner weighs for an instance: every tensor-parallel degree
+    the profile measured that fits the budget and holds the workload's longest request in
+    its KV memory; one pipeline stage, since the engine runs a pipeline's stages one after
+    another (no micro-batches in flight yet) while the latency model prices them as
+    overlapped, so a pp plan would serve less than planned. The profile's smallest tp where
+    none fits (the plan then says what it can)."""
+    tps = problem.profile.tps
+    fitting = tuple(Shape(tp) for tp in tps if tp <= budget and problem.fits(tp, 1))
+    return fitting or (Shape(tps[0]),)
+
+
+@dataclass(frozen=True)
+class Option:
+    shape: Shape
+    rps: float  # one instance's goodput (or capacity)
+
+
+@dataclass(frozen=True)
 class BudgetPlan:
     prefill: int
     decode: int
@@ -28,21 +72,46 @@ class BudgetPlan:
     decode_goodput_rps: float
     goodput_rps: float  # the cluster's: the slower phase's total
     by_capacity: bool = False  # the objectives could not be met: split by raw capacity
+    prefill_shape: Shape = ONE
+    decode_shape: Shape = ONE
 
 
-def split(budget: int, prefill_rps: float, decode_rps: float) -> tuple[int, int]:
-    """The (n_p, n_d), n_p + n_d = budget, each >= 1, with the largest min(n_p x prefill_rps,
-    n_d x decode_rps); ties go to the split closer to even."""
-    if budget < 2:
-        raise ValueError(f"a disaggregated plan needs at least 2 devices, got {budget}")
-    return max(((n, budget - n) for n in range(1, budget)),
-               key=lambda s: (min(s[0] * prefill_rps, s[1] * decode_rps), -abs(s[0] - s[1])))
+def split(budget: int, prefill: Sequence[Option], decode: Sequence[Option]
+          ) -> tuple[Option, int, Option, int]:
+    """Each phase's shape and instance count, (p, n_p, d, n_d), within `budget` devices and
+    at least one instance per phase, with the largest min(n_p x p.rps, n_d x d.rps); ties go
+    to the split that uses more devices, then to the phases' devices closer to even, then to
+    the earlier options. With one-device shapes only, n_p + n_d = budget."""
+    found = []
+    for p in prefill:
+        for d in decode:
+            for n_p in range(1, (budget - d.shape.devices) // p.shape.devices + 1):
+                n_d = (budget - n_p * p.shape.devices) // d.shape.devices
+                used_p, used_d = n_p * p.shape.devices, n_d * d.shape.devices
+                found.append(((min(n_p * p.rps, n_d * d.rps), used_p + used_d,
+                               -abs(used_p - used_d)), (p, n_p, d, n_d)))
+    if not found:
+        raise ValueError(f"no prefill and decode instance fit in {budget} device(s) together "
+                         "(a disaggregated plan needs two at least)")
+    return max(found, key=lambda f: f[0])[1]
 
 
-def plan_within_budget(problem: Problem, budget: int) -> BudgetPlan:
-    gp, gd = prefill_goodput(problem, 1, 1), decode_goodput(problem, 1, 1)
-    by_capacity = gp <= 0 or gd <= 0
+def plan_within_budget(problem: Problem, budget: int,
+                       prefill_shapes: Sequence[Shape] = (ONE,),
+                       decode_shapes: Sequence[Shape] = (ONE,)) -> BudgetPlan:
+    """The best split of `budget` devices among prefill instances of one of
+    `prefill_shapes` and decode instances of one of `decode_shapes`."""
+    def options(goodput: Callable[[Problem, int, int], float], shapes: Sequence[Shape],
+                room: int) -> list[Option]:
+        return [Option(s, goodput(problem, s.tp, s.pp)) for s in shapes if s.devices <= room]
+
+    room = budget - 1  # the other phase needs a device at least
+    gp, gd = options(prefill_goodput, prefill_shapes, room), options(decode_goodput,
+                                                                     decode_shapes, room)
+    by_capacity = all(o.rps <= 0 for o in gp) or all(o.rps <= 0 for o in gd)
     if by_capacity:
-        gp, gd = prefill_bound(problem, 1, 1), decode_bound(problem, 1, 1)
-    n_p, n_d = split(budget, gp, gd)
-    return BudgetPlan(n_p, n_d, gp, gd, min(n_p * gp, n_d * gd), by_capacity)
+        gp, gd = options(prefill_bound, prefill_shapes, room), options(decode_bound,
+                                                                       decode_shapes, room)
+    p, n_p, d, n_d = split(budget, gp, gd)
+    return BudgetPlan(n_p, n_d, p.rps, d.rps, min(n_p * p.rps, n_d * d.rps), by_capacity,
+                      p.shape, d.shape)

@@ -6,11 +6,13 @@ and applies the plan, and a plan history recorded by a live planner replays thro
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
+from services.planner.budget import Shape
 from services.planner.calibration import Calibration
 from services.planner.modes import (
     MODES,
@@ -26,6 +28,7 @@ from services.planner.placement import Problem
 from services.planner.profiles import Profile
 from shared.messages import ReplanRequest, WorkloadSummary
 from shared.metrics import SLO
+from shared.state import Role
 from shared.workloads import Lengths, Workload
 
 
@@ -39,6 +42,8 @@ class PlannerConfig:
     switch_margin: float = SWITCH_MARGIN  # another mode's goodput must be this much higher
     batch_tokens: int = 0  # the workers' prompt tokens per step (0: the profile's L_m)
     max_running: int = 0  # the workers' running requests at most (0: the profile's)
+    # roles whose workers' shape `up` fixed; the others' tp is searched (budget.searched_shapes)
+    fixed: Mapping[Role, Shape] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,8 @@ def decide(request: ReplanRequest, last_workload: WorkloadSummary | None,
     if workload is None:
         return None
     calibration = calibration or Calibration()
-    found = candidates(problem_for(workload, config, calibration), config.budget, MODES)
+    found = candidates(problem_for(workload, config, calibration), config.budget, MODES,
+                       config.fixed)
     deployable = [c for c in found if c.mode in config.modes]
     if not deployable:
         raise ValueError(f"no {'/'.join(config.modes)} plan fits a budget of {config.budget} "
@@ -89,6 +95,7 @@ def decide(request: ReplanRequest, last_workload: WorkloadSummary | None,
         "slo": asdict(config.slo), **asdict(plan),
         "best_mode": best(found).mode, "current_mode": current,
         "deployable": list(config.modes), "switch_margin": config.switch_margin,
+        "fixed": {role: asdict(shape) for role, shape in config.fixed.items()},
         "candidates": [asdict(c) for c in found],
         "workload": {"rate_rps": workload.rate_rps, "arrival_cv": workload.arrival_cv,
                      "requests": len(workload.prompt_tokens),

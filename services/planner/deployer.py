@@ -1,8 +1,9 @@
-"""Deployers apply a plan's worker counts. The local one starts prefill, decode and
-colocated (plain or chunked-prefill) worker processes on this host and drains the ones no
-longer needed; scaling up completes (the new workers heartbeat, so the gateway dispatches to
-them) before anything is drained. A change of mode is one such step: the new mode's workers
-start, then the old mode's drain, finishing what they hold."""
+"""Deployers apply a plan's worker counts and shapes. The local one starts prefill, decode
+and colocated (plain or chunked-prefill) worker processes on this host with the plan's tp
+and pp, and drains the ones no longer needed (beyond a kind's count, or of another shape);
+scaling up completes (the new workers heartbeat, so the gateway dispatches to them) before
+anything is drained. A change of mode or shape is one such step: the new workers start, then
+the old ones drain, finishing what they hold."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Protocol
 from nats.aio.client import Client
 
 from services.launcher import assign_devices, gpu_count
+from services.planner.budget import Shape
 from services.planner.modes import KINDS, Kind
 from services.supervisor import Supervisor, incarnation
 from shared import subjects
@@ -41,6 +43,17 @@ def role_env(env: Mapping[str, str], role: Role) -> dict[str, str]:
         if value:
             own[f"DS_{setting}"] = value
     return own
+
+
+def fixed_shapes(env: Mapping[str, str]) -> dict[Role, Shape]:
+    """The roles whose workers' tp and pp `distserve up` fixed (`role_env` gives them), with
+    those shapes; the planner chooses the other roles' shapes."""
+    fixed = {}
+    for role in ROLES:
+        own = role_env(env, role)
+        if "DS_TP" in own or "DS_PP" in own:
+            fixed[role] = Shape(int(own.get("DS_TP", 1)), int(own.get("DS_PP", 1)))
+    return fixed
 
 
 def ranks_of(env: Mapping[str, str]) -> int:
@@ -75,7 +88,8 @@ class DeployError(RuntimeError):
 class Deployer(Protocol):
     drained: set[str]  # the workers it told to drain
 
-    async def apply(self, counts: dict[Kind, int]) -> dict[str, list[str]]: ...
+    async def apply(self, counts: Mapping[Kind, int],
+                    shapes: Mapping[Kind, Shape] | None = None) -> dict[str, list[str]]: ...
 
     def stop(self) -> None: ...
 
@@ -87,6 +101,22 @@ def to_drain(live: list[InstanceInfo], want: int) -> list[InstanceInfo]:
     return by_load[:extra]
 
 
+def changes(live: Mapping[Kind, list[InstanceInfo]], counts: Mapping[Kind, int],
+            shapes: Mapping[Kind, Shape]) -> tuple[dict[Kind, int], list[InstanceInfo]]:
+    """What applying a plan takes: the workers of each kind to start, and those to drain:
+    every one of another shape than `shapes` gives its kind (a kind it lacks keeps any),
+    and the least loaded beyond the kind's count."""
+    start: dict[Kind, int] = {}
+    drain: list[InstanceInfo] = []
+    for kind in KINDS:
+        shape, want = shapes.get(kind), counts.get(kind, 0)
+        fit = [i for i in live.get(kind, []) if shape is None or (i.tp, i.pp) == (shape.tp,
+                                                                                 shape.pp)]
+        drain += [i for i in live.get(kind, []) if i not in fit] + to_drain(fit, want)
+        start[kind] = max(0, want - len(fit))
+    return start, drain
+
+
 class LogOnlyDeployer:
     """Records plans without acting (e.g. under docker-compose, where an orchestrator
     scales the containers)."""
@@ -94,8 +124,10 @@ class LogOnlyDeployer:
     def __init__(self) -> None:
         self.drained: set[str] = set()
 
-    async def apply(self, counts: dict[Kind, int]) -> dict[str, list[str]]:
-        log.info("plan (not applied): %s", counts)
+    async def apply(self, counts: Mapping[Kind, int],
+                    shapes: Mapping[Kind, Shape] | None = None) -> dict[str, list[str]]:
+        log.info("plan (not applied): %s, shapes %s", dict(counts),
+                 {kind: str(shape) for kind, shape in (shapes or {}).items()})
         return {"started": [], "drained": []}
 
     def stop(self) -> None:
@@ -114,28 +146,35 @@ class LocalDeployer:
         self.gpus = gpu_count(os.environ)
         self.ranks: list[int] = []  # of each worker started, in turn
         self.drained: set[str] = set()
+        self.fixed = fixed_shapes(os.environ)  # roles whose tp and pp `up` set: kept
 
-    async def apply(self, counts: dict[Kind, int]) -> dict[str, list[str]]:
+    async def apply(self, counts: Mapping[Kind, int],
+                    shapes: Mapping[Kind, Shape] | None = None) -> dict[str, list[str]]:
+        """Start and drain workers until each kind has its count, in its shape (a role's
+        shape `up` fixed stays: `shapes` cannot change it)."""
+        shapes = {k: s for k, s in (shapes or {}).items() if role_of(k) not in self.fixed}
         live = await live_workers(self.registry, self.drained)
-        started = [self._spawn(kind) for kind in KINDS
-                   for _ in range(counts.get(kind, 0) - len(live[kind]))]
+        start, draining = changes(live, counts, shapes)
+        started = [self._spawn(kind, shapes.get(kind)) for kind in KINDS
+                   for _ in range(start[kind])]
         if started:
             await self._wait_healthy(started)
-        drained = [i.instance_id for kind in KINDS
-                   for i in to_drain(live[kind], counts.get(kind, 0))]
+        drained = [i.instance_id for i in draining]
         for instance in drained:
             await publish(self.nc, subjects.drain(instance), Drain(reason=f"plan {counts}"))
             self.drained.add(instance)
         if started or drained:
-            log.info("applied %s: started %s, draining %s", counts, started, drained)
+            log.info("applied %s: started %s, draining %s", dict(counts), started, drained)
         return {"started": started, "drained": drained}
 
-    def _spawn(self, kind: Kind) -> str:
-        """A new worker with its role's weights, tp and pp (`role_env`); on a GPU host on the
-        next GPUs in turn (the planner does not know which GPUs the workers it did not start
-        use: they may share one)."""
+    def _spawn(self, kind: Kind, shape: Shape | None) -> str:
+        """A new worker with its role's weights, tp and pp (`role_env`), or the plan's
+        `shape`; on a GPU host on the next GPUs in turn (the planner does not know which GPUs
+        the workers it did not start use: they may share one)."""
         instance = f"{kind}-{uuid.uuid4().hex[:6]}"
         env = {**os.environ, **role_env(os.environ, role_of(kind))}
+        if shape is not None:
+            env.update(DS_TP=str(shape.tp), DS_PP=str(shape.pp))
         self.ranks.append(ranks_of(env))
         device = assign_devices(self.ranks, self.gpus)[-1]
         if device:
@@ -146,7 +185,8 @@ class LocalDeployer:
                               lambda restarts: {**env,
                                                 "DS_INSTANCE_ID": incarnation(instance, restarts)},
                               restart=True)
-        log.info("started %s%s", instance, f" on {device}" if device else "")
+        log.info("started %s (%s)%s", instance, shape or "tp and pp as `up` set them",
+                 f" on {device}" if device else "")
         return instance
 
     async def _wait_healthy(self, instances: list[str]) -> None:

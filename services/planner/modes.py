@@ -1,8 +1,9 @@
-"""Which serving mode a workload should run in, on a budget of single-device instances
-(pure): disaggregated prefill and decode (the best n_p : n_d split), colocated replicas (a
-prefill step whenever prompts can be admitted, vLLM's default), or colocated replicas with
-chunked prefill. Each candidate is the whole budget simulated as one cluster, on the same
-requests and objectives; the highest goodput wins.
+"""Which serving mode a workload should run in, on a budget of devices (pure):
+disaggregated prefill and decode (the best n_p : n_d split), colocated replicas (a prefill
+step whenever prompts can be admitted, vLLM's default), or colocated replicas with chunked
+prefill, each role's instances in the tensor-parallel shape that serves most
+(budget.searched_shapes). Each candidate is the whole budget simulated as one cluster, on
+the same requests and objectives; the highest goodput wins.
 
 Disaggregation wins where prefill steps would stall decodes past the TPOT objective (long
 prompts, a tight TPOT); colocation wins where a prompt costs little next to a decode step
@@ -11,11 +12,11 @@ half of them waiting on the other half."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from services.planner.budget import plan_within_budget
+from services.planner.budget import ONE, Shape, plan_within_budget, searched_shapes
 from services.planner.goodput import max_rate
 from services.planner.placement import Problem, decode_bound, prefill_bound
 from services.planner.simulator import (
@@ -25,6 +26,7 @@ from services.planner.simulator import (
     simulate_colocated,
     simulate_disaggregated,
 )
+from shared.state import Role
 from shared.workloads import WorkloadRequest
 
 Mode = Literal["disaggregated", "colocated", "chunked"]
@@ -55,10 +57,14 @@ class Candidate:
     goodput_rps: float  # the budget's, simulated as one cluster (0: no rate meets the target)
     attainment: float  # simulated at the problem's rate
     by_capacity: bool = False  # disaggregated: no split met the objectives, sized by capacity
+    prefill_shape: Shape = ONE  # each role's instances' parallelism (a device a rank)
+    decode_shape: Shape = ONE
+    colocated_shape: Shape = ONE
 
     @property
     def devices(self) -> int:
-        return self.prefill + self.decode + self.colocated
+        return (self.prefill * self.prefill_shape.devices + self.decode *
+                self.decode_shape.devices + self.colocated * self.colocated_shape.devices)
 
     @property
     def per_device_rps(self) -> float:
@@ -72,64 +78,92 @@ class Candidate:
                 "chunked": self.colocated if self.mode == "chunked" else 0}
 
     @property
+    def shapes(self) -> dict[Kind, Shape]:
+        """The parallelism of the workers of each kind this candidate runs."""
+        return {"prefill": self.prefill_shape, "decode": self.decode_shape,
+                "colocated": self.colocated_shape, "chunked": self.colocated_shape}
+
+    @property
     def layout(self) -> str:
         if self.mode == "disaggregated":
-            return f"{self.prefill} prefill + {self.decode} decode"
-        return f"{self.colocated} {'chunked ' if self.mode == 'chunked' else ''}colocated"
+            return (f"{self.prefill} {self.prefill_shape.after('prefill')} + "
+                    f"{self.decode} {self.decode_shape.after('decode')}")
+        return (f"{self.colocated} {'chunked ' if self.mode == 'chunked' else ''}"
+                f"{self.colocated_shape.after('colocated')}")
 
 
 Simulate = Callable[[Sequence[WorkloadRequest]], SimResult]
 
 
-def cluster(problem: Problem, mode: Mode, counts: tuple[int, int, int]) -> Simulate:
-    """The simulation of `counts` = (prefill, decode, colocated) single-device instances."""
-    n_p, n_d, n_c = counts
-    spec = problem.instance(1, 1)
+def cluster(problem: Problem, mode: Mode, counts: tuple[int, int, int],
+            shapes: tuple[Shape, Shape, Shape] = (ONE, ONE, ONE)) -> Simulate:
+    """The simulation of `counts` = (prefill, decode, colocated) instances of `shapes`."""
+    (n_p, n_d, n_c), (s_p, s_d, s_c) = counts, shapes
     if mode == "disaggregated":
-        cluster = DisaggregatedCluster([spec] * n_p, [spec] * n_d, problem.link)
+        cluster = DisaggregatedCluster([problem.instance(s_p.tp, s_p.pp)] * n_p,
+                                       [problem.instance(s_d.tp, s_d.pp)] * n_d, problem.link)
         return lambda w: simulate_disaggregated(cluster, w)
-    colocated = ColocatedCluster([spec] * n_c, chunked=mode == "chunked")
+    colocated = ColocatedCluster([problem.instance(s_c.tp, s_c.pp)] * n_c,
+                                 chunked=mode == "chunked")
     return lambda w: simulate_colocated(colocated, w)
 
 
-def _candidate(problem: Problem, mode: Mode, counts: tuple[int, int, int],
-               upper: float, by_capacity: bool = False) -> Candidate:
-    simulate = cluster(problem, mode, counts)
+def _candidate(problem: Problem, mode: Mode, counts: tuple[int, int, int], upper: float,
+               shapes: tuple[Shape, Shape, Shape] = (ONE, ONE, ONE),
+               by_capacity: bool = False) -> Candidate:
+    simulate = cluster(problem, mode, counts, shapes)
     attained = problem.attainment_at(simulate, lambda r: r.attainment(problem.slo))
     goodput = max_rate(attained, problem.target, guess=max(upper / 4, 1e-3), upper=upper)
     return Candidate(mode, *counts, goodput_rps=goodput, attainment=attained(problem.rate),
-                     by_capacity=by_capacity)
+                     by_capacity=by_capacity, prefill_shape=shapes[0], decode_shape=shapes[1],
+                     colocated_shape=shapes[2])
 
 
-def candidates(problem: Problem, budget: int, modes: Sequence[Mode] = MODES
-               ) -> list[Candidate]:
-    """Every mode on `budget` devices, in `modes` order (disaggregated needs two)."""
+def candidates(problem: Problem, budget: int, modes: Sequence[Mode] = MODES,
+               fixed: Mapping[Role, Shape] | None = None) -> list[Candidate]:
+    """Every mode on `budget` devices, in `modes` order (disaggregated needs two). Each
+    role's instances take the shape `fixed` gives it, or the best of `searched_shapes`."""
+    searched = searched_shapes(problem, budget)
+    def shapes(role: Role) -> tuple[Shape, ...]:
+        return (fixed[role],) if fixed and role in fixed else searched
+
     out = []
-    capacity = {"prefill": prefill_bound(problem, 1, 1), "decode": decode_bound(problem, 1, 1)}
     for mode in modes:
         if mode == "disaggregated":
             if budget < 2:
                 continue
-            split = plan_within_budget(problem, budget)
-            upper = min(split.prefill * capacity["prefill"], split.decode * capacity["decode"])
+            split = plan_within_budget(problem, budget, shapes("prefill"), shapes("decode"))
+            s_p, s_d = split.prefill_shape, split.decode_shape
+            upper = min(split.prefill * prefill_bound(problem, s_p.tp, s_p.pp),
+                        split.decode * decode_bound(problem, s_d.tp, s_d.pp))
             out.append(_candidate(problem, mode, (split.prefill, split.decode, 0), upper,
-                                  split.by_capacity))
-        elif mode == "colocated":
-            # a colocated device spends each request's prefill and decode time itself
-            upper = budget / (1 / capacity["prefill"] + 1 / capacity["decode"])
-            out.append(_candidate(problem, mode, (0, 0, budget), upper))
+                                  (s_p, s_d, ONE), split.by_capacity))
         else:
-            out.append(_candidate(problem, mode, (0, 0, budget),
-                                  budget * chunked_bound(problem)))
+            tried = [_colocated(problem, mode, budget, s) for s in shapes("colocated")
+                     if s.devices <= budget]
+            if tried:
+                out.append(best(tried))
     return out
 
 
-def chunked_bound(problem: Problem) -> float:
+def _colocated(problem: Problem, mode: Mode, budget: int, shape: Shape) -> Candidate:
+    """Colocated (or chunked) replicas of `shape`, as many as the budget holds."""
+    n = budget // shape.devices
+    if mode == "colocated":
+        # a colocated device spends each request's prefill and decode time itself
+        upper = n / (1 / prefill_bound(problem, shape.tp, shape.pp)
+                     + 1 / decode_bound(problem, shape.tp, shape.pp))
+    else:
+        upper = n * chunked_bound(problem, shape)
+    return _candidate(problem, mode, (0, 0, n), upper, (ONE, ONE, shape))
+
+
+def chunked_bound(problem: Problem, shape: Shape = ONE) -> float:
     """Requests/s one chunked-prefill instance sustains at best (an upper bound for the
     search): every step full, its token budget shared by prompt tokens and decodes (one
     token each) in the workload's proportion, each decode costing what it adds to a step at
     no context (`LatencyModel.riding_ms`), attention left out."""
-    lengths, lat = problem.workload.lengths, problem.profile.latency(1, 1)
+    lengths, lat = problem.workload.lengths, problem.profile.latency(shape.tp, shape.pp)
     constant_ms, per_token_ms, _ = lat.coefficients.prefill
     prompt, decodes = lengths.mean_prompt, max(1.0, lengths.mean_output - 1)
     per_step = problem.l_m / (prompt + decodes)  # requests' worth of tokens in a full step

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from nats.aio.msg import Msg
@@ -18,9 +19,16 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.exceptions import RedisError
 
+from services.planner.budget import Shape
 from services.planner.calibration import Calibration
 from services.planner.decide import PlannerConfig, decide
-from services.planner.deployer import Deployer, LocalDeployer, LogOnlyDeployer, live_workers
+from services.planner.deployer import (
+    Deployer,
+    LocalDeployer,
+    LogOnlyDeployer,
+    fixed_shapes,
+    live_workers,
+)
 from services.planner.modes import MODES, SWITCH_MARGIN, Mode, parse_modes, serving_mode
 from services.planner.profiles import Profile, measured_elsewhere, planner_profile
 from services.runtime import ControlService
@@ -30,7 +38,7 @@ from shared.engine.config import served_name
 from shared.host import cpu_description
 from shared.messages import ReplanRequest, WorkloadSummary
 from shared.metrics import SLO
-from shared.state import Registry
+from shared.state import Registry, Role
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +96,28 @@ class PlannerSettings(BaseSettings):
         return parse_modes(self.planner_modes)
 
     def config(self) -> PlannerConfig:
-        return PlannerConfig(self.profile(), SLO(self.planner_ttft_s, self.planner_tpot_s),
+        profile = self.profile()
+        return PlannerConfig(profile, SLO(self.planner_ttft_s, self.planner_tpot_s),
                              self.planner_attainment, self.budget, modes=self.modes,
                              switch_margin=self.planner_switch_margin,
-                             batch_tokens=self.max_batch_tokens, max_running=self.max_running)
+                             batch_tokens=self.max_batch_tokens, max_running=self.max_running,
+                             fixed=priced_shapes(fixed_shapes(os.environ), profile))
+
+
+def priced_shapes(fixed: Mapping[Role, Shape], profile: Profile) -> dict[Role, Shape]:
+    """The shapes `up` fixed, as the planner prices them: one of a tp the profile lacks as
+    the profile's smallest tp, with a warning (those workers then hold more devices, and
+    run at another speed, than the plans say)."""
+    priced = {}
+    for role, shape in fixed.items():
+        if shape.tp in profile.tps:
+            priced[role] = shape
+            continue
+        priced[role] = Shape(profile.tps[0], shape.pp)
+        log.warning("%s workers run tp %d but the profile has tp %s only: planning them as "
+                    "tp %d; profile the tp with `distserve profile --tp`", role, shape.tp,
+                    "/".join(map(str, profile.tps)), profile.tps[0])
+    return priced
 
 
 class PlannerService(ControlService):
@@ -185,7 +211,7 @@ class PlannerService(ControlService):
                  ", ".join(f"{c.mode} {c.goodput_rps:.2f}" for c in decision.candidates),
                  current or "nothing", scales.describe("prefill"), scales.describe("decode"))
         await self._save(record)
-        record["applied"] = await self.deployer.apply(decision.target)
+        record["applied"] = await self.deployer.apply(decision.target, decision.plan.shapes)
         record["applied_at"] = time.time()
         self.applied_mode = decision.plan.mode
         await self._save(record)

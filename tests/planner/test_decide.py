@@ -2,12 +2,15 @@
 
 import dataclasses
 import json
+import logging
 
 import pytest
 
+from services.planner.budget import ONE, Shape
 from services.planner.decide import PlannerConfig, decide
 from services.planner.modes import MODES
 from services.planner.profiles import load_profile, shipped_cpu_profile
+from services.planner.service import priced_shapes
 from shared.messages import ReplanRequest, WorkloadSummary
 from shared.metrics import SLO
 
@@ -102,3 +105,34 @@ def test_the_live_mode_stays_unless_another_is_worth_the_switch() -> None:
                                     workload=WorkloadSummary(**stored["inputs"])),
                       None, tight, now=stored["made_at"], current=stored["current_mode"])
     assert replayed is not None and json.loads(json.dumps(replayed.record)) == stored
+
+
+def test_the_online_planner_searches_the_profiles_tps_and_keeps_what_up_fixed(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A profile where two devices run a step in a third of one's time: 384-token prompts
+    on three devices plan one prefill instance of tp 2 (serving 3x on 2 devices) and one
+    decode instance; the record says so and replays. A role whose tp `up` fixed keeps it,
+    priced as the profile's nearest it has (with a warning) where the profile lacks it."""
+    profile = CONFIG.profile
+    two = dataclasses.replace(profile, by_tp={1: profile.by_tp[1], 2: profile.by_tp[1].slowed(
+        1 / 3, 1 / 3)})
+    config = dataclasses.replace(CONFIG, profile=two)
+    made = decide(ReplanRequest(reasons=["first full window"], workload=window(384, 2)), None,
+                  config, now=1.0)
+    assert made is not None
+    assert (made.plan.prefill, made.plan.prefill_shape, made.plan.decode) == (1, Shape(2), 1)
+    assert made.plan.shapes["prefill"] == Shape(2) and made.plan.devices == 3
+    assert made.record["prefill_shape"] == {"tp": 2, "pp": 1} and made.record["fixed"] == {}
+    stored = json.loads(json.dumps(made.record))
+    again = decide(ReplanRequest(reasons=stored["reasons"],
+                                 workload=WorkloadSummary(**stored["inputs"])), None, config,
+                   now=stored["made_at"])
+    assert again is not None and json.loads(json.dumps(again.record)) == stored
+    kept = decide(ReplanRequest(reasons=["x"], workload=window(384, 2)), None,
+                  dataclasses.replace(config, fixed={"prefill": ONE}), now=1.0)
+    assert kept is not None and kept.plan.prefill_shape == ONE and kept.plan.prefill == 2
+    assert kept.record["fixed"] == {"prefill": {"tp": 1, "pp": 1}}
+    with caplog.at_level(logging.WARNING):
+        priced = priced_shapes({"prefill": Shape(3), "decode": Shape(2)}, two)
+    assert priced == {"prefill": ONE, "decode": Shape(2)}
+    assert "prefill workers run tp 3 but the profile has tp 1/2 only" in caplog.text

@@ -1,11 +1,13 @@
 """The workers the planner's deployer starts run as `distserve up` started their role's:
-the launcher hands the planner every role's weights, tp and pp, and the deployer gives a new
-worker its role's."""
+the launcher hands the planner every role's weights, and the tp and pp given, and the
+deployer gives a new worker its role's; the tp `up` left alone, the plan chooses."""
 
 from __future__ import annotations
 
 from services.launcher import StackConfig
-from services.planner.deployer import ranks_of, role_env
+from services.planner.budget import ONE, Shape
+from services.planner.deployer import changes, fixed_shapes, ranks_of, role_env
+from shared.state import InstanceInfo
 
 
 def test_a_new_worker_gets_its_roles_weights_tp_and_pp_from_up() -> None:
@@ -23,3 +25,35 @@ def test_without_settings_a_worker_keeps_its_own_defaults() -> None:
     # a role's own setting over every worker's
     assert role_env({"DS_WEIGHTS": "int8", "DS_DECODE_WEIGHTS": "int4"}, "decode") == \
         {"DS_WEIGHTS": "int4"}
+
+
+def test_the_planner_chooses_the_tp_of_the_roles_up_left_alone() -> None:
+    assert fixed_shapes(StackConfig().role_settings()) == {}
+    assert fixed_shapes(StackConfig(prefill_tp=3).role_settings()) == {"prefill": Shape(3)}
+    # --tp or --pp other than 1 fixes every role; a role's own wins over it
+    assert fixed_shapes(StackConfig(pp=2, decode_tp=3).role_settings()) == {
+        "prefill": Shape(1, 2), "decode": Shape(3, 2), "colocated": Shape(1, 2)}
+
+
+def worker(name: str, kind: str = "decode", tp: int = 1, running: int = 0) -> InstanceInfo:
+    return InstanceInfo(instance_id=name, role="colocated" if kind == "chunked" else kind,
+                        chunked=kind == "chunked", tp=tp, running=running)
+
+
+def test_a_plan_of_another_shape_starts_its_workers_and_drains_the_old_ones() -> None:
+    live = {"prefill": [worker("p1", "prefill")],
+            "decode": [worker("d1", running=3), worker("d2"), worker("d3", tp=2)]}
+    start, drain = changes(live, {"prefill": 1, "decode": 2},
+                           {"prefill": Shape(2), "decode": ONE})
+    assert start == {"prefill": 1, "decode": 0, "colocated": 0, "chunked": 0}
+    assert [i.instance_id for i in drain] == ["p1", "d3"]
+    # one decode worker fewer: the least loaded of the right shape goes too
+    _, drain = changes(live, {"prefill": 1, "decode": 1}, {"prefill": ONE, "decode": ONE})
+    assert [i.instance_id for i in drain] == ["d3", "d2"]
+    # a kind without a shape (fixed by `up`) keeps workers of any shape
+    start, drain = changes(live, {"prefill": 1, "decode": 3}, {})
+    assert start["decode"] == 0 and drain == []
+    # a switch of mode: the colocated workers drain whatever their shape
+    start, drain = changes({"chunked": [worker("c1", "chunked", tp=2)]},
+                           {"prefill": 1, "decode": 1}, {"prefill": ONE, "decode": ONE})
+    assert (start["prefill"], start["decode"], [i.instance_id for i in drain]) == (1, 1, ["c1"])

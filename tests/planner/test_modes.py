@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from services.planner.budget import ONE, Shape
 from services.planner.latency import PhaseCoefficients
 from services.planner.models import model_spec
 from services.planner.modes import Candidate, best, candidates, serving_mode, worth_switching
@@ -121,3 +122,41 @@ def test_a_candidate_names_the_workers_a_deployer_starts() -> None:
     assert chunked.deployment == {"prefill": 0, "decode": 0, "colocated": 0, "chunked": 2}
     split = Candidate("disaggregated", 2, 1, 0, goodput_rps=1.0, attainment=1.0)
     assert split.deployment == {"prefill": 2, "decode": 1, "colocated": 0, "chunked": 0}
+
+
+def two_tps(prompt_token_ms: float, step_ms: float) -> Profile:
+    """`profile`'s device, and instances of two of them (tp 2) at a third of its times."""
+    one = profile(prompt_token_ms, step_ms)
+    return dataclasses.replace(one, by_tp={1: one.by_tp[1], 2: one.by_tp[1].slowed(
+        1 / 3, 1 / 3, 0.0, 0.0)}, kv_capacity={(1, 1): 1 << 16, (2, 1): 1 << 17})
+
+
+def test_each_role_takes_the_tp_that_meets_its_objective_within_the_budget() -> None:
+    """A 512-token prompt takes 0.53 s on one device, past the 0.3 s TTFT; on two it takes
+    0.18 s. On three devices the plan is one prefill instance of tp 2 and one decode
+    instance of one device, and a colocated replica of tp 2 (one device left idle)."""
+    found = by_mode(candidates(problem(two_tps(1.0, 20.0), 512, 32, SLO(0.3, 0.030), 0.5),
+                               budget=3))
+    split = found["disaggregated"]
+    assert (split.prefill, split.prefill_shape, split.decode, split.decode_shape) == (
+        1, Shape(2), 1, ONE)
+    assert split.devices == 3 and split.goodput_rps > 0
+    assert split.layout == "1 prefill tp2 + 1 decode"
+    assert split.shapes["prefill"] == Shape(2) and split.shapes["decode"] == ONE
+    colocated = found["colocated"]
+    assert (colocated.colocated, colocated.colocated_shape, colocated.devices) == (1, Shape(2), 2)
+    assert colocated.goodput_rps > 0 and colocated.layout == "1 colocated tp2"
+    assert best(list(found.values())).goodput_rps > 0
+
+
+def test_a_shape_up_fixed_is_kept_and_one_device_shapes_plan_as_before() -> None:
+    prob = problem(two_tps(1.0, 20.0), 512, 32, SLO(0.3, 0.030), 0.5)
+    fixed = by_mode(candidates(prob, budget=3, fixed={"prefill": ONE, "colocated": ONE}))
+    assert fixed["disaggregated"].prefill_shape == ONE
+    assert fixed["disaggregated"].prefill == 2  # the third device: another prefill instance
+    assert fixed["disaggregated"].goodput_rps == 0  # no tp 1 prefill meets the TTFT
+    assert fixed["colocated"].colocated_shape == ONE and fixed["colocated"].colocated == 3
+    # a profile of one tp: every instance one device, the budget used whole
+    plain = by_mode(candidates(problem(profile(1.0, 20.0), 512, 32, SLO(5.0, 0.030), 0.5),
+                               budget=3))
+    assert all(c.devices == 3 and set(c.shapes.values()) == {ONE} for c in plain.values())

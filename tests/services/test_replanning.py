@@ -2,11 +2,13 @@
 instance finishes what it holds; a workload whose prompts get much longer makes the
 profiler flag a shift, the planner move capacity toward prefill and the local deployer
 rescale; short prompts make the planner switch a disaggregated stack to chunked-prefill
-replicas; every request completes throughout."""
+replicas; a profile where tensor parallelism pays makes it reshape the prefill instance;
+every request completes throughout."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import threading
@@ -24,7 +26,7 @@ from distserve.bench.workload import BenchRequest
 from distserve.cli import main
 from services.planner.calibration import Calibration
 from services.planner.decide import decide
-from services.planner.profiles import shipped_cpu_profile
+from services.planner.profiles import load_profile, save_profile, shipped_cpu_profile
 from services.planner.service import PlannerSettings
 from shared import subjects
 from shared.bus import connect, publish
@@ -221,5 +223,50 @@ def test_the_planner_switches_a_disaggregated_stack_to_colocated_workers(
         assert main(["plan", "--live", "--redis-url", stack.env["DS_REDIS_URL"]]) == 0
         shown = capsys.readouterr().out
         assert "colocated of 2 devices" in shown
+    finally:
+        stack.stop()
+
+
+def test_the_planner_gives_prefill_the_tensor_parallel_shape_that_serves_more(
+        tmp_path: Path) -> None:
+    """A profile where three devices run a step in a quarter of one's time: on four devices
+    the first window of 384-token prompts plans one prefill instance of tp 3 and one decode
+    instance. The deployer starts the tp 3 prefill worker (three rank processes), drains the
+    one-rank prefill worker once it serves, keeps the decode worker, and no request is lost;
+    the new worker serves what comes after."""
+    shipped = load_profile(shipped_cpu_profile(1))
+    profile = tmp_path / "two-tps.json"
+    save_profile(dataclasses.replace(shipped, by_tp={1: shipped.by_tp[1],
+                                                     3: shipped.by_tp[1].slowed(0.25, 0.25)}),
+                 profile)
+    env = planner_env(devices=4, modes="disaggregated", window=8, tpot_s=0.25,
+                      DS_PLANNER_CALIBRATE="false", DS_PLANNER_PROFILE=str(profile))
+    stack = start_stack(tmp_path, prefill=1, decode=1, planner=True, extra_env=env)
+    try:
+        redis = Redis.from_url(stack.env["DS_REDIS_URL"])
+        target = Target(stack.url, MODEL, timeout_s=300)
+        thread, result = in_background(target, requests(16, 384, 4, 0.5))
+
+        def reshaped() -> bool:
+            prefill = list(live(redis, "prefill").values())
+            return [w["tp"] for w in prefill] == [3] and len(live(redis, "decode")) == 1
+
+        wait_for(reshaped, 300, "a tp 3 prefill worker to replace the one-rank one")
+        thread.join(timeout=300)
+        early = result[0].records
+        assert [r.error for r in early] == [None] * 16 and {r.tokens for r in early} == {4}
+        late = asyncio.run(run_requests(target, requests(4, 384, 4, 0.2), 1.0)).records
+        assert [r.error for r in late] == [None] * 4 and {r.tokens for r in late} == {4}
+        assert stack.child("prefill-0").wait(timeout=60) == 0  # drained, not killed
+        assert "decode-0" in live(redis, "decode")
+        history = [json.loads(h) for h in redis.lrange(subjects.PLAN_HISTORY_KEY, 0, -1)]
+        first = history[-1]
+        assert first["reasons"] == ["first full window"]
+        assert (first["prefill"], first["prefill_shape"], first["decode"],
+                first["decode_shape"]) == (1, {"tp": 3, "pp": 1}, 1, {"tp": 1, "pp": 1})
+        assert first["fixed"] == {}
+        plan = json.loads(redis.get(subjects.PLAN_KEY) or "{}")  # in force, and applied
+        assert plan["prefill_shape"] == {"tp": 3, "pp": 1} and "applied_at" in plan
+        assert_history_replays(history, stack.env)
     finally:
         stack.stop()
