@@ -102,16 +102,30 @@ def pick_prefill(instances: Sequence[InstanceInfo],
 
 
 def pick_colocated(instances: Sequence[InstanceInfo], in_flight: Mapping[str, int],
-                   queued: Mapping[str, int]) -> InstanceInfo | None:
+                   queued: Mapping[str, int],
+                   elsewhere: Mapping[str, int] | None = None) -> InstanceInfo | None:
     """The colocated worker with the fewest requests, counted as the caller's own in flight
-    there (fresh) or as its last heartbeat's running and waiting (which sees other
-    gateways'), whichever is more; on a tie, the fewest of the caller's still awaiting their
-    first token (a new prompt waits behind those); then by id. The planner's simulator
-    dispatches by the same key, so that its requests go where the stack's do."""
+    there plus those other gateways have (`elsewhere`: their published in-flight counts,
+    `others_in_flight`); on a tie, the fewest of the caller's still awaiting their first
+    token (a new prompt waits behind those); then by id. The planner's simulator dispatches
+    by the same key, so that its requests go where the stack's do."""
+    others = elsewhere or {}
     live = [i for i in instances if not i.draining]
     return min(live, key=lambda i: colocated_key(
-        max(in_flight.get(i.instance_id, 0), i.running + i.queue_len),
+        in_flight.get(i.instance_id, 0) + others.get(i.instance_id, 0),
         queued.get(i.instance_id, 0), i.instance_id), default=None)
+
+
+async def others_in_flight(redis: Redis, gateway: str) -> dict[str, int]:
+    """{instance: requests in flight there} from every gateway but `gateway`, as they
+    publish them (subjects.inflight_key; each count at most a second old)."""
+    keys = [k async for k in redis.scan_iter(match=subjects.inflight_keys(), count=1000)]
+    counts: dict[str, int] = {}
+    for key, value in zip(keys, await redis.mget(keys) if keys else [], strict=True):
+        instance, owner = subjects.inflight_of(key.decode() if isinstance(key, bytes) else key)
+        if owner != gateway and value is not None:
+            counts[instance] = counts.get(instance, 0) + int(value)
+    return counts
 
 
 def colocated_key(held: int, queued: int, tiebreak: str | int) -> tuple[int, int, str | int]:

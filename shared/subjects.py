@@ -62,13 +62,19 @@ REPLAN = f"{PREFIX}.planner.replan"  # profiler (or CLI) -> planner
 
 def inflight_key(instance: str, gateway: str) -> str:
     """Requests one gateway has sent to an instance and not yet seen leave it. The gateway
-    rewrites it every second with an expiry, so a dead gateway leaves no stale count."""
+    rewrites it every 0.5 s with a 5 s expiry, so a dead gateway leaves no stale count."""
     return f"{PREFIX}:inflight:{instance}:{gateway}"
 
 
-def inflight_keys(instance: str) -> str:
-    """Pattern of every gateway's inflight_key for an instance."""
+def inflight_keys(instance: str = "*") -> str:
+    """Pattern of every gateway's inflight_key for an instance (for every instance)."""
     return f"{PREFIX}:inflight:{instance}:*"
+
+
+def inflight_of(key: str) -> tuple[str, str]:
+    """(instance, gateway) of an inflight_key."""
+    instance, gateway = key.removeprefix(f"{PREFIX}:inflight:").rsplit(":", 1)
+    return instance, gateway
 
 
 HEARTBEATS = f"{PREFIX}.heartbeats"  # instances -> gateways: InstanceInfo, every heartbeat

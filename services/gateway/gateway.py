@@ -41,6 +41,7 @@ from shared.state import (
     InstanceInfo,
     Registry,
     Role,
+    others_in_flight,
     pick_colocated,
     pick_decode,
     pick_prefill,
@@ -149,6 +150,7 @@ class Gateway:
         self.tracer = setup_tracing("gateway", settings.run_dir)
         self.view = InstanceView(settings.heartbeat_ttl_s)
         self.ledger = Ledger()
+        self.elsewhere: dict[str, int] = {}  # other gateways' requests in flight, by instance
         self.listener = HeartbeatListener(settings.nats_url, f"{self.id}-heartbeats", self.view)
         self._tasks: set[asyncio.Task[None]] = set()
         self.nc: Client
@@ -208,7 +210,8 @@ class Gateway:
 
     async def _publish_inflight(self, every_s: float = 0.5) -> None:
         """This gateway's in-flight counts per instance, in Redis with an expiry: a draining
-        instance waits for them, and a gateway that dies leaves none behind."""
+        instance waits for them, and a gateway that dies leaves none behind; and the other
+        gateways', which colocated dispatch counts (`elsewhere`; none while Redis fails)."""
         failing = False
         while True:
             counts = self.ledger.per_instance()
@@ -217,11 +220,12 @@ class Gateway:
                     for instance, n in counts.items():
                         pipe.set(subjects.inflight_key(instance, self.id), n, px=5000)
                     await pipe.execute()
+                self.elsewhere = await others_in_flight(self.redis, self.id)
                 failing = False
             except (RedisError, OSError) as e:
                 if not failing:
                     log.warning("cannot write in-flight counts to Redis: %s", e)
-                failing = True
+                failing, self.elsewhere = True, {}
             self.ledger.forget_idle(counts)
             self.view.prune(time.monotonic())
             await asyncio.sleep(every_s)
@@ -254,7 +258,8 @@ class Gateway:
         if role == "decode":
             return pick_decode(instances, self.ledger.decoding)
         if role == "colocated":  # its requests are counted as decoding from the start
-            return pick_colocated(instances, self.ledger.decoding, self.ledger.queued)
+            return pick_colocated(instances, self.ledger.decoding, self.ledger.queued,
+                                  self.elsewhere)
         return pick_prefill(instances, self.ledger.prefilling)
 
     def _load(self, instance: InstanceInfo) -> float:

@@ -7,7 +7,15 @@ import asyncio
 import pytest
 from redis.asyncio import Redis
 
-from shared.state import InstanceInfo, Registry, pick_colocated, pick_decode, pick_prefill
+from shared import subjects
+from shared.state import (
+    InstanceInfo,
+    Registry,
+    others_in_flight,
+    pick_colocated,
+    pick_decode,
+    pick_prefill,
+)
 
 
 def info(name: str, role: str = "prefill", **load: int | bool) -> InstanceInfo:
@@ -54,17 +62,47 @@ def test_dispatch_rules() -> None:
 def test_colocated_dispatch_counts_what_is_in_flight_then_what_awaits_a_first_token() -> None:
     """Two workers with one request each: the new one goes where that request is already
     decoding, not where it still waits for its prefill (it would queue behind it), whatever
-    the stale heartbeats say; a heartbeat showing other gateways' requests counts."""
+    the stale heartbeats say; other gateways' requests count as their gateways publish
+    them, and keep counting as this gateway's own grow."""
     workers = [info("c0", "colocated", running=1), info("c1", "colocated")]
     mine, queued = {"c0": 1, "c1": 1}, {"c0": 1, "c1": 0}
     chosen = pick_colocated(workers, mine, queued)
     assert chosen is not None and chosen.instance_id == "c1"
     chosen = pick_colocated(workers, mine, {})  # a tie throughout: by id
     assert chosen is not None and chosen.instance_id == "c0"
-    busy = [info("c0", "colocated", running=3, queue_len=1), info("c1", "colocated", running=1)]
-    chosen = pick_colocated(busy, {"c0": 1, "c1": 2}, {})  # c0 holds 4, 3 of them others'
+    # a heartbeat that still counts a request this gateway saw finish does not
+    stale = [info("c0", "colocated", running=2), info("c1", "colocated", running=1)]
+    chosen = pick_colocated(stale, {"c0": 1, "c1": 1}, {})
+    assert chosen is not None and chosen.instance_id == "c0"
+    # c0 holds 4, 3 of them another gateway's; then this gateway's burst onto c1 tips it
+    elsewhere = {"c0": 3}
+    chosen = pick_colocated(workers, {"c0": 1, "c1": 2}, {}, elsewhere)
     assert chosen is not None and chosen.instance_id == "c1"
+    chosen = pick_colocated(workers, {"c0": 1, "c1": 5}, {}, elsewhere)
+    assert chosen is not None and chosen.instance_id == "c0"
     draining = [info("c0", "colocated", draining=True), info("c1", "colocated", running=5)]
     chosen = pick_colocated(draining, {}, {})
     assert chosen is not None and chosen.instance_id == "c1"
     assert pick_colocated([], {}, {}) is None
+
+
+@pytest.mark.timeout(60)
+def test_a_gateway_reads_the_other_gateways_in_flight_counts(redis_url: str) -> None:
+    async def main() -> None:
+        redis = Redis.from_url(redis_url)
+        for instance, gateway, n in (("colocated-0", "gateway-a", 2),
+                                     ("colocated-0", "gateway-b", 3),
+                                     ("colocated-1", "gateway-b", 1),
+                                     ("colocated-1", "gateway-c", 4)):
+            await redis.set(subjects.inflight_key(instance, gateway), n, px=5000)
+        assert await others_in_flight(redis, "gateway-a") == {"colocated-0": 3,
+                                                               "colocated-1": 5}
+        assert await others_in_flight(redis, "gateway-b") == {"colocated-0": 2,
+                                                               "colocated-1": 4}
+        await redis.set(subjects.inflight_key("colocated-1", "gateway-c"), 4, px=50)
+        await asyncio.sleep(0.2)  # gateway-c died: its count expires with it
+        assert await others_in_flight(redis, "gateway-a") == {"colocated-0": 3,
+                                                               "colocated-1": 1}
+        await redis.aclose()
+
+    asyncio.run(main())
