@@ -157,17 +157,17 @@ class StackConfig:
     def role_settings(self) -> dict[str, str]:
         """Every role's weights, and the tp and pp given (any but 1, or a role's own), for
         the planner: the workers its deployer starts run as the ones started here
-        (services.planner.deployer.role_env); it chooses the tp of the roles left out."""
-        settings = {"DS_WEIGHTS": self.weights}
+        (services.planner.deployer.role_env); it chooses the tp of the roles left out (their
+        settings are empty, so none comes from the launcher's own environment)."""
         every = (self.tp, self.pp) != (1, 1)
-        if every:
-            settings |= {"DS_TP": str(self.tp), "DS_PP": str(self.pp)}
+        settings = {"DS_WEIGHTS": self.weights, "DS_TP": str(self.tp) if every else "",
+                    "DS_PP": str(self.pp) if every else ""}
         for role, own in (("prefill", (self.prefill_tp, self.prefill_pp)),
                           ("decode", (self.decode_tp, self.decode_pp))):
-            settings[f"DS_{role.upper()}_WEIGHTS"] = self.weights_for(role)
-            if every or any(own):
-                settings |= {f"DS_{role.upper()}_TP": str(self.tp_for(role)),
-                             f"DS_{role.upper()}_PP": str(self.pp_for(role))}
+            given = every or any(own)
+            settings |= {f"DS_{role.upper()}_WEIGHTS": self.weights_for(role),
+                         f"DS_{role.upper()}_TP": str(self.tp_for(role)) if given else "",
+                         f"DS_{role.upper()}_PP": str(self.pp_for(role)) if given else ""}
         return settings
 
 

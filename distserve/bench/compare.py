@@ -19,6 +19,7 @@ from distserve.bench.results import RequestRecord, RunResult, span_seconds
 from distserve.bench.runner import CALIBRATION_TOKENS, Unloaded, calibrate, read_spans, sweep
 from distserve.bench.workload import BenchWorkload
 from services.launcher import Stack, StackConfig
+from services.planner.budget import ONE
 from services.planner.calibration import Calibration
 from services.planner.latency import LatencyModel
 from services.planner.modes import Candidate, Mode, candidates, cluster
@@ -283,8 +284,10 @@ def fidelity(run: RunResult, simulated: SimResult, slo: SLO, near_share: float =
 def recommend(measured: Measured, profile: Profile, workload: BenchWorkload, slo: SLO,
               target: float, rate: float) -> list[Candidate]:
     """What the planner weighs for these two devices, on the profile calibrated to
-    `measured`'s unloaded latencies: each mode's simulated goodput (modes.candidates)."""
-    return candidates(stack_problem(measured, profile, workload, slo, target, rate), 2)
+    `measured`'s unloaded latencies: each mode's simulated goodput (modes.candidates), every
+    worker of one rank as the systems compared run."""
+    return candidates(stack_problem(measured, profile, workload, slo, target, rate), 2,
+                      fixed={"prefill": ONE, "decode": ONE, "colocated": ONE})
 
 
 def default_run_root() -> Path:

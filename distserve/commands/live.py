@@ -16,7 +16,7 @@ from rich.table import Table
 from services.launcher import read_run_env
 from services.planner.budget import Shape
 from services.planner.calibration import Calibration
-from services.planner.modes import SWITCH_MARGIN
+from services.planner.modes import SWITCH_MARGIN, Candidate
 from shared import subjects
 from shared.bus import connect, publish
 from shared.messages import ReplanRequest
@@ -122,18 +122,19 @@ def show_live(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def layout(plan: dict[str, Any], short: bool = False) -> str:
     """A recorded plan's workers: '1 prefill tp2 + 2 decode' ('1P tp2+2D'), '2 chunked
-    colocated'."""
-    def named(role: str, name: str) -> str:
-        return Shape(**plan.get(f"{role}_shape", {})).after(name)
+    colocated' (modes.Candidate.layout; records from before plans had shapes: one device
+    each)."""
+    def shape(role: str) -> Shape:
+        return Shape(**plan.get(f"{role}_shape", {}))
 
-    mode = plan.get("mode", "disaggregated")
-    if mode == "disaggregated":
-        p, d = plan["prefill"], plan["decode"]
-        if short:
-            return f"{p}{named('prefill', 'P')}+{d}{named('decode', 'D')}"
-        return f"{p} {named('prefill', 'prefill')} + {d} {named('decode', 'decode')}"
-    return (f"{plan['colocated']} {'chunked ' if mode == 'chunked' else ''}"
-            f"{named('colocated', 'colocated')}")
+    candidate = Candidate(plan.get("mode", "disaggregated"), plan.get("prefill", 0),
+                          plan.get("decode", 0), plan.get("colocated", 0), 0.0, 0.0,
+                          prefill_shape=shape("prefill"), decode_shape=shape("decode"),
+                          colocated_shape=shape("colocated"))
+    if short and candidate.mode == "disaggregated":
+        return (f"{candidate.prefill}{candidate.prefill_shape.label('P')}+"
+                f"{candidate.decode}{candidate.decode_shape.label('D')}")
+    return candidate.layout
 
 
 def without_password(url: str) -> str:

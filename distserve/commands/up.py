@@ -49,7 +49,9 @@ def register(sub: Any) -> None:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks of every worker: processes splitting each "
                         "layer's heads (CPU; --threads is shared by them); must divide the "
-                        "model's KV heads (default: %(default)s)")
+                        "model's KV heads (default: %(default)s; with --planner auto, "
+                        "a role whose tp and pp stay 1 gets the tp its plan chooses from "
+                        "the profile's)")
     p.add_argument("--prefill-tp", type=int, default=0, metavar="N",
                    help="the prefill instances' ranks (default: --tp)")
     p.add_argument("--decode-tp", type=int, default=0, metavar="N",

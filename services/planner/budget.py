@@ -38,7 +38,7 @@ class Shape:
         """'tp2', 'tp2 pp2' (pp only where several)."""
         return f"tp{self.tp}" + (f" pp{self.pp}" if self.pp > 1 else "")
 
-    def after(self, role: str) -> str:
+    def label(self, role: str) -> str:
         """'prefill' for one device, else 'prefill tp2': a role's instances, named."""
         return role if self == ONE else f"{role} {self}"
 
@@ -60,8 +60,18 @@ def searched_shapes(problem: Problem, budget: int) -> tuple[Shape, ...]:
 
 @dataclass(frozen=True)
 class Option:
+    """An instance shape a phase may take, and what one instance of it serves."""
+
     shape: Shape
     rps: float  # one instance's goodput (or capacity)
+
+
+@dataclass(frozen=True)
+class Split:
+    prefill: Option
+    n_prefill: int
+    decode: Option
+    n_decode: int
 
 
 @dataclass(frozen=True)
@@ -76,12 +86,12 @@ class BudgetPlan:
     decode_shape: Shape = ONE
 
 
-def split(budget: int, prefill: Sequence[Option], decode: Sequence[Option]
-          ) -> tuple[Option, int, Option, int]:
-    """Each phase's shape and instance count, (p, n_p, d, n_d), within `budget` devices and
-    at least one instance per phase, with the largest min(n_p x p.rps, n_d x d.rps); ties go
-    to the split that uses more devices, then to the phases' devices closer to even, then to
-    the earlier options. With one-device shapes only, n_p + n_d = budget."""
+def split(budget: int, prefill: Sequence[Option], decode: Sequence[Option]) -> Split | None:
+    """Each phase's shape and instance count within `budget` devices, at least one instance
+    per phase, with the largest min(n_p x prefill rps, n_d x decode rps); ties go to the
+    split that uses more devices, then to the phases' devices closer to even, then to the
+    earlier options. With one-device shapes only, n_p + n_d = budget. None where no prefill
+    and decode instance fit together."""
     found = []
     for p in prefill:
         for d in decode:
@@ -89,29 +99,30 @@ def split(budget: int, prefill: Sequence[Option], decode: Sequence[Option]
                 n_d = (budget - n_p * p.shape.devices) // d.shape.devices
                 used_p, used_d = n_p * p.shape.devices, n_d * d.shape.devices
                 found.append(((min(n_p * p.rps, n_d * d.rps), used_p + used_d,
-                               -abs(used_p - used_d)), (p, n_p, d, n_d)))
-    if not found:
-        raise ValueError(f"no prefill and decode instance fit in {budget} device(s) together "
-                         "(a disaggregated plan needs two at least)")
-    return max(found, key=lambda f: f[0])[1]
+                               -abs(used_p - used_d)), Split(p, n_p, d, n_d)))
+    return max(found, key=lambda f: f[0])[1] if found else None
 
 
 def plan_within_budget(problem: Problem, budget: int,
                        prefill_shapes: Sequence[Shape] = (ONE,),
-                       decode_shapes: Sequence[Shape] = (ONE,)) -> BudgetPlan:
+                       decode_shapes: Sequence[Shape] = (ONE,)) -> BudgetPlan | None:
     """The best split of `budget` devices among prefill instances of one of
-    `prefill_shapes` and decode instances of one of `decode_shapes`."""
-    def options(goodput: Callable[[Problem, int, int], float], shapes: Sequence[Shape],
-                room: int) -> list[Option]:
-        return [Option(s, goodput(problem, s.tp, s.pp)) for s in shapes if s.devices <= room]
+    `prefill_shapes` and decode instances of one of `decode_shapes`; None where no prefill
+    and decode instance fit in the budget together."""
+    if not any(p.devices + d.devices <= budget for p in prefill_shapes for d in decode_shapes):
+        return None
 
-    room = budget - 1  # the other phase needs a device at least
-    gp, gd = options(prefill_goodput, prefill_shapes, room), options(decode_goodput,
-                                                                     decode_shapes, room)
+    def options(goodput: Callable[[Problem, int, int], float],
+                shapes: Sequence[Shape]) -> list[Option]:
+        return [Option(s, goodput(problem, s.tp, s.pp)) for s in shapes if s.devices < budget]
+
+    gp, gd = options(prefill_goodput, prefill_shapes), options(decode_goodput, decode_shapes)
     by_capacity = all(o.rps <= 0 for o in gp) or all(o.rps <= 0 for o in gd)
     if by_capacity:
-        gp, gd = options(prefill_bound, prefill_shapes, room), options(decode_bound,
-                                                                       decode_shapes, room)
-    p, n_p, d, n_d = split(budget, gp, gd)
-    return BudgetPlan(n_p, n_d, p.rps, d.rps, min(n_p * p.rps, n_d * d.rps), by_capacity,
+        gp, gd = options(prefill_bound, prefill_shapes), options(decode_bound, decode_shapes)
+    best = split(budget, gp, gd)
+    assert best is not None  # a prefill and a decode shape fit together
+    p, d = best.prefill, best.decode
+    return BudgetPlan(best.n_prefill, best.n_decode, p.rps, d.rps,
+                      min(best.n_prefill * p.rps, best.n_decode * d.rps), by_capacity,
                       p.shape, d.shape)

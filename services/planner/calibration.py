@@ -83,17 +83,21 @@ class Calibrator:
             "prefill": deque(maxlen=self.window), "decode": deque(maxlen=self.window)}
         self.seen: dict[str, int] = {}  # instance -> the last step taken from it
 
-    def observe(self, instance: str, samples: list[StepSample]) -> int:
-        """Take the samples of `instance` not seen before; how many were new."""
+    def observe(self, instance: str, samples: list[StepSample],
+                latency: LatencyModel | None = None) -> int:
+        """Take the samples of `instance` not seen before, against what `latency` (the
+        instance's own shape's, where it is not the one `self.latency` is of) predicts for
+        them; how many were new."""
+        model = latency or self.latency
         last = self.seen.get(instance, 0)
         new = [s for s in samples if s.step > last and s.seconds > 0]
         for s in new:
             if s.prompts:
-                predicted = self.latency.prefill_latency_s(sum(s.prompts),
-                                                           sum(n * n for n in s.prompts))
+                predicted = model.prefill_latency_s(sum(s.prompts),
+                                                    sum(n * n for n in s.prompts))
                 self.steps["prefill"].append((predicted, s.seconds))
             elif s.batch:
-                predicted = self.latency.decode_step_s(s.batch, s.context)
+                predicted = model.decode_step_s(s.batch, s.context)
                 self.steps["decode"].append((predicted, s.seconds))
         if new:
             self.seen[instance] = max(s.step for s in new)

@@ -22,6 +22,7 @@ from services.planner.modes import (
     Mode,
     best,
     candidates,
+    role_of,
     worth_switching,
 )
 from services.planner.placement import Problem
@@ -69,31 +70,38 @@ def problem_for(workload: WorkloadSummary, config: PlannerConfig,
 
 def decide(request: ReplanRequest, last_workload: WorkloadSummary | None,
            config: PlannerConfig, now: float, calibration: Calibration | None = None,
-           current: Mode | None = None) -> Decision | None:
+           current: Mode | None = None,
+           current_shapes: Mapping[Kind, Shape] | None = None) -> Decision | None:
     """The plan for the request's workload (a request without one, e.g. the timer's, plans
     for `last_workload` again) on the profile as calibrated on the running stack (as
     profiled when None); None before any workload was seen. The best mode the deployer may
     run wins, but the `current` one (what the live workers serve in) stays unless the other
-    is `switch_margin` better. `now` stamps the record; the record's `inputs`,
-    `calibration` and `current_mode` hold the rest, so the decision can be made again."""
+    is `switch_margin` better; so do the live workers' shapes (`current_shapes`, by kind)
+    unless another shape of the same mode is as much better, since reshaping a role
+    restarts its workers too. `now` stamps the record; the record's `inputs`,
+    `calibration`, `current_mode` and `current_shapes` hold the rest, so the decision can
+    be made again."""
     workload = request.workload or last_workload
     if workload is None:
         return None
     calibration = calibration or Calibration()
-    found = candidates(problem_for(workload, config, calibration), config.budget, MODES,
-                       config.fixed)
+    problem = problem_for(workload, config, calibration)
+    found = candidates(problem, config.budget, MODES, config.fixed)
     deployable = [c for c in found if c.mode in config.modes]
     if not deployable:
         raise ValueError(f"no {'/'.join(config.modes)} plan fits a budget of {config.budget} "
                          "device(s) (disaggregated serving needs two)")
     plan = best(deployable)
     stay = next((c for c in deployable if c.mode == current), None)
+    if stay is not None and current_shapes:
+        stay = as_live(stay, current_shapes, problem, config)
     if stay is not None and not worth_switching(plan, stay, config.switch_margin):
         plan = stay
     record: dict[str, Any] = {
         "made_at": now, "reasons": list(request.reasons), "budget": config.budget,
         "slo": asdict(config.slo), **asdict(plan),
         "best_mode": best(found).mode, "current_mode": current,
+        "current_shapes": {kind: asdict(shape) for kind, shape in (current_shapes or {}).items()},
         "deployable": list(config.modes), "switch_margin": config.switch_margin,
         "fixed": {role: asdict(shape) for role, shape in config.fixed.items()},
         "candidates": [asdict(c) for c in found],
@@ -103,3 +111,18 @@ def decide(request: ReplanRequest, last_workload: WorkloadSummary | None,
                      "output_mean": float(np.mean(workload.output_tokens))},
         "inputs": workload.model_dump(), "calibration": calibration.model_dump()}
     return Decision(workload, plan, found, record)
+
+
+def as_live(candidate: Candidate, live: Mapping[Kind, Shape], problem: Problem,
+            config: PlannerConfig) -> Candidate | None:
+    """`candidate`'s mode in the shapes its workers have now (`live`, by kind): itself where
+    they are its shapes, else that mode searched again with those shapes fixed (None where
+    they do not fit the budget, or the mode's workers are not all live)."""
+    kinds = [k for k, n in candidate.deployment.items() if n]
+    if any(k not in live for k in kinds):
+        return None
+    if all(candidate.shapes[k] == live[k] for k in kinds):
+        return candidate
+    fixed = {**config.fixed, **{role_of(k): live[k] for k in kinds}}
+    found = candidates(problem, config.budget, (candidate.mode,), fixed)
+    return found[0] if found else None

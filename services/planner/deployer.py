@@ -8,11 +8,13 @@ the old ones drain, finishing what they hold."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Mapping, Set
 from pathlib import Path
 from typing import Protocol
@@ -21,10 +23,13 @@ from nats.aio.client import Client
 
 from services.launcher import assign_devices, gpu_count
 from services.planner.budget import Shape
-from services.planner.modes import KINDS, Kind
+from services.planner.modes import KINDS, Kind, role_of
+from services.planner.profiles import Profile
 from services.supervisor import Supervisor, incarnation
 from shared import subjects
 from shared.bus import publish
+from shared.engine.config import ModelConfig
+from shared.engine.parallel.sharding import check_tp
 from shared.messages import Drain
 from shared.state import InstanceInfo, Registry, Role
 
@@ -56,6 +61,46 @@ def fixed_shapes(env: Mapping[str, str]) -> dict[Role, Shape]:
     return fixed
 
 
+def priced_shapes(fixed: Mapping[Role, Shape], profile: Profile) -> dict[Role, Shape]:
+    """The shapes `up` fixed, as the planner prices them: one of a tp the profile lacks as
+    the profile's smallest tp, with a warning (those workers then hold more devices, and
+    run at another speed, than the plans say)."""
+    priced = {}
+    for role, shape in fixed.items():
+        if shape.tp in profile.tps:
+            priced[role] = shape
+            continue
+        priced[role] = Shape(profile.tps[0], shape.pp)
+        log.warning("%s workers run tp %d but the profile has tp %s only: planning them as "
+                    "tp %d; profile the tp with `distserve profile --tp`", role, shape.tp,
+                    "/".join(map(str, profile.tps)), profile.tps[0])
+    return priced
+
+
+def runnable_tps(profile: Profile, model: ModelConfig, on_gpu: bool) -> Profile:
+    """`profile` with only the tps workers of `model` can run: one rank on a GPU (parallel
+    instances there need NCCL, not built), and on the CPU the tps that split its heads and
+    MLP columns, and its quantization blocks (checked as quantized, so that any role's
+    weight format runs them). Unchanged, with a warning, where none is left."""
+    def runs(tp: int) -> bool:
+        if tp == 1:
+            return True
+        if on_gpu:
+            return False
+        try:
+            check_tp(model, tp, quantized=True)
+        except ValueError:
+            return False
+        return True
+
+    by_tp = {tp: co for tp, co in profile.by_tp.items() if runs(tp)}
+    if not by_tp:
+        log.warning("the workers can run none of the profile's tps (%s) here: planning on "
+                    "them all", profile.tps)
+        return profile
+    return dataclasses.replace(profile, by_tp=by_tp)
+
+
 def ranks_of(env: Mapping[str, str]) -> int:
     """The processes (and, on a GPU host, the GPUs) a worker of this environment runs."""
     return int(env.get("DS_TP") or 1) * int(env.get("DS_PP") or 1)
@@ -65,8 +110,14 @@ def kind_of(info: InstanceInfo) -> Kind:
     return "chunked" if info.role == "colocated" and info.chunked else info.role
 
 
-def role_of(kind: Kind) -> Role:
-    return "colocated" if kind == "chunked" else kind
+def live_shapes(live: Mapping[Kind, list[InstanceInfo]]) -> dict[Kind, Shape]:
+    """The shape most live workers of each kind have (kinds with none left out)."""
+    shapes = {}
+    for kind, workers in live.items():
+        if workers:
+            tally = Counter((w.tp, w.pp) for w in workers)
+            shapes[kind] = Shape(*max(sorted(tally), key=lambda s: tally[s]))
+    return shapes
 
 
 async def live_workers(registry: Registry, drained: Set[str] = frozenset()
@@ -139,14 +190,14 @@ class LocalDeployer:
     instance id; one that was drained exits 0 and stays down."""
 
     def __init__(self, nc: Client, registry: Registry, run_dir: str | None,
-                 health_timeout_s: float = 300.0) -> None:
+                 health_timeout_s: float = 300.0, fixed: Set[Role] = frozenset()) -> None:
         self.nc, self.registry = nc, registry
         self.health_timeout_s = health_timeout_s
         self.supervisor = Supervisor(Path(run_dir or "."))
         self.gpus = gpu_count(os.environ)
         self.ranks: list[int] = []  # of each worker started, in turn
         self.drained: set[str] = set()
-        self.fixed = fixed_shapes(os.environ)  # roles whose tp and pp `up` set: kept
+        self.fixed = fixed  # roles whose tp and pp `up` set (fixed_shapes): kept
 
     async def apply(self, counts: Mapping[Kind, int],
                     shapes: Mapping[Kind, Shape] | None = None) -> dict[str, list[str]]:

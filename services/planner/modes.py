@@ -2,8 +2,9 @@
 disaggregated prefill and decode (the best n_p : n_d split), colocated replicas (a prefill
 step whenever prompts can be admitted, vLLM's default), or colocated replicas with chunked
 prefill, each role's instances in the tensor-parallel shape that serves most
-(budget.searched_shapes). Each candidate is the whole budget simulated as one cluster, on
-the same requests and objectives; the highest goodput wins.
+(budget.searched_shapes). Each candidate is the budget simulated as one cluster (devices no
+whole instance fits left idle), on the same requests and objectives; the highest goodput
+wins.
 
 Disaggregation wins where prefill steps would stall decodes past the TPOT objective (long
 prompts, a tight TPOT); colocation wins where a prompt costs little next to a decode step
@@ -48,6 +49,11 @@ Kind = Literal["prefill", "decode", "colocated", "chunked"]
 KINDS: tuple[Kind, ...] = ("prefill", "decode", "colocated", "chunked")
 
 
+def role_of(kind: Kind) -> Role:
+    """The worker role a kind runs as (chunked: a colocated worker that chunks prompts)."""
+    return "colocated" if kind == "chunked" else kind
+
+
 @dataclass(frozen=True)
 class Candidate:
     mode: Mode
@@ -86,10 +92,10 @@ class Candidate:
     @property
     def layout(self) -> str:
         if self.mode == "disaggregated":
-            return (f"{self.prefill} {self.prefill_shape.after('prefill')} + "
-                    f"{self.decode} {self.decode_shape.after('decode')}")
+            return (f"{self.prefill} {self.prefill_shape.label('prefill')} + "
+                    f"{self.decode} {self.decode_shape.label('decode')}")
         return (f"{self.colocated} {'chunked ' if self.mode == 'chunked' else ''}"
-                f"{self.colocated_shape.after('colocated')}")
+                f"{self.colocated_shape.label('colocated')}")
 
 
 Simulate = Callable[[Sequence[WorkloadRequest]], SimResult]
@@ -130,9 +136,9 @@ def candidates(problem: Problem, budget: int, modes: Sequence[Mode] = MODES,
     out = []
     for mode in modes:
         if mode == "disaggregated":
-            if budget < 2:
-                continue
             split = plan_within_budget(problem, budget, shapes("prefill"), shapes("decode"))
+            if split is None:  # fewer than two devices, or shapes too wide for the budget
+                continue
             s_p, s_d = split.prefill_shape, split.decode_shape
             upper = min(split.prefill * prefill_bound(problem, s_p.tp, s_p.pp),
                         split.decode * decode_bound(problem, s_d.tp, s_d.pp))

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
 from typing import Any, Literal
 
 from nats.aio.msg import Msg
@@ -19,6 +18,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.exceptions import RedisError
 
+from services.launcher import gpu_count
 from services.planner.budget import Shape
 from services.planner.calibration import Calibration
 from services.planner.decide import PlannerConfig, decide
@@ -27,18 +27,22 @@ from services.planner.deployer import (
     LocalDeployer,
     LogOnlyDeployer,
     fixed_shapes,
+    live_shapes,
     live_workers,
+    priced_shapes,
+    runnable_tps,
 )
-from services.planner.modes import MODES, SWITCH_MARGIN, Mode, parse_modes, serving_mode
+from services.planner.modes import MODES, SWITCH_MARGIN, Kind, Mode, parse_modes, serving_mode
 from services.planner.profiles import Profile, measured_elsewhere, planner_profile
 from services.runtime import ControlService
 from shared import subjects
 from shared.bus import parse
 from shared.engine.config import served_name
+from shared.engine.loader import read_config
 from shared.host import cpu_description
 from shared.messages import ReplanRequest, WorkloadSummary
 from shared.metrics import SLO
-from shared.state import Registry, Role
+from shared.state import Registry
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,7 @@ class PlannerSettings(BaseSettings):
     run_dir: str | None = None
     threads: int = 1
     model: str = "smollm2-135m"  # what the workers serve (DS_MODEL)
+    device: str = "auto"  # the workers' device (DS_DEVICE): "auto" takes a GPU where one is
     heartbeat_ttl_s: float = 2.0
     planner_profile: str = ""  # default: the shipped CPU profile for DS_THREADS
     planner_ttft_s: float = 5.0
@@ -96,28 +101,18 @@ class PlannerSettings(BaseSettings):
         return parse_modes(self.planner_modes)
 
     def config(self) -> PlannerConfig:
-        profile = self.profile()
+        profile = self.runnable(self.profile())
         return PlannerConfig(profile, SLO(self.planner_ttft_s, self.planner_tpot_s),
                              self.planner_attainment, self.budget, modes=self.modes,
                              switch_margin=self.planner_switch_margin,
                              batch_tokens=self.max_batch_tokens, max_running=self.max_running,
                              fixed=priced_shapes(fixed_shapes(os.environ), profile))
 
-
-def priced_shapes(fixed: Mapping[Role, Shape], profile: Profile) -> dict[Role, Shape]:
-    """The shapes `up` fixed, as the planner prices them: one of a tp the profile lacks as
-    the profile's smallest tp, with a warning (those workers then hold more devices, and
-    run at another speed, than the plans say)."""
-    priced = {}
-    for role, shape in fixed.items():
-        if shape.tp in profile.tps:
-            priced[role] = shape
-            continue
-        priced[role] = Shape(profile.tps[0], shape.pp)
-        log.warning("%s workers run tp %d but the profile has tp %s only: planning them as "
-                    "tp %d; profile the tp with `distserve profile --tp`", role, shape.tp,
-                    "/".join(map(str, profile.tps)), profile.tps[0])
-    return priced
+    def runnable(self, profile: Profile) -> Profile:
+        """`profile` less the tps the workers cannot run here (`runnable_tps`)."""
+        on_gpu = self.device.startswith("cuda") or (self.device == "auto" and
+                                                    gpu_count({}) > 0)
+        return runnable_tps(profile, read_config(self.model), on_gpu)
 
 
 class PlannerService(ControlService):
@@ -136,7 +131,8 @@ class PlannerService(ControlService):
 
     async def serve(self, stop: asyncio.Event) -> None:
         registry = self.registry = Registry(self.redis, self.settings.heartbeat_ttl_s)
-        self.deployer = (LocalDeployer(self.nc, registry, self.settings.run_dir)
+        self.deployer = (LocalDeployer(self.nc, registry, self.settings.run_dir,
+                                       fixed=set(self.config.fixed))
                          if self.settings.planner_deployer == "local" else LogOnlyDeployer())
         log.info("planner ready: budget %d devices, SLO TTFT %.3gs TPOT %.3gs, %s deployer",
                  self.config.budget, self.config.slo.ttft_s, self.config.slo.tpot_s,
@@ -180,24 +176,25 @@ class PlannerService(ControlService):
             return None
         return Calibration.model_validate_json(text) if text else None
 
-    async def serving(self) -> Mode | None:
+    async def serving(self) -> tuple[Mode | None, dict[Kind, Shape]]:
         """The mode the live workers serve in (less those the deployer drained and whose
-        heartbeats may not say so yet); where Redis cannot tell (unreachable, or no mode
-        has its workers live, as while one restarts), the mode last applied."""
+        heartbeats may not say so yet), and the shape most of each kind have; where Redis
+        cannot tell (unreachable, or no mode has its workers live, as while one restarts),
+        the mode last applied (and no shapes)."""
         try:
             live = await live_workers(self.registry, self.deployer.drained)
         except (RedisError, OSError) as e:
             log.warning("cannot read the live workers from Redis (%s)", e)
-            return self.applied_mode
+            return self.applied_mode, {}
         found = serving_mode({kind: len(workers) for kind, workers in live.items()})
-        return found or self.applied_mode
+        return (found, live_shapes(live)) if found else (self.applied_mode, {})
 
     async def replan(self, request: ReplanRequest) -> dict[str, Any]:
         started = time.monotonic()
-        calibration, current = await self.calibration(), await self.serving()
+        calibration, (current, shapes) = await self.calibration(), await self.serving()
         decision = await asyncio.get_running_loop().run_in_executor(
             None, decide, request, self.last_workload, self.config, time.time(), calibration,
-            current)
+            current, shapes)
         if decision is None:
             log.warning("replan requested (%s) before any workload was seen",
                         "; ".join(request.reasons))

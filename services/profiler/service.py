@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.exceptions import RedisError
 
 from services.planner.calibration import Calibration, Calibrator, replan_reason
-from services.planner.profiles import ProfileError, planner_profile
+from services.planner.profiles import Profile, ProfileError, planner_profile
 from services.profiler.detector import (
     DetectorConfig,
     RequestEvent,
@@ -75,10 +75,12 @@ class ProfilerService(ControlService):
         self.shifts: list[dict[str, object]] = []
         self.seen = 0
         self.calibrator: Calibrator | None = None
+        self.profile: Profile | None = None
+        self.unpriced: set[int] = set()  # tps the profile lacks, as logged
         try:
-            profile = planner_profile(settings.planner_profile, settings.threads,
-                                      cpu_description())
-            self.calibrator = Calibrator(profile.latency(1, 1),
+            self.profile = planner_profile(settings.planner_profile, settings.threads,
+                                           cpu_description())
+            self.calibrator = Calibrator(self.profile.latency(self.profile.tps[0], 1),
                                          settings.profiler_calibration_window)
         except (ProfileError, OSError) as e:  # shift detection goes on without it
             log.warning("no latency profile to calibrate (%s): step times are not watched", e)
@@ -97,7 +99,17 @@ class ProfilerService(ControlService):
         has moved far enough from what the last plan was made on, the planner plans again."""
         info = parse(msg, InstanceInfo)
         calibrator = self.calibrator
-        if calibrator is None or not calibrator.observe(info.instance_id, info.recent_steps):
+        if calibrator is None or self.profile is None:
+            return
+        if info.tp not in self.profile.tps:  # nothing to compare its steps with
+            if info.tp not in self.unpriced:
+                self.unpriced.add(info.tp)
+                log.warning("the profile has no tp %d: the steps of workers of tp %d are not "
+                            "watched", info.tp, info.tp)
+            return
+        # a whole step of a pipeline runs its stages one after another: a step of its tp
+        if not calibrator.observe(info.instance_id, info.recent_steps,
+                                  self.profile.latency(info.tp, 1)):
             return
         found = calibrator.calibration()
         if not found.differs(self.calibration, 1.02) and time.time() - self.saved_at < 10:

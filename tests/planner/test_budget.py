@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from services.planner.budget import ONE, Option, Shape, plan_within_budget, split
-from services.planner.deployer import kind_of, role_of, to_drain
+from services.planner.budget import ONE, Option, Shape, Split, plan_within_budget, split
+from services.planner.deployer import kind_of, to_drain
+from services.planner.modes import role_of
 from services.planner.placement import Problem
 from services.planner.profiles import load_profile, shipped_cpu_profile
 from shared.metrics import SLO
@@ -12,9 +13,14 @@ from shared.state import InstanceInfo
 from shared.workloads import Lengths, Workload
 
 
-def counts(budget: int, prefill_rps: float, decode_rps: float) -> tuple[int, int]:
-    _, n_p, _, n_d = split(budget, [Option(ONE, prefill_rps)], [Option(ONE, decode_rps)])
-    return n_p, n_d
+def counts(budget: int, prefill_rps: float, decode_rps: float) -> tuple[int, int] | None:
+    found = split(budget, [Option(ONE, prefill_rps)], [Option(ONE, decode_rps)])
+    return None if found is None else (found.n_prefill, found.n_decode)
+
+
+def chosen(found: Split | None) -> tuple[Shape, int, Shape, int]:
+    assert found is not None
+    return found.prefill.shape, found.n_prefill, found.decode.shape, found.n_decode
 
 
 def test_split_balances_the_two_phases_goodput() -> None:
@@ -23,29 +29,25 @@ def test_split_balances_the_two_phases_goodput() -> None:
     assert counts(5, prefill_rps=2.0, decode_rps=3.0) == (3, 2)  # min(6, 6)
     assert counts(4, prefill_rps=1.0, decode_rps=1.0) == (2, 2)
     assert counts(2, prefill_rps=0.1, decode_rps=100.0) == (1, 1)  # one per phase at least
-    with pytest.raises(ValueError, match="1 device"):
-        counts(1, 1.0, 1.0)
+    assert counts(1, 1.0, 1.0) is None
 
 
 def test_split_weighs_each_shape_by_the_devices_it_takes() -> None:
     tp2 = Shape(2)
     # a tp 2 prefill instance serving 3x one device's: worth its two devices
-    p, n_p, d, n_d = split(4, [Option(ONE, 1.0), Option(tp2, 3.0)], [Option(ONE, 2.0)])
-    assert (p.shape, n_p, d.shape, n_d) == (tp2, 1, ONE, 2)  # min(3, 4) beats min(2, 4)
+    assert chosen(split(4, [Option(ONE, 1.0), Option(tp2, 3.0)], [Option(ONE, 2.0)])) == (
+        tp2, 1, ONE, 2)  # min(3, 4) beats min(2, 4)
     # ... serving only 1.5x: two one-device instances serve more on the same devices
-    p, n_p, _, n_d = split(4, [Option(ONE, 1.0), Option(tp2, 1.5)], [Option(ONE, 2.0)])
-    assert (p.shape, n_p, n_d) == (ONE, 2, 2)
+    assert chosen(split(4, [Option(ONE, 1.0), Option(tp2, 1.5)], [Option(ONE, 2.0)])) == (
+        ONE, 2, ONE, 2)
     # a shape wider than the budget leaves room for nothing else: never chosen
-    p, n_p, d, n_d = split(3, [Option(Shape(4), 100.0), Option(ONE, 1.0)],
-                           [Option(tp2, 10.0)])
-    assert (p.shape, n_p, d.shape, n_d) == (ONE, 1, tp2, 1)
-    with pytest.raises(ValueError, match="fit in 2 device"):
-        split(2, [Option(tp2, 1.0)], [Option(ONE, 1.0)])
+    assert chosen(split(3, [Option(Shape(4), 100.0), Option(ONE, 1.0)],
+                        [Option(tp2, 10.0)])) == (ONE, 1, tp2, 1)
+    assert split(2, [Option(tp2, 1.0)], [Option(ONE, 1.0)]) is None
     # a device left over where no instance of either shape fits
-    p, n_p, d, n_d = split(5, [Option(tp2, 5.0)], [Option(tp2, 5.0)])
-    assert (n_p, n_d) == (1, 1)
-    assert str(tp2) == "tp2" and str(Shape(2, 2)) == "tp2 pp2" and tp2.after("decode") == \
-        "decode tp2" and ONE.after("decode") == "decode"
+    assert chosen(split(5, [Option(tp2, 5.0)], [Option(tp2, 5.0)])) == (tp2, 1, tp2, 1)
+    assert str(tp2) == "tp2" and str(Shape(2, 2)) == "tp2 pp2" and tp2.label("decode") == \
+        "decode tp2" and ONE.label("decode") == "decode"
 
 
 def problem(prompt: int, output: int) -> Problem:
@@ -57,6 +59,7 @@ def problem(prompt: int, output: int) -> Problem:
 def test_longer_prompts_move_the_budget_toward_prefill() -> None:
     chat = plan_within_budget(problem(16, 24), 3)
     summarize = plan_within_budget(problem(384, 2), 3)
+    assert chat is not None and summarize is not None
     assert (chat.prefill, chat.decode) == (1, 2)
     assert (summarize.prefill, summarize.decode) == (2, 1)
     assert summarize.prefill_goodput_rps < chat.prefill_goodput_rps / 5

@@ -9,7 +9,7 @@ import pytest
 
 from services.planner.calibration import Calibration, Calibrator, fit_steps, replan_reason
 from services.planner.decide import PlannerConfig, decide
-from services.planner.latency import Contention
+from services.planner.latency import Contention, LatencyModel
 from services.planner.profiles import load_profile, shipped_cpu_profile
 from shared.engine.request import Request, SamplingParams
 from shared.engine.scheduler import ScheduledChunk, SchedulerOutput, StepShape
@@ -22,22 +22,22 @@ LATENCY = PROFILE.latency(1, 1)
 
 
 def recorded_steps(prefill_slower: float, decode_slower: float, n: int = 120,
-                   seed: int = 0) -> list[StepSample]:
+                   seed: int = 0, latency: LatencyModel = LATENCY) -> list[StepSample]:
     """Steps as a worker heartbeats them: prompts of 64-512 tokens, decode batches of 1-24
-    at contexts of 100-600 tokens, timed `*_slower` x the profile with +-8% noise."""
+    at contexts of 100-600 tokens, timed `*_slower` x `latency` with +-8% noise."""
     rng = random.Random(seed)
     out = []
     for step in range(1, n + 1):
         noise = rng.uniform(0.92, 1.08)
         if step % 3 == 0:
             prompts = [rng.randint(64, 512) for _ in range(rng.randint(1, 2))]
-            seconds = LATENCY.prefill_latency_s(sum(prompts), sum(p * p for p in prompts))
+            seconds = latency.prefill_latency_s(sum(prompts), sum(p * p for p in prompts))
             out.append(StepSample(step=step, prompts=prompts,
                                   seconds=seconds * prefill_slower * noise))
         else:
             batch = rng.randint(1, 24)
             context = sum(rng.randint(100, 600) for _ in range(batch))
-            seconds = LATENCY.decode_step_s(batch, context) * decode_slower * noise
+            seconds = latency.decode_step_s(batch, context) * decode_slower * noise
             out.append(StepSample(step=step, batch=batch, context=context, seconds=seconds))
     return out
 
@@ -54,6 +54,22 @@ def test_decode_steps_20_percent_slower_move_the_decode_coefficients_by_as_much(
                              fitted.decode_large, strict=True):
         assert after == pytest.approx(before * 1.2, rel=0.03)
     assert fitted.prefill == pytest.approx(co.prefill, rel=0.03)
+
+
+def test_each_workers_steps_are_compared_with_its_own_shapes_prediction() -> None:
+    """A tp 3 worker whose steps take a quarter of tp 1's, as its profile says, and a tp 1
+    worker as profiled: the calibration stays at 1.0 (against tp 1's prediction the tp 3
+    steps would read as 0.25x and move every plan)."""
+    tp3 = dataclasses.replace(LATENCY, coefficients=LATENCY.coefficients.slowed(0.25, 0.25))
+    calibrator = Calibrator(LATENCY)
+    calibrator.observe("prefill-tp3", recorded_steps(1.0, 1.0, latency=tp3), tp3)
+    calibrator.observe("decode-0", recorded_steps(1.0, 1.0, seed=1))
+    found = calibrator.calibration()
+    assert found.prefill == pytest.approx(1.0, rel=0.03)
+    assert found.decode == pytest.approx(1.0, rel=0.03)
+    unpriced = Calibrator(LATENCY)
+    unpriced.observe("prefill-tp3", recorded_steps(1.0, 1.0, latency=tp3))
+    assert unpriced.calibration().prefill < 0.3  # what the profiler would have read
 
 
 def test_steps_already_seen_are_not_counted_twice_and_a_phase_needs_enough_steps() -> None:

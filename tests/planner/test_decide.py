@@ -8,9 +8,10 @@ import pytest
 
 from services.planner.budget import ONE, Shape
 from services.planner.decide import PlannerConfig, decide
+from services.planner.deployer import priced_shapes, runnable_tps
 from services.planner.modes import MODES
 from services.planner.profiles import load_profile, shipped_cpu_profile
-from services.planner.service import priced_shapes
+from shared.engine.loader import read_config
 from shared.messages import ReplanRequest, WorkloadSummary
 from shared.metrics import SLO
 
@@ -112,7 +113,7 @@ def test_the_online_planner_searches_the_profiles_tps_and_keeps_what_up_fixed(
     """A profile where two devices run a step in a third of one's time: 384-token prompts
     on three devices plan one prefill instance of tp 2 (serving 3x on 2 devices) and one
     decode instance; the record says so and replays. A role whose tp `up` fixed keeps it,
-    priced as the profile's nearest it has (with a warning) where the profile lacks it."""
+    priced as the profile's smallest tp (with a warning) where the profile lacks it."""
     profile = CONFIG.profile
     two = dataclasses.replace(profile, by_tp={1: profile.by_tp[1], 2: profile.by_tp[1].slowed(
         1 / 3, 1 / 3)})
@@ -136,3 +137,49 @@ def test_the_online_planner_searches_the_profiles_tps_and_keeps_what_up_fixed(
         priced = priced_shapes({"prefill": Shape(3), "decode": Shape(2)}, two)
     assert priced == {"prefill": ONE, "decode": Shape(2)}
     assert "prefill workers run tp 3 but the profile has tp 1/2 only" in caplog.text
+
+
+def test_the_planner_searches_only_the_tps_the_workers_can_run() -> None:
+    """SmolLM2 has 3 KV heads: tp 2 cannot split it, tp 3 can; on a GPU no parallel
+    instance runs (NCCL is not built)."""
+    profile = CONFIG.profile
+    co = profile.by_tp[1]
+    three = dataclasses.replace(profile, by_tp={1: co, 2: co, 3: co})
+    model = read_config("smollm2-135m")
+    assert runnable_tps(three, model, on_gpu=False).tps == [1, 3]
+    assert runnable_tps(three, model, on_gpu=True).tps == [1]
+    only_two = dataclasses.replace(profile, by_tp={2: co})
+    assert runnable_tps(only_two, model, on_gpu=False).tps == [2]  # none left: as it was
+
+
+def test_reshaping_a_role_must_pay_for_itself_like_a_mode_switch() -> None:
+    """The two-tp profile's plan for long prompts is a tp 2 prefill instance; while the
+    live prefill workers are of one device, the planner keeps their shape unless tp 2 is
+    `switch_margin` better, and records the live shapes so the decision replays."""
+    profile = CONFIG.profile
+    two = dataclasses.replace(profile, by_tp={1: profile.by_tp[1], 2: profile.by_tp[1].slowed(
+        1 / 3, 1 / 3)})
+    config = dataclasses.replace(CONFIG, profile=two)
+    request = ReplanRequest(reasons=["x"], workload=window(384, 2))
+    live = {"prefill": ONE, "decode": ONE}
+    fresh = decide(request, None, config, now=1.0)
+    patient = decide(request, None, dataclasses.replace(config, switch_margin=3.0), now=1.0,
+                     current="disaggregated", current_shapes=live)
+    eager = decide(request, None, dataclasses.replace(config, switch_margin=1.0), now=1.0,
+                   current="disaggregated", current_shapes=live)
+    assert fresh is not None and patient is not None and eager is not None
+    assert fresh.plan.prefill_shape == Shape(2)
+    assert (patient.plan.prefill, patient.plan.prefill_shape) == (2, ONE)
+    assert fresh.plan.goodput_rps > patient.plan.goodput_rps  # worth less than 3x
+    assert eager.plan == fresh.plan
+    assert patient.record["current_shapes"] == {"prefill": {"tp": 1, "pp": 1},
+                                                "decode": {"tp": 1, "pp": 1}}
+    stored = json.loads(json.dumps(patient.record))
+    again = decide(request, None, dataclasses.replace(config, switch_margin=3.0),
+                   now=stored["made_at"], current=stored["current_mode"],
+                   current_shapes={k: Shape(**v) for k, v in stored["current_shapes"].items()})
+    assert again is not None and json.loads(json.dumps(again.record)) == stored
+    # workers of the shape planned: nothing to weigh
+    same = decide(request, None, dataclasses.replace(config, switch_margin=3.0), now=1.0,
+                  current="disaggregated", current_shapes={"prefill": Shape(2), "decode": ONE})
+    assert same is not None and same.plan == fresh.plan

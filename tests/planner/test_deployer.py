@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from services.launcher import StackConfig
 from services.planner.budget import ONE, Shape
-from services.planner.deployer import changes, fixed_shapes, ranks_of, role_env
+from services.planner.deployer import changes, fixed_shapes, live_shapes, ranks_of, role_env
 from shared.state import InstanceInfo
 
 
@@ -29,6 +29,9 @@ def test_without_settings_a_worker_keeps_its_own_defaults() -> None:
 
 def test_the_planner_chooses_the_tp_of_the_roles_up_left_alone() -> None:
     assert fixed_shapes(StackConfig().role_settings()) == {}
+    # what the launcher's own environment holds (say, for docker-compose) does not leak in
+    inherited = {"DS_TP": "3", "DS_PREFILL_TP": "3", "DS_DECODE_PP": "2"}
+    assert fixed_shapes(inherited | StackConfig().role_settings()) == {}
     assert fixed_shapes(StackConfig(prefill_tp=3).role_settings()) == {"prefill": Shape(3)}
     # --tp or --pp other than 1 fixes every role; a role's own wins over it
     assert fixed_shapes(StackConfig(pp=2, decode_tp=3).role_settings()) == {
@@ -57,3 +60,10 @@ def test_a_plan_of_another_shape_starts_its_workers_and_drains_the_old_ones() ->
     start, drain = changes({"chunked": [worker("c1", "chunked", tp=2)]},
                            {"prefill": 1, "decode": 1}, {"prefill": ONE, "decode": ONE})
     assert (start["prefill"], start["decode"], [i.instance_id for i in drain]) == (1, 1, ["c1"])
+
+
+def test_the_live_shape_of_a_kind_is_what_most_of_its_workers_have() -> None:
+    live = {"prefill": [worker("p1", "prefill", tp=3), worker("p2", "prefill", tp=3),
+                        worker("p3", "prefill")],
+            "decode": [worker("d1")], "chunked": []}
+    assert live_shapes(live) == {"prefill": Shape(3), "decode": ONE}

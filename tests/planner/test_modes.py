@@ -160,3 +160,18 @@ def test_a_shape_up_fixed_is_kept_and_one_device_shapes_plan_as_before() -> None
     plain = by_mode(candidates(problem(profile(1.0, 20.0), 512, 32, SLO(5.0, 0.030), 0.5),
                                budget=3))
     assert all(c.devices == 3 and set(c.shapes.values()) == {ONE} for c in plain.values())
+
+
+def test_shapes_too_wide_for_a_disaggregated_pair_leave_the_colocated_modes() -> None:
+    """Every role fixed at tp 2 (`up --tp 2`) on three devices: no prefill and decode pair
+    fits, so only the colocated modes are weighed, one replica of two devices each; a
+    profile of tp 2 only on two devices the same."""
+    prof = two_tps(1.0, 20.0)
+    prob = problem(prof, 512, 32, SLO(0.3, 0.030), 0.5)
+    tp2 = {"prefill": Shape(2), "decode": Shape(2), "colocated": Shape(2)}
+    found = candidates(prob, budget=3, fixed=tp2)
+    assert [c.mode for c in found] == ["colocated", "chunked"]
+    assert all((c.colocated, c.colocated_shape, c.devices) == (1, Shape(2), 2) for c in found)
+    only_tp2 = dataclasses.replace(prof, by_tp={2: prof.by_tp[2]})
+    found = candidates(problem(only_tp2, 512, 32, SLO(0.3, 0.030), 0.5), budget=2)
+    assert [c.mode for c in found] == ["colocated", "chunked"]

@@ -24,6 +24,7 @@ from distserve.bench.loadgen import Target, run_requests
 from distserve.bench.results import RunResult
 from distserve.bench.workload import BenchRequest
 from distserve.cli import main
+from services.planner.budget import Shape
 from services.planner.calibration import Calibration
 from services.planner.decide import decide
 from services.planner.profiles import load_profile, save_profile, shipped_cpu_profile
@@ -129,7 +130,8 @@ def assert_history_replays(history: list[dict[str, Any]], env: dict[str, str]) -
         replayed = decide(ReplanRequest(reasons=entry["reasons"],
                                         workload=WorkloadSummary(**entry["inputs"])),
                           None, config, entry["made_at"], Calibration(**entry["calibration"]),
-                          entry["current_mode"])
+                          entry["current_mode"],
+                          {kind: Shape(**shape) for kind, shape in entry["current_shapes"].items()})
         assert replayed is not None
         recorded = {k: v for k, v in entry.items() if k != "search_s"}
         assert json.loads(json.dumps(replayed.record)) == recorded
