@@ -118,8 +118,11 @@ def pick_colocated(instances: Sequence[InstanceInfo], in_flight: Mapping[str, in
 
 async def others_in_flight(redis: Redis, gateway: str) -> dict[str, int]:
     """{instance: requests in flight there} from every gateway but `gateway`, as they
-    publish them (subjects.inflight_key; each count at most a second old)."""
-    keys = [k async for k in redis.scan_iter(match=subjects.inflight_keys(), count=1000)]
+    publish them (subjects.inflight_key: each rewritten every 0.5 s; a dead gateway's stays
+    until it expires, 5 s). A gateway that cannot write to Redis is not counted."""
+    # SCAN may return a key twice while Redis rehashes: once each
+    keys = list(dict.fromkeys(
+        [k async for k in redis.scan_iter(match=subjects.inflight_keys(), count=1000)]))
     counts: dict[str, int] = {}
     for key, value in zip(keys, await redis.mget(keys) if keys else [], strict=True):
         instance, owner = subjects.inflight_of(key.decode() if isinstance(key, bytes) else key)

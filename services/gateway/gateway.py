@@ -64,7 +64,8 @@ class GatewaySettings(BaseSettings):
     mode: Literal["auto", "disaggregated", "colocated"] = "auto"
     host: str = "127.0.0.1"
     port: int = 8000
-    gateway_id: str = ""  # names its in-flight counts in Redis (default: random)
+    # names its in-flight counts in Redis (default: random); the key's last field, so no ':'
+    gateway_id: str = Field(default="", pattern=r"^[^:*?\[\]]*$")
     heartbeat_ttl_s: float = Field(default=2.0, gt=0)
     stall_timeout_s: float = Field(default=60.0, gt=0)  # no token nor engine step this long
     max_moves: int = Field(default=3, ge=0)  # failovers of one request before it fails

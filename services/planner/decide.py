@@ -117,12 +117,17 @@ def as_live(candidate: Candidate, live: Mapping[Kind, Shape], problem: Problem,
             config: PlannerConfig) -> Candidate | None:
     """`candidate`'s mode in the shapes its workers have now (`live`, by kind): itself where
     they are its shapes, else that mode searched again with those shapes fixed (None where
-    they do not fit the budget, or the mode's workers are not all live)."""
+    they do not fit the budget, the profile lacks their tp, or the mode's workers are not
+    all live). Roles `up` fixed are priced as `config.fixed` says, whatever their workers
+    report: the deployer never reshapes them."""
     kinds = [k for k, n in candidate.deployment.items() if n]
     if any(k not in live for k in kinds):
         return None
-    if all(candidate.shapes[k] == live[k] for k in kinds):
+    free = [k for k in kinds if role_of(k) not in config.fixed]
+    if all(candidate.shapes[k] == live[k] for k in free):
         return candidate
-    fixed = {**config.fixed, **{role_of(k): live[k] for k in kinds}}
+    if any(live[k].tp not in problem.profile.tps for k in free):
+        return None
+    fixed = {**{role_of(k): live[k] for k in free}, **config.fixed}
     found = candidates(problem, config.budget, (candidate.mode,), fixed)
     return found[0] if found else None

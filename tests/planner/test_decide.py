@@ -183,3 +183,20 @@ def test_reshaping_a_role_must_pay_for_itself_like_a_mode_switch() -> None:
     same = decide(request, None, dataclasses.replace(config, switch_margin=3.0), now=1.0,
                   current="disaggregated", current_shapes={"prefill": Shape(2), "decode": ONE})
     assert same is not None and same.plan == fresh.plan
+
+
+def test_live_workers_of_a_tp_the_profile_lacks_never_stop_the_planner() -> None:
+    """`up --prefill-tp 3` with a profile of tp 1 only: the role is priced as tp 1 and its
+    tp 3 workers stay (the deployer never reshapes a fixed role); workers of such a tp in
+    a role the planner may reshape (say, started by docker-compose) cannot be priced, so
+    the plan is made as if nothing were live."""
+    request = ReplanRequest(reasons=["x"], workload=window(384, 2))
+    live = {"prefill": Shape(3), "decode": ONE}
+    fixed = dataclasses.replace(CONFIG, fixed=priced_shapes({"prefill": Shape(3)},
+                                                            CONFIG.profile))
+    kept = decide(request, None, fixed, now=1.0, current="disaggregated", current_shapes=live)
+    assert kept is not None and kept.plan.prefill_shape == ONE
+    free = decide(request, None, CONFIG, now=1.0, current="disaggregated",
+                  current_shapes=live)
+    fresh = decide(request, None, CONFIG, now=1.0)
+    assert free is not None and fresh is not None and free.plan == fresh.plan

@@ -290,3 +290,11 @@ def test_the_served_model_name_is_the_directorys_unless_given(tmp_path: Path) ->
     assert GatewaySettings(model=f"{directory}/").served_model == "Qwen3-0.6B"
     assert GatewaySettings(model=str(directory), served_model_name="qwen").served_model == "qwen"
     assert GatewaySettings(model="smollm2-135m").served_model == "smollm2-135m"
+
+
+def test_a_gateway_id_cannot_break_the_in_flight_keys() -> None:
+    """The id is the last field of each of its Redis keys (subjects.inflight_key)."""
+    assert GatewaySettings(gateway_id="gateway-a").gateway_id == "gateway-a"
+    for bad in ("host:8000", "gw*", "gw[1]"):
+        with pytest.raises(ValidationError):
+            GatewaySettings(gateway_id=bad)
