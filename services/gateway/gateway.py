@@ -221,7 +221,8 @@ class Gateway:
                     for instance, n in counts.items():
                         pipe.set(subjects.inflight_key(instance, self.id), n, px=5000)
                     await pipe.execute()
-                self.elsewhere = await others_in_flight(self.redis, self.id)
+                if "colocated" in self.roles:  # only colocated dispatch counts them
+                    self.elsewhere = await others_in_flight(self.redis, self.id)
                 failing = False
             except (RedisError, OSError) as e:
                 if not failing:

@@ -224,7 +224,7 @@ class LocalDeployer:
         the workers it did not start use: they may share one)."""
         instance = f"{kind}-{uuid.uuid4().hex[:6]}"
         env = {**os.environ, **role_env(os.environ, role_of(kind))}
-        for unset in ("DS_TP", "DS_PP", "DS_WEIGHTS"):  # `up` leaves a role's empty
+        for unset in ("DS_TP", "DS_PP"):  # `up` leaves them empty where it set none
             if not env.get(unset):
                 env.pop(unset, None)
         if shape is not None:

@@ -13,6 +13,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -50,6 +51,25 @@ def in_background(target: Target, batch: list[BenchRequest]) -> tuple[threading.
         asyncio.run(run_requests(target, batch, 1.0))))
     thread.start()
     return thread, out
+
+
+def served_across(target: Target, during: list[BenchRequest], deployed: Callable[[], bool],
+                  what: str, after: list[BenchRequest], tokens: int) -> None:
+    """`during` sent while the planner redeploys (until `deployed`, `what`), then `after`
+    to the new workers: every request completes with its `tokens`."""
+    thread, result = in_background(target, during)
+    wait_for(deployed, 300, what)
+    thread.join(timeout=300)
+    early = result[0].records
+    assert [r.error for r in early] == [None] * len(during)
+    assert {r.tokens for r in early} == {tokens}
+    late = asyncio.run(run_requests(target, after, 1.0)).records
+    assert [r.error for r in late] == [None] * len(after) and {r.tokens for r in late} == {tokens}
+
+
+def plan_history(redis: Redis) -> list[dict[str, Any]]:
+    """The planner's records, newest first."""
+    return [json.loads(h) for h in redis.lrange(subjects.PLAN_HISTORY_KEY, 0, -1)]
 
 
 def live(redis: Redis, role: str) -> dict[str, dict[str, Any]]:
@@ -154,7 +174,7 @@ def test_longer_prompts_move_capacity_to_prefill_without_losing_requests(
         assert main(["replay", str(trace), "--url", stack.url, "--out", str(out)]) == 0
         records = json.loads(out.read_text())
         assert len(records) == 66 and all(r["error"] is None for r in records)
-        history = [json.loads(h) for h in redis.lrange(subjects.PLAN_HISTORY_KEY, 0, -1)]
+        history = plan_history(redis)
         first, *later = reversed(history)
         assert first["reasons"] == ["first full window"]
         assert (first["prefill"], first["decode"]) == (1, 2)  # short prompts: decode-heavy
@@ -197,22 +217,18 @@ def test_the_planner_switches_a_disaggregated_stack_to_colocated_workers(
     try:
         redis = Redis.from_url(stack.env["DS_REDIS_URL"])
         target = Target(stack.url, MODEL, timeout_s=300)
-        thread, result = in_background(target, requests(40, 16, 24, 0.4))
 
         def switched() -> bool:
             return len(live(redis, "colocated")) == 2 and not live(redis, "prefill") \
                 and not live(redis, "decode")
 
-        wait_for(switched, 240, "two colocated workers to replace the prefill/decode pair")
-        thread.join(timeout=300)
-        early = result[0].records
-        assert [r.error for r in early] == [None] * 40 and {r.tokens for r in early} == {24}
-        # only the colocated workers are live now, and they serve
-        late = asyncio.run(run_requests(target, requests(6, 16, 24, 0.2), 1.0)).records
-        assert [r.error for r in late] == [None] * 6 and {r.tokens for r in late} == {24}
+        # the last 6 requests only the colocated workers serve
+        served_across(target, requests(40, 16, 24, 0.4), switched,
+                      "two colocated workers to replace the prefill/decode pair",
+                      requests(6, 16, 24, 0.2), tokens=24)
         assert stack.child("prefill-0").wait(timeout=60) == 0  # drained, not killed
         assert stack.child("decode-0").wait(timeout=60) == 0
-        history = [json.loads(h) for h in redis.lrange(subjects.PLAN_HISTORY_KEY, 0, -1)]
+        history = plan_history(redis)
         first = history[-1]
         assert first["reasons"] == ["first full window"] and first["colocated"] == 2
         assert first["current_mode"] == "disaggregated" and first["mode"] in ("colocated",
@@ -247,21 +263,17 @@ def test_the_planner_gives_prefill_the_tensor_parallel_shape_that_serves_more(
     try:
         redis = Redis.from_url(stack.env["DS_REDIS_URL"])
         target = Target(stack.url, MODEL, timeout_s=300)
-        thread, result = in_background(target, requests(16, 384, 4, 0.5))
 
         def reshaped() -> bool:
             prefill = list(live(redis, "prefill").values())
             return [w["tp"] for w in prefill] == [3] and len(live(redis, "decode")) == 1
 
-        wait_for(reshaped, 300, "a tp 3 prefill worker to replace the one-rank one")
-        thread.join(timeout=300)
-        early = result[0].records
-        assert [r.error for r in early] == [None] * 16 and {r.tokens for r in early} == {4}
-        late = asyncio.run(run_requests(target, requests(4, 384, 4, 0.2), 1.0)).records
-        assert [r.error for r in late] == [None] * 4 and {r.tokens for r in late} == {4}
+        served_across(target, requests(16, 384, 4, 0.5), reshaped,
+                      "a tp 3 prefill worker to replace the one-rank one",
+                      requests(4, 384, 4, 0.2), tokens=4)
         assert stack.child("prefill-0").wait(timeout=60) == 0  # drained, not killed
         assert "decode-0" in live(redis, "decode")
-        history = [json.loads(h) for h in redis.lrange(subjects.PLAN_HISTORY_KEY, 0, -1)]
+        history = plan_history(redis)
         first = history[-1]
         assert first["reasons"] == ["first full window"]
         assert (first["prefill"], first["prefill_shape"], first["decode"],
