@@ -40,8 +40,8 @@ def add_engine_args(parser: argparse.ArgumentParser, tp: bool = True) -> None:
                                 "(default: %(default)s)")
         group.add_argument("--pp", type=positive_int, default=1,
                            help="pipeline stages: processes each running a contiguous run of "
-                                "layers (of --tp ranks each), one stage after another a step "
-                                "(default: %(default)s)")
+                                "layers (of --tp ranks each); the stages run a micro-batch "
+                                "each at once (default: %(default)s)")
     group.add_argument("--kv-cache-mb", type=positive_int, default=256,
                        help="memory budget of the paged KV pool in MiB (default: %(default)s)")
     group.add_argument("--block-size", type=positive_int, default=16,

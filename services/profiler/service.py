@@ -107,7 +107,8 @@ class ProfilerService(ControlService):
                 log.warning("the profile has no tp %d: the steps of workers of tp %d are not "
                             "watched", info.tp, info.tp)
             return
-        # a whole step of a pipeline runs its stages one after another: a step of its tp
+        # a pipeline's workers report no step shapes (a step of theirs spans micro-batches):
+        # the steps seen are of one stage of `tp` ranks
         if not calibrator.observe(info.instance_id, info.recent_steps,
                                   self.profile.latency(info.tp, 1)):
             return

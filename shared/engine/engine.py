@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -13,10 +14,10 @@ import torch
 from shared.engine.block_manager import BlockManager, blocks_for
 from shared.engine.config import EngineConfig, ModelConfig
 from shared.engine.loader import LoadedModel
-from shared.engine.model_runner import ModelRunner
+from shared.engine.model_runner import Launched, ModelRunner
 from shared.engine.parallel.group import RankFailed
 from shared.engine.request import Request, RequestStatus, SamplingParams
-from shared.engine.scheduler import Scheduler, SchedulerOutput, StepShape
+from shared.engine.scheduler import Sampled, Scheduler, SchedulerOutput, StepShape
 from shared.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -77,8 +78,9 @@ class Engine:
         self.runner = ModelRunner(config, loaded)
         self.tokenizer = self.runner.tokenizer
         self.blocks = BlockManager(self.runner.kv.num_blocks, config.scheduler.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.runner.depth)
         self.last_shape: StepShape | None = None  # of the last step (its timing's meaning)
+        self._under_way: deque[Launched] = deque()  # a pipeline's micro-batches, oldest first
         self._text: dict[str, _TextState] = {}
         self._arrivals = itertools.count()
 
@@ -124,32 +126,65 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, update. Returns what changed for each request this step. If
         running the step fails, only its requests fail: each is aborted and gets an output
-        with `error`; a failure in scheduling still raises."""
+        with `error`; a failure in scheduling still raises. A pipeline of several stages
+        runs its steps as micro-batches (`_pipelined_step`)."""
+        if self.runner.depth > 1:
+            return self._pipelined_step()
         out = self.scheduler.schedule()
         self.last_shape = out.shape() if out is not None else None
         if out is None:
             return []
         try:
-            return self._run(out)
+            return self._update(out, self.runner.execute(out))
         except RankFailed:
             raise  # the instance has lost a rank: no later step can run either
         except Exception as e:  # the model, sampling or update: any of it fails only this step
             self.last_shape = None  # a failed step's time says nothing of the model
-            log.exception("a step of %d requests failed", len(out.chunks))
-            return self._fail(out, f"the engine step failed: {type(e).__name__}: {e}")
+            return self._fail(out, e)
 
-    def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
-        sampled = self.runner.execute(out)
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """Launch steps until one a stage is under way (or none more can be scheduled: a
+        request under way waits for its update), then finish the oldest: rank 0 runs its
+        stage of the next micro-batch while the later stages run the earlier ones. A step's
+        time then spans parts of several micro-batches, so it has no `last_shape`."""
+        self.last_shape = None
+        while len(self._under_way) < self.runner.depth:
+            out = self.scheduler.schedule()
+            if out is None:
+                break
+            try:
+                self._under_way.append(self.runner.launch(out))
+            except RankFailed:
+                raise
+            except Exception as e:  # preparing its inputs: nothing of it reached the ranks
+                return self._fail(out, e)
+        if not self._under_way:
+            return []
+        launched = self._under_way.popleft()
+        try:
+            return self._update(launched.out, self.runner.finish(launched))
+        except RankFailed:
+            raise
+        except Exception as e:  # sampling or update: the ranks are done with this step
+            return self._fail(launched.out, e)
+
+    def _update(self, out: SchedulerOutput, sampled: Sampled) -> list[RequestOutput]:
+        """Advance a step's requests; outputs of those that sampled and were not aborted
+        while the step was under way."""
+        live = [c.request for c in out.chunks if c.request.status is RequestStatus.RUNNING]
         self.scheduler.update(out, sampled)
-        return [self._output(c.request) for c in out.chunks if c.request.request_id in sampled]
+        return [self._output(r) for r in live if r.request_id in sampled]
 
-    def _fail(self, out: SchedulerOutput, error: str) -> list[RequestOutput]:
+    def _fail(self, out: SchedulerOutput, e: Exception) -> list[RequestOutput]:
         """Abort the step's requests, wherever the failure left them (mid-prefill, decoding,
         already finished or parked by a partial update), freeing their blocks."""
+        log.exception("a step of %d requests failed", len(out.chunks))
+        error = f"the engine step failed: {type(e).__name__}: {e}"
         failed = [(c.request.request_id, len(c.request.output_ids), c.request.arrival)
                   for c in out.chunks]
-        for request_id, _, _ in failed:
-            self.abort(request_id)
+        for chunk in out.chunks:  # not a newer copy of the id, taken in while it ran
+            if self.scheduler.get(chunk.request.request_id) in (None, chunk.request):
+                self.abort(chunk.request.request_id)
         return [RequestOutput(request_id, [], "", error=error, index=produced, arrival=arrival)
                 for request_id, produced, arrival in failed]
 

@@ -3,7 +3,11 @@ SchedulerOutput into tensors, runs the forward pass and samples."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,7 +24,7 @@ from shared.engine.loader import LoadedModel
 from shared.engine.model import LlamaModel
 from shared.engine.parallel.group import Command, RankFailed, Ranks, rank_threads
 from shared.engine.parallel.packet import pack
-from shared.engine.parallel.pipeline import run_stage
+from shared.engine.parallel.pipeline import hidden_states, last_stage, run_stage
 from shared.engine.parallel.sharding import RankPlace, check_tp, stage_layers
 from shared.engine.sampler import sample
 from shared.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -80,6 +84,16 @@ def kv_pool(model: LlamaModel, config: EngineConfig) -> KVCache:
     return KVCache(model.shard, blocks, config.scheduler.block_size, model.dtype, model.device)
 
 
+@dataclass
+class Launched:
+    """A step under way: its chunks and the whole model's hidden states over their tokens,
+    there once `arriving` (a pipeline's receive from its last stage) completes."""
+
+    out: SchedulerOutput
+    hidden: torch.Tensor
+    arriving: Any = None  # a gloo Work
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         """`loaded` lets several engines (roles, tests, benchmarks) share one model copy.
@@ -89,6 +103,7 @@ class ModelRunner:
         if config.threads > 0 or config.ranks > 1:
             torch.set_num_threads(rank_threads(config))
         self.ranks: Ranks | None = None
+        self.depth = config.pp  # steps under way at once: a pipeline's micro-batches
         if config.ranks > 1:
             check_parallel(config)
             self.ranks = Ranks(config)
@@ -112,39 +127,56 @@ class ModelRunner:
     def model_config(self) -> ModelConfig:
         return self.model.config
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, float | None]]:
         """Run one step; return the sampled token (and logprob) of each request that samples."""
+        return self.finish(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> Launched:
+        """Start a step: on one rank, all of it; on several, rank 0's stage of it, the rest
+        running on the other ranks while rank 0 goes on (to the next micro-batch)."""
         ids, positions, meta = self._prepare(out)
         if self.ranks is None:
-            hidden = self.model.forward(ids, positions, meta, self.kv)
-        else:
-            hidden = self._parallel_step(ids, positions, meta)
+            return Launched(out, self.model.forward(ids, positions, meta, self.kv))
+        with self._instance_failure():
+            self.ranks.command(Command.STEP, pack(ids, positions, meta))
+            hidden = run_stage(self.model, self.kv, ids, positions, meta, self.ranks.hand_on,
+                               self.ranks.receive)
+            if self.model.place.pp == 1:
+                return Launched(out, hidden)
+            final = hidden_states(self.model, ids.numel())
+            return Launched(out, final, self.ranks.start_receive(final, last_stage(self.model)))
+
+    @torch.inference_mode()
+    def finish(self, launched: Launched) -> dict[str, tuple[int, float | None]]:
+        """Wait for a launched step's hidden states; sample the requests that sample."""
+        if launched.arriving is not None:
+            assert self.ranks is not None
+            with self._instance_failure():
+                self.ranks.wait(launched.arriving)
         rows, sampling = [], []
         row = 0
-        for chunk in out.chunks:
+        for chunk in launched.out.chunks:
             row += chunk.length
             if chunk.samples:
                 rows.append(row - 1)
                 sampling.append(chunk)
         if not sampling:
             return {}
-        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+        logits = self.model.logits(launched.hidden[torch.tensor(rows, device=self.device)])
         tokens, logprobs = sample(logits, [c.request.params for c in sampling],
                                   [len(c.request.output_ids) for c in sampling])
         return {c.request.request_id: (t, lp)
                 for c, t, lp in zip(sampling, tokens, logprobs, strict=True)}
 
-    def _parallel_step(self, ids: torch.Tensor, positions: torch.Tensor,
-                       meta: AttentionMetadata) -> torch.Tensor:
-        """Rank 0's part of a step of several ranks. Any failure in it is the instance's:
-        the other ranks are mid-step (in an all-reduce or a hand-off) and out of step with
-        rank 0 for good."""
+    @contextlib.contextmanager
+    def _instance_failure(self) -> Iterator[None]:
+        """Any failure in rank 0's part of a step of several ranks is the instance's: the
+        other ranks are mid-step (in an all-reduce or a hand-off) and out of step with rank
+        0 for good."""
         assert self.ranks is not None
-        self.ranks.command(Command.STEP, pack(ids, positions, meta))
         try:
-            return run_stage(self.model, self.kv, ids, positions, meta, self.ranks.send,
-                             self.ranks.receive)
+            yield
         except RankFailed:
             raise
         except Exception as e:

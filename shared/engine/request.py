@@ -65,6 +65,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    in_step: bool = False  # scheduled in a step not yet updated (a micro-batch under way)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

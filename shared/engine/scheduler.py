@@ -13,6 +13,10 @@ length == 1; a chunked prefill is a prefill whose length is cut by the token bud
 
 When the pool runs out the newest running request is preempted by recompute: its blocks are
 freed and it goes back to the head of the queue, to be prefilled again over all its tokens.
+
+With `micro_batches` > 1 (a pipeline of that many stages) several steps are under way at
+once: a request in one (`in_step`, until its update) is left out of the next, and a step
+decodes at most its share of the running requests, so the steps in flight split them.
 """
 
 from __future__ import annotations
@@ -72,10 +76,12 @@ Sampled = Mapping[str, tuple[int, float | None]]  # request id -> (token, logpro
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
-        assert blocks.block_size == config.block_size
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager,
+                 micro_batches: int = 1) -> None:
+        assert blocks.block_size == config.block_size and micro_batches >= 1
         self.config = config
         self.blocks = blocks
+        self.micro_batches = micro_batches
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.parked: dict[str, Request] = {}
@@ -121,6 +127,8 @@ class Scheduler:
                 decodes = self._schedule_decodes(preempted)
                 prefills = self._continue(self.config.max_batch_tokens - len(decodes))
             out = SchedulerOutput(prefills, decodes, preempted)
+        for chunk in out.chunks:
+            chunk.request.in_step = True
         return out if out.chunks else None
 
     def _schedule_mixed(self) -> SchedulerOutput:
@@ -136,7 +144,8 @@ class Scheduler:
         """Chunks for running requests with more than one token to compute (a chunked
         prefill, or a failover's replay), oldest first, within the token budget."""
         chunks = []
-        for request in [r for r in self.running if r.num_tokens - r.num_computed > 1]:
+        for request in [r for r in self.running
+                        if r.num_tokens - r.num_computed > 1 and not r.in_step]:
             if budget <= 0:
                 break
             chunk = self._chunk(request, budget)
@@ -176,12 +185,14 @@ class Scheduler:
         return ScheduledChunk(request, request.num_computed, length)
 
     def _schedule_decodes(self, preempted: list[Request]) -> list[ScheduledChunk]:
-        """One token for every running decode, oldest first; the newest are preempted when
-        the pool cannot hold the next token of an older one."""
-        queue = sorted((r for r in self.running if r.num_tokens - r.num_computed == 1),
-                       key=lambda r: r.arrival)
+        """One token for every running decode not in a step under way (at most its share of
+        them, with micro-batches), oldest first; the newest are preempted when the pool
+        cannot hold the next token of an older one."""
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
+        share = -(-len(decoding) // self.micro_batches)
+        queue = sorted((r for r in decoding if not r.in_step), key=lambda r: r.arrival)
         scheduled: list[ScheduledChunk] = []
-        while queue:
+        while queue and len(scheduled) < share:
             request = queue.pop(0)
             while not self.blocks.grow(request.block_table, request.num_tokens):
                 victim = queue.pop() if queue else request
@@ -209,6 +220,7 @@ class Scheduler:
         finished = []
         for chunk in out.chunks:
             request = chunk.request
+            request.in_step = False
             if request.status is not RequestStatus.RUNNING:  # aborted during the step
                 continue
             request.num_computed += chunk.length

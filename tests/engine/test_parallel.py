@@ -133,11 +133,72 @@ def test_smollm2_split_over_ranks_generates_the_tokens_of_one(
         shard = split.runner.model.shard
         assert (shard.num_heads, shard.num_kv_heads, shard.num_layers) == (9 // tp, 3 // tp,
                                                                            30 // pp)
+        under_way = count_under_way(split)
         assert [r.output_ids for r in split.generate(prompt_ids, GREEDY)] == expected
         assert staggered(split, prompt_ids) == expected
         assert split.blocks.num_free == split.blocks.num_blocks
+        assert max(under_way) == pp  # a stage's micro-batch each, at once
     finally:
         split.close()
+
+
+def count_under_way(engine: Engine) -> list[int]:
+    """How many steps are under way as each one is launched, as the engine runs."""
+    counts, now = [], [0]
+    launch, finish = engine.runner.launch, engine.runner.finish
+
+    def launching(*args: object) -> object:
+        now[0] += 1
+        counts.append(now[0])
+        return launch(*args)  # type: ignore[arg-type]
+
+    def finishing(*args: object) -> object:
+        now[0] -= 1
+        return finish(*args)  # type: ignore[arg-type]
+
+    engine.runner.launch, engine.runner.finish = launching, finishing  # type: ignore[method-assign]
+    return counts
+
+
+@pytest.mark.slow
+def test_a_request_aborted_while_its_micro_batch_is_under_way_gets_no_more_tokens() -> None:
+    engine = Engine(EngineConfig(model="tiny", pp=2, kv_cache_bytes=1 << 20))
+    try:
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        requests = [engine.add_request(f"r{i}", [1 + i, 2, 3], params) for i in range(4)]
+        while any(not r.output_ids for r in requests):
+            engine.step()
+        engine.step()  # launches both halves, finishes the first
+        (behind,) = engine._under_way  # the second half, still in the pipeline
+        victim = behind.out.chunks[0].request
+        held = len(victim.output_ids)
+        assert engine.abort(victim.request_id)
+        outputs = []
+        while engine.has_work():
+            outputs += engine.step()
+        assert all(o.request_id != victim.request_id for o in outputs)
+        assert len(victim.output_ids) == held
+        assert all(len(r.output_ids) == 8 for r in requests if r is not victim)
+        assert engine.blocks.num_free == engine.blocks.num_blocks
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_ranks_wait_for_commands_longer_than_a_collective_may_take(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An instance idle for longer than DS_COLLECTIVE_TIMEOUT_S still serves: its ranks
+    wait for rank 0's next command without a deadline (they used to exit after 10 minutes
+    of idling, failing the next request)."""
+    monkeypatch.setenv("DS_COLLECTIVE_TIMEOUT_S", "3")
+    engine = Engine(EngineConfig(model="tiny", tp=2, pp=2, kv_cache_bytes=1 << 20))
+    try:
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        first = engine.generate([[1, 2, 3]], params)[0].output_ids
+        time.sleep(7)
+        assert engine.generate([[1, 2, 3]], params)[0].output_ids == first
+    finally:
+        engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -197,15 +258,16 @@ def test_kv_moves_between_instances_of_different_parallelism(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("when", ["between steps", "during a step"])
-def test_a_rank_that_dies_fails_its_instance_at_once(when: str) -> None:
-    engine = Engine(EngineConfig(model="tiny", tp=2, kv_cache_bytes=1 << 20))
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_a_rank_that_dies_fails_its_instance_at_once(when: str, tp: int, pp: int) -> None:
+    engine = Engine(EngineConfig(model="tiny", tp=tp, pp=pp, kv_cache_bytes=1 << 20))
     try:
         assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].output_ids
         (rank1,) = engine.runner.ranks.processes  # type: ignore[union-attr]
         if when == "between steps":
             rank1.kill()
             rank1.wait()
-        else:  # stopped: it takes the step's inputs, then never answers the all-reduce
+        else:  # stopped: it takes the step's inputs, then never answers (all-reduce, hand-off)
             rank1.send_signal(signal.SIGSTOP)
             threading.Timer(1.0, rank1.kill).start()
         engine.add_request("after", [1, 2, 3], SamplingParams(max_tokens=4))

@@ -162,3 +162,54 @@ def test_max_running_caps_the_batch() -> None:
         s.add(req(f"r{i}", 3, arrival=i))
     out = s.schedule()
     assert out is not None and len(out.prefills) == 2
+
+
+def ids(out: SchedulerOutput | None) -> list[str]:
+    assert out is not None
+    return [c.request.request_id for c in out.chunks]
+
+
+def test_micro_batches_split_the_running_decodes_and_leave_out_those_under_way() -> None:
+    """A pipeline of 2 stages: the next step is scheduled before the last one's update; it
+    decodes the other half of the running requests, and a third finds none left."""
+    s = Scheduler(SchedulerConfig(block_size=4, max_batch_tokens=100), BlockManager(64, 4),
+                  micro_batches=2)
+    for i in range(5):
+        s.add(req(f"r{i}", 3, max_tokens=8, arrival=i))
+    drain_prefill = run_step(s)
+    assert ids(drain_prefill) == ["r0", "r1", "r2", "r3", "r4"]
+    first = s.schedule()
+    second = s.schedule()
+    assert ids(first) == ["r0", "r1", "r2"]  # ceil(5 / 2), oldest first
+    assert ids(second) == ["r3", "r4"]
+    assert s.schedule() is None  # every running request is under way
+    assert first is not None and second is not None
+    s.update(first, {c.request.request_id: (7, None) for c in first.chunks})
+    assert ids(s.schedule()) == ["r0", "r1", "r2"]  # back once updated
+    s.update(second, {c.request.request_id: (7, None) for c in second.chunks})
+    assert ids(s.schedule()) == ["r3", "r4"]
+
+
+def test_a_request_under_way_is_neither_chunked_again_nor_preempted() -> None:
+    # chunked: a prompt of 12 in chunks of 4 goes one chunk a step, never two steps at once
+    s = Scheduler(SchedulerConfig(block_size=4, max_batch_tokens=4, chunked_prefill=True),
+                  BlockManager(64, 4), micro_batches=2)
+    s.add(req("long", 12, arrival=0))
+    out = s.schedule()
+    assert out is not None and out.prefills[0].length == 4
+    assert s.schedule() is None
+    # the pool runs out: the newest request is under way, so the older one gives way
+    s = Scheduler(SchedulerConfig(Role.DECODE, block_size=4, watermark_blocks=0),
+                  BlockManager(2, 4), micro_batches=2)
+    busy, idle = req("busy", 3, max_tokens=8, arrival=1), req("idle", 4, max_tokens=8)
+    for r in (busy, idle):
+        r.output_ids, r.num_computed = [9], len(r.prompt_ids)
+        table = s.blocks.allocate(1)
+        assert table is not None
+        r.block_table = table
+    s.add_prefilled(busy)
+    assert ids(s.schedule()) == ["busy"]  # its 4 tokens fit its block
+    s.add_prefilled(idle)  # its 5 need a second block: the pool has none
+    assert s.schedule() is None
+    assert idle.status is RequestStatus.WAITING and idle.num_preemptions == 1
+    assert busy.status is RequestStatus.RUNNING and busy.block_table and busy.in_step

@@ -2,8 +2,11 @@
 starts the other ranks as processes of their own, joins them in a process group of their own
 (gloo, on the CPU: GPUs and NCCL are not built yet; never torch's global default group, so
 several instances live in one process), each stage's tp ranks in a group of theirs for the
-all-reduces, and drives them one command at a time: a step's inputs, a KV export or import,
-stop.
+all-reduces, and drives them by commands: a step's inputs, a KV export or import, stop.
+Commands travel on a group of their own, sent without waiting (rank 0 runs its own stage of
+a step while the other stages still run the steps before it: a pipeline's micro-batches)
+and awaited by a rank for as long as the instance stays idle; a step's hand-offs and
+all-reduces wait at most `collective_timeout()`.
 
 A rank that dies fails the instance, never hangs it: a collective on a closed connection
 raises at once, and `RankFailed` ends the engine's loop (the service exits and its requests
@@ -36,11 +39,17 @@ from shared.engine.parallel.sharding import RankPlace
 
 log = logging.getLogger(__name__)
 
-# how long a collective waits for a rank that neither answers nor dies (a rank still loading
-# its weights answers the first one late)
-TIMEOUT = timedelta(minutes=10)
+# how long a rank waits for rank 0's next command: the instance may be idle for any time
+IDLE = timedelta(days=365)
 POLL_S = 0.5  # rank 0 checks its ranks' processes this often while it waits for them
 CONFIG = TypeAdapter(EngineConfig)
+
+
+def collective_timeout() -> timedelta:
+    """How long a step's collective or hand-off waits for a rank that neither answers nor
+    dies (a rank still loading its weights answers the first one late):
+    DS_COLLECTIVE_TIMEOUT_S, 600 s by default."""
+    return timedelta(seconds=float(os.environ.get("DS_COLLECTIVE_TIMEOUT_S", "600")))
 
 
 class RankFailed(RuntimeError):
@@ -59,9 +68,10 @@ class Collective:
     """One instance's process group, seen from rank `rank` of `size`. With `check`, a wait
     for a collective wakes every POLL_S to call it (it raises where a rank has died: a dead
     peer is not always seen by gloo's own connection at once). A send or receive is checked
-    before it starts, then waited for whole: a gloo send or receive whose wait times out is
-    abandoned (its connection closed), unlike a collective; a peer that dies during one
-    closes the connection it waits on."""
+    before it is waited for, then waited for whole: a gloo send or receive whose wait times
+    out is abandoned (its connection closed), unlike a collective; a peer that dies during
+    one closes the connection it waits on. Sends and receives between two ranks match in the
+    order they were started."""
 
     group: Any  # a c10d Backend (gloo): its type stubs lack the collectives
     rank: int
@@ -70,20 +80,25 @@ class Collective:
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` over the ranks, in place."""
-        self._wait(self.group.allreduce([tensor]))
-
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        """Rank 0's `tensor` into every rank's (same shape and dtype)."""
-        self._wait(self.group.broadcast(tensor, 0))
+        self.wait(self.group.allreduce([tensor]), sliced=True)
 
     def send(self, tensor: torch.Tensor, to: int) -> None:
-        self._wait(self.group.send([tensor], to, 0), sliced=False)
+        self.wait(self.start_send(tensor, to))
 
     def receive(self, tensor: torch.Tensor, source: int) -> None:
         """Rank `source`'s `send` into `tensor` (its shape and dtype)."""
-        self._wait(self.group.recv([tensor], source, 0), sliced=False)
+        self.wait(self.start_receive(tensor, source))
 
-    def _wait(self, work: Any, sliced: bool = True) -> None:
+    def start_send(self, tensor: torch.Tensor, to: int) -> Any:
+        """A send under way (its Work): `tensor` must live until it completes."""
+        return self.group.send([tensor], to, 0)
+
+    def start_receive(self, tensor: torch.Tensor, source: int) -> Any:
+        """A receive under way into `tensor` (its Work): it may be posted before the
+        sender gets to its send."""
+        return self.group.recv([tensor], source, 0)
+
+    def wait(self, work: Any, sliced: bool = False) -> None:
         if self.check is None:
             work.wait()
             return
@@ -91,7 +106,7 @@ class Collective:
             self.check()
             work.wait()
             return
-        deadline = time.monotonic() + TIMEOUT.total_seconds()
+        deadline = time.monotonic() + collective_timeout().total_seconds()
         while True:
             try:
                 work.wait(timedelta(seconds=POLL_S))
@@ -104,8 +119,44 @@ class Collective:
                 self.check()
 
 
-def connect(store: Store, rank: int, size: int) -> Collective:
-    return Collective(dist.ProcessGroupGloo(store, rank, size, TIMEOUT), rank, size)
+class Outbox:
+    """Sends a rank started and has not waited for, each with its tensor (which must live
+    until it is sent): a stage hands its output on and goes on to its next command while the
+    next stage still runs the micro-batch before. A send that failed raises when it is
+    pruned or settled."""
+
+    def __init__(self, collective: Collective) -> None:
+        self.collective = collective
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+
+    def send(self, tensor: torch.Tensor, to: int) -> None:
+        self._pending.append((self.collective.start_send(tensor, to), tensor))
+        self.prune()
+
+    def prune(self) -> None:
+        """Forget the sends that completed (raising where one failed)."""
+        done = [(work, t) for work, t in self._pending if work.is_completed()]
+        for work, _ in done:
+            work.wait()
+        self._pending = [p for p in self._pending if not p[0].is_completed()]
+
+    def settle(self) -> None:
+        """Wait for every send under way."""
+        while self._pending:
+            work, _ = self._pending.pop(0)
+            self.collective.wait(work)
+
+
+def connect(store: Store, rank: int, size: int, timeout: timedelta | None = None
+            ) -> Collective:
+    return Collective(dist.ProcessGroupGloo(store, rank, size, timeout or collective_timeout()),
+                      rank, size)
+
+
+def connect_commands(store: Store, rank: int, size: int) -> Collective:
+    """The instance's group for rank 0's commands: a rank waits on it for as long as the
+    instance stays idle."""
+    return connect(PrefixStore("commands", store), rank, size, IDLE)
 
 
 def connect_stage(store: Store, instance: Collective, place: RankPlace) -> Collective:
@@ -123,14 +174,23 @@ def rank_threads(config: EngineConfig) -> int:
     return max(1, total // config.ranks)
 
 
-def receive(collective: Collective) -> tuple[Command, torch.Tensor]:
+def send_command(outbox: Outbox, command: Command, payload: torch.Tensor) -> None:
+    """Rank 0: a command (and its payload of int64) to every other rank, without waiting."""
+    header = torch.tensor([int(command), payload.numel()])
+    for rank in range(1, outbox.collective.size):
+        outbox.send(header, rank)
+        if payload.numel():
+            outbox.send(payload, rank)
+
+
+def receive(commands: Collective) -> tuple[Command, torch.Tensor]:
     """A rank's next command from rank 0 and its payload."""
     header = torch.empty(2, dtype=torch.long)
-    collective.broadcast(header)
+    commands.receive(header, 0)
     command, length = Command(int(header[0])), int(header[1])
     payload = torch.empty(length, dtype=torch.long)
     if length:
-        collective.broadcast(payload)
+        commands.receive(payload, 0)
     return command, payload
 
 
@@ -141,7 +201,7 @@ class Ranks:
         size = config.ranks
         self.places = [RankPlace(rank, config.tp, config.pp) for rank in range(size)]
         store = TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
-                         timeout=TIMEOUT)
+                         timeout=collective_timeout())
         blob = CONFIG.dump_json(config).decode()
         self.processes = [subprocess.Popen(
             [sys.executable, "-m", "shared.engine.parallel.rank", "--rank", str(rank),
@@ -155,11 +215,15 @@ class Ranks:
             self.collective.check = self.check
             self.stage = connect_stage(store, self.collective, self.places[0])
             self.stage.check = self.check
+            self.commands = connect_commands(store, 0, size)
+            self.commands.check = self.check
         except RuntimeError as e:
             self.failed = True
             self.close()
             raise RankFailed(f"the {size} ranks of an instance did not connect: {e}") from e
         self.store = store  # rank 0 hosts it: kept for the group's life
+        self.outbox = Outbox(self.commands)
+        self.hand_offs = Outbox(self.collective)  # its stage's outputs, to the next stage
         self.reduce_s = 0.0  # rank 0's seconds in all-reduces (waiting for the slowest rank
         self.reduces = 0  # included), and how many: the share of a step they take
 
@@ -167,9 +231,7 @@ class Ranks:
         payload = torch.empty(0, dtype=torch.long) if payload is None else payload
         with self._guarded():
             self.check()
-            self.collective.broadcast(torch.tensor([int(command), payload.numel()]))
-            if payload.numel():
-                self.collective.broadcast(payload)
+            send_command(self.outbox, command, payload)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Over rank 0's stage."""
@@ -186,6 +248,20 @@ class Ranks:
     def receive(self, tensor: torch.Tensor, source: int) -> None:
         with self._guarded():
             self.collective.receive(tensor, source)
+
+    def hand_on(self, tensor: torch.Tensor, to: int) -> None:
+        """Send `tensor` without waiting for rank `to` to take it."""
+        with self._guarded():
+            self.hand_offs.send(tensor, to)
+
+    def start_receive(self, tensor: torch.Tensor, source: int) -> Any:
+        """A receive posted now, waited for by `wait`."""
+        with self._guarded():
+            return self.collective.start_receive(tensor, source)
+
+    def wait(self, work: Any) -> None:
+        with self._guarded():
+            self.collective.wait(work)
 
     def _wait_joined(self, store: Store) -> None:
         """Until every rank has said it is up (`joined`), polling their processes: one that

@@ -1,4 +1,4 @@
-"""A step's inputs as one int64 tensor, which rank 0 broadcasts to the other ranks (pure).
+"""A step's inputs as one int64 tensor, which rank 0 sends to the other ranks (pure).
 
 Layout: [tokens T, prefill segments P, decode rows B, block table width W], then per segment
 (start, length, cached, table length), then the decode group's start (when B > 0), then

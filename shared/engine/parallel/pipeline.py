@@ -1,7 +1,8 @@
 """One step through an instance's stages, the same code on every rank: a stage takes the
 previous stage's hidden states (the first embeds the tokens), runs its layers and hands its
-output on; the last stage's output returns to rank 0, which samples. Stages run one after
-another within a step."""
+output on, to the next stage or, from the last, to rank 0, which samples. Each stage runs a
+step as soon as its input arrives: rank 0 starts the next micro-batch while later stages
+still run the one before (a pipeline)."""
 
 from __future__ import annotations
 
@@ -19,21 +20,24 @@ Receive = Callable[[torch.Tensor, int], None]  # (into tensor, from rank)
 
 def run_stage(model: LlamaModel, kv: KVCache, ids: torch.Tensor, positions: torch.Tensor,
               meta: AttentionMetadata, send: Send, receive: Receive) -> torch.Tensor:
-    """This rank's part of a step; on rank 0, the final hidden states of the whole model."""
+    """This rank's part of a step: its stage's output (handed on where a stage follows)."""
     place = model.place
     hidden = None
     if place.source is not None:
-        hidden = _empty(model, ids)
+        hidden = hidden_states(model, ids.numel())
         receive(hidden, place.source)
     out = model.forward(ids, positions, meta, kv, hidden)
     if place.target is not None:
         send(out, place.target)
-    if place.rank == 0 and place.pp > 1:
-        out = _empty(model, ids)
-        receive(out, (place.pp - 1) * place.tp)
     return out
 
 
-def _empty(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
-    return torch.empty(ids.numel(), model.config.hidden_size, device=model.device,
+def last_stage(model: LlamaModel) -> int:
+    """The rank whose output is the whole model's hidden states (rank 0 receives them)."""
+    return (model.place.pp - 1) * model.place.tp
+
+
+def hidden_states(model: LlamaModel, tokens: int) -> torch.Tensor:
+    """Room for a stage's output over `tokens` tokens."""
+    return torch.empty(tokens, model.config.hidden_size, device=model.device,
                        dtype=model.dtype)

@@ -17,10 +17,12 @@ from shared.engine.config import EngineConfig
 from shared.engine.model_runner import kv_pool, load_model
 from shared.engine.parallel.group import (
     CONFIG,
-    TIMEOUT,
     Collective,
     Command,
+    Outbox,
+    collective_timeout,
     connect,
+    connect_commands,
     connect_stage,
     die_with_parent,
     joined_key,
@@ -35,8 +37,10 @@ log = logging.getLogger(__name__)
 
 
 class RankWorker:
-    def __init__(self, config: EngineConfig, collective: Collective, stage: Collective) -> None:
-        self.collective = collective
+    def __init__(self, config: EngineConfig, collective: Collective, stage: Collective,
+                 commands: Collective) -> None:
+        self.collective, self.commands = collective, commands
+        self.outbox = Outbox(collective)  # its stage's outputs, handed on without waiting
         self.model, _ = load_model(config, collective.rank)
         self.model.decode_attention = pick_decode_attention(self.model.device)
         if config.tp > 1:
@@ -45,14 +49,17 @@ class RankWorker:
 
     @torch.inference_mode()
     def serve(self) -> None:
-        """Run rank 0's commands until it says stop."""
+        """Run rank 0's commands, in order, until it says stop. A step's output goes on to
+        the next stage (or rank 0) without waiting for it to be taken: the next step's
+        command may already wait (a pipeline's micro-batches)."""
         while True:
-            command, payload = receive(self.collective)
+            command, payload = receive(self.commands)
             if command is Command.STOP:
+                self.outbox.settle()
                 return
             if command is Command.STEP:
                 ids, positions, meta = unpack(payload, self.kv.block_size, self.model.device)
-                run_stage(self.model, self.kv, ids, positions, meta, self.collective.send,
+                run_stage(self.model, self.kv, ids, positions, meta, self.outbox.send,
                           self.collective.receive)
             elif command is Command.EXPORT:
                 self.collective.send(self.kv.export_blocks(payload.tolist()), 0)
@@ -74,12 +81,14 @@ def main() -> None:
                         format=f"%(asctime)s rank {args.rank} %(levelname)s %(message)s")
     config = CONFIG.validate_json(args.config)
     torch.set_num_threads(rank_threads(config))
-    store = TCPStore("127.0.0.1", args.port, config.ranks, is_master=False, timeout=TIMEOUT)
+    store = TCPStore("127.0.0.1", args.port, config.ranks, is_master=False,
+                     timeout=collective_timeout())
     store.set(joined_key(args.rank), "1")
     collective = connect(store, args.rank, config.ranks)
     stage = connect_stage(store, collective, RankPlace(args.rank, config.tp, config.pp))
+    commands = connect_commands(store, args.rank, config.ranks)
     try:
-        worker = RankWorker(config, collective, stage)
+        worker = RankWorker(config, collective, stage, commands)
     except ValueError as e:  # rank 0 meets the same reason and reports it
         log.error("cannot load its share of %s: %s", config.model, e)
         sys.exit(2)
