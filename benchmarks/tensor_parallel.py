@@ -4,16 +4,23 @@ layer; the wait for the slowest rank of its stage included).
 
     .venv/bin/python benchmarks/tensor_parallel.py        # qwen2.5-0.5b shape: 1x1, 2x1, 1x2
     .venv/bin/python benchmarks/tensor_parallel.py --model smollm2-135m --configs 1x1 3x1
+    .venv/bin/python benchmarks/tensor_parallel.py --configs 1x1 1x2 1x2/seq  # pipelining
 
 On the CPU the instance's threads (--threads) are split between its ranks, so a split on one
 host measures what splitting the same cores costs: the all-reduces and smaller GEMMs (tp),
-the hand-offs between stages that run one after another (pp)."""
+the hand-offs between stages (pp). A pipeline runs a micro-batch a stage at once: a decode
+step of batch B is a round of micro-batches of B / pp each (timed until every request has a
+token more), and `prefill N x L` times N prompts of the first length through the pipeline,
+one prompt a micro-batch. A config ending in /seq runs the same pipeline a step at a time
+(its stages one after another), to show what the micro-batches win."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,9 +28,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from distserve.commands.bench_engine import EngineDecode, EnginePrefill
+from distserve.commands.bench_engine import EngineDecode, EnginePrefill, _prompt
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
+from shared.engine.request import SamplingParams
 
 
 def timed(engine: Engine, fn: Callable[[], float], repeats: int) -> tuple[float, float]:
@@ -39,8 +47,32 @@ def timed(engine: Engine, fn: Callable[[], float], repeats: int) -> tuple[float,
     return statistics.median(step_ms), statistics.median(reduce_ms)
 
 
-def measure(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
+class PrefillStream:
+    """`count` prompts of `length` tokens at once, a prompt a step (the step's token budget
+    cut to one prompt): a pipeline runs them as micro-batches."""
+
+    def __init__(self, engine: Engine, count: int, length: int) -> None:
+        self.engine, self.count, self.length, self.calls = engine, count, length, 0
+        engine.scheduler.config = dataclasses.replace(engine.scheduler.config,
+                                                      max_batch_tokens=length)
+
+    def __call__(self) -> float:
+        self.calls += 1
+        vocab = self.engine.model_config.vocab_size
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        requests = [self.engine.add_request(f"s{self.calls}-{i}", _prompt(self.length, vocab, i),
+                                            params) for i in range(self.count)]
+        started = time.perf_counter()
+        while any(not r.output_ids for r in requests):
+            self.engine.step()
+        return (time.perf_counter() - started) * 1e3
+
+
+def measure(config: EngineConfig, args: argparse.Namespace, one_at_a_time: bool
+            ) -> dict[str, Any]:
     engine = Engine(config)
+    if one_at_a_time:  # a step's stages one after another, no micro-batches under way
+        engine.runner.depth = engine.scheduler.micro_batches = 1
     try:
         results: dict[str, Any] = {}
         for n in args.lengths:
@@ -49,6 +81,10 @@ def measure(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
             decode = EngineDecode(engine, b, args.context, args.steps + 1)
             results[f"decode b{b} ctx {args.context}"] = timed(engine, decode, args.steps)
             decode.close()
+        if args.stream:
+            length = args.lengths[0]
+            results[f"prefill {args.stream} x {length}"] = timed(
+                engine, PrefillStream(engine, args.stream, length), args.repeats)
         return results
     finally:
         engine.close()
@@ -60,24 +96,28 @@ def main() -> None:
     p.add_argument("--model", default="qwen2.5-0.5b",
                    help="a model or random Llama shape whose KV heads every --tp divides")
     p.add_argument("--configs", nargs="+", default=["1x1", "2x1", "1x2"], metavar="TPxPP",
-                   help="instances to measure, tp x pp (the first is the baseline)")
+                   help="instances to measure, tp x pp (the first is the baseline); "
+                        "TPxPP/seq: the pipeline a step at a time")
     p.add_argument("--threads", type=int, default=2, help="the instance's, split by its ranks")
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3, help="prefill runs (median)")
     p.add_argument("--steps", type=int, default=8, help="decode steps (median)")
+    p.add_argument("--stream", type=int, default=4, metavar="N",
+                   help="prompts of the first length run at once, one a micro-batch (0: none)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
     console = Console()
     figures = {}
     for name in args.configs:
-        tp, pp = (int(n) for n in name.split("x"))
-        console.print(f"tp {tp} x pp {pp} ...")
+        shape, _, how = name.partition("/")
+        tp, pp = (int(n) for n in shape.split("x"))
+        console.print(f"tp {tp} x pp {pp}{' a step at a time' if how == 'seq' else ''} ...")
         config = EngineConfig(model=args.model, tp=tp, pp=pp, threads=args.threads,
                               kv_cache_bytes=2 << 30).with_scheduler(
             max_batch_tokens=max(args.lengths), max_running=max(args.batches))
-        figures[name] = measure(config, args)
+        figures[name] = measure(config, args, how == "seq")
     base = args.configs[0]
     table = Table(title=f"{args.model}, {args.threads} threads per instance (ms; tp x pp)")
     table.add_column("step")

@@ -85,7 +85,7 @@ class EnginePrefill:
 
 
 class EngineDecode:
-    """A batch of requests at `context` tokens, all decoding; each call times one step."""
+    """A batch of requests at `context` tokens, all decoding; each call times a token each."""
 
     def __init__(self, engine: Engine, batch: int, context: int, steps: int) -> None:
         params = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
@@ -97,7 +97,14 @@ class EngineDecode:
             engine.step()
 
     def __call__(self) -> float:
-        return _ms(self.engine.step)
+        """ms until every request has one more token: a step, or a micro-batch of a step a
+        pipeline stage (each decodes its share of the batch)."""
+        wanted = [len(r.output_ids) + 1 for r in self.requests]
+
+        def advance() -> None:
+            while any(len(r.output_ids) < n for r, n in zip(self.requests, wanted, strict=True)):
+                self.engine.step()
+        return _ms(advance)
 
     def close(self) -> None:
         for request in self.requests:
