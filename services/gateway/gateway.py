@@ -212,7 +212,8 @@ class Gateway:
     async def _publish_inflight(self, every_s: float = 0.5) -> None:
         """This gateway's in-flight counts per instance, in Redis with an expiry: a draining
         instance waits for them, and a gateway that dies leaves none behind; and the other
-        gateways', which colocated dispatch counts (`elsewhere`; none while Redis fails)."""
+        gateways', which colocated and prefill dispatch count (`elsewhere`; none while Redis
+        fails)."""
         failing = False
         while True:
             counts = self.ledger.per_instance()
@@ -221,7 +222,7 @@ class Gateway:
                     for instance, n in counts.items():
                         pipe.set(subjects.inflight_key(instance, self.id), n, px=5000)
                     await pipe.execute()
-                if "colocated" in self.roles:  # only colocated dispatch counts them
+                if {"colocated", "prefill"} & set(self.roles):  # what dispatch counts
                     self.elsewhere = await others_in_flight(self.redis, self.id)
                 failing = False
             except (RedisError, OSError) as e:
@@ -262,7 +263,7 @@ class Gateway:
         if role == "colocated":  # its requests are counted as decoding from the start
             return pick_colocated(instances, self.ledger.decoding, self.ledger.queued,
                                   self.elsewhere)
-        return pick_prefill(instances, self.ledger.prefilling)
+        return pick_prefill(instances, self.ledger.prefilling, self.elsewhere)
 
     def _load(self, instance: InstanceInfo) -> float:
         """How full the instance that decodes a route's requests is: what this gateway has

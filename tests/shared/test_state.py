@@ -59,6 +59,20 @@ def test_dispatch_rules() -> None:
     assert chosen is not None and chosen.instance_id == "a"
 
 
+def test_prefill_dispatch_counts_each_request_not_yet_prefilled_once() -> None:
+    """a queues 2 of this gateway's requests, b 3 of another gateway's, both in their
+    heartbeats: a is the shorter queue (its heartbeat's 2 are the 2 this gateway has in
+    flight there, not 2 more); a burst of this gateway's own then tips it to b."""
+    prefills = [info("a", queue_len=2), info("b", queue_len=3)]
+    elsewhere = {"b": 3}
+    chosen = pick_prefill(prefills, {"a": 2}, elsewhere)
+    assert chosen is not None and chosen.instance_id == "a"
+    chosen = pick_prefill(prefills, {"a": 4}, elsewhere)
+    assert chosen is not None and chosen.instance_id == "b"
+    chosen = pick_prefill(prefills, {"a": 3}, elsewhere)  # a tie: the heartbeats' queues
+    assert chosen is not None and chosen.instance_id == "a"
+
+
 def test_colocated_dispatch_counts_what_is_in_flight_then_what_awaits_a_first_token() -> None:
     """Two workers with one request each: the new one goes where that request is already
     decoding, not where it still waits for its prefill (it would queue behind it), whatever
