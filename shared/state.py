@@ -96,13 +96,17 @@ def pick_prefill(instances: Sequence[InstanceInfo],
     """The paper's dispatch: the prefill instance with the shortest queue, counted as the
     requests sent there and not yet seen prefilled: the caller's own (`in_flight`) plus
     those other gateways publish (`elsewhere`, `others_in_flight`), fresher than a
-    heartbeat, so a burst spreads out instead of piling onto one instance, and never the
-    caller's requests twice (once sent, once in a heartbeat's queue). Ties go by the
-    heartbeats' queue and batch, then the id."""
+    heartbeat, so a burst spreads out instead of piling onto one instance; or the
+    heartbeat's queue where that is longer (it holds the caller's requests that arrived,
+    so they are not counted twice, and the others' while their counts cannot be read).
+    Ties go by the heartbeats' queue and batch, then the id."""
     mine, others = in_flight or {}, elsewhere or {}
     live = [i for i in instances if not i.draining]
-    return min(live, key=lambda i: (mine.get(i.instance_id, 0) + others.get(i.instance_id, 0),
-                                    i.queue_len, i.running, i.instance_id), default=None)
+
+    def key(i: InstanceInfo) -> tuple[int, int, int, str]:
+        sent = mine.get(i.instance_id, 0) + others.get(i.instance_id, 0)
+        return max(sent, i.queue_len), i.queue_len, i.running, i.instance_id
+    return min(live, key=key, default=None)
 
 
 def pick_colocated(instances: Sequence[InstanceInfo], in_flight: Mapping[str, int],

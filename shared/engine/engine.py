@@ -180,9 +180,13 @@ class Engine:
         already finished or parked by a partial update), freeing their blocks."""
         log.exception("a step of %d requests failed", len(out.chunks))
         error = f"the engine step failed: {type(e).__name__}: {e}"
+        # not those aborted while it was under way (nor an older copy of an id taken in
+        # again since): they were answered then
+        chunks = [c for c in out.chunks
+                  if c.request.status is not RequestStatus.FINISHED_ABORTED]
         failed = [(c.request.request_id, len(c.request.output_ids), c.request.arrival)
-                  for c in out.chunks]
-        for chunk in out.chunks:  # not a newer copy of the id, taken in while it ran
+                  for c in chunks]
+        for chunk in chunks:
             if self.scheduler.get(chunk.request.request_id) in (None, chunk.request):
                 self.abort(chunk.request.request_id)
         return [RequestOutput(request_id, [], "", error=error, index=produced, arrival=arrival)
@@ -193,7 +197,9 @@ class Engine:
         self.runner.close()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        """Requests to run, or steps under way to finish (their requests may all have been
+        aborted since)."""
+        return self.scheduler.has_work or bool(self._under_way)
 
     def abort(self, request_id: str) -> bool:
         self._text.pop(request_id, None)

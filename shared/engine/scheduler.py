@@ -11,8 +11,9 @@ length == 1; a chunked prefill is a prefill whose length is cut by the token bud
   when any can be admitted, otherwise a decode step) or, with chunked prefill, Sarathi-style
   (running decodes first, then prefill chunks filling the rest of the token budget).
 
-When the pool runs out the newest running request is preempted by recompute: its blocks are
-freed and it goes back to the head of the queue, to be prefilled again over all its tokens.
+When the pool runs out the newest running request (of those not in a step under way) is
+preempted by recompute: its blocks are freed and it goes back to the head of the queue, to
+be prefilled again over all its tokens.
 
 With `micro_batches` > 1 (a pipeline of that many stages) several steps are under way at
 once: a request in one (`in_step`, until its update) is left out of the next, and a step

@@ -62,7 +62,8 @@ def test_dispatch_rules() -> None:
 def test_prefill_dispatch_counts_each_request_not_yet_prefilled_once() -> None:
     """a queues 2 of this gateway's requests, b 3 of another gateway's, both in their
     heartbeats: a is the shorter queue (its heartbeat's 2 are the 2 this gateway has in
-    flight there, not 2 more); a burst of this gateway's own then tips it to b."""
+    flight there, not 2 more); a burst of this gateway's own then tips it to b. Without the
+    other gateways' counts, b's heartbeat still counts."""
     prefills = [info("a", queue_len=2), info("b", queue_len=3)]
     elsewhere = {"b": 3}
     chosen = pick_prefill(prefills, {"a": 2}, elsewhere)
@@ -70,6 +71,9 @@ def test_prefill_dispatch_counts_each_request_not_yet_prefilled_once() -> None:
     chosen = pick_prefill(prefills, {"a": 4}, elsewhere)
     assert chosen is not None and chosen.instance_id == "b"
     chosen = pick_prefill(prefills, {"a": 3}, elsewhere)  # a tie: the heartbeats' queues
+    assert chosen is not None and chosen.instance_id == "a"
+    # the other gateway's counts cannot be read (Redis down): b's heartbeat still shows them
+    chosen = pick_prefill(prefills, {"a": 2}, {})
     assert chosen is not None and chosen.instance_id == "a"
 
 

@@ -14,6 +14,7 @@ fail over). Ranks die with rank 0 (the parent-death signal)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import enum
@@ -122,29 +123,28 @@ class Collective:
 class Outbox:
     """Sends a rank started and has not waited for, each with its tensor (which must live
     until it is sent): a stage hands its output on and goes on to its next command while the
-    next stage still runs the micro-batch before. A send that failed raises when it is
-    pruned or settled."""
+    next stage still runs the micro-batch before. At most `keep` are held: a new send waits
+    for the oldest beyond them (a gloo send counts as completed only once waited for), and
+    `keep` is chosen so that it has been taken by then, or will be without this rank doing
+    anything more. A send that failed raises when it is waited for."""
 
-    def __init__(self, collective: Collective) -> None:
-        self.collective = collective
-        self._pending: list[tuple[Any, torch.Tensor]] = []
+    def __init__(self, collective: Collective, keep: int) -> None:
+        assert keep >= 1
+        self.collective, self.keep = collective, keep
+        self._pending: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
 
     def send(self, tensor: torch.Tensor, to: int) -> None:
         self._pending.append((self.collective.start_send(tensor, to), tensor))
-        self.prune()
+        while len(self._pending) > self.keep:
+            self.collective.wait(self._pending.popleft()[0])
 
-    def prune(self) -> None:
-        """Forget the sends that completed (raising where one failed)."""
-        done = [(work, t) for work, t in self._pending if work.is_completed()]
-        for work, _ in done:
-            work.wait()
-        self._pending = [p for p in self._pending if not p[0].is_completed()]
+    def __len__(self) -> int:
+        return len(self._pending)
 
     def settle(self) -> None:
         """Wait for every send under way."""
         while self._pending:
-            work, _ = self._pending.pop(0)
-            self.collective.wait(work)
+            self.collective.wait(self._pending.popleft()[0])
 
 
 def connect(store: Store, rank: int, size: int, timeout: timedelta | None = None
@@ -222,8 +222,12 @@ class Ranks:
             self.close()
             raise RankFailed(f"the {size} ranks of an instance did not connect: {e}") from e
         self.store = store  # rank 0 hosts it: kept for the group's life
-        self.outbox = Outbox(self.commands)
-        self.hand_offs = Outbox(self.collective)  # its stage's outputs, to the next stage
+        # a command's sends (a header and a payload a rank) and rank 0's stage outputs (one a
+        # step), kept for the steps that may be under way and one more: the ones beyond
+        # belong to steps finished (their output came back through every stage) or to
+        # exports and imports done, so the wait for them returns at once
+        self.outbox = Outbox(self.commands, 2 * (size - 1) * (config.pp + 1))
+        self.hand_offs = Outbox(self.collective, config.pp + 1)
         self.reduce_s = 0.0  # rank 0's seconds in all-reduces (waiting for the slowest rank
         self.reduces = 0  # included), and how many: the share of a step they take
 

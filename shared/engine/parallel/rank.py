@@ -40,7 +40,9 @@ class RankWorker:
     def __init__(self, config: EngineConfig, collective: Collective, stage: Collective,
                  commands: Collective) -> None:
         self.collective, self.commands = collective, commands
-        self.outbox = Outbox(collective)  # its stage's outputs, handed on without waiting
+        # its stage's outputs, handed on without waiting: the last one's, once the next is
+        # computed (the next stage has taken it, or will as soon as it gets to that step)
+        self.outbox = Outbox(collective, 1)
         self.model, _ = load_model(config, collective.rank)
         self.model.decode_attention = pick_decode_attention(self.model.device)
         if config.tp > 1:
