@@ -180,15 +180,12 @@ class Engine:
         already finished or parked by a partial update), freeing their blocks."""
         log.exception("a step of %d requests failed", len(out.chunks))
         error = f"the engine step failed: {type(e).__name__}: {e}"
-        # not those aborted while it was under way (nor an older copy of an id taken in
-        # again since): they were answered then
-        chunks = [c for c in out.chunks
-                  if c.request.status is not RequestStatus.FINISHED_ABORTED]
+        # not those aborted while it was under way (an older copy of an id taken in again
+        # since among them): they were answered then
         failed = [(c.request.request_id, len(c.request.output_ids), c.request.arrival)
-                  for c in chunks]
-        for chunk in chunks:
-            if self.scheduler.get(chunk.request.request_id) in (None, chunk.request):
-                self.abort(chunk.request.request_id)
+                  for c in out.chunks if c.request.status is not RequestStatus.FINISHED_ABORTED]
+        for request_id, _, _ in failed:
+            self.abort(request_id)
         return [RequestOutput(request_id, [], "", error=error, index=produced, arrival=arrival)
                 for request_id, produced, arrival in failed]
 

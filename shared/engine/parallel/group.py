@@ -77,6 +77,7 @@ class Collective:
     group: Any  # a c10d Backend (gloo): its type stubs lack the collectives
     rank: int
     size: int
+    timeout: timedelta  # the group's: how long a sliced wait goes on while every rank lives
     check: Callable[[], None] | None = None
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
@@ -107,7 +108,7 @@ class Collective:
             self.check()
             work.wait()
             return
-        deadline = time.monotonic() + collective_timeout().total_seconds()
+        deadline = time.monotonic() + self.timeout.total_seconds()
         while True:
             try:
                 work.wait(timedelta(seconds=POLL_S))
@@ -138,9 +139,6 @@ class Outbox:
         while len(self._pending) > self.keep:
             self.collective.wait(self._pending.popleft()[0])
 
-    def __len__(self) -> int:
-        return len(self._pending)
-
     def settle(self) -> None:
         """Wait for every send under way."""
         while self._pending:
@@ -149,8 +147,8 @@ class Outbox:
 
 def connect(store: Store, rank: int, size: int, timeout: timedelta | None = None
             ) -> Collective:
-    return Collective(dist.ProcessGroupGloo(store, rank, size, timeout or collective_timeout()),
-                      rank, size)
+    timeout = timeout or collective_timeout()
+    return Collective(dist.ProcessGroupGloo(store, rank, size, timeout), rank, size, timeout)
 
 
 def connect_commands(store: Store, rank: int, size: int) -> Collective:
