@@ -4,9 +4,15 @@ between GPUs of a node, RDMA across nodes; device buffers go as they are.
 
 Protocol, per pull, on one endpoint the decode instance keeps per prefill instance:
 
-    decode -> prefill   header: {"request_id": ..., "token": ...}  (HEADER_BYTES, JSON, padded)
+    decode -> prefill   header: {"request_id": ..., "token": ..., "part": [l0, l1, h0, h1]}
+                        (HEADER_BYTES, JSON, padded; "part" optional)
     prefill -> decode   header: {"ok": bool, "nbytes": n, "error": ...}
     prefill -> decode   payload: n bytes (the request's exported blocks), if ok
+
+A parallel instance's ranks each serve the part of the KV they hold (layers l0..l1, KV heads
+h0..h1 of the model, ends exclusive), under one key: a decode rank asks each for the overlap
+of its part and theirs (shared.engine.parallel.sharding.kv_pieces), so every byte of the KV
+crosses once and never through another rank.
 
 A pull presents the request's token, which the prefill side handed only to the decode
 instance the request was sent to (in its KvReady); a wrong token gets the same answer as an
@@ -45,6 +51,8 @@ import ucxx._lib_async.listener as ucxx_listen
 from ucxx._lib.arr import Array
 from ucxx._lib_async.utils import hash64bits
 from ucxx.exceptions import UCXCanceledError, UCXError
+
+from shared.engine.parallel.sharding import KvSpan
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +136,10 @@ ucxx_connect.ThreadMode = _ThreadMode
 HEADER_BYTES = 512
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
-# request id -> the request's exported blocks (a contiguous host or device array, complete
-# when returned), or None
-BlockLookup = Callable[[str], Awaitable[Any]]
+# (request id, the part asked for or None for all the server holds) -> that part of the
+# request's exported blocks (a contiguous host or device array, complete when returned), or
+# None
+BlockLookup = Callable[[str, KvSpan | None], Awaitable[Any]]
 
 
 class TransferError(RuntimeError):
@@ -147,6 +156,16 @@ def _header(payload: dict[str, Any]) -> np.ndarray:
 
 def _parse(buf: np.ndarray) -> dict[str, Any]:
     return dict(json.loads(bytes(buf).rstrip(b"\0")))
+
+
+def _span(part: Any) -> KvSpan | None:
+    """A header's "part" as a span (ValueError if malformed)."""
+    if part is None:
+        return None
+    l0, l1, h0, h1 = (int(x) for x in part)
+    if not (0 <= l0 < l1 and 0 <= h0 < h1):
+        raise ValueError(f"empty or negative part {part}")
+    return KvSpan(range(l0, l1), range(h0, h1))
 
 
 def interface_ipv4(interface: str) -> str | None:
@@ -185,13 +204,15 @@ class KvServer:
     host: str = "127.0.0.1"
     port: int = 0
     stats: TransferStats = field(default_factory=TransferStats)
-    _key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
+    # the tokens' key: the ranks of one instance share it, so one token opens each rank
+    key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
+    on_served: Callable[[int], None] | None = None  # called with each pull's bytes, once sent
     _listener: Any = None
 
     def token(self, request_id: str) -> str:
         """The token that lets its holder pull request_id's blocks: 128 bits of an HMAC under
         a key this server alone keeps, so no table of tokens outlives the requests."""
-        return hmac.new(self._key, request_id.encode(), hashlib.sha256).hexdigest()[:32]
+        return hmac.new(self.key, request_id.encode(), hashlib.sha256).hexdigest()[:32]
 
     def start(self) -> None:
         """Start UCX on the network device of `host` only (UCX_NET_DEVICES, when set, wins:
@@ -214,10 +235,11 @@ class KvServer:
                 await ep.recv(header)
                 try:
                     request = _parse(header)
+                    part = _span(request.get("part"))
                 except (ValueError, TypeError):  # not our protocol: hang up
                     break
                 request_id = str(request.get("request_id", ""))
-                buffer = await self._find(request_id, str(request.get("token", "")))
+                buffer = await self._find(request_id, str(request.get("token", "")), part)
                 if buffer is None:
                     await ep.send(_header({"ok": False, "error": f"no KV for {request_id}"}))
                     continue
@@ -226,14 +248,16 @@ class KvServer:
                 await ep.send(buffer)
                 self.stats.requests += 1
                 self.stats.bytes += nbytes
+                if self.on_served is not None:
+                    self.on_served(nbytes)
         with contextlib.suppress(UCXError, UCXCanceledError):
             await ep.close()
 
-    async def _find(self, request_id: str, token: str) -> Any:
+    async def _find(self, request_id: str, token: str, part: KvSpan | None) -> Any:
         """The blocks, if the token is request_id's (checked before the engine is asked)."""
         if not hmac.compare_digest(self.token(request_id).encode(), token.encode()):
             return None
-        return await self.lookup(request_id)
+        return await self.lookup(request_id, part)
 
     def close(self) -> None:
         if self._listener is not None:
@@ -261,16 +285,17 @@ class KvClient:
                 host, int(port), connect_timeout=self.timeout_s)
         return self._endpoints[address]
 
-    async def pull(self, address: str, request_id: str, token: str, into: Any) -> None:
-        """Fill `into` (exactly the size of the exported blocks) with request_id's KV, showing
-        the token its KvReady carried."""
+    async def pull(self, address: str, request_id: str, token: str, into: Any,
+                   part: KvSpan | None = None) -> None:
+        """Fill `into` (exactly the size of the exported blocks, or of `part` of them) with
+        request_id's KV, showing the token its KvReady carried."""
         lock = self._locks.setdefault(address, asyncio.Lock())
         loop = asyncio.get_running_loop()
         async with lock:  # one pull at a time per endpoint keeps header and payload paired
             start = loop.time()
             try:
-                await asyncio.wait_for(self._transfer(address, request_id, token, into),
-                                       self.timeout_s)
+                await asyncio.wait_for(
+                    self._transfer(address, request_id, token, into, part), self.timeout_s)
             except TimeoutError:
                 self._abandon(address)
                 raise TransferError(f"pull of {request_id} from {address} took over "
@@ -285,9 +310,14 @@ class KvClient:
             self.stats.bytes += int(into.nbytes)
             self.stats.seconds += loop.time() - start
 
-    async def _transfer(self, address: str, request_id: str, token: str, into: Any) -> None:
+    async def _transfer(self, address: str, request_id: str, token: str, into: Any,
+                        part: KvSpan | None) -> None:
         ep = await self._endpoint(address)
-        await ep.send(_header({"request_id": request_id, "token": token}))
+        header: dict[str, Any] = {"request_id": request_id, "token": token}
+        if part is not None:
+            header["part"] = [part.layers.start, part.layers.stop, part.heads.start,
+                              part.heads.stop]
+        await ep.send(_header(header))
         reply = np.empty(HEADER_BYTES, dtype=np.uint8)
         await ep.recv(reply)
         answer = _parse(reply)

@@ -57,14 +57,24 @@ class ResumeReply(BaseModel):
     held: bool  # False: the KV is gone; the gateway prefills the request again elsewhere
 
 
-class KvReady(BaseModel):
-    """prefill -> ds.decode.<instance>: a request's KV waits to be pulled."""
+class KvSource(BaseModel):
+    """A rank of a prefill instance that serves its part of a request's KV (its layers, its
+    KV heads, the model's numbering; ends exclusive)."""
 
-    version: Literal[3] = 3  # 2: the pull token; 3: output_ids, computed, attempt
+    address: str  # its UCX listener, host:port
+    layers: tuple[int, int]
+    kv_heads: tuple[int, int]
+
+
+class KvReady(BaseModel):
+    """prefill -> ds.decode.<instance>: a request's KV waits to be pulled, from each rank of
+    the prefill instance the part it holds (one source: a one-rank instance, all of it)."""
+
+    version: Literal[4] = 4  # 2: the pull token; 3: output_ids, computed, attempt; 4: sources
     request_id: str
     prefill_instance: str
-    kv_address: str  # UCX listener, host:port
-    token: str  # the pull's credential: sent to this decode instance only, never logged
+    sources: list[KvSource]  # the prefill instance's ranks, rank 0 first
+    token: str  # the pull's credential (any rank's): sent to this decode instance only
     num_blocks: int
     prompt_ids: list[int]
     output_ids: list[int]  # the tokens sampled so far: the first one, or more after a move

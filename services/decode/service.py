@@ -24,9 +24,18 @@ from shared import subjects
 from shared.bus import parse
 from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput
+from shared.engine.parallel.sharding import KvSpan, kv_pieces
 from shared.engine.request import Request
 from shared.kv_transfer import KvClient, TransferError, stop_notifier_thread
-from shared.messages import Cancel, KvReady, KvWanted, KvWantedReply, ReleaseKv, TokenChunk
+from shared.messages import (
+    Cancel,
+    KvReady,
+    KvSource,
+    KvWanted,
+    KvWantedReply,
+    ReleaseKv,
+    TokenChunk,
+)
 from shared.state import InstanceInfo
 from shared.telemetry import context_from, record
 
@@ -142,9 +151,7 @@ class DecodeService(Worker):
             if ready.num_blocks != len(blocks):
                 raise TransferError(f"prefill sent {ready.num_blocks} blocks, expected "
                                     f"{len(blocks)}: block sizes differ")
-            target = buffer.numpy() if buffer.device.type == "cpu" else buffer
-            await self.kv_client.pull(ready.kv_address, ready.request_id, ready.token,
-                                      target)
+            await self._pull_pieces(ready, buffer)
             self._pulled(ready.request_id)  # from here a cancel aborts it in the engine
             joined = time.time()
             record(self.tracer, "kv transfer", parent, pull_start, joined, instance=self.id,
@@ -170,6 +177,34 @@ class DecodeService(Worker):
         finally:
             self._pulled(ready.request_id)
             self._release(ready)  # imported, or given up
+
+    async def _pull_pieces(self, ready: KvReady, buffer: torch.Tensor) -> None:
+        """Fill `buffer` (every layer and KV head of the request's blocks) from the prefill
+        instance's ranks, each the part it holds, at once; a rank's part lands straight in
+        `buffer` where it is all of it, else in a buffer of its own first."""
+        held = [KvSpan(range(*s.layers), range(*s.kv_heads)) for s in ready.sources]
+        whole = KvSpan.whole(self.engine.model_config)
+        try:
+            pieces = kv_pieces(whole, held)
+        except ValueError as e:
+            raise TransferError(f"the prefill instance's KV is not this model's: {e}") from e
+
+        async def pull(source: KvSource, part: KvSpan) -> None:
+            layers, heads = part.within(whole)
+            view = buffer[layers, :, :, :, heads]
+            into = view if part == whole else torch.empty(view.shape, dtype=view.dtype,
+                                                          device=view.device)
+            await self.kv_client.pull(source.address, ready.request_id, ready.token,
+                                      into.numpy() if into.device.type == "cpu" else into, part)
+            if into is not view:
+                view.copy_(into)
+
+        tasks = [asyncio.create_task(pull(ready.sources[i], part)) for i, part in pieces]
+        try:
+            await asyncio.gather(*tasks)
+        finally:  # one failed: the others' transfers are abandoned, not left running
+            for task in tasks:
+                task.cancel()
 
     async def _give_up(self, ready: KvReady, blocks: list[int], error: str) -> None:
         """Free the blocks taken for a pull that failed and ask the gateway to move it."""

@@ -23,11 +23,13 @@ from shared import subjects
 from shared.bus import parse, publish
 from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput
+from shared.engine.parallel.sharding import KvSpan
 from shared.engine.request import Request
 from shared.kv_transfer import KvServer, stop_notifier_thread
 from shared.messages import (
     Cancel,
     KvReady,
+    KvSource,
     KvWanted,
     KvWantedReply,
     PrefillRequest,
@@ -57,36 +59,49 @@ class PrefillService(Worker):
         self.copies: dict[str, int] = {}  # request -> its engine copy's admission number
         self.decode_seen: dict[str, float] = {}  # decode instance -> its last heartbeat
         self.arrived: dict[str, tuple[float, dict[str, str]]] = {}  # time, trace headers
+        self.sources: list[KvSource] = []  # the ranks' KV listeners, once they listen
 
     def info(self) -> InstanceInfo:
-        stats = self.kv_server.stats
+        requests, nbytes = self.kv_server.stats.requests, self.kv_server.stats.bytes
+        if self.engine.runner.ranks is not None and self.sources:  # the other ranks' pulls
+            more_requests, more_bytes = self.engine.runner.ranks.served()
+            requests, nbytes = requests + more_requests, nbytes + more_bytes
         return super().info().model_copy(update={
             "kv_address": self.kv_server.address, "running": len(self.engine.scheduler.parked),
-            "kv_requests": stats.requests, "kv_bytes": stats.bytes})
+            "kv_requests": requests, "kv_bytes": nbytes})
 
-    async def _lookup(self, request_id: str) -> Any:
-        """Called by the UCX listener: the parked request's blocks as one buffer, complete
-        before UCX reads it. On a GPU the copy runs on the engine thread (its stream, then
-        synchronised), and so does a parallel instance's (its ranks take one command at a
-        time). Otherwise it runs on a thread of its own, not queued behind the step in
-        progress (seconds, for long prompts): it reads only the parked request's blocks,
-        which no step writes, and the copy is done when it returns."""
+    async def _lookup(self, request_id: str, part: KvSpan | None) -> Any:
+        """Called by the UCX listener: `part` of the parked request's blocks that rank 0
+        holds (the other ranks serve theirs) as one buffer, complete before UCX reads it. On
+        a GPU the copy runs on the engine thread (its stream, then synchronised). Otherwise
+        it runs on a thread of its own, not queued behind the step in progress (seconds, for
+        long prompts): it reads only the parked request's blocks, which no step writes, and
+        the copy is done when it returns."""
         if self.engine.exports_off_thread:
-            return await asyncio.to_thread(self._export, request_id)
-        return await self.host.call(self._export, request_id)
+            return await asyncio.to_thread(self._export, request_id, part)
+        return await self.host.call(self._export, request_id, part)
 
-    def _export(self, request_id: str) -> Any:
-        if request_id not in self.engine.scheduler.parked:
+    def _export(self, request_id: str, part: KvSpan | None) -> Any:
+        buffer = self.engine.export_part(request_id, part)
+        if buffer is None:
             return None
-        buffer = self.engine.export_kv(request_id)
         if buffer.device.type == "cpu":
             return buffer.numpy()
         torch.cuda.current_stream(buffer.device).synchronize()  # the copy is asynchronous
         return buffer
 
     def subscriptions(self) -> dict[str, Callable[[Msg], Awaitable[None]]]:
+        """Listen for pulls (each rank on a listener of its own, under rank 0's key; before
+        the engine loop starts, so the engine thread is idle), then subscribe."""
         self.kv_server.start()
-        log.info("prefill %s: KV listener on %s", self.id, self.kv_server.address)
+        addresses = [self.kv_server.address, *self.engine.serve_kv(self.settings.host,
+                                                                   self.kv_server.key)]
+        self.sources = [KvSource(address=address, layers=(span.layers.start, span.layers.stop),
+                                 kv_heads=(span.heads.start, span.heads.stop))
+                        for address, span in zip(addresses, self.engine.runner.kv_spans,
+                                                 strict=True)]
+        log.info("prefill %s: KV listener%s on %s", self.id, "s" if len(addresses) > 1 else "",
+                 ", ".join(addresses))
         return {subjects.prefill(self.id): self._on_request,
                 subjects.release(self.id): self._on_release, subjects.CANCEL_ALL: self._on_cancel,
                 subjects.resume(self.id): self._on_resume, subjects.HEARTBEATS: self._on_heartbeat}
@@ -150,7 +165,7 @@ class PrefillService(Worker):
         with contextlib.suppress(nats.errors.Error, OSError):
             await publish(self.nc, subjects.decode(req.decode_instance), KvReady(
                 request_id=req.request_id, prefill_instance=self.id,
-                kv_address=self.kv_server.address, token=self.kv_server.token(req.request_id),
+                sources=self.sources, token=self.kv_server.token(req.request_id),
                 num_blocks=len(parked.block_table), prompt_ids=req.prompt_ids,
                 output_ids=output_ids, last_logprob=last_logprob,
                 computed=parked.num_computed, sampling=req.sampling,

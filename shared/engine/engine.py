@@ -15,7 +15,8 @@ from shared.engine.block_manager import BlockManager, blocks_for
 from shared.engine.config import EngineConfig, ModelConfig
 from shared.engine.loader import LoadedModel
 from shared.engine.model_runner import Launched, ModelRunner
-from shared.engine.parallel.group import RankFailed
+from shared.engine.parallel.group import Command, RankFailed, park_payload, text_payload
+from shared.engine.parallel.sharding import KvSpan
 from shared.engine.request import Request, RequestStatus, SamplingParams
 from shared.engine.scheduler import Sampled, Scheduler, SchedulerOutput, StepShape
 from shared.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
@@ -83,6 +84,9 @@ class Engine:
         self._under_way: deque[Launched] = deque()  # a pipeline's micro-batches, oldest first
         self._text: dict[str, _TextState] = {}
         self._arrivals = itertools.count()
+        # parked requests the other ranks serve the KV of, and their blocks (None: they
+        # serve none; `serve_kv`)
+        self._parked_on_ranks: dict[str, list[int]] | None = None
 
     @property
     def model_config(self) -> ModelConfig:
@@ -127,9 +131,16 @@ class Engine:
         """Schedule, execute, update. Returns what changed for each request this step. If
         running the step fails, only its requests fail: each is aborted and gets an output
         with `error`; a failure in scheduling still raises. A pipeline of several stages
-        runs its steps as micro-batches (`_pipelined_step`)."""
-        if self.runner.depth > 1:
-            return self._pipelined_step()
+        runs its steps as micro-batches (`_pipelined_step`). Where the other ranks serve KV,
+        they hear of the requests parked and unparked since the last step first (before
+        this step may write blocks freed since) and last (those it parks, before anyone is
+        told of them)."""
+        self._sync_parked()
+        outputs = self._pipelined_step() if self.runner.depth > 1 else self._step()
+        self._sync_parked()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         self.last_shape = out.shape() if out is not None else None
         if out is None:
@@ -205,15 +216,50 @@ class Engine:
     # -- disaggregation: a request's KV blocks leave one engine and enter another -------
 
     def export_kv(self, request_id: str) -> torch.Tensor:
+        """A parked request's KV, every rank's, as one buffer (in one process: a service
+        serves each rank's part from that rank, `serve_kv`)."""
         request = self.scheduler.parked[request_id]
         return self.runner.export_kv(request.block_table)
 
+    def export_part(self, request_id: str, part: KvSpan | None) -> torch.Tensor | None:
+        """`part` (None: all) of the KV rank 0 holds of a parked request; None if it is not
+        parked or rank 0 does not hold that part."""
+        request = self.scheduler.parked.get(request_id)
+        return None if request is None else self.runner.export_part(request.block_table, part)
+
     @property
     def exports_off_thread(self) -> bool:
-        """Whether `export_kv` may run on another thread than the steps': on one CPU rank it
-        only reads the parked request's blocks, which no step writes; on a GPU it runs on
-        the engine's stream, and with several ranks it is a command to them, one at a time."""
-        return self.runner.device.type == "cpu" and self.runner.ranks is None
+        """Whether `export_part` may run on another thread than the steps': on the CPU it only
+        reads the parked request's blocks of rank 0's pool, which no step writes; on a GPU it
+        runs on the engine's stream."""
+        return self.runner.device.type == "cpu"
+
+    def serve_kv(self, host: str, key: bytes) -> list[str]:
+        """Start the other ranks' KV listeners on `host`, under rank 0's token key: their
+        addresses (none for one rank). From here each step tells them which requests are
+        parked on which blocks."""
+        if self.runner.ranks is None:
+            return []
+        addresses = self.runner.ranks.serve_kv(host, key)
+        self._parked_on_ranks = {}
+        return addresses
+
+    def _sync_parked(self) -> None:
+        """Tell the ranks which requests they may serve the KV of: UNPARK those no longer
+        parked (or parked on other blocks), PARK those newly parked."""
+        told, ranks = self._parked_on_ranks, self.runner.ranks
+        if told is None or ranks is None:
+            return
+        parked = self.scheduler.parked
+        for request_id, blocks in list(told.items()):
+            request = parked.get(request_id)
+            if request is None or request.block_table != blocks:
+                ranks.command(Command.UNPARK, text_payload(request_id))
+                del told[request_id]
+        for request_id, request in parked.items():
+            if request_id not in told:
+                ranks.command(Command.PARK, park_payload(request_id, request.block_table))
+                told[request_id] = list(request.block_table)
 
     def kv_buffer(self, num_blocks: int) -> torch.Tensor:
         """Room for `num_blocks` blocks as `export_kv` lays them out, to receive KV into."""

@@ -56,10 +56,12 @@ class KVCache:
         return keys.view(b, n * self.block_size, *keys.shape[2:]), \
             values.view(b, n * self.block_size, *values.shape[2:])
 
-    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A request's blocks as one contiguous buffer ([layers, 2, n, block_size, H, D])."""
+    def export_blocks(self, block_ids: list[int], layers: slice = slice(None),
+                      heads: slice = slice(None)) -> torch.Tensor:
+        """A request's blocks as one contiguous buffer ([layers, 2, n, block_size, H, D]):
+        of every layer and KV head of the pool, or of some."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
-        return self.data.index_select(2, index)
+        return self.data[layers, :, :, :, heads].index_select(2, index)
 
     def empty_blocks(self, num_blocks: int) -> torch.Tensor:
         """Room for `num_blocks` exported blocks of this pool's layout."""

@@ -23,9 +23,10 @@ from shared.engine.kv_cache import KVCache, block_bytes
 from shared.engine.loader import LoadedModel
 from shared.engine.model import LlamaModel
 from shared.engine.parallel.group import Command, RankFailed, Ranks, rank_threads
+from shared.engine.parallel.kv_serving import export_part
 from shared.engine.parallel.packet import pack
 from shared.engine.parallel.pipeline import hidden_states, last_stage, run_stage
-from shared.engine.parallel.sharding import RankPlace, check_tp, stage_layers
+from shared.engine.parallel.sharding import KvSpan, RankPlace, check_tp, stage_layers
 from shared.engine.sampler import sample
 from shared.engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -212,6 +213,17 @@ class ModelRunner:
         for place in self.ranks.places[1:]:
             self.ranks.send(self._part(buffer, place).contiguous(), place.rank)
         self.kv.import_blocks(block_ids, self._part(buffer, self.ranks.places[0]))
+
+    @property
+    def kv_spans(self) -> list[KvSpan]:
+        """The part of the KV each rank holds, rank 0 first."""
+        places = self.ranks.places if self.ranks is not None else [RankPlace()]
+        return [KvSpan.of(place, self.model_config) for place in places]
+
+    def export_part(self, block_ids: list[int], part: KvSpan | None) -> torch.Tensor | None:
+        """`part` (None: all) of rank 0's own KV of the blocks, contiguous; None where rank 0
+        does not hold all of `part` (each other rank serves its own: kv_serving)."""
+        return export_part(self.kv, block_ids, self.kv_spans[0], part)
 
     def _part(self, buffer: torch.Tensor, place: RankPlace) -> torch.Tensor:
         """The view of an exported buffer that rank `place` holds: its layers, its heads."""

@@ -42,7 +42,7 @@ def serve(ports: Any, stop: Any) -> None:
     kv = pool(seed=1)
     exported = {"req-1": kv.export_blocks(SOURCE_BLOCKS).numpy()}
 
-    async def lookup(request_id: str) -> Any:
+    async def lookup(request_id: str, part: Any) -> Any:
         return exported.get(request_id)
 
     async def main() -> None:

@@ -18,6 +18,7 @@ import collections
 import contextlib
 import ctypes
 import enum
+import json
 import logging
 import os
 import signal
@@ -62,6 +63,9 @@ class Command(enum.IntEnum):
     STEP = 1  # payload: the step's packed inputs (parallel.packet)
     EXPORT = 2  # payload: block ids; then each rank sends rank 0 its layers' K/V heads
     IMPORT = 3  # payload: block ids; then rank 0 sends each rank its layers' K/V heads
+    SERVE_KV = 4  # payload: text, JSON {"host", "key"}: start a KV listener (kv_serving)
+    PARK = 5  # payload: [n, n block ids, the request id as text]: its KV may be pulled
+    UNPARK = 6  # payload: the request id as text: its blocks are no longer its own
 
 
 @dataclass
@@ -181,6 +185,26 @@ def send_command(outbox: Outbox, command: Command, payload: torch.Tensor) -> Non
             outbox.send(payload, rank)
 
 
+def text_payload(text: str) -> torch.Tensor:
+    """`text` as a command's payload (its UTF-8 bytes, one an element)."""
+    return torch.tensor(list(text.encode()), dtype=torch.long)
+
+
+def payload_text(payload: torch.Tensor) -> str:
+    return bytes(payload.tolist()).decode()
+
+
+def park_payload(request_id: str, blocks: list[int]) -> torch.Tensor:
+    return torch.cat([torch.tensor([len(blocks), *blocks], dtype=torch.long),
+                      text_payload(request_id)])
+
+
+def parked_from(payload: torch.Tensor) -> tuple[str, list[int]]:
+    """A PARK command's request id and blocks."""
+    n = int(payload[0])
+    return payload_text(payload[1 + n:]), payload[1:1 + n].tolist()
+
+
 def receive(commands: Collective) -> tuple[Command, torch.Tensor]:
     """A rank's next command from rank 0 and its payload."""
     header = torch.empty(2, dtype=torch.long)
@@ -234,6 +258,32 @@ class Ranks:
         with self._guarded():
             self.check()
             send_command(self.outbox, command, payload)
+
+    def serve_kv(self, host: str, key: bytes) -> list[str]:
+        """Start each other rank's KV listener (kv_serving) on `host`, with the key of rank
+        0's tokens: their addresses, rank 1 first."""
+        from shared.engine.parallel.kv_serving import address_key
+
+        self.command(Command.SERVE_KV, text_payload(json.dumps({"host": host,
+                                                                "key": key.hex()})))
+        keys = [address_key(rank) for rank in range(1, len(self.places))]
+        deadline = time.monotonic() + collective_timeout().total_seconds()
+        while not self.store.check(keys):
+            self.check()
+            if time.monotonic() > deadline:
+                raise RankFailed("the ranks' KV listeners did not start")
+            time.sleep(0.05)
+        addresses = [self.store.get(k).decode() for k in keys]
+        failed = [a for a in addresses if a.startswith("error")]
+        if failed:
+            raise RuntimeError(f"a rank's KV listener did not start: {failed[0]}")
+        return addresses
+
+    def served(self) -> tuple[int, int]:
+        """Pulls the other ranks' KV listeners answered, and their bytes."""
+        from shared.engine.parallel.kv_serving import SERVED_BYTES, SERVED_REQUESTS
+
+        return self.store.add(SERVED_REQUESTS, 0), self.store.add(SERVED_BYTES, 0)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Over rank 0's stage."""

@@ -73,6 +73,52 @@ class RankPlace:
         return 0 if self.tp_rank == 0 and self.pp > 1 else None
 
 
+@dataclass(frozen=True)
+class KvSpan:
+    """A part of a model's KV cache: a run of its layers and a run of its KV heads (the
+    model's numbering). A rank holds one; a transfer moves the overlap of two."""
+
+    layers: range
+    heads: range
+
+    @classmethod
+    def of(cls, place: RankPlace, config: ModelConfig) -> KvSpan:
+        """The KV that rank `place` holds."""
+        return cls(place.layers(config.num_layers), place.kv_heads(config.num_kv_heads))
+
+    @classmethod
+    def whole(cls, config: ModelConfig) -> KvSpan:
+        return cls(range(config.num_layers), range(config.num_kv_heads))
+
+    def overlap(self, other: KvSpan) -> KvSpan | None:
+        layers = range(max(self.layers.start, other.layers.start),
+                       min(self.layers.stop, other.layers.stop))
+        heads = range(max(self.heads.start, other.heads.start),
+                      min(self.heads.stop, other.heads.stop))
+        return KvSpan(layers, heads) if layers and heads else None
+
+    def within(self, outer: KvSpan) -> tuple[slice, slice]:
+        """Where this span lies in a buffer of `outer`'s layers and heads: the slices of its
+        layer and head dimensions."""
+        assert self.overlap(outer) == self, f"{self} is not within {outer}"
+        return (slice(self.layers.start - outer.layers.start,
+                      self.layers.stop - outer.layers.start),
+                slice(self.heads.start - outer.heads.start,
+                      self.heads.stop - outer.heads.start))
+
+
+def kv_pieces(wanted: KvSpan, held: list[KvSpan]) -> list[tuple[int, KvSpan]]:
+    """What to pull from whom to fill `wanted` from ranks holding `held` (an instance's
+    ranks: disjoint spans that cover the model): (index into `held`, the part it gives), each
+    part of the KV once. ValueError if they leave some of `wanted` uncovered."""
+    pieces = [(i, part) for i, span in enumerate(held)
+              if (part := span.overlap(wanted)) is not None]
+    covered = sum(len(p.layers) * len(p.heads) for _, p in pieces)
+    if covered != len(wanted.layers) * len(wanted.heads):
+        raise ValueError(f"the ranks' KV ({held}) does not cover {wanted} once")
+    return pieces
+
+
 def stage_layers(num_layers: int, pp: int) -> list[range]:
     """Contiguous layers of each of `pp` stages, the first ones a layer more if need be."""
     if not 1 <= pp <= num_layers:
