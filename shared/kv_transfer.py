@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 import ucxx
 import ucxx._lib_async.application_context as ucxx_connect
 import ucxx._lib_async.continuous_ucx_progress as ucxx_progress
@@ -52,7 +53,7 @@ from ucxx._lib.arr import Array
 from ucxx._lib_async.utils import hash64bits
 from ucxx.exceptions import UCXCanceledError, UCXError
 
-from shared.engine.parallel.sharding import KvSpan
+from shared.engine.parallel.sharding import KvSpan, kv_pieces
 
 log = logging.getLogger(__name__)
 
@@ -340,3 +341,35 @@ class KvClient:
         for ep in self._endpoints.values():
             await ep.close()
         self._endpoints.clear()
+
+
+async def pull_pieces(client: KvClient, request_id: str, token: str,
+                      sources: list[tuple[str, KvSpan]], wanted: KvSpan,
+                      buffer: torch.Tensor) -> int:
+    """Fill `buffer` (the part `wanted` of the request's blocks: its layers, its KV heads)
+    from the ranks of the prefill instance (their listeners and the parts they hold), from
+    each the overlap, all at once: how many pulls it took. A rank's overlap lands straight in
+    `buffer` where it is all of it, else in a buffer of its own first. One that fails
+    abandons the others."""
+    try:
+        pieces = kv_pieces(wanted, [span for _, span in sources])
+    except ValueError as e:
+        raise TransferError(f"the prefill instance's KV is not this model's: {e}") from e
+
+    async def pull(address: str, part: KvSpan) -> None:
+        layers, heads = part.within(wanted)
+        view = buffer[layers, :, :, :, heads]
+        into = view if part == wanted else torch.empty(view.shape, dtype=view.dtype,
+                                                       device=view.device)
+        await client.pull(address, request_id, token,
+                          into.numpy() if into.device.type == "cpu" else into, part)
+        if into is not view:
+            view.copy_(into)
+
+    tasks = [asyncio.create_task(pull(sources[i][0], part)) for i, part in pieces]
+    try:
+        await asyncio.gather(*tasks)
+    finally:  # one failed: the others' transfers are abandoned, not left running
+        for task in tasks:
+            task.cancel()
+    return len(tasks)

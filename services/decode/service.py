@@ -8,11 +8,14 @@ moves it elsewhere."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import itertools
 import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
@@ -24,13 +27,12 @@ from shared import subjects
 from shared.bus import parse
 from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput
-from shared.engine.parallel.sharding import KvSpan, kv_pieces
+from shared.engine.parallel.sharding import KvSpan
 from shared.engine.request import Request
-from shared.kv_transfer import KvClient, TransferError, stop_notifier_thread
+from shared.kv_transfer import KvClient, TransferError, pull_pieces, stop_notifier_thread
 from shared.messages import (
     Cancel,
     KvReady,
-    KvSource,
     KvWanted,
     KvWantedReply,
     ReleaseKv,
@@ -40,6 +42,21 @@ from shared.state import InstanceInfo
 from shared.telemetry import context_from, record
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Grant:
+    """Blocks taken for a request's KV, the buffer rank 0's part arrives in, and the other
+    ranks' pulls of theirs (None: one rank)."""
+
+    blocks: list[int]
+    buffer: torch.Tensor
+    ranks: concurrent.futures.Future[bool] | None = None
+
+
+def _sources(ready: KvReady) -> list[tuple[str, KvSpan]]:
+    """The prefill instance's listeners and the part of the KV each holds."""
+    return [(s.address, KvSpan(range(*s.layers), range(*s.kv_heads))) for s in ready.sources]
 
 
 class DecodeService(Worker):
@@ -58,10 +75,11 @@ class DecodeService(Worker):
 
     def info(self) -> InstanceInfo:
         stats = self.kv_client.stats
+        requests, nbytes = self.engine.kv_moved_on_ranks()  # the pulls the others made
         return super().info().model_copy(update={
-            "queue_len": len(self.pending), "kv_requests": stats.requests,
+            "queue_len": len(self.pending), "kv_requests": stats.requests + requests,
             "preempted": len(self.engine.scheduler.waiting),
-            "kv_bytes": stats.bytes})
+            "kv_bytes": stats.bytes + nbytes})
 
     def holding(self) -> int:
         return len(self.pending) + len(self.pulling)
@@ -118,44 +136,58 @@ class DecodeService(Worker):
                 queued = {id(r) for r in self.pending}  # a cancel may have taken some out
                 taken = {id(r) for r, _ in pairs}
                 self.pending = deque(r for r in self.pending if id(r) not in taken)
-                for ready, (blocks, buffer) in pairs:  # no await before all are in `pulling`
+                for ready, grant in pairs:  # no await before all are in `pulling`
                     if id(ready) in queued:
                         self.pulling[ready.request_id] = asyncio.create_task(
-                            self._pull(ready, blocks, buffer))
-                for ready, (blocks, _) in pairs:
+                            self._pull(ready, grant))
+                for ready, grant in pairs:
                     if id(ready) not in queued:
-                        await self.host.call(self.engine.free, blocks)
+                        await self._free(grant)
 
-    def _allocate_in_order(self, wanted: list[KvReady]
-                           ) -> list[tuple[list[int], torch.Tensor]]:
+    def _allocate_in_order(self, wanted: list[KvReady]) -> list[Grant]:
         """On the engine thread: blocks for the longest prefix of `wanted` the pool holds,
-        each with the buffer its KV is received into (one engine call for both: each call
-        waits for the running step, and a pull used to make three)."""
+        each with the buffer rank 0's KV is received into and, with several ranks, the
+        others' pulls of theirs started (one engine call for all: each call waits for the
+        running step, and a pull used to make three)."""
         granted = []
         for ready in wanted:
             blocks = self.engine.allocate(ready.computed)
             if blocks is None:
                 break
-            granted.append((blocks, self.engine.kv_buffer(len(blocks))))
+            ranks = None
+            if ready.num_blocks == len(blocks):  # else the pull fails at once
+                ranks = self.engine.pull_on_ranks(ready.request_id, ready.token, blocks,
+                                                  _sources(ready),
+                                                  self.settings.kv_pull_timeout_s)
+            granted.append(Grant(blocks, self.engine.kv_buffer(len(blocks)), ranks))
         device = self.engine.runner.device
         if granted and device.type == "cuda":  # the buffers exist before UCX writes them
             torch.cuda.current_stream(device).synchronize()
         return granted
 
-    async def _pull(self, ready: KvReady, blocks: list[int], buffer: torch.Tensor) -> None:
+    async def _pull(self, ready: KvReady, grant: Grant) -> None:
         headers, announced = self.traces.pop(ready.request_id, ({}, time.time()))
         parent = context_from(headers)
         pull_start = time.time()
         record(self.tracer, "decode queue", parent, announced, pull_start, instance=self.id)
+        blocks = grant.blocks
+        buffer: torch.Tensor | None = grant.buffer
         try:
             if ready.num_blocks != len(blocks):
                 raise TransferError(f"prefill sent {ready.num_blocks} blocks, expected "
                                     f"{len(blocks)}: block sizes differ")
-            await self._pull_pieces(ready, buffer)
+            await pull_pieces(self.kv_client, ready.request_id, ready.token, _sources(ready),
+                              self.engine.runner.kv_spans[0], grant.buffer)
+            nbytes = int(grant.buffer.nbytes)
+            if grant.ranks is not None:  # rank 0's part now, then the others' once landed
+                await asyncio.to_thread(self.engine.import_part, blocks, grant.buffer)
+                buffer = None
+                if not await asyncio.wrap_future(grant.ranks):
+                    raise TransferError("a rank's pull of its part failed (its log says why)")
             self._pulled(ready.request_id)  # from here a cancel aborts it in the engine
             joined = time.time()
             record(self.tracer, "kv transfer", parent, pull_start, joined, instance=self.id,
-                   source=ready.prefill_instance, bytes=int(buffer.nbytes), blocks=len(blocks))
+                   source=ready.prefill_instance, bytes=nbytes, blocks=len(blocks))
             self.traces[ready.request_id] = (headers, joined)
             request = Request(ready.request_id, ready.prompt_ids, ready.sampling.params(),
                               eos_ids=self.engine.eos_ids, output_ids=list(ready.output_ids),
@@ -167,49 +199,29 @@ class DecodeService(Worker):
             self.host.wake()
         except TransferError as e:
             log.warning("pull of %s failed: %s", ready.request_id, e)
-            await self._give_up(ready, blocks, f"KV transfer failed: {e}")
+            await self._give_up(ready, grant, f"KV transfer failed: {e}")
         except Exception as e:  # a bug: still, the blocks must not leak nor the request hang
             log.exception("import of %s failed", ready.request_id)
-            await self._give_up(ready, blocks, f"KV import failed: {e}")
+            await self._give_up(ready, grant, f"KV import failed: {e}")
         except asyncio.CancelledError:  # the request was cancelled (or the worker stops)
-            await self.host.call(self.engine.free, blocks)
-            self.room.set()
+            await self._free(grant)
         finally:
             self._pulled(ready.request_id)
             self._release(ready)  # imported, or given up
 
-    async def _pull_pieces(self, ready: KvReady, buffer: torch.Tensor) -> None:
-        """Fill `buffer` (every layer and KV head of the request's blocks) from the prefill
-        instance's ranks, each the part it holds, at once; a rank's part lands straight in
-        `buffer` where it is all of it, else in a buffer of its own first."""
-        held = [KvSpan(range(*s.layers), range(*s.kv_heads)) for s in ready.sources]
-        whole = KvSpan.whole(self.engine.model_config)
-        try:
-            pieces = kv_pieces(whole, held)
-        except ValueError as e:
-            raise TransferError(f"the prefill instance's KV is not this model's: {e}") from e
-
-        async def pull(source: KvSource, part: KvSpan) -> None:
-            layers, heads = part.within(whole)
-            view = buffer[layers, :, :, :, heads]
-            into = view if part == whole else torch.empty(view.shape, dtype=view.dtype,
-                                                          device=view.device)
-            await self.kv_client.pull(source.address, ready.request_id, ready.token,
-                                      into.numpy() if into.device.type == "cpu" else into, part)
-            if into is not view:
-                view.copy_(into)
-
-        tasks = [asyncio.create_task(pull(ready.sources[i], part)) for i, part in pieces]
-        try:
-            await asyncio.gather(*tasks)
-        finally:  # one failed: the others' transfers are abandoned, not left running
-            for task in tasks:
-                task.cancel()
-
-    async def _give_up(self, ready: KvReady, blocks: list[int], error: str) -> None:
-        """Free the blocks taken for a pull that failed and ask the gateway to move it."""
-        await self.host.call(self.engine.free, blocks)
+    async def _free(self, grant: Grant) -> None:
+        """Free a pull's blocks, once no rank's pull may still write them (each ends within
+        its timeout, or with its rank)."""
+        if grant.ranks is not None and not grant.ranks.done():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(grant.ranks)),
+                                       2 * self.settings.kv_pull_timeout_s + 10)
+        await self.host.call(self.engine.free, grant.blocks)
         self.room.set()
+
+    async def _give_up(self, ready: KvReady, grant: Grant, error: str) -> None:
+        """Free the blocks taken for a pull that failed and ask the gateway to move it."""
+        await self._free(grant)
         await self.send(TokenChunk(request_id=ready.request_id, source=self.id,
                                    seq=len(ready.output_ids), attempt=ready.attempt,
                                    retry=True, error=error))

@@ -62,13 +62,11 @@ class PrefillService(Worker):
         self.sources: list[KvSource] = []  # the ranks' KV listeners, once they listen
 
     def info(self) -> InstanceInfo:
-        requests, nbytes = self.kv_server.stats.requests, self.kv_server.stats.bytes
-        if self.engine.runner.ranks is not None and self.sources:  # the other ranks' pulls
-            more_requests, more_bytes = self.engine.runner.ranks.served()
-            requests, nbytes = requests + more_requests, nbytes + more_bytes
+        requests, nbytes = self.engine.kv_moved_on_ranks()  # the pulls the others served
         return super().info().model_copy(update={
             "kv_address": self.kv_server.address, "running": len(self.engine.scheduler.parked),
-            "kv_requests": requests, "kv_bytes": nbytes})
+            "kv_requests": self.kv_server.stats.requests + requests,
+            "kv_bytes": self.kv_server.stats.bytes + nbytes})
 
     async def _lookup(self, request_id: str, part: KvSpan | None) -> Any:
         """Called by the UCX listener: `part` of the parked request's blocks that rank 0

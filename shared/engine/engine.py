@@ -3,6 +3,7 @@ import wrap it; they do not live inside it."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 from collections import deque
@@ -244,6 +245,10 @@ class Engine:
         self._parked_on_ranks = {}
         return addresses
 
+    def kv_moved_on_ranks(self) -> tuple[int, int]:
+        """The pulls ranks other than 0 served or made, and their bytes (any thread)."""
+        return (0, 0) if self.runner.ranks is None else self.runner.ranks.kv_moved()
+
     def _sync_parked(self) -> None:
         """Tell the ranks which requests they may serve the KV of: UNPARK those no longer
         parked (or parked on other blocks), PARK those newly parked."""
@@ -262,8 +267,26 @@ class Engine:
                 told[request_id] = list(request.block_table)
 
     def kv_buffer(self, num_blocks: int) -> torch.Tensor:
-        """Room for `num_blocks` blocks as `export_kv` lays them out, to receive KV into."""
-        return self.runner.kv_buffer(num_blocks)
+        """Room for `num_blocks` blocks of the KV rank 0 holds (all of it on one rank), to
+        receive KV into: each other rank pulls its own (`pull_on_ranks`)."""
+        if self.runner.ranks is None:
+            return self.runner.kv_buffer(num_blocks)
+        return self.runner.kv.empty_blocks(num_blocks)
+
+    def pull_on_ranks(self, request_id: str, token: str, blocks: list[int],
+                      sources: list[tuple[str, KvSpan]], timeout_s: float
+                      ) -> concurrent.futures.Future[bool] | None:
+        """Have each rank but 0 pull its part of a request's KV from `sources` (listeners
+        and the parts they hold) into `blocks`: a future, True once every part is in place
+        (None with one rank). The blocks stay allocated until it resolves."""
+        if self.runner.ranks is None:
+            return None
+        return self.runner.ranks.pull_kv(request_id, token, blocks, sources, timeout_s)
+
+    def import_part(self, blocks: list[int], buffer: torch.Tensor) -> None:
+        """Rank 0's part of a request's KV (`kv_buffer`'s layout) into `blocks`. On the CPU
+        it may run off the steps' thread: no step reads or writes blocks not yet admitted."""
+        self.runner.kv.import_blocks(blocks, buffer)
 
     def release(self, request_id: str) -> bool:
         self._text.pop(request_id, None)

@@ -1,6 +1,7 @@
-"""Parallel instances in the stack: a prefill instance at tp 3 hands its KV (each rank's KV
-heads sent to rank 0) to a one-rank decode instance, and a one-rank prefill instance to a
-decode instance of 2 pipeline stages (each sent its layers); the openai client gets the
+"""Parallel instances in the stack: a prefill instance at tp 3 hands its KV (each rank serving
+its KV heads) to a one-rank decode instance, a one-rank prefill instance to a decode instance
+of 2 pipeline stages (each pulling its layers), and the one at tp 3 to the one of 2 stages
+(each decode rank pulling its layers from every prefill rank); the openai client gets the
 single-process engine's greedy text, and the KV crosses over UCX once."""
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ MODEL = "smollm2-135m"
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time"]
 
 
-@pytest.fixture(scope="module", params=[dict(prefill_tp=3), dict(decode_pp=2)],
-                ids=["prefill-tp3", "decode-pp2"])
+@pytest.fixture(scope="module", params=[dict(prefill_tp=3), dict(decode_pp=2),
+                                        dict(prefill_tp=3, decode_pp=2)],
+                ids=["prefill-tp3", "decode-pp2", "prefill-tp3-decode-pp2"])
 def tp_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[Stack]:
     s = start_stack(tmp_path_factory.mktemp("stack"), prefill=1, decode=1, **request.param)

@@ -15,6 +15,7 @@ fail over). Ranks die with rank 0 (the parent-death signal)."""
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import ctypes
 import enum
@@ -29,7 +30,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,10 @@ from pydantic import TypeAdapter
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from shared.engine.config import EngineConfig
-from shared.engine.parallel.sharding import RankPlace
+from shared.engine.parallel.sharding import KvSpan, RankPlace
+
+if TYPE_CHECKING:
+    from shared.engine.parallel.kv_serving import PullsUnderWay
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +70,7 @@ class Command(enum.IntEnum):
     SERVE_KV = 4  # payload: text, JSON {"host", "key"}: start a KV listener (kv_serving)
     PARK = 5  # payload: [n, n block ids, the request id as text]: its KV may be pulled
     UNPARK = 6  # payload: the request id as text: its blocks are no longer its own
+    PULL_KV = 7  # payload: text, a kv_serving.PullOrder as JSON: pull its part of the KV
 
 
 @dataclass
@@ -161,6 +166,12 @@ def connect_commands(store: Store, rank: int, size: int) -> Collective:
     return connect(PrefixStore("commands", store), rank, size, IDLE)
 
 
+def connect_acks(store: Store, rank: int, size: int) -> Collective:
+    """The instance's group for the ranks' answers to rank 0's KV pulls (kv_serving): rank 0
+    waits on it for as long as the instance stays idle."""
+    return connect(PrefixStore("acks", store), rank, size, IDLE)
+
+
 def connect_stage(store: Store, instance: Collective, place: RankPlace) -> Collective:
     """The group of `place`'s stage (its tp ranks), for the all-reduces: the instance's own
     group where there is one stage."""
@@ -239,6 +250,7 @@ class Ranks:
             self.stage.check = self.check
             self.commands = connect_commands(store, 0, size)
             self.commands.check = self.check
+            self.acks = connect_acks(store, 0, size)
         except RuntimeError as e:
             self.failed = True
             self.close()
@@ -250,6 +262,7 @@ class Ranks:
         # exports and imports done, so the wait for them returns at once
         self.outbox = Outbox(self.commands, 2 * (size - 1) * (config.pp + 1))
         self.hand_offs = Outbox(self.collective, config.pp + 1)
+        self.pulls: PullsUnderWay | None = None  # the ranks' KV pulls, from the first
         self.reduce_s = 0.0  # rank 0's seconds in all-reduces (waiting for the slowest rank
         self.reduces = 0  # included), and how many: the share of a step they take
 
@@ -279,11 +292,31 @@ class Ranks:
             raise RuntimeError(f"a rank's KV listener did not start: {failed[0]}")
         return addresses
 
-    def served(self) -> tuple[int, int]:
-        """Pulls the other ranks' KV listeners answered, and their bytes."""
-        from shared.engine.parallel.kv_serving import SERVED_BYTES, SERVED_REQUESTS
+    def pull_kv(self, request_id: str, token: str, blocks: list[int],
+                sources: list[tuple[str, KvSpan]], timeout_s: float
+                ) -> concurrent.futures.Future[bool]:
+        """Have each other rank pull its part of a request's KV from `sources` (the prefill
+        instance's listeners and the parts they hold) into `blocks`: a future, True once
+        every rank's part is in its pool, False if one's pull failed (RankFailed if a rank
+        died). The blocks must stay allocated until it resolves."""
+        from shared.engine.parallel.kv_serving import ORDER, PullOrder, PullsUnderWay
 
-        return self.store.add(SERVED_REQUESTS, 0), self.store.add(SERVED_BYTES, 0)
+        if self.pulls is None:
+            self.pulls = PullsUnderWay(self.acks)
+        seq, future = self.pulls.expect()
+        order = PullOrder.of(seq, request_id, token, blocks, sources, timeout_s)
+        try:
+            self.command(Command.PULL_KV, text_payload(ORDER.dump_json(order).decode()))
+        except BaseException:
+            self.pulls.forget(seq)
+            raise
+        return future
+
+    def kv_moved(self) -> tuple[int, int]:
+        """Pulls the other ranks served or made (kv_serving), and their bytes."""
+        from shared.engine.parallel.kv_serving import MOVED_BYTES, MOVED_REQUESTS
+
+        return self.store.add(MOVED_REQUESTS, 0), self.store.add(MOVED_BYTES, 0)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Over rank 0's stage."""

@@ -1,33 +1,44 @@
-"""A rank's own KV listener: a rank other than 0 of a prefill instance serves the part of each
-parked request's KV that it holds (its layers, its KV heads) over UCX, from a thread of its
-own while it runs steps, so a decode rank pulls its part from the ranks that hold it and no
-byte of the KV passes through rank 0.
+"""Each rank moves its own part of the KV (its layers, its KV heads) over UCX, from a thread of
+its own while it runs steps: a rank of a prefill instance serves it, a rank of a decode
+instance pulls it from the prefill ranks that hold it, so no byte of the KV passes through
+rank 0 nor waits behind a step.
 
-Rank 0 tells the rank which requests are parked on which blocks (`ParkedBlocks`, by the PARK
-and UNPARK commands: in order with the steps, so a request's blocks leave the table before a
-step may write them again) and the key of its tokens; the rank tells rank 0 its address and
-what it served through the instance's store (`address_key`, `SERVED_BYTES`)."""
+Prefill: rank 0 tells the rank which requests are parked on which blocks (`ParkedBlocks`, by
+the PARK and UNPARK commands: in order with the steps, so a request's blocks leave the table
+before a step may write them again) and the key of its tokens; the rank tells rank 0 its
+address and what it served through the instance's store (`address_key`, `MOVED_BYTES`).
+
+Decode: rank 0 allocates the blocks and sends each rank a `PullOrder` (PULL_KV); each rank
+answers on a group of its own once its part is in its pool (`PullsUnderWay`), and rank 0
+admits the request when all have."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import itertools
 import logging
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
+from pydantic import TypeAdapter
 
 from shared.engine.kv_cache import KVCache
+from shared.engine.parallel.group import Collective, RankFailed
 from shared.engine.parallel.sharding import KvSpan
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
 # how long a pull waits for rank 0's PARK of its request: the decode instance hears of the
 # request only after rank 0 sent it, but the rank may still be reading the command
 PARK_WAIT_S = 5.0
-SERVED_BYTES, SERVED_REQUESTS = "kv/served_bytes", "kv/served_requests"
+MOVED_BYTES, MOVED_REQUESTS = "kv/bytes", "kv/requests"  # served or pulled, all ranks
 
 
 def address_key(rank: int) -> str:
@@ -79,26 +90,36 @@ def export_part(kv: KVCache, blocks: list[int], span: KvSpan, part: KvSpan | Non
     return kv.export_blocks(blocks, layers, heads)
 
 
-class RankKvServer:
-    """A KvServer on a thread of its own (its event loop), serving `kv`'s parked blocks."""
+class RankKv:
+    """A rank's KV transfers, on a thread of its own (its event loop, started with the first
+    transfer): on a prefill instance a KvServer serving `kv`'s parked blocks; on a decode
+    instance a KvClient pulling the rank's part of a request's KV into its pool, each pull
+    answered to rank 0 on the `acks` group."""
 
-    def __init__(self, kv: KVCache, span: KvSpan, store: Any) -> None:
-        self.kv, self.span, self.store = kv, span, store
+    def __init__(self, kv: KVCache, span: KvSpan, store: Any, acks: Collective) -> None:
+        self.kv, self.span, self.store, self.acks = kv, span, store, acks
         self.parked = ParkedBlocks()
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kv-listener",
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kv-transfers",
                                         daemon=True)
         self._server: Any = None
+        self._client: Any = None
 
-    def start(self, host: str, key: bytes) -> str:
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        if not self._thread.is_alive():
+            from shared import kv_transfer  # UCX starts in a rank only where it moves KV
+
+            kv_transfer.enable_notifier_thread()
+            self._thread.start()
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    def serve(self, host: str, key: bytes) -> str:
         """Listen on `host` (the instance's), with rank 0's key; the address."""
-        from shared import kv_transfer  # UCX starts in a rank only where it serves KV
+        from shared import kv_transfer
 
-        kv_transfer.enable_notifier_thread()
         self._server = kv_transfer.KvServer(lookup=self._lookup, host=host, key=key,
-                                            on_served=self._served)
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(timeout=60)
+                                            on_served=lambda nbytes: self._moved(1, nbytes))
+        self._run(self._listen()).result(timeout=60)
         return str(self._server.address)
 
     async def _listen(self) -> None:
@@ -114,21 +135,143 @@ class RankKvServer:
             buffer = export_part(self.kv, blocks, self.span, part)
         return None if buffer is None else buffer.numpy()
 
-    def _served(self, nbytes: int) -> None:
-        self.store.add(SERVED_BYTES, nbytes)
-        self.store.add(SERVED_REQUESTS, 1)
+    def _moved(self, pulls: int, nbytes: int) -> None:
+        self.store.add(MOVED_BYTES, nbytes)
+        self.store.add(MOVED_REQUESTS, pulls)
+
+    def pull(self, order: PullOrder) -> None:
+        """Start pulling the rank's part of a request's KV (rank 0's PULL_KV), without
+        waiting: the command loop goes on with the steps meanwhile."""
+        self._run(self._pull(order))
+
+    async def _pull(self, order: PullOrder) -> None:
+        """Pull, then place the part in the request's blocks: no step reads or writes them
+        until rank 0 admits the request, which it does once every rank has answered. The
+        answer goes to rank 0 whatever happens, so it never frees blocks a pull may still
+        write."""
+        from shared import kv_transfer
+
+        failed = 1
+        try:
+            if self._client is None:
+                self._client = kv_transfer.KvClient(timeout_s=order.timeout_s)
+            buffer = self.kv.empty_blocks(len(order.blocks))
+            pulls = await kv_transfer.pull_pieces(self._client, order.request_id,
+                                                  order.token, order.spans(), self.span, buffer)
+            self.kv.import_blocks(order.blocks, buffer)
+            self._moved(pulls, buffer.nbytes)
+            failed = 0
+        except Exception:  # rank 0 gives the request up (and says why in its log)
+            log.exception("the pull of %s's KV failed", order.request_id)
+        finally:
+            self.acks.send(torch.tensor([order.seq, failed]), 0)
 
     def stop(self) -> None:
-        """Close the listener and UCX's notifier thread (not a daemon: the process would not
-        exit while it runs)."""
-        if self._server is None:
+        """Close the listener and endpoints, and UCX's notifier thread (not a daemon: the
+        process would not exit while it runs)."""
+        if not self._thread.is_alive():
             return
         from shared import kv_transfer
 
         async def close() -> None:
-            self._server.close()
+            if self._server is not None:
+                self._server.close()
+            if self._client is not None:
+                await self._client.close()
             kv_transfer.stop_notifier_thread()
 
         with contextlib.suppress(Exception):  # stopping anyway
-            asyncio.run_coroutine_threadsafe(close(), self._loop).result(timeout=10)
+            self._run(close()).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+@dataclass
+class PullOrder:
+    """Rank 0's PULL_KV: a request's KV to pull from the prefill instance's ranks (their
+    listeners and the parts they hold) into blocks of the rank's pool."""
+
+    seq: int
+    request_id: str
+    token: str
+    blocks: list[int]
+    sources: list[tuple[str, int, int, int, int]]  # address, layers, KV heads (ends exclusive)
+    timeout_s: float
+
+    @classmethod
+    def of(cls, seq: int, request_id: str, token: str, blocks: list[int],
+           sources: list[tuple[str, KvSpan]], timeout_s: float) -> PullOrder:
+        return cls(seq, request_id, token, blocks,
+                   [(a, s.layers.start, s.layers.stop, s.heads.start, s.heads.stop)
+                    for a, s in sources], timeout_s)
+
+    def spans(self) -> list[tuple[str, KvSpan]]:
+        return [(a, KvSpan(range(l0, l1), range(h0, h1))) for a, l0, l1, h0, h1 in self.sources]
+
+
+ORDER = TypeAdapter(PullOrder)
+
+
+class PullsUnderWay:
+    """Rank 0's side of its ranks' pulls: each PULL_KV gets a number, every other rank
+    answers [number, failed] on the acks group once its part is in its pool (or its pull
+    failed), and the pull's future resolves when all have: True if every part landed. A rank
+    that dies fails every pull under way with RankFailed. One thread a rank receives its
+    answers (started with the first pull)."""
+
+    def __init__(self, acks: Collective) -> None:
+        self.acks = acks
+        self._lock = threading.Lock()
+        self._pending: dict[int, tuple[concurrent.futures.Future[bool], set[int], list[int]]] = {}
+        self._numbers = itertools.count()
+        self._threads: list[threading.Thread] = []
+        self._failed: str | None = None
+
+    def expect(self) -> tuple[int, concurrent.futures.Future[bool]]:
+        """A number for the next pull and its future."""
+        if not self._threads:
+            self._threads = [threading.Thread(target=self._receive, args=(rank,), daemon=True,
+                                              name=f"kv-acks-{rank}")
+                             for rank in range(1, self.acks.size)]
+            for thread in self._threads:
+                thread.start()
+        future: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        with self._lock:
+            if self._failed is not None:
+                raise RankFailed(self._failed)
+            seq = next(self._numbers)
+            self._pending[seq] = (future, set(range(1, self.acks.size)), [])
+        return seq, future
+
+    def forget(self, seq: int) -> None:
+        """A pull whose command never went out."""
+        with self._lock:
+            self._pending.pop(seq, None)
+
+    def _receive(self, rank: int) -> None:
+        answer = torch.empty(2, dtype=torch.long)
+        while True:
+            try:
+                self.acks.receive(answer, rank)
+            except Exception as e:  # the rank is gone (its connection closed)
+                self._fail(f"rank {rank} stopped answering KV pulls: {e}")
+                return
+            seq, failed = answer.tolist()
+            with self._lock:
+                entry = self._pending.get(seq)
+                if entry is None:
+                    continue
+                future, waiting, failures = entry
+                waiting.discard(rank)
+                if failed:
+                    failures.append(rank)
+                if waiting:
+                    continue
+                del self._pending[seq]
+            future.set_result(not failures)
+
+    def _fail(self, why: str) -> None:
+        with self._lock:
+            self._failed = why
+            pending, self._pending = self._pending, {}
+        for future, _, _ in pending.values():
+            future.set_exception(RankFailed(why))

@@ -23,6 +23,7 @@ from shared.engine.parallel.group import (
     Outbox,
     collective_timeout,
     connect,
+    connect_acks,
     connect_commands,
     connect_stage,
     die_with_parent,
@@ -32,7 +33,7 @@ from shared.engine.parallel.group import (
     rank_threads,
     receive,
 )
-from shared.engine.parallel.kv_serving import RankKvServer, address_key
+from shared.engine.parallel.kv_serving import ORDER, RankKv, address_key
 from shared.engine.parallel.packet import unpack
 from shared.engine.parallel.pipeline import run_stage
 from shared.engine.parallel.sharding import KvSpan, RankPlace
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 
 class RankWorker:
     def __init__(self, config: EngineConfig, collective: Collective, stage: Collective,
-                 commands: Collective, store: Store) -> None:
+                 commands: Collective, acks: Collective, store: Store) -> None:
         self.collective, self.commands = collective, commands
         # its stage's outputs, handed on without waiting: the last one's, once the next is
         # computed (the next stage has taken it, or will as soon as it gets to that step)
@@ -52,8 +53,8 @@ class RankWorker:
         if config.tp > 1:
             self.model.all_reduce = stage.all_reduce
         self.kv = kv_pool(self.model, config)
-        self.kv_server = RankKvServer(self.kv, KvSpan.of(self.model.place, self.model.config),
-                                      store)
+        self.transfers = RankKv(self.kv, KvSpan.of(self.model.place, self.model.config),
+                                store, acks)
         self.rank = collective.rank
 
     @torch.inference_mode()
@@ -77,20 +78,22 @@ class RankWorker:
                 self.collective.receive(buffer, 0)
                 self.kv.import_blocks(payload.tolist(), buffer)
             elif command is Command.PARK:
-                self.kv_server.parked.park(*parked_from(payload))
+                self.transfers.parked.park(*parked_from(payload))
             elif command is Command.UNPARK:
-                self.kv_server.parked.unpark(payload_text(payload))
+                self.transfers.parked.unpark(payload_text(payload))
+            elif command is Command.PULL_KV:
+                self.transfers.pull(ORDER.validate_json(payload_text(payload)))
             elif command is Command.SERVE_KV:
                 self._serve_kv(json.loads(payload_text(payload)))
 
     def _serve_kv(self, how: dict[str, str]) -> None:
         """Start the KV listener and tell rank 0 its address (or why it did not start)."""
         try:
-            address = self.kv_server.start(how["host"], bytes.fromhex(how["key"]))
+            address = self.transfers.serve(how["host"], bytes.fromhex(how["key"]))
         except Exception as e:  # rank 0 reports it and fails the instance
             log.exception("the KV listener did not start")
             address = f"error: {type(e).__name__}: {e}"
-        self.kv_server.store.set(address_key(self.rank), address)
+        self.transfers.store.set(address_key(self.rank), address)
 
 
 def main() -> None:
@@ -111,15 +114,16 @@ def main() -> None:
     collective = connect(store, args.rank, config.ranks)
     stage = connect_stage(store, collective, RankPlace(args.rank, config.tp, config.pp))
     commands = connect_commands(store, args.rank, config.ranks)
+    acks = connect_acks(store, args.rank, config.ranks)
     try:
-        worker = RankWorker(config, collective, stage, commands, store)
+        worker = RankWorker(config, collective, stage, commands, acks, store)
     except ValueError as e:  # rank 0 meets the same reason and reports it
         log.error("cannot load its share of %s: %s", config.model, e)
         sys.exit(2)
     try:
         worker.serve()
     finally:  # UCX's notifier thread would keep a failed rank's process alive
-        worker.kv_server.stop()
+        worker.transfers.stop()
 
 
 if __name__ == "__main__":
