@@ -348,25 +348,31 @@ async def pull_pieces(client: KvClient, request_id: str, token: str,
                       buffer: torch.Tensor) -> int:
     """Fill `buffer` (the part `wanted` of the request's blocks: its layers, its KV heads)
     from the ranks of the prefill instance (their listeners and the parts they hold), from
-    each the overlap, all at once: how many pulls it took. A rank's overlap lands straight in
-    `buffer` where it is all of it, else in a buffer of its own first. One that fails
-    abandons the others."""
+    each the overlap, all at once: how many pulls it took. An overlap lands straight in
+    `buffer` where its place there is contiguous (all of the heads), else in a buffer of its
+    own first. One that fails abandons the others."""
     try:
         pieces = kv_pieces(wanted, [span for _, span in sources])
     except ValueError as e:
         raise TransferError(f"the prefill instance's KV is not this model's: {e}") from e
-
-    async def pull(address: str, part: KvSpan) -> None:
+    targets = []
+    for _, part in pieces:
         layers, heads = part.within(wanted)
         view = buffer[layers, :, :, :, heads]
-        into = view if part == wanted else torch.empty(view.shape, dtype=view.dtype,
-                                                       device=view.device)
+        targets.append((view, view if view.is_contiguous() else torch.empty_like(
+            view, memory_format=torch.contiguous_format)))
+    if buffer.device.type == "cuda" and any(a is not b for a, b in targets):
+        torch.cuda.current_stream(buffer.device).synchronize()  # before UCX writes them
+
+    async def pull(address: str, part: KvSpan, view: torch.Tensor, into: torch.Tensor
+                   ) -> None:
         await client.pull(address, request_id, token,
                           into.numpy() if into.device.type == "cpu" else into, part)
         if into is not view:
             view.copy_(into)
 
-    tasks = [asyncio.create_task(pull(sources[i][0], part)) for i, part in pieces]
+    tasks = [asyncio.create_task(pull(sources[i][0], part, view, into))
+             for (i, part), (view, into) in zip(pieces, targets, strict=True)]
     try:
         await asyncio.gather(*tasks)
     finally:  # one failed: the others' transfers are abandoned, not left running

@@ -27,6 +27,8 @@ from shared import subjects
 from shared.bus import parse
 from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput
+from shared.engine.kv_cache import block_bytes
+from shared.engine.parallel.kv_serving import KvPull
 from shared.engine.parallel.sharding import KvSpan
 from shared.engine.request import Request
 from shared.kv_transfer import KvClient, TransferError, pull_pieces, stop_notifier_thread
@@ -52,6 +54,7 @@ class Grant:
     blocks: list[int]
     buffer: torch.Tensor
     ranks: concurrent.futures.Future[bool] | None = None
+    importing: asyncio.Future[None] | None = None  # rank 0's part into its blocks
 
 
 def _sources(ready: KvReady) -> list[tuple[str, KvSpan]]:
@@ -72,6 +75,9 @@ class DecodeService(Worker):
         self.releasing: dict[asyncio.Task[None], str] = {}
         self.room = asyncio.Event()  # set when something may have become pullable
         self.traces: dict[str, tuple[dict[str, str], float]] = {}  # trace headers, since
+        self.freeing: set[asyncio.Task[None]] = set()  # blocks of pulls cancelled early
+        self.block_bytes = block_bytes(self.engine.model_config, self.engine.blocks.block_size,
+                                       self.engine.runner.dtype)  # every rank's part
 
     def info(self) -> InstanceInfo:
         stats = self.kv_client.stats
@@ -82,7 +88,7 @@ class DecodeService(Worker):
             "kv_bytes": stats.bytes + nbytes})
 
     def holding(self) -> int:
-        return len(self.pending) + len(self.pulling)
+        return len(self.pending) + len(self.pulling) + len(self.freeing)
 
     def subscriptions(self) -> dict[str, Callable[[Msg], Awaitable[None]]]:
         return {subjects.decode(self.id): self._on_kv_ready, subjects.CANCEL_ALL: self._on_cancel,
@@ -141,8 +147,10 @@ class DecodeService(Worker):
                         self.pulling[ready.request_id] = asyncio.create_task(
                             self._pull(ready, grant))
                 for ready, grant in pairs:
-                    if id(ready) not in queued:
-                        await self._free(grant)
+                    if id(ready) not in queued:  # freed in a task: admission goes on
+                        freeing = asyncio.create_task(self._free(grant))
+                        self.freeing.add(freeing)
+                        freeing.add_done_callback(self.freeing.discard)
 
     def _allocate_in_order(self, wanted: list[KvReady]) -> list[Grant]:
         """On the engine thread: blocks for the longest prefix of `wanted` the pool holds,
@@ -154,12 +162,15 @@ class DecodeService(Worker):
             blocks = self.engine.allocate(ready.computed)
             if blocks is None:
                 break
-            ranks = None
-            if ready.num_blocks == len(blocks):  # else the pull fails at once
-                ranks = self.engine.pull_on_ranks(ready.request_id, ready.token, blocks,
-                                                  _sources(ready),
-                                                  self.settings.kv_pull_timeout_s)
-            granted.append(Grant(blocks, self.engine.kv_buffer(len(blocks)), ranks))
+            granted.append(Grant(blocks, self.engine.kv_buffer(len(blocks))))
+        # where the blocks differ in number the pull fails at once, and no rank is asked
+        asked = [(ready, grant) for ready, grant in zip(wanted, granted, strict=False)
+                 if ready.num_blocks == len(grant.blocks)]
+        futures = self.engine.pull_on_ranks(
+            [KvPull(ready.request_id, ready.token, grant.blocks, _sources(ready))
+             for ready, grant in asked], self.settings.kv_pull_timeout_s) if asked else None
+        for (_, grant), future in zip(asked, futures or [], strict=False):
+            grant.ranks = future
         device = self.engine.runner.device
         if granted and device.type == "cuda":  # the buffers exist before UCX writes them
             torch.cuda.current_stream(device).synchronize()
@@ -178,16 +189,18 @@ class DecodeService(Worker):
                                     f"{len(blocks)}: block sizes differ")
             await pull_pieces(self.kv_client, ready.request_id, ready.token, _sources(ready),
                               self.engine.runner.kv_spans[0], grant.buffer)
-            nbytes = int(grant.buffer.nbytes)
             if grant.ranks is not None:  # rank 0's part now, then the others' once landed
-                await asyncio.to_thread(self.engine.import_part, blocks, grant.buffer)
+                grant.importing = asyncio.ensure_future(
+                    asyncio.to_thread(self.engine.import_part, blocks, grant.buffer))
+                await asyncio.shield(grant.importing)
                 buffer = None
-                if not await asyncio.wrap_future(grant.ranks):
+                if not await asyncio.shield(asyncio.wrap_future(grant.ranks)):
                     raise TransferError("a rank's pull of its part failed (its log says why)")
             self._pulled(ready.request_id)  # from here a cancel aborts it in the engine
             joined = time.time()
             record(self.tracer, "kv transfer", parent, pull_start, joined, instance=self.id,
-                   source=ready.prefill_instance, bytes=nbytes, blocks=len(blocks))
+                   source=ready.prefill_instance, bytes=len(blocks) * self.block_bytes,
+                   blocks=len(blocks))
             self.traces[ready.request_id] = (headers, joined)
             request = Request(ready.request_id, ready.prompt_ids, ready.sampling.params(),
                               eos_ids=self.engine.eos_ids, output_ids=list(ready.output_ids),
@@ -210,12 +223,13 @@ class DecodeService(Worker):
             self._release(ready)  # imported, or given up
 
     async def _free(self, grant: Grant) -> None:
-        """Free a pull's blocks, once no rank's pull may still write them (each ends within
-        its timeout, or with its rank)."""
-        if grant.ranks is not None and not grant.ranks.done():
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(grant.ranks)),
-                                       2 * self.settings.kv_pull_timeout_s + 10)
+        """Free a pull's blocks once nothing may still write them: rank 0's import of its
+        part, and the other ranks' pulls (each answers by its deadline, or dies)."""
+        with contextlib.suppress(Exception):
+            if grant.importing is not None:
+                await asyncio.shield(grant.importing)
+            if grant.ranks is not None:
+                await asyncio.shield(asyncio.wrap_future(grant.ranks))
         await self.host.call(self.engine.free, grant.blocks)
         self.room.set()
 

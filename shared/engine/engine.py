@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import json
 import logging
 from collections import deque
 from collections.abc import Iterable
@@ -16,7 +17,8 @@ from shared.engine.block_manager import BlockManager, blocks_for
 from shared.engine.config import EngineConfig, ModelConfig
 from shared.engine.loader import LoadedModel
 from shared.engine.model_runner import Launched, ModelRunner
-from shared.engine.parallel.group import Command, RankFailed, park_payload, text_payload
+from shared.engine.parallel.group import Command, RankFailed, text_payload
+from shared.engine.parallel.kv_serving import KvPull
 from shared.engine.parallel.sharding import KvSpan
 from shared.engine.request import Request, RequestStatus, SamplingParams
 from shared.engine.scheduler import Sampled, Scheduler, SchedulerOutput, StepShape
@@ -250,21 +252,22 @@ class Engine:
         return (0, 0) if self.runner.ranks is None else self.runner.ranks.kv_moved()
 
     def _sync_parked(self) -> None:
-        """Tell the ranks which requests they may serve the KV of: UNPARK those no longer
-        parked (or parked on other blocks), PARK those newly parked."""
+        """Tell the ranks which requests they may serve the KV of, in one command: those no
+        longer parked (or parked on other blocks) and those newly parked."""
         told, ranks = self._parked_on_ranks, self.runner.ranks
         if told is None or ranks is None:
             return
         parked = self.scheduler.parked
-        for request_id, blocks in list(told.items()):
-            request = parked.get(request_id)
-            if request is None or request.block_table != blocks:
-                ranks.command(Command.UNPARK, text_payload(request_id))
-                del told[request_id]
-        for request_id, request in parked.items():
-            if request_id not in told:
-                ranks.command(Command.PARK, park_payload(request_id, request.block_table))
-                told[request_id] = list(request.block_table)
+        unpark = [request_id for request_id, blocks in told.items()
+                  if request_id not in parked or parked[request_id].block_table != blocks]
+        for request_id in unpark:
+            del told[request_id]
+        park = {request_id: list(request.block_table) for request_id, request in parked.items()
+                if request_id not in told}
+        if unpark or park:
+            ranks.command(Command.PARKED, text_payload(json.dumps({"unpark": unpark,
+                                                                   "park": park})))
+            told.update(park)
 
     def kv_buffer(self, num_blocks: int) -> torch.Tensor:
         """Room for `num_blocks` blocks of the KV rank 0 holds (all of it on one rank), to
@@ -273,15 +276,14 @@ class Engine:
             return self.runner.kv_buffer(num_blocks)
         return self.runner.kv.empty_blocks(num_blocks)
 
-    def pull_on_ranks(self, request_id: str, token: str, blocks: list[int],
-                      sources: list[tuple[str, KvSpan]], timeout_s: float
-                      ) -> concurrent.futures.Future[bool] | None:
-        """Have each rank but 0 pull its part of a request's KV from `sources` (listeners
-        and the parts they hold) into `blocks`: a future, True once every part is in place
-        (None with one rank). The blocks stay allocated until it resolves."""
+    def pull_on_ranks(self, pulls: list[KvPull], timeout_s: float
+                      ) -> list[concurrent.futures.Future[bool]] | None:
+        """Have each rank but 0 pull its part of each request's KV into the pull's blocks,
+        within `timeout_s`: a future a pull, True once every part is in place (None with one
+        rank). The blocks stay allocated until it resolves: no rank writes them after."""
         if self.runner.ranks is None:
             return None
-        return self.runner.ranks.pull_kv(request_id, token, blocks, sources, timeout_s)
+        return self.runner.ranks.pull_kv(pulls, timeout_s)
 
     def import_part(self, blocks: list[int], buffer: torch.Tensor) -> None:
         """Rank 0's part of a request's KV (`kv_buffer`'s layout) into `blocks`. On the CPU

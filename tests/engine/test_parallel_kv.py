@@ -2,8 +2,9 @@
 instance's rank serves its layers of a parked request, or any part of them, to the holder of
 the request's token and only while the request is parked; a decode instance's rank pulls its
 part from the prefill rank that holds it, into the blocks rank 0 gave it, and the request
-decodes to the tokens of one engine. How the parts fit together, and the table of parked
-blocks, are pure and tested in milliseconds."""
+decodes to the tokens of one engine; a rank gives a pull up by its deadline, and a decode
+rank that dies mid-pull fails the pull at once. How the parts fit together, the table of
+parked blocks and the ranks' answers are pure and tested in milliseconds."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from shared.engine.config import LLAMA_SHAPES, EngineConfig, Role
 from shared.engine.engine import Engine
 from shared.engine.loader import LoadedModel
 from shared.engine.parallel.group import RankFailed
-from shared.engine.parallel.kv_serving import ParkedBlocks, PullsUnderWay
+from shared.engine.parallel.kv_serving import KvPull, ParkedBlocks, PullsUnderWay
 from shared.engine.parallel.sharding import KvSpan, RankPlace, kv_pieces
 from shared.engine.request import Request, SamplingParams
 from shared.kv_transfer import KvClient, KvServer, TransferError
@@ -62,21 +63,30 @@ def test_a_part_lies_within_its_buffer_and_ranks_that_do_not_cover_it_are_refuse
         kv_pieces(outer, spans(tp=3, pp=1, heads=3)[:2])  # a KV head short
     with pytest.raises(ValueError, match="does not cover"):
         kv_pieces(KvSpan(range(0, 30), range(0, 4)), spans(tp=3, pp=1))  # another model
+    with pytest.raises(ValueError, match="does not cover"):  # as much, but twice over
+        kv_pieces(KvSpan(range(0, 2), range(0, 2)), [KvSpan(range(0, 2), range(0, 1))] * 2)
 
 
-def test_parked_blocks_wait_for_a_park_and_an_unpark_waits_for_a_copy() -> None:
+def test_an_unpark_waits_for_a_copy_and_a_request_unparked_lately_is_refused_at_once() -> None:
     parked = ParkedBlocks()
-    with parked.holding("r", wait_s=0.01) as blocks:
+    with parked.holding("r") as blocks:
         assert blocks is None
-    threading.Timer(0.1, parked.park, args=("r", [3, 4])).start()
-    with parked.holding("r", wait_s=30) as blocks:  # parked meanwhile
+    parked.update([], {"r": [3, 4], "s": [5]})
+    with parked.holding("r") as blocks:
         assert blocks == [3, 4]
-        unparking = threading.Thread(target=parked.unpark, args=("r",))
+        unparking = threading.Thread(target=parked.update, args=(["r"], {"t": [3]}))
         unparking.start()
         time.sleep(0.2)
-        assert unparking.is_alive() and len(parked) == 1  # not while the copy runs
+        assert unparking.is_alive()  # not while the copy runs
     unparking.join(timeout=30)
-    assert len(parked) == 0
+    assert "r" not in parked and "t" in parked and "s" in parked
+    assert parked.settled("r") and not parked.settled("u")  # unparked lately: refused at once
+    parked.update([], {"r": [6]})  # a new attempt of the same request
+    with parked.holding("r") as blocks:
+        assert blocks == [6]
+    remembering = ParkedBlocks(remember=2)
+    remembering.update(["a", "b", "c"], {})
+    assert [remembering.settled(r) for r in "abc"] == [False, True, True]
 
 
 class Answers:
@@ -151,6 +161,7 @@ def test_each_rank_serves_and_pulls_its_own_part_of_the_kv(
         [address] = prefill.serve_kv("127.0.0.1", key)  # rank 1's listener
         held = prefill.runner.kv_spans
         assert held == decode.runner.kv_spans and held[1].layers == range(15, 30)
+        sources = [("127.0.0.1:9", held[0]), (address, held[1])]  # rank 0's: given here
         for i, ids in enumerate(prompts):
             prefill.add_request(f"m{i}", ids, GREEDY)
         while prefill.scheduler.waiting:
@@ -170,9 +181,8 @@ def test_each_rank_serves_and_pulls_its_own_part_of_the_kv(
             # the decode instance's rank 1 pulls its layers itself; rank 0's part is given
             blocks = decode.allocate(len(ids))
             assert blocks is not None
-            done = decode.pull_on_ranks(request_id, token, blocks,
-                                        [("127.0.0.1:9", held[0]), (address, held[1])], 30)
-            assert done is not None and done.result(timeout=120) is True
+            done = decode.pull_on_ranks([KvPull(request_id, token, blocks, sources)], 30)
+            assert done is not None and done[0].result(timeout=120) is True
             own = prefill.export_part(request_id, held[0])
             assert own is not None
             decode.import_part(blocks, own)
@@ -188,9 +198,8 @@ def test_each_rank_serves_and_pulls_its_own_part_of_the_kv(
         # a pull the prefill rank refuses fails on the decode rank, which tells rank 0
         blocks = decode.allocate(16)
         assert blocks is not None
-        refused = decode.pull_on_ranks("m0", "0" * 32, blocks,
-                                       [("127.0.0.1:9", held[0]), (address, held[1])], 30)
-        assert refused is not None and refused.result(timeout=120) is False
+        refused = decode.pull_on_ranks([KvPull("m0", "0" * 32, blocks, sources)], 30)
+        assert refused is not None and refused[0].result(timeout=120) is False
         decode.free(blocks)
         # released, and the ranks told at the next step: no longer served
         whole = torch.empty_like(reference[15:])
@@ -199,6 +208,24 @@ def test_each_rank_serves_and_pulls_its_own_part_of_the_kv(
         prefill.step()
         with pytest.raises(TransferError, match="no KV for m1"):
             pull(address, "m1", tokens.token("m1"), whole)
+        # a pull past its deadline (the prefill rank waits for a park of a request it has
+        # not heard of) is given up by the rank by then
+        blocks = decode.allocate(16)
+        assert blocks is not None
+        late = decode.pull_on_ranks([KvPull("m8", tokens.token("m8"), blocks, sources)], 2)
+        assert late is not None and late[0].result(timeout=120) is False
+        # a decode rank that dies mid-pull fails the pull with RankFailed at once, not at
+        # its deadline, and cancelling the wait for it does not make its blocks look free
+        pending = decode.pull_on_ranks([KvPull("m9", tokens.token("m9"), blocks, sources)],
+                                       300)
+        assert pending is not None and decode.runner.ranks is not None
+        assert not pending[0].cancel()
+        time.sleep(0.5)
+        decode.runner.ranks.processes[0].kill()
+        started = time.monotonic()
+        with pytest.raises(RankFailed, match="rank 1"):
+            pending[0].result(timeout=120)
+        assert time.monotonic() - started < 60
     finally:
         prefill.close()
         decode.close()

@@ -38,10 +38,10 @@ from pydantic import TypeAdapter
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from shared.engine.config import EngineConfig
-from shared.engine.parallel.sharding import KvSpan, RankPlace
+from shared.engine.parallel.sharding import RankPlace
 
 if TYPE_CHECKING:
-    from shared.engine.parallel.kv_serving import PullsUnderWay
+    from shared.engine.parallel.kv_serving import KvPull, PullsUnderWay
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,9 @@ class Command(enum.IntEnum):
     EXPORT = 2  # payload: block ids; then each rank sends rank 0 its layers' K/V heads
     IMPORT = 3  # payload: block ids; then rank 0 sends each rank its layers' K/V heads
     SERVE_KV = 4  # payload: text, JSON {"host", "key"}: start a KV listener (kv_serving)
-    PARK = 5  # payload: [n, n block ids, the request id as text]: its KV may be pulled
-    UNPARK = 6  # payload: the request id as text: its blocks are no longer its own
-    PULL_KV = 7  # payload: text, a kv_serving.PullOrder as JSON: pull its part of the KV
+    PARKED = 5  # payload: text, JSON {"unpark": [ids], "park": {id: blocks}}: the requests
+    # whose blocks are no longer theirs, and those whose KV may now be pulled (kv_serving)
+    PULL_KV = 6  # payload: text, kv_serving.PullOrder list as JSON: pull their parts of the KV
 
 
 @dataclass
@@ -205,17 +205,6 @@ def payload_text(payload: torch.Tensor) -> str:
     return bytes(payload.tolist()).decode()
 
 
-def park_payload(request_id: str, blocks: list[int]) -> torch.Tensor:
-    return torch.cat([torch.tensor([len(blocks), *blocks], dtype=torch.long),
-                      text_payload(request_id)])
-
-
-def parked_from(payload: torch.Tensor) -> tuple[str, list[int]]:
-    """A PARK command's request id and blocks."""
-    n = int(payload[0])
-    return payload_text(payload[1 + n:]), payload[1:1 + n].tolist()
-
-
 def receive(commands: Collective) -> tuple[Command, torch.Tensor]:
     """A rank's next command from rank 0 and its payload."""
     header = torch.empty(2, dtype=torch.long)
@@ -292,25 +281,29 @@ class Ranks:
             raise RuntimeError(f"a rank's KV listener did not start: {failed[0]}")
         return addresses
 
-    def pull_kv(self, request_id: str, token: str, blocks: list[int],
-                sources: list[tuple[str, KvSpan]], timeout_s: float
-                ) -> concurrent.futures.Future[bool]:
-        """Have each other rank pull its part of a request's KV from `sources` (the prefill
-        instance's listeners and the parts they hold) into `blocks`: a future, True once
-        every rank's part is in its pool, False if one's pull failed (RankFailed if a rank
-        died). The blocks must stay allocated until it resolves."""
-        from shared.engine.parallel.kv_serving import ORDER, PullOrder, PullsUnderWay
+    def pull_kv(self, pulls: list[KvPull], timeout_s: float
+                ) -> list[concurrent.futures.Future[bool]]:
+        """Have each other rank pull its part of each request's KV from the pull's sources
+        (the prefill instance's listeners and the parts they hold) into its blocks, within
+        `timeout_s` from now (one command for all): a future a pull, True once every rank's
+        part is in its pool, False if one's pull failed or ran out of time (RankFailed if a
+        rank died). No rank writes the blocks once it resolves; they must stay allocated
+        until then."""
+        from shared.engine.parallel.kv_serving import ORDERS, PullOrder, PullsUnderWay
 
         if self.pulls is None:
             self.pulls = PullsUnderWay(self.acks)
-        seq, future = self.pulls.expect()
-        order = PullOrder.of(seq, request_id, token, blocks, sources, timeout_s)
+        deadline = time.time() + timeout_s
+        expected = [self.pulls.expect() for _ in pulls]
+        orders = [PullOrder.of(seq, pull, deadline)
+                  for (seq, _), pull in zip(expected, pulls, strict=True)]
         try:
-            self.command(Command.PULL_KV, text_payload(ORDER.dump_json(order).decode()))
+            self.command(Command.PULL_KV, text_payload(ORDERS.dump_json(orders).decode()))
         except BaseException:
-            self.pulls.forget(seq)
+            for seq, _ in expected:
+                self.pulls.forget(seq)
             raise
-        return future
+        return [future for _, future in expected]
 
     def kv_moved(self) -> tuple[int, int]:
         """Pulls the other ranks served or made (kv_serving), and their bytes."""

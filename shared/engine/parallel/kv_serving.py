@@ -4,22 +4,26 @@ instance pulls it from the prefill ranks that hold it, so no byte of the KV pass
 rank 0 nor waits behind a step.
 
 Prefill: rank 0 tells the rank which requests are parked on which blocks (`ParkedBlocks`, by
-the PARK and UNPARK commands: in order with the steps, so a request's blocks leave the table
-before a step may write them again) and the key of its tokens; the rank tells rank 0 its
-address and what it served through the instance's store (`address_key`, `MOVED_BYTES`).
+the PARKED command: in order with the steps, so a request's blocks leave the table before a
+step may write them again) and the key of its tokens; the rank tells rank 0 its address and
+what it moved through the instance's store (`address_key`, `MOVED_BYTES`).
 
-Decode: rank 0 allocates the blocks and sends each rank a `PullOrder` (PULL_KV); each rank
-answers on a group of its own once its part is in its pool (`PullsUnderWay`), and rank 0
-admits the request when all have."""
+Decode: rank 0 allocates the blocks and sends each rank a `PullOrder` (PULL_KV) with a
+deadline; each rank answers on a group of its own once its part is in its pool, or once its
+pull failed or ran out of time (`PullsUnderWay`): after its answer it writes nothing more
+into those blocks. Rank 0 admits the request when every rank has answered, and frees the
+blocks of a failed pull only then."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -35,9 +39,12 @@ T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
-# how long a pull waits for rank 0's PARK of its request: the decode instance hears of the
-# request only after rank 0 sent it, but the rank may still be reading the command
-PARK_WAIT_S = 5.0
+# how long a pull waits for rank 0's PARKED naming its request: the decode instance hears of
+# the request only once rank 0 has sent it, but a pipeline's rank may still be running the
+# stages of the micro-batches launched before (seconds each, for long prompts). The puller's
+# own timeout gives up sooner where it is shorter.
+PARK_WAIT_S = 60.0
+PARK_POLL_S = 0.005
 MOVED_BYTES, MOVED_REQUESTS = "kv/bytes", "kv/requests"  # served or pulled, all ranks
 
 
@@ -49,32 +56,44 @@ def address_key(rank: int) -> str:
 class ParkedBlocks:
     """The requests whose KV a rank may serve, and their blocks (thread-safe): the step
     thread parks and unparks, the listener's threads read under `holding`, so an unpark
-    waits for a copy in progress to end."""
+    waits for a copy in progress to end. It remembers the last `remember` requests unparked,
+    so a pull of one is refused at once rather than after waiting for a park."""
 
-    def __init__(self) -> None:
+    def __init__(self, remember: int = 4096) -> None:
         self._blocks: dict[str, list[int]] = {}
-        self._changed = threading.Condition()
+        self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._remember = remember
+        self._lock = threading.Lock()
 
-    def park(self, request_id: str, blocks: list[int]) -> None:
-        with self._changed:
-            self._blocks[request_id] = blocks
-            self._changed.notify_all()
+    def update(self, unpark: list[str], park: dict[str, list[int]]) -> None:
+        with self._lock:
+            for request_id in unpark:
+                self._blocks.pop(request_id, None)
+                self._gone[request_id] = None
+                self._gone.move_to_end(request_id)
+            for request_id in park:
+                self._gone.pop(request_id, None)
+            self._blocks.update(park)
+            while len(self._gone) > self._remember:
+                self._gone.popitem(last=False)
 
-    def unpark(self, request_id: str) -> None:
-        with self._changed:
-            self._blocks.pop(request_id, None)
+    def __contains__(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._blocks
+
+    def settled(self, request_id: str) -> bool:
+        """Parked, or unparked lately: no need to wait for a park."""
+        with self._lock:
+            return request_id in self._blocks or request_id in self._gone
 
     @contextlib.contextmanager
-    def holding(self, request_id: str, wait_s: float = PARK_WAIT_S
-                ) -> Iterator[list[int] | None]:
-        """The request's blocks, parked while the block lasts (None: not parked within
-        `wait_s`)."""
-        with self._changed:
-            self._changed.wait_for(lambda: request_id in self._blocks, timeout=wait_s)
+    def holding(self, request_id: str) -> Iterator[list[int] | None]:
+        """The request's blocks (None: not parked), parked while the block lasts."""
+        with self._lock:
             yield self._blocks.get(request_id)
 
     def __len__(self) -> int:
-        with self._changed:
+        with self._lock:
             return len(self._blocks)
 
 
@@ -90,10 +109,46 @@ def export_part(kv: KVCache, blocks: list[int], span: KvSpan, part: KvSpan | Non
     return kv.export_blocks(blocks, layers, heads)
 
 
+@dataclass(frozen=True)
+class KvPull:
+    """A request's KV to pull into `blocks`: from the prefill instance's listeners, each
+    with the part of the KV it holds, showing `token`."""
+
+    request_id: str
+    token: str
+    blocks: list[int]
+    sources: list[tuple[str, KvSpan]]
+
+
+@dataclass
+class PullOrder:
+    """Rank 0's PULL_KV, one a request: pull the rank's part before `deadline` (seconds since
+    the epoch: the instance's processes share the host's clock)."""
+
+    seq: int
+    request_id: str
+    token: str
+    blocks: list[int]
+    sources: list[tuple[str, int, int, int, int]]  # address, layers, KV heads (ends exclusive)
+    deadline: float
+
+    @classmethod
+    def of(cls, seq: int, pull: KvPull, deadline: float) -> PullOrder:
+        return cls(seq, pull.request_id, pull.token, pull.blocks,
+                   [(a, s.layers.start, s.layers.stop, s.heads.start, s.heads.stop)
+                    for a, s in pull.sources], deadline)
+
+    def spans(self) -> list[tuple[str, KvSpan]]:
+        return [(a, KvSpan(range(l0, l1), range(h0, h1))) for a, l0, l1, h0, h1 in self.sources]
+
+
+ORDERS = TypeAdapter(list[PullOrder])
+
+
 class RankKv:
     """A rank's KV transfers, on a thread of its own (its event loop, started with the first
     transfer): on a prefill instance a KvServer serving `kv`'s parked blocks; on a decode
-    instance a KvClient pulling the rank's part of a request's KV into its pool, each pull
+    instance a KvClient pulling the rank's part of requests' KV into its pool, each pull
     answered to rank 0 on the `acks` group."""
 
     def __init__(self, kv: KVCache, span: KvSpan, store: Any, acks: Collective) -> None:
@@ -126,6 +181,12 @@ class RankKv:
         self._server.start()
 
     async def _lookup(self, request_id: str, part: KvSpan | None) -> Any:
+        """The part, once rank 0 has said the request is parked (waiting on this loop, not
+        on a thread, for as long as PARK_WAIT_S); the copy on a thread of its own."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PARK_WAIT_S
+        while not self.parked.settled(request_id) and loop.time() < deadline:
+            await asyncio.sleep(PARK_POLL_S)
         return await asyncio.to_thread(self._export, request_id, part)
 
     def _export(self, request_id: str, part: KvSpan | None) -> Any:
@@ -139,38 +200,43 @@ class RankKv:
         self.store.add(MOVED_BYTES, nbytes)
         self.store.add(MOVED_REQUESTS, pulls)
 
-    def pull(self, order: PullOrder) -> None:
-        """Start pulling the rank's part of a request's KV (rank 0's PULL_KV), without
+    def pull(self, orders: list[PullOrder]) -> None:
+        """Start pulling the rank's part of requests' KV (rank 0's PULL_KV), without
         waiting: the command loop goes on with the steps meanwhile."""
-        self._run(self._pull(order))
+        for order in orders:
+            self._run(self._pull(order))
 
     async def _pull(self, order: PullOrder) -> None:
         """Pull, then place the part in the request's blocks: no step reads or writes them
         until rank 0 admits the request, which it does once every rank has answered. The
-        answer goes to rank 0 whatever happens, so it never frees blocks a pull may still
-        write."""
+        answer goes to rank 0 whatever happens, and nothing is written into the blocks after
+        it: a pull past its deadline is abandoned (UCX writes no more into its buffers)."""
         from shared import kv_transfer
 
         failed = 1
         try:
             if self._client is None:
-                self._client = kv_transfer.KvClient(timeout_s=order.timeout_s)
+                self._client = kv_transfer.KvClient(timeout_s=PARK_WAIT_S)
             buffer = self.kv.empty_blocks(len(order.blocks))
-            pulls = await kv_transfer.pull_pieces(self._client, order.request_id,
-                                                  order.token, order.spans(), self.span, buffer)
+            pulls = await asyncio.wait_for(
+                kv_transfer.pull_pieces(self._client, order.request_id, order.token,
+                                        order.spans(), self.span, buffer),
+                max(0.0, order.deadline - time.time()))
             self.kv.import_blocks(order.blocks, buffer)
             self._moved(pulls, buffer.nbytes)
             failed = 0
+        except TimeoutError:
+            log.warning("the pull of %s's KV ran out of time", order.request_id)
         except Exception:  # rank 0 gives the request up (and says why in its log)
             log.exception("the pull of %s's KV failed", order.request_id)
         finally:
             self.acks.send(torch.tensor([order.seq, failed]), 0)
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
         """Close the listener and endpoints, and UCX's notifier thread (not a daemon: the
-        process would not exit while it runs)."""
+        process would not exit while it runs): whether that was done."""
         if not self._thread.is_alive():
-            return
+            return True
         from shared import kv_transfer
 
         async def close() -> None:
@@ -180,43 +246,23 @@ class RankKv:
                 await self._client.close()
             kv_transfer.stop_notifier_thread()
 
-        with contextlib.suppress(Exception):  # stopping anyway
+        try:
             self._run(close()).result(timeout=10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-
-
-@dataclass
-class PullOrder:
-    """Rank 0's PULL_KV: a request's KV to pull from the prefill instance's ranks (their
-    listeners and the parts they hold) into blocks of the rank's pool."""
-
-    seq: int
-    request_id: str
-    token: str
-    blocks: list[int]
-    sources: list[tuple[str, int, int, int, int]]  # address, layers, KV heads (ends exclusive)
-    timeout_s: float
-
-    @classmethod
-    def of(cls, seq: int, request_id: str, token: str, blocks: list[int],
-           sources: list[tuple[str, KvSpan]], timeout_s: float) -> PullOrder:
-        return cls(seq, request_id, token, blocks,
-                   [(a, s.layers.start, s.layers.stop, s.heads.start, s.heads.stop)
-                    for a, s in sources], timeout_s)
-
-    def spans(self) -> list[tuple[str, KvSpan]]:
-        return [(a, KvSpan(range(l0, l1), range(h0, h1))) for a, l0, l1, h0, h1 in self.sources]
-
-
-ORDER = TypeAdapter(PullOrder)
+        except Exception:  # the loop is stuck: the caller ends the process anyway
+            log.exception("the KV transfers did not stop")
+            return False
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        return True
 
 
 class PullsUnderWay:
-    """Rank 0's side of its ranks' pulls: each PULL_KV gets a number, every other rank
+    """Rank 0's side of its ranks' pulls: each PULL_KV order gets a number, every other rank
     answers [number, failed] on the acks group once its part is in its pool (or its pull
     failed), and the pull's future resolves when all have: True if every part landed. A rank
     that dies fails every pull under way with RankFailed. One thread a rank receives its
-    answers (started with the first pull)."""
+    answers (started with the first pull). The futures cannot be cancelled: a waiter that
+    gives up must not make the blocks look free while a rank may still write them."""
 
     def __init__(self, acks: Collective) -> None:
         self.acks = acks
@@ -235,6 +281,7 @@ class PullsUnderWay:
             for thread in self._threads:
                 thread.start()
         future: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()  # from here `cancel()` does nothing
         with self._lock:
             if self._failed is not None:
                 raise RankFailed(self._failed)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 import torch
@@ -28,12 +29,11 @@ from shared.engine.parallel.group import (
     connect_stage,
     die_with_parent,
     joined_key,
-    parked_from,
     payload_text,
     rank_threads,
     receive,
 )
-from shared.engine.parallel.kv_serving import ORDER, RankKv, address_key
+from shared.engine.parallel.kv_serving import ORDERS, RankKv, address_key
 from shared.engine.parallel.packet import unpack
 from shared.engine.parallel.pipeline import run_stage
 from shared.engine.parallel.sharding import KvSpan, RankPlace
@@ -77,12 +77,11 @@ class RankWorker:
                 buffer = self.kv.empty_blocks(payload.numel())
                 self.collective.receive(buffer, 0)
                 self.kv.import_blocks(payload.tolist(), buffer)
-            elif command is Command.PARK:
-                self.transfers.parked.park(*parked_from(payload))
-            elif command is Command.UNPARK:
-                self.transfers.parked.unpark(payload_text(payload))
+            elif command is Command.PARKED:
+                parked = json.loads(payload_text(payload))
+                self.transfers.parked.update(parked["unpark"], parked["park"])
             elif command is Command.PULL_KV:
-                self.transfers.pull(ORDER.validate_json(payload_text(payload)))
+                self.transfers.pull(ORDERS.validate_json(payload_text(payload)))
             elif command is Command.SERVE_KV:
                 self._serve_kv(json.loads(payload_text(payload)))
 
@@ -120,10 +119,18 @@ def main() -> None:
     except ValueError as e:  # rank 0 meets the same reason and reports it
         log.error("cannot load its share of %s: %s", config.model, e)
         sys.exit(2)
+    code = 0
     try:
         worker.serve()
-    finally:  # UCX's notifier thread would keep a failed rank's process alive
-        worker.transfers.stop()
+    except Exception:  # rank 0 sees the exit (and the failed collective)
+        log.exception("rank %d failed", args.rank)
+        code = 1
+    # UCX's notifier thread, if it did not stop, would keep the process alive
+    stopped = worker.transfers.stop()
+    logging.shutdown()
+    if not stopped:
+        os._exit(code or 1)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

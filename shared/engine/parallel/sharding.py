@@ -114,7 +114,9 @@ def kv_pieces(wanted: KvSpan, held: list[KvSpan]) -> list[tuple[int, KvSpan]]:
     pieces = [(i, part) for i, span in enumerate(held)
               if (part := span.overlap(wanted)) is not None]
     covered = sum(len(p.layers) * len(p.heads) for _, p in pieces)
-    if covered != len(wanted.layers) * len(wanted.heads):
+    overlapping = any(a.overlap(b) is not None
+                      for (_, a), (_, b) in itertools.combinations(pieces, 2))
+    if overlapping or covered != len(wanted.layers) * len(wanted.heads):
         raise ValueError(f"the ranks' KV ({held}) does not cover {wanted} once")
     return pieces
 
