@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from shared.engine.parallel.sharding import KvSpan
 from shared.engine.request import SamplingParams
 
 
@@ -64,6 +65,14 @@ class KvSource(BaseModel):
     address: str  # its UCX listener, host:port
     layers: tuple[int, int]
     kv_heads: tuple[int, int]
+
+    @classmethod
+    def of(cls, address: str, span: KvSpan) -> KvSource:
+        return cls(address=address, layers=(span.layers.start, span.layers.stop),
+                   kv_heads=(span.heads.start, span.heads.stop))
+
+    def span(self) -> KvSpan:
+        return KvSpan(range(*self.layers), range(*self.kv_heads))
 
 
 class KvReady(BaseModel):

@@ -59,7 +59,7 @@ class Grant:
 
 def _sources(ready: KvReady) -> list[tuple[str, KvSpan]]:
     """The prefill instance's listeners and the part of the KV each holds."""
-    return [(s.address, KvSpan(range(*s.layers), range(*s.kv_heads))) for s in ready.sources]
+    return [(s.address, s.span()) for s in ready.sources]
 
 
 class DecodeService(Worker):

@@ -94,10 +94,8 @@ class PrefillService(Worker):
         self.kv_server.start()
         addresses = [self.kv_server.address, *self.engine.serve_kv(self.settings.host,
                                                                    self.kv_server.key)]
-        self.sources = [KvSource(address=address, layers=(span.layers.start, span.layers.stop),
-                                 kv_heads=(span.heads.start, span.heads.stop))
-                        for address, span in zip(addresses, self.engine.runner.kv_spans,
-                                                 strict=True)]
+        self.sources = [KvSource.of(address, span) for address, span
+                        in zip(addresses, self.engine.runner.kv_spans, strict=True)]
         log.info("prefill %s: KV listener%s on %s", self.id, "s" if len(addresses) > 1 else "",
                  ", ".join(addresses))
         return {subjects.prefill(self.id): self._on_request,

@@ -227,9 +227,9 @@ class ModelRunner:
 
     def _part(self, buffer: torch.Tensor, place: RankPlace) -> torch.Tensor:
         """The view of an exported buffer that rank `place` holds: its layers, its heads."""
-        layers = place.layers(self.model_config.num_layers)
-        heads = place.kv_heads(self.model_config.num_kv_heads)
-        return buffer[layers.start:layers.stop, :, :, :, heads.start:heads.stop]
+        config = self.model_config
+        layers, heads = KvSpan.of(place, config).within(KvSpan.whole(config))
+        return buffer[layers, :, :, :, heads]
 
     def kv_buffer(self, num_blocks: int) -> torch.Tensor:
         """Room for `num_blocks` blocks as `export_kv` lays them out (every rank's heads)."""

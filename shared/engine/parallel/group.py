@@ -269,12 +269,7 @@ class Ranks:
         self.command(Command.SERVE_KV, text_payload(json.dumps({"host": host,
                                                                 "key": key.hex()})))
         keys = [address_key(rank) for rank in range(1, len(self.places))]
-        deadline = time.monotonic() + collective_timeout().total_seconds()
-        while not self.store.check(keys):
-            self.check()
-            if time.monotonic() > deadline:
-                raise RankFailed("the ranks' KV listeners did not start")
-            time.sleep(0.05)
+        self._wait_for(self.store, keys, collective_timeout().total_seconds())
         addresses = [self.store.get(k).decode() for k in keys]
         failed = [a for a in addresses if a.startswith("error")]
         if failed:
@@ -342,11 +337,18 @@ class Ranks:
             self.collective.wait(work)
 
     def _wait_joined(self, store: Store) -> None:
-        """Until every rank has said it is up (`joined`), polling their processes: one that
-        exits first fails the instance now, not at the process group's timeout."""
-        keys = [joined_key(rank) for rank in range(1, len(self.places))]
+        """Until every rank has said it is up (`joined`)."""
+        self._wait_for(store, [joined_key(rank) for rank in range(1, len(self.places))])
+
+    def _wait_for(self, store: Store, keys: list[str], timeout_s: float | None = None
+                  ) -> None:
+        """Until the ranks have set `keys`, polling their processes: one that exits first
+        fails the instance now, not at a timeout (RankFailed after `timeout_s` too)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not store.check(keys):
             self.check()
+            if deadline is not None and time.monotonic() > deadline:
+                raise RankFailed(f"the ranks did not set {keys} in {timeout_s:.0f} s")
             time.sleep(0.05)
 
     def check(self) -> None:
