@@ -23,8 +23,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from services.cancelled import Cancelled
 from shared import subjects
-from shared.bus import connect, publish
+from shared.bus import connect, parse, publish
 from shared.engine.config import EngineConfig, Role
 from shared.engine.engine import Engine, RequestOutput, RequestRejected
 from shared.engine.request import Request
@@ -290,6 +291,7 @@ class Worker:
         self.tracer = setup_tracing(self.id, self.settings.run_dir)
         self.draining = False
         self.attempts: dict[str, int] = {}  # request -> the gateway's attempt served here
+        self.cancelled = Cancelled()  # a cancel may overtake its request: never start those
         self.nc: Client
 
     def info(self) -> InstanceInfo:
@@ -411,7 +413,11 @@ class Worker:
 
     async def admit(self, req: PrefillRequest) -> Request | None:
         """Queue a prompt (with the tokens a failed-over request already streamed) on the
-        engine; a request it can never run gets an error chunk (and None)."""
+        engine; a request it can never run gets an error chunk (and None), and one cancelled
+        before or while it was taken in, nothing (and None)."""
+        if req.request_id in self.cancelled:
+            log.info("%s: %s was cancelled before it arrived", self.id, req.request_id)
+            return None
         try:
             request = await self.host.call(self.engine.add_request, req.request_id,
                                            req.prompt_ids, req.sampling.params(), req.output_ids)
@@ -419,13 +425,23 @@ class Worker:
             await self.send(TokenChunk(request_id=req.request_id, error=str(e), source=self.id,
                                        seq=len(req.output_ids), attempt=req.attempt))
             return None
+        if req.request_id in self.cancelled:  # read while the engine took it in
+            await self.host.call(self.engine.abort, req.request_id)
+            return None
         self.attempts[req.request_id] = req.attempt
         self.host.wake()
         return request
 
-    def addressed(self, cancel: Cancel) -> bool:
-        """Whether a cancel is for this instance (every instance, or this one by name)."""
-        return cancel.instance in ("", self.id)
+    def cancel_for_me(self, msg: Msg) -> str | None:
+        """The id of the request a cancel drops here (it names every instance, or this one),
+        remembered when it names every instance (the client went away: nothing of it may
+        start later); None if the cancel is for another instance."""
+        cancel = parse(msg, Cancel)
+        if cancel.instance not in ("", self.id):
+            return None
+        if not cancel.instance:
+            self.cancelled.add(cancel.request_id)
+        return cancel.request_id
 
     async def stream(self, out: RequestOutput) -> None:
         """New tokens and text, the end, or the error that failed the request's step."""

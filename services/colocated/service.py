@@ -13,7 +13,7 @@ from shared import subjects
 from shared.bus import parse
 from shared.engine.config import Role
 from shared.engine.engine import RequestOutput
-from shared.messages import Cancel, PrefillRequest
+from shared.messages import PrefillRequest
 
 
 class ColocatedService(Worker):
@@ -37,9 +37,8 @@ class ColocatedService(Worker):
                 self.known.discard(out.request_id)
 
     async def _on_cancel(self, msg: Msg) -> None:
-        cancel = parse(msg, Cancel)
-        request_id = cancel.request_id
-        if self.addressed(cancel) and request_id in self.known:
+        request_id = self.cancel_for_me(msg)
+        if request_id is not None and request_id in self.known:
             self.known.discard(request_id)
             self.attempts.pop(request_id, None)
             await self.host.call(self.engine.abort, request_id)

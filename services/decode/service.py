@@ -33,7 +33,6 @@ from shared.engine.parallel.sharding import KvSpan
 from shared.engine.request import Request
 from shared.kv_transfer import KvClient, TransferError, pull_pieces, stop_notifier_thread
 from shared.messages import (
-    Cancel,
     KvReady,
     KvWanted,
     KvWantedReply,
@@ -105,8 +104,9 @@ class DecodeService(Worker):
 
     async def _on_kv_ready(self, msg: Msg) -> None:
         ready = parse(msg, KvReady)
-        if ready.attempt < self.attempts.get(ready.request_id, -1):
-            self._release(ready)  # a stale announcement (the request moved on): drop it
+        if ready.attempt < self.attempts.get(ready.request_id, -1) or \
+                ready.request_id in self.cancelled:
+            self._release(ready)  # a stale announcement (moved on, or cancelled): drop it
             return
         for older in [r for r in self.pending if r.request_id == ready.request_id]:
             self.pending.remove(older)  # a failover brought the request back here
@@ -281,10 +281,9 @@ class DecodeService(Worker):
                        instance=self.id, finish_reason=out.finish_reason or "error")
 
     async def _on_cancel(self, msg: Msg) -> None:
-        cancel = parse(msg, Cancel)
-        if not self.addressed(cancel):
+        request_id = self.cancel_for_me(msg)
+        if request_id is None:
             return
-        request_id = cancel.request_id
         self.attempts.pop(request_id, None)
         pull = self.pulling.pop(request_id, None)
         if pull is not None:

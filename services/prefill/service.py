@@ -27,7 +27,6 @@ from shared.engine.parallel.sharding import KvSpan
 from shared.engine.request import Request
 from shared.kv_transfer import KvServer, stop_notifier_thread
 from shared.messages import (
-    Cancel,
     KvReady,
     KvSource,
     KvWanted,
@@ -218,10 +217,9 @@ class PrefillService(Worker):
             await msg.respond(b"")
 
     async def _on_cancel(self, msg: Msg) -> None:
-        cancel = parse(msg, Cancel)
-        if not self.addressed(cancel):
+        request_id = self.cancel_for_me(msg)
+        if request_id is None:
             return
-        request_id = cancel.request_id
         if request_id in self.requests:
             self._forget(request_id)
             await self.host.call(self.engine.abort, request_id)

@@ -1,6 +1,6 @@
 """A worker whose engine loop dies leaves dispatch and exits loudly; a model failure in one
-step fails only that step's requests and the worker serves on (real NATS and Valkey, a tiny
-random-weight engine)."""
+step fails only that step's requests and the worker serves on; a cancel that overtakes its
+request still drops it (real NATS and Valkey, a tiny random-weight engine)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,26 @@ import time
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from redis.asyncio import Redis
 
 from services.colocated.service import ColocatedService
+from services.decode.service import DecodeService
 from services.runtime import WorkerFailed, WorkerSettings, thread_clock
 from shared import subjects
 from shared.bus import connect, parse, publish
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.scheduler import SchedulerOutput
-from shared.messages import PrefillRequest, Sampling, TokenChunk
+from shared.messages import (
+    Cancel,
+    KvReady,
+    KvSource,
+    PrefillRequest,
+    ReleaseKv,
+    Sampling,
+    TokenChunk,
+)
 from shared.state import Registry
 
 
@@ -117,6 +127,113 @@ def test_a_failed_step_fails_its_request_and_the_worker_serves_on(
         assert engine.blocks.num_free == engine.blocks.num_blocks
         stop.set()
         await asyncio.wait_for(running, 30)  # drains and ends without WorkerFailed
+        await nc.close()
+        await registry.redis.aclose()
+
+    asyncio.run(main())
+
+
+async def chunks_of(nc: Client, request_ids: list[str]
+                    ) -> tuple[list[TokenChunk], list[Subscription]]:
+    """Every chunk that comes for `request_ids` (a list that fills), and the subscriptions."""
+    seen: list[TokenChunk] = []
+
+    async def on_chunk(msg: Msg) -> None:
+        seen.append(parse(msg, TokenChunk))
+
+    return seen, [await nc.subscribe(subjects.tokens(r), cb=on_chunk) for r in request_ids]
+
+
+async def until_idle(worker: ColocatedService | DecodeService, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not worker.idle() or worker.engine.has_work():
+        assert time.monotonic() < deadline, "the worker never went idle"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+def test_a_request_whose_cancel_overtakes_it_never_runs(nats_url: str, redis_url: str) -> None:
+    """NATS hands the prompts and the cancels to separate tasks, and taking a prompt in waits
+    for the engine's step: a cancel read before its prompt, or while the prompt is being
+    taken in, still drops it (it used to run to its end, its KV held, nobody listening)."""
+    settings = WorkerSettings(instance_id="colocated-z", nats_url=nats_url, redis_url=redis_url,
+                              model="tiny", heartbeat_s=0.1)
+    worker = ColocatedService(settings, Engine(EngineConfig(model="tiny", device="cpu")))
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        running, registry = await serving(worker, stop, redis_url)
+        nc = await connect(nats_url, "test")
+        seen, subs = await chunks_of(nc, ["first", "during"])
+        long = Sampling(max_tokens=64, ignore_eos=True)
+        await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="first"))
+        await publish(nc, subjects.prefill("colocated-z"), PrefillRequest(
+            request_id="first", prompt_ids=[1, 2, 3], sampling=long, arrival_ts=time.time()))
+        # the engine thread busy: the next prompt waits there to be taken in
+        busy = asyncio.ensure_future(worker.host.call(time.sleep, 1.5))
+        await publish(nc, subjects.prefill("colocated-z"), PrefillRequest(
+            request_id="during", prompt_ids=[4, 5, 6], sampling=long, arrival_ts=time.time()))
+        await asyncio.sleep(0.5)
+        await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="during"))
+        await busy
+        good = await send_and_wait(nc, "colocated-z", "after")  # served after both
+        assert good[-1].finish_reason == "length"
+        await until_idle(worker)
+        assert seen == []  # neither ran: not a token of either
+        assert "first" in worker.cancelled and "during" in worker.cancelled
+        assert worker.known == set() and worker.attempts == {}
+        for sub in subs:
+            await sub.unsubscribe()
+        stop.set()
+        await asyncio.wait_for(running, 30)
+        await nc.close()
+        await registry.redis.aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_decode_instance_releases_the_kv_of_a_request_cancelled_before_its_announcement(
+        nats_url: str, redis_url: str) -> None:
+    """The announcement of a request the client already left is not pulled: the prefill
+    instance is told at once that it may free the KV."""
+    settings = WorkerSettings(instance_id="decode-z", nats_url=nats_url, redis_url=redis_url,
+                              model="tiny", heartbeat_s=0.1)
+    worker = DecodeService(settings, Engine(EngineConfig(model="tiny", device="cpu")))
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        running = asyncio.create_task(worker.run(stop))
+        registry = Registry(Redis.from_url(redis_url))
+        while not await registry.instances("decode"):
+            await asyncio.sleep(0.05)
+        nc = await connect(nats_url, "test")
+        released: asyncio.Queue[ReleaseKv] = asyncio.Queue()
+
+        async def on_release(msg: Msg) -> None:
+            released.put_nowait(parse(msg, ReleaseKv))
+            await msg.respond(b"")
+
+        await nc.subscribe(subjects.release("prefill-gone"), cb=on_release)
+        seen, subs = await chunks_of(nc, ["left"])
+        await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="left"))
+        while "left" not in worker.cancelled:
+            await asyncio.sleep(0.01)
+        await publish(nc, subjects.decode("decode-z"), KvReady(
+            request_id="left", prefill_instance="prefill-gone", token="t",
+            sources=[KvSource(address="127.0.0.1:9", layers=(0, 2), kv_heads=(0, 2))],
+            num_blocks=1, prompt_ids=[1, 2, 3], output_ids=[4], computed=3,
+            sampling=Sampling(max_tokens=64), arrival_ts=time.time(),
+            first_token_ts=time.time(), attempt=3))
+        release = await asyncio.wait_for(released.get(), 30)
+        assert (release.request_id, release.attempt) == ("left", 3)
+        await until_idle(worker)
+        assert seen == [] and not worker.pending and not worker.pulling
+        assert worker.kv_client.stats.requests == 0  # never pulled
+        for sub in subs:
+            await sub.unsubscribe()
+        stop.set()
+        await asyncio.wait_for(running, 30)
         await nc.close()
         await registry.redis.aclose()
 
