@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from shared.engine.config import ModelConfig
+from shared.engine.gguf_file import GgufFile, GgufTensor
 from shared.engine.quant import GGUF_BLOCKS, QuantizedMatrix, from_gguf_blocks
 
 # Models the project knows by name: the GGUF file inside an installed PyPI package.
@@ -71,9 +71,8 @@ def resolve_gguf_path(model: str) -> Path:
     )
 
 
-def _field(reader: GGUFReader, key: str, default: object = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(reader: GgufFile, key: str, default: object = None) -> Any:
+    return reader.fields.get(key, default)
 
 
 def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -87,7 +86,7 @@ def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
-def _read_config(reader: GGUFReader, name: str) -> ModelConfig:
+def _read_config(reader: GgufFile, name: str) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelNotFoundError(f"{name}: architecture {arch!r} is not supported "
@@ -104,7 +103,7 @@ def _read_config(reader: GGUFReader, name: str) -> ModelConfig:
                                  "are not supported; serve the Hugging Face directory instead")
     return ModelConfig(
         name=name,
-        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"]),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
         num_layers=int(get("block_count")),
@@ -147,14 +146,24 @@ def _engine_name(gguf_name: str) -> str:
     return _GLOBAL_NAMES[parts[0]]
 
 
-def _kept(tensor: Any, keep_blocks: int | None) -> bool:
+def _kept(tensor: GgufTensor, keep_blocks: int | None) -> bool:
     """Whether `tensor`'s blocks are read as they are: the format asked for (Q4_0/Q4_1 for 4
     bits, Q8_0 for 8), or Q8_0 under 4 bits (the LM head is int8 either way)."""
     kind = GGUF_BLOCKS.get(tensor.tensor_type.name)
     return keep_blocks is not None and kind is not None and kind[0] >= keep_blocks
 
 
-def _read_weights(reader: GGUFReader, config: ModelConfig,
+def _dequantized(tensor: GgufTensor) -> np.ndarray:
+    """A float32 copy of `tensor` (F32 tensors are read-only views of the mapped file).
+    Q4_1 and Q8_0 blocks decode in torch, bit for bit as gguf-py's NumPy does, at twice its
+    speed; other types through gguf-py."""
+    kind = tensor.tensor_type.name
+    if kind in ("Q4_1", "Q8_0"):
+        return from_gguf_blocks(tensor.data, kind).dequantize().numpy()
+    return np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+
+
+def _read_weights(reader: GgufFile, config: ModelConfig,
                   keep_blocks: int | None) -> dict[str, np.ndarray | QuantizedMatrix]:
     weights: dict[str, np.ndarray | QuantizedMatrix] = {}
     for tensor in reader.tensors:
@@ -170,15 +179,14 @@ def _read_weights(reader: GGUFReader, config: ModelConfig,
                 blocks = blocks.rows(torch.from_numpy(order))
             weights[name] = blocks
             continue
-        # a copy: F32 tensors would otherwise be read-only views of the memory-mapped file
-        array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        array = _dequantized(tensor)
         weights[name] = _unpermute_rope(array, heads) if unpermute else array
     return weights
 
 
-def _read_tokenizer(reader: GGUFReader) -> TokenizerData:
-    tokens = [str(t) for t in reader.fields["tokenizer.ggml.tokens"].contents()]
-    types = reader.fields["tokenizer.ggml.token_type"].contents()
+def _read_tokenizer(reader: GgufFile) -> TokenizerData:
+    tokens = [str(t) for t in reader.fields["tokenizer.ggml.tokens"]]
+    types = reader.fields["tokenizer.ggml.token_type"]
     model = _field(reader, "tokenizer.ggml.model")
     if model != "gpt2":
         raise ModelNotFoundError(f"tokenizer {model!r} is not supported (byte-level BPE only)")
@@ -186,7 +194,7 @@ def _read_tokenizer(reader: GGUFReader) -> TokenizerData:
     stops = [_field(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eot", "eom")]
     return TokenizerData(
         tokens=tokens,
-        merges=[str(m) for m in reader.fields["tokenizer.ggml.merges"].contents()],
+        merges=[str(m) for m in reader.fields["tokenizer.ggml.merges"]],
         special_tokens=[t for t, k in zip(tokens, types, strict=True) if k == CONTROL_TOKEN_TYPE],
         bos_id=None if bos is None else int(bos),
         eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
@@ -201,12 +209,12 @@ def _read_tokenizer(reader: GGUFReader) -> TokenizerData:
 
 def read_gguf_tokenizer(model: str) -> TokenizerData:
     """Only the tokenizer (cheap: the gateway needs no weights)."""
-    return _read_tokenizer(GGUFReader(resolve_gguf_path(model)))
+    return _read_tokenizer(GgufFile(resolve_gguf_path(model)))
 
 
 def read_gguf_meta(model: str) -> tuple[ModelConfig, TokenizerData]:
     """Config and tokenizer without dequantizing any weight."""
-    reader = GGUFReader(resolve_gguf_path(model))
+    reader = GgufFile(resolve_gguf_path(model))
     return _read_config(reader, model), _read_tokenizer(reader)
 
 
@@ -214,6 +222,6 @@ def load_gguf(model: str, keep_blocks: int | None = None) -> GGUFModel:
     """`keep_blocks` (8 or 4): matrices stored in blocks of that many bits (or more) are read
     as they are, not dequantized."""
     path = resolve_gguf_path(model)
-    reader = GGUFReader(path)
+    reader = GgufFile(path)
     config = _read_config(reader, model)
     return GGUFModel(config, _read_weights(reader, config, keep_blocks), _read_tokenizer(reader))
