@@ -8,6 +8,7 @@ import asyncio
 import multiprocessing
 import os
 import time
+from typing import TypeVar
 
 import pytest
 from nats.aio.client import Client
@@ -40,14 +41,24 @@ class BrokenEngine(Engine):
         raise RuntimeError("the device fell over")
 
 
-async def serving(worker: ColocatedService, stop: asyncio.Event,
+async def serving(worker: ColocatedService | DecodeService, stop: asyncio.Event,
                   redis_url: str) -> tuple[asyncio.Task[None], Registry]:
     """The worker running until `stop`, once it is registered."""
     running = asyncio.create_task(worker.run(stop))
     registry = Registry(Redis.from_url(redis_url))
-    while not await registry.instances("colocated"):
+    while not await registry.instances(worker.role):
         await asyncio.sleep(0.05)
     return running, registry
+
+
+async def stop_serving(running: asyncio.Task[None], stop: asyncio.Event, registry: Registry,
+                       nc: Client, subs: list[Subscription]) -> None:
+    for sub in subs:
+        await sub.unsubscribe()
+    stop.set()
+    await asyncio.wait_for(running, 30)  # drains and ends without WorkerFailed
+    await nc.close()
+    await registry.redis.aclose()
 
 
 @pytest.mark.timeout(120)
@@ -125,10 +136,7 @@ def test_a_failed_step_fails_its_request_and_the_worker_serves_on(
         assert sum(len(c.token_ids) for c in good) == 4
         assert not running.done() and worker.known == set()
         assert engine.blocks.num_free == engine.blocks.num_blocks
-        stop.set()
-        await asyncio.wait_for(running, 30)  # drains and ends without WorkerFailed
-        await nc.close()
-        await registry.redis.aclose()
+        await stop_serving(running, stop, registry, nc, [])
 
     asyncio.run(main())
 
@@ -144,6 +152,16 @@ async def chunks_of(nc: Client, request_ids: list[str]
     return seen, [await nc.subscribe(subjects.tokens(r), cb=on_chunk) for r in request_ids]
 
 
+W = TypeVar("W", ColocatedService, DecodeService)
+
+
+def tiny(kind: type[W], instance_id: str, nats_url: str, redis_url: str) -> W:
+    """A worker of `kind` on a tiny random-weight engine."""
+    settings = WorkerSettings(instance_id=instance_id, nats_url=nats_url, redis_url=redis_url,
+                              model="tiny", heartbeat_s=0.1)
+    return kind(settings, Engine(EngineConfig(model="tiny", device="cpu")))
+
+
 async def until_idle(worker: ColocatedService | DecodeService, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while not worker.idle() or worker.engine.has_work():
@@ -156,9 +174,7 @@ def test_a_request_whose_cancel_overtakes_it_never_runs(nats_url: str, redis_url
     """NATS hands the prompts and the cancels to separate tasks, and taking a prompt in waits
     for the engine's step: a cancel read before its prompt, or while the prompt is being
     taken in, still drops it (it used to run to its end, its KV held, nobody listening)."""
-    settings = WorkerSettings(instance_id="colocated-z", nats_url=nats_url, redis_url=redis_url,
-                              model="tiny", heartbeat_s=0.1)
-    worker = ColocatedService(settings, Engine(EngineConfig(model="tiny", device="cpu")))
+    worker = tiny(ColocatedService, "colocated-z", nats_url, redis_url)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -182,12 +198,7 @@ def test_a_request_whose_cancel_overtakes_it_never_runs(nats_url: str, redis_url
         assert seen == []  # neither ran: not a token of either
         assert "first" in worker.cancelled and "during" in worker.cancelled
         assert worker.known == set() and worker.attempts == {}
-        for sub in subs:
-            await sub.unsubscribe()
-        stop.set()
-        await asyncio.wait_for(running, 30)
-        await nc.close()
-        await registry.redis.aclose()
+        await stop_serving(running, stop, registry, nc, subs)
 
     asyncio.run(main())
 
@@ -197,16 +208,11 @@ def test_a_decode_instance_releases_the_kv_of_a_request_cancelled_before_its_ann
         nats_url: str, redis_url: str) -> None:
     """The announcement of a request the client already left is not pulled: the prefill
     instance is told at once that it may free the KV."""
-    settings = WorkerSettings(instance_id="decode-z", nats_url=nats_url, redis_url=redis_url,
-                              model="tiny", heartbeat_s=0.1)
-    worker = DecodeService(settings, Engine(EngineConfig(model="tiny", device="cpu")))
+    worker = tiny(DecodeService, "decode-z", nats_url, redis_url)
 
     async def main() -> None:
         stop = asyncio.Event()
-        running = asyncio.create_task(worker.run(stop))
-        registry = Registry(Redis.from_url(redis_url))
-        while not await registry.instances("decode"):
-            await asyncio.sleep(0.05)
+        running, registry = await serving(worker, stop, redis_url)
         nc = await connect(nats_url, "test")
         released: asyncio.Queue[ReleaseKv] = asyncio.Queue()
 
@@ -230,12 +236,7 @@ def test_a_decode_instance_releases_the_kv_of_a_request_cancelled_before_its_ann
         await until_idle(worker)
         assert seen == [] and not worker.pending and not worker.pulling
         assert worker.kv_client.stats.requests == 0  # never pulled
-        for sub in subs:
-            await sub.unsubscribe()
-        stop.set()
-        await asyncio.wait_for(running, 30)
-        await nc.close()
-        await registry.redis.aclose()
+        await stop_serving(running, stop, registry, nc, subs)
 
     asyncio.run(main())
 
