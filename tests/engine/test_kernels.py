@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.engine.kernels import build_name, cpu_flags
+from shared.engine.kernels import OWN_HEADER, SOURCES, build_name, cpu_flags, source_text
 
 LOAD = """
 from torch.utils.cpp_extension import _get_build_directory
@@ -54,6 +54,16 @@ def test_a_native_build_is_named_by_the_cpu_it_was_built_on() -> None:
     assert build_name("x86_64", "x86-64-v3", AVX512_HOST) == \
         build_name("x86_64", "x86-64-v3", {"avx2"}) == "distserve_kernels_x86_64_x86_64_v3"
     assert cpu_flags() or platform.system() != "Linux"
+
+
+def test_the_build_needs_no_path_so_every_checkout_shares_it() -> None:
+    """vec.h's text goes first and the sources' #include of it goes: no include path among
+    the build's arguments (torch's cache key), which made two checkouts rebuild in turn."""
+    header, *rest = [source_text(source) for source in SOURCES]
+    assert SOURCES[0].name == "vec.h" and header == SOURCES[0].read_text().rstrip("\n")
+    for source, text in zip(SOURCES[1:], rest, strict=True):
+        assert OWN_HEADER in source.read_text() and OWN_HEADER not in text
+        assert "#include <torch/extension.h>" in text
 
 
 CHECK = """

@@ -30,10 +30,12 @@ from shared.host import cpu_flags
 
 log = logging.getLogger(__name__)
 # vec.h first: torch names a build by the hash of its sources, and an #include'd header is not
-# one of them, so its text goes in too (its include guard skips the #include that follows)
+# one of them, so its text goes in too, and the sources' #include of it goes (`source_text`)
 SOURCES = [Path(__file__).with_name(f)
            for f in ("vec.h", "paged_attention.cpp", "quantized_matmul.cpp", "float_matmul.cpp",
                      "layer_ops.cpp")]
+OWN_HEADER = '#include "vec.h"'
+
 FUNCTIONS = ["paged_decode_attention", "quantized_matmul", "float_matmul", "panel_width",
              "rms_norm", "silu_mul", "rope"]
 __all__ = ["build_name", "cpu_flags", "cpu_kernels"]
@@ -52,6 +54,15 @@ def build_lock(name: str) -> Iterator[None]:
             log.warning("removing %s, left by a build that was killed", stale)
             stale.unlink(missing_ok=True)
         yield
+
+
+def source_text(source: Path) -> str:
+    """A source as the build gets it: without its #include of vec.h (whose text comes
+    first), so the build needs no include path. A path among the build's arguments would
+    enter torch's cache key: two checkouts of the same sources would rebuild the kernels in
+    turn (about a minute each on two busy cores), each taking the other's build for stale."""
+    return "\n".join(line for line in source.read_text().splitlines()
+                     if line.strip() != OWN_HEADER)
 
 
 def build_name(machine: str, march: str, flags: Iterable[str]) -> str:
@@ -76,10 +87,9 @@ def cpu_kernels() -> ModuleType | None:
         with build_lock(name):
             return load_inline(  # type: ignore[no-untyped-call,no-any-return]
                 name=name,
-                cpp_sources=[source.read_text() for source in SOURCES],
+                cpp_sources=[source_text(source) for source in SOURCES],
                 functions=FUNCTIONS,
                 extra_cflags=["-O3", f"-march={march}", "-fopenmp"],
-                extra_include_paths=[str(SOURCES[0].parent)],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
