@@ -26,6 +26,12 @@ def register(sub: Any) -> None:
                    help="tensor parallelism: profile each of these (an instance of that many "
                         "ranks, the threads split between them) into one profile, for the "
                         "planner to weigh (default: 1)")
+    p.add_argument("--pp", dest="pps", type=positive_int, nargs="+", default=[1],
+                   help="pipeline stages: also profile each tp as a pipeline of each of these "
+                        "(ranks of tp x pp), measured as the engine runs it (a prompt batch's "
+                        "latency through the stages, a decode round of micro-batches); the "
+                        "online planner weighs only the pipelines a profile measured "
+                        "(default: 1, none)")
     p.add_argument("--quick", action="store_true", help="a smaller grid (about a minute)")
     p.add_argument("--no-contention", action="store_true",
                    help="on a CPU, skip measuring how steps slow beside a second engine (the "
@@ -45,26 +51,34 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     started = time.monotonic()
     with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console,
                   transient=True) as bar:
-        task = bar.add_task("profiling", total=(grid.points + 3 * contention) * len(args.tps))
+        shapes = [(tp, pp) for tp in args.tps for pp in sorted({1, *args.pps})]
+        task = bar.add_task("profiling", total=grid.points * len(shapes) + 3 * contention)
         done = itertools.count()
-        for tp in args.tps:
-            def progress(what: str, tp: int = tp) -> None:
-                bar.update(task, completed=next(done), description=f"tp {tp}: {what}")
+        for tp, pp in shapes:
+            name = f"tp {tp}" + (f" pp {pp}" if pp > 1 else "")
+
+            def progress(what: str, name: str = name) -> None:
+                bar.update(task, completed=next(done), description=f"{name}: {what}")
                 if not console.is_terminal:  # a log gets a line a point instead of a bar
-                    console.print(f"[{time.monotonic() - started:5.0f} s] tp {tp}: {what}")
+                    console.print(f"[{time.monotonic() - started:5.0f} s] {name}: {what}")
 
             try:
-                profiles.append(profile_engine(dataclasses.replace(engine_config(args), tp=tp),
-                                               grid, progress, contention and tp == 1))
+                profiles.append(profile_engine(
+                    dataclasses.replace(engine_config(args), tp=tp, pp=pp), grid, progress,
+                    contention and (tp, pp) == (1, 1)))
             except ValueError as e:
                 parser.error(str(e))
-    profile = dataclasses.replace(profiles[0], by_tp={
-        tp: co for p in profiles for tp, co in p.by_tp.items()})
+    profile = dataclasses.replace(
+        profiles[0], by_tp={tp: co for p in profiles for tp, co in p.by_tp.items()},
+        pipelines={shape: co for p in profiles for shape, co in p.pipelines.items()})
     out = args.output or Path("profiles") / f"{profile.model.name}-{profile.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     save_profile(profile, out)
     for tp, co in sorted(profile.by_tp.items()):
         console.print(f"tp {tp}:")
+        print_coefficients(console, co)
+    for (tp, pp), co in sorted(profile.pipelines.items()):
+        console.print(f"tp {tp} pp {pp} (a prompt batch's latency; a decode round):")
         print_coefficients(console, co)
     for key, value in profile.fit.items():
         console.print(f"  {key}: {value:.3f}")

@@ -47,17 +47,19 @@ ONE = Shape()
 
 
 def searched_shapes(problem: Problem, budget: int) -> tuple[Shape, ...]:
-    """The shapes the online planner weighs for an instance: every tensor-parallel degree
-    the profile measured that fits the budget and holds the workload's longest request in
-    its KV memory; one pipeline stage, since the latency model prices a pp decode step as
-    the whole batch's time / pp, while the engine runs it as pp micro-batches of its share of
-    the batch, each stage reading its weights once a micro-batch (on the 2-vCPU Zen 4, pp 2
-    at batch 32: a 106.8 ms round against the model's 66.5), so a pp plan would serve less
-    than planned. The profile's smallest tp where none fits (the plan then says what it
-    can)."""
-    tps = problem.profile.tps
-    fitting = tuple(Shape(tp) for tp in tps if tp <= budget and problem.fits(tp, 1))
-    return fitting or (Shape(tps[0]),)
+    """The shapes the online planner weighs for an instance: every tensor-parallel degree,
+    and every pipeline, the profile measured that fits the budget and holds the workload's
+    longest request in its KV memory. Pipelines only where measured (`distserve profile
+    --pp`): the paper's model prices a pp decode step as the whole batch's time / pp, while
+    the engine runs it as pp micro-batches of its share of the batch, each stage reading its
+    weights once a micro-batch (on the 2-vCPU Zen 4, pp 2 at batch 32: a 106.8 ms round
+    against that model's 66.5), so a pipeline planned on it would serve less than planned.
+    The profile's smallest tp where none fits (the plan then says what it can)."""
+    profile = problem.profile
+    shapes = [*(Shape(tp) for tp in profile.tps), *(Shape(tp, pp) for tp, pp
+                                                   in sorted(profile.pipelines))]
+    fitting = tuple(s for s in shapes if s.devices <= budget and problem.fits(s.tp, s.pp))
+    return fitting or (Shape(profile.tps[0]),)
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,8 @@ def runnable_tps(profile: Profile, model: ModelConfig, on_gpu: bool) -> Profile:
     """`profile` with only the tps workers of `model` can run: one rank on a GPU (parallel
     instances there need NCCL, not built), and on the CPU the tps that split its heads and
     MLP columns, and its quantization blocks (checked as quantized, so that any role's
-    weight format runs them). Unchanged, with a warning, where none is left."""
+    weight format runs them); its measured pipelines likewise, and only those of no more
+    stages than the model has layers. Unchanged, with a warning, where no tp is left."""
     def runs(tp: int) -> bool:
         if tp == 1:
             return True
@@ -98,7 +99,9 @@ def runnable_tps(profile: Profile, model: ModelConfig, on_gpu: bool) -> Profile:
         log.warning("the workers can run none of the profile's tps (%s) here: planning on "
                     "them all", profile.tps)
         return profile
-    return dataclasses.replace(profile, by_tp=by_tp)
+    pipelines = {(tp, pp): co for (tp, pp), co in profile.pipelines.items()
+                 if runs(tp) and not on_gpu and pp <= model.num_layers}
+    return dataclasses.replace(profile, by_tp=by_tp, pipelines=pipelines)
 
 
 def ranks_of(env: Mapping[str, str]) -> int:

@@ -5,8 +5,12 @@
 
 the sum of squares being prefill attention and the constant the weight-reading GEMMs of
 decode. Coefficients are measured per (model, device, dtype, tensor parallelism). Pipeline
-parallelism splits a batch's time over `pp` stages: a stage is busy time/pp, and a request
-still takes the full time plus a per-stage overhead.
+parallelism, as the paper models it, splits a batch's time over `pp` stages: a stage is busy
+time/pp, and a request still takes the full time plus a per-stage overhead. Where a pipeline
+was measured as the engine runs it (`rounds`: `distserve profile --pp`), its coefficients
+price a prompt batch's whole latency and a decode round (a token for every request) as they
+are: the engine runs a round as `pp` micro-batches, each stage reading its weights once a
+micro-batch, which the paper's division by `pp` does not see.
 """
 
 from __future__ import annotations
@@ -85,6 +89,13 @@ class LatencyModel:
     pp: int = 1
     stage_overhead_ms: float = 0.0
     contention: Contention = field(default_factory=Contention)
+    rounds: bool = False  # coefficients measured on this pipeline: whole latencies and rounds
+
+    @property
+    def stages(self) -> int:
+        """What a step's modelled time is divided by to give its time here: `pp` under the
+        paper's model, 1 for coefficients measured on the pipeline itself."""
+        return 1 if self.rounds else self.pp
 
     def prefill_ms(self, sum_len: float, sum_sq: float) -> float:
         a, b, c = self.coefficients.prefill
@@ -122,8 +133,9 @@ class LatencyModel:
         return self.prefill_ms(sum_len, sum_sq) / self.pp / 1e3
 
     def prefill_latency_s(self, sum_len: float, sum_sq: float) -> float:
-        return (self.prefill_ms(sum_len, sum_sq) + self.stage_overhead_ms * (self.pp - 1)) / 1e3
+        overhead = 0.0 if self.rounds else self.stage_overhead_ms * (self.pp - 1)
+        return (self.prefill_ms(sum_len, sum_sq) + overhead) / 1e3
 
     def decode_step_s(self, batch: int, sum_ctx: float) -> float:
         """One token for every running request; `pp` micro-batches keep all stages busy."""
-        return self.decode_ms(batch, sum_ctx) / self.pp / 1e3
+        return self.decode_ms(batch, sum_ctx) / self.stages / 1e3

@@ -41,8 +41,17 @@ class Profile:
     host: str = ""  # the CPU a CPU profile was measured on ('': not recorded)
     # how its steps slow beside the host's other devices (measured; none recorded: 1.0)
     contention: Contention = field(default_factory=Contention)
+    # (tp, pp > 1) -> coefficients measured on that pipeline as the engine runs it: a
+    # prompt batch's latency through every stage, a decode round (LatencyModel.rounds)
+    pipelines: dict[tuple[int, int], PhaseCoefficients] = field(default_factory=dict)
 
     def latency(self, tp: int, pp: int) -> LatencyModel:
+        """The model of an instance of `tp` x `pp`: measured on that pipeline where the
+        profile has it, else the paper's division of the tp coefficients over the stages."""
+        measured = self.pipelines.get((tp, pp)) if pp > 1 else None
+        if measured is not None:
+            return LatencyModel(measured, pp, self.stage_overhead_ms, self.contention,
+                                rounds=True)
         return LatencyModel(self.by_tp[tp], pp, self.stage_overhead_ms, self.contention)
 
     @property
@@ -120,7 +129,9 @@ def _load_ours(data: dict[str, Any]) -> Profile:
         stage_overhead_ms=float(data.get("stage_overhead_ms", 0.0)),
         fit={k: float(v) for k, v in data.get("fit", {}).items()},
         host=str(data.get("host", "")),
-        contention=Contention(**{k: float(v) for k, v in data.get("contention", {}).items()}))
+        contention=Contention(**{k: float(v) for k, v in data.get("contention", {}).items()}),
+        pipelines={(int(e["tp"]), int(e["pp"])): _coefficients(e)
+                   for e in data.get("pipelines", [])})
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:
@@ -135,6 +146,9 @@ def save_profile(profile: Profile, path: str | Path) -> None:
         **({"host": profile.host} if profile.host else {}),
         **({"contention": dataclasses.asdict(profile.contention)}
            if not profile.contention.none else {}),
+        **({"pipelines": [{"tp": tp, "pp": pp, **_entry(co)}
+                          for (tp, pp), co in sorted(profile.pipelines.items())]}
+           if profile.pipelines else {}),
     }
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
 

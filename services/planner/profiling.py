@@ -19,7 +19,7 @@ from services.planner.models import MODELS, from_config
 from services.planner.profiles import Profile, saturation_length
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
-from shared.engine.request import SamplingParams
+from shared.engine.request import Request, SamplingParams
 from shared.host import cpu_description
 
 
@@ -52,9 +52,15 @@ def _prompt(length: int, vocab: int, salt: int) -> list[int]:
 
 
 class Profiler:
+    """Times the engine's steps over a grid. A pipeline (pp > 1) runs a step as one
+    micro-batch among several under way, so there it times what a request sees instead: a
+    prompt batch from its first step to its first tokens, and a decode round (a token for
+    every request) at steady state."""
+
     def __init__(self, engine: Engine, grid: Grid) -> None:
         self.engine, self.grid = engine, grid
         self._ids = iter(range(10**9))
+        self.pipelined = engine.runner.depth > 1
 
     def _add(self, length: int, max_tokens: int, salt: int) -> str:
         rid = f"prof-{next(self._ids)}"
@@ -63,18 +69,35 @@ class Profiler:
                                 SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         return rid
 
+    def _step_until(self, requests: list[Request | None], tokens: int) -> None:
+        """Step until each of `requests` has `tokens` output tokens or has ended."""
+        while any(r is not None and len(r.output_ids) < tokens and not r.status.finished
+                  for r in requests):
+            self.engine.step()
+
+    def _drain(self) -> None:
+        while self.engine.has_work():  # a pipeline's steps under way
+            self.engine.step()
+
     def prefill_point(self, length: int, batch: int) -> PrefillPoint:
         def once() -> float:
-            for i in range(batch):
-                self._add(length, 1, i)
+            ids = [self._add(length, 1, i) for i in range(batch)]
+            requests = [self.engine.scheduler.get(rid) for rid in ids]
             start = time.perf_counter()
-            self.engine.step()
-            return (time.perf_counter() - start) * 1e3
+            if self.pipelined:
+                self._step_until(requests, 1)
+            else:
+                self.engine.step()
+            elapsed = (time.perf_counter() - start) * 1e3
+            self._drain()
+            return elapsed
         once()  # warm-up
         # the fastest repeat: other processes on a shared machine only ever add time
         return PrefillPoint((length,) * batch, min(once() for _ in range(self.grid.repeats)))
 
     def decode_point(self, batch: int, context: int) -> DecodePoint:
+        if self.pipelined:
+            return self._decode_rounds(batch, context)
         steps = self.grid.repeats + 2
         ids = [self._add(context, steps + 2, i) for i in range(batch)]
         requests = [self.engine.scheduler.get(rid) for rid in ids]
@@ -88,6 +111,23 @@ class Profiler:
         for rid in ids:
             self.engine.abort(rid)
         return DecodePoint(batch, batch * (context + 2), min(times[1:]))
+
+    def _decode_rounds(self, batch: int, context: int) -> DecodePoint:
+        """The median round of a pipeline decoding `batch` requests: from every request
+        having k tokens to every one having k + 1, once each has two (the pipeline full)."""
+        rounds = self.grid.repeats + 2
+        ids = [self._add(context, rounds + 4, i) for i in range(batch)]
+        requests = [self.engine.scheduler.get(rid) for rid in ids]
+        self._step_until(requests, 2)
+        times = []
+        for k in range(3, rounds + 3):
+            start = time.perf_counter()
+            self._step_until(requests, k)
+            times.append((time.perf_counter() - start) * 1e3)
+        for rid in ids:
+            self.engine.abort(rid)
+        self._drain()
+        return DecodePoint(batch, batch * (context + 2 + rounds // 2), statistics.median(times))
 
     def run(self, progress: Callable[[str], None]) -> tuple[list[PrefillPoint],
                                                               list[DecodePoint]]:
@@ -263,8 +303,11 @@ def profile_engine(config: EngineConfig, grid: Grid,
     finally:
         engine.close()
     coefficients, report = fit_phase(prefill, decode)
+    pipeline = config.pp > 1  # measured as latencies and rounds: kept apart from by_tp
     return Profile(model=spec, device=device_name(engine.runner.device),
                    device_memory_bytes=device_memory_bytes(engine.runner.device),
-                   by_tp={config.tp: coefficients}, l_m=saturation_length(coefficients),
+                   by_tp={} if pipeline else {config.tp: coefficients},
+                   pipelines={(config.tp, config.pp): coefficients} if pipeline else {},
+                   l_m=saturation_length(coefficients),
                    fit=report, host=cpu_description() if engine.runner.device.type == "cpu"
                    else "", contention=beside)

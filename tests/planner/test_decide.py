@@ -141,7 +141,7 @@ def test_the_online_planner_searches_the_profiles_tps_and_keeps_what_up_fixed(
 
 def test_the_planner_searches_only_the_tps_the_workers_can_run() -> None:
     """SmolLM2 has 3 KV heads: tp 2 cannot split it, tp 3 can; on a GPU no parallel
-    instance runs (NCCL is not built)."""
+    instance runs (NCCL is not built). The same for the pipelines a profile measured."""
     profile = CONFIG.profile
     co = profile.by_tp[1]
     three = dataclasses.replace(profile, by_tp={1: co, 2: co, 3: co})
@@ -150,6 +150,11 @@ def test_the_planner_searches_only_the_tps_the_workers_can_run() -> None:
     assert runnable_tps(three, model, on_gpu=True).tps == [1]
     only_two = dataclasses.replace(profile, by_tp={2: co})
     assert runnable_tps(only_two, model, on_gpu=False).tps == [2]  # none left: as it was
+    # measured pipelines: of a runnable tp, no more stages than layers (30), not on a GPU
+    piped = dataclasses.replace(three, pipelines={(1, 2): co, (2, 2): co, (3, 2): co,
+                                                  (1, 31): co})
+    assert sorted(runnable_tps(piped, model, on_gpu=False).pipelines) == [(1, 2), (3, 2)]
+    assert runnable_tps(piped, model, on_gpu=True).pipelines == {}
 
 
 def test_reshaping_a_role_must_pay_for_itself_like_a_mode_switch() -> None:

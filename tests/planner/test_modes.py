@@ -3,6 +3,8 @@ hand-made profiles: which mode wins follows from what a prompt token costs next 
 step, and from how tight the TPOT objective is."""
 
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ from services.planner.latency import PhaseCoefficients
 from services.planner.models import model_spec
 from services.planner.modes import Candidate, best, candidates, serving_mode, worth_switching
 from services.planner.placement import Problem
-from services.planner.profiles import Profile
+from services.planner.profiles import Profile, load_profile, save_profile
 from shared.metrics import SLO
 from shared.workloads import Lengths, Workload
 
@@ -175,3 +177,49 @@ def test_shapes_too_wide_for_a_disaggregated_pair_leave_the_colocated_modes() ->
     only_tp2 = dataclasses.replace(prof, by_tp={2: prof.by_tp[2]})
     found = candidates(problem(only_tp2, 512, 32, SLO(0.3, 0.030), 0.5), budget=2)
     assert [c.mode for c in found] == ["colocated", "chunked"]
+
+
+def with_pipeline(one: Profile, speedup: float) -> Profile:
+    """`one` with a tp 1 pp 2 pipeline measured at `speedup` x one device's times (latency
+    and decode round alike), room for twice the KV."""
+    return dataclasses.replace(one, pipelines={(1, 2): one.by_tp[1].slowed(
+        1 / speedup, 1 / speedup, 0.0, 0.0)}, kv_capacity={(1, 1): 1 << 16, (1, 2): 1 << 17})
+
+
+def test_a_pipeline_is_weighed_as_measured_and_only_where_measured() -> None:
+    """A 512-token prompt takes 0.53 s on one device, past the 0.3 s TTFT. A pipeline of two
+    measured at a third of one device's latency serves it: the prefill role takes it. One
+    measured no faster than a device (what the engine's micro-batches do on a CPU: a request
+    still crosses every stage) is never worth its two devices, and without a measured
+    pipeline none is weighed: the paper's model would have called the pp 2 prefill twice as
+    fast as one device."""
+    slo = SLO(0.3, 0.030)
+    fast = by_mode(candidates(problem(with_pipeline(profile(1.0, 20.0), 3.0), 512, 32, slo,
+                                      0.5), budget=3))["disaggregated"]
+    assert (fast.prefill, fast.prefill_shape, fast.decode, fast.decode_shape) == (
+        1, Shape(1, 2), 1, ONE)
+    assert fast.layout == "1 prefill tp1 pp2 + 1 decode" and fast.goodput_rps > 0
+    for prof in (with_pipeline(profile(1.0, 20.0), 1.0), profile(1.0, 20.0)):
+        found = by_mode(candidates(problem(prof, 512, 32, slo, 0.5), budget=3))
+        assert all(Shape(1, 2) not in c.shapes.values() for c in found.values())
+        assert found["disaggregated"].goodput_rps == 0  # no one-device prefill meets it
+
+
+def test_measured_pipeline_coefficients_are_whole_latencies_and_rounds(
+        tmp_path: Path) -> None:
+    one = profile(1.0, 20.0)
+    paper, measured = one.latency(1, 2), with_pipeline(one, 1.0).latency(1, 2)
+    assert not paper.rounds and measured.rounds and measured.pp == 2
+    # the paper's model: a decode step's time over the stages; a measured round as it is
+    assert paper.decode_step_s(8, 800) == pytest.approx(measured.decode_step_s(8, 800) / 2)
+    assert measured.decode_step_s(8, 800) == pytest.approx(one.latency(1, 1).decode_step_s(
+        8, 800))
+    # a prompt batch's latency as measured; the first stage free after its share
+    assert measured.prefill_latency_s(512, 512**2) == pytest.approx(0.532)
+    assert measured.prefill_stage_s(512, 512**2) == pytest.approx(0.266)
+    path = tmp_path / "p.json"
+    save_profile(with_pipeline(one, 2.0), path)
+    again = load_profile(path)
+    assert again.pipelines == with_pipeline(one, 2.0).pipelines and again.tps == [1]
+    save_profile(one, path)  # a profile without pipelines writes none, and reads none
+    assert "pipelines" not in json.loads(path.read_text()) and not load_profile(path).pipelines

@@ -1,5 +1,6 @@
 """Profiling the real engine: the fitted latency model predicts held-out points; the
-contention between two engines on one host is measured beside a real second one."""
+contention between two engines on one host is measured beside a real second one; a pipeline
+is profiled as it runs."""
 
 from __future__ import annotations
 
@@ -8,13 +9,18 @@ import json
 import multiprocessing
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from services.planner.budget import Shape, searched_shapes
+from services.planner.placement import Problem
 from services.planner.profiles import load_profile, save_profile
 from services.planner.profiling import Grid, measure_contention, profile_engine
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.host import cpu_description
+from shared.metrics import SLO
+from shared.workloads import Lengths, Workload
 
 pytestmark = pytest.mark.slow
 SHIPPED = Path(__file__).parents[2] / "profiles"
@@ -68,3 +74,25 @@ def test_contention_is_measured_beside_a_real_second_engine() -> None:
     for factor in dataclasses.astuple(found):
         assert 1.0 <= factor < 5.0
     assert not multiprocessing.active_children()
+
+
+def test_a_pipeline_is_profiled_as_the_engine_runs_it(tmp_path: Path) -> None:
+    """A pp 2 engine (two stage processes) of the tiny model over a small grid: its fit lands
+    in the profile's pipelines (whole latencies and decode rounds), not in by_tp, and the
+    online planner then weighs that pipeline."""
+    grid = Grid((16, 32, 64, 128), (1, 2), 256, (1, 2, 4, 8), (32, 64), 2)
+    piped = profile_engine(EngineConfig(model="tiny", pp=2), grid)
+    assert piped.by_tp == {} and list(piped.pipelines) == [(1, 2)]
+    model = piped.latency(1, 2)
+    assert model.rounds and model.decode_step_s(8, 8 * 64) > 0
+    assert model.prefill_latency_s(128, 128**2) > model.prefill_stage_s(128, 128**2) > 0
+    one = profile_engine(EngineConfig(model="tiny"), grid)
+    both = dataclasses.replace(one, pipelines=piped.pipelines)
+    path = tmp_path / "p.json"
+    save_profile(both, path)
+    again = load_profile(path)
+    assert again.pipelines == piped.pipelines and again.by_tp == one.by_tp
+    lengths = Lengths(np.array([64] * 8), np.array([16] * 8))
+    problem = Problem(again, Workload(lengths), SLO(5.0, 0.5), 1.0, 1, 2, workers=1)
+    assert searched_shapes(problem, 4) == (Shape(1), Shape(1, 2))
+    assert searched_shapes(problem, 1) == (Shape(1),)
