@@ -415,7 +415,7 @@ class Worker:
         """Queue a prompt (with the tokens a failed-over request already streamed) on the
         engine; a request it can never run gets an error chunk (and None), and one cancelled
         before or while it was taken in, nothing (and None)."""
-        if req.request_id in self.cancelled:
+        if self.cancelled.covers(req.request_id, req.attempt):
             log.info("%s: %s was cancelled before it arrived", self.id, req.request_id)
             return None
         try:
@@ -425,7 +425,7 @@ class Worker:
             await self.send(TokenChunk(request_id=req.request_id, error=str(e), source=self.id,
                                        seq=len(req.output_ids), attempt=req.attempt))
             return None
-        if req.request_id in self.cancelled:  # read while the engine took it in
+        if self.cancelled.covers(req.request_id, req.attempt):  # read while taken in
             await self.host.call(self.engine.abort, req.request_id)
             return None
         self.attempts[req.request_id] = req.attempt
@@ -434,13 +434,17 @@ class Worker:
 
     def cancel_for_me(self, msg: Msg) -> str | None:
         """The id of the request a cancel drops here (it names every instance, or this one),
-        remembered when it names every instance (the client went away: nothing of it may
-        start later); None if the cancel is for another instance."""
+        remembered: for every attempt when it names every instance (the client went away:
+        nothing of it may start later), for the attempts up to the one it names when it
+        names this instance (the request moved away; a later attempt may come back). None
+        if the cancel is for another instance."""
         cancel = parse(msg, Cancel)
         if cancel.instance not in ("", self.id):
             return None
         if not cancel.instance:
             self.cancelled.add(cancel.request_id)
+        elif cancel.attempt is not None:
+            self.cancelled.add(cancel.request_id, cancel.attempt)
         return cancel.request_id
 
     async def stream(self, out: RequestOutput) -> None:

@@ -127,6 +127,7 @@ class Cancel(BaseModel):
     version: Literal[1] = 1
     request_id: str
     instance: str = ""  # only this instance drops it; empty: every instance
+    attempt: int | None = None  # with `instance`: the attempts up to this one are stale there
 
 
 class TokenChunk(BaseModel):

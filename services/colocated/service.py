@@ -27,8 +27,9 @@ class ColocatedService(Worker):
 
     async def _on_request(self, msg: Msg) -> None:
         req = parse(msg, PrefillRequest)
-        if await self.admit(req) is not None:
-            self.known.add(req.request_id)
+        self.known.add(req.request_id)  # before the engine takes it in: a cancel aborts it
+        if await self.admit(req) is None:
+            self.known.discard(req.request_id)
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

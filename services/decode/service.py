@@ -105,7 +105,7 @@ class DecodeService(Worker):
     async def _on_kv_ready(self, msg: Msg) -> None:
         ready = parse(msg, KvReady)
         if ready.attempt < self.attempts.get(ready.request_id, -1) or \
-                ready.request_id in self.cancelled:
+                self.cancelled.covers(ready.request_id, ready.attempt):
             self._release(ready)  # a stale announcement (moved on, or cancelled): drop it
             return
         for older in [r for r in self.pending if r.request_id == ready.request_id]:

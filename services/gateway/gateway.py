@@ -405,6 +405,7 @@ class Gateway:
             raise GaveUp(f"{lost} (moved {relay.moves} times already)")
         relay.moves += 1
         old_worker, old_decode, prefilled = relay.worker, relay.decode, relay.prefilled
+        old_attempt = relay.attempt
         prefill_died = lost.cause == "prefill_died"
         failed = old_worker if prefill_died else relay.serving
         deadline = time.monotonic() + self.settings.failover_wait_s
@@ -428,7 +429,8 @@ class Gateway:
         for instance in {old_worker, old_decode} - {relay.worker, relay.decode, ""}:
             with contextlib.suppress(nats.errors.Error, OSError):
                 await publish(self.nc, subjects.cancel(relay.request_id),
-                              Cancel(request_id=relay.request_id, instance=instance))
+                              Cancel(request_id=relay.request_id, instance=instance,
+                                     attempt=old_attempt))
 
     async def _resume(self, relay: Relay, prefill: str, decode: str, attempt: int) -> bool:
         """Ask `prefill` to announce the request's KV to `decode`, as `attempt`: whether it

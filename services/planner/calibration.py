@@ -48,15 +48,18 @@ class Calibration(BaseModel):
         return getattr(self, phase), 0.0
 
     def apply(self, profile: Profile) -> Profile:
-        """`profile` corrected. Steps timed live already ran beside whatever else the host
-        ran, so a calibration made of them replaces the profile's contention (which would
-        count that slowdown twice); one made of unloaded requests keeps it."""
+        """`profile` corrected, its measured pipelines alike. Steps timed live already ran
+        beside whatever else the host ran, so a calibration made of them replaces the
+        profile's contention (which would count that slowdown twice); one made of unloaded
+        requests keeps it."""
         (prefill, prefill_ms), (decode, decode_ms) = (self.correction("prefill"),
                                                       self.correction("decode"))
         by_tp = {tp: co.slowed(prefill, decode, prefill_ms, decode_ms)
                  for tp, co in profile.by_tp.items()}
+        pipelines = {shape: co.slowed(prefill, decode, prefill_ms, decode_ms)
+                     for shape, co in profile.pipelines.items()}
         live = self.prefill_steps > 0 or self.decode_steps > 0
-        return dataclasses.replace(profile, by_tp=by_tp,
+        return dataclasses.replace(profile, by_tp=by_tp, pipelines=pipelines,
                                    contention=Contention() if live else profile.contention)
 
     def describe(self, phase: str) -> str:

@@ -82,7 +82,7 @@ def runnable_tps(profile: Profile, model: ModelConfig, on_gpu: bool) -> Profile:
     instances there need NCCL, not built), and on the CPU the tps that split its heads and
     MLP columns, and its quantization blocks (checked as quantized, so that any role's
     weight format runs them); its measured pipelines likewise, and only those of no more
-    stages than the model has layers. Unchanged, with a warning, where no tp is left."""
+    stages than the model has layers. Every tp, with a warning, where none is left."""
     def runs(tp: int) -> bool:
         if tp == 1:
             return True
@@ -95,12 +95,12 @@ def runnable_tps(profile: Profile, model: ModelConfig, on_gpu: bool) -> Profile:
         return True
 
     by_tp = {tp: co for tp, co in profile.by_tp.items() if runs(tp)}
+    pipelines = {(tp, pp): co for (tp, pp), co in profile.pipelines.items()
+                 if runs(tp) and not on_gpu and pp <= model.num_layers}
     if not by_tp:
         log.warning("the workers can run none of the profile's tps (%s) here: planning on "
                     "them all", profile.tps)
-        return profile
-    pipelines = {(tp, pp): co for (tp, pp), co in profile.pipelines.items()
-                 if runs(tp) and not on_gpu and pp <= model.num_layers}
+        by_tp = profile.by_tp
     return dataclasses.replace(profile, by_tp=by_tp, pipelines=pipelines)
 
 

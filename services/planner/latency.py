@@ -91,12 +91,6 @@ class LatencyModel:
     contention: Contention = field(default_factory=Contention)
     rounds: bool = False  # coefficients measured on this pipeline: whole latencies and rounds
 
-    @property
-    def stages(self) -> int:
-        """What a step's modelled time is divided by to give its time here: `pp` under the
-        paper's model, 1 for coefficients measured on the pipeline itself."""
-        return 1 if self.rounds else self.pp
-
     def prefill_ms(self, sum_len: float, sum_sq: float) -> float:
         a, b, c = self.coefficients.prefill
         return a + b * sum_len + c * sum_sq
@@ -129,7 +123,8 @@ class LatencyModel:
     # Times for the simulator: seconds, with pipeline stages.
 
     def prefill_stage_s(self, sum_len: float, sum_sq: float) -> float:
-        """How long the first stage is busy: the next batch may start after this."""
+        """How long the first stage is busy: the next batch may start after this (a
+        measured latency too is taken as `pp` even stages; so is a chunked step)."""
         return self.prefill_ms(sum_len, sum_sq) / self.pp / 1e3
 
     def prefill_latency_s(self, sum_len: float, sum_sq: float) -> float:
@@ -137,5 +132,6 @@ class LatencyModel:
         return (self.prefill_ms(sum_len, sum_sq) + overhead) / 1e3
 
     def decode_step_s(self, batch: int, sum_ctx: float) -> float:
-        """One token for every running request; `pp` micro-batches keep all stages busy."""
-        return self.decode_ms(batch, sum_ctx) / self.stages / 1e3
+        """One token for every running request; `pp` micro-batches keep all stages busy (a
+        measured round is the round's time already)."""
+        return self.decode_ms(batch, sum_ctx) / (1 if self.rounds else self.pp) / 1e3

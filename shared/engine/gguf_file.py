@@ -42,6 +42,8 @@ class GgufTensor:
 
 
 class GgufFile:
+    """ValueError for anything but a whole GGUF file of version 2 or 3 (little-endian)."""
+
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._map = np.memmap(self.path, mode="r")
@@ -50,15 +52,23 @@ class GgufFile:
         if bytes(self._buf[:4]) != MAGIC:
             raise ValueError(f"{self.path} is not a GGUF file")
         self._at = 4
+        try:
+            self._read()
+        except (struct.error, ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{self.path}: not a readable GGUF file ({e})") from e
+
+    def _read(self) -> None:
         version, n_tensors, n_fields = self._unpack("<IQQ")
         if version not in (2, 3):
-            raise ValueError(f"{self.path}: GGUF version {version} is not supported (2, 3)")
+            raise ValueError(f"GGUF version {version} is not supported (2, 3)")
         self.fields: dict[str, Any] = {}
         for _ in range(n_fields):
             key = self._string()
             self.fields[key] = self._value(GGUFValueType(self._unpack("<I")[0]))
         infos = [self._tensor_info() for _ in range(n_tensors)]
-        alignment = int(self.fields.get("general.alignment", 32))
+        alignment = self.fields.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"general.alignment {alignment!r} is not a power of two")
         start = -(-self._at // alignment) * alignment
         self.tensors = [self._tensor(name, shape, kind, start + offset)
                         for name, shape, kind, offset in infos]

@@ -158,7 +158,7 @@ def _dequantized(tensor: GgufTensor) -> np.ndarray:
     Q4_1 and Q8_0 blocks decode in torch, bit for bit as gguf-py's NumPy does, at twice its
     speed; other types through gguf-py."""
     kind = tensor.tensor_type.name
-    if kind in ("Q4_1", "Q8_0"):
+    if kind in ("Q4_1", "Q8_0") and tensor.data.ndim == 2:  # (rows, bytes a row)
         return from_gguf_blocks(tensor.data, kind).dequantize().numpy()
     return np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
 

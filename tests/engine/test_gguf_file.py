@@ -69,8 +69,19 @@ def test_the_builtin_models_file_reads_as_gguf_py_reads_it() -> None:
     assert len(ours.fields["tokenizer.ggml.tokens"]) == 49152
 
 
-def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
+def test_a_file_that_is_not_gguf_or_is_cut_short_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "x.gguf"
     path.write_bytes(b"GGML" + bytes(60))
     with pytest.raises(ValueError, match="not a GGUF file"):
+        GgufFile(path)
+    whole = resolve_gguf_path("smollm2-135m").read_bytes()[:1 << 16]
+    path.write_bytes(whole[:5000])  # inside the tokenizer's strings
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        GgufFile(path)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("general.alignment", 0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="not a power of two"):
         GgufFile(path)

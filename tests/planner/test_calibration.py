@@ -49,11 +49,14 @@ def test_decode_steps_20_percent_slower_move_the_decode_coefficients_by_as_much(
     assert found.decode == pytest.approx(1.2, rel=0.03)
     assert found.prefill == pytest.approx(1.0, rel=0.03)
     assert (found.prefill_steps, found.decode_steps) == (40, 80)
-    co, fitted = PROFILE.by_tp[1], found.apply(PROFILE).by_tp[1]
-    for before, after in zip(co.decode_small + co.decode_large, fitted.decode_small +
-                             fitted.decode_large, strict=True):
-        assert after == pytest.approx(before * 1.2, rel=0.03)
-    assert fitted.prefill == pytest.approx(co.prefill, rel=0.03)
+    piped = dataclasses.replace(PROFILE, pipelines={(1, 2): PROFILE.by_tp[1]})
+    applied = found.apply(piped)
+    co = PROFILE.by_tp[1]
+    for fitted in (applied.by_tp[1], applied.pipelines[(1, 2)]):  # a measured pipeline too
+        for before, after in zip(co.decode_small + co.decode_large, fitted.decode_small +
+                                 fitted.decode_large, strict=True):
+            assert after == pytest.approx(before * 1.2, rel=0.03)
+        assert fitted.prefill == pytest.approx(co.prefill, rel=0.03)
 
 
 def test_each_workers_steps_are_compared_with_its_own_shapes_prediction() -> None:

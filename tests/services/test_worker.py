@@ -180,22 +180,27 @@ def test_a_request_whose_cancel_overtakes_it_never_runs(nats_url: str, redis_url
         stop = asyncio.Event()
         running, registry = await serving(worker, stop, redis_url)
         nc = await connect(nats_url, "test")
-        seen, subs = await chunks_of(nc, ["first", "during"])
+        seen, subs = await chunks_of(nc, ["first", "during", "named"])
         long = Sampling(max_tokens=64, ignore_eos=True)
         await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="first"))
         await publish(nc, subjects.prefill("colocated-z"), PrefillRequest(
             request_id="first", prompt_ids=[1, 2, 3], sampling=long, arrival_ts=time.time()))
         # the engine thread busy: the next prompt waits there to be taken in
         busy = asyncio.ensure_future(worker.host.call(time.sleep, 1.5))
-        await publish(nc, subjects.prefill("colocated-z"), PrefillRequest(
-            request_id="during", prompt_ids=[4, 5, 6], sampling=long, arrival_ts=time.time()))
+        for request_id in ("during", "named"):
+            await publish(nc, subjects.prefill("colocated-z"), PrefillRequest(
+                request_id=request_id, prompt_ids=[4, 5, 6], sampling=long,
+                arrival_ts=time.time()))
         await asyncio.sleep(0.5)
         await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="during"))
+        # moved away from this worker at its attempt 0
+        await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="named", instance="colocated-z",
+                                                      attempt=0))
         await busy
         good = await send_and_wait(nc, "colocated-z", "after")  # served after both
         assert good[-1].finish_reason == "length"
         await until_idle(worker)
-        assert seen == []  # neither ran: not a token of either
+        assert seen == []  # none ran: not a token of any
         assert "first" in worker.cancelled and "during" in worker.cancelled
         assert worker.known == set() and worker.attempts == {}
         await stop_serving(running, stop, registry, nc, subs)
@@ -206,8 +211,9 @@ def test_a_request_whose_cancel_overtakes_it_never_runs(nats_url: str, redis_url
 @pytest.mark.timeout(120)
 def test_a_decode_instance_releases_the_kv_of_a_request_cancelled_before_its_announcement(
         nats_url: str, redis_url: str) -> None:
-    """The announcement of a request the client already left is not pulled: the prefill
-    instance is told at once that it may free the KV."""
+    """The announcement of a request the client already left, or of an attempt the gateway
+    moved away from this instance, is not pulled: the prefill instance is told at once that
+    it may free the KV."""
     worker = tiny(DecodeService, "decode-z", nats_url, redis_url)
 
     async def main() -> None:
@@ -221,18 +227,23 @@ def test_a_decode_instance_releases_the_kv_of_a_request_cancelled_before_its_ann
             await msg.respond(b"")
 
         await nc.subscribe(subjects.release("prefill-gone"), cb=on_release)
-        seen, subs = await chunks_of(nc, ["left"])
-        await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="left"))
-        while "left" not in worker.cancelled:
-            await asyncio.sleep(0.01)
-        await publish(nc, subjects.decode("decode-z"), KvReady(
-            request_id="left", prefill_instance="prefill-gone", token="t",
-            sources=[KvSource(address="127.0.0.1:9", layers=(0, 2), kv_heads=(0, 2))],
-            num_blocks=1, prompt_ids=[1, 2, 3], output_ids=[4], computed=3,
-            sampling=Sampling(max_tokens=64), arrival_ts=time.time(),
-            first_token_ts=time.time(), attempt=3))
-        release = await asyncio.wait_for(released.get(), 30)
-        assert (release.request_id, release.attempt) == ("left", 3)
+        seen, subs = await chunks_of(nc, ["left", "moved"])
+        # the client went away; the gateway moved the other away from here at attempt 1
+        for request_id, cancel in (("left", Cancel(request_id="left")),
+                                   ("moved", Cancel(request_id="moved", instance="decode-z",
+                                                    attempt=1))):
+            await publish(nc, subjects.CANCEL_ALL, cancel)
+            while not worker.cancelled.covers(request_id, 1):
+                await asyncio.sleep(0.01)
+            await publish(nc, subjects.decode("decode-z"), KvReady(
+                request_id=request_id, prefill_instance="prefill-gone", token="t",
+                sources=[KvSource(address="127.0.0.1:9", layers=(0, 2), kv_heads=(0, 2))],
+                num_blocks=1, prompt_ids=[1, 2, 3], output_ids=[4], computed=3,
+                sampling=Sampling(max_tokens=64), arrival_ts=time.time(),
+                first_token_ts=time.time(), attempt=1))
+            release = await asyncio.wait_for(released.get(), 30)
+            assert (release.request_id, release.attempt) == (request_id, 1)
+        assert "left" in worker.cancelled and not worker.cancelled.covers("moved", 2)
         await until_idle(worker)
         assert seen == [] and not worker.pending and not worker.pulling
         assert worker.kv_client.stats.requests == 0  # never pulled

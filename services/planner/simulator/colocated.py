@@ -153,7 +153,7 @@ class ChunkedInstance(ColocatedInstance):
         tokens = sum(n for _, n in chunks)
         squares = sum(n * (p.done + n) for p, n in chunks)
         riding = lat.riding_ms(self.batch.size, self.batch.sum_ctx)
-        seconds = (lat.prefill_ms(tokens, squares) + riding) / lat.stages / 1e3
+        seconds = (lat.prefill_ms(tokens, squares) + riding) / lat.pp / 1e3
         return seconds, chunks, self.batch.size > 0
 
 
