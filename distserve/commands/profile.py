@@ -80,6 +80,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for (tp, pp), co in sorted(profile.pipelines.items()):
         console.print(f"tp {tp} pp {pp} (a prompt batch's latency; a decode round):")
         print_coefficients(console, co)
+    for (tp, pp), measured in zip(shapes, profiles, strict=True):
+        errors = ", ".join(f"{phase} {measured.fit[f'{phase}_heldout_median_rel_err']:.1%}"
+                           for phase in ("prefill", "decode"))
+        console.print(f"tp {tp}" + (f" pp {pp}" if pp > 1 else "") +
+                      f": held-out median error {errors}")
     for key, value in profile.fit.items():
         console.print(f"  {key}: {value:.3f}")
     c = profile.contention
