@@ -84,10 +84,7 @@ class Profiler:
             ids = [self._add(length, 1, i) for i in range(batch)]
             requests = [self.engine.scheduler.get(rid) for rid in ids]
             start = time.perf_counter()
-            if self.pipelined:
-                self._step_until(requests, 1)
-            else:
-                self.engine.step()
+            self._step_until(requests, 1)  # one step, but on a pipeline
             elapsed = (time.perf_counter() - start) * 1e3
             self._drain()
             return elapsed

@@ -71,10 +71,6 @@ def resolve_gguf_path(model: str) -> Path:
     )
 
 
-def _field(reader: GgufFile, key: str, default: object = None) -> Any:
-    return reader.fields.get(key, default)
-
-
 def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp stores Q/K rows interleaved for its RoPE; return them to the half-split
     layout (rotate_half) that the HF reference and our model use."""
@@ -87,13 +83,13 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 def _read_config(reader: GgufFile, name: str) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+    arch = reader.fields.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelNotFoundError(f"{name}: architecture {arch!r} is not supported "
                                  f"({', '.join(ARCHITECTURES)})")
 
     def get(key: str, default: object = None) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
+        return reader.fields.get(f"{arch}.{key}", default)
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
@@ -187,23 +183,23 @@ def _read_weights(reader: GgufFile, config: ModelConfig,
 def _read_tokenizer(reader: GgufFile) -> TokenizerData:
     tokens = [str(t) for t in reader.fields["tokenizer.ggml.tokens"]]
     types = reader.fields["tokenizer.ggml.token_type"]
-    model = _field(reader, "tokenizer.ggml.model")
+    model = reader.fields.get("tokenizer.ggml.model")
     if model != "gpt2":
         raise ModelNotFoundError(f"tokenizer {model!r} is not supported (byte-level BPE only)")
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    stops = [_field(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eot", "eom")]
+    bos = reader.fields.get("tokenizer.ggml.bos_token_id")
+    stops = [reader.fields.get(f"tokenizer.ggml.{name}_token_id") for name in ("eot", "eom")]
     return TokenizerData(
         tokens=tokens,
         merges=[str(m) for m in reader.fields["tokenizer.ggml.merges"]],
         special_tokens=[t for t, k in zip(tokens, types, strict=True) if k == CONTROL_TOKEN_TYPE],
         bos_id=None if bos is None else int(bos),
-        eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
-        chat_template=_field(reader, "tokenizer.chat_template"),
-        pre=str(_field(reader, "tokenizer.ggml.pre", "default")),
+        eos_id=int(reader.fields["tokenizer.ggml.eos_token_id"]),
+        chat_template=reader.fields.get("tokenizer.chat_template"),
+        pre=str(reader.fields.get("tokenizer.ggml.pre", "default")),
         user_tokens=[t for t, k in zip(tokens, types, strict=True)
                      if k == USER_DEFINED_TOKEN_TYPE],
         stop_ids=[int(s) for s in stops if s is not None],
-        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        add_bos=bool(reader.fields.get("tokenizer.ggml.add_bos_token", False)),
     )
 
 
