@@ -13,7 +13,6 @@ from rich.console import Console
 from rich.progress import Progress, TimeElapsedColumn
 
 from distserve.commands.common import add_engine_args, engine_config, positive_int
-from services.planner.budget import Shape
 from services.planner.latency import PhaseCoefficients
 from services.planner.profiles import save_profile
 from services.planner.profiling import Grid, enough_cores_for_contention, profile_engine
@@ -56,7 +55,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         task = bar.add_task("profiling", total=grid.points * len(shapes) + 3 * contention)
         done = itertools.count()
         for tp, pp in shapes:
-            def progress(what: str, name: str = str(Shape(tp, pp))) -> None:
+            def progress(what: str, name: str = shape_name(tp, pp)) -> None:
                 bar.update(task, completed=next(done), description=f"{name}: {what}")
                 if not console.is_terminal:  # a log gets a line a point instead of a bar
                     console.print(f"[{time.monotonic() - started:5.0f} s] {name}: {what}")
@@ -82,7 +81,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for (tp, pp), measured in zip(shapes, profiles, strict=True):
         errors = ", ".join(f"{phase} {measured.fit[f'{phase}_heldout_median_rel_err']:.1%}"
                            for phase in ("prefill", "decode"))
-        console.print(f"{Shape(tp, pp)}: held-out median error {errors}")
+        console.print(f"{shape_name(tp, pp)}: held-out median error {errors}")
     for key, value in profile.fit.items():
         console.print(f"  {key}: {value:.3f}")
     c = profile.contention
@@ -92,6 +91,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                       f"prefill {c.prefill_by_decode:.2f}x and {c.prefill_by_prefill:.2f}x")
     console.print(f"L_m = {profile.l_m} tokens; wrote {out}")
     return 0
+
+
+def shape_name(tp: int, pp: int) -> str:
+    """'tp 1', 'tp 1 pp 2': how progress lines and the summary name a profiled shape."""
+    return f"tp {tp}" + (f" pp {pp}" if pp > 1 else "")
 
 
 def print_coefficients(console: Console, co: PhaseCoefficients) -> None:
