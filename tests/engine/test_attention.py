@@ -4,6 +4,8 @@ long context merge to the same attention, chunks past a short one's end left out
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,7 +32,9 @@ def setup(dtype: torch.dtype) -> tuple[KVCache, DecodeGroup, torch.Tensor]:
 def reference(kv: KVCache, group: DecodeGroup, q: torch.Tensor, layer: int) -> torch.Tensor:
     rows = []
     for b, length in enumerate(group.context_lens.tolist()):
-        slots = [int(group.block_tables[b, t // 4]) * 4 + t % 4 for t in range(length)]
+        size = kv.block_size
+        slots = [int(group.block_tables[b, t // size]) * size + t % size
+                 for t in range(length)]
         k = kv.slots[layer][0][slots].float().transpose(0, 1)  # [H_kv, L, D]
         v = kv.slots[layer][1][slots].float().transpose(0, 1)
         o = F.scaled_dot_product_attention(q[b].float().unsqueeze(1), k, v, enable_gqa=True)
@@ -78,3 +82,30 @@ def test_chunks_of_long_and_short_contexts_merge_to_the_same_attention(threads: 
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(got, reference(kv, group, q, layer=0), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_head_size_reads_a_scattered_pool_in_chunks_that_start_mid_block(
+        head_dim: int, threads: int) -> None:
+    """Head sizes the kernel runs with the size fixed (2-16 vectors) and those it does not,
+    a group of 3 query heads a KV head, blocks of 16 scattered over the pool (the next block
+    read ahead), contexts whose chunks start mid-block (600 tokens: chunks of 300 at one
+    thread, 200 at two)."""
+    torch.manual_seed(head_dim + threads)
+    config = dataclasses.replace(CFG, num_heads=6, num_kv_heads=2, head_dim=head_dim)
+    block, lens = 16, torch.tensor([600, 37, 250])
+    per = -(-600 // block)
+    kv = KVCache(config, 3 * per + 1, block, torch.float32, torch.device("cpu"))
+    kv.data.copy_(torch.randn(kv.data.shape) * 2)
+    tables = torch.randperm(3 * per + 1)[: 3 * per].view(3, per)
+    mask = (torch.arange(per * block)[None] < lens[:, None])[:, None, None, :]
+    group = DecodeGroup(0, tables, lens, mask)
+    q = torch.randn(3, config.num_heads, head_dim)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = paged_decode_attention(1, q, group, kv)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, reference(kv, group, q, layer=1), atol=1e-5, rtol=1e-5)
