@@ -72,16 +72,23 @@ def test_chunks_of_long_and_short_contexts_merge_to_the_same_attention(threads: 
         start += n
     kv = KVCache(CFG, 200, 4, torch.float32, torch.device("cpu"))
     kv.data.copy_(torch.randn(kv.data.shape) * 3)  # peaked scores: the rescaling matters
-    mask = (torch.arange(300)[None] < lens[:, None])[:, None, None, :]
+    check_at(threads, kv, tables, lens, layer=0, heads=CFG.num_heads)
+
+
+def check_at(threads: int, kv: KVCache, tables: torch.Tensor, lens: torch.Tensor,
+             layer: int, heads: int) -> None:
+    """The kernel at `threads` threads equals plain attention, for `heads` random queries a
+    request."""
+    mask = (torch.arange(tables.shape[1] * kv.block_size)[None] < lens[:, None])[:, None, None]
     group = DecodeGroup(0, tables, lens, mask)
-    q = torch.randn(3, CFG.num_heads, CFG.head_dim)
+    q = torch.randn(len(lens), heads, kv.data.shape[-1])
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = paged_decode_attention(0, q, group, kv)
+        got = paged_decode_attention(layer, q, group, kv)
     finally:
         torch.set_num_threads(before)
-    torch.testing.assert_close(got, reference(kv, group, q, layer=0), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, reference(kv, group, q, layer), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
@@ -99,13 +106,4 @@ def test_every_head_size_reads_a_scattered_pool_in_chunks_that_start_mid_block(
     kv = KVCache(config, 3 * per + 1, block, torch.float32, torch.device("cpu"))
     kv.data.copy_(torch.randn(kv.data.shape) * 2)
     tables = torch.randperm(3 * per + 1)[: 3 * per].view(3, per)
-    mask = (torch.arange(per * block)[None] < lens[:, None])[:, None, None, :]
-    group = DecodeGroup(0, tables, lens, mask)
-    q = torch.randn(3, config.num_heads, head_dim)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = paged_decode_attention(1, q, group, kv)
-    finally:
-        torch.set_num_threads(before)
-    torch.testing.assert_close(got, reference(kv, group, q, layer=1), atol=1e-5, rtol=1e-5)
+    check_at(threads, kv, tables, lens, layer=1, heads=config.num_heads)
