@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import statistics
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -34,8 +32,9 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
+from distserve.commands.bench_engine import _ms, side_by_side
 from shared.engine.config import EngineConfig
-from shared.engine.kernels import FUNCTIONS, OWN_HEADER, SOURCES
+from shared.engine.kernels import SOURCES, compile_kernels, source_text, without_own_header
 from shared.engine.kv_cache import KVCache
 from shared.engine.loader import read_config
 from shared.engine.model_runner import load_model
@@ -45,39 +44,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def sources_at(revision: str | None) -> list[str]:
-    """The kernels' sources (vec.h first, its #include dropped) at `revision`, or as they are
-    in the working tree (None)."""
-    texts = []
-    for source in SOURCES:
-        if revision is None:
-            text = source.read_text()
-        else:
-            path = source.relative_to(ROOT).as_posix()
-            text = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=ROOT, check=True,
-                                  capture_output=True, text=True).stdout
-        texts.append("\n".join(line for line in text.splitlines() if line.strip() != OWN_HEADER))
-    return texts
+    """The kernels' sources as a build gets them (`source_text`) at `revision`, or as they
+    are in the working tree (None)."""
+    if revision is None:
+        return [source_text(source) for source in SOURCES]
+    return [without_own_header(subprocess.run(
+        ["git", "show", f"{revision}:{source.relative_to(ROOT).as_posix()}"], cwd=ROOT,
+        check=True, capture_output=True, text=True).stdout) for source in SOURCES]
 
 
 def build(label: str, texts: list[str]) -> ModuleType:
-    from torch.utils.cpp_extension import load_inline
-
     digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:12]
-    return load_inline(  # type: ignore[no-untyped-call,no-any-return]
-        name=f"kernel_ab_{label}_{digest}", cpp_sources=texts, functions=FUNCTIONS,
-        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    return compile_kernels(f"kernel_ab_{label}_{digest}", texts, "native")
 
 
 def interleaved(calls: dict[str, Callable[[], object]], repeats: int) -> list[float]:
     """Median ms of each call, their runs interleaved after a warm-up round."""
-    times: dict[str, list[float]] = {label: [] for label in calls}
-    for round_ in range(repeats + 1):
-        for label, call in calls.items():
-            started = time.perf_counter()
-            call()
-            if round_:
-                times[label].append((time.perf_counter() - started) * 1e3)
-    return [statistics.median(t) for t in times.values()]
+    return side_by_side([functools.partial(_ms, call) for call in calls.values()], repeats)
 
 
 def matmul(module: ModuleType, x: torch.Tensor, matrix: Any) -> torch.Tensor:

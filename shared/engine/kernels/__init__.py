@@ -61,8 +61,21 @@ def source_text(source: Path) -> str:
     first), so the build needs no include path. A path among the build's arguments would
     enter torch's cache key: two checkouts of the same sources would rebuild the kernels in
     turn (about a minute each on two busy cores), each taking the other's build for stale."""
-    return "\n".join(line for line in source.read_text().splitlines()
-                     if line.strip() != OWN_HEADER)
+    return without_own_header(source.read_text())
+
+
+def without_own_header(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if line.strip() != OWN_HEADER)
+
+
+def compile_kernels(name: str, texts: list[str], march: str) -> ModuleType:
+    """Build (or load from the cache) the sources' `texts` as extension `name` for `march`."""
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline(  # type: ignore[no-untyped-call,no-any-return]
+        name=name, cpp_sources=texts, functions=FUNCTIONS,
+        extra_cflags=["-O3", f"-march={march}", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        verbose=False)
 
 
 def build_name(machine: str, march: str, flags: Iterable[str]) -> str:
@@ -79,20 +92,11 @@ def cpu_kernels() -> ModuleType | None:
     """The compiled module (`paged_decode_attention`, `quantized_matmul`, `float_matmul` and
     its `panel_width`, a layer's `rms_norm`, `silu_mul` and `rope`), or None if it cannot be
     built."""
-    from torch.utils.cpp_extension import load_inline
-
     march = os.environ.get("DS_KERNEL_MARCH", "native")
     name = build_name(platform.machine(), march, cpu_flags())
     try:
         with build_lock(name):
-            return load_inline(  # type: ignore[no-untyped-call,no-any-return]
-                name=name,
-                cpp_sources=[source_text(source) for source in SOURCES],
-                functions=FUNCTIONS,
-                extra_cflags=["-O3", f"-march={march}", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+            return compile_kernels(name, [source_text(source) for source in SOURCES], march)
     except (OSError, RuntimeError, ImportError) as e:
         log.warning("CPU kernels unavailable (%s): decode attention takes the torch gather "
                     "path, float matmuls BLAS's, quantized weights are refused", e)
