@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import re
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -34,11 +35,17 @@ from rich.table import Table
 
 from distserve.commands.bench_engine import _ms, side_by_side
 from shared.engine.config import EngineConfig
-from shared.engine.kernels import SOURCES, compile_kernels, source_text, without_own_header
+from shared.engine.kernels import (
+    FUNCTIONS,
+    SOURCES,
+    compile_kernels,
+    source_text,
+    without_own_header,
+)
 from shared.engine.kv_cache import KVCache
 from shared.engine.loader import read_config
 from shared.engine.model_runner import load_model
-from shared.engine.quant import _NO_MINS, QuantizedPanels
+from shared.engine.quant import NO_MINS, QuantizedPanels
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,14 +55,16 @@ def sources_at(revision: str | None) -> list[str]:
     are in the working tree (None)."""
     if revision is None:
         return [source_text(source) for source in SOURCES]
-    return [without_own_header(subprocess.run(
+    shown = [subprocess.run(
         ["git", "show", f"{revision}:{source.relative_to(ROOT).as_posix()}"], cwd=ROOT,
-        check=True, capture_output=True, text=True).stdout) for source in SOURCES]
+        capture_output=True, text=True) for source in SOURCES]
+    return [without_own_header(s.stdout) for s in shown if s.returncode == 0]  # those it has
 
 
 def build(label: str, texts: list[str]) -> ModuleType:
     digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:12]
-    return compile_kernels(f"kernel_ab_{label}_{digest}", texts, "native")
+    defined = [f for f in FUNCTIONS if any(re.search(rf"\b{f}\(", t) for t in texts)]
+    return compile_kernels(f"kernel_ab_{label}_{digest}", texts, "native", defined)
 
 
 def interleaved(calls: dict[str, Callable[[], object]], repeats: int) -> list[float]:
@@ -65,7 +74,7 @@ def interleaved(calls: dict[str, Callable[[], object]], repeats: int) -> list[fl
 
 def matmul(module: ModuleType, x: torch.Tensor, matrix: Any) -> torch.Tensor:
     if isinstance(matrix, QuantizedPanels):
-        mins = _NO_MINS if matrix.mins is None else matrix.mins
+        mins = NO_MINS if matrix.mins is None else matrix.mins
         out = module.quantized_matmul(x, matrix.weights, matrix.scales, mins, matrix.bits,
                                       matrix.out_features)
     else:

@@ -21,6 +21,7 @@ from shared.engine.attention import (
     DecodeAttention,
     PrefillSegment,
     gather_decode_attention,
+    paged_decode_attention,
 )
 from shared.engine.config import ModelConfig, RopeScaling
 from shared.engine.kernels import cpu_kernels
@@ -32,7 +33,7 @@ from shared.engine.parallel.sharding import (
     check_tp,
     shard_config,
 )
-from shared.engine.quant import QuantizedMatrix, QuantizedPanels, matmul, stack_rows
+from shared.engine.quant import NO_MINS, QuantizedMatrix, QuantizedPanels, matmul, stack_rows
 
 # float [in, out], or (out, in) in float32 panels (CPU) or quantized blocks
 Matrix = torch.Tensor | PanelMatrix | QuantizedPanels
@@ -166,6 +167,10 @@ class LlamaModel:
                 self.embed = self._place(embed)
             del embed  # the checkpoint's copy, when it was cast: not held through the load
         self.layers = [self._layer(weights, f"layers.{i}.") for i in self.layer_ids]
+        # a decode step's layers in one compiled call (kernels/decode_layers.cpp) where they
+        # can take it; False runs them one operation at a time, as every other step
+        self.fused_decode = True
+        self.fused_layers = self._fusable_layers()
         inv_freq = rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         freqs = torch.outer(torch.arange(config.max_context, dtype=torch.float32), inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
@@ -266,6 +271,37 @@ class LlamaModel:
         return cls(config, RandomWeights(config, seed, device, dtype), device, dtype,
                    weight_bits, place)
 
+    def _fusable_layers(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        """The layers' weights as `decode_layers` takes them (per layer its two norms, then
+        each matrix's weights, scales and minimums; each one's bits and width), or None where
+        a layer needs what it does not do: Q/K/V biases, per-head norms, plain float matrices
+        (a GPU's), or no compiled kernels."""
+        if self.ops is None or not hasattr(self.ops, "decode_layers"):
+            return None
+        tensors: list[torch.Tensor] = []
+        shapes: list[int] = []
+        for layer in self.layers:
+            if layer.qkv_bias is not None or layer.qk_norm is not None:
+                return None
+            tensors += [layer.input_norm, layer.post_norm]
+            for m in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                if isinstance(m, PanelMatrix):
+                    tensors += [m.panels, NO_MINS, NO_MINS]
+                    shapes += [32, m.out_features]
+                elif isinstance(m, QuantizedPanels):
+                    tensors += [m.weights, m.scales, NO_MINS if m.mins is None else m.mins]
+                    shapes += [m.bits, m.out_features]
+                else:
+                    return None
+        return tensors, shapes
+
+    def _fuses(self, meta: AttentionMetadata) -> bool:
+        """Whether this step's layers run as one call: a decode-only step on one rank's whole
+        heads, attending with the paged kernel."""
+        return (self.fused_decode and self.fused_layers is not None and self.all_reduce is None
+                and not meta.prefills and meta.decode is not None and meta.decode.start == 0
+                and self.decode_attention is paged_decode_attention)
+
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv: KVCache,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -279,6 +315,15 @@ class LlamaModel:
                  else self.embed.rows(token_ids))
         else:
             x = hidden
+        if self._fuses(meta):
+            assert self.ops is not None and self.fused_layers is not None
+            assert meta.decode is not None
+            tensors, shapes = self.fused_layers
+            x = self.ops.decode_layers(
+                x.contiguous() if hidden is None else x.clone(), tensors, shapes, kv.data,
+                positions, meta.slots, meta.decode.block_tables, meta.decode.context_lens,
+                self.cos, self.sin, cfg.num_heads, cfg.rms_norm_eps)
+            return x if not self.place.last else self._rms_norm(x, self.norm)
         for index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
             if layer.qkv_bias is None:

@@ -22,7 +22,7 @@ BLOCK = 32  # weights a block
 PANEL = 16  # output columns a panel of the kernel's layout
 # GGUF block types the formats read directly: name -> (bits, bytes a block)
 GGUF_BLOCKS = {"Q8_0": (8, 34), "Q4_0": (4, 18), "Q4_1": (4, 20)}
-_NO_MINS = torch.empty(0)  # int8 blocks have none
+NO_MINS = torch.empty(0)  # int8 blocks have none
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class QuantizedPanels:
         """x @ W^T over x's last dimension."""
         kernels = cpu_kernels()
         assert kernels is not None, "quantized weights need the CPU kernels (checked at load)"
-        mins = self.mins if self.mins is not None else _NO_MINS
+        mins = self.mins if self.mins is not None else NO_MINS
         out = kernels.quantized_matmul(x.reshape(-1, x.shape[-1]), self.weights, self.scales,
                                        mins, self.bits, self.out_features)
         return out.view(*x.shape[:-1], -1)  # type: ignore[no-any-return]

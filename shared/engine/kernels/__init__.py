@@ -33,11 +33,11 @@ log = logging.getLogger(__name__)
 # one of them, so its text goes in too, and the sources' #include of it goes (`source_text`)
 SOURCES = [Path(__file__).with_name(f)
            for f in ("vec.h", "paged_attention.cpp", "quantized_matmul.cpp", "float_matmul.cpp",
-                     "layer_ops.cpp")]
+                     "layer_ops.cpp", "decode_layers.cpp")]
 OWN_HEADER = '#include "vec.h"'
 
 FUNCTIONS = ["paged_decode_attention", "quantized_matmul", "float_matmul", "panel_width",
-             "rms_norm", "silu_mul", "rope"]
+             "rms_norm", "silu_mul", "rope", "decode_layers"]
 __all__ = ["build_name", "cpu_flags", "cpu_kernels"]
 
 
@@ -68,12 +68,14 @@ def without_own_header(text: str) -> str:
     return "\n".join(line for line in text.splitlines() if line.strip() != OWN_HEADER)
 
 
-def compile_kernels(name: str, texts: list[str], march: str) -> ModuleType:
-    """Build (or load from the cache) the sources' `texts` as extension `name` for `march`."""
+def compile_kernels(name: str, texts: list[str], march: str,
+                    functions: list[str] = FUNCTIONS) -> ModuleType:
+    """Build (or load from the cache) the sources' `texts` as extension `name` for `march`,
+    binding `functions` (another revision's sources may define fewer)."""
     from torch.utils.cpp_extension import load_inline
 
     return load_inline(  # type: ignore[no-untyped-call,no-any-return]
-        name=name, cpp_sources=texts, functions=FUNCTIONS,
+        name=name, cpp_sources=texts, functions=functions,
         extra_cflags=["-O3", f"-march={march}", "-fopenmp"], extra_ldflags=["-fopenmp"],
         verbose=False)
 
@@ -90,8 +92,8 @@ def build_name(machine: str, march: str, flags: Iterable[str]) -> str:
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     """The compiled module (`paged_decode_attention`, `quantized_matmul`, `float_matmul` and
-    its `panel_width`, a layer's `rms_norm`, `silu_mul` and `rope`), or None if it cannot be
-    built."""
+    its `panel_width`, a layer's `rms_norm`, `silu_mul` and `rope`, a decode step's
+    `decode_layers`), or None if it cannot be built."""
     march = os.environ.get("DS_KERNEL_MARCH", "native")
     name = build_name(platform.machine(), march, cpu_flags())
     try:

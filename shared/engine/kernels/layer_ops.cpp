@@ -22,20 +22,10 @@ void check_rows(const torch::Tensor& x, int64_t width, const char* name) {
               ": rows of ", width, " contiguous floats");
 }
 
-}  // namespace
-
-// x [T, H] -> x / sqrt(mean(x^2) + eps) * weight, row by row.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  const int64_t H = weight.size(0);
-  check_rows(x, H, "x");
-  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kFloat, "weight: float32");
-  auto out = torch::empty({x.size(0), H}, x.options());
-  const float* w = weight.data_ptr<float>();
-  const float* in = x.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  const int64_t stride = x.stride(0);
-  pybind11::gil_scoped_release no_gil;
-  at::parallel_for(0, x.size(0), ROWS_A_TASK, [&](int64_t begin, int64_t end) {
+// x [T, H] (rows `stride` apart) -> out [T, H]: x / sqrt(mean(x^2) + eps) * weight.
+void rms_norm_rows(const float* in, int64_t stride, const float* w, float* o, int64_t T,
+                   int64_t H, float eps) {
+  at::parallel_for(0, T, ROWS_A_TASK, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* row = in + t * stride;
       V acc = vzero();
@@ -43,7 +33,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
       for (; j + W <= H; j += W) acc = vfma(vload(row + j), vload(row + j), acc);
       float squares = vsum(acc);
       for (; j < H; ++j) squares += row[j] * row[j];
-      const float inv = 1.0f / std::sqrt(squares / float(H) + float(eps));
+      const float inv = 1.0f / std::sqrt(squares / float(H) + eps);
       float* dst = o + t * H;
       j = 0;
       for (; j + W <= H; j += W)
@@ -51,20 +41,11 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
       for (; j < H; ++j) dst[j] = row[j] * inv * w[j];
     }
   });
-  return out;
 }
 
-// gate_up [T, 2I] (gate, then up) -> silu(gate) * up [T, I].
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up: [T, 2I]");
-  const int64_t I = gate_up.size(1) / 2;
-  check_rows(gate_up, 2 * I, "gate_up");
-  auto out = torch::empty({gate_up.size(0), I}, gate_up.options());
-  const float* in = gate_up.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  const int64_t stride = gate_up.stride(0);
-  pybind11::gil_scoped_release no_gil;
-  at::parallel_for(0, gate_up.size(0), 4, [&](int64_t begin, int64_t end) {
+// gate_up [T, 2I] (gate, then up; rows `stride` apart) -> out [T, I]: silu(gate) * up.
+void silu_mul_rows(const float* in, int64_t stride, float* o, int64_t T, int64_t I) {
+  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float *gate = in + t * stride, *up = gate + I;
       float* dst = o + t * I;
@@ -79,28 +60,13 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
       for (; j < I; ++j) dst[j] = gate[j] * up[j] / (1.0f + std::exp(-gate[j]));
     }
   });
-  return out;
 }
 
-// RoPE in place on x [T, heads, D] (each head's D floats contiguous; rows may be strided, as
-// a view of the fused QKV output is), at `positions` [T] of cos/sin tables [P, D] whose
-// halves repeat: x_i <- x_i cos_i - x_{i+D/2} sin_i, x_{i+D/2} <- x_{i+D/2} cos_i + x_i sin_i.
-void rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 3,
-              "x: float32 [T, heads, D] on the CPU");
-  const int64_t T = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
-  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == D && D % 2 == 0, "x: heads of D floats");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D &&
-              sin.sizes() == cos.sizes() && cos.scalar_type() == at::kFloat, "cos, sin: [P, D]");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == T, "positions: [T]");
-  auto pos = positions.contiguous();
-  const int64_t* p = pos.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(p[t] >= 0 && p[t] < cos.size(0), "position ", p[t], " past the RoPE tables");
-  float* base = x.data_ptr<float>();
-  const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
-  const int64_t stride = x.stride(0);
-  pybind11::gil_scoped_release no_gil;
+// RoPE in place on T rows (`stride` apart) of `heads` heads of D floats, at positions `p`
+// of cos/sin tables [P, D] whose halves repeat.
+void rope_rows(float* base, int64_t stride, int64_t T, int64_t heads, int64_t D,
+               const float* c, const float* s, const int64_t* p) {
+  const int64_t half = D / 2;
   at::parallel_for(0, T, ROWS_A_TASK, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float *ct = c + p[t] * D, *st = s + p[t] * D;
@@ -123,4 +89,50 @@ void rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor p
       }
     }
   });
+}
+
+}  // namespace
+
+// x [T, H] -> x / sqrt(mean(x^2) + eps) * weight, row by row.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  const int64_t H = weight.size(0);
+  check_rows(x, H, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kFloat, "weight: float32");
+  auto out = torch::empty({x.size(0), H}, x.options());
+  pybind11::gil_scoped_release no_gil;
+  rms_norm_rows(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(),
+                out.data_ptr<float>(), x.size(0), H, float(eps));
+  return out;
+}
+
+// gate_up [T, 2I] (gate, then up) -> silu(gate) * up [T, I].
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up: [T, 2I]");
+  const int64_t I = gate_up.size(1) / 2;
+  check_rows(gate_up, 2 * I, "gate_up");
+  auto out = torch::empty({gate_up.size(0), I}, gate_up.options());
+  pybind11::gil_scoped_release no_gil;
+  silu_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), out.data_ptr<float>(),
+                gate_up.size(0), I);
+  return out;
+}
+
+// RoPE in place on x [T, heads, D] (each head's D floats contiguous; rows may be strided, as
+// a view of the fused QKV output is), at `positions` [T] of cos/sin tables [P, D] whose
+// halves repeat: x_i <- x_i cos_i - x_{i+D/2} sin_i, x_{i+D/2} <- x_{i+D/2} cos_i + x_i sin_i.
+void rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 3,
+              "x: float32 [T, heads, D] on the CPU");
+  const int64_t T = x.size(0), heads = x.size(1), D = x.size(2);
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == D && D % 2 == 0, "x: heads of D floats");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D &&
+              sin.sizes() == cos.sizes() && cos.scalar_type() == at::kFloat, "cos, sin: [P, D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == T, "positions: [T]");
+  auto pos = positions.contiguous();
+  const int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(p[t] >= 0 && p[t] < cos.size(0), "position ", p[t], " past the RoPE tables");
+  pybind11::gil_scoped_release no_gil;
+  rope_rows(x.data_ptr<float>(), x.stride(0), T, heads, D, cos.data_ptr<float>(),
+            sin.data_ptr<float>(), p);
 }

@@ -228,7 +228,7 @@ void attend(const float* qf, const T* k_cache, const T* v_cache, const int64_t* 
 }
 
 template <typename T>
-void decode_attention_kernel(const T* q, const T* k_cache, const T* v_cache,
+void decode_attention_kernel(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
                              const int64_t* block_tables, const int64_t* context_lens, T* out,
                              int64_t batch, int64_t heads, int64_t kv_heads,
                              int64_t head_dim, int64_t block_size, int64_t max_blocks,
@@ -252,7 +252,7 @@ void decode_attention_kernel(const T* q, const T* k_cache, const T* v_cache,
         continue;
       }
       for (int64_t i = 0; i < heads * head_dim; ++i)
-        qf[i] = load(q + b * heads * head_dim, i) * scale;
+        qf[i] = load(q + b * q_stride, i) * scale;
       attend(qf.data(), k_cache, v_cache, block_tables + b * max_blocks, t0, t1, heads,
              kv_heads, head_dim, block_size, scores, part);
     }
@@ -304,7 +304,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   pybind11::gil_scoped_release no_gil;  // the service's event loop runs meanwhile
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     decode_attention_kernel<scalar_t>(
-        q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+        q.data_ptr<scalar_t>(), heads * dim, k_cache.data_ptr<scalar_t>(),
+        v_cache.data_ptr<scalar_t>(),
         block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
         out.data_ptr<scalar_t>(), batch, heads, kv_heads, dim, block_size,
         block_tables.size(1), static_cast<float>(scale));
