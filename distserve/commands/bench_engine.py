@@ -138,19 +138,38 @@ class HFDecode:
         return _ms(step)
 
 
-def bandwidth_bound_ms(engine: Engine) -> tuple[float, float]:
-    """(ms to read the weights a decode step reads once at the measured bandwidth, bandwidth
-    in GB/s). The bandwidth is the better of streaming-read (sum) and copy (read+write bytes)
-    over a buffer as large as the model's parameters, with the same threads, so the bound is
-    not loose; quantized weights are fewer bytes at the same bandwidth."""
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """What a decode step at batch 1 is bound by, measured beside the step itself."""
+
+    ms: float  # reading the weights a step reads once at `gbps`
+    gbps: float
+    step_ms: float  # the batch-1 step, timed in the same rounds
+
+    @property
+    def ratio(self) -> float:
+        return self.step_ms / self.ms
+
+
+def bandwidth_bound(engine: Engine, context: int, rounds: int = 9) -> Bound:
+    """The memory-bandwidth bound of a batch-1 decode step and the step, in the same
+    interleaved rounds: a host's bandwidth can move by half within minutes, so a bound and a
+    step timed apart say little of each other. The bandwidth is the better of streaming-read
+    (sum) and copy (read+write bytes) over a buffer as large as the model's parameters, with
+    the same threads, so the bound is not loose; quantized weights are fewer bytes at the
+    same bandwidth."""
     element = torch.empty((), dtype=engine.runner.dtype).element_size()
     buffer_bytes = engine.model_config.num_params() * element
     src = torch.ones(buffer_bytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    read_ms, copy_ms = side_by_side([lambda: _ms(src.sum), lambda: _ms(lambda: dst.copy_(src))],
-                                    5)
+    step = EngineDecode(engine, 1, context, 4 * rounds + 8)
+    try:
+        read_ms, copy_ms, step_ms = side_by_side(
+            [lambda: _ms(src.sum), lambda: _ms(lambda: dst.copy_(src)), step], rounds)
+    finally:
+        step.close()
     gbps = max(buffer_bytes / read_ms, 2 * buffer_bytes / copy_ms) / 1e6
-    return engine.runner.model.weight_bytes() / gbps / 1e6, gbps
+    return Bound(engine.runner.model.weight_bytes() / gbps / 1e6, gbps, step_ms)
 
 
 def measure(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
@@ -174,7 +193,9 @@ def measure(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
                            side_by_side(fns, args.steps), strict=False):
             results[key][b] = ms
         ours.close()
-    results["bandwidth_bound_ms"], results["bandwidth_gbps"] = bandwidth_bound_ms(engine)
+    bound = bandwidth_bound(engine, args.context)
+    results |= {"bandwidth_bound_ms": bound.ms, "bandwidth_gbps": bound.gbps,
+                "bound_step_ms": bound.step_ms}
     if args.quality:
         results["quality"] = dataclasses.asdict(quality(engine, config, args.quality))
     return results
@@ -220,16 +241,16 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     console = Console(stderr=args.json)
     console.print(_table(results, "Prefill", "prefill_ms", "prompt tokens"))
     console.print(_table(results, "Decode step", "decode_step_ms", f"batch (ctx {args.context})"))
-    bound, step1 = results["bandwidth_bound_ms"], results["decode_step_ms"].get(1)
+    bound, step1 = results["bandwidth_bound_ms"], results["bound_step_ms"]
     if "quality" in results:
         q = results["quality"]
         console.print(f"quality vs float32 weights ({q['positions']} HumanEval solution tokens, "
                       f"teacher-forced): top-1 agreement {q['top1']:.2%}, perplexity "
                       f"{q['perplexity']:.3f} vs {q['reference_perplexity']:.3f} "
                       f"({q['perplexity'] / q['reference_perplexity'] - 1:+.2%})")
-    console.print(f"bandwidth {results['bandwidth_gbps']:.1f} GB/s -> bound {bound:.2f} ms/step"
-                  + ("" if step1 is None else f"; batch-1 step is {step1 / bound:.2f}x the bound")
-                  + f"; threads {results['threads']}, {results['dtype']}, "
+    console.print(f"bandwidth {results['bandwidth_gbps']:.1f} GB/s -> bound {bound:.2f} ms/step; "
+                  f"the batch-1 step beside it {step1:.2f} ms, {step1 / bound:.2f}x the bound; "
+                  f"threads {results['threads']}, {results['dtype']}, "
                   f"weights {results['weights']}")
     if args.json:
         print(json.dumps(results))
