@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from shared.engine.kernels import cpu_kernels
 from shared.engine.request import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15
@@ -21,6 +22,8 @@ _MASK = (1 << 63) - 1
 # Below this a temperature is greedy (vLLM's threshold too): dividing by it would scale the
 # logits past what float32 tells apart, and 1e-40 is a float32 denormal.
 GREEDY_BELOW = 1e-5
+# top_p's nucleus is looked for among this many of a row's likeliest tokens first
+TOP_P_CANDIDATES = 256
 
 
 def draw_seed(seed: int, index: int) -> int:
@@ -32,32 +35,89 @@ def is_greedy(params: SamplingParams) -> bool:
 
 
 def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One row of logits scaled by the temperature, those past top_k and top_p at -inf."""
     # <= 0 with a maximum of exactly 0, so the softmax always has a term of 1 and no NaN
     logits = (logits - logits.max()) / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # keep the smallest prefix whose mass reaches top_p, and always the top token: a
-        # top_p below float32's smallest denormal (5e-324 is valid JSON) rounds to 0
-        drop = cumulative - sorted_logits.softmax(-1) >= params.top_p
-        drop[0] = False
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+        logits = _nucleus(logits, params.top_p)
     return logits
+
+
+def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest prefix of the tokens by probability whose mass reaches top_p, and
+    always the top token (a top_p below float32's smallest denormal, 5e-324 being valid JSON,
+    rounds to 0). The prefix is found among the TOP_P_CANDIDATES likeliest tokens (a top-k,
+    ~30x cheaper than sorting a vocabulary of 49k), and by sorting the whole row only where
+    it reaches past them. Tokens tied with the last one kept are kept too."""
+    candidates = min(TOP_P_CANDIDATES, logits.shape[-1])
+    values = torch.topk(logits, candidates).values  # descending
+    probs = (values - logits.logsumexp(-1)).exp()  # their shares of the whole row's mass
+    before = probs.cumsum(-1) - probs  # the mass of the likelier ones: it only grows
+    keep = max(1, int((before < top_p).sum()))
+    if keep == candidates < logits.shape[-1]:  # the nucleus may reach past the candidates
+        values = torch.sort(logits, descending=True).values
+        probs = values.softmax(-1)
+        keep = max(1, int((probs.cumsum(-1) - probs < top_p).sum()))
+    return logits.masked_fill(logits < values[keep - 1], float("-inf"))
+
+
+def _uniform(seed: int, index: int) -> float:
+    """The draw in [0, 1) of a request's output index `index`."""
+    gen = torch.Generator().manual_seed(draw_seed(seed, index))
+    return float(torch.rand(1, dtype=torch.float64, generator=gen))
+
+
+def _draw_one(logits: torch.Tensor, uniform: float) -> int:
+    """A token of one row of filtered logits (maximum 0) at `uniform`, by the inverse of its
+    cumulative distribution (the torch path, where the compiled kernels are not: a GPU's).
+    A token at -inf has weight 0 and is never the first whose sum passes the draw."""
+    cumulative = logits.exp().cumsum(-1)
+    point = torch.tensor([uniform * float(cumulative[-1])], device=logits.device)
+    return min(int(torch.searchsorted(cumulative, point, right=True)), logits.shape[-1] - 1)
+
+
+def _draw(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
+          uniforms: list[float]) -> list[int]:
+    """A token of each of `rows` of `logits` under its params, at its uniform draw. On the
+    CPU the compiled `sample_rows` draws every row in one call, from the logits as they are
+    where no top_k or top_p cuts them (those rows are filtered first, each on its own)."""
+    kernels = cpu_kernels() if logits.device.type == "cpu" and \
+        logits.dtype == torch.float32 else None
+    if kernels is None:
+        return [_draw_one(_filter(logits[r], p), u)
+                for r, p, u in zip(rows, params, uniforms, strict=True)]
+    tokens = [0] * len(rows)
+    plain = [i for i, p in enumerate(params) if p.top_k <= 0 and p.top_p >= 1.0]
+    cut = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+    if plain:
+        drawn = kernels.sample_rows(
+            logits, torch.tensor([rows[i] for i in plain]),
+            torch.tensor([params[i].temperature for i in plain], dtype=torch.float32),
+            torch.tensor([uniforms[i] for i in plain], dtype=torch.float64))
+        for i, token in zip(plain, drawn.tolist(), strict=True):
+            tokens[i] = token
+    if cut:  # each scaled and cut on its own (rare), then drawn as it is
+        filtered = torch.stack([_filter(logits[rows[i]], params[i]) for i in cut])
+        drawn = kernels.sample_rows(
+            filtered, torch.arange(len(cut)), torch.ones(len(cut)),
+            torch.tensor([uniforms[i] for i in cut], dtype=torch.float64))
+        for i, token in zip(cut, drawn.tolist(), strict=True):
+            tokens[i] = token
+    return tokens
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            output_index: Sequence[int]) -> tuple[list[int], list[float | None]]:
     """One token per row of `logits` ([B, vocab], float32), and its logprob when asked."""
     tokens = logits.argmax(-1)
-    for row, p in enumerate(params):
-        if not is_greedy(p):
-            probs = _filter(logits[row], p).softmax(-1)
-            gen = torch.Generator(device=logits.device).manual_seed(
-                draw_seed(p.seed, output_index[row]))
-            tokens[row] = torch.multinomial(probs, 1, generator=gen)[0]
+    sampled = [row for row, p in enumerate(params) if not is_greedy(p)]
+    if sampled:
+        drawn = _draw(logits, sampled, [params[r] for r in sampled],
+                      [_uniform(params[r].seed, output_index[r]) for r in sampled])
+        tokens[sampled] = torch.tensor(drawn, device=tokens.device)
     chosen = tokens.tolist()
     logprobs: list[float | None] = [None] * len(params)
     wanted = [row for row, p in enumerate(params) if p.logprobs]

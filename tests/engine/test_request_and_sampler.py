@@ -123,3 +123,57 @@ def test_top_p_below_float32_range_keeps_the_top_token(top_p: float) -> None:
     params = [SamplingParams(temperature=t, top_p=top_p, seed=5) for t in (1e-5, 0.7, 2.0)]
     tokens, _ = sample(logits, params, [0, 1, 2])
     assert tokens == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # the kernel; torch's path
+def test_sampling_draws_each_token_as_often_as_its_probability(dtype: torch.dtype) -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0], dtype=dtype)
+    logits = probs.log().unsqueeze(0)  # log 0 = -inf: never drawn
+    draws = 4000
+    counts = torch.zeros(5, dtype=dtype)
+    for seed in range(draws):
+        counts[sample(logits, [SamplingParams(temperature=1.0, seed=seed)], [0])[0][0]] += 1
+    assert counts[4] == 0
+    # four binomial standard deviations at most: sqrt(4000 * 0.5 * 0.5) ~ 32 draws
+    assert (counts / draws - probs).abs().max() < 4 * (0.25 / draws) ** 0.5
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+@pytest.mark.parametrize("spread", [0.5, 3.0])
+def test_the_nucleus_is_the_prefix_a_full_sort_finds(top_p: float, spread: float) -> None:
+    """Within the top-k candidates or past them (a flat row of a 49k vocabulary reaches past
+    256 tokens), the tokens kept are the smallest likeliest prefix whose mass reaches top_p."""
+    gen = torch.Generator().manual_seed(int(top_p * 1000) + int(spread))
+    for _ in range(4):
+        row = torch.randn(49152, generator=gen) * spread
+        kept = _filter(row, SamplingParams(temperature=1.0, top_p=top_p)) > float("-inf")
+        ordered = torch.sort(row, descending=True)
+        probs = ordered.values.softmax(-1)
+        count = max(1, int((probs.cumsum(-1) - probs < top_p).sum()))
+        assert int(kept.sum()) == count
+        assert kept[ordered.indices[:count]].all()
+
+
+def test_a_request_draws_the_same_token_alone_or_in_any_batch() -> None:
+    """The same request samples the same tokens on any instance, whatever shares its step."""
+    logits = torch.randn(8, 49152, generator=torch.Generator().manual_seed(3)) * 4
+    params = [SamplingParams(temperature=t, seed=s, top_p=top_p) for s, (t, top_p) in
+              enumerate([(1.0, 1.0), (0.7, 1.0), (1.3, 0.9), (0.0, 1.0)] * 2)]
+    together, _ = sample(logits, params, list(range(8)))
+    alone = [sample(logits[i:i + 1], [params[i]], [i])[0][0] for i in range(8)]
+    reversed_batch, _ = sample(logits.flip(0), params[::-1], list(range(8))[::-1])
+    assert together == alone == reversed_batch[::-1]
+    assert len(set(together)) > 4
+
+
+def test_the_sampling_kernel_refuses_what_it_cannot_draw_from() -> None:
+    from shared.engine.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("needs a C++ compiler")
+    logits, one = torch.zeros(2, 10), torch.ones(1)
+    for rows, uniform in [([2], 0.5), ([0], 1.0), ([-1], 0.0)]:
+        with pytest.raises(RuntimeError, match="outside"):
+            kernels.sample_rows(logits, torch.tensor(rows), one,
+                                torch.tensor([uniform], dtype=torch.float64))

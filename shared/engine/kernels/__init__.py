@@ -33,11 +33,11 @@ log = logging.getLogger(__name__)
 # one of them, so its text goes in too, and the sources' #include of it goes (`source_text`)
 SOURCES = [Path(__file__).with_name(f)
            for f in ("vec.h", "paged_attention.cpp", "quantized_matmul.cpp", "float_matmul.cpp",
-                     "layer_ops.cpp", "decode_layers.cpp")]
+                     "layer_ops.cpp", "decode_layers.cpp", "sampling.cpp")]
 OWN_HEADER = '#include "vec.h"'
 
 FUNCTIONS = ["paged_decode_attention", "quantized_matmul", "float_matmul", "panel_width",
-             "rms_norm", "silu_mul", "rope", "decode_layers"]
+             "rms_norm", "silu_mul", "rope", "decode_layers", "sample_rows"]
 __all__ = ["build_name", "cpu_flags", "cpu_kernels"]
 
 
@@ -93,7 +93,7 @@ def build_name(machine: str, march: str, flags: Iterable[str]) -> str:
 def cpu_kernels() -> ModuleType | None:
     """The compiled module (`paged_decode_attention`, `quantized_matmul`, `float_matmul` and
     its `panel_width`, a layer's `rms_norm`, `silu_mul` and `rope`, a decode step's
-    `decode_layers`), or None if it cannot be built."""
+    `decode_layers`, drawing tokens with `sample_rows`), or None if it cannot be built."""
     march = os.environ.get("DS_KERNEL_MARCH", "native")
     name = build_name(platform.machine(), march, cpu_flags())
     try:
