@@ -1,7 +1,12 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeds, chosen logprobs.
 
-A request's draw for output index i uses a generator seeded from (seed, i) alone, so the same
-request samples the same tokens on any instance, after a KV transfer or a preemption.
+A request's draw for output index i is one uniform number from a generator seeded from
+(seed, i) alone, and its row is drawn from on its own, so the same request samples the same
+tokens on any instance (of the same build), whatever shares its step, after a KV transfer or a
+preemption. A row is sampled by the inverse of its cumulative distribution at that number:
+on the CPU in one compiled call for the whole step (kernels/sampling.cpp: temperature, top_k
+and top_p together, ~0.05 ms a row of a 49k vocabulary), elsewhere in torch (`_filter`,
+`_draw_one`).
 
 Every parameter the API accepts is numerically safe: a temperature below GREEDY_BELOW samples
 the argmax, and logits are shifted so that their maximum is 0 before the division, so a small
@@ -81,32 +86,22 @@ def _draw_one(logits: torch.Tensor, uniform: float) -> int:
 
 def _draw(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
           uniforms: list[float]) -> list[int]:
-    """A token of each of `rows` of `logits` under its params, at its uniform draw. On the
-    CPU the compiled `sample_rows` draws every row in one call, from the logits as they are
-    where no top_k or top_p cuts them (those rows are filtered first, each on its own)."""
+    """A token of each of `rows` of `logits` under its params, at its uniform draw: on the
+    CPU every row in one compiled call (`sample_rows`: the temperature, top_k and top_p
+    applied as `_filter` applies them, ties at a cut broken by the lower token id), else
+    row by row in torch."""
     kernels = cpu_kernels() if logits.device.type == "cpu" and \
         logits.dtype == torch.float32 else None
     if kernels is None:
         return [_draw_one(_filter(logits[r], p), u)
                 for r, p, u in zip(rows, params, uniforms, strict=True)]
-    tokens = [0] * len(rows)
-    plain = [i for i, p in enumerate(params) if p.top_k <= 0 and p.top_p >= 1.0]
-    cut = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
-    if plain:
-        drawn = kernels.sample_rows(
-            logits, torch.tensor([rows[i] for i in plain]),
-            torch.tensor([params[i].temperature for i in plain], dtype=torch.float32),
-            torch.tensor([uniforms[i] for i in plain], dtype=torch.float64))
-        for i, token in zip(plain, drawn.tolist(), strict=True):
-            tokens[i] = token
-    if cut:  # each scaled and cut on its own (rare), then drawn as it is
-        filtered = torch.stack([_filter(logits[rows[i]], params[i]) for i in cut])
-        drawn = kernels.sample_rows(
-            filtered, torch.arange(len(cut)), torch.ones(len(cut)),
-            torch.tensor([uniforms[i] for i in cut], dtype=torch.float64))
-        for i, token in zip(cut, drawn.tolist(), strict=True):
-            tokens[i] = token
-    return tokens
+    drawn = kernels.sample_rows(
+        logits, torch.tensor(rows),
+        torch.tensor([p.temperature for p in params], dtype=torch.float32),
+        torch.tensor([p.top_k for p in params]),
+        torch.tensor([p.top_p for p in params], dtype=torch.float64),
+        torch.tensor(uniforms, dtype=torch.float64))
+    return drawn.tolist()  # type: ignore[no-any-return]
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -172,8 +174,31 @@ def test_the_sampling_kernel_refuses_what_it_cannot_draw_from() -> None:
     kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("needs a C++ compiler")
-    logits, one = torch.zeros(2, 10), torch.ones(1)
-    for rows, uniform in [([2], 0.5), ([0], 1.0), ([-1], 0.0)]:
+    logits, one, none = torch.zeros(2, 10), torch.ones(1), torch.zeros(1, dtype=torch.long)
+    for rows, top_p, uniform in [([2], 1.0, 0.5), ([0], 1.0, 1.0), ([-1], 1.0, 0.0),
+                                 ([0], 1.5, 0.5)]:
         with pytest.raises(RuntimeError, match="outside"):
-            kernels.sample_rows(logits, torch.tensor(rows), one,
+            kernels.sample_rows(logits, torch.tensor(rows), one, none,
+                                torch.tensor([top_p], dtype=torch.float64),
                                 torch.tensor([uniform], dtype=torch.float64))
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 0.05), (0, 0.5), (0, 0.9), (50, 1.0),
+                                              (50, 0.5), (3, 1e-9), (400, 0.99)])
+@pytest.mark.parametrize("spread", [0.5, 3.0])
+def test_the_compiled_draw_keeps_to_the_tokens_the_filter_keeps(
+        top_k: int, top_p: float, spread: float) -> None:
+    """The kernel cuts a row as `_filter` does (the nucleus inside the first candidates and
+    past them): every token it draws is one `_filter` keeps, the likeliest as often as its
+    share of what is kept."""
+    row = torch.randn(1, 49152, generator=torch.Generator().manual_seed(top_k + 7)) * spread
+    params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p)
+    filtered = _filter(row[0], params)
+    kept = set(torch.nonzero(filtered > float("-inf")).flatten().tolist())
+    draws = 400
+    drawn = [sample(row, [dataclasses.replace(params, seed=seed)], [0])[0][0]
+             for seed in range(draws)]
+    assert set(drawn) <= kept
+    top = int(filtered.argmax())
+    share = float(filtered.softmax(-1)[top])
+    assert abs(drawn.count(top) / draws - share) <= 4 * (share * (1 - share) / draws) ** 0.5

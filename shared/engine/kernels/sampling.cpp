@@ -6,8 +6,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "vec.h"
@@ -17,13 +19,19 @@ namespace {
 using namespace ds;
 
 constexpr int64_t SPAN = 64;  // weights summed a span at a time; the draw then walks one span
+constexpr int64_t CANDIDATES = 256;  // where top_p looks for its nucleus first
 
 // A token's weight e^((x - peak) / t); 0 for -inf, a token top_k or top_p took out.
 inline float token_weight(float x, float peak, float t) {
   return x == -INFINITY ? 0.0f : std::exp((x - peak) / t);
 }
 
-int64_t draw_row(const float* x, int64_t n, float t, double u, std::vector<float>& spans) {
+struct Scratch {
+  std::vector<float> spans, weights;
+  std::vector<std::pair<float, int64_t>> candidates;
+};
+
+float row_peak(const float* x, int64_t n) {
   float peak = -INFINITY;
   int64_t i = 0;
 #if defined(DS_VEC)
@@ -32,13 +40,18 @@ int64_t draw_row(const float* x, int64_t n, float t, double u, std::vector<float
   peak = vmaxall(peaks);
 #endif
   for (; i < n; ++i) peak = std::max(peak, x[i]);
+  return peak;
+}
+
+// The row's weights summed SPAN tokens at a time into `spans`; returns their total.
+double span_sums(const float* x, int64_t n, float peak, float t, std::vector<float>& spans) {
   const int64_t count = (n + SPAN - 1) / SPAN;
   spans.resize(count);
   double total = 0.0;
   for (int64_t s = 0; s < count; ++s) {
     const int64_t end = std::min(n, (s + 1) * SPAN);
     float sum = 0.0f;
-    i = s * SPAN;
+    int64_t i = s * SPAN;
 #if defined(DS_VEC)
     V acc = vzero();  // -inf comes out of vexp as ~1e-38: nothing next to the peak's 1
     for (; i + W <= end; i += W)
@@ -49,13 +62,20 @@ int64_t draw_row(const float* x, int64_t n, float t, double u, std::vector<float
     spans[s] = sum;
     total += sum;
   }
-  const double target = u * total;
+  return total;
+}
+
+// The whole row at `u`: the span the draw falls in, then its tokens one by one.
+int64_t draw_all(const float* x, int64_t n, float peak, float t, double u,
+                 std::vector<float>& spans) {
+  const int64_t count = (n + SPAN - 1) / SPAN;
+  const double target = u * span_sums(x, n, peak, t, spans);
   double passed = 0.0;
   int64_t s = 0;
   for (; s + 1 < count && passed + spans[s] <= target; ++s) passed += spans[s];
   const int64_t begin = s * SPAN, end = std::min(n, begin + SPAN);
-  int64_t last = -1;
-  for (i = begin; i < end; ++i) {
+  int64_t last = -1, i = begin;
+  for (; i < end; ++i) {
     const float w = token_weight(x[i], peak, t);
     if (w <= 0.0f) continue;
     last = i;
@@ -70,14 +90,85 @@ int64_t draw_row(const float* x, int64_t n, float t, double u, std::vector<float
   return 0;
 }
 
+// The `want` likeliest tokens, likeliest first (ties: the lower id first).
+void likeliest(const float* x, int64_t n, int64_t want,
+               std::vector<std::pair<float, int64_t>>& out) {
+  // a comes before b: likelier, or as likely with a lower id (a heap by it keeps the last
+  // of the best so far on top)
+  auto before = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  out.clear();
+  if (want * 4 >= n) {  // most of the row: sorting it beats a heap that keeps changing
+    for (int64_t i = 0; i < n; ++i) out.emplace_back(x[i], i);
+    std::partial_sort(out.begin(), out.begin() + want, out.end(), before);
+    out.resize(want);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (int64_t(out.size()) < want) {
+      out.emplace_back(x[i], i);
+      std::push_heap(out.begin(), out.end(), before);
+    } else if (x[i] > out.front().first) {
+      std::pop_heap(out.begin(), out.end(), before);
+      out.back() = {x[i], i};
+      std::push_heap(out.begin(), out.end(), before);
+    }
+  }
+  std::sort_heap(out.begin(), out.end(), before);  // the likeliest first
+}
+
+// A row cut by top_k (k > 0) and top_p (p < 1), as the torch path cuts it: the k likeliest
+// tokens, then the smallest likeliest prefix of them whose mass (of what top_k left) reaches
+// p, the top token always. The prefix is looked for among the CANDIDATES likeliest tokens
+// first, and among 8 times as many each time it reaches past those.
+int64_t draw_cut(const float* x, int64_t n, float peak, float t, int64_t k, double p, double u,
+                 Scratch& s) {
+  int64_t want = k > 0 ? std::min(k, n) : std::min(CANDIDATES, n);
+  double total = k > 0 ? 0.0 : span_sums(x, n, peak, t, s.spans);
+  int64_t keep = 0;
+  for (;;) {
+    likeliest(x, n, want, s.candidates);
+    s.weights.resize(want);
+    for (int64_t j = 0; j < want; ++j) {
+      s.weights[j] = token_weight(s.candidates[j].first, peak, t);
+      if (k > 0) total += s.weights[j];
+    }
+    keep = want;
+    if (p < 1.0) {
+      double before = 0.0;
+      keep = 0;
+      while (keep < want && before < p * total) before += s.weights[keep++];
+      keep = std::max<int64_t>(keep, 1);
+      if (keep == want && want < n && k <= 0 && before < p * total) {
+        want = std::min(n, want * 8);  // the nucleus reaches past the candidates: more
+        continue;
+      }
+    }
+    break;
+  }
+  double kept = 0.0;
+  for (int64_t j = 0; j < keep; ++j) kept += s.weights[j];
+  const double target = u * kept;
+  double passed = 0.0;
+  for (int64_t j = 0; j < keep; ++j) {
+    passed += s.weights[j];
+    if (passed > target && s.weights[j] > 0.0f) return s.candidates[j].second;
+  }
+  for (int64_t j = keep - 1; j > 0; --j)  // rounding: the last kept token that has weight
+    if (s.weights[j] > 0.0f) return s.candidates[j].second;
+  return s.candidates[0].second;
+}
+
 }  // namespace
 
 // logits [B, V] float32 (rows may be strided); rows [n] int64: the rows to draw from;
-// temperatures [n] float32 (> 0); uniforms [n] float64 in [0, 1). Returns the n tokens drawn
-// (int64): each row's e^((x - max) / t), normalised, sampled at its uniform. A token at -inf
-// has weight 0 and is never drawn.
+// temperatures [n] float32 (> 0); top_ks [n] int64 (<= 0: none); top_ps [n] float64 (1: none);
+// uniforms [n] float64 in [0, 1). Returns the n tokens drawn (int64): each row's
+// e^((x - max) / t) over the tokens top_k and top_p leave, normalised, sampled at its uniform.
+// A token at -inf has weight 0 and is never drawn.
 torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor rows, torch::Tensor temperatures,
-                          torch::Tensor uniforms) {
+                          torch::Tensor top_ks, torch::Tensor top_ps, torch::Tensor uniforms) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
                   logits.dim() == 2 && logits.stride(1) == 1,
               "logits: float32 [B, V] on the CPU, each row contiguous");
@@ -85,15 +176,20 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor rows, torch::Tenso
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous(), "rows: int64");
   TORCH_CHECK(temperatures.scalar_type() == at::kFloat && temperatures.is_contiguous() &&
                   temperatures.numel() == n, "temperatures: float32 [n]");
-  TORCH_CHECK(uniforms.scalar_type() == at::kDouble && uniforms.is_contiguous() &&
-                  uniforms.numel() == n, "uniforms: float64 [n]");
+  TORCH_CHECK(top_ks.scalar_type() == at::kLong && top_ks.is_contiguous() &&
+                  top_ks.numel() == n, "top_ks: int64 [n]");
+  for (const auto* d : {&top_ps, &uniforms})
+    TORCH_CHECK(d->scalar_type() == at::kDouble && d->is_contiguous() && d->numel() == n,
+                "top_ps, uniforms: float64 [n]");
   TORCH_CHECK(V > 0, "an empty vocabulary");
   const int64_t* row = rows.data_ptr<int64_t>();
   const float* t = temperatures.data_ptr<float>();
-  const double* u = uniforms.data_ptr<double>();
+  const int64_t* k = top_ks.data_ptr<int64_t>();
+  const double *p = top_ps.data_ptr<double>(), *u = uniforms.data_ptr<double>();
   for (int64_t r = 0; r < n; ++r) {
     TORCH_CHECK(row[r] >= 0 && row[r] < logits.size(0), "row ", row[r], " outside the logits");
     TORCH_CHECK(t[r] > 0.0f, "temperature ", t[r], ": greedy rows take the argmax instead");
+    TORCH_CHECK(p[r] >= 0.0 && p[r] <= 1.0, "top_p ", p[r], " outside [0, 1]");
     TORCH_CHECK(u[r] >= 0.0 && u[r] < 1.0, "uniform ", u[r], " outside [0, 1)");
   }
   auto out = torch::empty({n}, rows.options());
@@ -102,9 +198,14 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor rows, torch::Tenso
   const int64_t stride = logits.stride(0);
   pybind11::gil_scoped_release no_gil;
   at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> spans;
-    for (int64_t r = begin; r < end; ++r)
-      tokens[r] = draw_row(base + row[r] * stride, V, t[r], u[r], spans);
+    Scratch scratch;
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = base + row[r] * stride;
+      const float peak = row_peak(x, V);
+      const bool cut = (k[r] > 0 && k[r] < V) || p[r] < 1.0;
+      tokens[r] = cut ? draw_cut(x, V, peak, t[r], k[r] < V ? k[r] : 0, p[r], u[r], scratch)
+                      : draw_all(x, V, peak, t[r], u[r], scratch.spans);
+    }
   });
   return out;
 }
