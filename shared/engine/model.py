@@ -320,9 +320,10 @@ class LlamaModel:
             assert meta.decode is not None
             tensors, shapes = self.fused_layers
             x = self.ops.decode_layers(
-                x.contiguous() if hidden is None else x.clone(), tensors, shapes, kv.data,
+                x.contiguous() if hidden is None else x.clone(
+                    memory_format=torch.contiguous_format), tensors, shapes, kv.data,
                 positions, meta.slots, meta.decode.block_tables, meta.decode.context_lens,
-                self.cos, self.sin, cfg.num_heads, cfg.rms_norm_eps)
+                self.cos, self.sin, cfg.num_heads, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
             return x if not self.place.last else self._rms_norm(x, self.norm)
         for index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)

@@ -80,25 +80,31 @@ def _draw_one(logits: torch.Tensor, uniform: float) -> int:
     cumulative distribution (the torch path, where the compiled kernels are not: a GPU's).
     A token at -inf has weight 0 and is never the first whose sum passes the draw."""
     cumulative = logits.exp().cumsum(-1)
-    point = torch.tensor([uniform * float(cumulative[-1])], device=logits.device)
-    return min(int(torch.searchsorted(cumulative, point, right=True)), logits.shape[-1] - 1)
+    point = torch.tensor([uniform * float(cumulative[-1])], dtype=cumulative.dtype,
+                         device=logits.device)
+    token = int(torch.searchsorted(cumulative, point, right=True))
+    if token < logits.shape[-1]:
+        return token
+    # rounding put the draw at the very end: the last token that has weight
+    return int(torch.nonzero(logits > float("-inf")).max())
 
 
 def _draw(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
           uniforms: list[float]) -> list[int]:
     """A token of each of `rows` of `logits` under its params, at its uniform draw: on the
     CPU every row in one compiled call (`sample_rows`: the temperature, top_k and top_p
-    applied as `_filter` applies them, ties at a cut broken by the lower token id), else
-    row by row in torch."""
+    applied as `_filter` applies them, but ties at a cut broken by the lower token id where
+    `_filter` keeps every token tied), else row by row in torch."""
     kernels = cpu_kernels() if logits.device.type == "cpu" and \
         logits.dtype == torch.float32 else None
     if kernels is None:
         return [_draw_one(_filter(logits[r], p), u)
                 for r, p, u in zip(rows, params, uniforms, strict=True)]
+    vocab = logits.shape[-1]  # a top_k past it cuts nothing (and may not fit an int64)
     drawn = kernels.sample_rows(
-        logits, torch.tensor(rows),
+        logits.contiguous(), torch.tensor(rows),
         torch.tensor([p.temperature for p in params], dtype=torch.float32),
-        torch.tensor([p.top_k for p in params]),
+        torch.tensor([min(p.top_k, vocab) for p in params]),
         torch.tensor([p.top_p for p in params], dtype=torch.float64),
         torch.tensor(uniforms, dtype=torch.float64))
     return drawn.tolist()  # type: ignore[no-any-return]

@@ -4,14 +4,23 @@ join, leave and grow past their blocks while others decode."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
 
-from shared.engine.config import EngineConfig
+from shared.engine.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSegment,
+    gather_decode_attention,
+    paged_decode_attention,
+)
+from shared.engine.config import LLAMA_SHAPES, EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.kernels import cpu_kernels
+from shared.engine.model import LlamaModel
 from shared.engine.request import SamplingParams
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="needs a C++ compiler")
@@ -87,8 +96,31 @@ def test_fused_decode_layers_refuse_a_slot_outside_the_pool() -> None:
     with pytest.raises(RuntimeError, match="outside the pool"):
         kernels.decode_layers(torch.ones(1, hidden), tensors, shapes, pool, one,
                               torch.tensor([3 * block]), torch.tensor([[0]]), torch.tensor([1]),
-                              angles.cos(), angles.sin(), heads, 1e-5)
+                              angles.cos(), angles.sin(), heads, 1e-5, dim ** -0.5)
     with pytest.raises(RuntimeError, match="block outside the pool"):
         kernels.decode_layers(torch.ones(1, hidden), tensors, shapes, pool, one,
                               one, torch.tensor([[7]]), torch.tensor([1]),
-                              angles.cos(), angles.sin(), heads, 1e-5)
+                              angles.cos(), angles.sin(), heads, 1e-5, dim ** -0.5)
+
+
+def test_only_a_decode_step_on_a_rank_of_whole_heads_runs_fused() -> None:
+    tiny = LLAMA_SHAPES["tiny"]
+    cpu = torch.device("cpu")
+    model = LlamaModel.random(tiny, 0, cpu, torch.float32)
+    model.decode_attention = paged_decode_attention
+    group = DecodeGroup.of(0, torch.zeros(2, 1, dtype=torch.long), torch.tensor([3, 5]), 16)
+    decoding = AttentionMetadata(torch.tensor([2, 20]), [], group)
+    assert model.fused_layers is not None and model._fuses(decoding)
+    prompt = PrefillSegment(0, 4, 0, torch.zeros(1, dtype=torch.long))
+    assert not model._fuses(AttentionMetadata(torch.arange(6), [prompt],
+                                              DecodeGroup.of(4, group.block_tables,
+                                                             group.context_lens, 16)))
+    model.all_reduce = lambda t: None  # tp > 1: the all-reduces come between the layers' halves
+    assert not model._fuses(decoding)
+    model.all_reduce = None
+    model.decode_attention = gather_decode_attention
+    assert not model._fuses(decoding)
+    for shape in ({"qkv_bias": True}, {"qk_norm": True}):
+        other = LlamaModel.random(dataclasses.replace(tiny, **shape), 0, cpu, torch.float32)
+        assert other.fused_layers is None
+    assert LlamaModel.random(tiny, 0, cpu, torch.float32, weight_bits=4).fused_layers is not None

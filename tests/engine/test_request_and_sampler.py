@@ -202,3 +202,13 @@ def test_the_compiled_draw_keeps_to_the_tokens_the_filter_keeps(
     top = int(filtered.argmax())
     share = float(filtered.softmax(-1)[top])
     assert abs(drawn.count(top) / draws - share) <= 4 * (share * (1 - share) / draws) ** 0.5
+
+
+def test_the_torch_draw_at_the_very_end_of_a_row_never_takes_a_token_cut_out() -> None:
+    from shared.engine.sampler import _draw_one
+
+    row = torch.tensor([0.0, -1.0, -2.0, float("-inf"), float("-inf")])
+    assert _draw_one(row, 1.0 - 2.0**-60) == 2  # rounds to the whole mass: the last kept
+    assert _draw_one(row, 0.0) == 0
+    huge = SamplingParams(temperature=1.0, top_k=2**70, seed=1)  # the API bounds it below only
+    assert sample(row.unsqueeze(0), [huge], [0])[0][0] in (0, 1, 2)

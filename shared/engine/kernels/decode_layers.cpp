@@ -77,12 +77,14 @@ void add_rows(float* __restrict__ x, const float* __restrict__ y, int64_t n) {
 // returned). `tensors` and `shapes`: the layers' weights, TENSORS_A_LAYER and SHAPES_A_LAYER
 // a layer. pool [layers, 2, blocks, block_size, kv_heads, D] (the paged K/V, float32);
 // positions, slots [B] (each token's position and pool slot); block_tables [B, max_blocks],
-// context_lens [B] (the new token included); cos, sin [P, D].
+// context_lens [B] (the new token included); cos, sin [P, D]; scale: attention's 1 / sqrt(D),
+// as the model gives it to the attention kernel alone.
 torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> tensors,
                             std::vector<int64_t> shapes, torch::Tensor pool,
                             torch::Tensor positions, torch::Tensor slots,
                             torch::Tensor block_tables, torch::Tensor context_lens,
-                            torch::Tensor cos, torch::Tensor sin, int64_t heads, double eps) {
+                            torch::Tensor cos, torch::Tensor sin, int64_t heads, double eps,
+                            double scale) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
                   x.is_contiguous(), "x: contiguous float32 [B, hidden] on the CPU");
   TORCH_CHECK(pool.is_contiguous() && pool.scalar_type() == at::kFloat && pool.dim() == 6 &&
@@ -122,7 +124,8 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> tensors,
     for (int m = 0; m < 4; ++m)
       linears.push_back(Linear{t[2 + 3 * m], t[3 + 3 * m], t[4 + 3 * m], s[2 * m], s[2 * m + 1]});
     const Linear* mat = linears.data() + l * 4;
-    TORCH_CHECK(mat[0].N == qkv_size && mat[1].N == H && mat[3].N == H && mat[2].N % 2 == 0,
+    TORCH_CHECK(mat[0].N == qkv_size && mat[1].N == H && mat[3].N == H && mat[2].N % 2 == 0 &&
+                    mat[2].N == linears[2].N,
                 "layer ", l, ": matrices of the wrong widths");
     mat[0].check(H);
     mat[1].check(q_size);
@@ -132,13 +135,14 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> tensors,
       TORCH_CHECK(t[n].is_contiguous() && t[n].numel() == H && t[n].scalar_type() == at::kFloat,
                   "norms: float32 [hidden]");
   }
+  if (B == 0) return x;
   const int64_t inter = layers ? linears[2].N / 2 : 0;
   std::vector<float> h(B * H), qkv(B * qkv_size), attn(B * q_size), out(B * H),
       gate_up(B * 2 * inter), act(B * inter);
   float* xs = x.data_ptr<float>();
   float* kv = pool.data_ptr<float>();
   const int64_t half_layer = pool_slots * kv_size;  // K or V of one layer
-  const float scale = 1.0f / std::sqrt(float(D)), e = float(eps);
+  const float e = float(eps);
   pybind11::gil_scoped_release no_gil;  // the service's event loop runs meanwhile
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* t = tensors.data() + l * TENSORS_A_LAYER;
@@ -155,7 +159,7 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> tensors,
     }
     decode_attention_kernel<float>(qkv.data(), qkv_size, keys, values, tables, lens,
                                    attn.data(), B, heads, kv_heads, D, block_size, max_blocks,
-                                   scale);
+                                   static_cast<float>(scale));
     mat[1](attn.data(), B, q_size, out.data());
     add_rows(xs, out.data(), B * H);
     rms_norm_rows(xs, H, t[1].data_ptr<float>(), h.data(), B, H, e);
