@@ -146,10 +146,6 @@ class Bound:
     gbps: float
     step_ms: float  # the batch-1 step, timed in the same rounds
 
-    @property
-    def ratio(self) -> float:
-        return self.step_ms / self.ms
-
 
 def bandwidth_bound(engine: Engine, context: int, rounds: int = 9) -> Bound:
     """The memory-bandwidth bound of a batch-1 decode step and the step, in the same

@@ -276,7 +276,7 @@ class LlamaModel:
         each matrix's weights, scales and minimums; each one's bits and width), or None where
         a layer needs what it does not do: Q/K/V biases, per-head norms, plain float matrices
         (a GPU's), or no compiled kernels."""
-        if self.ops is None or not hasattr(self.ops, "decode_layers"):
+        if self.ops is None:
             return None
         tensors: list[torch.Tensor] = []
         shapes: list[int] = []

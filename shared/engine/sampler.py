@@ -27,8 +27,6 @@ _MASK = (1 << 63) - 1
 # Below this a temperature is greedy (vLLM's threshold too): dividing by it would scale the
 # logits past what float32 tells apart, and 1e-40 is a float32 denormal.
 GREEDY_BELOW = 1e-5
-# top_p's nucleus is looked for among this many of a row's likeliest tokens first
-TOP_P_CANDIDATES = 256
 
 
 def draw_seed(seed: int, index: int) -> int:
@@ -54,18 +52,10 @@ def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest prefix of the tokens by probability whose mass reaches top_p, and
     always the top token (a top_p below float32's smallest denormal, 5e-324 being valid JSON,
-    rounds to 0). The prefix is found among the TOP_P_CANDIDATES likeliest tokens (a top-k,
-    ~30x cheaper than sorting a vocabulary of 49k), and by sorting the whole row only where
-    it reaches past them. Tokens tied with the last one kept are kept too."""
-    candidates = min(TOP_P_CANDIDATES, logits.shape[-1])
-    values = torch.topk(logits, candidates).values  # descending
-    probs = (values - logits.logsumexp(-1)).exp()  # their shares of the whole row's mass
-    before = probs.cumsum(-1) - probs  # the mass of the likelier ones: it only grows
-    keep = max(1, int((before < top_p).sum()))
-    if keep == candidates < logits.shape[-1]:  # the nucleus may reach past the candidates
-        values = torch.sort(logits, descending=True).values
-        probs = values.softmax(-1)
-        keep = max(1, int((probs.cumsum(-1) - probs < top_p).sum()))
+    rounds to 0). Tokens tied with the last one kept are kept too."""
+    values = torch.sort(logits, descending=True).values
+    probs = values.softmax(-1)
+    keep = max(1, int((probs.cumsum(-1) - probs < top_p).sum()))
     return logits.masked_fill(logits < values[keep - 1], float("-inf"))
 
 

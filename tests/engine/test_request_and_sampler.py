@@ -143,8 +143,8 @@ def test_sampling_draws_each_token_as_often_as_its_probability(dtype: torch.dtyp
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
 @pytest.mark.parametrize("spread", [0.5, 3.0])
 def test_the_nucleus_is_the_prefix_a_full_sort_finds(top_p: float, spread: float) -> None:
-    """Within the top-k candidates or past them (a flat row of a 49k vocabulary reaches past
-    256 tokens), the tokens kept are the smallest likeliest prefix whose mass reaches top_p."""
+    """The torch path's top_p (a GPU's) keeps the smallest likeliest prefix whose mass
+    reaches top_p, a small one (a peaked row) or thousands of tokens (a flat one)."""
     gen = torch.Generator().manual_seed(int(top_p * 1000) + int(spread))
     for _ in range(4):
         row = torch.randn(49152, generator=gen) * spread

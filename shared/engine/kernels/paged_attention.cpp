@@ -71,12 +71,9 @@ inline void axpy<float>(float a, const float* __restrict__ v, float* __restrict_
 
 // row = exp(row - max(row)), in place; returns (max, sum of the exponentials)
 inline std::pair<float, float> exponentiate(float* __restrict__ row, int64_t n) {
+  const float peak = ds::row_max(row, n);
 #if defined(DS_VEC)
   int64_t t = 0;
-  V peaks = vset(-INFINITY);
-  for (; t + W <= n; t += W) peaks = vmax(peaks, vload(row + t));
-  float peak = vmaxall(peaks);
-  for (; t < n; ++t) peak = std::max(peak, row[t]);
   V sums = vzero();
   const V shift = vset(peak);
   for (t = 0; t + W <= n; t += W) {
@@ -87,7 +84,6 @@ inline std::pair<float, float> exponentiate(float* __restrict__ row, int64_t n) 
   float sum = vsum(sums);
   for (; t < n; ++t) sum += row[t] = std::exp(row[t] - peak);
 #else
-  const float peak = *std::max_element(row, row + n);
   float sum = 0.0f;
   for (int64_t t = 0; t < n; ++t) sum += row[t] = std::exp(row[t] - peak);
 #endif

@@ -31,18 +31,6 @@ struct Scratch {
   std::vector<std::pair<float, int64_t>> candidates;
 };
 
-float row_peak(const float* x, int64_t n) {
-  float peak = -INFINITY;
-  int64_t i = 0;
-#if defined(DS_VEC)
-  V peaks = vset(-INFINITY);
-  for (; i + W <= n; i += W) peaks = vmax(peaks, vload(x + i));
-  peak = vmaxall(peaks);
-#endif
-  for (; i < n; ++i) peak = std::max(peak, x[i]);
-  return peak;
-}
-
 // The row's weights summed SPAN tokens at a time into `spans`; returns their total.
 double span_sums(const float* x, int64_t n, float peak, float t, std::vector<float>& spans) {
   const int64_t count = (n + SPAN - 1) / SPAN;
@@ -201,7 +189,7 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor rows, torch::Tenso
     Scratch scratch;
     for (int64_t r = begin; r < end; ++r) {
       const float* x = base + row[r] * stride;
-      const float peak = row_peak(x, V);
+      const float peak = ds::row_max(x, V);
       const bool cut = (k[r] > 0 && k[r] < V) || p[r] < 1.0;
       tokens[r] = cut ? draw_cut(x, V, peak, t[r], k[r] < V ? k[r] : 0, p[r], u[r], scratch)
                       : draw_all(x, V, peak, t[r], u[r], scratch.spans);

@@ -4,6 +4,10 @@
 #ifndef DS_VEC_H
 #define DS_VEC_H
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define DS_VEC 1
@@ -104,4 +108,18 @@ inline V vexp(V x) {
 }
 }  // namespace ds
 #endif
+namespace ds {
+// The largest of n floats (-inf for none).
+inline float row_max(const float* x, int64_t n) {
+  float peak = -INFINITY;
+  int64_t i = 0;
+#if defined(DS_VEC)
+  V peaks = vset(-INFINITY);
+  for (; i + W <= n; i += W) peaks = vmax(peaks, vload(x + i));
+  peak = vmaxall(peaks);
+#endif
+  for (; i < n; ++i) peak = std::max(peak, x[i]);
+  return peak;
+}
+}  // namespace ds
 #endif  // DS_VEC_H
