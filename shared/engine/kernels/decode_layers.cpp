@@ -7,6 +7,7 @@
 // the norms, RoPE and the KV write themselves.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <cmath>
 #include <cstdint>
@@ -28,20 +29,37 @@ constexpr int TENSORS_A_LAYER = 2 + 3 * 4, SHAPES_A_LAYER = 2 * 4;
 struct Linear {
   const torch::Tensor &weights, &scales, &mins;
   int64_t bits, N;
+  const void* w = nullptr;  // the tensors' data, taken once checked (`check`)
+  const float *d = nullptr, *m = nullptr;
 
-  // y [M, N] = x [M, K] @ W^T
-  void operator()(const float* x, int64_t M, int64_t K, float* y) const {
-    if (bits == 32)
-      panels::run(x, weights.data_ptr<float>(), y, M, N, K);
-    else if (bits == 4)
-      quantized_matmul_kernel<4>(x, weights.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                                 mins.data_ptr<float>(), y, M, N, K);
-    else
-      quantized_matmul_kernel<8>(x, weights.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                                 nullptr, y, M, N, K);
+  int64_t tasks(int64_t M) const {
+    return bits == 32 ? panels::tasks(M, N) : quantized_tasks(M, N);
   }
 
-  void check(int64_t K) const {
+  // y [M, N] = x [M, K] @ W^T, the tasks of `mine`; `sums`: the thread's scratch for the
+  // minimums' block sums.
+  void run(const float* x, int64_t M, int64_t K, float* y, Share mine,
+           std::vector<float>& sums) const {
+    if (mine.begin >= mine.end) return;
+    const auto* q = static_cast<const uint8_t*>(w);
+    if (bits == 32) {
+      panels::run_tasks(x, static_cast<const float*>(w), y, M, N, K, mine.begin, mine.end);
+    } else if (bits == 4) {
+      block_sums(x, M, K, sums);
+      quantized_run_tasks<4>(x, sums.data(), q, d, m, y, M, N, K, mine.begin, mine.end);
+    } else {
+      quantized_run_tasks<8>(x, nullptr, q, d, nullptr, y, M, N, K, mine.begin, mine.end);
+    }
+  }
+
+  void prefetch(int64_t M, int64_t K, int64_t task) const {
+    const auto* q = static_cast<const uint8_t*>(w);
+    if (bits == 32) panels::prefetch_task(static_cast<const float*>(w), M, N, K, task);
+    else if (bits == 4) quantized_prefetch_task<4>(q, M, N, K, task);
+    else quantized_prefetch_task<8>(q, M, N, K, task);
+  }
+
+  void check(int64_t K) {
     TORCH_CHECK(bits == 32 || bits == 8 || bits == 4, "bits: 32 (float panels), 8 or 4");
     TORCH_CHECK(weights.is_contiguous() && weights.dim() == 3, "weights: contiguous panels");
     if (bits == 32) {
@@ -49,6 +67,7 @@ struct Linear {
                       weights.size(2) == panels::P &&
                       weights.size(0) == (N + panels::P - 1) / panels::P,
                   "float panels do not match K and N");
+      w = weights.data_ptr();
       return;
     }
     const int64_t count = (N + G - 1) / G;
@@ -56,10 +75,15 @@ struct Linear {
                     weights.size(0) == count && weights.size(1) == K / QK &&
                     weights.size(2) == QK * G * bits / 8,
                 "quantized panels do not match K and N");
-    TORCH_CHECK(scales.is_contiguous() && scales.sizes() == at::IntArrayRef({count, K / QK, G}),
-                "scales: [panels, K / 32, 16]");
-    TORCH_CHECK(bits == 8 || (mins.is_contiguous() && mins.sizes() == scales.sizes()),
+    TORCH_CHECK(scales.is_contiguous() && scales.sizes() == at::IntArrayRef({count, K / QK, G}) &&
+                    scales.scalar_type() == at::kFloat,
+                "scales: float32 [panels, K / 32, 16]");
+    TORCH_CHECK(bits == 8 || (mins.is_contiguous() && mins.sizes() == scales.sizes() &&
+                              mins.scalar_type() == at::kFloat),
                 "mins: as scales");
+    w = weights.data_ptr();
+    d = scales.data_ptr<float>();
+    m = bits == 4 ? mins.data_ptr<float>() : nullptr;
   }
 };
 
@@ -123,7 +147,7 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> tensors,
     const int64_t* s = shapes.data() + l * SHAPES_A_LAYER;
     for (int m = 0; m < 4; ++m)
       linears.push_back(Linear{t[2 + 3 * m], t[3 + 3 * m], t[4 + 3 * m], s[2 * m], s[2 * m + 1]});
-    const Linear* mat = linears.data() + l * 4;
+    Linear* mat = linears.data() + l * 4;
     TORCH_CHECK(mat[0].N == qkv_size && mat[1].N == H && mat[3].N == H && mat[2].N % 2 == 0 &&
                     mat[2].N == linears[2].N,
                 "layer ", l, ": matrices of the wrong widths");
@@ -143,30 +167,63 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> tensors,
   float* kv = pool.data_ptr<float>();
   const int64_t half_layer = pool_slots * kv_size;  // K or V of one layer
   const float e = float(eps);
+  const int threads = at::get_num_threads();
+  DecodeAttention<float> attention(tables, lens, B, heads, kv_heads, D, block_size, max_blocks,
+                                   static_cast<float>(scale), threads);
+  std::vector<const float*> norms(2 * layers);
+  for (int64_t l = 0; l < layers; ++l)
+    for (int n = 0; n < 2; ++n) norms[2 * l + n] = tensors[l * TENSORS_A_LAYER + n].data_ptr<float>();
+  const float *cos_table = cos.data_ptr<float>(), *sin_table = sin.data_ptr<float>();
   pybind11::gil_scoped_release no_gil;  // the service's event loop runs meanwhile
-  for (int64_t l = 0; l < layers; ++l) {
-    const torch::Tensor* t = tensors.data() + l * TENSORS_A_LAYER;
-    const Linear* mat = linears.data() + l * 4;
-    float *keys = kv + 2 * l * half_layer, *values = keys + half_layer;
-    rms_norm_rows(xs, H, t[0].data_ptr<float>(), h.data(), B, H, e);
-    mat[0](h.data(), B, H, qkv.data());
-    rope_rows(qkv.data(), qkv_size, B, heads + kv_heads, D, cos.data_ptr<float>(),
-              sin.data_ptr<float>(), pos);
-    for (int64_t b = 0; b < B; ++b) {
-      const float* row = qkv.data() + b * qkv_size + q_size;
-      std::memcpy(keys + slot[b] * kv_size, row, kv_size * sizeof(float));
-      std::memcpy(values + slot[b] * kv_size, row + kv_size, kv_size * sizeof(float));
+  // One parallel region for the whole step, its phases split as at::parallel_for would split
+  // them and a barrier between: a region a matmul (and two an attention) cost ~3 us each to
+  // start and join, ~180 a step at batch 1. A thread done with a matrix early fetches the
+  // start of its share of the next one while it waits. Row-wise work (norms, RoPE, the KV
+  // write, SiLU, residuals) goes by rows, so at batch 1 the first thread does it.
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), team = omp_get_num_threads();
+    const Share rows = share(B, ROWS_A_TASK, t, team);
+    const int64_t r0 = rows.begin, n = rows.end - rows.begin;
+    std::vector<float> sums;
+    // y = in @ W^T by the team, then the start of `next`'s share (taking `next_K` inputs)
+    auto matmul = [&](const Linear& m, const float* in, int64_t K, float* y, const Linear* next,
+                      int64_t next_K) {
+      m.run(in, B, K, y, share(m.tasks(B), 1, t, team), sums);
+      if (next) next->prefetch(B, next_K, share(next->tasks(B), 1, t, team).begin);
+#pragma omp barrier
+    };
+    for (int64_t l = 0; l < layers; ++l) {
+      const Linear* mat = linears.data() + l * 4;
+      float *keys = kv + 2 * l * half_layer, *values = keys + half_layer;
+      rms_norm_rows(xs + r0 * H, H, norms[2 * l], h.data() + r0 * H, n, H, e);
+#pragma omp barrier
+      matmul(mat[0], h.data(), H, qkv.data(), &mat[1], q_size);
+      rope_rows(qkv.data() + r0 * qkv_size, qkv_size, n, heads + kv_heads, D, cos_table,
+                sin_table, pos + r0);
+      for (int64_t b = r0; b < rows.end; ++b) {
+        const float* row = qkv.data() + b * qkv_size + q_size;
+        std::memcpy(keys + slot[b] * kv_size, row, kv_size * sizeof(float));
+        std::memcpy(values + slot[b] * kv_size, row + kv_size, kv_size * sizeof(float));
+      }
+#pragma omp barrier
+      const Share scored = share(attention.score_tasks(), 1, t, team);
+      attention.score(qkv.data(), qkv_size, keys, values, scored.begin, scored.end);
+#pragma omp barrier
+      const Share merged = share(attention.merge_tasks(), attention.MERGE_GRAIN, t, team);
+      attention.merge(attn.data(), merged.begin, merged.end);
+#pragma omp barrier
+      matmul(mat[1], attn.data(), q_size, out.data(), &mat[2], H);
+      add_rows(xs + r0 * H, out.data() + r0 * H, n * H);
+      rms_norm_rows(xs + r0 * H, H, norms[2 * l + 1], h.data() + r0 * H, n, H, e);
+#pragma omp barrier
+      matmul(mat[2], h.data(), H, gate_up.data(), &mat[3], inter);
+      silu_mul_rows(gate_up.data() + r0 * 2 * inter, 2 * inter, act.data() + r0 * inter, n,
+                    inter);
+#pragma omp barrier
+      matmul(mat[3], act.data(), inter, out.data(), l + 1 < layers ? &mat[4] : nullptr, H);
+      add_rows(xs + r0 * H, out.data() + r0 * H, n * H);  // the next norm takes the same rows
     }
-    decode_attention_kernel<float>(qkv.data(), qkv_size, keys, values, tables, lens,
-                                   attn.data(), B, heads, kv_heads, D, block_size, max_blocks,
-                                   static_cast<float>(scale));
-    mat[1](attn.data(), B, q_size, out.data());
-    add_rows(xs, out.data(), B * H);
-    rms_norm_rows(xs, H, t[1].data_ptr<float>(), h.data(), B, H, e);
-    mat[2](h.data(), B, H, gate_up.data());
-    silu_mul_rows(gate_up.data(), 2 * inter, act.data(), B, inter);
-    mat[3](act.data(), B, inter, out.data());
-    add_rows(xs, out.data(), B * H);
   }
   return x;
 }

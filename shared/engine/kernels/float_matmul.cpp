@@ -72,25 +72,45 @@ inline void micro_left(const float* x, int64_t ldx, const float* panel, int64_t 
 }
 
 
+// Tasks of an [M, K] x [K, N] product: a panel for a block of rows each.
+inline int64_t tasks(int64_t M, int64_t N) {
+  return (N + P - 1) / P * ((M + M_BLOCK - 1) / M_BLOCK);
+}
+
+// Tasks [begin, end) of y = x @ W^T.
+void run_tasks(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
+               int64_t M, int64_t N, int64_t K, int64_t begin, int64_t end) {
+  const int64_t blocks = (M + M_BLOCK - 1) / M_BLOCK;
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t p = task / blocks, m0 = (task % blocks) * M_BLOCK;
+    const int64_t m1 = std::min(M, m0 + M_BLOCK), n0 = p * P;
+    const int64_t cols = std::min<int64_t>(P, N - n0);
+    const float* panel = w + p * K * P;
+    for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
+      const int64_t k1 = std::min(K, k0 + K_CHUNK);
+      int64_t m = m0;
+      for (; m + R <= m1; m += R)
+        micro<R>(x + m * K, K, panel, k0, k1, y + m * N + n0, N, cols, k0 > 0, m == m0);
+      if (m < m1)
+        micro_left<R - 1>(x + m * K, K, panel, k0, k1, y + m * N + n0, N, cols, k0 > 0,
+                          m == m0, m1 - m);
+    }
+  }
+}
+
+// The first k steps of task `task`'s panel into L2, ahead of the task: a thread that is done
+// with one matrix before the others starts on its share of the next.
+inline void prefetch_task(const float* w, int64_t M, int64_t N, int64_t K, int64_t task) {
+  if (task >= tasks(M, N)) return;
+  const float* panel = w + task / ((M + M_BLOCK - 1) / M_BLOCK) * K * P;
+  for (int64_t k = 0; k < std::min(K, AHEAD); ++k)
+    for (int c = 0; c < C; ++c) __builtin_prefetch(panel + k * P + c * W, 0, 2);
+}
+
 void run(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
          int64_t M, int64_t N, int64_t K) {
-  const int64_t blocks = (M + M_BLOCK - 1) / M_BLOCK, count = (N + P - 1) / P;
-  at::parallel_for(0, count * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t p = task / blocks, m0 = (task % blocks) * M_BLOCK;
-      const int64_t m1 = std::min(M, m0 + M_BLOCK), n0 = p * P;
-      const int64_t cols = std::min<int64_t>(P, N - n0);
-      const float* panel = w + p * K * P;
-      for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
-        const int64_t k1 = std::min(K, k0 + K_CHUNK);
-        int64_t m = m0;
-        for (; m + R <= m1; m += R)
-          micro<R>(x + m * K, K, panel, k0, k1, y + m * N + n0, N, cols, k0 > 0, m == m0);
-        if (m < m1)
-          micro_left<R - 1>(x + m * K, K, panel, k0, k1, y + m * N + n0, N, cols, k0 > 0,
-                            m == m0, m1 - m);
-      }
-    }
+  at::parallel_for(0, tasks(M, N), 1, [&](int64_t begin, int64_t end) {
+    run_tasks(x, w, y, M, N, K, begin, end);
   });
 }
 

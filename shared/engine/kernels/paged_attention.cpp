@@ -223,21 +223,39 @@ void attend(const float* qf, const T* k_cache, const T* v_cache, const int64_t* 
   run(std::integral_constant<int, 0>{});
 }
 
+// Decode attention over a batch in two phases of tasks: `score` a (request, chunk of its
+// context) a task, every head of a chunk into `parts`; `merge` a (request, head) a task. The
+// chunks are cut for `threads` threads and the longest context (the same for every layer of
+// a step, so one plan serves them all).
 template <typename T>
-void decode_attention_kernel(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
-                             const int64_t* block_tables, const int64_t* context_lens, T* out,
-                             int64_t batch, int64_t heads, int64_t kv_heads,
-                             int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                             float scale) {
-  // chunks of a request's context: enough tasks for every thread even at batch 1
-  const int64_t longest =
-      std::max<int64_t>(1, *std::max_element(context_lens, context_lens + batch));
-  const int64_t wanted = (4 * at::get_num_threads() + batch - 1) / batch;
-  const int64_t chunk =
-      std::clamp<int64_t>((longest + wanted - 1) / wanted, MIN_CHUNK, MAX_CHUNK);
-  const int64_t chunks = (longest + chunk - 1) / chunk, width = head_dim + 2;
-  std::vector<float> parts(batch * chunks * heads * width);
-  at::parallel_for(0, batch * chunks, 1, [&](int64_t begin, int64_t end) {
+struct DecodeAttention {
+  const int64_t *block_tables, *context_lens;
+  int64_t batch, heads, kv_heads, head_dim, block_size, max_blocks;
+  float scale;
+  int64_t chunk, chunks, width;
+  std::vector<float> parts;
+
+  DecodeAttention(const int64_t* block_tables, const int64_t* context_lens, int64_t batch,
+                  int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                  int64_t max_blocks, float scale, int threads)
+      : block_tables(block_tables), context_lens(context_lens), batch(batch), heads(heads),
+        kv_heads(kv_heads), head_dim(head_dim), block_size(block_size),
+        max_blocks(max_blocks), scale(scale), width(head_dim + 2) {
+    // enough chunks of a request's context for every thread even at batch 1
+    const int64_t longest =
+        std::max<int64_t>(1, *std::max_element(context_lens, context_lens + batch));
+    const int64_t wanted = (4 * threads + batch - 1) / batch;
+    chunk = std::clamp<int64_t>((longest + wanted - 1) / wanted, MIN_CHUNK, MAX_CHUNK);
+    chunks = (longest + chunk - 1) / chunk;
+    parts.resize(batch * chunks * heads * width);
+  }
+
+  int64_t score_tasks() const { return batch * chunks; }
+  int64_t merge_tasks() const { return batch * heads; }
+  static constexpr int64_t MERGE_GRAIN = 16;
+
+  void score(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, int64_t begin,
+             int64_t end) {
     std::vector<float> scores, qf(heads * head_dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / chunks, c = task % chunks;
@@ -247,14 +265,14 @@ void decode_attention_kernel(const T* q, int64_t q_stride, const T* k_cache, con
         for (int64_t h = 0; h < heads; ++h) part[h * width + head_dim + 1] = 0.0f;
         continue;
       }
-      for (int64_t i = 0; i < heads * head_dim; ++i)
-        qf[i] = load(q + b * q_stride, i) * scale;
+      for (int64_t i = 0; i < heads * head_dim; ++i) qf[i] = load(q + b * q_stride, i) * scale;
       attend(qf.data(), k_cache, v_cache, block_tables + b * max_blocks, t0, t1, heads,
              kv_heads, head_dim, block_size, scores, part);
     }
-  });
-  // merge each request's chunks: rescale to the largest maximum, divide by the sum
-  at::parallel_for(0, batch * heads, 16, [&](int64_t begin, int64_t end) {
+  }
+
+  // each request's chunks: rescaled to the largest maximum, divided by the sum
+  void merge(T* out, int64_t begin, int64_t end) const {
     std::vector<float> acc(head_dim);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / heads, h = i % heads;
@@ -277,7 +295,22 @@ void decode_attention_kernel(const T* q, int64_t q_stride, const T* k_cache, con
       const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // no context: zeros, not 0 / 0
       for (int64_t d = 0; d < head_dim; ++d) o[d] = T(acc[d] * inv);
     }
+  }
+};
+
+template <typename T>
+void decode_attention_kernel(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
+                             const int64_t* block_tables, const int64_t* context_lens, T* out,
+                             int64_t batch, int64_t heads, int64_t kv_heads,
+                             int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                             float scale) {
+  DecodeAttention<T> attention(block_tables, context_lens, batch, heads, kv_heads, head_dim,
+                               block_size, max_blocks, scale, at::get_num_threads());
+  at::parallel_for(0, attention.score_tasks(), 1, [&](int64_t begin, int64_t end) {
+    attention.score(q, q_stride, k_cache, v_cache, begin, end);
   });
+  at::parallel_for(0, attention.merge_tasks(), attention.MERGE_GRAIN,
+                   [&](int64_t begin, int64_t end) { attention.merge(out, begin, end); });
 }
 
 }  // namespace

@@ -152,39 +152,68 @@ void rows_remaining(const float* x, const float* sums, int64_t K, const uint8_t*
   }
 }
 
+// Each row's sum of x over each block [M, K / QK], for the minimums.
+void block_sums(const float* __restrict__ x, int64_t M, int64_t K, std::vector<float>& sums) {
+  sums.resize(M * K / QK);
+  for (int64_t i = 0; i < M * K / QK; ++i) {
+    V s = vzero();
+    for (int64_t j = 0; j < QK; j += W) s = vadd(s, vload(x + i * QK + j));
+    sums[i] = vsum(s);
+  }
+}
+
+// Tasks of an [M, K] x [K, N] product: one panel for a run of row tiles each (its blocks stay
+// in cache while they meet).
+constexpr int64_t TILES_A_TASK = 8;
+inline int64_t quantized_tasks(int64_t M, int64_t N) {
+  const int64_t tiles = (M + R_MAX - 1) / R_MAX;
+  return (N + G - 1) / G * ((tiles + TILES_A_TASK - 1) / TILES_A_TASK);
+}
+
+// Tasks [begin, end) of out = x @ W^T; `sums` from block_sums where there are minimums.
+template <int BITS>
+void quantized_run_tasks(const float* __restrict__ x, const float* __restrict__ sums,
+                         const uint8_t* __restrict__ weights, const float* __restrict__ scales,
+                         const float* __restrict__ mins, float* __restrict__ out, int64_t M,
+                         int64_t N, int64_t K, int64_t begin, int64_t end) {
+  const int64_t blocks = K / QK, panels = (N + G - 1) / G;
+  const int64_t panel_bytes = blocks * QK * G * BITS / 8, tiles = (M + R_MAX - 1) / R_MAX;
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t p = task % panels, first = task / panels * TILES_A_TASK;
+    const int64_t cols = std::min(G, N - p * G);
+    const uint8_t* w = weights + p * panel_bytes;
+    const float* d = scales + p * blocks * G;
+    const float* m = mins ? mins + p * blocks * G : nullptr;
+    for (int64_t tile = first; tile < std::min(tiles, first + TILES_A_TASK); ++tile) {
+      const int64_t r0 = tile * R_MAX, rows = std::min<int64_t>(R_MAX, M - r0);
+      const float* s = mins ? sums + r0 * blocks : nullptr;
+      float* o = out + r0 * N + p * G;
+      if (rows == R_MAX) panel_rows<BITS, R_MAX>(x + r0 * K, s, K, w, d, m, o, N, cols);
+      else rows_remaining<BITS, R_MAX - 1>(x + r0 * K, s, K, w, d, m, o, N, cols, rows);
+    }
+  }
+}
+
+// The first blocks of task `task`'s panel into L2, ahead of the task (float_matmul's
+// prefetch_task).
+template <int BITS>
+inline void quantized_prefetch_task(const uint8_t* weights, int64_t M, int64_t N, int64_t K,
+                                    int64_t task) {
+  if (task >= quantized_tasks(M, N)) return;
+  const int64_t panels = (N + G - 1) / G, block_bytes = QK * G * BITS / 8;
+  const uint8_t* w = weights + task % panels * (K / QK) * block_bytes;
+  for (int64_t i = 0; i < std::min(K / QK, AHEAD) * block_bytes; i += 64)
+    __builtin_prefetch(w + i, 0, 2);
+}
+
 template <int BITS>
 void quantized_matmul_kernel(const float* __restrict__ x, const uint8_t* __restrict__ weights,
                              const float* __restrict__ scales, const float* __restrict__ mins,
                              float* __restrict__ out, int64_t M, int64_t N, int64_t K) {
-  const int64_t blocks = K / QK, panels = (N + G - 1) / G;
-  const int64_t panel_bytes = blocks * QK * G * BITS / 8;
-  std::vector<float> sums;  // each row's sum of x over each block, for the minimums
-  if (mins) {
-    sums.resize(M * blocks);
-    for (int64_t i = 0; i < M * blocks; ++i) {
-      V s = vzero();
-      for (int64_t j = 0; j < QK; j += W) s = vadd(s, vload(x + i * QK + j));
-      sums[i] = vsum(s);
-    }
-  }
-  // a task: one panel for a run of row tiles (its blocks stay in cache while they meet)
-  const int64_t tiles = (M + R_MAX - 1) / R_MAX, tiles_a_task = 8;
-  const int64_t tasks = panels * ((tiles + tiles_a_task - 1) / tiles_a_task);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t p = task % panels, first = task / panels * tiles_a_task;
-      const int64_t cols = std::min(G, N - p * G);
-      const uint8_t* w = weights + p * panel_bytes;
-      const float* d = scales + p * blocks * G;
-      const float* m = mins ? mins + p * blocks * G : nullptr;
-      for (int64_t tile = first; tile < std::min(tiles, first + tiles_a_task); ++tile) {
-        const int64_t r0 = tile * R_MAX, rows = std::min<int64_t>(R_MAX, M - r0);
-        const float* s = mins ? sums.data() + r0 * blocks : nullptr;
-        float* o = out + r0 * N + p * G;
-        if (rows == R_MAX) panel_rows<BITS, R_MAX>(x + r0 * K, s, K, w, d, m, o, N, cols);
-        else rows_remaining<BITS, R_MAX - 1>(x + r0 * K, s, K, w, d, m, o, N, cols, rows);
-      }
-    }
+  std::vector<float> sums;
+  if (mins) block_sums(x, M, K, sums);
+  at::parallel_for(0, quantized_tasks(M, N), 1, [&](int64_t begin, int64_t end) {
+    quantized_run_tasks<BITS>(x, sums.data(), weights, scales, mins, out, M, N, K, begin, end);
   });
 }
 

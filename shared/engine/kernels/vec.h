@@ -109,6 +109,19 @@ inline V vexp(V x) {
 }  // namespace ds
 #endif
 namespace ds {
+// The tasks [begin, end) of n that thread t of T runs, split as at::parallel_for splits them
+// (fewer than `grain` tasks: the first thread runs them all): for a kernel that runs its
+// phases in one parallel region, a barrier between them, instead of a region a phase.
+struct Share {
+  int64_t begin, end;
+};
+inline Share share(int64_t n, int64_t grain, int t, int T) {
+  const int64_t used = n < grain ? 1 : std::min<int64_t>(T, (n + grain - 1) / grain);
+  const int64_t chunk = (n + used - 1) / used;
+  const int64_t begin = std::min(n, t * chunk);
+  return {begin, t < used ? std::min(n, begin + chunk) : begin};
+}
+
 // The largest of n floats (-inf for none).
 inline float row_max(const float* x, int64_t n) {
   float peak = -INFINITY;
