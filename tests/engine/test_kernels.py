@@ -172,17 +172,18 @@ def test_the_layer_ops_compute_what_torch_does(tokens: int) -> None:
             k.rope(qk, cos, sin, torch.full((tokens,), 100))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 63, 64, 65, 200])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 63, 64, 65, 200])
 def test_the_float_matmul_over_panels_is_x_times_w_transposed(rows: int) -> None:
-    """Rows of x around the register tile (AVX-512: 8, AVX2: 6) and a task's block (8 tiles);
-    output columns not a whole panel; an input longer than a chunk (512) and not a multiple
-    of a vector."""
+    """Rows of x around the register tile (AVX-512: 8, AVX2: 6), the rows read from two
+    panels side by side (AVX-512: up to 4, AVX2: 2; a thread's odd panel alone) and a task's
+    block (8 tiles); output columns not a whole panel; an input longer than a chunk (512)
+    and not a multiple of a vector."""
     import torch
 
     from shared.engine.panels import PanelMatrix
 
     gen = torch.Generator().manual_seed(rows)
-    for n, width in ((1, 16), (50, 40), (131, 1100)):
+    for n, width in ((1, 16), (50, 40), (131, 1100), (500, 100)):
         w = torch.randn(n, width, generator=gen)
         x = torch.randn(rows, width, generator=gen)
         packed = PanelMatrix.pack(w[: n // 2], w[n // 2 : n - 1], w[n - 1 :])  # Q, K, V
