@@ -137,16 +137,27 @@ class TextTokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8."""
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8.
+
+    Each update decodes a window of the last ids, not the whole list (which made a request's
+    n-th token cost O(n), a long generation O(n^2)): the ids of the last delta, for context,
+    then the new ones; the delta is what the new ones add to the context's text. Windows
+    start and end where a character does, so the deltas add up to the whole list's text
+    (a decoder that strips a leading space strips it from both decodes alike)."""
 
     def __init__(self, tokenizer: TextTokenizer) -> None:
         self._tokenizer = tokenizer
         self.text = ""
+        self._start = 0  # the window's first id: the last delta's, decoded for context
+        self._read = 0  # the ids before this are in `text`
 
     def update(self, ids: Sequence[int]) -> str:
-        text = self._tokenizer.decode(ids)
-        if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
+        context = self._tokenizer.decode(ids[self._start:self._read])
+        text = self._tokenizer.decode(ids[self._start:])
+        # a multi-byte character not complete yet, or ids that add no text (yet)
+        if len(text) <= len(context) or text.endswith("\ufffd"):
             return ""
-        delta = text[len(self.text) :]
-        self.text = text
+        delta = text[len(context):]
+        self._start, self._read = self._read, len(ids)
+        self.text += delta
         return delta

@@ -99,3 +99,66 @@ def test_a_gguf_pre_tokenizer_we_do_not_know_is_refused() -> None:
     data = read_gguf_tokenizer("smollm2-135m")
     with pytest.raises(ValueError, match="pre-tokenizer 'deepseek-r1-qwen' is not supported"):
         TextTokenizer.from_gguf(dataclasses.replace(data, pre="deepseek-r1-qwen"))
+
+
+def _spm_like() -> TextTokenizer:
+    """A SentencePiece-style tokenizer (Llama 2's, Mistral's tokenizer.json: a Metaspace
+    pre-tokenizer, byte fallback, a decoder that strips the text's leading space), trained
+    here on HumanEval's text."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    from distserve.bench.workload import humaneval_prompts
+
+    def build(model: models.Model) -> Tokenizer:
+        tokenizer = Tokenizer(model)
+        tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                                     normalizers.Replace(" ", "▁")])
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+        tokenizer.decoder = decoders.Sequence([
+            decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+            decoders.Strip(" ", 1, 0)])
+        return tokenizer
+
+    trained = build(models.BPE(unk_token="<unk>"))
+    trained.train_from_iterator([p + s for p, s in humaneval_prompts()], trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"]))
+    learned = json.loads(trained.to_str())["model"]
+    vocab = dict(learned["vocab"])
+    for i in range(256):  # byte fallback's tokens, in the model's own vocabulary
+        vocab.setdefault(f"<0x{i:02X}>", len(vocab))
+    inner = build(models.BPE(vocab, [tuple(m) for m in learned["merges"]], unk_token="<unk>",
+                             byte_fallback=True))
+    inner.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return TextTokenizer(inner, bos_token="<s>", eos_token="</s>", eos_ids=[2])
+
+
+MIXED = " Ünïcödé, 中文字符 and 🎉🎉 — ∑x² ends.\n\tdone"
+
+
+@pytest.mark.parametrize("kind", ["byte-level BPE", "SentencePiece-like"])
+def test_incremental_deltas_add_up_to_the_text_decoding_a_few_ids_a_token(
+        kind: str, tok: TextTokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Token by token over real text in several scripts (byte-fallback and multi-byte
+    characters included): the deltas make the whole list's text, none holds a partial
+    character, and no update decodes more than a few ids, so a long generation's n-th token
+    costs what its first did (the detokenizer decoded all n ids each time)."""
+    from distserve.bench.workload import humaneval_prompts
+
+    tokenizer = tok if kind == "byte-level BPE" else _spm_like()
+    text = "".join(p + s for p, s in humaneval_prompts()[:4]) + MIXED
+    ids = tokenizer.encode(text)
+    assert len(ids) > 400
+    whole = tokenizer.decode(ids)
+    assert whole.endswith("∑x² ends.\n\tdone")
+    windows: list[int] = []
+    decode = tokenizer.decode
+
+    def counted(window: list[int], skip_special_tokens: bool = True) -> str:
+        windows.append(len(window))
+        return decode(window, skip_special_tokens)
+    monkeypatch.setattr(tokenizer, "decode", counted)
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.update(ids[: i + 1]) for i in range(len(ids))]
+    assert "".join(pieces) == detok.text == whole
+    assert all("\ufffd" not in p for p in pieces)
+    assert max(windows) <= 8, max(windows)
