@@ -78,6 +78,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for (tp, pp), co in sorted(profile.pipelines.items()):
         console.print(f"tp {tp} pp {pp} (a prompt batch's latency; a decode round):")
         print_coefficients(console, co)
+        if co.prefill_stage:
+            console.print(f"  a stage is busy {co.prefill_stage:.3f} of a prompt's latency "
+                          f"(an even split: {1 / pp:.3f})")
     for (tp, pp), measured in zip(shapes, profiles, strict=True):
         errors = ", ".join(f"{phase} {measured.fit[f'{phase}_heldout_median_rel_err']:.1%}"
                            for phase in ("prefill", "decode"))

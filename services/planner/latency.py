@@ -28,6 +28,9 @@ class PhaseCoefficients:
     decode_small: Triple
     decode_large: Triple
     decode_threshold: int = 1 << 30  # batch size from which `decode_large` applies
+    # a pipeline measured as it runs: how long its slowest stage is busy with a prompt, as a
+    # share of the prompt's latency (0: not measured, the paper's 1 / pp)
+    prefill_stage: float = 0.0
 
     def scaled(self, speedup: float) -> PhaseCoefficients:
         """All times divided by `speedup` (e.g. an intra-op speedup K)."""
@@ -36,7 +39,8 @@ class PhaseCoefficients:
             return (t[0] / speedup, t[1] / speedup, t[2] / speedup)
 
         return PhaseCoefficients(div(self.prefill), div(self.decode_small),
-                                 div(self.decode_large), self.decode_threshold)
+                                 div(self.decode_large), self.decode_threshold,
+                                 self.prefill_stage)
 
     def slowed(self, prefill: float, decode: float, prefill_ms: float = 0.0,
                decode_ms: float = 0.0) -> PhaseCoefficients:
@@ -49,7 +53,7 @@ class PhaseCoefficients:
         return PhaseCoefficients(mul(self.prefill, prefill, prefill_ms),
                                  mul(self.decode_small, decode, decode_ms),
                                  mul(self.decode_large, decode, decode_ms),
-                                 self.decode_threshold)
+                                 self.decode_threshold, self.prefill_stage)
 
 
 Phase = Literal["prefill", "decode"]
@@ -123,9 +127,12 @@ class LatencyModel:
     # Times for the simulator: seconds, with pipeline stages.
 
     def prefill_stage_s(self, sum_len: float, sum_sq: float) -> float:
-        """How long the first stage is busy: the next batch may start after this (a
-        measured latency too is taken as `pp` even stages; so is a chunked step)."""
-        return self.prefill_ms(sum_len, sum_sq) / self.pp / 1e3
+        """How long a stage is busy with a prompt batch: the next batch may start after this.
+        A pipeline measured as it runs says its own share of the latency (`prefill_stage`:
+        its slowest stage, with the hand-offs); otherwise `pp` even stages (a chunked step
+        too)."""
+        measured = self.coefficients.prefill_stage if self.rounds else 0.0
+        return self.prefill_ms(sum_len, sum_sq) * (measured or 1 / self.pp) / 1e3
 
     def prefill_latency_s(self, sum_len: float, sum_sq: float) -> float:
         overhead = 0.0 if self.rounds else self.stage_overhead_ms * (self.pp - 1)

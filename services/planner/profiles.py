@@ -75,13 +75,15 @@ def _coefficients(entry: dict[str, Any]) -> PhaseCoefficients:
         decode_small=tuple(entry["decoding_smallbs"]),
         decode_large=tuple(entry["decoding_largebs"]),
         decode_threshold=int(entry.get("decoding_large_small_bs_threshold", 1 << 30)),
+        prefill_stage=float(entry.get("prefill_stage_share", 0.0)),
     )
 
 
 def _entry(co: PhaseCoefficients) -> dict[str, Any]:
     return {"prefill": list(co.prefill), "decoding_smallbs": list(co.decode_small),
             "decoding_largebs": list(co.decode_large),
-            "decoding_large_small_bs_threshold": co.decode_threshold}
+            "decoding_large_small_bs_threshold": co.decode_threshold,
+            **({"prefill_stage_share": co.prefill_stage} if co.prefill_stage else {})}
 
 
 def _read_capacity(path: Path, model: str) -> dict[tuple[int, int], int]:

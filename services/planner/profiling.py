@@ -3,11 +3,13 @@ the latency model and find L_m. The only planner module that touches a device.""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import multiprocessing
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +94,39 @@ class Profiler:
         # the fastest repeat: other processes on a shared machine only ever add time
         return PrefillPoint((length,) * batch, min(once() for _ in range(self.grid.repeats)))
 
+    @contextlib.contextmanager
+    def _prompt_a_step(self, length: int) -> Iterator[None]:
+        """The scheduler takes one prompt of `length` a step for a while."""
+        scheduler = self.engine.scheduler
+        config = scheduler.config
+        scheduler.config = dataclasses.replace(config, max_batch_tokens=length)
+        try:
+            yield
+        finally:
+            scheduler.config = config
+
+    def prefill_stage_share(self, length: int) -> float:
+        """How long a pipeline's slowest stage is busy with a prompt of `length`, as a share of
+        the prompt's latency: prompts that go in together, one a step, come out a stage's time
+        apart (the micro-batches overlap), so `count` of them take the latency and `count - 1`
+        stages. Kept within [1 / pp, 1]: below is a stage faster than an even split of the
+        work, above no overlap at all."""
+        count, depth = 2 * self.engine.runner.depth + 2, self.engine.runner.depth
+
+        def through(prompts: int) -> float:
+            with self._prompt_a_step(length):
+                ids = [self._add(length, 1, i) for i in range(prompts)]
+                requests = [self.engine.scheduler.get(rid) for rid in ids]
+                start = time.perf_counter()
+                self._step_until(requests, 1)
+                elapsed = time.perf_counter() - start
+                self._drain()
+            return elapsed
+        through(count)  # warm-up
+        alone = min(through(1) for _ in range(self.grid.repeats))
+        together = min(through(count) for _ in range(self.grid.repeats))
+        return min(1.0, max(1 / depth, (together - alone) / (count - 1) / alone))
+
     def decode_point(self, batch: int, context: int) -> DecodePoint:
         if self.pipelined:
             return self._decode_rounds(batch, context)
@@ -125,6 +160,11 @@ class Profiler:
             self.engine.abort(rid)
         self._drain()
         return DecodePoint(batch, batch * (context + 2 + rounds // 2), statistics.median(times))
+
+    def stage_length(self) -> int:
+        """The prompt a pipeline's stage share is measured at: the grid's longest up to 512."""
+        return max([n for n in self.grid.prefill_lengths if n <= 512] or
+                   [min(self.grid.prefill_lengths)])
 
     def run(self, progress: Callable[[str], None]) -> tuple[list[PrefillPoint],
                                                               list[DecodePoint]]:
@@ -293,13 +333,19 @@ def profile_engine(config: EngineConfig, grid: Grid,
         if have < needed:
             raise ValueError(f"the profiling grid needs a KV pool of {needed / 2**20:.0f} MiB, "
                              f"the budget holds {have / 2**20:.0f} MiB: raise --kv-cache-mb")
-        prefill, decode = Profiler(engine, grid).run(progress)
+        profiler = Profiler(engine, grid)
+        prefill, decode = profiler.run(progress)
+        stage = 0.0
+        if profiler.pipelined:
+            progress(f"pipeline stages at {profiler.stage_length()} tokens")
+            stage = profiler.prefill_stage_share(profiler.stage_length())
         beside = Contention()
         if contention and engine.runner.device.type == "cpu":
             beside = measure_contention(engine, config, progress=progress)
     finally:
         engine.close()
     coefficients, report = fit_phase(prefill, decode)
+    coefficients = dataclasses.replace(coefficients, prefill_stage=stage)
     pipeline = config.pp > 1  # measured as latencies and rounds: kept apart from by_tp
     return Profile(model=spec, device=device_name(engine.runner.device),
                    device_memory_bytes=device_memory_bytes(engine.runner.device),

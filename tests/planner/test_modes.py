@@ -186,6 +186,25 @@ def with_pipeline(one: Profile, speedup: float) -> Profile:
         1 / speedup, 1 / speedup, 0.0, 0.0)}, kv_capacity={(1, 1): 1 << 16, (1, 2): 1 << 17})
 
 
+def with_stage_share(piped: Profile, share: float) -> Profile:
+    return dataclasses.replace(piped, pipelines={
+        shape: dataclasses.replace(co, prefill_stage=share)
+        for shape, co in piped.pipelines.items()})
+
+
+def test_a_pipeline_whose_stages_overlap_less_serves_fewer_prompts() -> None:
+    """The same pp 2 prefill pipeline, its stage busy half its prompts' latency (the paper's
+    even split) or 0.9 of it (measured: the hand-offs, an uneven split): the second takes
+    prompts in nearly one at a time, so the plan's goodput falls."""
+    slo = SLO(0.3, 0.030)
+    piped = with_pipeline(profile(1.0, 20.0), 3.0)
+    goodput = {share: by_mode(candidates(problem(with_stage_share(piped, share), 512, 32, slo,
+                                                 0.5), budget=3))["disaggregated"]
+               for share in (0.5, 0.9)}
+    assert goodput[0.5].prefill_shape == Shape(1, 2)
+    assert goodput[0.9].goodput_rps < 0.8 * goodput[0.5].goodput_rps
+
+
 def test_a_pipeline_is_weighed_as_measured_and_only_where_measured() -> None:
     """A 512-token prompt takes 0.53 s on one device, past the 0.3 s TTFT. A pipeline of two
     measured at a third of one device's latency serves it: the prefill role takes it. One
@@ -218,9 +237,15 @@ def test_measured_pipeline_coefficients_are_whole_latencies_and_rounds(
     # a prompt batch's latency as measured; the first stage free after its share
     assert measured.prefill_latency_s(512, 512**2) == pytest.approx(0.532)
     assert measured.prefill_stage_s(512, 512**2) == pytest.approx(0.266)
+    # a stage share measured as the pipeline ran (its slowest stage, the hand-offs): the
+    # next prompt starts after that share of the latency, not after half of it
+    staged = with_stage_share(with_pipeline(one, 1.0), 0.6)
+    assert staged.latency(1, 2).prefill_stage_s(512, 512**2) == pytest.approx(0.532 * 0.6)
+    assert staged.latency(1, 2).prefill_latency_s(512, 512**2) == pytest.approx(0.532)
     path = tmp_path / "p.json"
-    save_profile(with_pipeline(one, 2.0), path)
+    save_profile(with_stage_share(with_pipeline(one, 2.0), 0.6), path)
     again = load_profile(path)
-    assert again.pipelines == with_pipeline(one, 2.0).pipelines and again.tps == [1]
+    assert again.pipelines == with_stage_share(with_pipeline(one, 2.0), 0.6).pipelines
+    assert again.pipelines[(1, 2)].prefill_stage == 0.6 and again.tps == [1]
     save_profile(one, path)  # a profile without pipelines writes none, and reads none
     assert "pipelines" not in json.loads(path.read_text()) and not load_profile(path).pipelines
