@@ -21,7 +21,7 @@ from rich.table import Table
 from distserve.commands.bench_engine import EngineDecode, side_by_side
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
-from shared.engine import panels
+from shared.engine import panels, quant
 from shared.engine.kernels import cpu_kernels
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -36,10 +36,10 @@ def toggled(engine: Engine, decode: EngineDecode, fused: bool) -> Callable[[], f
 
 
 def built(engine: Engine, decode: EngineDecode, kernels: ModuleType) -> Callable[[], float]:
-    """Steps on `kernels`: the layers' and the LM head's (a float matmul over panels)."""
+    """Steps on `kernels`: the layers' and the LM head's (float or quantized panels)."""
     def step() -> float:
         engine.runner.model.ops = kernels
-        panels.cpu_kernels = lambda: kernels
+        panels.cpu_kernels = quant.cpu_kernels = lambda: kernels
         return decode()
     return step
 

@@ -56,19 +56,21 @@ class _TextState:
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.sent = 0
+        self.searched = 0  # the text searched for stop strings so far (none was in it)
 
     def advance(self, ids: list[int]) -> tuple[str, bool]:
-        """(new text to emit, whether a stop string was hit)."""
+        """(new text to emit, whether a stop string was hit). Only the new text, and the
+        stop strings' length before it, is searched: a token costs the same late in a long
+        generation as early."""
         self.detok.update(ids)
-        text, hit = self.detok.text, False
-        for s in self.stop:
-            at = text.find(s)
-            if at >= 0:
-                text, hit = text[:at], True
-        visible = text if hit else text[: max(self.sent, len(text) - self.holdback)]
-        delta = visible[self.sent:]
-        self.sent = len(visible)
-        return delta, hit
+        text = self.detok.text
+        hits = [at for s in self.stop
+                if (at := text.find(s, max(0, self.searched - len(s) + 1))) >= 0]
+        self.searched = len(text)
+        end = min(hits) if hits else max(self.sent, len(text) - self.holdback)
+        delta = text[self.sent:end]
+        self.sent = end
+        return delta, bool(hits)
 
     def flush(self) -> str:
         delta = self.detok.text[self.sent:]

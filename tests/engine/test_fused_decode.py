@@ -124,3 +124,33 @@ def test_only_a_decode_step_on_a_rank_of_whole_heads_runs_fused() -> None:
         other = LlamaModel.random(dataclasses.replace(tiny, **shape), 0, cpu, torch.float32)
         assert other.fused_layers is None
     assert LlamaModel.random(tiny, 0, cpu, torch.float32, weight_bits=4).fused_layers is not None
+
+
+@pytest.mark.parametrize("weights", ["auto", "int4"])
+def test_a_batch_wider_than_a_threads_rows_runs_fused_as_one_by_one(weights: str) -> None:
+    """20 requests decoding together on a random-weight shape: the fused call's row-wise
+    phases (norms, RoPE and the KV write, SiLU, residuals) split over both threads, 16 rows
+    a thread, and its tokens and logprobs are still the per-operation path's."""
+    engine = Engine(EngineConfig(model="tiny", weights=weights, threads=2,
+                                 kv_cache_bytes=16 << 20).with_scheduler(max_running=32))
+    counting = Counting(engine.runner.model.ops)
+    engine.runner.model.ops = counting
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=True)
+    got = []
+    try:
+        for fused in (False, True):
+            engine.runner.model.fused_decode = fused
+            for i in range(20):
+                engine.add_request(f"{i}", [3 + 7 * i + j for j in range(5 + 3 * i)], params)
+            outputs: dict[str, tuple[list[int], list[float]]] = {}
+            while engine.has_work():
+                for out in engine.step():
+                    tokens, logprobs = outputs.setdefault(out.request_id, ([], []))
+                    tokens.extend(out.new_token_ids)
+                    logprobs.extend(out.logprobs)
+            got.append(outputs)
+    finally:
+        engine.close()
+    assert counting.fused >= 7  # every decode step of the second run
+    assert all(len(tokens) == 8 for tokens, _ in got[1].values()) and len(got[1]) == 20
+    assert got[0] == got[1]

@@ -189,5 +189,7 @@ def test_the_float_matmul_over_panels_is_x_times_w_transposed(rows: int) -> None
         packed = PanelMatrix.pack(w[: n // 2], w[n // 2 : n - 1], w[n - 1 :])  # Q, K, V
         assert packed.shape == (n, width)
         torch.testing.assert_close(packed.matmul(x), x @ w.T, rtol=1e-4, atol=1e-4)
+        # a row's sums run in one order whatever shares its batch: the same bits alone
+        assert torch.equal(packed.matmul(x[-1:]), packed.matmul(x)[-1:])
         ids = torch.randint(0, n, (rows,), generator=gen)
         assert torch.equal(packed.rows(ids), w[ids])  # a tied embedding's lookup

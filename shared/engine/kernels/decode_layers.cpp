@@ -174,18 +174,23 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> tensors,
   for (int64_t l = 0; l < layers; ++l)
     for (int n = 0; n < 2; ++n) norms[2 * l + n] = tensors[l * TENSORS_A_LAYER + n].data_ptr<float>();
   const float *cos_table = cos.data_ptr<float>(), *sin_table = sin.data_ptr<float>();
+  // a thread's scratch for the int4 minimums' block sums, allocated before the region (an
+  // allocation that failed inside it would end the process)
+  std::vector<std::vector<float>> block_sums_of(threads);
+  for (auto& sums : block_sums_of) sums.reserve(B * std::max({H, q_size, inter}) / QK);
   pybind11::gil_scoped_release no_gil;  // the service's event loop runs meanwhile
   // One parallel region for the whole step, its phases split as at::parallel_for would split
   // them and a barrier between: a region a matmul (and two an attention) cost ~3 us each to
   // start and join, ~180 a step at batch 1. A thread done with a matrix early fetches the
   // start of its share of the next one while it waits. Row-wise work (norms, RoPE, the KV
-  // write, SiLU, residuals) goes by rows, so at batch 1 the first thread does it.
+  // write, SiLU, residuals) goes by rows, 16 a thread (at batch 1 the first thread does it),
+  // in the kernels' serial forms: nothing in the region calls into torch or allocates.
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), team = omp_get_num_threads();
     const Share rows = share(B, ROWS_A_TASK, t, team);
     const int64_t r0 = rows.begin, n = rows.end - rows.begin;
-    std::vector<float> sums;
+    std::vector<float>& sums = block_sums_of[t];
     // y = in @ W^T by the team, then the start of `next`'s share (taking `next_K` inputs)
     auto matmul = [&](const Linear& m, const float* in, int64_t K, float* y, const Linear* next,
                       int64_t next_K) {
@@ -196,11 +201,11 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> tensors,
     for (int64_t l = 0; l < layers; ++l) {
       const Linear* mat = linears.data() + l * 4;
       float *keys = kv + 2 * l * half_layer, *values = keys + half_layer;
-      rms_norm_rows(xs + r0 * H, H, norms[2 * l], h.data() + r0 * H, n, H, e);
+      rms_norm_range(xs, H, norms[2 * l], h.data(), r0, rows.end, H, e);
 #pragma omp barrier
       matmul(mat[0], h.data(), H, qkv.data(), &mat[1], q_size);
-      rope_rows(qkv.data() + r0 * qkv_size, qkv_size, n, heads + kv_heads, D, cos_table,
-                sin_table, pos + r0);
+      rope_range(qkv.data(), qkv_size, r0, rows.end, heads + kv_heads, D, cos_table,
+                 sin_table, pos);
       for (int64_t b = r0; b < rows.end; ++b) {
         const float* row = qkv.data() + b * qkv_size + q_size;
         std::memcpy(keys + slot[b] * kv_size, row, kv_size * sizeof(float));
@@ -208,18 +213,17 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> tensors,
       }
 #pragma omp barrier
       const Share scored = share(attention.score_tasks(), 1, t, team);
-      attention.score(qkv.data(), qkv_size, keys, values, scored.begin, scored.end);
+      attention.score(qkv.data(), qkv_size, keys, values, scored.begin, scored.end, t);
 #pragma omp barrier
       const Share merged = share(attention.merge_tasks(), attention.MERGE_GRAIN, t, team);
-      attention.merge(attn.data(), merged.begin, merged.end);
+      attention.merge(attn.data(), merged.begin, merged.end, t);
 #pragma omp barrier
       matmul(mat[1], attn.data(), q_size, out.data(), &mat[2], H);
       add_rows(xs + r0 * H, out.data() + r0 * H, n * H);
-      rms_norm_rows(xs + r0 * H, H, norms[2 * l + 1], h.data() + r0 * H, n, H, e);
+      rms_norm_range(xs, H, norms[2 * l + 1], h.data(), r0, rows.end, H, e);
 #pragma omp barrier
       matmul(mat[2], h.data(), H, gate_up.data(), &mat[3], inter);
-      silu_mul_rows(gate_up.data() + r0 * 2 * inter, 2 * inter, act.data() + r0 * inter, n,
-                    inter);
+      silu_mul_range(gate_up.data(), 2 * inter, act.data(), r0, rows.end, inter);
 #pragma omp barrier
       matmul(mat[3], act.data(), inter, out.data(), l + 1 < layers ? &mat[4] : nullptr, H);
       add_rows(xs + r0 * H, out.data() + r0 * H, n * H);  // the next norm takes the same rows

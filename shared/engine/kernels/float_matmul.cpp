@@ -76,17 +76,19 @@ inline void micro_left(const float* x, int64_t ldx, const float* panel, int64_t 
 }
 
 
-// y0[0:ROWS, 0:cols0] = x[0:ROWS] @ panel0 and y1 from panel1 the same, over all of K in one
-// pass: a decode step's few rows read two streams of weights a thread, which keeps more
-// reads in flight than one (the model's matrices at one row, 2 threads, Zen 4: 4-5% faster).
+// y0[0:ROWS, 0:cols0] (+)= x[0:ROWS, k0:k1] @ panel0[k0:k1] and y1 from panel1 the same:
+// a decode step's few rows read two streams of weights a thread, which keeps more reads in
+// flight than one (the model's matrices at one row, 2 threads, Zen 4: 4-5% faster). Each
+// panel's sums run in the order `micro`'s do, so a row's result is the same in any batch.
 template <int ROWS>
 inline void micro2(const float* __restrict__ x, int64_t ldx, const float* __restrict__ panel0,
-                   const float* __restrict__ panel1, int64_t K, float* __restrict__ y0,
-                   float* __restrict__ y1, int64_t ldy, int64_t cols0, int64_t cols1) {
+                   const float* __restrict__ panel1, int64_t k0, int64_t k1,
+                   float* __restrict__ y0, float* __restrict__ y1, int64_t ldy, int64_t cols0,
+                   int64_t cols1, bool accumulate) {
   V a[ROWS][C], b[ROWS][C];
   for (int r = 0; r < ROWS; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = b[r][c] = vzero();
-  for (int64_t k = 0; k < K; ++k) {
+  for (int64_t k = k0; k < k1; ++k) {
     V w0[C], w1[C];
     for (int c = 0; c < C; ++c) {
       w0[c] = vload(panel0 + k * P + c * W);
@@ -103,18 +105,21 @@ inline void micro2(const float* __restrict__ x, int64_t ldx, const float* __rest
     }
   }
   for (int r = 0; r < ROWS; ++r) {
-    put(a[r], y0 + r * ldy, cols0, false);
-    put(b[r], y1 + r * ldy, cols1, false);
+    put(a[r], y0 + r * ldy, cols0, accumulate);
+    put(b[r], y1 + r * ldy, cols1, accumulate);
   }
 }
 
 template <int ROWS>
 inline void micro2_left(const float* x, int64_t ldx, const float* panel0, const float* panel1,
-                        int64_t K, float* y0, float* y1, int64_t ldy, int64_t cols0,
-                        int64_t cols1, int64_t rows) {
+                        int64_t k0, int64_t k1, float* y0, float* y1, int64_t ldy,
+                        int64_t cols0, int64_t cols1, bool accumulate, int64_t rows) {
   if constexpr (ROWS > 0) {
-    if (rows == ROWS) return micro2<ROWS>(x, ldx, panel0, panel1, K, y0, y1, ldy, cols0, cols1);
-    micro2_left<ROWS - 1>(x, ldx, panel0, panel1, K, y0, y1, ldy, cols0, cols1, rows);
+    if (rows == ROWS)
+      return micro2<ROWS>(x, ldx, panel0, panel1, k0, k1, y0, y1, ldy, cols0, cols1,
+                          accumulate);
+    micro2_left<ROWS - 1>(x, ldx, panel0, panel1, k0, k1, y0, y1, ldy, cols0, cols1,
+                          accumulate, rows);
   }
 }
 
@@ -131,8 +136,10 @@ void run_tasks(const float* __restrict__ x, const float* __restrict__ w, float* 
     const int64_t half = (end - begin) / 2;
     for (int64_t p = begin; p < begin + half; ++p) {
       const int64_t q = p + half;
-      micro2_left<R2>(x, K, w + p * K * P, w + q * K * P, K, y + p * P, y + q * P, N,
-                      std::min<int64_t>(P, N - p * P), std::min<int64_t>(P, N - q * P), M);
+      for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK)
+        micro2_left<R2>(x, K, w + p * K * P, w + q * K * P, k0, std::min(K, k0 + K_CHUNK),
+                        y + p * P, y + q * P, N, std::min<int64_t>(P, N - p * P),
+                        std::min<int64_t>(P, N - q * P), k0 > 0, M);
     }
     begin += 2 * half;
   }

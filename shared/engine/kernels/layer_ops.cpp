@@ -22,72 +22,89 @@ void check_rows(const torch::Tensor& x, int64_t width, const char* name) {
               ": rows of ", width, " contiguous floats");
 }
 
-// x [T, H] (rows `stride` apart) -> out [T, H]: x / sqrt(mean(x^2) + eps) * weight.
+// x [T, H] (rows `stride` apart) -> out [T, H]: x / sqrt(mean(x^2) + eps) * weight, rows
+// [begin, end) on the calling thread.
+void rms_norm_range(const float* in, int64_t stride, const float* w, float* o, int64_t begin,
+                    int64_t end, int64_t H, float eps) {
+  for (int64_t t = begin; t < end; ++t) {
+    const float* row = in + t * stride;
+    V acc = vzero();
+    int64_t j = 0;
+    for (; j + W <= H; j += W) acc = vfma(vload(row + j), vload(row + j), acc);
+    float squares = vsum(acc);
+    for (; j < H; ++j) squares += row[j] * row[j];
+    const float inv = 1.0f / std::sqrt(squares / float(H) + eps);
+    float* dst = o + t * H;
+    j = 0;
+    for (; j + W <= H; j += W)
+      vstore(dst + j, vmul(vmul(vload(row + j), vset(inv)), vload(w + j)));
+    for (; j < H; ++j) dst[j] = row[j] * inv * w[j];
+  }
+}
+
 void rms_norm_rows(const float* in, int64_t stride, const float* w, float* o, int64_t T,
                    int64_t H, float eps) {
   at::parallel_for(0, T, ROWS_A_TASK, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* row = in + t * stride;
-      V acc = vzero();
-      int64_t j = 0;
-      for (; j + W <= H; j += W) acc = vfma(vload(row + j), vload(row + j), acc);
-      float squares = vsum(acc);
-      for (; j < H; ++j) squares += row[j] * row[j];
-      const float inv = 1.0f / std::sqrt(squares / float(H) + eps);
-      float* dst = o + t * H;
-      j = 0;
-      for (; j + W <= H; j += W)
-        vstore(dst + j, vmul(vmul(vload(row + j), vset(inv)), vload(w + j)));
-      for (; j < H; ++j) dst[j] = row[j] * inv * w[j];
-    }
+    rms_norm_range(in, stride, w, o, begin, end, H, eps);
   });
 }
 
-// gate_up [T, 2I] (gate, then up; rows `stride` apart) -> out [T, I]: silu(gate) * up.
+// gate_up [T, 2I] (gate, then up; rows `stride` apart) -> out [T, I]: silu(gate) * up, rows
+// [begin, end) on the calling thread.
+void silu_mul_range(const float* in, int64_t stride, float* o, int64_t begin, int64_t end,
+                    int64_t I) {
+  for (int64_t t = begin; t < end; ++t) {
+    const float *gate = in + t * stride, *up = gate + I;
+    float* dst = o + t * I;
+    int64_t j = 0;
+#if defined(DS_VEC)
+    for (; j + W <= I; j += W) {
+      const V g = vload(gate + j);
+      const V e = vexp(vsub(vzero(), g));
+      vstore(dst + j, vdiv(vmul(g, vload(up + j)), vadd(vset(1.0f), e)));
+    }
+#endif
+    for (; j < I; ++j) dst[j] = gate[j] * up[j] / (1.0f + std::exp(-gate[j]));
+  }
+}
+
 void silu_mul_rows(const float* in, int64_t stride, float* o, int64_t T, int64_t I) {
   at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float *gate = in + t * stride, *up = gate + I;
-      float* dst = o + t * I;
-      int64_t j = 0;
-#if defined(DS_VEC)
-      for (; j + W <= I; j += W) {
-        const V g = vload(gate + j);
-        const V e = vexp(vsub(vzero(), g));
-        vstore(dst + j, vdiv(vmul(g, vload(up + j)), vadd(vset(1.0f), e)));
-      }
-#endif
-      for (; j < I; ++j) dst[j] = gate[j] * up[j] / (1.0f + std::exp(-gate[j]));
-    }
+    silu_mul_range(in, stride, o, begin, end, I);
   });
 }
 
-// RoPE in place on T rows (`stride` apart) of `heads` heads of D floats, at positions `p`
-// of cos/sin tables [P, D] whose halves repeat.
-void rope_rows(float* base, int64_t stride, int64_t T, int64_t heads, int64_t D,
-               const float* c, const float* s, const int64_t* p) {
+// RoPE in place on rows [begin, end) (`stride` apart) of `heads` heads of D floats, at
+// positions `p` of cos/sin tables [P, D] whose halves repeat, on the calling thread.
+void rope_range(float* base, int64_t stride, int64_t begin, int64_t end, int64_t heads,
+                int64_t D, const float* c, const float* s, const int64_t* p) {
   const int64_t half = D / 2;
-  at::parallel_for(0, T, ROWS_A_TASK, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float *ct = c + p[t] * D, *st = s + p[t] * D;
-      for (int64_t h = 0; h < heads; ++h) {
-        float* a = base + t * stride + h * D;
-        float* b = a + half;
-        int64_t i = 0;
+  for (int64_t t = begin; t < end; ++t) {
+    const float *ct = c + p[t] * D, *st = s + p[t] * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* a = base + t * stride + h * D;
+      float* b = a + half;
+      int64_t i = 0;
 #if defined(DS_VEC)
-        for (; i + W <= half; i += W) {
-          const V va = vload(a + i), vb = vload(b + i);
-          vstore(a + i, vsub(vmul(va, vload(ct + i)), vmul(vb, vload(st + i))));
-          vstore(b + i, vadd(vmul(vb, vload(ct + half + i)), vmul(va, vload(st + half + i))));
-        }
+      for (; i + W <= half; i += W) {
+        const V va = vload(a + i), vb = vload(b + i);
+        vstore(a + i, vsub(vmul(va, vload(ct + i)), vmul(vb, vload(st + i))));
+        vstore(b + i, vadd(vmul(vb, vload(ct + half + i)), vmul(va, vload(st + half + i))));
+      }
 #endif
-        for (; i < half; ++i) {
-          const float va = a[i], vb = b[i];
-          a[i] = va * ct[i] - vb * st[i];
-          b[i] = vb * ct[half + i] + va * st[half + i];
-        }
+      for (; i < half; ++i) {
+        const float va = a[i], vb = b[i];
+        a[i] = va * ct[i] - vb * st[i];
+        b[i] = vb * ct[half + i] + va * st[half + i];
       }
     }
+  }
+}
+
+void rope_rows(float* base, int64_t stride, int64_t T, int64_t heads, int64_t D,
+               const float* c, const float* s, const int64_t* p) {
+  at::parallel_for(0, T, ROWS_A_TASK, [&](int64_t begin, int64_t end) {
+    rope_range(base, stride, begin, end, heads, D, c, s, p);
   });
 }
 

@@ -226,7 +226,7 @@ void attend(const float* qf, const T* k_cache, const T* v_cache, const int64_t* 
 // Decode attention over a batch in two phases of tasks: `score` a (request, chunk of its
 // context) a task, every head of a chunk into `parts`; `merge` a (request, head) a task. The
 // chunks are cut for `threads` threads and the longest context (the same for every layer of
-// a step, so one plan serves them all).
+// a step, so one plan serves them all). Each thread has its scratch, allocated up front.
 template <typename T>
 struct DecodeAttention {
   const int64_t *block_tables, *context_lens;
@@ -234,6 +234,10 @@ struct DecodeAttention {
   float scale;
   int64_t chunk, chunks, width;
   std::vector<float> parts;
+  struct Scratch {
+    std::vector<float> scores, qf, acc;
+  };
+  std::vector<Scratch> scratch;  // a thread's
 
   DecodeAttention(const int64_t* block_tables, const int64_t* context_lens, int64_t batch,
                   int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
@@ -248,6 +252,12 @@ struct DecodeAttention {
     chunk = std::clamp<int64_t>((longest + wanted - 1) / wanted, MIN_CHUNK, MAX_CHUNK);
     chunks = (longest + chunk - 1) / chunk;
     parts.resize(batch * chunks * heads * width);
+    scratch.resize(threads);
+    for (Scratch& mine : scratch) {
+      mine.scores.reserve(heads * chunk);
+      mine.qf.resize(heads * head_dim);
+      mine.acc.resize(head_dim);
+    }
   }
 
   int64_t score_tasks() const { return batch * chunks; }
@@ -255,8 +265,8 @@ struct DecodeAttention {
   static constexpr int64_t MERGE_GRAIN = 16;
 
   void score(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, int64_t begin,
-             int64_t end) {
-    std::vector<float> scores, qf(heads * head_dim);
+             int64_t end, int thread) {
+    auto& [scores, qf, acc] = scratch[thread];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / chunks, c = task % chunks;
       const int64_t t0 = c * chunk, t1 = std::min(context_lens[b], t0 + chunk);
@@ -272,8 +282,8 @@ struct DecodeAttention {
   }
 
   // each request's chunks: rescaled to the largest maximum, divided by the sum
-  void merge(T* out, int64_t begin, int64_t end) const {
-    std::vector<float> acc(head_dim);
+  void merge(T* out, int64_t begin, int64_t end, int thread) {
+    std::vector<float>& acc = scratch[thread].acc;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / heads, h = i % heads;
       const float* first = parts.data() + (b * chunks * heads + h) * width;
@@ -307,10 +317,12 @@ void decode_attention_kernel(const T* q, int64_t q_stride, const T* k_cache, con
   DecodeAttention<T> attention(block_tables, context_lens, batch, heads, kv_heads, head_dim,
                                block_size, max_blocks, scale, at::get_num_threads());
   at::parallel_for(0, attention.score_tasks(), 1, [&](int64_t begin, int64_t end) {
-    attention.score(q, q_stride, k_cache, v_cache, begin, end);
+    attention.score(q, q_stride, k_cache, v_cache, begin, end, at::get_thread_num());
   });
   at::parallel_for(0, attention.merge_tasks(), attention.MERGE_GRAIN,
-                   [&](int64_t begin, int64_t end) { attention.merge(out, begin, end); });
+                   [&](int64_t begin, int64_t end) {
+                     attention.merge(out, begin, end, at::get_thread_num());
+                   });
 }
 
 }  // namespace
