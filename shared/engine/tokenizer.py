@@ -143,7 +143,10 @@ class IncrementalDetokenizer:
     n-th token cost O(n), a long generation O(n^2)): the ids of the last delta, for context,
     then the new ones; the delta is what the new ones add to the context's text. Windows
     start and end where a character does, so the deltas add up to the whole list's text
-    (a decoder that strips a leading space strips it from both decodes alike)."""
+    (a decoder that strips a leading space strips it from both decodes alike) where the ids
+    spell valid UTF-8; bytes that never make a character come out as replacement
+    characters either way, not always as many. A window grows only while its end is such a
+    partial character or its ids add no text (skipped special tokens)."""
 
     def __init__(self, tokenizer: TextTokenizer) -> None:
         self._tokenizer = tokenizer
