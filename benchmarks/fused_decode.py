@@ -19,13 +19,13 @@ from rich.console import Console
 from rich.table import Table
 
 from distserve.commands.bench_engine import EngineDecode, side_by_side
+from shared.engine import panels, quant
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
-from shared.engine import panels, quant
 from shared.engine.kernels import cpu_kernels
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kernel_ab import build, sources_at  # noqa: E402
+from kernel_ab import build, sources_at
 
 
 def toggled(engine: Engine, decode: EngineDecode, fused: bool) -> Callable[[], float]:
