@@ -15,6 +15,7 @@ micro-batch, which the paper's division by `pp` does not see.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -38,9 +39,9 @@ class PhaseCoefficients:
         def div(t: Triple) -> Triple:
             return (t[0] / speedup, t[1] / speedup, t[2] / speedup)
 
-        return PhaseCoefficients(div(self.prefill), div(self.decode_small),
-                                 div(self.decode_large), self.decode_threshold,
-                                 self.prefill_stage)
+        return dataclasses.replace(self, prefill=div(self.prefill),
+                                   decode_small=div(self.decode_small),
+                                   decode_large=div(self.decode_large))
 
     def slowed(self, prefill: float, decode: float, prefill_ms: float = 0.0,
                decode_ms: float = 0.0) -> PhaseCoefficients:
@@ -50,10 +51,9 @@ class PhaseCoefficients:
         def mul(t: Triple, k: float, plus: float) -> Triple:
             return (max(0.0, t[0] * k + plus), t[1] * k, t[2] * k)
 
-        return PhaseCoefficients(mul(self.prefill, prefill, prefill_ms),
-                                 mul(self.decode_small, decode, decode_ms),
-                                 mul(self.decode_large, decode, decode_ms),
-                                 self.decode_threshold, self.prefill_stage)
+        return dataclasses.replace(self, prefill=mul(self.prefill, prefill, prefill_ms),
+                                   decode_small=mul(self.decode_small, decode, decode_ms),
+                                   decode_large=mul(self.decode_large, decode, decode_ms))
 
 
 Phase = Literal["prefill", "decode"]

@@ -81,18 +81,22 @@ class Profiler:
         while self.engine.has_work():  # a pipeline's steps under way
             self.engine.step()
 
+    def _first_tokens_ms(self, length: int, prompts: int) -> float:
+        """ms from `prompts` prompts of `length` going in together to the last one's first
+        token (one step, but on a pipeline)."""
+        ids = [self._add(length, 1, i) for i in range(prompts)]
+        requests = [self.engine.scheduler.get(rid) for rid in ids]
+        start = time.perf_counter()
+        self._step_until(requests, 1)
+        elapsed = (time.perf_counter() - start) * 1e3
+        self._drain()
+        return elapsed
+
     def prefill_point(self, length: int, batch: int) -> PrefillPoint:
-        def once() -> float:
-            ids = [self._add(length, 1, i) for i in range(batch)]
-            requests = [self.engine.scheduler.get(rid) for rid in ids]
-            start = time.perf_counter()
-            self._step_until(requests, 1)  # one step, but on a pipeline
-            elapsed = (time.perf_counter() - start) * 1e3
-            self._drain()
-            return elapsed
-        once()  # warm-up
+        self._first_tokens_ms(length, batch)  # warm-up
         # the fastest repeat: other processes on a shared machine only ever add time
-        return PrefillPoint((length,) * batch, min(once() for _ in range(self.grid.repeats)))
+        return PrefillPoint((length,) * batch, min(self._first_tokens_ms(length, batch)
+                                                   for _ in range(self.grid.repeats)))
 
     @contextlib.contextmanager
     def _prompt_a_step(self, length: int) -> Iterator[None]:
@@ -111,17 +115,12 @@ class Profiler:
         apart (the micro-batches overlap), so `count` of them take the latency and `count - 1`
         stages. Kept within [1 / pp, 1]: below is a stage faster than an even split of the
         work, above no overlap at all."""
-        count, depth = 2 * self.engine.runner.depth + 2, self.engine.runner.depth
+        depth = self.engine.runner.depth
+        count = 2 * depth + 2
 
         def through(prompts: int) -> float:
             with self._prompt_a_step(length):
-                ids = [self._add(length, 1, i) for i in range(prompts)]
-                requests = [self.engine.scheduler.get(rid) for rid in ids]
-                start = time.perf_counter()
-                self._step_until(requests, 1)
-                elapsed = time.perf_counter() - start
-                self._drain()
-            return elapsed
+                return self._first_tokens_ms(length, prompts)
         through(count)  # warm-up
         alone = min(through(1) for _ in range(self.grid.repeats))
         together = min(through(count) for _ in range(self.grid.repeats))
