@@ -29,6 +29,9 @@ from shared.engine.request import SamplingParams
 
 PREFILL_LENGTHS = [32, 64, 128, 256, 512, 1024]
 DECODE_BATCHES = [1, 2, 4, 8, 16, 32, 64]
+# the bandwidth's buffers: the model's size, at most this (far past any cache; on a GPU, room
+# beside an 8B model, its HF copy and the KV)
+BANDWIDTH_BUFFER = 4 << 30
 
 
 def register(sub: Any) -> None:
@@ -49,9 +52,17 @@ def register(sub: Any) -> None:
     p.set_defaults(parser=p, run=run, kv_cache_mb=2048)
 
 
+def _sync() -> None:
+    """Waits for a GPU's queued work (a timed call returns before its kernels finish)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        torch.cuda.synchronize()
+
+
 def _ms(fn: Callable[[], object]) -> float:
+    _sync()
     start = time.perf_counter()
     fn()
+    _sync()
     return (time.perf_counter() - start) * 1e3
 
 
@@ -113,7 +124,7 @@ class EngineDecode:
 
 class HFPrefill:
     def __init__(self, hf: Any, length: int, vocab: int) -> None:
-        self.hf, self.ids = hf, torch.tensor([_prompt(length, vocab, 0)])
+        self.hf, self.ids = hf, torch.tensor([_prompt(length, vocab, 0)], device=hf.device)
 
     @torch.inference_mode()
     def __call__(self) -> float:
@@ -126,7 +137,7 @@ class HFDecode:
     @torch.inference_mode()
     def __init__(self, hf: Any, batch: int, context: int, vocab: int) -> None:
         self.hf = hf
-        ids = torch.tensor([_prompt(context, vocab, i) for i in range(batch)])
+        ids = torch.tensor([_prompt(context, vocab, i) for i in range(batch)], device=hf.device)
         out = hf(ids, use_cache=True, logits_to_keep=1)
         self.cache, self.token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
 
@@ -152,13 +163,14 @@ def bandwidth_bound(engine: Engine, context: int, rounds: int = 9) -> Bound:
     """The memory-bandwidth bound of a batch-1 decode step and the step, in the same
     interleaved rounds: a host's bandwidth can move by half within minutes, so a bound and a
     step timed apart say little of each other. The bandwidth is the better of streaming-read
-    (sum) and copy (read+write bytes) over a buffer as large as the model's parameters, with
-    the same threads, so the bound is not loose; quantized weights are fewer bytes at the
-    same bandwidth. A step reads its request's K/V as well as the weights: at `context`
-    tokens those bytes count too (SmolLM2 at 512 tokens: 24 MB beside 538 MB of weights)."""
+    (sum) and copy (read+write bytes) over a buffer as large as the model's parameters (at
+    most 4 GiB), with the same threads, on the model's device, so the bound is not loose;
+    quantized weights are fewer bytes at the same bandwidth. A step reads its request's K/V
+    as well as the weights: at `context` tokens those bytes count too (SmolLM2 at 512 tokens:
+    24 MB beside 538 MB of weights)."""
     element = torch.empty((), dtype=engine.runner.dtype).element_size()
-    buffer_bytes = engine.model_config.num_params() * element
-    src = torch.ones(buffer_bytes // 4, dtype=torch.float32)
+    buffer_bytes = min(engine.model_config.num_params() * element, BANDWIDTH_BUFFER)
+    src = torch.ones(buffer_bytes // 4, dtype=torch.float32, device=engine.runner.device)
     dst = torch.empty_like(src)
     step = EngineDecode(engine, 1, context, 4 * rounds + 8)
     try:
@@ -175,7 +187,8 @@ def bandwidth_bound(engine: Engine, context: int, rounds: int = 9) -> Bound:
 def measure(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
     engine = Engine(config)
     vocab = engine.model_config.vocab_size
-    hf = None if args.no_hf else load_hf_reference(config.model, engine.runner.dtype)
+    hf = None if args.no_hf else load_hf_reference(config.model, engine.runner.dtype,
+                                                   engine.runner.device, config.seed)
     results: dict[str, Any] = {"threads": torch.get_num_threads(),
                                "dtype": str(engine.runner.dtype), "weights": config.weights}
     for key in ("prefill_ms", "decode_step_ms", "hf_prefill_ms", "hf_decode_step_ms"):

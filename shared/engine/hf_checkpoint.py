@@ -128,7 +128,7 @@ def _config(directory: Path, name: str) -> ModelConfig:
     )
 
 
-def _engine_name(hf: str) -> str | None:
+def engine_name(hf: str) -> str | None:
     """`model.layers.3.self_attn.q_proj.weight` -> `layers.3.q_proj` (None: not a weight the
     engine uses, such as a stored rotary table)."""
     parts = hf.removeprefix("model.").split(".")
@@ -179,7 +179,7 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
 
     def __init__(self, directory: Path) -> None:
         self._where = {name: (path, hf) for hf, path in _shards(directory).items()
-                       if (name := _engine_name(hf)) is not None}
+                       if (name := engine_name(hf)) is not None}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         path, hf = self._where[name]

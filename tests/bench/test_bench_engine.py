@@ -1,5 +1,7 @@
 """`distserve bench engine`'s bandwidth bound, on a tiny random-weight model."""
 
+import json
+
 import pytest
 
 from distserve.commands.bench_engine import bandwidth_bound
@@ -21,3 +23,17 @@ def test_the_bound_counts_the_kv_a_step_reads(context: int) -> None:
     read = engine.runner.model.weight_bytes() + bound.kv_bytes
     assert bound.ms == pytest.approx(read / bound.gbps / 1e6)
     assert bound.gbps > 0 and bound.step_ms > 0
+
+
+def test_a_random_shape_is_benchmarked_against_hf_on_its_own_weights(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from distserve.cli import main
+
+    assert main(["bench", "engine", "--model", "tiny", "--device", "cpu", "--threads", "1",
+                 "--lengths", "16", "--batches", "2", "--context", "32", "--steps", "2",
+                 "--repeats", "1", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("prefill_ms", "hf_prefill_ms"):
+        assert results[key]["16"] > 0
+    for key in ("decode_step_ms", "hf_decode_step_ms"):
+        assert results[key]["2"] > 0
