@@ -16,6 +16,7 @@ from distserve.commands.common import add_engine_args, engine_config, positive_i
 from services.planner.latency import PhaseCoefficients
 from services.planner.profiles import save_profile
 from services.planner.profiling import Grid, enough_cores_for_contention, profile_engine
+from shared.engine.loader import read_config
 
 
 def register(sub: Any) -> None:
@@ -46,7 +47,11 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     console = Console()
     profiles = []
-    grid = Grid.quick() if args.quick else Grid()
+    try:  # the points the model's context holds (the tiny shape's 512 tokens: not all)
+        grid = (Grid.quick() if args.quick else Grid()).within(
+            read_config(args.model).max_context)
+    except ValueError as e:
+        parser.error(str(e))
     contention = not args.no_contention and enough_cores_for_contention(args.threads)
     started = time.monotonic()
     with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console,

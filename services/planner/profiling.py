@@ -21,6 +21,7 @@ from services.planner.models import MODELS, from_config
 from services.planner.profiles import Profile, saturation_length
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
+from shared.engine.loader import read_config
 from shared.engine.request import Request, SamplingParams
 from shared.host import cpu_description
 
@@ -42,6 +43,15 @@ class Grid:
     @property
     def points(self) -> int:
         return len(self.prefill_shapes()) + len(self.decode_batches) * len(self.decode_contexts)
+
+    def within(self, context: int) -> Grid:
+        """The points a model of `context` tokens can run: prompts and their first token,
+        decode contexts and the tokens a point decodes past them (at most repeats + 6)."""
+        lengths = tuple(n for n in self.prefill_lengths if n < context)
+        contexts = tuple(c for c in self.decode_contexts if c + self.repeats + 6 <= context)
+        if not lengths or not contexts:
+            raise ValueError(f"a context of {context} tokens is too short to profile")
+        return dataclasses.replace(self, prefill_lengths=lengths, decode_contexts=contexts)
 
     @classmethod
     def quick(cls) -> Grid:
@@ -315,8 +325,10 @@ def device_name(device: torch.device) -> str:
 def profile_engine(config: EngineConfig, grid: Grid,
                    progress: Callable[[str], None] = lambda _: None,
                    contention: bool = False) -> Profile:
-    """The profile of `config`'s engine over `grid`; with `contention`, on a CPU, also how
-    its steps slow beside a second engine (measure_contention)."""
+    """The profile of `config`'s engine over `grid` (the points its model's context holds);
+    with `contention`, on a CPU, also how its steps slow beside a second engine
+    (measure_contention)."""
+    grid = grid.within(read_config(config.model).max_context)
     biggest = max(grid.max_prefill_tokens,
                   max(grid.decode_batches) * (max(grid.decode_contexts) + grid.repeats + 8))
     config = config.with_scheduler(max_batch_tokens=grid.max_prefill_tokens,

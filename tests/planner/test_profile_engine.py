@@ -102,3 +102,14 @@ def test_a_pipeline_is_profiled_as_the_engine_runs_it(tmp_path: Path) -> None:
     problem = Problem(again, Workload(lengths), SLO(5.0, 0.5), 1.0, 1, 2, workers=1)
     assert searched_shapes(problem, 4) == (Shape(1), Shape(1, 2))
     assert searched_shapes(problem, 1) == (Shape(1),)
+
+
+def test_the_grid_keeps_the_points_a_models_context_holds() -> None:
+    grid = Grid.quick()  # prompts up to 512, decode contexts 64 and 256, 5 repeats
+    short = grid.within(512)  # the tiny shape's context: its 512-token prompt cannot run
+    assert short.prefill_lengths == (32, 64, 128, 256)
+    assert short.decode_contexts == (64, 256)
+    assert grid.within(8192) == grid
+    assert grid.within(200).decode_contexts == (64,)  # 64 + 5 repeats + 6 tokens decoded
+    with pytest.raises(ValueError, match="too short to profile"):
+        grid.within(32)
