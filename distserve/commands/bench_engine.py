@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import statistics
 import time
@@ -132,19 +133,22 @@ class HFPrefill:
 
 
 class HFDecode:
-    """HF's own cache (DynamicCache) grown by one token per call, like generate() does."""
+    """HF's own cache (DynamicCache) grown by one token per call, like generate() does. The
+    cache is `cache` from transformers 5.2x (`past_key_values`, deprecated there, before)."""
 
     @torch.inference_mode()
     def __init__(self, hf: Any, batch: int, context: int, vocab: int) -> None:
         self.hf = hf
+        self.name = "cache" if "cache" in inspect.signature(hf.forward).parameters \
+            else "past_key_values"
         ids = torch.tensor([_prompt(context, vocab, i) for i in range(batch)], device=hf.device)
         out = hf(ids, use_cache=True, logits_to_keep=1)
-        self.cache, self.token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        self.cache, self.token = out[self.name], out.logits[:, -1].argmax(-1, keepdim=True)
 
     @torch.inference_mode()
     def __call__(self) -> float:
         def step() -> None:
-            out = self.hf(self.token, past_key_values=self.cache, use_cache=True)
+            out = self.hf(self.token, use_cache=True, **{self.name: self.cache})
             self.token = out.logits[:, -1].argmax(-1, keepdim=True)
         return _ms(step)
 
