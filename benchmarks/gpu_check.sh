@@ -7,20 +7,21 @@
 #   3. `distserve profile` of that shape: the latency model the planner plans with;
 #   4. benchmarks/gpu_step_profile.py: where a decode step's time goes (kernels vs the rest).
 # Needs only torch and transformers besides this repo's own light dependencies (no model
-# files): run it where `python3` has a CUDA torch. Logs and the profile go to $OUT (else
-# runs/gpu-check). Usage: bash benchmarks/gpu_check.sh [tests] [bench] [profile] [steps]
+# files): run it where $PYTHON (default python3) has a CUDA torch. Logs and the profile go
+# to $OUT (else runs/gpu-check).
+# Usage: bash benchmarks/gpu_check.sh [tests] [bench] [profile] [steps]
 # (default: all four); SHAPE (default llama-3-8b) and DEVICE (default cuda) choose the model.
 set -u
 out=${OUT:-runs/gpu-check}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-shape=${SHAPE:-llama-3-8b} device=${DEVICE:-cuda}
+shape=${SHAPE:-llama-3-8b} device=${DEVICE:-cuda} py=${PYTHON:-python3}
 parts=" ${*:-tests bench profile steps} "
 
 # one distserve subcommand without the CLI's other imports (the services' clients)
 distserve_cmd() {
-    python3 - "$@" <<'EOF'
+    "$py" - "$@" <<'EOF'
 import argparse
 import importlib
 import sys
@@ -35,32 +36,30 @@ EOF
 
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
-    python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda',
+    "$py" -c "import torch, transformers; print('torch', torch.__version__, 'cuda',
 torch.version.cuda, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
     nproc
 } 2>&1 | tee "$out/env.txt"
 
 if [[ $parts == *" tests "* ]]; then
 echo "== tests on the GPU"
-timeout 150 python3 -m pytest --noconftest -p no:cacheprovider -q -k "$device" -rA \
+timeout 150 "$py" -m pytest --noconftest -p no:cacheprovider -q -k "$device" -rA \
     tests/engine/test_devices.py 2>&1 | tee "$out/tests.txt"
-
 fi
 if [[ $parts == *" bench "* ]]; then
 echo "== bench engine, $shape"
-timeout 210 bash -c "$(declare -f distserve_cmd); distserve_cmd bench_engine engine \
+timeout 210 bash -c "py=$py; $(declare -f distserve_cmd); distserve_cmd bench_engine engine \
     --model $shape --device $device --lengths 128 512 2048 --batches 1 8 32 --context 512 \
     --steps 8 --repeats 3 --kv-cache-mb 16384 --json" 2>&1 | tee "$out/bench_engine.txt"
-
 fi
 if [[ $parts == *" profile "* ]]; then
 echo "== profile, $shape"
-timeout 200 bash -c "$(declare -f distserve_cmd); distserve_cmd profile profile \
+timeout 200 bash -c "py=$py; $(declare -f distserve_cmd); distserve_cmd profile profile \
     --model $shape --device $device --kv-cache-mb 16384 -o $out/$shape-$device.json" \
     2>&1 | tee "$out/profile.txt"
 fi
 if [[ $parts == *" steps "* ]]; then
 echo "== where a decode step's time goes, $shape"
-timeout 150 python3 benchmarks/gpu_step_profile.py --model "$shape" --device "$device" \
+timeout 150 "$py" benchmarks/gpu_step_profile.py --model "$shape" --device "$device" \
     --batches 1 32 --context 512 2>&1 | tee "$out/step_profile.txt"
 fi
