@@ -53,17 +53,10 @@ class AttentionMetadata:
 DecodeAttention = Callable[[int, torch.Tensor, DecodeGroup, KVCache], torch.Tensor]
 
 
-# SDPA's kernels for masked attention on a GPU: with a mask it would pick cuDNN on Hopper,
-# whose host-side cost a call (~130 us, as its plan follows the growing context) made a
-# batch-1 Llama-3-8B decode step on an H200 1.6x slower than the memory-efficient kernel's
-GPU_MASKED_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                enable_gqa: bool = False) -> torch.Tensor:
-    """SDPA with a boolean mask (True: attend), on a GPU held to GPU_MASKED_BACKENDS."""
-    with sdpa_kernel(GPU_MASKED_BACKENDS) if q.is_cuda else contextlib.nullcontext():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
+# SDPA's kernels for decode's masked attention on a GPU: with a mask it would pick cuDNN on
+# Hopper, whose host-side cost a call (~130 us, as its plan follows the growing context) made
+# a batch-1 Llama-3-8B step on an H200 1.6x slower than the memory-efficient kernel's
+GPU_DECODE_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def gather_decode_attention(layer: int, q: torch.Tensor, group: DecodeGroup,
@@ -75,7 +68,9 @@ def gather_decode_attention(layer: int, q: torch.Tensor, group: DecodeGroup,
     b, heads, dim = q.shape
     kv_heads = keys.shape[2]
     qg = q.view(b, kv_heads, heads // kv_heads, dim)
-    o = masked_sdpa(qg, keys.transpose(1, 2), values.transpose(1, 2), group.mask)
+    with sdpa_kernel(GPU_DECODE_BACKENDS) if q.is_cuda else contextlib.nullcontext():
+        o = F.scaled_dot_product_attention(
+            qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask)
     return o.reshape(b, -1)
 
 

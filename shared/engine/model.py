@@ -21,7 +21,6 @@ from shared.engine.attention import (
     DecodeAttention,
     PrefillSegment,
     gather_decode_attention,
-    masked_sdpa,
     paged_decode_attention,
 )
 from shared.engine.config import ModelConfig, RopeScaling
@@ -407,5 +406,5 @@ class LlamaModel:
             kh, vh = keys[:, :total].transpose(1, 2), values[:, :total].transpose(1, 2)
             rows = torch.arange(seg.length, device=q.device).unsqueeze(1) + seg.cached
             mask = torch.arange(total, device=q.device).unsqueeze(0) <= rows
-            o = masked_sdpa(qh, kh, vh, mask, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1).reshape(seg.length, -1)
