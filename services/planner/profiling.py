@@ -44,11 +44,16 @@ class Grid:
     def points(self) -> int:
         return len(self.prefill_shapes()) + len(self.decode_batches) * len(self.decode_contexts)
 
+    @property
+    def decode_tokens(self) -> int:
+        """The most tokens a decode point's requests generate past their context."""
+        return self.repeats + 6
+
     def within(self, context: int) -> Grid:
         """The points a model of `context` tokens can run: prompts and their first token,
-        decode contexts and the tokens a point decodes past them (at most repeats + 6)."""
+        decode contexts and the tokens a point decodes past them."""
         lengths = tuple(n for n in self.prefill_lengths if n < context)
-        contexts = tuple(c for c in self.decode_contexts if c + self.repeats + 6 <= context)
+        contexts = tuple(c for c in self.decode_contexts if c + self.decode_tokens <= context)
         if not lengths or not contexts:
             raise ValueError(f"a context of {context} tokens is too short to profile")
         return dataclasses.replace(self, prefill_lengths=lengths, decode_contexts=contexts)
@@ -140,7 +145,7 @@ class Profiler:
         if self.pipelined:
             return self._decode_rounds(batch, context)
         steps = self.grid.repeats + 2
-        ids = [self._add(context, steps + 2, i) for i in range(batch)]
+        ids = [self._add(context, steps + 2, i) for i in range(batch)]  # < decode_tokens
         requests = [self.engine.scheduler.get(rid) for rid in ids]
         while any(r is not None and not r.output_ids for r in requests):
             self.engine.step()
@@ -157,7 +162,7 @@ class Profiler:
         """The median round of a pipeline decoding `batch` requests: from every request
         having k tokens to every one having k + 1, once each has two (the pipeline full)."""
         rounds = self.grid.repeats + 2
-        ids = [self._add(context, rounds + 4, i) for i in range(batch)]
+        ids = [self._add(context, self.grid.decode_tokens, i) for i in range(batch)]
         requests = [self.engine.scheduler.get(rid) for rid in ids]
         self._step_until(requests, 2)
         times = []
@@ -191,14 +196,30 @@ class Profiler:
 
 
 NEIGHBOUR_MODES = ("idle", "decode", "prefill")
-CONTENTION_CONTEXT, CONTENTION_PROMPT = 256, 512
+
+
+@dataclass(frozen=True)
+class ContentionLengths:
+    """What the contention is measured at: a decode step at `context`, a prefill of
+    `prompt`, the neighbour decoding requests of up to `neighbour_tokens` past `context`;
+    256, 512 and 4096 where the model's context holds them."""
+
+    context: int
+    prompt: int
+    neighbour_tokens: int
+
+    @classmethod
+    def fitting(cls, max_context: int) -> ContentionLengths:
+        context, prompt = min(256, max_context // 4), min(512, max_context // 2)
+        return cls(context, prompt, min(4096, max_context - context - 1))
 
 
 def _neighbour(config: EngineConfig, mode: Any, ready: Any, steps: Any) -> None:
     """A second engine on the host, stepping as `mode` says (an index of NEIGHBOUR_MODES;
-    -1: exit): continuously decoding one request at a 256-token context, or prefilling
-    512-token prompts one after another; `steps` counts its steps."""
+    -1: exit): continuously decoding one request at the contention's context, or prefilling
+    its prompts one after another; `steps` counts its steps."""
     engine = Engine(config)
+    lengths = ContentionLengths.fitting(engine.model_config.max_context)
     profiler, decoding = Profiler(engine, Grid()), ""
     ready.set()
     try:
@@ -209,10 +230,10 @@ def _neighbour(config: EngineConfig, mode: Any, ready: Any, steps: Any) -> None:
                 decoding = ""
             if phase == "decode":
                 if not decoding or engine.scheduler.get(decoding) is None:
-                    decoding = profiler._add(CONTENTION_CONTEXT, 4096, 0)
+                    decoding = profiler._add(lengths.context, lengths.neighbour_tokens, 0)
                 engine.step()
             elif phase == "prefill":
-                profiler._add(CONTENTION_PROMPT, 1, 0)
+                profiler._add(lengths.prompt, 1, 0)
                 engine.step()
             else:
                 time.sleep(0.01)
@@ -227,7 +248,8 @@ def measure_contention(engine: Engine, config: EngineConfig, decode_steps: int =
                        ) -> Contention:
     """How much longer `engine`'s steps take while a second engine of `config` in another
     process decodes or prefills beside it: a batch-1 decode step at a 256-token context and
-    a 512-token prefill, medians, each against the same with the neighbour idle."""
+    a 512-token prefill (ContentionLengths), medians, each against the same with the
+    neighbour idle."""
     medians = contention_medians(engine, config, decode_steps, prefills, progress)
     alone_decode, alone_prefill = medians["idle"]
 
@@ -252,6 +274,7 @@ def contention_medians(engine: Engine, config: EngineConfig, decode_steps: int =
                                 daemon=True)
     neighbour.start()
     profiler = Profiler(engine, Grid())
+    lengths = ContentionLengths.fitting(engine.model_config.max_context)
     try:
         while not ready.wait(1.0):
             if not neighbour.is_alive():
@@ -263,8 +286,8 @@ def contention_medians(engine: Engine, config: EngineConfig, decode_steps: int =
             mode.value = i
             _settle(steps, 0 if phase == "idle" else 2)  # the neighbour is in its new loop
             before = steps.value
-            medians[phase] = (_decode_median(profiler, decode_steps),
-                              _prefill_median(profiler, prefills))
+            medians[phase] = (_decode_median(profiler, lengths.context, decode_steps),
+                              _prefill_median(profiler, lengths.prompt, prefills))
             if phase != "idle" and steps.value == before:
                 raise RuntimeError(f"the neighbour engine took no step while {phase}: "
                                    "nothing was measured beside it")
@@ -285,9 +308,9 @@ def _settle(steps: Any, more: int, timeout_s: float = 60.0) -> None:
     time.sleep(1.0)
 
 
-def _decode_median(profiler: Profiler, steps: int) -> float:
+def _decode_median(profiler: Profiler, context: int, steps: int) -> float:
     engine = profiler.engine
-    rid = profiler._add(CONTENTION_CONTEXT, steps + 4, 1)
+    rid = profiler._add(context, steps + 4, 1)
     engine.step()  # its prefill
     times = []
     for _ in range(steps):
@@ -298,8 +321,8 @@ def _decode_median(profiler: Profiler, steps: int) -> float:
     return statistics.median(times)
 
 
-def _prefill_median(profiler: Profiler, prompts: int) -> float:
-    return statistics.median(profiler.prefill_point(CONTENTION_PROMPT, 1).ms
+def _prefill_median(profiler: Profiler, prompt: int, prompts: int) -> float:
+    return statistics.median(profiler.prefill_point(prompt, 1).ms
                              for _ in range(prompts)) / 1e3
 
 

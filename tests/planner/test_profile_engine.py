@@ -15,7 +15,12 @@ import pytest
 from services.planner.budget import Shape, searched_shapes
 from services.planner.placement import Problem
 from services.planner.profiles import load_profile, save_profile
-from services.planner.profiling import Grid, measure_contention, profile_engine
+from services.planner.profiling import (
+    ContentionLengths,
+    Grid,
+    measure_contention,
+    profile_engine,
+)
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.host import cpu_description
@@ -111,5 +116,14 @@ def test_the_grid_keeps_the_points_a_models_context_holds() -> None:
     assert short.decode_contexts == (64, 256)
     assert grid.within(8192) == grid
     assert grid.within(200).decode_contexts == (64,)  # 64 + 5 repeats + 6 tokens decoded
+    assert grid.within(256 + grid.decode_tokens).decode_contexts == (64, 256)  # the edge
+    assert grid.within(255 + grid.decode_tokens).decode_contexts == (64,)
     with pytest.raises(ValueError, match="too short to profile"):
         grid.within(32)
+
+
+def test_contention_is_measured_at_lengths_the_models_context_holds() -> None:
+    assert ContentionLengths.fitting(8192) == ContentionLengths(256, 512, 4096)
+    # llama-2's 4,096 tokens: the neighbour's request of 4,096 past 256 did not fit
+    assert ContentionLengths.fitting(4096) == ContentionLengths(256, 512, 3839)
+    assert ContentionLengths.fitting(512) == ContentionLengths(128, 256, 383)  # tiny's
