@@ -57,7 +57,7 @@ VARIANTS: dict[str, Callable[..., torch.Tensor]] = {
 
 
 def runnable(engine: Engine) -> dict[str, Callable[..., torch.Tensor]]:
-    """The variants that run on this device (SDPA's efficient backend has no CPU kernel)."""
+    """The variants that run on this device (each tried once on a small group)."""
     kv, config = engine.runner.kv, engine.model_config
     device = engine.runner.device
     group = DecodeGroup.of(0, torch.tensor([[1, 2]], device=device),
@@ -143,8 +143,9 @@ def main() -> None:
             sync()
         events = prof.key_averages()
         steps = next(e.count for e in events if e.key == "engine.step")
-        kernels = sum(e.self_device_time_total for e in events  # the step's own range spans
-                      if e.key != "engine.step") / 1e3 / steps  # the GPU too: not a kernel
+        kernels = sum(e.self_device_time_total for e in events  # kernels only: an operator
+                      if e.device_type == torch.autograd.DeviceType.CUDA  # holds its kernels'
+                      and not e.is_user_annotation) / 1e3 / steps  # time too, a range spans it
         launches = sum(e.count for e in events if "LaunchKernel" in e.key) / steps
         print(f"  {picked.__name__}: {wall:.2f} ms a step unprofiled; GPU kernels "
               f"{kernels:.2f} ms a step ({kernels / wall:.0%} of it); {launches:.0f} kernel "

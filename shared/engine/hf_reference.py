@@ -59,10 +59,14 @@ def _random_shape(config: ModelConfig, seed: int, device: torch.device,
     with device:
         hf = auto.from_config(hf_config, dtype=dtype)
     weights = RandomWeights(config, seed, device, dtype)
+    copied = set()
     with torch.no_grad():
         for name, param in hf.named_parameters():
             ours = engine_name(name)
             if ours is None or ours not in weights:
                 raise ValueError(f"HF's {name} has no counterpart among the engine's weights")
             param.copy_(weights[ours])
+            copied.add(ours)
+    if copied != set(weights):
+        raise ValueError(f"HF's {config.name} lacks the engine's {sorted(set(weights) - copied)}")
     return hf
