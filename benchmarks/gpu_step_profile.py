@@ -11,19 +11,18 @@ by host time.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from distserve.commands.bench_engine import EngineDecode, side_by_side
 from shared.engine.attention import DecodeGroup, gather_decode_attention, pick_decode_attention
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.kv_cache import KVCache
-from shared.engine.request import SamplingParams
 
 
 def default_sdpa_attention(layer: int, q: torch.Tensor, group: DecodeGroup,
@@ -74,33 +73,41 @@ def runnable(engine: Engine) -> dict[str, Callable[..., torch.Tensor]]:
     return usable
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def compare(engine: Engine, variants: dict[str, Callable[..., torch.Tensor]],
+            picked: Callable[..., torch.Tensor], batch: int, args: argparse.Namespace) -> None:
+    """The variants side by side at `batch`, then the engine's own step profiled."""
+    model = engine.runner.model
+    total = (args.rounds + 1) * len(variants) * args.steps + 2 * args.steps + 8
+    decoding = EngineDecode(engine, batch, args.context, total)
 
+    def steps_of(attend: Callable[..., torch.Tensor]) -> float:
+        """ms a step over `--steps` steps, attending with `attend`."""
+        model.decode_attention = attend
+        return sum(decoding() for _ in range(args.steps)) / args.steps
 
-def decoding(engine: Engine, batch: int, context: int, steps: int) -> list[str]:
-    params = SamplingParams(max_tokens=steps, ignore_eos=True)
-    gen = torch.Generator().manual_seed(batch)
-    vocab = engine.model_config.vocab_size
-    ids = []
-    for i in range(batch):
-        prompt = torch.randint(100, vocab - 100, (context,), generator=gen).tolist()
-        ids.append(engine.add_request(f"b{batch}-{i}", prompt, params).request_id)
-    while any(not r.output_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
-    for _ in range(3):  # warm-up
-        engine.step()
-    return ids
-
-
-def ms_a_step(engine: Engine, steps: int) -> float:
-    sync()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync()
-    return (time.perf_counter() - start) / steps * 1e3
+    medians = dict(zip(variants, side_by_side(
+        [functools.partial(steps_of, attend) for attend in variants.values()], args.rounds),
+        strict=True))
+    base = medians["sdpa-default"]
+    print(f"batch {batch}, context {args.context}+: ms a step, median of {args.rounds} "
+          "rounds: " + ", ".join(f"{n} {ms:.2f} ({base / ms:.2f}x sdpa-default)"
+                                 for n, ms in medians.items()))
+    wall = steps_of(picked)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            with record_function("engine.step"):
+                decoding()
+    decoding.close()
+    events = prof.key_averages()
+    steps = next(e.count for e in events if e.key == "engine.step")
+    kernels = sum(e.self_device_time_total for e in events  # kernels only: an operator
+                  if e.device_type == torch.autograd.DeviceType.CUDA  # holds its kernels'
+                  and not e.is_user_annotation) / 1e3 / steps  # time too, a range spans it
+    launches = sum(e.count for e in events if "LaunchKernel" in e.key) / steps
+    print(f"  {picked.__name__}: {wall:.2f} ms a step unprofiled; GPU kernels {kernels:.2f} ms "
+          f"a step ({kernels / wall:.0%} of it); {launches:.0f} kernel launches a step "
+          f"({steps} steps profiled)")
+    print(events.table(sort_by="cpu_time_total", row_limit=args.top, max_name_column_width=44))
 
 
 def main() -> None:
@@ -116,44 +123,12 @@ def main() -> None:
     args = parser.parse_args()
     engine = Engine(EngineConfig(model=args.model, device=args.device,
                                  kv_cache_bytes=16 << 30).with_scheduler(max_running=256))
-    model = engine.runner.model
     picked = pick_decode_attention(engine.runner.device)
     print(f"{args.model} on {engine.runner.device} ({engine.runner.dtype}); the engine's "
           f"decode attention: {picked.__name__}")
     variants = runnable(engine)
     for batch in args.batches:
-        total = (args.rounds * len(variants) + 2) * args.steps + 8
-        ids = decoding(engine, batch, args.context, total)
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(args.rounds):
-            for name, attend in variants.items():
-                model.decode_attention = attend
-                times[name].append(ms_a_step(engine, args.steps))
-        base = statistics.median(times["sdpa-default"])
-        print(f"batch {batch}, context {args.context}+: ms a step, median of {args.rounds} "
-              "rounds: " + ", ".join(f"{n} {statistics.median(t):.2f} "
-                                     f"({base / statistics.median(t):.2f}x sdpa-default)"
-                                     for n, t in times.items()))
-        model.decode_attention = picked
-        wall = ms_a_step(engine, args.steps)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.steps):
-                with record_function("engine.step"):
-                    engine.step()
-            sync()
-        events = prof.key_averages()
-        steps = next(e.count for e in events if e.key == "engine.step")
-        kernels = sum(e.self_device_time_total for e in events  # kernels only: an operator
-                      if e.device_type == torch.autograd.DeviceType.CUDA  # holds its kernels'
-                      and not e.is_user_annotation) / 1e3 / steps  # time too, a range spans it
-        launches = sum(e.count for e in events if "LaunchKernel" in e.key) / steps
-        print(f"  {picked.__name__}: {wall:.2f} ms a step unprofiled; GPU kernels "
-              f"{kernels:.2f} ms a step ({kernels / wall:.0%} of it); {launches:.0f} kernel "
-              f"launches a step ({steps} steps profiled)")
-        print(events.table(sort_by="cpu_time_total", row_limit=args.top,
-                           max_name_column_width=44))
-        for request_id in ids:
-            engine.abort(request_id)
+        compare(engine, variants, picked, batch, args)
 
 
 if __name__ == "__main__":

@@ -145,7 +145,7 @@ class Profiler:
         if self.pipelined:
             return self._decode_rounds(batch, context)
         steps = self.grid.repeats + 2
-        ids = [self._add(context, steps + 2, i) for i in range(batch)]  # < decode_tokens
+        ids = [self._add(context, steps + 2, i) for i in range(batch)]
         requests = [self.engine.scheduler.get(rid) for rid in ids]
         while any(r is not None and not r.output_ids for r in requests):
             self.engine.step()
