@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from distserve.bench.loadgen import Target
-from distserve.bench.results import RequestRecord, RunResult, span_seconds
+from distserve.bench.results import RequestRecord, RunResult, handoff_s, span_seconds
 from distserve.bench.runner import CALIBRATION_TOKENS, Unloaded, calibrate, read_spans, sweep
 from distserve.bench.workload import BenchWorkload
 from services.launcher import Stack, StackConfig
@@ -156,11 +156,12 @@ def measure(system: System, workload: BenchWorkload, grid: RateGrid, requests: i
                for name, used in stack.cpu_seconds().items()}
         log(f"{system.name}: cores used during the runs: " +
             ", ".join(f"{name} {share:.2f}" for name, share in cpu.items()))
-        spans = [s for s in read_spans(stack.run_dir) if s["name"] == "kv transfer"]
+        spans = read_spans(stack.run_dir)
     finally:
         stack.stop()
     rates_bps = [s["attributes"]["bytes"] / span_seconds(s) for s in spans
-                 if span_seconds(s) > 0]
+                 if s["name"] == "kv transfer" and span_seconds(s) > 0]
+    unloaded = dataclasses.replace(unloaded, handoff_s=handoff_s(spans, unloaded.probes))
     return Measured(system, runs, unloaded, statistics.median(rates_bps) if rates_bps else None,
                     cpu)
 
@@ -170,7 +171,7 @@ def calibration_from(latency: LatencyModel, unloaded: Unloaded,
     """Prefill and decode scales that make `latency` predict the unloaded TTFT and TPOT
     measured through the running stack (workers sharing the cores, the gateway and the
     network included), which a profile of the engine alone does not see. `transfer_s`: the
-    KV transfer inside that TPOT (after the first token, before the second), which the
+    KV handoff inside that TPOT (after the first token, before the second), which the
     simulator models on its own and so must not be counted in the decode steps too."""
     prompt = unloaded.prompt_tokens
     decoding = unloaded.tpot_s - transfer_s / (CALIBRATION_TOKENS - 1)
@@ -180,11 +181,17 @@ def calibration_from(latency: LatencyModel, unloaded: Unloaded,
 
 
 def calibrated_profile(measured: Measured, profile: Profile) -> Profile:
-    """`profile` scaled to `measured`'s unloaded latencies (less its KV transfer)."""
+    """`profile` scaled to `measured`'s unloaded latencies, less its KV handoff: as the
+    probes' spans timed it, else (a run recorded before they did) the KV's bytes at the
+    link's rate. Idle, a handoff can take several times what it takes under load (here 41
+    ms for a 124-token prompt, against 5-10 ms within a sweep: the pulls themselves run at
+    0.25 GB/s one at a time), and left in the decode steps it prices every step of every
+    mode that much slower."""
     transfer_s = 0.0
     if measured.system.mode == "disaggregated":
         kv_bytes = profile.model.kv_bytes_per_token * measured.unloaded.prompt_tokens
-        transfer_s = kv_bytes / (measured.link_bps or DEFAULT_LINK_BPS)
+        transfer_s = measured.unloaded.handoff_s if measured.unloaded.handoff_s is not None \
+            else kv_bytes / (measured.link_bps or DEFAULT_LINK_BPS)
     return calibration_from(profile.latency(1, 1), measured.unloaded, transfer_s).apply(profile)
 
 
@@ -255,9 +262,27 @@ class Fidelity:
     differ: int
     near: int  # of those, the ones where measured and simulated lie within `near_share` of
     # each objective they disagree on: flips of a few ms at the boundary, not of the model
+    # mean seconds a request spends in each stage, (measured, simulated), for the stages the
+    # services' spans time (a disaggregated stack's; a colocated worker times none)
+    stages_s: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
-    def to_json(self) -> dict[str, float]:
+    def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# the services' span of each stage -> the simulator's name for it
+SIMULATED_STAGES = {"prefill queue": "prefill_queue", "prefill run": "prefill_run",
+                    "kv transfer": "transfer", "decode queue": "decode_queue",
+                    "decode run": "decode_run"}
+
+
+def stages(run: RunResult, simulated: SimResult) -> dict[str, tuple[float, float]]:
+    """Where a request's time goes, measured (the services' spans) and simulated: the mean
+    seconds of each stage both have, in the order a request passes them."""
+    sim = simulated.breakdown()
+    return {stage: (run.breakdown_s[stage], sim[name])
+            for stage, name in SIMULATED_STAGES.items()
+            if stage in run.breakdown_s and name in sim}
 
 
 def fidelity(run: RunResult, simulated: SimResult, slo: SLO, near_share: float = 0.05
@@ -278,7 +303,8 @@ def fidelity(run: RunResult, simulated: SimResult, slo: SLO, near_share: float =
         differ += 1
         near += near_bound(r.ttft, s.ttft, slo.ttft_s) and near_bound(r.tpot, s.tpot, slo.tpot_s)
     return Fidelity(statistics.median(ttft) if ttft else math.nan,
-                    statistics.median(tpot) if tpot else math.nan, differ, near)
+                    statistics.median(tpot) if tpot else math.nan, differ, near,
+                    stages(run, simulated))
 
 
 def recommend(measured: Measured, profile: Profile, workload: BenchWorkload, slo: SLO,

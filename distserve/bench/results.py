@@ -6,6 +6,7 @@ every total and never attains an objective."""
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -139,8 +140,7 @@ def stage_breakdown(spans: Iterable[dict[str, Any]], request_ids: set[str]) -> d
     """Mean seconds per stage over the requests in `request_ids`, from the services' spans
     (OpenTelemetry JSON): a request's spans share the trace of its gateway "request" span."""
     spans = list(spans)
-    traces = {s["context"]["trace_id"] for s in spans
-              if s["name"] == "request" and s["attributes"].get("request_id") in request_ids}
+    traces = traces_of(spans, request_ids)
     totals: dict[str, list[float]] = {stage: [] for stage in STAGES}
     for s in spans:
         if s["name"] in totals and s["context"]["trace_id"] in traces:
@@ -148,8 +148,42 @@ def stage_breakdown(spans: Iterable[dict[str, Any]], request_ids: set[str]) -> d
     return {stage: sum(v) / len(v) for stage, v in totals.items() if v}
 
 
-def span_seconds(span: dict[str, Any]) -> float:
+def spanned_id(response_id: str) -> str:
+    """The request id the services' spans carry for a completion's response id (cmpl-<id>)."""
+    return response_id.split("-", 1)[-1]
+
+
+def traces_of(spans: Sequence[dict[str, Any]], request_ids: Iterable[str]) -> set[str]:
+    """The traces of the requests in `request_ids` (their gateway "request" spans')."""
+    wanted = set(request_ids)
+    return {s["context"]["trace_id"] for s in spans
+            if s["name"] == "request" and s["attributes"].get("request_id") in wanted}
+
+
+def handoff_s(spans: Iterable[dict[str, Any]], request_ids: Iterable[str]) -> float | None:
+    """The median over `request_ids` of the KV handoff their spans time: from the end of the
+    prefill run (the first token) to the start of the decode run (the request in the decode
+    instance's batch), so the announcement, the decode queue and the transfer; None where no
+    request has both spans (a colocated stack times neither)."""
+    spans = list(spans)
+    traces = traces_of(spans, request_ids)
+    runs: dict[str, dict[str, tuple[float, float]]] = {}
+    for s in spans:
+        if s["name"] in ("prefill run", "decode run") and s["context"]["trace_id"] in traces:
+            runs.setdefault(s["context"]["trace_id"], {})[s["name"]] = span_bounds(s)
+    found = [both["decode run"][0] - both["prefill run"][1] for both in runs.values()
+             if len(both) == 2]
+    return statistics.median(found) if found else None
+
+
+def span_bounds(span: dict[str, Any]) -> tuple[float, float]:
+    """A span's start and end, epoch seconds."""
     def parse(stamp: str) -> float:
         return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
-    return parse(span["end_time"]) - parse(span["start_time"])
+    return parse(span["start_time"]), parse(span["end_time"])
+
+
+def span_seconds(span: dict[str, Any]) -> float:
+    start, end = span_bounds(span)
+    return end - start

@@ -15,7 +15,13 @@ from typing import Any
 from tqdm import tqdm
 
 from distserve.bench.loadgen import Target, run_requests
-from distserve.bench.results import RunResult, goodput, met_everywhere, stage_breakdown
+from distserve.bench.results import (
+    RunResult,
+    goodput,
+    met_everywhere,
+    spanned_id,
+    stage_breakdown,
+)
 from distserve.bench.workload import BenchRequest, BenchWorkload
 from shared.metrics import SLO
 
@@ -29,6 +35,10 @@ class Unloaded:
     ttft_s: float
     tpot_s: float
     prompt_tokens: int
+    # a disaggregated stack's: how long the KV took from the prefill instance's first token
+    # to the decode instance's running batch, inside those TPOTs (the probes' spans, median)
+    handoff_s: float | None = None
+    probes: tuple[str, ...] = ()  # the request ids of the probes the medians are of
 
     def slo(self, ttft_factor: float, tpot_factor: float) -> SLO:
         return SLO(ttft_factor * self.ttft_s, tpot_factor * self.tpot_s)
@@ -41,7 +51,7 @@ def calibrate(target: Target, workload: BenchWorkload, repeats: int = 3) -> Unlo
     median = statistics.median_low(r.prompt_tokens for r in requests)
     probe = next(r for r in requests if r.prompt_tokens == median)
     probe = BenchRequest(0, 0.0, probe.prompt, probe.prompt_tokens, CALIBRATION_TOKENS)
-    ttfts, tpots = [], []
+    ttfts, tpots, ids = [], [], []
     for i in range(repeats + 1):
         run = asyncio.run(run_requests(target, [probe], 1.0))
         record = run.records[0]
@@ -50,7 +60,10 @@ def calibrate(target: Target, workload: BenchWorkload, repeats: int = 3) -> Unlo
         if i:
             ttfts.append(record.ttft)
             tpots.append(record.tpot)
-    return Unloaded(statistics.median(ttfts), statistics.median(tpots), median)
+            ids.append(spanned_id(record.request_id or ""))
+    return Unloaded(statistics.median(ttfts), statistics.median(tpots), median,
+                    probes=tuple(ids))
+
 
 
 def sweep(target: Target, workload: BenchWorkload, rates: Sequence[float], requests: int,
@@ -77,7 +90,7 @@ def sweep(target: Target, workload: BenchWorkload, rates: Sequence[float], reque
         time.sleep(1.5)  # the services flush their spans every 0.5 s
         spans = read_spans(trace_dir)
         for run in runs:
-            ids = {r.request_id.split("-", 1)[-1] for r in run.records if r.request_id}
+            ids = {spanned_id(r.request_id) for r in run.records if r.request_id}
             run.breakdown_s = stage_breakdown(spans, ids)
     return runs
 

@@ -409,3 +409,17 @@ def _print_fidelity(console: Console, curves: Sequence[Curve],
                           f"{f.ttft_s:+.3f} s", f"{1e3 * f.tpot_s:+.1f} ms",
                           f"{f.differ} ({f.near})")
     console.print(table)
+    staged = [(c.name, run.rate, f.stages_s) for c, found in zip(curves, fidelities, strict=False)
+              for run, f in zip(c.runs, found, strict=False) if f.stages_s]
+    if not staged:
+        return
+    names = list(cmp.SIMULATED_STAGES)
+    table = Table(title="where a request's time goes, measured (the services' spans) / "
+                        "simulated: mean ms a request")
+    for column in ("system", "rate", *names):
+        table.add_column(column, justify="right")
+    for name, rate, stages in staged:
+        table.add_row(name, f"{rate:g}", *(
+            f"{1e3 * stages[s][0]:.0f} / {1e3 * stages[s][1]:.0f}" if s in stages else "-"
+            for s in names))
+    console.print(table)

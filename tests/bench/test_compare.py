@@ -11,6 +11,7 @@ from distserve.bench.compare import (
     Measured,
     RateGrid,
     auto_rates,
+    calibrated_profile,
     calibration_from,
     fidelity,
     next_rate,
@@ -43,6 +44,30 @@ def test_calibration_makes_the_profile_predict_the_measured_unloaded_latencies()
     # the shape stays: a longer prompt costs the same multiple more
     ratio = latency.prefill_latency_s(1024, 1024**2) / latency.prefill_latency_s(512, 512**2)
     assert scaled.prefill_latency_s(1024, 1024**2) / 1.3 == pytest.approx(ratio)
+
+
+def test_a_disaggregated_stack_is_calibrated_less_its_measured_handoff() -> None:
+    """The probes' handoff (their spans') comes out of the decode steps, not the KV's bytes
+    at the link's rate: an idle pull can take far longer than the bytes say, and left in
+    the decode steps it slows every step the simulator prices."""
+    profile = load_profile(shipped_cpu_profile(1))
+    disaggregated = systems(1, 128, chunked=False)[0]
+    decode_s = profile.latency(1, 1).decode_step_s(1, 512 + CALIBRATION_TOKENS / 2)
+
+    def calibrated(unloaded: Unloaded, link_bps: float | None = 1e9) -> float:
+        measured = Measured(disaggregated, [], unloaded, link_bps, {})
+        return calibrated_profile(measured, profile).latency(1, 1).decode_step_s(
+            1, 512 + CALIBRATION_TOKENS / 2) / decode_s
+
+    spanned = Unloaded(1.3, 0.07, 512, handoff_s=0.15)
+    assert calibrated(spanned) == pytest.approx(calibration_from(
+        profile.latency(1, 1), spanned, 0.15).decode)
+    # without the spans (a run recorded before them): the KV's bytes at the link's rate
+    kv_s = profile.model.kv_bytes_per_token * 512 / 1e9
+    bare = Unloaded(1.3, 0.07, 512)
+    assert calibrated(bare) == pytest.approx(calibration_from(
+        profile.latency(1, 1), bare, kv_s).decode)
+    assert calibrated(spanned) < calibrated(bare)
 
 
 def test_both_systems_get_two_workers_and_the_same_threads() -> None:
@@ -185,6 +210,27 @@ def test_fidelity_compares_the_same_requests_one_by_one() -> None:
     assert found.ttft_s == pytest.approx(0.15)  # the median of +0.1, +0.2, -2.4, +0.2 s
     assert found.tpot_s == pytest.approx(0.0, abs=1e-9)  # of +2, -5, 0, 0 ms
     assert found.to_json()["differ"] == 2
+
+
+def test_fidelity_puts_each_stage_measured_beside_simulated() -> None:
+    """A disaggregated run's stages from its spans beside the simulator's for the same
+    requests: where a TPOT gap comes from (here the decode run, slower in the stack)."""
+    records = [RequestRecord(i, 0.0, 128, 11, sent_s=0.0, first_token_s=0.5,
+                             last_token_s=1.5, tokens=11) for i in range(2)]
+    simulated = [SimRequest(i, 0.0, 128, 11, prefill_start=0.1, first_token=0.4,
+                            transfer_start=0.4, transfer_end=0.45, decode_start=0.46,
+                            finish=1.26) for i in range(2)]
+    measured = {"prefill queue": 0.1, "prefill run": 0.35, "kv transfer": 0.06,
+                "decode queue": 0.01, "decode run": 0.98}
+    found = fidelity(RunResult(0.5, records, 10.0, measured), SimResult(simulated),
+                     SLO(2.0, 0.1))
+    assert list(found.stages_s) == list(measured)
+    assert found.stages_s["decode run"] == pytest.approx((0.98, 0.80))
+    assert found.stages_s["kv transfer"] == pytest.approx((0.06, 0.05))
+    assert found.stages_s["prefill queue"] == pytest.approx((0.1, 0.1))
+    # a colocated run's spans time no stage: nothing to put side by side
+    assert fidelity(RunResult(0.5, records, 10.0), SimResult(simulated),
+                    SLO(2.0, 0.1)).stages_s == {}
 
 
 def recorded_comparison(path: Path, decode_weights: str = "") -> dict[str, Any]:

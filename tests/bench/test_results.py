@@ -9,6 +9,7 @@ from distserve.bench.results import (
     RunResult,
     attainment_at_scales,
     goodput,
+    handoff_s,
     stage_breakdown,
     tightest_slo_scale,
 )
@@ -94,3 +95,27 @@ def test_breakdown_averages_each_stage_over_the_chosen_requests() -> None:
     assert b["prefill run"] == pytest.approx(1.0)
     assert b["kv transfer"] == pytest.approx(0.1)
     assert "decode queue" not in b
+
+
+def test_handoff_runs_from_the_first_token_to_the_decode_batch() -> None:
+    """The median over the chosen requests of the gap between the prefill run's end and the
+    decode run's start; requests of another run, or missing either span, do not count."""
+    spans = [span("request", "t1", "00.0", "09.0", request_id="a"),
+             span("prefill run", "t1", "00.5", "01.5"),
+             span("decode queue", "t1", "01.51", "01.52"),
+             span("kv transfer", "t1", "01.52", "01.54"),
+             span("decode run", "t1", "01.54", "09.0"),
+             span("request", "t2", "00.0", "09.0", request_id="b"),
+             span("prefill run", "t2", "00.5", "01.0"),
+             span("decode run", "t2", "01.1", "09.0"),
+             span("request", "t3", "00.0", "09.0", request_id="c"),
+             span("prefill run", "t3", "00.5", "01.0"),
+             span("decode run", "t3", "01.02", "09.0"),
+             span("request", "t4", "00.0", "05.0", request_id="d"),  # failed before decode
+             span("prefill run", "t4", "00.5", "01.0"),
+             span("request", "t5", "00.0", "05.0", request_id="other-run"),
+             span("prefill run", "t5", "00.0", "01.0"),
+             span("decode run", "t5", "04.0", "05.0")]
+    assert handoff_s(spans, ["a", "b", "c", "d"]) == pytest.approx(0.04)  # of 40, 100, 20 ms
+    assert handoff_s(spans, ["d"]) is None
+    assert handoff_s([], ["a"]) is None
