@@ -28,6 +28,9 @@ class ColocatedService(Worker):
     async def _on_request(self, msg: Msg) -> None:
         req = parse(msg, PrefillRequest)
         self.known.add(req.request_id)  # before the engine takes it in: a cancel aborts it
+        self.take_in(self._admit(req))
+
+    async def _admit(self, req: PrefillRequest) -> None:
         if await self.admit(req) is None:
             self.known.discard(req.request_id)
 

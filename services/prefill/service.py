@@ -116,11 +116,16 @@ class PrefillService(Worker):
         self.arrived[req.request_id] = (time.time(), dict(msg.headers or {}))
         # until the engine has this attempt, its outputs are an older attempt's
         self.admitting[req.request_id] = req.attempt
+        self.take_in(self._admit(req))
+
+    async def _admit(self, req: PrefillRequest) -> None:
         try:
             request = await self.admit(req)
         finally:
             if self.admitting.get(req.request_id) == req.attempt:
                 del self.admitting[req.request_id]
+        if self.requests.get(req.request_id) is not req:
+            return  # a newer attempt arrived meanwhile: it replaces (or drops) this one
         if request is None:  # rejected: the older attempt it replaces goes too
             self._forget(req.request_id)
             await self.host.call(self.engine.abort, req.request_id)
@@ -201,6 +206,18 @@ class PrefillService(Worker):
         self.asked_at.pop(request_id, None)
         self.copies.pop(request_id, None)
         self.attempts.pop(request_id, None)
+
+    async def on_stalled(self) -> bool:
+        """No waiting prompt fits the pool: free the KV retained longest (its decode
+        instance has it already; it is kept only to resume the request faster should that
+        instance fail), one request a try. Retained for kv_retention_s, 8 requests/s of
+        124-token prompts filled a 256 MiB pool and held new prompts back."""
+        if not self.released_at:
+            return False
+        oldest = min(self.released_at, key=self.released_at.__getitem__)
+        log.debug("%s: the pool is full; freeing the retained KV of %s", self.id, oldest)
+        await self._free(oldest)
+        return True
 
     async def _free(self, request_id: str) -> None:
         self._forget(request_id)

@@ -86,6 +86,10 @@ class Engine:
         self.blocks = BlockManager(self.runner.kv.num_blocks, config.scheduler.block_size)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.runner.depth)
         self.last_shape: StepShape | None = None  # of the last step (its timing's meaning)
+        # the last step ran nothing: the requests waiting do not fit the pool (a prefill
+        # instance's KV parked for pulls, or retained after them), and another step will not
+        # either until blocks are freed or requests come or go
+        self.stalled = False
         self._under_way: deque[Launched] = deque()  # a pipeline's micro-batches, oldest first
         self._text: dict[str, _TextState] = {}
         self._arrivals = itertools.count()
@@ -148,6 +152,7 @@ class Engine:
     def _step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         self.last_shape = out.shape() if out is not None else None
+        self.stalled = out is None
         if out is None:
             return []
         try:
@@ -174,6 +179,7 @@ class Engine:
                 raise
             except Exception as e:  # preparing its inputs: nothing of it reached the ranks
                 return self._fail(out, e)
+        self.stalled = not self._under_way
         if not self._under_way:
             return []
         launched = self._under_way.popleft()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import threading
 import time
 from typing import TypeVar
 
@@ -18,11 +19,13 @@ from redis.asyncio import Redis
 
 from services.colocated.service import ColocatedService
 from services.decode.service import DecodeService
-from services.runtime import WorkerFailed, WorkerSettings, thread_clock
+from services.prefill.service import PrefillService
+from services.runtime import EngineHost, WorkerFailed, WorkerSettings, thread_clock
 from shared import subjects
 from shared.bus import connect, parse, publish
-from shared.engine.config import EngineConfig
+from shared.engine.config import EngineConfig, Role
 from shared.engine.engine import Engine, RequestOutput
+from shared.engine.request import SamplingParams
 from shared.engine.scheduler import SchedulerOutput
 from shared.messages import (
     Cancel,
@@ -209,6 +212,42 @@ def test_a_request_whose_cancel_overtakes_it_never_runs(nats_url: str, redis_url
 
 
 @pytest.mark.timeout(120)
+def test_prompts_that_arrive_during_a_step_all_go_into_the_next(nats_url: str,
+                                                               redis_url: str) -> None:
+    """Taking a prompt in waits for the step under way, and NATS hands a subscription's
+    messages to its callback one at a time: awaited in the callback, each admission let one
+    prompt into the engine a step (here the first step took two of the four). Four
+    prompts that arrive while the engine thread is busy now go into its next step together,
+    in the order they came."""
+    worker = tiny(ColocatedService, "colocated-b", nats_url, redis_url)
+    ids = [f"burst-{i}" for i in range(4)]
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        running, registry = await serving(worker, stop, redis_url)
+        nc = await connect(nats_url, "test")
+        seen, subs = await chunks_of(nc, ids)
+        gate = threading.Event()
+        busy = asyncio.ensure_future(worker.host.call(gate.wait, 60))  # a step under way
+        for i, request_id in enumerate(ids):
+            await publish(nc, subjects.prefill("colocated-b"), PrefillRequest(
+                request_id=request_id, prompt_ids=list(range(1, 4 + i)),
+                sampling=Sampling(max_tokens=4, ignore_eos=True), arrival_ts=time.time()))
+        deadline = time.monotonic() + 10
+        while worker.known != set(ids) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # every prompt handed over (or, before, the first)
+        gate.set()
+        await busy
+        await until_idle(worker)
+        prefills = [shape.prompts for _, shape, _ in worker.host.samples if shape.prompts]
+        assert prefills[0] == (3, 4, 5, 6)  # all four, in arrival order
+        assert {c.request_id for c in seen if c.finish_reason == "length"} == set(ids)
+        await stop_serving(running, stop, registry, nc, subs)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
 def test_a_decode_instance_releases_the_kv_of_a_request_cancelled_before_its_announcement(
         nats_url: str, redis_url: str) -> None:
     """The announcement of a request the client already left, or of an attempt the gateway
@@ -280,3 +319,87 @@ def test_thread_clock_splits_cpu_time_from_waiting_for_a_cpu() -> None:
     assert 0.05 < cpu_s < 0.9 * wall  # it shared the CPU
     assert queued_s > 0.1 * wall  # and waited for it, runnable
     assert cpu_s + queued_s == pytest.approx(wall, rel=0.15)
+
+
+
+def full_prefill_engine() -> Engine:
+    """A prefill engine (128 blocks of 16) whose pool four parked requests fill but for 4
+    blocks, and a prompt of 6 blocks waiting: it cannot run until one is freed."""
+    engine = Engine(EngineConfig(model="tiny", device="cpu", kv_cache_bytes=1 << 20)
+                    .with_scheduler(role=Role.PREFILL))
+    assert engine.blocks.num_blocks == 128
+    for i in range(4):
+        engine.add_request(f"parked-{i}", list(range(1, 31 * 16 - 3)),  # 31 blocks each
+                           SamplingParams(max_tokens=4))
+        (out,) = engine.step()
+        assert out.parked
+    engine.add_request("waiting", list(range(1, 6 * 16 + 1)), SamplingParams(max_tokens=4))
+    assert engine.step() == [] and engine.stalled
+    return engine
+
+
+def run_stalled(engine: Engine, frees: bool, poll_s: float = 0.25) -> tuple[int, float]:
+    """The host stepping `engine`, stalled: with `frees`, its on_stalled frees a parked
+    request; else, after a second, a parked request is freed and the host woken. How many
+    steps it tried in that second, and how long the waiting prompt took from then."""
+    host, tries, outputs = EngineHost(engine), [0], []
+    step = engine.step
+
+    def counted() -> list[RequestOutput]:
+        tries[0] += 1
+        return step()
+
+    engine.step = counted  # type: ignore[method-assign]
+
+    async def on_outputs(got: list[RequestOutput]) -> None:
+        outputs.extend(got)
+
+    async def on_stalled() -> bool:
+        return frees and engine.release("parked-0")
+
+    async def main() -> tuple[int, float]:
+        loop = asyncio.create_task(host.run(on_outputs, on_stalled, stalled_poll_s=poll_s))
+        if not frees:
+            await asyncio.sleep(1.0)
+            await host.call(engine.release, "parked-0")
+            host.wake()
+        stalled, started = tries[0], time.monotonic()
+        while not any(o.request_id == "waiting" for o in outputs):
+            await asyncio.sleep(0.005)
+        loop.cancel()
+        return stalled, time.monotonic() - started
+
+    return asyncio.run(main())
+
+
+def test_a_stalled_engine_is_tried_again_when_woken_not_in_a_loop() -> None:
+    """Its waiting prompt does not fit the pool: the host tries again when woken (blocks
+    freed) or every `stalled_poll_s`, not a thousand times a second as it did (a core
+    spent); an `on_stalled` that frees blocks lets the prompt in at once."""
+    engine = full_prefill_engine()
+    stalled, taken = run_stalled(engine, frees=False)
+    assert 1 <= stalled <= 1.0 / 0.25 + 2  # before: thousands of empty steps in the second
+    assert taken < 0.25  # woken, not polled
+    assert "parked-0" not in engine.scheduler.parked and "waiting" in engine.scheduler.parked
+    engine = full_prefill_engine()
+    _, taken = run_stalled(engine, frees=True)
+    assert taken < 0.25 and "waiting" in engine.scheduler.parked
+    assert "parked-0" not in engine.scheduler.parked
+
+
+def test_a_full_prefill_instance_frees_the_kv_it_retained_longest() -> None:
+    """KV its decode instance has imported is retained only to resume faster after a
+    failure: when a waiting prompt does not fit, it goes, oldest first; KV not yet pulled
+    never does."""
+    engine = full_prefill_engine()
+    worker = PrefillService(WorkerSettings(instance_id="prefill-r", model="tiny"), engine)
+    worker.released_at = {"parked-2": 20.0, "parked-1": 10.0}
+
+    async def main() -> None:
+        assert await worker.on_stalled()
+        assert set(engine.scheduler.parked) == {"parked-0", "parked-2", "parked-3"}
+        assert await worker.on_stalled()
+        assert not await worker.on_stalled()  # none retained: wait for room
+        assert set(engine.scheduler.parked) == {"parked-0", "parked-3"}
+
+    asyncio.run(main())
