@@ -114,6 +114,7 @@ class EngineHost:
         self.step_queued_s = 0.0
         self.outputs_s = 0.0
         self.batched = 0  # requests that got a token, summed over steps
+        self.stalled_steps = 0  # tries that ran nothing (what waits does not fit the pool)
         # the last priced steps, for calibration: (step count, shape, seconds)
         self.samples: deque[tuple[int, StepShape, float]] = deque(maxlen=32)
 
@@ -148,9 +149,10 @@ class EngineHost:
             started = time.time()
             outputs, cpu_s, queued_s = await self.call(self._step)
             handled = time.time()
-            stalled = self.engine.stalled
-            if stalled:
-                continue  # not a step the counters should average in
+            stalled = self.engine.stalled and not outputs
+            if stalled:  # not a step the step counters should average in
+                self.stalled_steps += 1
+                continue
             self.step_started = started
             if outputs:
                 await on_outputs(outputs)
@@ -325,6 +327,7 @@ class Worker:
                             weights=self.engine.config.weights, tp=self.engine.config.tp,
                             pp=self.engine.config.pp,
                             max_running=scheduler.config.max_running, steps=self.host.steps,
+                            stalled_steps=self.host.stalled_steps,
                             step_seconds=self.host.step_s, step_cpu_seconds=self.host.step_cpu_s,
                             step_queued_seconds=self.host.step_queued_s,
                             outputs_seconds=self.host.outputs_s,
@@ -387,7 +390,7 @@ class Worker:
         ending = asyncio.create_task(self._drain_after(stop, registry, redis), name="drain")
         done, _ = await asyncio.wait([ending, *tasks], return_when=asyncio.FIRST_COMPLETED)
         failed = next((t for t in done if t is not ending), None)
-        for task in [ending, *tasks]:
+        for task in [ending, *tasks, *self.taking_in]:
             task.cancel()
         await asyncio.to_thread(heartbeats.stop)
         with contextlib.suppress(RedisError, OSError):  # it expires by itself otherwise

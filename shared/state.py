@@ -52,6 +52,7 @@ class InstanceInfo(BaseModel):
     kv_requests: int = 0  # KV transfers served (prefill) or pulled (decode) over UCX
     kv_bytes: int = 0
     steps: int = 0  # engine steps so far
+    stalled_steps: int = 0  # tries that ran nothing: the waiting requests do not fit the pool
     step_seconds: float = 0.0  # spent in them (the engine thread, handoff included)
     step_cpu_seconds: float = 0.0  # of which the engine thread was on a CPU
     step_queued_seconds: float = 0.0  # of which it was runnable, waiting for a CPU

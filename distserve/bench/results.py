@@ -162,9 +162,9 @@ def traces_of(spans: Sequence[dict[str, Any]], request_ids: Iterable[str]) -> se
 
 def handoff_s(spans: Iterable[dict[str, Any]], request_ids: Iterable[str]) -> float | None:
     """The median over `request_ids` of the KV handoff their spans time: from the end of the
-    prefill run (the first token) to the start of the decode run (the request in the decode
-    instance's batch), so the announcement, the decode queue and the transfer; None where no
-    request has both spans (a colocated stack times neither)."""
+    prefill run (the first token) to the start of the decode run (the KV pulled and imported,
+    the request handed to the decode engine), so the announcement, the decode queue and the
+    transfer; None where no request has both spans (a colocated stack times neither)."""
     spans = list(spans)
     traces = traces_of(spans, request_ids)
     runs: dict[str, dict[str, tuple[float, float]]] = {}

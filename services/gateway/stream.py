@@ -7,9 +7,8 @@ never lost); a chunk went missing (its `seq` skips ahead); a decode instance cou
 its KV; the decode instance never started it and the prefill instance holding its KV died;
 or the decode instance running it, with none preempted, made `silent_steps` steps without a
 chunk for it (a running request gets a token every step: its chunks, the last one included,
-went missing). (A prompt that waits on its prefill instance gives no such sign: the
-instance takes in one queued message per engine step, so an empty engine queue does not mean
-the request is not waiting.)
+went missing). (A prompt that waits on its prefill instance gives no such sign: its
+queue length says how many wait, not which.)
 
 Each move is a new attempt: chunks of older attempts (an instance moved away from that
 still speaks) are dropped, as are chunks repeating tokens already relayed."""
@@ -151,8 +150,9 @@ class Relay:
             elif info.steps - self._steps_at_chunk > self.silent_steps:
                 raise Lost("gap", f"{self.serving} made {self.silent_steps} steps without a "
                                   f"token of {self.request_id}")
-        if info.steps != self._steps:  # the instance is working through its queue
-            self._steps, self._progress_at = info.steps, now
+        tried = info.steps + info.stalled_steps  # a full pool waits on the pulls: still live
+        if tried != self._steps:  # the instance is working through its queue
+            self._steps, self._progress_at = tried, now
         if now - self._progress_at > self.stall_s:
             raise Lost("stalled", f"no progress on instance {self.serving} for "
                                   f"{self.stall_s:.0f}s")

@@ -129,6 +129,7 @@ class PrefillService(Worker):
         if request is None:  # rejected: the older attempt it replaces goes too
             self._forget(req.request_id)
             await self.host.call(self.engine.abort, req.request_id)
+            self.host.wake()  # its blocks may let a waiting prompt in
         else:
             self.copies[req.request_id] = request.arrival
 
@@ -230,6 +231,7 @@ class PrefillService(Worker):
         request_id, req = release.request_id, self.requests.get(release.request_id)
         if request_id in self.parked_at and req is not None and req.attempt == release.attempt:
             self.released_at.setdefault(request_id, time.time())
+            self.host.wake()  # a stalled engine may take its blocks now (on_stalled)
         if msg.reply:  # the decode instance asks until it hears this
             await msg.respond(b"")
 
@@ -240,6 +242,7 @@ class PrefillService(Worker):
         if request_id in self.requests:
             self._forget(request_id)
             await self.host.call(self.engine.abort, request_id)
+            self.host.wake()  # its blocks may let a waiting prompt in
         self.arrived.pop(request_id, None)
 
     async def _on_heartbeat(self, msg: Msg) -> None:

@@ -145,6 +145,7 @@ class Engine:
         this step may write blocks freed since) and last (those it parks, before anyone is
         told of them)."""
         self._sync_parked()
+        self.stalled = False
         outputs = self._pipelined_step() if self.runner.depth > 1 else self._step()
         self._sync_parked()
         return outputs

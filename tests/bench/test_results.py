@@ -116,6 +116,6 @@ def test_handoff_runs_from_the_first_token_to_the_decode_batch() -> None:
              span("request", "t5", "00.0", "05.0", request_id="other-run"),
              span("prefill run", "t5", "00.0", "01.0"),
              span("decode run", "t5", "04.0", "05.0")]
-    assert handoff_s(spans, ["a", "b", "c", "d"]) == pytest.approx(0.04)  # of 40, 100, 20 ms
+    assert handoff_s(spans, ["a", "b", "c", "d"]) == pytest.approx(0.04, abs=1e-6)  # 40, 100, 20 ms
     assert handoff_s(spans, ["d"]) is None
     assert handoff_s([], ["a"]) is None

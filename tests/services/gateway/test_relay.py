@@ -107,6 +107,19 @@ def test_a_request_queued_on_a_busy_instance_is_not_lost_but_a_stalled_one_is() 
     raise AssertionError("never stalled")
 
 
+def test_a_prefill_instance_whose_pool_waits_on_pulls_is_not_stalled() -> None:
+    """Its steps stop while its pool is full of KV the decode side has not pulled yet, but
+    it keeps trying (stalled_steps): the request queued there is not moved."""
+    clock, view = Clock(), InstanceView(2.0)
+    r = relay(clock, view)
+    for t in range(0, 30):
+        view.observe(InstanceInfo(instance_id="p0", role="prefill", steps=5, stalled_steps=t,
+                                  queue_len=3), float(t))
+        beat(view, float(t), ("d0", "decode", t))
+        clock.now = float(t)
+        r._check(clock.now)  # 30 s without a step, never Lost
+
+
 def test_a_decode_instance_that_never_started_it_waits_for_the_kv_holder() -> None:
     """Announced to d0 (prefilled on p0), d0 said nothing yet and p0 died: after a grace
     (d0's pull would fail anyway) the request is lost, for a prefill again elsewhere."""
