@@ -119,6 +119,15 @@ class EngineHost:
         self.samples: deque[tuple[int, StepShape, float]] = deque(maxlen=32)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the engine thread, after the step under way. Whatever a call from
+        the service changes (a request taken in or aborted, blocks freed or imported) may
+        give the next step something to run, so it wakes the loop."""
+        try:
+            return await self._on_thread(fn, *args)
+        finally:
+            self._wake.set()
+
+    async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     def wake(self) -> None:
@@ -129,11 +138,11 @@ class EngineHost:
                   stalled_poll_s: float = 0.05) -> None:
         """Step while the engine has work. After a step that ran nothing (the waiting
         requests do not fit the pool) `on_stalled` may make room (True: it freed something);
-        otherwise the next try waits for a wake (a request taken in, blocks freed) or
-        `stalled_poll_s`, whichever comes first. Tried again at once, it spun the engine
-        thread at ~1 ms a try, a core taken from the host's other workers for as long as
-        the pool stayed full (measured: 11,750 empty steps in 13 s on a prefill instance
-        whose pool held the retained KV of 8 requests/s)."""
+        otherwise the next try waits for a wake (any engine call from the service, or
+        `wake()`) or `stalled_poll_s`, whichever comes first. Tried again at once, it spun
+        the engine thread at ~1 ms a try, a core taken from the host's other workers for as
+        long as the pool stayed full (measured: 11,750 empty steps in 13 s on a prefill
+        instance whose pool held the retained KV of 8 requests/s)."""
         stalled = False  # the last step ran nothing
         while True:
             if not self.engine.has_work():
@@ -147,9 +156,9 @@ class EngineHost:
                     await asyncio.wait_for(self._wake.wait(), stalled_poll_s)
             self._wake.clear()
             started = time.time()
-            outputs, cpu_s, queued_s = await self.call(self._step)
+            outputs, cpu_s, queued_s = await self._on_thread(self._step)  # not a wake
             handled = time.time()
-            stalled = self.engine.stalled and not outputs
+            stalled = self.engine.stalled
             if stalled:  # not a step the step counters should average in
                 self.stalled_steps += 1
                 continue
@@ -475,7 +484,6 @@ class Worker:
             await self.host.call(self.engine.abort, req.request_id)
             return None
         self.attempts[req.request_id] = req.attempt
-        self.host.wake()
         return request
 
     def cancel_for_me(self, msg: Msg) -> str | None:

@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from distserve.bench.loadgen import Target
-from distserve.bench.results import RequestRecord, RunResult, handoff_s, span_seconds
+from distserve.bench.results import (
+    STAGES,
+    RequestRecord,
+    RunResult,
+    handoff_s,
+    span_seconds,
+)
 from distserve.bench.runner import CALIBRATION_TOKENS, Unloaded, calibrate, read_spans, sweep
 from distserve.bench.workload import BenchWorkload
 from services.launcher import Stack, StackConfig
@@ -187,12 +193,12 @@ def calibrated_profile(measured: Measured, profile: Profile) -> Profile:
     ms for a 124-token prompt, against 5-10 ms within a sweep: the pulls themselves run at
     0.25 GB/s one at a time), and left in the decode steps it prices every step of every
     mode that much slower."""
-    transfer_s = 0.0
+    unloaded, transfer_s = measured.unloaded, 0.0
     if measured.system.mode == "disaggregated":
-        kv_bytes = profile.model.kv_bytes_per_token * measured.unloaded.prompt_tokens
-        transfer_s = measured.unloaded.handoff_s if measured.unloaded.handoff_s is not None \
-            else kv_bytes / (measured.link_bps or DEFAULT_LINK_BPS)
-    return calibration_from(profile.latency(1, 1), measured.unloaded, transfer_s).apply(profile)
+        transfer_s = unloaded.handoff_s if unloaded.handoff_s is not None else \
+            profile.model.kv_bytes_per_token * unloaded.prompt_tokens / (
+                measured.link_bps or DEFAULT_LINK_BPS)
+    return calibration_from(profile.latency(1, 1), unloaded, transfer_s).apply(profile)
 
 
 def stack_problem(measured: Measured, profile: Profile, workload: BenchWorkload, slo: SLO,
@@ -270,10 +276,9 @@ class Fidelity:
         return dataclasses.asdict(self)
 
 
-# the services' span of each stage -> the simulator's name for it
-SIMULATED_STAGES = {"prefill queue": "prefill_queue", "prefill run": "prefill_run",
-                    "kv transfer": "transfer", "decode queue": "decode_queue",
-                    "decode run": "decode_run"}
+# the services' span of each stage -> the simulator's name for it (SimResult.breakdown)
+SIMULATED_STAGES = dict(zip(STAGES, ("prefill_queue", "prefill_run", "transfer",
+                                     "decode_queue", "decode_run"), strict=True))
 
 
 def stages(run: RunResult, simulated: SimResult) -> dict[str, tuple[float, float]]:

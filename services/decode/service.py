@@ -209,7 +209,6 @@ class DecodeService(Worker):
             self.attempts[ready.request_id] = ready.attempt
             await self.host.call(self.engine.admit_imported, request, blocks, buffer,
                                  ready.computed)
-            self.host.wake()
         except TransferError as e:
             log.warning("pull of %s failed: %s", ready.request_id, e)
             await self._give_up(ready, grant, f"KV transfer failed: {e}")

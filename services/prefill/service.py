@@ -129,7 +129,6 @@ class PrefillService(Worker):
         if request is None:  # rejected: the older attempt it replaces goes too
             self._forget(req.request_id)
             await self.host.call(self.engine.abort, req.request_id)
-            self.host.wake()  # its blocks may let a waiting prompt in
         else:
             self.copies[req.request_id] = request.arrival
 
@@ -223,7 +222,6 @@ class PrefillService(Worker):
     async def _free(self, request_id: str) -> None:
         self._forget(request_id)
         await self.host.call(self.engine.release, request_id)
-        self.host.wake()  # freed blocks may let waiting prompts in
 
     async def _on_release(self, msg: Msg) -> None:
         """The decode instance has the KV: keep it the retention more, then free it."""
@@ -242,7 +240,6 @@ class PrefillService(Worker):
         if request_id in self.requests:
             self._forget(request_id)
             await self.host.call(self.engine.abort, request_id)
-            self.host.wake()  # its blocks may let a waiting prompt in
         self.arrived.pop(request_id, None)
 
     async def _on_heartbeat(self, msg: Msg) -> None:

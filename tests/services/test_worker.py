@@ -340,8 +340,9 @@ def full_prefill_engine() -> Engine:
 
 def run_stalled(engine: Engine, frees: bool, poll_s: float = 0.25) -> tuple[int, float]:
     """The host stepping `engine`, stalled: with `frees`, its on_stalled frees a parked
-    request; else, after a second, a parked request is freed and the host woken. How many
-    steps it tried in that second, and how long the waiting prompt took from then."""
+    request; else, after a second, a parked request is freed through the host (which wakes
+    it). How many steps it tried in that second, and how long the waiting prompt took from
+    then."""
     host, tries, outputs = EngineHost(engine), [0], []
     step = engine.step
 
@@ -361,8 +362,7 @@ def run_stalled(engine: Engine, frees: bool, poll_s: float = 0.25) -> tuple[int,
         loop = asyncio.create_task(host.run(on_outputs, on_stalled, stalled_poll_s=poll_s))
         if not frees:
             await asyncio.sleep(1.0)
-            await host.call(engine.release, "parked-0")
-            host.wake()
+            await host.call(engine.release, "parked-0")  # an engine call wakes the loop
         stalled, started = tries[0], time.monotonic()
         while not any(o.request_id == "waiting" for o in outputs):
             await asyncio.sleep(0.005)
