@@ -62,7 +62,7 @@ class Prefill:
 
     async def _lookup(self, request_id: str, part: KvSpan | None) -> Any:
         buffer = await asyncio.to_thread(self._export, request_id, part)
-        return None if buffer is None else buffer.numpy()
+        return None if buffer is None else kv_transfer.wire(buffer)
 
     def _export(self, request_id: str, part: KvSpan | None) -> torch.Tensor | None:
         if part is None:
@@ -87,7 +87,8 @@ class Prefill:
         token = self.server.token(request_id)
         start = time.perf_counter()
         if whole:
-            self.run(self.client.pull(self.server.address, request_id, token, buffer.numpy()))
+            self.run(self.client.pull(self.server.address, request_id, token,
+                                         kv_transfer.wire(buffer)))
         else:
             self.run(pull_pieces(self.client, request_id, token, self.sources,
                                  KvSpan.whole(self.engine.model_config), buffer))

@@ -169,6 +169,14 @@ def _span(part: Any) -> KvSpan | None:
     return KvSpan(range(l0, l1), range(h0, h1))
 
 
+def wire(buffer: torch.Tensor) -> Any:
+    """A contiguous tensor as UCX sends or receives it: its bytes (numpy's on the CPU, which
+    has no bfloat16; the tensor itself on a GPU, as a byte array, so no dtype needs a
+    typestr that an older torch lacks)."""
+    raw = buffer.view(torch.uint8)
+    return raw.numpy() if raw.device.type == "cpu" else raw
+
+
 def interface_ipv4(interface: str) -> str | None:
     """The interface's (primary) IPv4 address, or None if it has none."""
     request = struct.pack("256s", interface.encode()[:15])
@@ -366,8 +374,7 @@ async def pull_pieces(client: KvClient, request_id: str, token: str,
 
     async def pull(address: str, part: KvSpan, view: torch.Tensor, into: torch.Tensor
                    ) -> None:
-        await client.pull(address, request_id, token,
-                          into.numpy() if into.device.type == "cpu" else into, part)
+        await client.pull(address, request_id, token, wire(into), part)
         if into is not view:
             view.copy_(into)
 

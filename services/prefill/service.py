@@ -25,7 +25,7 @@ from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.parallel.sharding import KvSpan
 from shared.engine.request import Request
-from shared.kv_transfer import KvServer, stop_notifier_thread
+from shared.kv_transfer import KvServer, stop_notifier_thread, wire
 from shared.messages import (
     KvReady,
     KvSource,
@@ -82,10 +82,9 @@ class PrefillService(Worker):
         buffer = self.engine.export_part(request_id, part)
         if buffer is None:
             return None
-        if buffer.device.type == "cpu":
-            return buffer.numpy()
-        torch.cuda.current_stream(buffer.device).synchronize()  # the copy is asynchronous
-        return buffer
+        if buffer.device.type == "cuda":
+            torch.cuda.current_stream(buffer.device).synchronize()  # the copy is asynchronous
+        return wire(buffer)
 
     def subscriptions(self) -> dict[str, Callable[[Msg], Awaitable[None]]]:
         """Listen for pulls (each rank on a listener of its own, under rank 0's key; before

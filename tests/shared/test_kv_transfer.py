@@ -18,29 +18,32 @@ import torch
 
 from shared.engine.config import LLAMA_SHAPES
 from shared.engine.kv_cache import KVCache
+from shared.engine.parallel.sharding import KvSpan
 from shared.kv_transfer import (
     KvClient,
     KvServer,
     TransferError,
     interface_ipv4,
     net_device,
+    pull_pieces,
     stop_notifier_thread,
+    wire,
 )
 
 CFG = LLAMA_SHAPES["tiny"]
 SOURCE_BLOCKS = [5, 2, 9]
 
 
-def pool(seed: int) -> KVCache:
-    kv = KVCache(CFG, 16, 4, torch.float32, torch.device("cpu"))
+def pool(seed: int, dtype: torch.dtype = torch.float32) -> KVCache:
+    kv = KVCache(CFG, 16, 4, dtype, torch.device("cpu"))
     kv.data.copy_(torch.randn(kv.data.shape, generator=torch.Generator().manual_seed(seed)))
     return kv
 
 
-def serve(ports: Any, stop: Any) -> None:
+def serve(ports: Any, stop: Any, dtype: torch.dtype = torch.float32) -> None:
     """The prefill side, in its own process."""
-    kv = pool(seed=1)
-    exported = {"req-1": kv.export_blocks(SOURCE_BLOCKS).numpy()}
+    kv = pool(seed=1, dtype=dtype)
+    exported = {"req-1": wire(kv.export_blocks(SOURCE_BLOCKS))}
 
     async def lookup(request_id: str, part: Any) -> Any:
         return exported.get(request_id)
@@ -58,10 +61,11 @@ def serve(ports: Any, stop: Any) -> None:
 
 
 @pytest.fixture
-def server_port() -> Any:
+def server_port(request: pytest.FixtureRequest) -> Any:
+    dtype = getattr(request, "param", torch.float32)
     ctx = mp.get_context("spawn")
     ports, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=serve, args=(ports, stop), daemon=True)
+    proc = ctx.Process(target=serve, args=(ports, stop, dtype), daemon=True)
     proc.start()
     port, token, unknown_token = ports.get(timeout=120)
     yield port, token, unknown_token, ports, stop, proc.pid
@@ -93,6 +97,27 @@ def test_pull_moves_blocks_between_processes(server_port: Any) -> None:
     assert torch.equal(decode.export_blocks(target), expected)
     stop.set()
     assert ports.get(timeout=30) == expected.nbytes  # the server counted what it sent
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("server_port", [torch.bfloat16], indirect=True)
+def test_a_bfloat16_pool_moves_as_its_bytes(server_port: Any) -> None:
+    """numpy has no bfloat16 (and an older torch gives it no CUDA typestr): both sides hand
+    UCX the blocks' bytes, the way the services do."""
+    port, token, _, ports, stop, _ = server_port
+    expected = pool(seed=1, dtype=torch.bfloat16).export_blocks(SOURCE_BLOCKS)
+    buffer = torch.zeros_like(expected)
+
+    async def main() -> None:
+        client = KvClient()
+        assert await pull_pieces(client, "req-1", token, [(f"127.0.0.1:{port}",
+                                 KvSpan.whole(CFG))], KvSpan.whole(CFG), buffer) == 1
+        await client.close()
+
+    asyncio.run(main())
+    assert buffer.dtype == torch.bfloat16 and torch.equal(buffer, expected)
+    stop.set()
+    assert ports.get(timeout=30) == expected.nbytes
 
 
 @pytest.mark.timeout(180)

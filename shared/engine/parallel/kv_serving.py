@@ -190,11 +190,13 @@ class RankKv:
         return await asyncio.to_thread(self._export, request_id, part)
 
     def _export(self, request_id: str, part: KvSpan | None) -> Any:
+        from shared import kv_transfer
+
         with self.parked.holding(request_id) as blocks:
             if blocks is None:
                 return None
             buffer = export_part(self.kv, blocks, self.span, part)
-        return None if buffer is None else buffer.numpy()
+        return None if buffer is None else kv_transfer.wire(buffer)
 
     def _moved(self, pulls: int, nbytes: int) -> None:
         self.store.add(MOVED_BYTES, nbytes)
