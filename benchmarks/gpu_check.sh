@@ -5,12 +5,16 @@
 #      the KV moved between a prefill and a decode engine);
 #   2. `distserve bench engine` on a random-weight Llama-3-8B shape (bfloat16) against HF;
 #   3. `distserve profile` of that shape: the latency model the planner plans with;
-#   4. benchmarks/gpu_step_profile.py: where a decode step's time goes (kernels vs the rest).
+#   4. benchmarks/gpu_step_profile.py: where a decode step's time goes (kernels vs the rest);
+#   5. benchmarks/kv_round_trip.py: a request's KV pulled over UCX between two processes,
+#      GPU memory to GPU memory, then staged through the host (UCX_TLS=^cuda_ipc): checked
+#      bit for bit and by the greedy tokens decoded on it; UCX's protocol choice logged.
+#      Needs ucxx (ucxx-cu13 and its libraries) besides the rest.
 # Needs only torch and transformers besides this repo's own light dependencies (no model
 # files): run it where $PYTHON (default python3) has a CUDA torch. Logs and the profile go
 # to $OUT (else runs/gpu-check).
-# Usage: bash benchmarks/gpu_check.sh [tests] [bench] [profile] [steps]
-# (default: all four); SHAPE (default llama-3-8b) and DEVICE (default cuda) choose the model.
+# Usage: bash benchmarks/gpu_check.sh [tests] [bench] [profile] [steps] [kv]
+# (default: the first four); SHAPE (default llama-3-8b) and DEVICE (default cuda) choose the model.
 set -u
 out=${OUT:-runs/gpu-check}
 mkdir -p "$out"
@@ -62,4 +66,17 @@ if [[ $parts == *" steps "* ]]; then
 echo "== where a decode step's time goes, $shape"
 timeout 150 "$py" benchmarks/gpu_step_profile.py --model "$shape" --device "$device" \
     --batches 1 32 --context 512 2>&1 | tee "$out/step_profile.txt"
+fi
+if [[ $parts == *" kv "* ]]; then
+for tls in default "^cuda_ipc"; do
+    name=$([[ $tls == default ]] && echo gpu || echo staged)
+    echo "== KV over UCX between two processes, $shape, UCX_TLS=$tls"
+    ( [[ $tls == default ]] || export UCX_TLS=$tls
+      UCX_PROTO_INFO=y timeout 170 "$py" benchmarks/kv_round_trip.py --model "$shape" \
+          --device "$device" --lengths 128 512 2048 --pulls 8 --tokens 8 --kv-cache-mb 8192 \
+          >"$out/kv_$name.log" 2>&1; echo "exit $?" >>"$out/kv_$name.log" )
+    grep -vE '^(\[|\+|\|  |\| ucp)' "$out/kv_$name.log" | tail -14  # UCX's tables aside
+    grep -E "cuda_ipc|cuda_copy|rndv|posix|cma|tcp" "$out/kv_$name.log" | sort | uniq -c \
+        | sort -rn | head -12
+done
 fi
