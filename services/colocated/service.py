@@ -19,30 +19,37 @@ from shared.messages import PrefillRequest
 class ColocatedService(Worker):
     role = "colocated"
     engine_role = Role.COLOCATED
-    known: set[str]
+    known: dict[str, int]  # request -> the newest attempt that came here, until it ends
 
     def subscriptions(self) -> dict[str, Callable[[Msg], Awaitable[None]]]:
-        self.known = set()
+        self.known = {}
         return {subjects.prefill(self.id): self._on_request, subjects.CANCEL_ALL: self._on_cancel}
 
     async def _on_request(self, msg: Msg) -> None:
         req = parse(msg, PrefillRequest)
-        self.known.add(req.request_id)  # before the engine takes it in: a cancel aborts it
+        if req.attempt < self.known.get(req.request_id, -1):
+            return  # a newer attempt came first: this one is stale
+        self.known[req.request_id] = req.attempt  # before the engine takes it in
         self.take_in(self._admit(req))
 
     async def _admit(self, req: PrefillRequest) -> None:
-        if await self.admit(req) is None:
-            self.known.discard(req.request_id)
+        if await self.admit(req) is None and self.known.get(req.request_id) == req.attempt:
+            del self.known[req.request_id]
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             await self.stream(out)
             if out.finished:
-                self.known.discard(out.request_id)
+                self.known.pop(out.request_id, None)
 
     async def _on_cancel(self, msg: Msg) -> None:
+        """Abort the request if the cancel covers the newest attempt that came here: a
+        cancel naming an older attempt (the gateway moved it away, then back here) leaves
+        the newer one be; the engine replaces the older copy with it."""
         request_id = self.cancel_for_me(msg)
-        if request_id is not None and request_id in self.known:
-            self.known.discard(request_id)
-            self.attempts.pop(request_id, None)
-            await self.host.call(self.engine.abort, request_id)
+        if request_id is None or request_id not in self.known or \
+                not self.cancelled.covers(request_id, self.known[request_id]):
+            return
+        del self.known[request_id]
+        self.attempts.pop(request_id, None)
+        await self.host.call(self.engine.abort, request_id)

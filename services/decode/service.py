@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -69,7 +70,7 @@ class DecodeService(Worker):
         super().__init__(settings, engine)
         self.kv_client = KvClient(timeout_s=self.settings.kv_pull_timeout_s)
         self.pending: deque[KvReady] = deque()
-        self.pulling: dict[str, asyncio.Task[None]] = {}  # request -> its pull
+        self.pulling: dict[str, tuple[int, asyncio.Task[None]]] = {}  # request -> attempt, pull
         # ReleaseKv not yet acknowledged: its task -> the request
         self.releasing: dict[asyncio.Task[None], str] = {}
         self.room = asyncio.Event()  # set when something may have become pullable
@@ -97,7 +98,7 @@ class DecodeService(Worker):
         return [self._pull_forever()]
 
     async def closing(self) -> None:
-        for task in [*self.pulling.values(), *self.releasing]:
+        for task in [*(pull for _, pull in self.pulling.values()), *self.releasing]:
             task.cancel()
         await self.kv_client.close()
         stop_notifier_thread()
@@ -144,8 +145,8 @@ class DecodeService(Worker):
                 self.pending = deque(r for r in self.pending if id(r) not in taken)
                 for ready, grant in pairs:  # no await before all are in `pulling`
                     if id(ready) in queued:
-                        self.pulling[ready.request_id] = asyncio.create_task(
-                            self._pull(ready, grant))
+                        self.pulling[ready.request_id] = (ready.attempt, asyncio.create_task(
+                            self._pull(ready, grant)))
                 for ready, grant in pairs:
                     if id(ready) not in queued:  # freed in a task: admission goes on
                         freeing = asyncio.create_task(self._free(grant))
@@ -267,7 +268,7 @@ class DecodeService(Worker):
                 wait_s = min(2 * wait_s, most_s)
 
     def _pulled(self, request_id: str) -> None:
-        if self.pulling.get(request_id) is asyncio.current_task():
+        if self.pulling.get(request_id, (0, None))[1] is asyncio.current_task():
             del self.pulling[request_id]
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -280,19 +281,29 @@ class DecodeService(Worker):
                        instance=self.id, finish_reason=out.finish_reason or "error")
 
     async def _on_cancel(self, msg: Msg) -> None:
+        """Drop each copy of the request the cancel covers, wherever it is (queued, being
+        pulled, decoding): all of them when the client left; when the gateway moved the
+        request away, those of the attempts up to the one it names, not a later attempt that
+        came back here meanwhile (the cancel and the new announcement travel apart)."""
         request_id = self.cancel_for_me(msg)
         if request_id is None:
             return
-        self.attempts.pop(request_id, None)
-        pull = self.pulling.pop(request_id, None)
-        if pull is not None:
+        stale = functools.partial(self.cancelled.covers, request_id)
+        for ready in [r for r in self.pending if r.request_id == request_id and
+                      stale(r.attempt)]:
+            self.pending.remove(ready)
+            self._release(ready)
+        attempt, pull = self.pulling.get(request_id, (0, None))
+        if pull is not None and stale(attempt):
+            del self.pulling[request_id]
             pull.cancel()  # its blocks are freed as it ends
-        for ready in list(self.pending):
-            if ready.request_id == request_id:
-                self.pending.remove(ready)
-                self.traces.pop(request_id, None)
-                self._release(ready)
-                return
-        if await self.host.call(self.engine.abort, request_id):
+        if request_id in self.attempts and stale(self.attempts[request_id]):
+            del self.attempts[request_id]
+            if await self.host.call(self.engine.abort, request_id):
+                self.room.set()
+        if not self._holds(request_id):
             self.traces.pop(request_id, None)
-            self.room.set()
+
+    def _holds(self, request_id: str) -> bool:
+        return request_id in self.pulling or request_id in self.attempts or any(
+            r.request_id == request_id for r in self.pending)

@@ -109,7 +109,10 @@ class PrefillService(Worker):
 
     async def _on_request(self, msg: Msg) -> None:
         req = parse(msg, PrefillRequest)
-        if req.request_id in self.requests:  # an older attempt of it is still here
+        held = self.requests.get(req.request_id)
+        if held is not None and req.attempt < held.attempt:
+            return  # a newer attempt came first: this one is stale
+        if held is not None:  # an older attempt of it is still here
             self._forget(req.request_id)
         self.requests[req.request_id] = req
         self.arrived[req.request_id] = (time.time(), dict(msg.headers or {}))
@@ -236,7 +239,10 @@ class PrefillService(Worker):
         request_id = self.cancel_for_me(msg)
         if request_id is None:
             return
-        if request_id in self.requests:
+        req = self.requests.get(request_id)
+        if req is not None and not self.cancelled.covers(request_id, req.attempt):
+            return  # it names an older attempt than the one here now: that one stays
+        if req is not None:
             self._forget(request_id)
             await self.host.call(self.engine.abort, request_id)
         self.arrived.pop(request_id, None)

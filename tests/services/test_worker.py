@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import TypeVar
 
 import pytest
@@ -137,7 +138,7 @@ def test_a_failed_step_fails_its_request_and_the_worker_serves_on(
         good = await send_and_wait(nc, "colocated-y", "good")
         assert good[-1].finish_reason == "length" and all(c.error is None for c in good)
         assert sum(len(c.token_ids) for c in good) == 4
-        assert not running.done() and worker.known == set()
+        assert not running.done() and worker.known == {}
         assert engine.blocks.num_free == engine.blocks.num_blocks
         await stop_serving(running, stop, registry, nc, [])
 
@@ -163,6 +164,13 @@ def tiny(kind: type[W], instance_id: str, nats_url: str, redis_url: str) -> W:
     settings = WorkerSettings(instance_id=instance_id, nats_url=nats_url, redis_url=redis_url,
                               model="tiny", heartbeat_s=0.1)
     return kind(settings, Engine(EngineConfig(model="tiny", device="cpu")))
+
+
+async def until(condition: Callable[[], bool], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        await asyncio.sleep(0.01)
 
 
 async def until_idle(worker: ColocatedService | DecodeService, timeout: float = 30) -> None:
@@ -205,7 +213,40 @@ def test_a_request_whose_cancel_overtakes_it_never_runs(nats_url: str, redis_url
         await until_idle(worker)
         assert seen == []  # none ran: not a token of any
         assert "first" in worker.cancelled and "during" in worker.cancelled
-        assert worker.known == set() and worker.attempts == {}
+        assert worker.known == {} and worker.attempts == {}
+        await stop_serving(running, stop, registry, nc, subs)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_late_cancel_of_an_older_attempt_leaves_the_newer_one_running(
+        nats_url: str, redis_url: str) -> None:
+    """The gateway moved a request away from this worker (a cancel naming attempt 0 here)
+    and later back (attempt 1): the cancel and the new attempt travel apart, so the cancel
+    can come second. It drops attempt 0 only; attempt 1 runs to its end (it used to be
+    aborted, the client's stream stalled until the gateway moved it once more). An older
+    attempt arriving after a newer one is dropped as stale, not run over it."""
+    worker = tiny(ColocatedService, "colocated-l", nats_url, redis_url)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        running, registry = await serving(worker, stop, redis_url)
+        nc = await connect(nats_url, "test")
+        seen, subs = await chunks_of(nc, ["back"])
+        for attempt in (1, 0):  # the newer first; the older, stale, after it
+            await publish(nc, subjects.prefill("colocated-l"), PrefillRequest(
+                request_id="back", prompt_ids=[1, 2, 3], attempt=attempt,
+                sampling=Sampling(max_tokens=48, ignore_eos=True), arrival_ts=time.time()))
+        await until(lambda: worker.attempts.get("back") == 1)  # the engine has attempt 1
+        await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="back",
+                                                      instance="colocated-l", attempt=0))
+        await until(lambda: worker.cancelled.covers("back", 0))
+        await until_idle(worker)
+        assert seen and seen[-1].finish_reason == "length"  # not aborted
+        assert {c.attempt for c in seen} == {1}  # attempt 0 never ran
+        assert sum(len(c.token_ids) for c in seen) == 48
+        assert not worker.cancelled.covers("back", 1) and worker.known == {}
         await stop_serving(running, stop, registry, nc, subs)
 
     asyncio.run(main())
@@ -234,7 +275,7 @@ def test_prompts_that_arrive_during_a_step_all_go_into_the_next(nats_url: str,
                 request_id=request_id, prompt_ids=list(range(1, 4 + i)),
                 sampling=Sampling(max_tokens=4, ignore_eos=True), arrival_ts=time.time()))
         deadline = time.monotonic() + 10
-        while worker.known != set(ids) and time.monotonic() < deadline:
+        while set(worker.known) != set(ids) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # every prompt handed over (or, before, the first)
         gate.set()
         await busy
