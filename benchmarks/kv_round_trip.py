@@ -25,7 +25,6 @@ import hashlib
 import multiprocessing as mp
 import statistics
 import sys
-import threading
 import time
 from typing import Any
 
@@ -87,18 +86,15 @@ def prefill_side(config: EngineConfig, lengths: list[int], pulls: int, tokens: i
 
     engine = Engine(config.with_scheduler(role=Role.PREFILL))
     device = engine.runner.device
-    lock = threading.Lock()
-
-    def export(request_id: str, part: KvSpan | None) -> Any:
-        with lock:  # as the service does: the copy, then synchronised before UCX reads it
-            buffer = engine.export_part(request_id, part)
-            if buffer is None:
-                return None
-            sync(device)
-        return kv_transfer.wire(buffer)
 
     async def lookup(request_id: str, part: KvSpan | None) -> Any:
-        return export(request_id, part)
+        """As the service does: the copy, synchronised before UCX reads it (every prompt is
+        parked before the first pull, so no step runs meanwhile)."""
+        buffer = engine.export_part(request_id, part)
+        if buffer is None:
+            return None
+        sync(device)
+        return kv_transfer.wire(buffer)
 
     parked = []
     for request_id, prompt in work:

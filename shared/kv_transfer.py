@@ -141,11 +141,13 @@ ucxx_connect.ThreadMode = _ThreadMode
 UCX_OPTIONS = {"TCP_TX_SEG_SIZE": "256k", "TCP_RX_SEG_SIZE": "256k"}
 
 
-def _start_ucx(**options: str) -> None:
+def _start_ucx(**options: str) -> bool:
     """Start UCX in this process with UCX_OPTIONS and `options` (the environment's UCX_*
-    variables take precedence), unless it has started already."""
-    if ucxx.core._ctx is None:
-        ucxx.init(options={**UCX_OPTIONS, **options}, env_takes_precedence=True)
+    variables take precedence), unless it has started already: whether it started now."""
+    if ucxx.core._ctx is not None:
+        return False
+    ucxx.init(options={**UCX_OPTIONS, **options}, env_takes_precedence=True)
+    return True
 
 
 HEADER_BYTES = 512
@@ -241,9 +243,8 @@ class KvServer:
         """Start UCX on the network device of `host` only (UCX_NET_DEVICES, when set, wins:
         e.g. to add an RDMA device), then listen. UCX must not have started yet in this
         process."""
-        if ucxx.core._ctx is not None:
+        if not _start_ucx(NET_DEVICES=net_device(self.host)):
             raise RuntimeError("UCX started in this process before its KV listener")
-        _start_ucx(NET_DEVICES=net_device(self.host))
         self._listener = ucxx.create_listener(self._serve, port=self.port)
         self.port = self._listener.port
 
