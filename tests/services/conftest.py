@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -54,3 +55,14 @@ def metrics(url: str, *names: str) -> dict[str, dict[str, float]]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return {name: {labels["instance"]: value for labels, value in scrape.samples(text, name)}
             for name in names}
+
+
+def metric_when(url: str, name: str, ok: Callable[[dict[str, float]], bool],
+                timeout: float = 20) -> dict[str, float]:
+    """A gauge's {instance: value} once `ok` holds of it, or its last reading after `timeout`:
+    the instances' figures travel in heartbeats (every 0.5 s), so they may lag what a client
+    has already been answered."""
+    deadline = time.monotonic() + timeout
+    while not ok(reading := metric(url, name)) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    return reading

@@ -16,7 +16,7 @@ import pytest
 
 from services.launcher import Stack
 from shared.engine.engine import Engine
-from tests.services.conftest import greedy, metric, metrics
+from tests.services.conftest import greedy, metric, metric_when, metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "smollm2-135m"
@@ -74,18 +74,14 @@ def test_concurrent_streams_across_instances(stack: Stack, engine: Engine) -> No
     assert len(logs) == 4
     assert all(("(int4 weights)" if name.startswith("decode") else "(auto weights)") in text
                for name, text in logs.items()), logs
-    # the counts travel in heartbeats (every 0.5 s), so both sides' may lag the streams (a CI
-    # run read 4 of 6 on both sides): read them until they agree and count every request, for
-    # a while
-    deadline = time.monotonic() + 20
-    while True:
-        after = metric(stack.url, "ds_kv_transfer_requests")
-        pulled = {i: after[i] - before.get(i, 0) for i in after if i.startswith("decode")}
-        served = {i: after[i] - before.get(i, 0) for i in after if i.startswith("prefill")}
-        settled = sum(served.values()) == sum(pulled.values()) >= len(PROMPTS)
-        if settled or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
+    # the counts may lag the streams (a CI run read 4 of 6 on both sides): read them until
+    # they agree and count every request, for a while
+    def since(after: dict[str, float], role: str) -> dict[str, float]:
+        return {i: after[i] - before.get(i, 0) for i in after if i.startswith(role)}
+
+    after = metric_when(stack.url, "ds_kv_transfer_requests", lambda a: sum(
+        since(a, "prefill").values()) == sum(since(a, "decode").values()) >= len(PROMPTS))
+    pulled, served = since(after, "decode"), since(after, "prefill")
     assert sum(pulled.values()) >= len(PROMPTS)  # every request's KV crossed over UCX
     assert len([i for i, n in pulled.items() if n > 0]) == 2  # both decode instances served
     assert sum(served.values()) == sum(pulled.values())
