@@ -10,10 +10,14 @@
 #      GPU memory to GPU memory, then staged through the host (UCX_TLS=^cuda_ipc): checked
 #      bit for bit and by the greedy tokens decoded on it; UCX's protocol choice logged.
 #      Needs ucxx (ucxx-cu13 and its libraries) besides the rest.
+#   6. the machine's CPU cores (the GPU hidden): tensor-parallel instances
+#      (gloo) of a random-weight Llama-3.2-1B shape, 4 threads a rank (more ranks, more
+#      cores); and `distserve bench engine` at 2 threads on SmolLM2-135M's
+#      shape (random weights: the GGUF does not travel), with its bandwidth bound.
 # Needs only torch and transformers besides this repo's own light dependencies (no model
 # files): run it where $PYTHON (default python3) has a CUDA torch. Logs and the profile go
 # to $OUT (else runs/gpu-check).
-# Usage: bash benchmarks/gpu_check.sh [tests] [bench] [profile] [steps] [kv]
+# Usage: bash benchmarks/gpu_check.sh [tests] [bench] [profile] [steps] [kv] [cpu]
 # (default: the first four); SHAPE (default llama-3-8b) and DEVICE (default cuda) choose the model.
 set -u
 out=${OUT:-runs/gpu-check}
@@ -79,4 +83,17 @@ for tls in default "^cuda_ipc"; do
     grep -E "cuda_ipc|cuda_copy|rndv|posix|cma|tcp" "$out/kv_$name.log" | sort | uniq -c \
         | sort -rn | head -12
 done
+fi
+if [[ $parts == *" cpu "* ]]; then
+( export CUDA_VISIBLE_DEVICES=
+  lscpu >"$out/lscpu.txt"; grep -E "Model name|^CPU\(s\)|NUMA node\(s\)" "$out/lscpu.txt"
+  echo "== tp on the CPU, llama-3.2-1b shape, 4 threads a rank"
+  timeout 200 "$py" benchmarks/tensor_parallel.py --model llama-3.2-1b --rank-threads 4 \
+      --configs 1x1 2x1 4x1 --lengths 256 --batches 1 8 --context 128 --repeats 2 \
+      --steps 4 --stream 0 --json "$out/tp_rank4.json" 2>&1 | grep -v Warning \
+      | tee "$out/tp_rank4.txt"
+  echo "== bench engine on the CPU, smollm2-135m-shape, 2 threads"
+  timeout 200 bash -c "py=$py; $(declare -f distserve_cmd); distserve_cmd bench_engine engine \
+      --model smollm2-135m-shape --device cpu --lengths 128 512 --batches 1 8 32 \
+      --context 512 --threads 2" 2>&1 | tee "$out/bench_engine_cpu.txt" )
 fi

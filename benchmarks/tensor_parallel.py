@@ -12,7 +12,12 @@ the hand-offs between stages (pp). A pipeline runs a micro-batch a stage at once
 step of batch B is a round of micro-batches of B / pp each (timed until every request has a
 token more), and `prefill N x L` times N prompts of the first length through the pipeline,
 one prompt a micro-batch. A config ending in /seq runs the same pipeline a step at a time
-(its stages one after another), to show what the micro-batches win."""
+(its stages one after another), to show what the micro-batches win. With --rank-threads N
+each rank gets N threads of its own instead (an instance of r ranks: r x N), so more ranks
+bring more cores, as devices do: on a host with the cores for it.
+
+    .venv/bin/python benchmarks/tensor_parallel.py --model llama-3.2-1b --rank-threads 4 \
+        --configs 1x1 2x1 4x1 1x2 --lengths 512"""
 
 from __future__ import annotations
 
@@ -68,23 +73,32 @@ class PrefillStream:
         return (time.perf_counter() - started) * 1e3
 
 
-def measure(config: EngineConfig, args: argparse.Namespace, one_at_a_time: bool
-            ) -> dict[str, Any]:
+def measure(config: EngineConfig, args: argparse.Namespace, one_at_a_time: bool,
+            say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Each step's figures, each also said as soon as it is measured (a run cut short by a
+    time limit keeps what it measured)."""
+    started = time.perf_counter()
     engine = Engine(config)
+    say(f"  loaded in {time.perf_counter() - started:.1f} s")
     if one_at_a_time:  # a step's stages one after another, no micro-batches under way
         engine.runner.depth = engine.scheduler.micro_batches = 1
     try:
         results: dict[str, Any] = {}
+
+        def record(step: str, figures: tuple[float, float]) -> None:
+            results[step] = figures
+            say(f"  {step}: {figures[0]:.1f} ms, all-reduce {figures[1]:.1f} ms")
+
         for n in args.lengths:
-            results[f"prefill {n}"] = timed(engine, EnginePrefill(engine, n), args.repeats)
+            record(f"prefill {n}", timed(engine, EnginePrefill(engine, n), args.repeats))
         for b in args.batches:
             decode = EngineDecode(engine, b, args.context, args.steps + 1)
-            results[f"decode b{b} ctx {args.context}"] = timed(engine, decode, args.steps)
+            record(f"decode b{b} ctx {args.context}", timed(engine, decode, args.steps))
             decode.close()
         if args.stream:
             length = args.lengths[0]
-            results[f"prefill {args.stream} x {length}"] = timed(
-                engine, PrefillStream(engine, args.stream, length), args.repeats)
+            record(f"prefill {args.stream} x {length}",
+                   timed(engine, PrefillStream(engine, args.stream, length), args.repeats))
         return results
     finally:
         engine.close()
@@ -99,6 +113,8 @@ def main() -> None:
                    help="instances to measure, tp x pp (the first is the baseline); "
                         "TPxPP/seq: the pipeline a step at a time")
     p.add_argument("--threads", type=int, default=2, help="the instance's, split by its ranks")
+    p.add_argument("--rank-threads", type=int, default=0, metavar="N",
+                   help="instead, N threads a rank: an instance of more ranks has more cores")
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     p.add_argument("--context", type=int, default=512)
@@ -114,12 +130,15 @@ def main() -> None:
         shape, _, how = name.partition("/")
         tp, pp = (int(n) for n in shape.split("x"))
         console.print(f"tp {tp} x pp {pp}{' a step at a time' if how == 'seq' else ''} ...")
-        config = EngineConfig(model=args.model, tp=tp, pp=pp, threads=args.threads,
+        threads = args.rank_threads * tp * pp if args.rank_threads else args.threads
+        config = EngineConfig(model=args.model, tp=tp, pp=pp, threads=threads,
                               kv_cache_bytes=2 << 30).with_scheduler(
             max_batch_tokens=max(args.lengths), max_running=max(args.batches))
-        figures[name] = measure(config, args, how == "seq")
+        figures[name] = measure(config, args, how == "seq", console.print)
     base = args.configs[0]
-    table = Table(title=f"{args.model}, {args.threads} threads per instance (ms; tp x pp)")
+    cores = f"{args.rank_threads} threads a rank" if args.rank_threads else \
+        f"{args.threads} threads an instance"
+    table = Table(title=f"{args.model}, {cores} (ms; tp x pp)")
     table.add_column("step")
     for name in args.configs:
         table.add_column(name, justify="right")
@@ -138,7 +157,7 @@ def main() -> None:
     console.print(table)
     if args.json:
         args.json.write_text(json.dumps({
-            "model": args.model, "threads": args.threads,
+            "model": args.model, "threads": args.threads, "rank_threads": args.rank_threads,
             "figures": {name: {step: {"ms": ms, "all_reduce_ms": r}
                                for step, (ms, r) in f.items()}
                         for name, f in figures.items()}}, indent=1))

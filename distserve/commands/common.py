@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from shared.engine.config import WEIGHT_FORMATS, EngineConfig
+from shared.engine.config import LLAMA_SHAPES, WEIGHT_FORMATS, EngineConfig
 
 
 def positive_int(text: str) -> int:
@@ -20,7 +20,8 @@ def add_engine_args(parser: argparse.ArgumentParser, tp: bool = True) -> None:
     group.add_argument("--model", default="smollm2-135m",
                        help="built-in model name, path to a .gguf, a Hugging Face model "
                             "directory (Llama, Mistral, Qwen2, Qwen3), or a Llama shape with "
-                            "random weights (llama-2-7b, llama-3-8b, tiny); default: %(default)s")
+                            f"random weights ({', '.join(LLAMA_SHAPES)}); "
+                            "default: %(default)s")
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     group.add_argument("--dtype", default="auto",
                        choices=["auto", "float32", "bfloat16", "float16"],

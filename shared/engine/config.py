@@ -103,6 +103,19 @@ LLAMA_SHAPES: dict[str, ModelConfig] = {
         num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
         max_context=8192, tie_embeddings=False,
     ),
+    # Llama-3.2-1B's shape (its long-context RoPE scaling aside): 8 KV heads for tp 2, 4 and
+    # 8 at a size a many-core CPU runs in seconds.
+    "llama-3.2-1b": ModelConfig(
+        name="llama-3.2-1b", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,
+        max_context=8192, tie_embeddings=True,
+    ),
+    # SmolLM2-135M's shape with random weights, for its figures where its GGUF cannot go
+    "smollm2-135m-shape": ModelConfig(
+        name="smollm2-135m-shape", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+        max_context=8192, tie_embeddings=True,
+    ),
     # Qwen2.5-0.5B's shape (2 KV heads: tp 2 splits it), for tensor-parallel figures on a CPU.
     "qwen2.5-0.5b": ModelConfig(
         name="qwen2.5-0.5b", vocab_size=151936, hidden_size=896, intermediate_size=4864,

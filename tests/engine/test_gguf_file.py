@@ -3,6 +3,7 @@ quantized tensors (a file gguf-py writes), and the built-in model's file."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import gguf
@@ -10,6 +11,8 @@ import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as Q
 
+from shared.engine import loader
+from shared.engine.config import LLAMA_SHAPES
 from shared.engine.gguf_file import GgufFile
 from shared.engine.gguf_loader import resolve_gguf_path
 
@@ -85,3 +88,13 @@ def test_a_file_that_is_not_gguf_or_is_cut_short_is_refused(tmp_path: Path) -> N
     writer.close()
     with pytest.raises(ValueError, match="not a power of two"):
         GgufFile(path)
+
+
+def test_the_smollm2_shape_is_the_built_in_models_shape() -> None:
+    """`smollm2-135m-shape` stands in for the built-in GGUF where the file cannot go (a lent
+    machine): its step times hold for the model only if the shapes are the same."""
+    built_in = loader.read_config("smollm2-135m")
+    shape = LLAMA_SHAPES["smollm2-135m-shape"]
+    assert dataclasses.replace(shape, name=built_in.name) == dataclasses.replace(
+        built_in, rms_norm_eps=shape.rms_norm_eps)
+    assert shape.rms_norm_eps == pytest.approx(built_in.rms_norm_eps)
