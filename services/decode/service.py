@@ -109,8 +109,15 @@ class DecodeService(Worker):
                 self.cancelled.covers(ready.request_id, ready.attempt):
             self._release(ready)  # a stale announcement (moved on, or cancelled): drop it
             return
+        # a failover brought the request back here: an older attempt still queued or being
+        # pulled is superseded (one decoding already, the engine replaces on import)
         for older in [r for r in self.pending if r.request_id == ready.request_id]:
-            self.pending.remove(older)  # a failover brought the request back here
+            self.pending.remove(older)
+            self._release(older)
+        attempt, pull = self.pulling.get(ready.request_id, (0, None))
+        if pull is not None and attempt < ready.attempt:
+            del self.pulling[ready.request_id]
+            pull.cancel()  # its blocks are freed and its KV released as it ends
         self.traces[ready.request_id] = (dict(msg.headers or {}), time.time())
         self.pending.append(ready)
         self.room.set()

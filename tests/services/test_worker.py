@@ -332,6 +332,65 @@ def test_a_decode_instance_releases_the_kv_of_a_request_cancelled_before_its_ann
     asyncio.run(main())
 
 
+@pytest.mark.timeout(120)
+def test_a_newer_attempt_announced_during_an_older_ones_pull_supersedes_it(
+        nats_url: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway moved a request away while this instance still pulled its KV (attempt
+    0), then back (attempt 1). The older pull is cancelled when the newer is announced, its
+    blocks freed and its KV released; only attempt 1 decodes. (Both pulls used to run, the
+    newer one's task overwriting the older's in `pulling`: whichever imported last ran, a
+    cancel of attempt 0 could no longer reach its pull, and its blocks were freed by no one
+    but its own end.) The transfer is held by hand here, as a slow prefill host would."""
+    worker = tiny(DecodeService, "decode-n", nats_url, redis_url)
+    held = asyncio.Event()
+    pulls: list[str] = []
+
+    async def pull(client: object, request_id: str, token: str, *rest: object) -> None:
+        pulls.append(token)
+        if token == "t0":
+            held.set()
+            await asyncio.Event().wait()  # never lands: cancelled, or the test fails
+
+    monkeypatch.setattr("services.decode.service.pull_pieces", pull)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        running, registry = await serving(worker, stop, redis_url)
+        nc = await connect(nats_url, "test")
+        released: asyncio.Queue[ReleaseKv] = asyncio.Queue()
+
+        async def on_release(msg: Msg) -> None:
+            released.put_nowait(parse(msg, ReleaseKv))
+            await msg.respond(b"")
+
+        await nc.subscribe(subjects.release("prefill-slow"), cb=on_release)
+        seen, subs = await chunks_of(nc, ["back"])
+        free = worker.engine.blocks.num_free
+        for attempt in (0, 1):
+            await publish(nc, subjects.decode("decode-n"), KvReady(
+                request_id="back", prefill_instance="prefill-slow", token=f"t{attempt}",
+                sources=[KvSource(address="127.0.0.1:9", layers=(0, 2), kv_heads=(0, 2))],
+                num_blocks=1, prompt_ids=[1, 2, 3], output_ids=[4], computed=3,
+                sampling=Sampling(max_tokens=16, ignore_eos=True), arrival_ts=time.time(),
+                first_token_ts=time.time(), attempt=attempt))
+            if attempt == 0:
+                await asyncio.wait_for(held.wait(), 30)  # attempt 0's pull under way
+        first = await asyncio.wait_for(released.get(), 30)
+        second = await asyncio.wait_for(released.get(), 30)
+        assert {(first.request_id, first.attempt), (second.request_id, second.attempt)} == {
+            ("back", 0), ("back", 1)}
+        await until_idle(worker)
+        assert pulls == ["t0", "t1"]
+        assert seen and seen[-1].finish_reason == "length"
+        assert {c.attempt for c in seen} == {1}  # attempt 0 never decoded
+        assert sum(len(c.token_ids) for c in seen) == 15  # all but the first, sampled before
+        assert not worker.pulling and not worker.freeing
+        assert worker.engine.blocks.num_free == free  # neither pull's blocks leaked
+        await stop_serving(running, stop, registry, nc, subs)
+
+    asyncio.run(main())
+
+
 def spin(seconds: float) -> None:
     until = time.monotonic() + seconds
     while time.monotonic() < until:
