@@ -55,6 +55,7 @@ class Grant:
     buffer: torch.Tensor
     ranks: concurrent.futures.Future[bool] | None = None
     importing: asyncio.Future[None] | None = None  # rank 0's part into its blocks
+    started: bool = False  # its pull task ran: a task cancelled before never runs its body
 
 
 def _sources(ready: KvReady) -> list[tuple[str, KvSpan]]:
@@ -105,10 +106,12 @@ class DecodeService(Worker):
 
     async def _on_kv_ready(self, msg: Msg) -> None:
         ready = parse(msg, KvReady)
-        if ready.attempt < self.attempts.get(ready.request_id, -1) or \
-                self.cancelled.covers(ready.request_id, ready.attempt):
+        newest = self._newest(ready.request_id)
+        if ready.attempt < newest or self.cancelled.covers(ready.request_id, ready.attempt):
             self._release(ready)  # a stale announcement (moved on, or cancelled): drop it
             return
+        if ready.attempt == newest:
+            return  # heard twice: the copy here pulls it
         # a failover brought the request back here: an older attempt still queued or being
         # pulled is superseded (one decoding already, the engine replaces on import)
         for older in [r for r in self.pending if r.request_id == ready.request_id]:
@@ -152,8 +155,9 @@ class DecodeService(Worker):
                 self.pending = deque(r for r in self.pending if id(r) not in taken)
                 for ready, grant in pairs:  # no await before all are in `pulling`
                     if id(ready) in queued:
-                        self.pulling[ready.request_id] = (ready.attempt, asyncio.create_task(
-                            self._pull(ready, grant)))
+                        task = asyncio.create_task(self._pull(ready, grant))
+                        task.add_done_callback(functools.partial(self._unstarted, ready, grant))
+                        self.pulling[ready.request_id] = (ready.attempt, task)
                 for ready, grant in pairs:
                     if id(ready) not in queued:  # freed in a task: admission goes on
                         freeing = asyncio.create_task(self._free(grant))
@@ -184,7 +188,18 @@ class DecodeService(Worker):
             torch.cuda.current_stream(device).synchronize()
         return granted
 
+    def _unstarted(self, ready: KvReady, grant: Grant, task: asyncio.Task[None]) -> None:
+        """A pull cancelled before its task first ran (superseded or cancelled in the same
+        turn of the loop) ran none of its body: free its blocks and release its KV here."""
+        if not grant.started:
+            freeing = asyncio.create_task(self._free(grant))
+            self.freeing.add(freeing)
+            freeing.add_done_callback(self.freeing.discard)
+            self._pulled(ready.request_id, task)
+            self._release(ready)
+
     async def _pull(self, ready: KvReady, grant: Grant) -> None:
+        grant.started = True
         headers, announced = self.traces.pop(ready.request_id, ({}, time.time()))
         parent = context_from(headers)
         pull_start = time.time()
@@ -219,9 +234,11 @@ class DecodeService(Worker):
                                  ready.computed)
         except TransferError as e:
             log.warning("pull of %s failed: %s", ready.request_id, e)
+            self._pulled(ready.request_id)  # no cancel may cut its freeing short now
             await self._give_up(ready, grant, f"KV transfer failed: {e}")
         except Exception as e:  # a bug: still, the blocks must not leak nor the request hang
             log.exception("import of %s failed", ready.request_id)
+            self._pulled(ready.request_id)
             await self._give_up(ready, grant, f"KV import failed: {e}")
         except asyncio.CancelledError:  # the request was cancelled (or the worker stops)
             await self._free(grant)
@@ -274,8 +291,9 @@ class DecodeService(Worker):
                 await asyncio.sleep(wait_s)
                 wait_s = min(2 * wait_s, most_s)
 
-    def _pulled(self, request_id: str) -> None:
-        if self.pulling.get(request_id, (0, None))[1] is asyncio.current_task():
+    def _pulled(self, request_id: str, task: asyncio.Task[None] | None = None) -> None:
+        """`task` (the running one by default) no longer pulls the request."""
+        if self.pulling.get(request_id, (0, None))[1] is (task or asyncio.current_task()):
             del self.pulling[request_id]
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -310,6 +328,14 @@ class DecodeService(Worker):
                 self.room.set()
         if not self._holds(request_id):
             self.traces.pop(request_id, None)
+
+    def _newest(self, request_id: str) -> int:
+        """The newest attempt of the request this instance holds (queued, being pulled or
+        decoding), -1 for none."""
+        attempts = [r.attempt for r in self.pending if r.request_id == request_id]
+        if request_id in self.pulling:
+            attempts.append(self.pulling[request_id][0])
+        return max([*attempts, self.attempts.get(request_id, -1)])
 
     def _holds(self, request_id: str) -> bool:
         return request_id in self.pulling or request_id in self.attempts or any(

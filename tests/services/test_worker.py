@@ -340,7 +340,8 @@ def test_a_newer_attempt_announced_during_an_older_ones_pull_supersedes_it(
     blocks freed and its KV released; only attempt 1 decodes. (Both pulls used to run, the
     newer one's task overwriting the older's in `pulling`: whichever imported last ran, a
     cancel of attempt 0 could no longer reach its pull, and its blocks were freed by no one
-    but its own end.) The transfer is held by hand here, as a slow prefill host would."""
+    but its own end.) An announcement of attempt 0 that comes after attempt 1's is stale:
+    released, not pulled. The transfer is held by hand here, as a slow prefill host would."""
     worker = tiny(DecodeService, "decode-n", nats_url, redis_url)
     held = asyncio.Event()
     pulls: list[str] = []
@@ -366,21 +367,21 @@ def test_a_newer_attempt_announced_during_an_older_ones_pull_supersedes_it(
         await nc.subscribe(subjects.release("prefill-slow"), cb=on_release)
         seen, subs = await chunks_of(nc, ["back"])
         free = worker.engine.blocks.num_free
-        for attempt in (0, 1):
+        for attempt, token in ((0, "t0"), (1, "t1"), (0, "late")):  # the last one stale
             await publish(nc, subjects.decode("decode-n"), KvReady(
-                request_id="back", prefill_instance="prefill-slow", token=f"t{attempt}",
+                request_id="back", prefill_instance="prefill-slow", token=token,
                 sources=[KvSource(address="127.0.0.1:9", layers=(0, 2), kv_heads=(0, 2))],
                 num_blocks=1, prompt_ids=[1, 2, 3], output_ids=[4], computed=3,
                 sampling=Sampling(max_tokens=16, ignore_eos=True), arrival_ts=time.time(),
                 first_token_ts=time.time(), attempt=attempt))
             if attempt == 0:
                 await asyncio.wait_for(held.wait(), 30)  # attempt 0's pull under way
-        first = await asyncio.wait_for(released.get(), 30)
-        second = await asyncio.wait_for(released.get(), 30)
-        assert {(first.request_id, first.attempt), (second.request_id, second.attempt)} == {
-            ("back", 0), ("back", 1)}
+        releases = [await asyncio.wait_for(released.get(), 30) for _ in range(3)]
+        assert sorted((r.request_id, r.attempt) for r in releases) == [
+            ("back", 0), ("back", 0), ("back", 1)]
+        await until(lambda: bool(seen) and seen[-1].finish_reason is not None)
         await until_idle(worker)
-        assert pulls == ["t0", "t1"]
+        assert pulls == ["t0", "t1"]  # the late, stale attempt 0 was not pulled
         assert seen and seen[-1].finish_reason == "length"
         assert {c.attempt for c in seen} == {1}  # attempt 0 never decoded
         assert sum(len(c.token_ids) for c in seen) == 15  # all but the first, sampled before
