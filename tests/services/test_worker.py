@@ -288,6 +288,18 @@ def test_prompts_that_arrive_during_a_step_all_go_into_the_next(nats_url: str,
     asyncio.run(main())
 
 
+async def releases_to(nc: Client, prefill: str) -> asyncio.Queue[ReleaseKv]:
+    """The `ReleaseKv`s decode instances send the prefill instance `prefill`, answered."""
+    released: asyncio.Queue[ReleaseKv] = asyncio.Queue()
+
+    async def on_release(msg: Msg) -> None:
+        released.put_nowait(parse(msg, ReleaseKv))
+        await msg.respond(b"")
+
+    await nc.subscribe(subjects.release(prefill), cb=on_release)
+    return released
+
+
 @pytest.mark.timeout(120)
 def test_a_decode_instance_releases_the_kv_of_a_request_cancelled_before_its_announcement(
         nats_url: str, redis_url: str) -> None:
@@ -300,13 +312,7 @@ def test_a_decode_instance_releases_the_kv_of_a_request_cancelled_before_its_ann
         stop = asyncio.Event()
         running, registry = await serving(worker, stop, redis_url)
         nc = await connect(nats_url, "test")
-        released: asyncio.Queue[ReleaseKv] = asyncio.Queue()
-
-        async def on_release(msg: Msg) -> None:
-            released.put_nowait(parse(msg, ReleaseKv))
-            await msg.respond(b"")
-
-        await nc.subscribe(subjects.release("prefill-gone"), cb=on_release)
+        released = await releases_to(nc, "prefill-gone")
         seen, subs = await chunks_of(nc, ["left", "moved"])
         # the client went away; the gateway moved the other away from here at attempt 1
         for request_id, cancel in (("left", Cancel(request_id="left")),
@@ -358,13 +364,7 @@ def test_a_newer_attempt_announced_during_an_older_ones_pull_supersedes_it(
         stop = asyncio.Event()
         running, registry = await serving(worker, stop, redis_url)
         nc = await connect(nats_url, "test")
-        released: asyncio.Queue[ReleaseKv] = asyncio.Queue()
-
-        async def on_release(msg: Msg) -> None:
-            released.put_nowait(parse(msg, ReleaseKv))
-            await msg.respond(b"")
-
-        await nc.subscribe(subjects.release("prefill-slow"), cb=on_release)
+        released = await releases_to(nc, "prefill-slow")
         seen, subs = await chunks_of(nc, ["back"])
         free = worker.engine.blocks.num_free
         for attempt, token in ((0, "t0"), (1, "t1"), (0, "late")):  # the last one stale
