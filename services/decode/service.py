@@ -117,9 +117,8 @@ class DecodeService(Worker):
         for older in [r for r in self.pending if r.request_id == ready.request_id]:
             self.pending.remove(older)
             self._release(older)
-        attempt, pull = self.pulling.get(ready.request_id, (0, None))
-        if pull is not None and attempt < ready.attempt:
-            del self.pulling[ready.request_id]
+        if ready.request_id in self.pulling:  # an older attempt's, as `newest` says
+            _, pull = self.pulling.pop(ready.request_id)
             pull.cancel()  # its blocks are freed and its KV released as it ends
         self.traces[ready.request_id] = (dict(msg.headers or {}), time.time())
         self.pending.append(ready)
@@ -160,9 +159,7 @@ class DecodeService(Worker):
                         self.pulling[ready.request_id] = (ready.attempt, task)
                 for ready, grant in pairs:
                     if id(ready) not in queued:  # freed in a task: admission goes on
-                        freeing = asyncio.create_task(self._free(grant))
-                        self.freeing.add(freeing)
-                        freeing.add_done_callback(self.freeing.discard)
+                        self._free_later(grant)
 
     def _allocate_in_order(self, wanted: list[KvReady]) -> list[Grant]:
         """On the engine thread: blocks for the longest prefix of `wanted` the pool holds,
@@ -192,9 +189,7 @@ class DecodeService(Worker):
         """A pull cancelled before its task first ran (superseded or cancelled in the same
         turn of the loop) ran none of its body: free its blocks and release its KV here."""
         if not grant.started:
-            freeing = asyncio.create_task(self._free(grant))
-            self.freeing.add(freeing)
-            freeing.add_done_callback(self.freeing.discard)
+            self._free_later(grant)
             self._pulled(ready.request_id, task)
             self._release(ready)
 
@@ -245,6 +240,11 @@ class DecodeService(Worker):
         finally:
             self._pulled(ready.request_id)
             self._release(ready)  # imported, or given up
+
+    def _free_later(self, grant: Grant) -> None:
+        freeing = asyncio.create_task(self._free(grant))
+        self.freeing.add(freeing)
+        freeing.add_done_callback(self.freeing.discard)
 
     async def _free(self, grant: Grant) -> None:
         """Free a pull's blocks once nothing may still write them: rank 0's import of its
