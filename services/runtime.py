@@ -116,7 +116,7 @@ class EngineHost:
         self.batched = 0  # requests that got a token, summed over steps
         self.stalled_steps = 0  # tries that ran nothing (what waits does not fit the pool)
         # the last priced steps, for calibration: (step count, shape, seconds)
-        self.samples: deque[tuple[int, StepShape, float]] = deque(maxlen=32)
+        self.samples: deque[tuple[int, StepShape, float]] = deque(maxlen=64)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the engine thread, after the step under way. Whatever a call from

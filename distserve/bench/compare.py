@@ -23,6 +23,7 @@ from distserve.bench.results import (
     span_seconds,
 )
 from distserve.bench.runner import CALIBRATION_TOKENS, Unloaded, calibrate, read_spans, sweep
+from distserve.bench.steps import StepRecorder, calibration_of, steps_from_json
 from distserve.bench.workload import BenchWorkload
 from services.launcher import Stack, StackConfig
 from services.planner.budget import ONE
@@ -151,8 +152,12 @@ def measure(system: System, workload: BenchWorkload, grid: RateGrid, requests: i
         log(f"{system.name}: unloaded TTFT {1e3 * unloaded.ttft_s:.0f} ms, TPOT "
             f"{1e3 * unloaded.tpot_s:.1f} ms at a {unloaded.prompt_tokens}-token prompt")
         cpu_before, started = stack.cpu_seconds(), time.monotonic()
-        runs = sweep(target, workload, grid.start(unloaded), requests, seed, system.name,
-                     trace_dir=stack.run_dir, more=grid.more)
+        recorder = StepRecorder(stack.env["DS_REDIS_URL"])
+        try:
+            runs = sweep(target, workload, grid.start(unloaded), requests, seed, system.name,
+                         trace_dir=stack.run_dir, more=grid.more, recorder=recorder)
+        finally:
+            recorder.close()
         if len(runs) > len(grid.rates):
             log(f"{system.name}: past the grid at " +
                 ", ".join(f"{run.rate:g}" for run in runs[len(grid.rates):]) +
@@ -222,12 +227,34 @@ def simulate(measured: Measured, profile: Profile, workload: BenchWorkload, slo:
     """`measured`'s system simulated at each of its rates on the requests it was sent (their
     arrival times and lengths); with `calibrate`, the profile is first scaled to the
     system's measured unloaded latencies."""
-    c = measured.system.stack
     problem = stack_problem(measured, profile, workload, slo, 0.9, 1.0, calibrate)
+    return [_simulate_run(measured, problem, run) for run in measured.runs]
+
+
+def simulate_live(measured: Measured, profile: Profile, workload: BenchWorkload, slo: SLO
+                  ) -> list[tuple[Calibration, SimResult] | None]:
+    """Each rate simulated on the profile calibrated to the engine steps the stack's
+    workers ran at that rate (as the online planner calibrates it: `steps.calibration_of`),
+    with the calibration; None for a run recorded without its steps. Its step times
+    are the stack's own, so what is left between this and the measurement is the
+    simulator's (queues, batches, dispatch) and the run's chance."""
+    out: list[tuple[Calibration, SimResult] | None] = []
+    for run in measured.runs:
+        if not run.steps:
+            out.append(None)
+            continue
+        found = calibration_of(run.steps, profile.latency(1, 1))
+        problem = stack_problem(measured, found.apply(profile), workload, slo, 0.9, 1.0,
+                                calibrate=False)
+        out.append((found, _simulate_run(measured, problem, run)))
+    return out
+
+
+def _simulate_run(measured: Measured, problem: Problem, run: RunResult) -> SimResult:
+    c = measured.system.stack
     counts = (c.prefill, c.decode, 0) if c.mode == "disaggregated" else (0, 0, c.replicas)
-    run_cluster = cluster(problem, measured.system.mode, counts)
-    return [run_cluster([WorkloadRequest(r.arrival_s, r.prompt_tokens, r.max_tokens)
-                         for r in run.records]) for run in measured.runs]
+    return cluster(problem, measured.system.mode, counts)(
+        [WorkloadRequest(r.arrival_s, r.prompt_tokens, r.max_tokens) for r in run.records])
 
 
 def recorded(report: dict[str, Any]) -> list[Measured]:
@@ -246,7 +273,7 @@ def recorded(report: dict[str, Any]) -> list[Measured]:
                     k: v for k, v in record.items() if k in RECORD_FIELDS})
                     for record in run["records"]],
                     run["completed"] / run["throughput_rps"] if run["throughput_rps"] else 0.0,
-                    run.get("breakdown_s") or {})
+                    run.get("breakdown_s") or {}, steps_from_json(run.get("steps") or {}))
                 for run in entry["runs"]]
         out.append(Measured(known[entry["name"]], runs, Unloaded(**entry["unloaded"]),
                             entry.get("kv_link_bps"), entry.get("cores_used", {})))

@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Any
 
 from shared.metrics import SLO, attainment, goodput_from_curve, percentiles, tpot
+from shared.state import StepSample
 
 # The stages of a disaggregated request, in order (the paper's Fig. 10), as the services
 # name their spans.
@@ -67,6 +68,8 @@ class RunResult:
     records: list[RequestRecord]
     duration_s: float
     breakdown_s: dict[str, float] = field(default_factory=dict)
+    # the engine steps the stack's workers ran meanwhile, by instance (distserve.bench.steps)
+    steps: dict[str, list[StepSample]] = field(default_factory=dict)
 
     @property
     def failed(self) -> int:

@@ -22,10 +22,12 @@ from distserve.bench.results import (
     spanned_id,
     stage_breakdown,
 )
+from distserve.bench.steps import StepRecorder, steps_to_json
 from distserve.bench.workload import BenchRequest, BenchWorkload
 from shared.metrics import SLO
 
 CALIBRATION_TOKENS = 16
+HEARTBEAT_LAG_S = 1.0  # a worker heartbeats every 0.5 s; the recorder reads every 0.2 s
 
 
 @dataclass(frozen=True)
@@ -68,10 +70,14 @@ def calibrate(target: Target, workload: BenchWorkload, repeats: int = 3) -> Unlo
 
 def sweep(target: Target, workload: BenchWorkload, rates: Sequence[float], requests: int,
           seed: int, label: str = "", trace_dir: Path | None = None,
-          more: Callable[[list[RunResult]], float | None] | None = None) -> list[RunResult]:
+          more: Callable[[list[RunResult]], float | None] | None = None,
+          recorder: StepRecorder | None = None) -> list[RunResult]:
     """The workload at each rate, one after the other, with a progress bar; then, while
-    `more` names a next rate (given the runs so far), at that one too."""
+    `more` names a next rate (given the runs so far), at that one too. With `recorder`,
+    each run keeps the engine steps the workers ran during it."""
     runs: list[RunResult] = []
+    if recorder is not None:
+        recorder.take()  # the steps before the first run (the calibration's probes)
     with tqdm(total=requests * len(rates), desc=label or "requests", unit="req",
               dynamic_ncols=True) as bar:
         pending = list(rates)
@@ -80,6 +86,9 @@ def sweep(target: Target, workload: BenchWorkload, rates: Sequence[float], reque
             bar.set_postfix(rate=f"{rate:g}/s")
             batch = workload.requests(rate, requests, seed)
             run = asyncio.run(run_requests(target, batch, rate, lambda _: bar.update()))
+            if recorder is not None:
+                time.sleep(HEARTBEAT_LAG_S)  # the run's last steps are in a heartbeat yet
+                run.steps = recorder.take()
             runs.append(run)
             if not pending and more is not None and (extra := more(runs)) is not None:
                 pending.append(extra)
@@ -110,5 +119,6 @@ def system_report(name: str, devices: int, runs: Sequence[RunResult], slo: SLO,
         "per_device_goodput_rps": best / devices,
         "goodput_lower_bound": met_everywhere(runs, slo, target),
         "runs": [{**run.summary(slo, target),
-                  "records": [r.to_json() for r in run.records]} for run in runs],
+                  "records": [r.to_json() for r in run.records]}
+                 | ({"steps": steps_to_json(run.steps)} if run.steps else {}) for run in runs],
     }

@@ -32,6 +32,7 @@ from distserve.bench.results import RunResult, goodput, met_everywhere
 from distserve.bench.runner import Unloaded, calibrate, sweep, system_report
 from distserve.bench.workload import BenchWorkload, Limits, parse_bench_workload
 from distserve.commands import bench_engine
+from services.planner.calibration import Calibration
 from services.planner.modes import Candidate, best
 from services.planner.profiles import (
     Profile,
@@ -40,6 +41,7 @@ from services.planner.profiles import (
     measured_elsewhere,
     shipped_cpu_profile,
 )
+from services.planner.simulator.core import SimResult
 from shared.engine.config import WEIGHT_FORMATS
 from shared.host import cpu_description
 from shared.metrics import SLO, goodput_from_curve
@@ -264,7 +266,7 @@ def _report_compare(args: argparse.Namespace, console: Console, workload: BenchW
                     profile: Profile | None) -> int:
     """The tables, plots and results.json of the systems measured (or recorded), with their
     simulation where there is a profile."""
-    curves, fidelities = [], []
+    curves, fidelities, lives = [], [], []
     for m in measured:
         simulated = raw = None
         if profile is not None:
@@ -274,16 +276,21 @@ def _report_compare(args: argparse.Namespace, console: Console, workload: BenchW
                 m, profile, workload, slo, calibrate=False)]
             fidelities.append([cmp.fidelity(run, sim, slo)
                                for run, sim in zip(m.runs, sims, strict=True)])
+            lives.append(cmp.simulate_live(m, profile, workload, slo))
         curves.append(Curve(m.system.name, m.system.devices, m.runs, simulated, raw))
     reports = [system_report(c.name, c.devices, c.runs, slo, args.attainment) | {
         "cores_used": m.cores_used, "kv_link_bps": m.link_bps,
         "unloaded": m.unloaded.__dict__} for c, m in zip(curves, measured, strict=True)]
-    for report, c, fits in zip(reports, curves, fidelities, strict=False):
+    for report, c, fits, live in zip(reports, curves, fidelities, lives, strict=False):
         if c.simulated is not None:
             report["simulated_attainment"] = list(c.simulated)
             report["simulated_attainment_uncalibrated"] = list(c.simulated_raw or [])
             report["simulated_goodput_rps"] = _goodput_of(c.runs, c.simulated, args.attainment)
             report["fidelity"] = [f.to_json() for f in fits]
+            # each rate simulated on the steps the stack ran at it (None: not recorded)
+            report["simulated_attainment_live"] = [
+                x[1].attainment(slo) if x else None for x in live]
+            report["live_calibration"] = [x[0].model_dump() if x else None for x in live]
     # the baseline: the better colocated system (one a weight format, with --decode-weights)
     baseline = max((i for i, m in enumerate(measured) if m.system.mode == "colocated"),
                    key=lambda i: reports[i]["per_device_goodput_rps"])
@@ -303,7 +310,7 @@ def _report_compare(args: argparse.Namespace, console: Console, workload: BenchW
     out = _out(args)
     _finish(console, out, report, curves, slo, args.attainment, workload.name)
     if profile is not None:
-        _print_fidelity(console, curves, fidelities, slo)
+        _print_fidelity(console, curves, fidelities, lives, slo)
         _print_recommendation(console, report["recommendation"])
     ratio = report["ratio_disaggregated_to_colocated"]
     if ratio is not None:
@@ -392,23 +399,39 @@ def _print_table(console: Console, curve: Curve, slo: SLO, target: float) -> Non
 
 
 def _print_fidelity(console: Console, curves: Sequence[Curve],
-                    fidelities: Sequence[Sequence[cmp.Fidelity]], slo: SLO) -> None:
+                    fidelities: Sequence[Sequence[cmp.Fidelity]],
+                    lives: Sequence[Sequence[tuple[Calibration, SimResult] | None]],
+                    slo: SLO) -> None:
     table = Table(title="measured vs simulated attainment (simulated: profile calibrated to "
-                        "the measured unloaded latencies; raw: the profile as fitted), and "
-                        "request by request: median measured - simulated TTFT and TPOT, "
-                        "requests whose outcome differs (near: within 5% of both objectives)")
+                        "the measured unloaded latencies; raw: the profile as fitted; live: "
+                        "calibrated to the engine steps the stack ran at that rate, as the "
+                        "online planner calibrates), and request by request: median measured "
+                        "- simulated TTFT and TPOT, requests whose outcome differs (near: "
+                        "within 5% of both objectives)")
     for column in ("system", "rate", "measured", "simulated", "difference", "raw",
-                   "raw difference", "TTFT diff", "TPOT diff", "differ (near)"):
+                   "raw difference", "live", "live difference", "live steps x profile",
+                   "TTFT diff", "TPOT diff", "differ (near)"):
         table.add_column(column, justify="right")
-    for c, found in zip(curves, fidelities, strict=False):
-        for run, sim, raw, f in zip(c.runs, c.simulated or [], c.simulated_raw or [], found,
-                                    strict=False):
+    gaps: dict[str, list[float]] = {"simulated": [], "live": []}
+    for c, found, live in zip(curves, fidelities, lives, strict=False):
+        for run, sim, raw, f, x in zip(c.runs, c.simulated or [], c.simulated_raw or [], found,
+                                       live, strict=False):
             got = run.attainment(slo)
+            gaps["simulated"].append(sim - got)
+            cells = ["-", "-", "-"]
+            if x is not None:
+                found_live, sim_live = x
+                gaps["live"].append(sim_live.attainment(slo) - got)
+                cells = [f"{sim_live.attainment(slo):.0%}", f"{100 * gaps['live'][-1]:+.1f}",
+                         f"prefill {found_live.prefill:.2f}, decode {found_live.decode:.2f}"]
             table.add_row(c.name, f"{run.rate:g}", f"{got:.0%}", f"{sim:.0%}",
                           f"{100 * (sim - got):+.1f}", f"{raw:.0%}", f"{100 * (raw - got):+.1f}",
-                          f"{f.ttft_s:+.3f} s", f"{1e3 * f.tpot_s:+.1f} ms",
+                          *cells, f"{f.ttft_s:+.3f} s", f"{1e3 * f.tpot_s:+.1f} ms",
                           f"{f.differ} ({f.near})")
     console.print(table)
+    console.print("within 5 points: " + "; ".join(
+        f"{name} {sum(abs(g) <= 0.05 + 1e-9 for g in found)} of {len(found)}"
+        for name, found in gaps.items() if found))
     staged = [(c.name, run.rate, f.stages_s) for c, found in zip(curves, fidelities, strict=False)
               for run, f in zip(c.runs, found, strict=False) if f.stages_s]
     if not staged:

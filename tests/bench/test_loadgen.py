@@ -13,6 +13,7 @@ import pytest
 from distserve.bench.compare import RateGrid
 from distserve.bench.loadgen import Target
 from distserve.bench.runner import Unloaded, sweep, system_report
+from distserve.bench.steps import StepRecorder
 from distserve.bench.workload import Limits, parse_bench_workload
 from distserve.cli import main
 from services.launcher import Stack
@@ -67,10 +68,22 @@ def test_a_sweep_goes_past_its_grid_until_the_goodput_is_bracketed(stack: Stack)
     slo = SLO(30.0, 5.0)
     grid = RateGrid((), 4, lambda _: slo, 0.9, extend=2, rates=[2.0])
     target = Target(stack.url, stack.config.model, timeout_s=120)
-    runs = sweep(target, workload, grid.start(Unloaded(0.1, 0.01, 40)), 4, 0, more=grid.more)
+    recorder = StepRecorder(stack.env["DS_REDIS_URL"])
+    try:
+        runs = sweep(target, workload, grid.start(Unloaded(0.1, 0.01, 40)), 4, 0,
+                     more=grid.more, recorder=recorder)
+    finally:
+        recorder.close()
     assert [run.rate for run in runs] == [2.0, 3.0, 4.5]
     assert all(len(run.records) == 4 and all(r.ok for r in run.records) and
                run.attainment(slo) == 1.0 for run in runs)
+    # each run kept the engine steps the workers ran during it, each once: every prompt
+    # prefilled once, and three decode steps a request (its first token is the prefill's)
+    for run in runs:
+        samples = [s for steps in run.steps.values() for s in steps]
+        assert sum(sum(s.prompts) for s in samples) == 4 * 40
+        assert sum(s.batch for s in samples) == 4 * 3
+        assert all(s.seconds > 0 for s in samples)
     report = system_report("stack", 2, runs, slo, 0.9)
     assert report["goodput_rps"] == 4.5 and report["goodput_lower_bound"]
 

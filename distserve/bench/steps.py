@@ -1,0 +1,113 @@
+"""The engine steps a stack's workers ran during a benchmark: each worker heartbeats its last
+steps (`InstanceInfo.recent_steps`, every 0.5 s), and a recorder reads them from Redis while
+the benchmark runs. They are the step times the stack itself took at each rate, beside
+everything else it ran, which the online planner calibrates its latency model on
+(services/planner/calibration.py); `bench compare --simulate` simulates each rate on them
+too, which tells the simulator's errors from the profile's."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+from redis import Redis
+from redis.exceptions import RedisError
+
+from services.planner.calibration import Calibration, Calibrator
+from services.planner.latency import LatencyModel
+from shared import subjects
+from shared.state import InstanceInfo, StepSample
+
+Steps = dict[str, list[StepSample]]  # instance -> its steps, in order
+
+
+class StepLog:
+    """Steps seen, each once, from the overlapping windows of each instance's last steps
+    that its heartbeats carry (pure)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}  # instance -> its newest step kept
+        self._steps: Steps = {}
+
+    def add(self, instance: str, samples: Iterable[StepSample]) -> int:
+        """Keep the samples of `instance` newer than any kept before; how many were new."""
+        last = self._last.get(instance, 0)
+        new = sorted((s for s in samples if s.step > last), key=lambda s: s.step)
+        if new:
+            self._steps.setdefault(instance, []).extend(new)
+            self._last[instance] = new[-1].step
+        return len(new)
+
+    def take(self) -> Steps:
+        """The steps kept since the last take, which forgets them (not where each instance
+        got to: a step is never kept twice)."""
+        steps, self._steps = self._steps, {}
+        return steps
+
+
+def calibration_of(steps: Steps, latency: LatencyModel) -> Calibration:
+    """What the online planner would make of `steps`: each phase's correction of `latency`
+    that fits them best (its median ratio or per-step offset; 1.0 for a phase with fewer
+    than the calibrator's minimum of steps)."""
+    calibrator = Calibrator(latency, window=1 << 30)
+    for instance, samples in steps.items():
+        calibrator.observe(instance, samples)
+    return calibrator.calibration()
+
+
+def steps_to_json(steps: Steps) -> dict[str, list[list[Any]]]:
+    """Compact: [step, prompts, batch, context, seconds] a step."""
+    return {instance: [[s.step, s.prompts, s.batch, s.context, round(s.seconds, 6)]
+                       for s in samples] for instance, samples in steps.items()}
+
+
+def steps_from_json(data: dict[str, Sequence[Sequence[Any]]]) -> Steps:
+    return {instance: [StepSample(step=step, prompts=prompts, batch=batch, context=context,
+                                  seconds=seconds)
+                       for step, prompts, batch, context, seconds in rows]
+            for instance, rows in data.items()}
+
+
+class StepRecorder:
+    """Reads every live instance's heartbeat from Redis every `interval_s` (a heartbeat
+    carries a worker's last 64 steps and comes every 0.5 s, so steps down to ~8 ms are all
+    seen) into a StepLog, on a thread of its own, until closed."""
+
+    def __init__(self, redis_url: str, interval_s: float = 0.2) -> None:
+        self.log = StepLog()
+        self._redis = Redis.from_url(redis_url, socket_timeout=2.0)
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="step-recorder", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        pattern = subjects.instance_key("*")
+        while not self._stop.wait(self._interval_s):
+            with contextlib.suppress(RedisError, OSError):  # a missed read: the next one
+                keys = list(self._redis.scan_iter(match=pattern, count=1000))
+                for value in self._redis.mget(keys) if keys else []:
+                    self._add(value)
+
+    def _add(self, value: bytes | str | None) -> None:
+        if value is None:
+            return
+        try:
+            info = InstanceInfo.model_validate_json(value)
+        except ValidationError:
+            return
+        with self._lock:
+            self.log.add(info.instance_id, info.recent_steps)
+
+    def take(self) -> Steps:
+        with self._lock:
+            return self.log.take()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        self._redis.close()

@@ -1,0 +1,133 @@
+"""The engine steps a benchmark records from the workers' heartbeats, and the simulation of
+each rate on them (pure; the recorder against a real stack is in test_loadgen.py)."""
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from distserve.bench.compare import Measured, recorded, simulate, simulate_live, systems
+from distserve.bench.results import RequestRecord, RunResult
+from distserve.bench.runner import Unloaded, system_report
+from distserve.bench.steps import StepLog, calibration_of, steps_from_json, steps_to_json
+from distserve.bench.workload import Limits, parse_bench_workload
+from distserve.cli import main
+from services.planner.profiles import load_profile, shipped_cpu_profile
+from shared.metrics import SLO
+from shared.state import StepSample
+
+PROFILE = load_profile(shipped_cpu_profile(1))
+LATENCY = PROFILE.latency(1, 1)
+
+
+def decode(step: int, batch: int, context: int, slower: float = 1.0) -> StepSample:
+    return StepSample(step=step, batch=batch, context=context,
+                      seconds=slower * LATENCY.decode_step_s(batch, context))
+
+
+def prefill(step: int, prompt: int, slower: float = 1.0) -> StepSample:
+    return StepSample(step=step, prompts=[prompt],
+                      seconds=slower * LATENCY.prefill_latency_s(prompt, prompt * prompt))
+
+
+def test_overlapping_heartbeats_keep_each_step_once() -> None:
+    """A heartbeat carries a worker's last steps, so two in a row share most of them."""
+    log = StepLog()
+    assert log.add("d", [decode(i, 1, 100) for i in range(1, 6)]) == 5
+    assert log.add("d", [decode(i, 1, 100) for i in range(3, 9)]) == 3
+    assert log.add("p", [prefill(1, 64)]) == 1
+    taken = log.take()
+    assert [s.step for s in taken["d"]] == list(range(1, 9)) and len(taken["p"]) == 1
+    # a take forgets the steps, not where each instance got to
+    assert log.take() == {}
+    assert log.add("d", [decode(i, 1, 100) for i in range(7, 11)]) == 2
+    assert [s.step for s in log.take()["d"]] == [9, 10]
+
+
+def test_steps_survive_results_json() -> None:
+    steps = {"d": [decode(1, 2, 300), decode(2, 2, 302)], "p": [prefill(1, 40)]}
+    again = steps_from_json(json.loads(json.dumps(steps_to_json(steps))))
+    assert again.keys() == steps.keys()
+    for instance, samples in steps.items():
+        assert [(s.step, s.prompts, s.batch, s.context) for s in again[instance]] == \
+            [(s.step, s.prompts, s.batch, s.context) for s in samples]
+        assert [s.seconds for s in again[instance]] == pytest.approx(
+            [s.seconds for s in samples], abs=1e-6)
+
+
+def test_the_calibration_of_recorded_steps_is_the_online_planners() -> None:
+    """Decode steps 30% slower than the profile at every batch and context, prefills as
+    profiled: the calibration finds both."""
+    steps = {"decode-0": [decode(i, 1 + i % 7, 200 * (1 + i % 7), slower=1.3)
+                          for i in range(1, 40)],
+             "prefill-0": [prefill(i, 100 + 37 * i) for i in range(1, 15)]}
+    found = calibration_of(steps, LATENCY)
+    assert found.decode == pytest.approx(1.3, rel=0.01) and found.decode_steps == 39
+    assert found.prefill == pytest.approx(1.0, rel=0.01) and found.prefill_steps == 14
+    # too few steps of a phase to say: as profiled
+    assert calibration_of({"p": [prefill(1, 64, slower=2.0)]}, LATENCY).prefill == 1.0
+
+
+def requests(rate: float, n: int, prompt: int, output: int) -> list[RequestRecord]:
+    return [RequestRecord(i, i / rate, prompt, output, sent_s=i / rate,
+                          first_token_s=i / rate + 0.3, last_token_s=i / rate + 1.0,
+                          tokens=output, request_id=f"r{i}") for i in range(n)]
+
+
+def test_each_rate_is_simulated_on_the_steps_the_stack_ran_at_it() -> None:
+    """The same requests at one rate with steps recorded 1.5x slower than the profile's
+    (decode and prefill), at another with none (a run recorded before steps were): the
+    first simulates 1.5x slower steps than the profile as fitted, the second is not
+    simulated on steps at all."""
+    disaggregated = systems(1, 256, chunked=False)[0]
+    workload = parse_bench_workload("fixed:256:16", Limits())
+    steps = {"prefill-0": [prefill(i, 256, slower=1.5) for i in range(1, 13)],
+             "decode-0": [decode(i, 1 + i % 3, (1 + i % 3) * 260, slower=1.5)
+                          for i in range(1, 60)]}
+    runs = [RunResult(0.2, requests(0.2, 12, 256, 16), 60.0, steps=steps),
+            RunResult(0.4, requests(0.4, 12, 256, 16), 30.0)]
+    measured = Measured(disaggregated, runs, Unloaded(0.5, 0.03, 256), 1e9, {})
+    slo = SLO(2.0, 0.1)
+    live = simulate_live(measured, PROFILE, workload, slo)
+    assert live[1] is None
+    assert live[0] is not None
+    found, sim = live[0]
+    assert found.decode == pytest.approx(1.5, rel=0.01)
+    assert found.prefill == pytest.approx(1.5, rel=0.01)
+    (raw, _) = simulate(measured, PROFILE, workload, slo, calibrate=False)
+
+    def median_tpot(result: object) -> float:
+        return statistics.median(r.tpot for r in result.requests)  # type: ignore[attr-defined]
+
+    assert median_tpot(sim) / median_tpot(raw) == pytest.approx(1.5, rel=0.1)
+
+
+def test_a_recorded_comparison_with_steps_is_simulated_on_them_again(tmp_path: Path) -> None:
+    """`bench compare --from` reads the steps back and writes each rate's simulation on
+    them beside the others (null where a run has none)."""
+    slo, unloaded = SLO(1.0, 0.05), Unloaded(0.2, 0.025, 128)
+    steps = {"prefill-0": [prefill(i, 128) for i in range(1, 13)],
+             "decode-0": [decode(i, 1, 130) for i in range(1, 60)]}
+    reports = []
+    for system in systems(1, 256, chunked=True):
+        runs = [RunResult(rate, requests(rate, 6, 128, 8), 6 / rate,
+                          steps=steps if rate == 0.5 else {}) for rate in (0.5, 2.0)]
+        reports.append(system_report(system.name, system.devices, runs, slo, 0.9) | {
+            "cores_used": {}, "kv_link_bps": 6e8, "unloaded": unloaded.__dict__})
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({
+        "workload": "fixed:128:8", "slo": slo.__dict__, "threads_per_worker": 1,
+        "kv_cache_mb": 256, "attainment_target": 0.9, "rates": [0.5, 2.0],
+        "unloaded": unloaded.__dict__, "systems": reports}))
+    measured = recorded(json.loads(path.read_text()))
+    assert len(measured[0].runs[0].steps["decode-0"]) == 59 and measured[0].runs[1].steps == {}
+    out = tmp_path / "again"
+    assert main(["bench", "compare", "--from", str(path), "--workload", "fixed:128:8",
+                 "--profile", str(shipped_cpu_profile(1)), "--out", str(out)]) == 0
+    for system in json.loads((out / "results.json").read_text())["systems"]:
+        live = system["simulated_attainment_live"]
+        assert live[1] is None and 0.0 <= live[0] <= 1.0
+        # steps as profiled: the calibration is the profile's own
+        assert system["live_calibration"][0]["decode"] == pytest.approx(1.0, rel=0.01)
+        assert system["runs"][0]["steps"]["decode-0"][0][:4] == [1, [], 1, 130]
