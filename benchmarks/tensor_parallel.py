@@ -125,12 +125,13 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
     console = Console()
-    figures = {}
+    figures, threads_of = {}, {}
     for name in args.configs:
         shape, _, how = name.partition("/")
         tp, pp = (int(n) for n in shape.split("x"))
         console.print(f"tp {tp} x pp {pp}{' a step at a time' if how == 'seq' else ''} ...")
         threads = args.rank_threads * tp * pp if args.rank_threads else args.threads
+        threads_of[name] = threads
         config = EngineConfig(model=args.model, tp=tp, pp=pp, threads=threads,
                               kv_cache_bytes=2 << 30).with_scheduler(
             max_batch_tokens=max(args.lengths), max_running=max(args.batches))
@@ -157,7 +158,9 @@ def main() -> None:
     console.print(table)
     if args.json:
         args.json.write_text(json.dumps({
-            "model": args.model, "threads": args.threads, "rank_threads": args.rank_threads,
+            "model": args.model, "rank_threads": args.rank_threads,
+            # each configuration's threads, all its ranks together
+            "threads": threads_of,
             "figures": {name: {step: {"ms": ms, "all_reduce_ms": r}
                                for step, (ms, r) in f.items()}
                         for name, f in figures.items()}}, indent=1))

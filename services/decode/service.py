@@ -154,9 +154,7 @@ class DecodeService(Worker):
                 self.pending = deque(r for r in self.pending if id(r) not in taken)
                 for ready, grant in pairs:  # no await before all are in `pulling`
                     if id(ready) in queued:
-                        task = asyncio.create_task(self._pull(ready, grant))
-                        task.add_done_callback(functools.partial(self._unstarted, ready, grant))
-                        self.pulling[ready.request_id] = (ready.attempt, task)
+                        self._start_pull(ready, grant)
                 for ready, grant in pairs:
                     if id(ready) not in queued:  # freed in a task: admission goes on
                         self._free_later(grant)
@@ -184,6 +182,13 @@ class DecodeService(Worker):
         if granted and device.type == "cuda":  # the buffers exist before UCX writes them
             torch.cuda.current_stream(device).synchronize()
         return granted
+
+    def _start_pull(self, ready: KvReady, grant: Grant) -> asyncio.Task[None]:
+        """The pull of `ready` into `grant`'s blocks, in a task of its own in `pulling`."""
+        task = asyncio.create_task(self._pull(ready, grant))
+        task.add_done_callback(functools.partial(self._unstarted, ready, grant))
+        self.pulling[ready.request_id] = (ready.attempt, task)
+        return task
 
     def _unstarted(self, ready: KvReady, grant: Grant, task: asyncio.Task[None]) -> None:
         """A pull cancelled before its task first ran (superseded or cancelled in the same

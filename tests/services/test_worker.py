@@ -28,6 +28,7 @@ from shared.engine.config import EngineConfig, Role
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.request import SamplingParams
 from shared.engine.scheduler import SchedulerOutput
+from shared.kv_transfer import TransferError
 from shared.messages import (
     Cancel,
     KvReady,
@@ -300,6 +301,15 @@ async def releases_to(nc: Client, prefill: str) -> asyncio.Queue[ReleaseKv]:
     return released
 
 
+def announcement(request_id: str, prefill: str, token: str, attempt: int = 0) -> KvReady:
+    """A prefill instance's announcement of a 3-token prompt's KV (one block), 16 tokens."""
+    return KvReady(request_id=request_id, prefill_instance=prefill, token=token,
+                   sources=[KvSource(address="127.0.0.1:9", layers=(0, 2), kv_heads=(0, 2))],
+                   num_blocks=1, prompt_ids=[1, 2, 3], output_ids=[4], computed=3,
+                   sampling=Sampling(max_tokens=16, ignore_eos=True), arrival_ts=time.time(),
+                   first_token_ts=time.time(), attempt=attempt)
+
+
 @pytest.mark.timeout(120)
 def test_a_decode_instance_releases_the_kv_of_a_request_cancelled_before_its_announcement(
         nats_url: str, redis_url: str) -> None:
@@ -321,12 +331,8 @@ def test_a_decode_instance_releases_the_kv_of_a_request_cancelled_before_its_ann
             await publish(nc, subjects.CANCEL_ALL, cancel)
             while not worker.cancelled.covers(request_id, 1):
                 await asyncio.sleep(0.01)
-            await publish(nc, subjects.decode("decode-z"), KvReady(
-                request_id=request_id, prefill_instance="prefill-gone", token="t",
-                sources=[KvSource(address="127.0.0.1:9", layers=(0, 2), kv_heads=(0, 2))],
-                num_blocks=1, prompt_ids=[1, 2, 3], output_ids=[4], computed=3,
-                sampling=Sampling(max_tokens=64), arrival_ts=time.time(),
-                first_token_ts=time.time(), attempt=1))
+            await publish(nc, subjects.decode("decode-z"),
+                          announcement(request_id, "prefill-gone", "t", attempt=1))
             release = await asyncio.wait_for(released.get(), 30)
             assert (release.request_id, release.attempt) == (request_id, 1)
         assert "left" in worker.cancelled and not worker.cancelled.covers("moved", 2)
@@ -368,12 +374,8 @@ def test_a_newer_attempt_announced_during_an_older_ones_pull_supersedes_it(
         seen, subs = await chunks_of(nc, ["back"])
         free = worker.engine.blocks.num_free
         for attempt, token in ((0, "t0"), (1, "t1"), (0, "late")):  # the last one stale
-            await publish(nc, subjects.decode("decode-n"), KvReady(
-                request_id="back", prefill_instance="prefill-slow", token=token,
-                sources=[KvSource(address="127.0.0.1:9", layers=(0, 2), kv_heads=(0, 2))],
-                num_blocks=1, prompt_ids=[1, 2, 3], output_ids=[4], computed=3,
-                sampling=Sampling(max_tokens=16, ignore_eos=True), arrival_ts=time.time(),
-                first_token_ts=time.time(), attempt=attempt))
+            await publish(nc, subjects.decode("decode-n"),
+                          announcement("back", "prefill-slow", token, attempt))
             if attempt == 0:
                 await asyncio.wait_for(held.wait(), 30)  # attempt 0's pull under way
         releases = [await asyncio.wait_for(released.get(), 30) for _ in range(3)]
@@ -388,6 +390,73 @@ def test_a_newer_attempt_announced_during_an_older_ones_pull_supersedes_it(
         assert not worker.pulling and not worker.freeing
         assert worker.engine.blocks.num_free == free  # neither pull's blocks leaked
         await stop_serving(running, stop, registry, nc, subs)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_pull_frees_its_blocks_releases_the_kv_and_asks_to_be_moved(
+        nats_url: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill instance answers the pull with an error: the blocks taken for it are
+    freed, the KV released (the prefill instance may still hold it), and the gateway asked
+    to move the request (a retry chunk), which never decodes here."""
+    worker = tiny(DecodeService, "decode-f", nats_url, redis_url)
+
+    async def pull(client: object, request_id: str, *rest: object) -> None:
+        raise TransferError(f"no KV for {request_id}")
+
+    monkeypatch.setattr("services.decode.service.pull_pieces", pull)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        running, registry = await serving(worker, stop, redis_url)
+        nc = await connect(nats_url, "test")
+        released = await releases_to(nc, "prefill-f")
+        seen, subs = await chunks_of(nc, ["lost"])
+        free = worker.engine.blocks.num_free
+        await publish(nc, subjects.decode("decode-f"), announcement("lost", "prefill-f", "t"))
+        release = await asyncio.wait_for(released.get(), 30)
+        assert (release.request_id, release.attempt) == ("lost", 0)
+        await until(lambda: bool(seen))
+        (chunk,) = seen
+        assert chunk.retry and chunk.error is not None and \
+            chunk.error.startswith("KV transfer failed: no KV for lost")
+        assert chunk.token_ids == [] and chunk.attempt == 0
+        await until_idle(worker)
+        assert not worker.pulling and "lost" not in worker.attempts
+        assert worker.engine.blocks.num_free == free
+        await stop_serving(running, stop, registry, nc, subs)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_pull_cancelled_before_its_task_ran_frees_its_blocks_and_releases_the_kv(
+        nats_url: str, redis_url: str) -> None:
+    """A newer attempt or a cancel can reach a pull in the same turn of the loop that
+    started it: a task cancelled before its first step runs none of its body (its
+    `finally` included), so the blocks taken for it were lost and the KV never released
+    until a callback on the task did both."""
+    worker = tiny(DecodeService, "decode-c", nats_url, redis_url)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        running, registry = await serving(worker, stop, redis_url)
+        nc = await connect(nats_url, "test")
+        released = await releases_to(nc, "prefill-c")
+        free = worker.engine.blocks.num_free
+        ready = announcement("early", "prefill-c", "t")
+        (grant,) = await worker.host.call(worker._allocate_in_order, [ready])
+        assert worker.engine.blocks.num_free == free - 1
+        pull = worker._start_pull(ready, grant)
+        pull.cancel()  # before it ever ran
+        await asyncio.gather(pull, return_exceptions=True)
+        assert pull.cancelled() and not grant.started  # none of its body ran
+        release = await asyncio.wait_for(released.get(), 30)
+        assert (release.request_id, release.attempt) == ("early", 0)
+        await until_idle(worker)
+        assert not worker.pulling and worker.engine.blocks.num_free == free
+        await stop_serving(running, stop, registry, nc, [])
 
     asyncio.run(main())
 
