@@ -76,8 +76,9 @@ def sweep(target: Target, workload: BenchWorkload, rates: Sequence[float], reque
     `more` names a next rate (given the runs so far), at that one too. With `recorder`,
     each run keeps the engine steps the workers ran during it."""
     runs: list[RunResult] = []
-    if recorder is not None:
-        recorder.take()  # the steps before the first run (the calibration's probes)
+    if recorder is not None:  # not the steps before the first run (the calibration's probes)
+        time.sleep(HEARTBEAT_LAG_S)
+        recorder.take()
     with tqdm(total=requests * len(rates), desc=label or "requests", unit="req",
               dynamic_ncols=True) as bar:
         pending = list(rates)

@@ -12,7 +12,7 @@ import pytest
 
 from distserve.bench.compare import RateGrid
 from distserve.bench.loadgen import Target
-from distserve.bench.runner import Unloaded, sweep, system_report
+from distserve.bench.runner import Unloaded, calibrate, sweep, system_report
 from distserve.bench.steps import StepRecorder
 from distserve.bench.workload import Limits, parse_bench_workload
 from distserve.cli import main
@@ -70,6 +70,7 @@ def test_a_sweep_goes_past_its_grid_until_the_goodput_is_bracketed(stack: Stack)
     target = Target(stack.url, stack.config.model, timeout_s=120)
     recorder = StepRecorder(stack.env["DS_REDIS_URL"])
     try:
+        calibrate(target, workload)  # probes: their steps are no run's
         runs = sweep(target, workload, grid.start(Unloaded(0.1, 0.01, 40)), 4, 0,
                      more=grid.more, recorder=recorder)
     finally:
