@@ -5,11 +5,12 @@ request still drops it (real NATS and Valkey, a tiny random-weight engine)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import pytest
@@ -301,6 +302,22 @@ async def releases_to(nc: Client, prefill: str) -> asyncio.Queue[ReleaseKv]:
     return released
 
 
+@contextlib.asynccontextmanager
+async def decode_serving(worker: DecodeService, nats_url: str, redis_url: str, prefill: str,
+                         request_ids: list[str]
+                         ) -> AsyncIterator[tuple[Client, asyncio.Queue[ReleaseKv],
+                                                  list[TokenChunk]]]:
+    """`worker` serving; a client connection, the releases sent to the prefill instance
+    `prefill` and the chunks of `request_ids`; the worker stopped after the body."""
+    stop = asyncio.Event()
+    running, registry = await serving(worker, stop, redis_url)
+    nc = await connect(nats_url, "test")
+    released = await releases_to(nc, prefill)
+    seen, subs = await chunks_of(nc, request_ids)
+    yield nc, released, seen
+    await stop_serving(running, stop, registry, nc, subs)
+
+
 def announcement(request_id: str, prefill: str, token: str, attempt: int = 0) -> KvReady:
     """A prefill instance's announcement of a 3-token prompt's KV (one block), 16 tokens."""
     return KvReady(request_id=request_id, prefill_instance=prefill, token=token,
@@ -319,27 +336,23 @@ def test_a_decode_instance_releases_the_kv_of_a_request_cancelled_before_its_ann
     worker = tiny(DecodeService, "decode-z", nats_url, redis_url)
 
     async def main() -> None:
-        stop = asyncio.Event()
-        running, registry = await serving(worker, stop, redis_url)
-        nc = await connect(nats_url, "test")
-        released = await releases_to(nc, "prefill-gone")
-        seen, subs = await chunks_of(nc, ["left", "moved"])
-        # the client went away; the gateway moved the other away from here at attempt 1
-        for request_id, cancel in (("left", Cancel(request_id="left")),
-                                   ("moved", Cancel(request_id="moved", instance="decode-z",
-                                                    attempt=1))):
-            await publish(nc, subjects.CANCEL_ALL, cancel)
-            while not worker.cancelled.covers(request_id, 1):
-                await asyncio.sleep(0.01)
-            await publish(nc, subjects.decode("decode-z"),
-                          announcement(request_id, "prefill-gone", "t", attempt=1))
-            release = await asyncio.wait_for(released.get(), 30)
-            assert (release.request_id, release.attempt) == (request_id, 1)
-        assert "left" in worker.cancelled and not worker.cancelled.covers("moved", 2)
-        await until_idle(worker)
-        assert seen == [] and not worker.pending and not worker.pulling
-        assert worker.kv_client.stats.requests == 0  # never pulled
-        await stop_serving(running, stop, registry, nc, subs)
+        async with decode_serving(worker, nats_url, redis_url, "prefill-gone",
+                                  ["left", "moved"]) as (nc, released, seen):
+            # the client went away; the gateway moved the other away from here at attempt 1
+            for request_id, cancel in (("left", Cancel(request_id="left")),
+                                       ("moved", Cancel(request_id="moved", instance="decode-z",
+                                                        attempt=1))):
+                await publish(nc, subjects.CANCEL_ALL, cancel)
+                while not worker.cancelled.covers(request_id, 1):
+                    await asyncio.sleep(0.01)
+                await publish(nc, subjects.decode("decode-z"),
+                              announcement(request_id, "prefill-gone", "t", attempt=1))
+                release = await asyncio.wait_for(released.get(), 30)
+                assert (release.request_id, release.attempt) == (request_id, 1)
+            assert "left" in worker.cancelled and not worker.cancelled.covers("moved", 2)
+            await until_idle(worker)
+            assert seen == [] and not worker.pending and not worker.pulling
+            assert worker.kv_client.stats.requests == 0  # never pulled
 
     asyncio.run(main())
 
@@ -367,29 +380,25 @@ def test_a_newer_attempt_announced_during_an_older_ones_pull_supersedes_it(
     monkeypatch.setattr("services.decode.service.pull_pieces", pull)
 
     async def main() -> None:
-        stop = asyncio.Event()
-        running, registry = await serving(worker, stop, redis_url)
-        nc = await connect(nats_url, "test")
-        released = await releases_to(nc, "prefill-slow")
-        seen, subs = await chunks_of(nc, ["back"])
-        free = worker.engine.blocks.num_free
-        for attempt, token in ((0, "t0"), (1, "t1"), (0, "late")):  # the last one stale
-            await publish(nc, subjects.decode("decode-n"),
-                          announcement("back", "prefill-slow", token, attempt))
-            if attempt == 0:
-                await asyncio.wait_for(held.wait(), 30)  # attempt 0's pull under way
-        releases = [await asyncio.wait_for(released.get(), 30) for _ in range(3)]
-        assert sorted((r.request_id, r.attempt) for r in releases) == [
-            ("back", 0), ("back", 0), ("back", 1)]
-        await until(lambda: bool(seen) and seen[-1].finish_reason is not None)
-        await until_idle(worker)
-        assert pulls == ["t0", "t1"]  # the late, stale attempt 0 was not pulled
-        assert seen and seen[-1].finish_reason == "length"
-        assert {c.attempt for c in seen} == {1}  # attempt 0 never decoded
-        assert sum(len(c.token_ids) for c in seen) == 15  # all but the first, sampled before
-        assert not worker.pulling and not worker.freeing
-        assert worker.engine.blocks.num_free == free  # neither pull's blocks leaked
-        await stop_serving(running, stop, registry, nc, subs)
+        async with decode_serving(worker, nats_url, redis_url, "prefill-slow",
+                                  ["back"]) as (nc, released, seen):
+            free = worker.engine.blocks.num_free
+            for attempt, token in ((0, "t0"), (1, "t1"), (0, "late")):  # the last one stale
+                await publish(nc, subjects.decode("decode-n"),
+                              announcement("back", "prefill-slow", token, attempt))
+                if attempt == 0:
+                    await asyncio.wait_for(held.wait(), 30)  # attempt 0's pull under way
+            releases = [await asyncio.wait_for(released.get(), 30) for _ in range(3)]
+            assert sorted((r.request_id, r.attempt) for r in releases) == [
+                ("back", 0), ("back", 0), ("back", 1)]
+            await until(lambda: bool(seen) and seen[-1].finish_reason is not None)
+            await until_idle(worker)
+            assert pulls == ["t0", "t1"]  # the late, stale attempt 0 was not pulled
+            assert seen and seen[-1].finish_reason == "length"
+            assert {c.attempt for c in seen} == {1}  # attempt 0 never decoded
+            assert sum(len(c.token_ids) for c in seen) == 15  # all but the first, sampled before
+            assert not worker.pulling and not worker.freeing
+            assert worker.engine.blocks.num_free == free  # neither pull's blocks leaked
 
     asyncio.run(main())
 
@@ -408,24 +417,20 @@ def test_a_failed_pull_frees_its_blocks_releases_the_kv_and_asks_to_be_moved(
     monkeypatch.setattr("services.decode.service.pull_pieces", pull)
 
     async def main() -> None:
-        stop = asyncio.Event()
-        running, registry = await serving(worker, stop, redis_url)
-        nc = await connect(nats_url, "test")
-        released = await releases_to(nc, "prefill-f")
-        seen, subs = await chunks_of(nc, ["lost"])
-        free = worker.engine.blocks.num_free
-        await publish(nc, subjects.decode("decode-f"), announcement("lost", "prefill-f", "t"))
-        release = await asyncio.wait_for(released.get(), 30)
-        assert (release.request_id, release.attempt) == ("lost", 0)
-        await until(lambda: bool(seen))
-        (chunk,) = seen
-        assert chunk.retry and chunk.error is not None and \
-            chunk.error.startswith("KV transfer failed: no KV for lost")
-        assert chunk.token_ids == [] and chunk.attempt == 0
-        await until_idle(worker)
-        assert not worker.pulling and "lost" not in worker.attempts
-        assert worker.engine.blocks.num_free == free
-        await stop_serving(running, stop, registry, nc, subs)
+        async with decode_serving(worker, nats_url, redis_url, "prefill-f",
+                                  ["lost"]) as (nc, released, seen):
+            free = worker.engine.blocks.num_free
+            await publish(nc, subjects.decode("decode-f"), announcement("lost", "prefill-f", "t"))
+            release = await asyncio.wait_for(released.get(), 30)
+            assert (release.request_id, release.attempt) == ("lost", 0)
+            await until(lambda: bool(seen))
+            (chunk,) = seen
+            assert chunk.retry and chunk.error is not None and \
+                chunk.error.startswith("KV transfer failed: no KV for lost")
+            assert chunk.token_ids == [] and chunk.attempt == 0
+            await until_idle(worker)
+            assert not worker.pulling and "lost" not in worker.attempts
+            assert worker.engine.blocks.num_free == free
 
     asyncio.run(main())
 
@@ -440,23 +445,20 @@ def test_a_pull_cancelled_before_its_task_ran_frees_its_blocks_and_releases_the_
     worker = tiny(DecodeService, "decode-c", nats_url, redis_url)
 
     async def main() -> None:
-        stop = asyncio.Event()
-        running, registry = await serving(worker, stop, redis_url)
-        nc = await connect(nats_url, "test")
-        released = await releases_to(nc, "prefill-c")
-        free = worker.engine.blocks.num_free
-        ready = announcement("early", "prefill-c", "t")
-        (grant,) = await worker.host.call(worker._allocate_in_order, [ready])
-        assert worker.engine.blocks.num_free == free - 1
-        pull = worker._start_pull(ready, grant)
-        pull.cancel()  # before it ever ran
-        await asyncio.gather(pull, return_exceptions=True)
-        assert pull.cancelled() and not grant.started  # none of its body ran
-        release = await asyncio.wait_for(released.get(), 30)
-        assert (release.request_id, release.attempt) == ("early", 0)
-        await until_idle(worker)
-        assert not worker.pulling and worker.engine.blocks.num_free == free
-        await stop_serving(running, stop, registry, nc, [])
+        async with decode_serving(worker, nats_url, redis_url, "prefill-c",
+                                  []) as (_, released, _):
+            free = worker.engine.blocks.num_free
+            ready = announcement("early", "prefill-c", "t")
+            (grant,) = await worker.host.call(worker._allocate_in_order, [ready])
+            assert worker.engine.blocks.num_free == free - 1
+            pull = worker._start_pull(ready, grant)
+            pull.cancel()  # before it ever ran
+            await asyncio.gather(pull, return_exceptions=True)
+            assert pull.cancelled() and not grant.started  # none of its body ran
+            release = await asyncio.wait_for(released.get(), 30)
+            assert (release.request_id, release.attempt) == ("early", 0)
+            await until_idle(worker)
+            assert not worker.pulling and worker.engine.blocks.num_free == free
 
     asyncio.run(main())
 
