@@ -116,7 +116,7 @@ class EngineHost:
         self.batched = 0  # requests that got a token, summed over steps
         self.stalled_steps = 0  # tries that ran nothing (what waits does not fit the pool)
         # the last priced steps, for calibration: (step count, shape, seconds)
-        self.samples: deque[tuple[int, StepShape, float]] = deque(maxlen=64)
+        self.samples: deque[tuple[int, StepShape, float, float]] = deque(maxlen=64)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the engine thread, after the step under way. Whatever a call from
@@ -173,7 +173,8 @@ class EngineHost:
             self.step_cpu_s += cpu_s
             self.step_queued_s += queued_s
             if self.engine.last_shape is not None:
-                self.samples.append((self.steps, self.engine.last_shape, handled - started))
+                self.samples.append((self.steps, self.engine.last_shape, handled - started,
+                                     handled))
             self.outputs_s += time.time() - handled
 
     def _step(self) -> tuple[list[RequestOutput], float, float]:
@@ -345,8 +346,8 @@ class Worker:
     def recent_steps(self) -> list[StepSample]:
         """The engine's last priced steps, for the heartbeat (its thread, not the loop's)."""
         return [StepSample(step=step, prompts=list(shape.prompts), batch=shape.batch,
-                           context=shape.context, seconds=seconds)
-                for step, shape, seconds in self.host.samples.copy()]
+                           context=shape.context, seconds=seconds, ended=ended)
+                for step, shape, seconds, ended in self.host.samples.copy()]
 
     def holding(self) -> int:
         """Requests the service holds outside the engine (decode: announced, not pulled)."""

@@ -30,6 +30,7 @@ class StepSample(BaseModel):
     batch: int = 0
     context: int = 0
     seconds: float
+    ended: float = 0.0  # wall clock (time.time()) when it ended; 0: not said
 
 
 class InstanceInfo(BaseModel):

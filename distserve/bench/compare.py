@@ -23,7 +23,7 @@ from distserve.bench.results import (
     span_seconds,
 )
 from distserve.bench.runner import CALIBRATION_TOKENS, Unloaded, calibrate, read_spans, sweep
-from distserve.bench.steps import StepRecorder, calibration_of, steps_from_json
+from distserve.bench.steps import Live, StepRecorder, live_profile, steps_from_json
 from distserve.bench.workload import BenchWorkload
 from services.launcher import Stack, StackConfig
 from services.planner.budget import ONE
@@ -232,21 +232,22 @@ def simulate(measured: Measured, profile: Profile, workload: BenchWorkload, slo:
 
 
 def simulate_live(measured: Measured, profile: Profile, workload: BenchWorkload, slo: SLO
-                  ) -> list[tuple[Calibration, SimResult] | None]:
-    """Each rate simulated on the profile calibrated to the engine steps the stack's
-    workers ran at that rate (as the online planner calibrates it: `steps.calibration_of`),
-    with the calibration; None for a run recorded without its steps. Its step times
+                  ) -> list[tuple[Live, SimResult] | None]:
+    """Each rate simulated on the profile fitted to the engine steps the stack's workers
+    ran at that rate (`steps.live_profile`: calibrated as the online planner calibrates,
+    on the steps that ran alone, and the contention of those that ran beside another
+    instance's), with the fit; None for a run recorded without its steps. Its step times
     are the stack's own, so what is left between this and the measurement is the
     simulator's (queues, batches, dispatch) and the run's chance."""
-    out: list[tuple[Calibration, SimResult] | None] = []
+    out: list[tuple[Live, SimResult] | None] = []
     for run in measured.runs:
         if not run.steps:
             out.append(None)
             continue
-        found = calibration_of(run.steps, profile.latency(1, 1))
-        problem = stack_problem(measured, found.apply(profile), workload, slo, 0.9, 1.0,
+        live = live_profile(run.steps, profile)
+        problem = stack_problem(measured, live.profile, workload, slo, 0.9, 1.0,
                                 calibrate=False)
-        out.append((found, _simulate_run(measured, problem, run)))
+        out.append((live, _simulate_run(measured, problem, run)))
     return out
 
 

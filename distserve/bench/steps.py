@@ -7,7 +7,10 @@ too, which tells the simulator's errors from the profile's."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import dataclasses
+import statistics
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -17,7 +20,8 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from services.planner.calibration import Calibration, Calibrator
-from services.planner.latency import LatencyModel
+from services.planner.latency import Contention, LatencyModel, Phase
+from services.planner.profiles import Profile
 from shared import subjects
 from shared.state import InstanceInfo, StepSample
 
@@ -58,16 +62,101 @@ def calibration_of(steps: Steps, latency: LatencyModel) -> Calibration:
     return calibrator.calibration()
 
 
+def phase_of(step: StepSample) -> Phase:
+    return "prefill" if step.prompts else "decode"
+
+
+def neighbours(steps: Steps) -> list[tuple[str, StepSample, list[Phase]]]:
+    """Each step that says when it ended, with the phases of the steps the host's other
+    instances were running at its midpoint (an instance runs one step at a time)."""
+    spans = {instance: sorted((s.ended - s.seconds, s.ended, phase_of(s))
+                              for s in samples if s.ended > 0)
+             for instance, samples in steps.items()}
+    starts = {instance: [start for start, _, _ in found] for instance, found in spans.items()}
+    out = []
+    for instance, samples in steps.items():
+        for s in samples:
+            if s.ended <= 0:
+                continue
+            middle, beside = s.ended - s.seconds / 2, []
+            for other, found in spans.items():
+                i = bisect.bisect_right(starts[other], middle) - 1
+                if other != instance and i >= 0 and found[i][1] >= middle:
+                    beside.append(found[i][2])
+            out.append((instance, s, beside))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Live:
+    """A profile fitted to the steps a stack ran: each phase's correction from the steps
+    that ran alone on the host (all of the phase's where too few did), and how much longer
+    a step took beside a neighbour's step of each phase (the profile's own factor where too
+    few did); `contention` None where the steps do not say when they ran."""
+
+    calibration: Calibration
+    contention: Contention | None
+    profile: Profile
+
+
+def live_profile(steps: Steps, profile: Profile, min_steps: int = 10) -> Live:
+    """`profile` as the steps in `steps` ran: what the online planner's calibration makes of
+    them, taken on the steps that ran alone, and the contention measured on those that ran
+    beside one other instance's step. Without the steps' end times: the calibration of all
+    of them, which already holds whatever contention they met (the profile's dropped)."""
+    latency = profile.latency(1, 1)
+    timed = neighbours(steps)
+    if not timed:
+        found = calibration_of(steps, latency)
+        return Live(found, None, found.apply(profile))
+    alone: Steps = {}
+    for instance, s, beside in timed:
+        if not beside:
+            alone.setdefault(instance, []).append(s)
+    every, quiet = calibration_of(steps, latency), calibration_of(alone, latency)
+    fields: dict[str, Any] = {}
+    for phase in ("prefill", "decode"):
+        pick = quiet if getattr(quiet, f"{phase}_steps") >= min_steps else every
+        fields |= {name: getattr(pick, name) for name in Calibration.model_fields
+                   if name.startswith(phase)}
+    base = Calibration.model_validate(fields)
+    corrected = base.apply(profile).latency(1, 1)
+    factors = dataclasses.asdict(profile.contention)
+    for phase in ("prefill", "decode"):
+        for other in ("prefill", "decode"):
+            pairs = [(s.seconds / _predicted(corrected, s), _share(corrected, s))
+                     for _, s, beside in timed if phase_of(s) == phase and beside == [other]]
+            if len(pairs) >= min_steps:
+                slower = statistics.median(r for r, _ in pairs)
+                share = statistics.median(w for _, w in pairs)
+                factors[f"{phase}_by_{other}"] = max(1.0, 1.0 + (slower - 1.0) / share)
+    contention = Contention(**factors)
+    return Live(base, contention, dataclasses.replace(base.apply(profile),
+                                                      contention=contention))
+
+
+def _predicted(latency: LatencyModel, s: StepSample) -> float:
+    if s.prompts:
+        return latency.prefill_latency_s(sum(s.prompts), sum(n * n for n in s.prompts))
+    return latency.decode_step_s(s.batch, s.context)
+
+
+def _share(latency: LatencyModel, s: StepSample) -> float:
+    """The share of the step a neighbour slows (as the simulator prices it)."""
+    return 1.0 if s.prompts else max(latency.reading_share(s.batch, s.context), 1e-3)
+
+
 def steps_to_json(steps: Steps) -> dict[str, list[list[Any]]]:
-    """Compact: [step, prompts, batch, context, seconds] a step."""
-    return {instance: [[s.step, s.prompts, s.batch, s.context, round(s.seconds, 6)]
-                       for s in samples] for instance, samples in steps.items()}
+    """Compact: [step, prompts, batch, context, seconds, ended] a step."""
+    return {instance: [[s.step, s.prompts, s.batch, s.context, round(s.seconds, 6),
+                        round(s.ended, 6)] for s in samples]
+            for instance, samples in steps.items()}
 
 
 def steps_from_json(data: dict[str, Sequence[Sequence[Any]]]) -> Steps:
-    return {instance: [StepSample(step=step, prompts=prompts, batch=batch, context=context,
-                                  seconds=seconds)
-                       for step, prompts, batch, context, seconds in rows]
+    return {instance: [StepSample(step=row[0], prompts=row[1], batch=row[2], context=row[3],
+                                  seconds=row[4], ended=row[5] if len(row) > 5 else 0.0)
+                       for row in rows]
             for instance, rows in data.items()}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -30,9 +31,9 @@ from distserve.bench.plots import (
 )
 from distserve.bench.results import RunResult, goodput, met_everywhere
 from distserve.bench.runner import Unloaded, calibrate, sweep, system_report
+from distserve.bench.steps import Live
 from distserve.bench.workload import BenchWorkload, Limits, parse_bench_workload
 from distserve.commands import bench_engine
-from services.planner.calibration import Calibration
 from services.planner.modes import Candidate, best
 from services.planner.profiles import (
     Profile,
@@ -290,7 +291,9 @@ def _report_compare(args: argparse.Namespace, console: Console, workload: BenchW
             # each rate simulated on the steps the stack ran at it (None: not recorded)
             report["simulated_attainment_live"] = [
                 x[1].attainment(slo) if x else None for x in live]
-            report["live_calibration"] = [x[0].model_dump() if x else None for x in live]
+            report["live_calibration"] = [x[0].calibration.model_dump() | {
+                "contention": dataclasses.asdict(x[0].contention)
+                if x[0].contention else None} if x else None for x in live]
     # the baseline: the better colocated system (one a weight format, with --decode-weights)
     baseline = max((i for i, m in enumerate(measured) if m.system.mode == "colocated"),
                    key=lambda i: reports[i]["per_device_goodput_rps"])
@@ -400,12 +403,14 @@ def _print_table(console: Console, curve: Curve, slo: SLO, target: float) -> Non
 
 def _print_fidelity(console: Console, curves: Sequence[Curve],
                     fidelities: Sequence[Sequence[cmp.Fidelity]],
-                    lives: Sequence[Sequence[tuple[Calibration, SimResult] | None]],
+                    lives: Sequence[Sequence[tuple[Live, SimResult] | None]],
                     slo: SLO) -> None:
     table = Table(title="measured vs simulated attainment (simulated: profile calibrated to "
                         "the measured unloaded latencies; raw: the profile as fitted; live: "
                         "calibrated to the engine steps the stack ran at that rate, as the "
-                        "online planner calibrates), and request by request: median measured "
+                        "online planner calibrates, on the steps that ran alone, with the "
+                        "contention of those beside another instance's), and request by "
+                        "request: median measured "
                         "- simulated TTFT and TPOT, requests whose outcome differs (near: "
                         "within 5% of both objectives)")
     for column in ("system", "rate", "measured", "simulated", "difference", "raw",
@@ -420,10 +425,13 @@ def _print_fidelity(console: Console, curves: Sequence[Curve],
             gaps["simulated"].append(sim - got)
             cells = ["-", "-", "-"]
             if x is not None:
-                found_live, sim_live = x
+                fit, sim_live = x
                 gaps["live"].append(sim_live.attainment(slo) - got)
+                beside = f", beside a decode {fit.contention.decode_by_decode:.2f}" \
+                    if fit.contention else ""
                 cells = [f"{sim_live.attainment(slo):.0%}", f"{100 * gaps['live'][-1]:+.1f}",
-                         f"prefill {found_live.prefill:.2f}, decode {found_live.decode:.2f}"]
+                         f"prefill {fit.calibration.prefill:.2f}, decode "
+                         f"{fit.calibration.decode:.2f}{beside}"]
             table.add_row(c.name, f"{run.rate:g}", f"{got:.0%}", f"{sim:.0%}",
                           f"{100 * (sim - got):+.1f}", f"{raw:.0%}", f"{100 * (raw - got):+.1f}",
                           *cells, f"{f.ttft_s:+.3f} s", f"{1e3 * f.tpot_s:+.1f} ms",

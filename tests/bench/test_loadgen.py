@@ -84,7 +84,7 @@ def test_a_sweep_goes_past_its_grid_until_the_goodput_is_bracketed(stack: Stack)
         samples = [s for steps in run.steps.values() for s in steps]
         assert sum(sum(s.prompts) for s in samples) == 4 * 40
         assert sum(s.batch for s in samples) == 4 * 3
-        assert all(s.seconds > 0 for s in samples)
+        assert all(s.seconds > 0 and s.ended > 0 for s in samples)
     report = system_report("stack", 2, runs, slo, 0.9)
     assert report["goodput_rps"] == 4.5 and report["goodput_lower_bound"]
 

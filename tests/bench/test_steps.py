@@ -10,7 +10,14 @@ import pytest
 from distserve.bench.compare import Measured, recorded, simulate, simulate_live, systems
 from distserve.bench.results import RequestRecord, RunResult
 from distserve.bench.runner import Unloaded, system_report
-from distserve.bench.steps import StepLog, calibration_of, steps_from_json, steps_to_json
+from distserve.bench.steps import (
+    StepLog,
+    calibration_of,
+    live_profile,
+    neighbours,
+    steps_from_json,
+    steps_to_json,
+)
 from distserve.bench.workload import Limits, parse_bench_workload
 from distserve.cli import main
 from services.planner.profiles import load_profile, shipped_cpu_profile
@@ -47,11 +54,12 @@ def test_overlapping_heartbeats_keep_each_step_once() -> None:
 
 def test_steps_survive_results_json() -> None:
     steps = {"d": [decode(1, 2, 300), decode(2, 2, 302)], "p": [prefill(1, 40)]}
+    steps["d"][1].ended = 1764000000.25
     again = steps_from_json(json.loads(json.dumps(steps_to_json(steps))))
     assert again.keys() == steps.keys()
     for instance, samples in steps.items():
-        assert [(s.step, s.prompts, s.batch, s.context) for s in again[instance]] == \
-            [(s.step, s.prompts, s.batch, s.context) for s in samples]
+        assert [(s.step, s.prompts, s.batch, s.context, s.ended) for s in again[instance]] \
+            == [(s.step, s.prompts, s.batch, s.context, s.ended) for s in samples]
         assert [s.seconds for s in again[instance]] == pytest.approx(
             [s.seconds for s in samples], abs=1e-6)
 
@@ -67,6 +75,35 @@ def test_the_calibration_of_recorded_steps_is_the_online_planners() -> None:
     assert found.prefill == pytest.approx(1.0, rel=0.01) and found.prefill_steps == 14
     # too few steps of a phase to say: as profiled
     assert calibration_of({"p": [prefill(1, 64, slower=2.0)]}, LATENCY).prefill == 1.0
+
+
+def decoding(start: float, step_s: float, n: int, first: int = 1) -> list[StepSample]:
+    """`n` back-to-back batch-1 decode steps of `step_s` from `start`, with their end times."""
+    return [StepSample(step=first + k, batch=1, context=200, seconds=step_s,
+                       ended=start + (k + 1) * step_s) for k in range(n)]
+
+
+def test_steps_beside_another_instances_give_the_contention_the_rest_the_level() -> None:
+    """Two replicas on one host: the first decodes alone for a while (its steps 1.2x the
+    profile), then both decode together, every step 1.8x. The live profile prices a step
+    alone and a step beside a decoding neighbour as they ran; the contention of the
+    profile (fitted elsewhere) gives way to the measured one."""
+    alone_s = 1.2 * LATENCY.decode_step_s(1, 200)
+    beside_s = 1.8 * LATENCY.decode_step_s(1, 200)
+    steps = {"colocated-0": decoding(0.0, alone_s, 40) + decoding(10.0, beside_s, 40, 41),
+             "colocated-1": decoding(10.0 + beside_s / 2, beside_s, 40)}
+    placed = neighbours(steps)
+    assert sum(not beside for _, _, beside in placed) == 40
+    assert sum(beside == ["decode"] for _, _, beside in placed) == 80
+    live = live_profile(steps, PROFILE)
+    assert live.contention is not None and live.contention != PROFILE.contention
+    latency = live.profile.latency(1, 1)
+    alone = latency.decode_step_s(1, 200)
+    assert alone == pytest.approx(alone_s, rel=0.02)
+    assert alone * latency.contention.factor("decode", ["decode"], latency.reading_share(
+        1, 200)) == pytest.approx(beside_s, rel=0.02)
+    # steps never beside a prefill: the profile's own factor stays
+    assert live.contention.decode_by_prefill == PROFILE.contention.decode_by_prefill
 
 
 def requests(rate: float, n: int, prompt: int, output: int) -> list[RequestRecord]:
@@ -92,9 +129,10 @@ def test_each_rate_is_simulated_on_the_steps_the_stack_ran_at_it() -> None:
     live = simulate_live(measured, PROFILE, workload, slo)
     assert live[1] is None
     assert live[0] is not None
-    found, sim = live[0]
-    assert found.decode == pytest.approx(1.5, rel=0.01)
-    assert found.prefill == pytest.approx(1.5, rel=0.01)
+    fit, sim = live[0]
+    assert fit.contention is None  # the steps do not say when they ran
+    assert fit.calibration.decode == pytest.approx(1.5, rel=0.01)
+    assert fit.calibration.prefill == pytest.approx(1.5, rel=0.01)
     (raw, _) = simulate(measured, PROFILE, workload, slo, calibrate=False)
 
     def median_tpot(result: object) -> float:

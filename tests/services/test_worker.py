@@ -282,7 +282,7 @@ def test_prompts_that_arrive_during_a_step_all_go_into_the_next(nats_url: str,
         gate.set()
         await busy
         await until_idle(worker)
-        prefills = [shape.prompts for _, shape, _ in worker.host.samples if shape.prompts]
+        prefills = [shape.prompts for _, shape, _, _ in worker.host.samples if shape.prompts]
         assert prefills[0] == (3, 4, 5, 6)  # all four, in arrival order
         assert {c.request_id for c in seen if c.finish_reason == "length"} == set(ids)
         await stop_serving(running, stop, registry, nc, subs)
