@@ -115,7 +115,7 @@ class EngineHost:
         self.outputs_s = 0.0
         self.batched = 0  # requests that got a token, summed over steps
         self.stalled_steps = 0  # tries that ran nothing (what waits does not fit the pool)
-        # the last priced steps, for calibration: (step count, shape, seconds)
+        # the last priced steps, for calibration: (step count, shape, seconds, ended)
         self.samples: deque[tuple[int, StepShape, float, float]] = deque(maxlen=64)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from redis import Redis
 from redis.exceptions import RedisError
 
-from services.planner.calibration import Calibration, Calibrator
+from services.planner.calibration import Calibration, Calibrator, predicted_s
 from services.planner.latency import Contention, LatencyModel, Phase
 from services.planner.profiles import Profile
 from shared import subjects
@@ -80,8 +80,10 @@ def neighbours(steps: Steps) -> list[tuple[str, StepSample, list[Phase]]]:
                 continue
             middle, beside = s.ended - s.seconds / 2, []
             for other, found in spans.items():
+                if other == instance:
+                    continue
                 i = bisect.bisect_right(starts[other], middle) - 1
-                if other != instance and i >= 0 and found[i][1] >= middle:
+                if i >= 0 and found[i][1] >= middle:
                     beside.append(found[i][2])
             out.append((instance, s, beside))
     return out
@@ -97,6 +99,10 @@ class Live:
     calibration: Calibration
     contention: Contention | None
     profile: Profile
+
+    def to_json(self) -> dict[str, Any]:
+        return self.calibration.model_dump() | {
+            "contention": dataclasses.asdict(self.contention) if self.contention else None}
 
 
 def live_profile(steps: Steps, profile: Profile, min_steps: int = 10) -> Live:
@@ -120,25 +126,19 @@ def live_profile(steps: Steps, profile: Profile, min_steps: int = 10) -> Live:
         fields |= {name: getattr(pick, name) for name in Calibration.model_fields
                    if name.startswith(phase)}
     base = Calibration.model_validate(fields)
-    corrected = base.apply(profile).latency(1, 1)
+    calibrated = base.apply(profile)
+    corrected = calibrated.latency(1, 1)
     factors = dataclasses.asdict(profile.contention)
     for phase in ("prefill", "decode"):
         for other in ("prefill", "decode"):
-            pairs = [(s.seconds / _predicted(corrected, s), _share(corrected, s))
+            pairs = [(s.seconds / predicted_s(corrected, s), _share(corrected, s))
                      for _, s, beside in timed if phase_of(s) == phase and beside == [other]]
             if len(pairs) >= min_steps:
                 slower = statistics.median(r for r, _ in pairs)
                 share = statistics.median(w for _, w in pairs)
                 factors[f"{phase}_by_{other}"] = max(1.0, 1.0 + (slower - 1.0) / share)
     contention = Contention(**factors)
-    return Live(base, contention, dataclasses.replace(base.apply(profile),
-                                                      contention=contention))
-
-
-def _predicted(latency: LatencyModel, s: StepSample) -> float:
-    if s.prompts:
-        return latency.prefill_latency_s(sum(s.prompts), sum(n * n for n in s.prompts))
-    return latency.decode_step_s(s.batch, s.context)
+    return Live(base, contention, dataclasses.replace(calibrated, contention=contention))
 
 
 def _share(latency: LatencyModel, s: StepSample) -> float:

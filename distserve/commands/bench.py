@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -291,9 +290,7 @@ def _report_compare(args: argparse.Namespace, console: Console, workload: BenchW
             # each rate simulated on the steps the stack ran at it (None: not recorded)
             report["simulated_attainment_live"] = [
                 x[1].attainment(slo) if x else None for x in live]
-            report["live_calibration"] = [x[0].calibration.model_dump() | {
-                "contention": dataclasses.asdict(x[0].contention)
-                if x[0].contention else None} if x else None for x in live]
+            report["live_calibration"] = [x[0].to_json() if x else None for x in live]
     # the baseline: the better colocated system (one a weight format, with --decode-weights)
     baseline = max((i for i, m in enumerate(measured) if m.system.mode == "colocated"),
                    key=lambda i: reports[i]["per_device_goodput_rps"])

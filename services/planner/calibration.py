@@ -95,13 +95,9 @@ class Calibrator:
         last = self.seen.get(instance, 0)
         new = [s for s in samples if s.step > last and s.seconds > 0]
         for s in new:
-            if s.prompts:
-                predicted = model.prefill_latency_s(sum(s.prompts),
-                                                    sum(n * n for n in s.prompts))
-                self.steps["prefill"].append((predicted, s.seconds))
-            elif s.batch:
-                predicted = model.decode_step_s(s.batch, s.context)
-                self.steps["decode"].append((predicted, s.seconds))
+            if s.prompts or s.batch:
+                self.steps["prefill" if s.prompts else "decode"].append(
+                    (predicted_s(model, s), s.seconds))
         if new:
             self.seen[instance] = max(s.step for s in new)
         return len(new)
@@ -124,6 +120,13 @@ class Calibrator:
                 ratio, fit, offset_s = fit_steps(list(steps), self._constant_s(phase))
                 fields |= {phase: ratio, f"{phase}_fit": fit, f"{phase}_offset_s": offset_s}
         return Calibration.model_validate(fields)
+
+
+def predicted_s(latency: LatencyModel, step: StepSample) -> float:
+    """What `latency` says `step` takes: its whole prompts, or its batch of decodes."""
+    if step.prompts:
+        return latency.prefill_latency_s(sum(step.prompts), sum(n * n for n in step.prompts))
+    return latency.decode_step_s(step.batch, step.context)
 
 
 def fit_steps(steps: list[tuple[float, float]], constant_s: float = float("inf"),
