@@ -10,10 +10,12 @@
 #      GPU memory to GPU memory, then staged through the host (UCX_TLS=^cuda_ipc): checked
 #      bit for bit and by the greedy tokens decoded on it; UCX's protocol choice logged.
 #      Needs ucxx (ucxx-cu13 and its libraries) besides the rest.
-#   6. the machine's CPU cores (the GPU hidden): tensor-parallel instances
-#      (gloo) of a random-weight Llama-3.2-1B shape, 4 threads a rank (more ranks, more
-#      cores); and `distserve bench engine` at 2 threads on SmolLM2-135M's
-#      shape (random weights: the GGUF does not travel), with its bandwidth bound.
+#   6. the machine's CPU cores (the GPU hidden): `distserve bench engine` on two of them
+#      (taskset), float32 against HF, int4, and float32 as on an AVX2-only CPU (the kernels'
+#      AVX2 build; torch, MKL and oneDNN held to AVX2), on SmolLM2-135M's shape (random
+#      weights: the GGUF does not travel), with its bandwidth bound; and tensor-parallel instances
+#      (gloo) of a random-weight Llama-3.2-1B shape, tp 4 at 4 threads a rank and at 3
+#      (RANK_THREADS; TP_CONFIGS, default 4x1, the configs).
 # Needs only torch and transformers besides this repo's own light dependencies (no model
 # files): run it where $PYTHON (default python3) has a CUDA torch. Logs and the profile go
 # to $OUT (else runs/gpu-check).
@@ -87,13 +89,32 @@ fi
 if [[ $parts == *" cpu "* ]]; then
 ( export CUDA_VISIBLE_DEVICES=
   lscpu >"$out/lscpu.txt"; grep -E "Model name|^CPU\(s\)|NUMA node\(s\)" "$out/lscpu.txt"
-  echo "== tp on the CPU, llama-3.2-1b shape, 4 threads a rank"
-  timeout 200 "$py" benchmarks/tensor_parallel.py --model llama-3.2-1b --rank-threads 4 \
-      --configs 1x1 2x1 4x1 --lengths 256 --batches 1 8 --context 128 --repeats 2 \
-      --steps 4 --stream 0 --json "$out/tp_rank4.json" 2>&1 | grep -v Warning \
-      | tee "$out/tp_rank4.txt"
-  echo "== bench engine on the CPU, smollm2-135m-shape, 2 threads"
-  timeout 200 bash -c "py=$py; $(declare -f distserve_cmd); distserve_cmd bench_engine engine \
-      --model smollm2-135m-shape --device cpu --lengths 128 512 --batches 1 8 32 \
-      --context 512 --threads 2" 2>&1 | tee "$out/bench_engine_cpu.txt" )
+  # an AVX2-only host, as far as one CPU can play it: the kernels' AVX2 build, and torch, MKL
+  # and oneDNN held to AVX2 (HF's side too)
+  avx2="DS_KERNEL_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+ONEDNN_MAX_CPU_ISA=AVX2"
+  echo "== the engine's CPU kernels, built on every core (native and AVX2)"
+  for env in "" "$avx2"; do
+      env $env timeout 200 "$py" -c "from shared.engine.kernels import cpu_kernels
+print(cpu_kernels())"
+  done
+  # two cores of the host, as the 2-vCPU development VMs have (the rest of it idle)
+  for run in float32 int4 avx2; do
+      args=$([[ $run == int4 ]] && echo "--weights int4 --no-hf")
+      env=$([[ $run == avx2 ]] && echo "$avx2")
+      echo "== bench engine on 2 cores (taskset 0,1), smollm2-135m-shape, $run"
+      env $env timeout 200 taskset -c 0,1 bash -c "py=$py; $(declare -f distserve_cmd); \
+          distserve_cmd bench_engine engine --model smollm2-135m-shape --device cpu \
+          --lengths 512 --batches 1 8 32 --context 512 --threads 2 $args" \
+          2>&1 | tee "$out/bench_engine_cpu_$run.txt"
+  done
+  # tp 4 with every core a compute thread (4 a rank) and with one core a rank left to
+  # gloo's I/O threads (3 a rank)
+  for threads in ${RANK_THREADS:-4 3}; do
+      echo "== tp on the CPU, llama-3.2-1b shape, $threads threads a rank"
+      timeout 150 "$py" benchmarks/tensor_parallel.py --model llama-3.2-1b \
+          --rank-threads "$threads" --configs ${TP_CONFIGS:-4x1} --lengths 256 --batches 1 8 \
+          --context 128 --repeats 2 --steps 4 --stream 0 --json "$out/tp_rank$threads.json" \
+          2>&1 | grep -v Warning | tee "$out/tp_rank$threads.txt"
+  done )
 fi

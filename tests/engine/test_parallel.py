@@ -20,7 +20,7 @@ from shared.engine.attention import AttentionMetadata, DecodeGroup, PrefillSegme
 from shared.engine.config import EngineConfig, ModelConfig, Role
 from shared.engine.engine import Engine
 from shared.engine.loader import LoadedModel, load
-from shared.engine.parallel.group import RankFailed
+from shared.engine.parallel.group import RankFailed, rank_threads
 from shared.engine.parallel.packet import pack, unpack
 from shared.engine.parallel.sharding import (
     RankPlace,
@@ -105,6 +105,19 @@ def test_a_step_packet_unpacks_to_the_same_inputs() -> None:
     for field in ("block_tables", "context_lens", "mask"):
         assert torch.equal(getattr(got.decode, field), getattr(meta.decode, field))
     assert got.decode.start == 4
+
+
+def test_ranks_leave_a_core_each_to_their_collectives_where_they_would_fill_the_host() -> None:
+    """By default the ranks share the cores, less one a rank for gloo's I/O threads where a
+    rank's share is 4 or more (a 16-core host at tp 4: 3 threads a rank); a thread count
+    given is split as given."""
+    def threads(cores: int, tp: int = 1, pp: int = 1, given: int = 0) -> int:
+        return rank_threads(EngineConfig(tp=tp, pp=pp, threads=given), cores)
+
+    assert threads(16, tp=4) == 3 and threads(16, tp=2) == 7 and threads(16, pp=2) == 7
+    assert threads(16) == 16  # one rank: no collectives
+    assert threads(2, tp=2) == 1 and threads(8, tp=3) == 2  # a thread is too much of a share
+    assert threads(16, tp=4, given=16) == 4 and threads(16, tp=2, given=6) == 3
 
 
 # -- real ranks --------------------------------------------------------------------------
