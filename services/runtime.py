@@ -30,6 +30,7 @@ from shared.engine.config import EngineConfig, Role
 from shared.engine.engine import Engine, RequestOutput, RequestRejected
 from shared.engine.request import Request
 from shared.engine.scheduler import StepShape
+from shared.host import machine_id
 from shared.messages import Cancel, PrefillRequest, TokenChunk
 from shared.state import InstanceInfo, Registry, StepSample, redis_client
 from shared.telemetry import setup_tracing
@@ -335,7 +336,7 @@ class Worker:
                             draining=self.draining, max_request_tokens=capacity,
                             chunked=self.role == "colocated" and scheduler.config.chunked_prefill,
                             weights=self.engine.config.weights, tp=self.engine.config.tp,
-                            pp=self.engine.config.pp,
+                            pp=self.engine.config.pp, machine=machine_id(),
                             max_running=scheduler.config.max_running, steps=self.host.steps,
                             stalled_steps=self.host.stalled_steps,
                             step_seconds=self.host.step_s, step_cpu_seconds=self.host.step_cpu_s,

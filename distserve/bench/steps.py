@@ -7,10 +7,8 @@ too, which tells the simulator's errors from the profile's."""
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import dataclasses
-import statistics
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -19,8 +17,8 @@ from pydantic import ValidationError
 from redis import Redis
 from redis.exceptions import RedisError
 
-from services.planner.calibration import Calibration, Calibrator, predicted_s
-from services.planner.latency import Contention, LatencyModel, Phase
+from services.planner.calibration import Calibration, Calibrator
+from services.planner.latency import LatencyModel
 from services.planner.profiles import Profile
 from shared import subjects
 from shared.state import InstanceInfo, StepSample
@@ -52,98 +50,47 @@ class StepLog:
         return steps
 
 
-def calibration_of(steps: Steps, latency: LatencyModel) -> Calibration:
-    """What the online planner would make of `steps`: each phase's correction of `latency`
-    that fits them best (its median ratio or per-step offset; 1.0 for a phase with fewer
-    than the calibrator's minimum of steps)."""
-    calibrator = Calibrator(latency, window=1 << 30)
+def calibrator_of(steps: Steps, latency: LatencyModel, min_steps: int = 10) -> Calibrator:
+    """The online planner's calibrator, fed `steps` (the instances of one host)."""
+    calibrator = Calibrator(latency, window=1 << 30, min_steps=min_steps)
     for instance, samples in steps.items():
         calibrator.observe(instance, samples)
-    return calibrator.calibration()
+    return calibrator
 
 
-def phase_of(step: StepSample) -> Phase:
-    return "prefill" if step.prompts else "decode"
-
-
-def neighbours(steps: Steps) -> list[tuple[str, StepSample, list[Phase]]]:
-    """Each step that says when it ended, with the phases of the steps the host's other
-    instances were running at its midpoint (an instance runs one step at a time)."""
-    spans = {instance: sorted((s.ended - s.seconds, s.ended, phase_of(s))
-                              for s in samples if s.ended > 0)
-             for instance, samples in steps.items()}
-    starts = {instance: [start for start, _, _ in found] for instance, found in spans.items()}
-    out = []
-    for instance, samples in steps.items():
-        for s in samples:
-            if s.ended <= 0:
-                continue
-            middle, beside = s.ended - s.seconds / 2, []
-            for other, found in spans.items():
-                if other == instance:
-                    continue
-                i = bisect.bisect_right(starts[other], middle) - 1
-                if i >= 0 and found[i][1] >= middle:
-                    beside.append(found[i][2])
-            out.append((instance, s, beside))
-    return out
+def calibration_of(steps: Steps, latency: LatencyModel) -> Calibration:
+    """What the online planner would make of `steps`: each phase's correction of `latency`
+    that fits them best (on the steps that ran alone where enough did, with the contention
+    of those beside another instance's; 1.0 for a phase with fewer than the calibrator's
+    minimum of steps)."""
+    return calibrator_of(steps, latency).calibration()
 
 
 @dataclasses.dataclass(frozen=True)
 class Live:
-    """A profile fitted to the steps a stack ran: each phase's correction from the steps
-    that ran alone on the host (all of the phase's where too few did), and how much longer
-    a step took beside a neighbour's step of each phase (the profile's own factor where too
-    few did); `contention` None where the steps do not say when they ran."""
+    """A profile fitted to the steps a stack ran, and the calibration that fitted it."""
 
     calibration: Calibration
-    contention: Contention | None
     profile: Profile
 
     def to_json(self) -> dict[str, Any]:
-        return self.calibration.model_dump() | {
-            "contention": dataclasses.asdict(self.contention) if self.contention else None}
+        return self.calibration.model_dump()
+
+    def describe(self) -> str:
+        """'prefill 1.12, decode 1.05, decode beside a decode 1.60' (measured factors)."""
+        c = self.calibration
+        return f"prefill {c.prefill:.2f}, decode {c.decode:.2f}" + "".join(
+            f", {name.replace('_by_', ' beside a ')} {factor:.2f}"
+            for name, factor in sorted(c.contention.items()))
 
 
 def live_profile(steps: Steps, profile: Profile, min_steps: int = 10) -> Live:
-    """`profile` as the steps in `steps` ran: what the online planner's calibration makes of
-    them, taken on the steps that ran alone, and the contention measured on those that ran
-    beside one other instance's step. Without the steps' end times: the calibration of all
-    of them, which already holds whatever contention they met (the profile's dropped)."""
-    latency = profile.latency(1, 1)
-    timed = neighbours(steps)
-    if not timed:
-        found = calibration_of(steps, latency)
-        return Live(found, None, found.apply(profile))
-    alone: Steps = {}
-    for instance, s, beside in timed:
-        if not beside:
-            alone.setdefault(instance, []).append(s)
-    every, quiet = calibration_of(steps, latency), calibration_of(alone, latency)
-    fields: dict[str, Any] = {}
-    for phase in ("prefill", "decode"):
-        pick = quiet if getattr(quiet, f"{phase}_steps") >= min_steps else every
-        fields |= {name: getattr(pick, name) for name in Calibration.model_fields
-                   if name.startswith(phase)}
-    base = Calibration.model_validate(fields)
-    calibrated = base.apply(profile)
-    corrected = calibrated.latency(1, 1)
-    factors = dataclasses.asdict(profile.contention)
-    for phase in ("prefill", "decode"):
-        for other in ("prefill", "decode"):
-            pairs = [(s.seconds / predicted_s(corrected, s), _share(corrected, s))
-                     for _, s, beside in timed if phase_of(s) == phase and beside == [other]]
-            if len(pairs) >= min_steps:
-                slower = statistics.median(r for r, _ in pairs)
-                share = statistics.median(w for _, w in pairs)
-                factors[f"{phase}_by_{other}"] = max(1.0, 1.0 + (slower - 1.0) / share)
-    contention = Contention(**factors)
-    return Live(base, contention, dataclasses.replace(calibrated, contention=contention))
-
-
-def _share(latency: LatencyModel, s: StepSample) -> float:
-    """The share of the step a neighbour slows (as the simulator prices it)."""
-    return 1.0 if s.prompts else max(latency.reading_share(s.batch, s.context), 1e-3)
+    """`profile` as the steps in `steps` ran, calibrated as the online planner calibrates
+    (services/planner/calibration.py): each phase on its steps that ran alone, with the
+    contention measured on those that ran beside one other instance's step; without the
+    steps' end times, on all of them, which already hold whatever contention they met."""
+    found = calibrator_of(steps, profile.latency(1, 1), min_steps).calibration()
+    return Live(found, found.apply(profile))
 
 
 def steps_to_json(steps: Steps) -> dict[str, list[list[Any]]]:

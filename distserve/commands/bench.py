@@ -424,11 +424,8 @@ def _print_fidelity(console: Console, curves: Sequence[Curve],
             if x is not None:
                 fit, sim_live = x
                 gaps["live"].append(sim_live.attainment(slo) - got)
-                beside = f", beside a decode {fit.contention.decode_by_decode:.2f}" \
-                    if fit.contention else ""
                 cells = [f"{sim_live.attainment(slo):.0%}", f"{100 * gaps['live'][-1]:+.1f}",
-                         f"prefill {fit.calibration.prefill:.2f}, decode "
-                         f"{fit.calibration.decode:.2f}{beside}"]
+                         fit.describe()]
             table.add_row(c.name, f"{run.rate:g}", f"{got:.0%}", f"{sim:.0%}",
                           f"{100 * (sim - got):+.1f}", f"{raw:.0%}", f"{100 * (raw - got):+.1f}",
                           *cells, f"{f.ttft_s:+.3f} s", f"{1e3 * f.tpot_s:+.1f} ms",

@@ -110,7 +110,7 @@ class ProfilerService(ControlService):
         # a pipeline's workers report no step shapes (a step of theirs spans micro-batches):
         # the steps seen are of one stage of `tp` ranks
         if not calibrator.observe(info.instance_id, info.recent_steps,
-                                  self.profile.latency(info.tp, 1)):
+                                  self.profile.latency(info.tp, 1), info.machine):
             return
         found = calibrator.calibration()
         if not found.differs(self.calibration, 1.02) and time.time() - self.saved_at < 10:

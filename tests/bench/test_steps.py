@@ -13,13 +13,14 @@ from distserve.bench.runner import Unloaded, system_report
 from distserve.bench.steps import (
     StepLog,
     calibration_of,
+    calibrator_of,
     live_profile,
-    neighbours,
     steps_from_json,
     steps_to_json,
 )
 from distserve.bench.workload import Limits, parse_bench_workload
 from distserve.cli import main
+from services.planner.calibration import neighbours
 from services.planner.profiles import load_profile, shipped_cpu_profile
 from shared.metrics import SLO
 from shared.state import StepSample
@@ -92,18 +93,23 @@ def test_steps_beside_another_instances_give_the_contention_the_rest_the_level()
     beside_s = 1.8 * LATENCY.decode_step_s(1, 200)
     steps = {"colocated-0": decoding(0.0, alone_s, 40) + decoding(10.0, beside_s, 40, 41),
              "colocated-1": decoding(10.0 + beside_s / 2, beside_s, 40)}
-    placed = neighbours(steps)
-    assert sum(not beside for _, _, beside in placed) == 40
-    assert sum(beside == ["decode"] for _, _, beside in placed) == 80
+    placed = neighbours(t for phase in calibrator_of(steps, LATENCY).steps.values()
+                        for t in phase)
+    assert sum(not beside for _, beside in placed) == 40
+    assert sum(beside == ["decode"] for _, beside in placed) == 80
     live = live_profile(steps, PROFILE)
-    assert live.contention is not None and live.contention != PROFILE.contention
+    assert live.calibration.decode_basis == "alone"
+    assert live.calibration.contention.keys() == {"decode_by_decode"}
+    contention = live.profile.contention
+    assert contention != PROFILE.contention
     latency = live.profile.latency(1, 1)
     alone = latency.decode_step_s(1, 200)
     assert alone == pytest.approx(alone_s, rel=0.02)
-    assert alone * latency.contention.factor("decode", ["decode"], latency.reading_share(
+    assert alone * contention.factor("decode", ["decode"], latency.reading_share(
         1, 200)) == pytest.approx(beside_s, rel=0.02)
     # steps never beside a prefill: the profile's own factor stays
-    assert live.contention.decode_by_prefill == PROFILE.contention.decode_by_prefill
+    assert contention.decode_by_prefill == PROFILE.contention.decode_by_prefill
+    assert "decode beside a decode 1." in live.describe()
 
 
 def requests(rate: float, n: int, prompt: int, output: int) -> list[RequestRecord]:
@@ -130,7 +136,9 @@ def test_each_rate_is_simulated_on_the_steps_the_stack_ran_at_it() -> None:
     assert live[1] is None
     assert live[0] is not None
     fit, sim = live[0]
-    assert fit.contention is None  # the steps do not say when they ran
+    # the steps do not say when they ran: fitted on all of them, which carry their
+    # contention (none on top)
+    assert fit.calibration.decode_basis == "all" and fit.profile.contention.none
     assert fit.calibration.decode == pytest.approx(1.5, rel=0.01)
     assert fit.calibration.prefill == pytest.approx(1.5, rel=0.01)
     (raw, _) = simulate(measured, PROFILE, workload, slo, calibrate=False)
