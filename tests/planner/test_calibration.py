@@ -223,3 +223,98 @@ def test_live_steps_replace_the_profiles_contention_and_unloaded_ones_keep_it() 
     assert calibrator.calibration().apply(contended).contention.none
     unloaded = Calibration(prefill=1.1, decode=1.2)
     assert unloaded.apply(contended).contention == contended.contention
+
+
+def back_to_back(start: float, step_s: float, n: int, first: int = 1,
+                 prompt: int = 0) -> list[StepSample]:
+    """`n` steps of `step_s` one after another from `start`, with their end times: prompts
+    of `prompt` tokens, else batch-4 decodes at a 1,200-token context."""
+    return [StepSample(step=first + k, prompts=[prompt] if prompt else [],
+                       batch=0 if prompt else 4, context=0 if prompt else 1200,
+                       seconds=step_s, ended=start + (k + 1) * step_s) for k in range(n)]
+
+
+def disaggregated_steps() -> tuple[list[StepSample], list[StepSample], float]:
+    """A 1P+1D stack on one host: decode alone at 1.1x the profile, then beside back-to-back
+    prefills, slowed on the share of the step that reads (as the simulator prices it) by a
+    factor of 1.3; then the prefill instance alone, as profiled. Also that share."""
+    decode_s = 1.1 * LATENCY.decode_step_s(4, 1200)
+    share = LATENCY.reading_share(4, 1200)
+    beside_s = decode_s * (1 + share * 0.3)
+    prefill_s = LATENCY.prefill_latency_s(256, 256 * 256)
+    decode = back_to_back(0.0, decode_s, 30) + back_to_back(20.0, beside_s, 80, 31)
+    prefill = back_to_back(20.0, prefill_s, int(80 * beside_s / prefill_s) + 1, prompt=256)
+    prefill += back_to_back(prefill[-1].ended + 1.0, prefill_s, 20, len(prefill) + 1, 256)
+    return prefill, decode, share
+
+
+def test_steps_alone_give_the_level_and_steps_beside_a_neighbour_the_contention() -> None:
+    """The profiler's calibration of a 1P+1D stack: the decode level from the decode steps
+    that ran alone, the decode-beside-prefill factor from those that ran beside a prefill;
+    the decode-beside-decode factor, which no step of this stack could show, stays the
+    profile's, so a plan of two replicas decoding side by side is priced with it. The same
+    steps from two machines never ran beside each other."""
+    contended = dataclasses.replace(PROFILE, contention=Contention(
+        decode_by_decode=1.6, decode_by_prefill=1.05, prefill_by_decode=1.1))
+    prefill, decode, share = disaggregated_steps()
+    calibrator = Calibrator(LATENCY)
+    calibrator.observe("prefill-0", prefill, host="m")
+    calibrator.observe("decode-0", decode, host="m")
+    found = calibrator.calibration()
+    assert (found.decode_basis, found.prefill_basis) == ("alone", "alone")
+    assert found.decode == pytest.approx(1.1, rel=0.01)
+    assert found.prefill == pytest.approx(1.0, rel=0.01)
+    assert found.contention.keys() == {"decode_by_prefill", "prefill_by_decode"}
+    assert found.contention["decode_by_prefill"] == pytest.approx(1.3, rel=0.01)
+    # the prefills beside the decodes took as long as alone: no slowdown measured
+    assert found.contention["prefill_by_decode"] == pytest.approx(1.0)
+    priced = found.apply(contended).contention
+    assert priced == Contention(decode_by_decode=1.6, decode_by_prefill=found.contention[
+        "decode_by_prefill"], prefill_by_decode=1.0)
+    described = found.describe("decode")  # steps of one size: an offset fits
+    assert described.startswith("1.10x the profile alone (+9 ms a step")
+    assert described.endswith(", 1.30x beside a prefill")
+    # steps that do not say when they ran: the level of all of them, no contention on top
+    blind = Calibrator(LATENCY)
+    blind.observe("prefill-0", [s.model_copy(update={"ended": 0.0}) for s in prefill])
+    blind.observe("decode-0", [s.model_copy(update={"ended": 0.0}) for s in decode])
+    level = blind.calibration()
+    assert level.decode_basis == "all" and level.decode > 1.1 * (1 + share * 0.1)
+    assert level.apply(contended).contention.none
+    # on two machines: every step alone, the level of all of them
+    apart = Calibrator(LATENCY)
+    apart.observe("prefill-0", prefill, host="m")
+    apart.observe("decode-0", decode, host="n")
+    assert apart.calibration().contention == {}
+    assert apart.calibration().decode == pytest.approx(level.decode, rel=0.01)
+
+
+def test_a_calibration_that_keeps_the_profiles_contention_prices_colocated_replicas_lower(
+        ) -> None:
+    """The planner weighing colocated replicas against the 1P+1D stack it runs (a profile
+    whose decode steps take 1.8x beside another decoding device): on the steps' level alone,
+    with the profile's decode-beside-decode factor and the decode-beside-prefill one
+    measured, two replicas are priced well below the 1P+1D plan, which stays; on the same
+    steps' average level with no contention (all the profiler could fit before the steps
+    said when they ran) the replicas were priced as if they never met, and won."""
+    contended = dataclasses.replace(PROFILE, contention=Contention(decode_by_decode=1.8))
+    config = PlannerConfig(contended, SLO(5.0, 0.1), 0.9, 2,
+                           modes=("disaggregated", "colocated"), batch_tokens=512,
+                           max_running=64)
+    window = WorkloadSummary(rate_rps=1.0, arrival_cv=1.0, prompt_tokens=[256] * 20,
+                             output_tokens=[64] * 20)
+    request = ReplanRequest(reasons=["first full window"], workload=window)
+    prefill, decode, _ = disaggregated_steps()
+    timed, blind = Calibrator(LATENCY), Calibrator(LATENCY)
+    for name, steps in (("prefill-0", prefill), ("decode-0", decode)):
+        timed.observe(name, steps, host="m")
+        blind.observe(name, [s.model_copy(update={"ended": 0.0}) for s in steps])
+    decisions = [decide(request, None, config, now=1.0, calibration=c.calibration())
+                 for c in (timed, blind)]
+    assert decisions[0] is not None and decisions[1] is not None
+    (with_contention, without) = ({c.mode: c.goodput_rps for c in d.candidates}
+                                  for d in decisions)
+    assert with_contention["colocated"] < 0.5 * without["colocated"]
+    assert with_contention["colocated"] < 0.5 * with_contention["disaggregated"]
+    assert decisions[0].plan.mode == "disaggregated"
+    assert decisions[1].plan.mode in ("colocated", "chunked")

@@ -32,6 +32,7 @@ from services.planner.profiles import load_profile, save_profile, shipped_cpu_pr
 from services.planner.service import PlannerSettings
 from shared import subjects
 from shared.bus import connect, publish
+from shared.host import machine_id
 from shared.messages import Drain, ReplanRequest, WorkloadSummary
 from tests.services.conftest import start_stack
 
@@ -195,6 +196,9 @@ def test_longer_prompts_move_capacity_to_prefill_without_losing_requests(
         calibration = Calibration.model_validate_json(redis.get(subjects.CALIBRATION_KEY) or "")
         assert calibration.prefill_steps >= 10 and calibration.decode_steps >= 10
         assert 0.3 < calibration.prefill < 10 and 0.3 < calibration.decode < 10
+        # fitted on the steps (alone on the host or all of them), the workers' machine known
+        assert calibration.prefill_basis != "profile" and calibration.decode_basis != "profile"
+        assert {info["machine"] for info in live(redis, "decode").values()} == {machine_id()}
         capsys.readouterr()
         assert main(["plan", "--live", "--redis-url", stack.env["DS_REDIS_URL"]]) == 0
         shown = capsys.readouterr().out

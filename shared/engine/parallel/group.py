@@ -183,11 +183,12 @@ def connect_stage(store: Store, instance: Collective, place: RankPlace) -> Colle
 def rank_threads(config: EngineConfig, cores: int | None = None) -> int:
     """Torch threads a rank takes on the CPU: its share of the instance's `threads` as
     given; by default (threads 0) its share of the `cores` the process may run on, less one
-    for the collectives where that share is 4 or more (so the ranks' threads leave a core a
-    rank free; where it is less, a thread is too large a part of the rank's). Gloo runs each all-reduce in I/O threads of its own, which then wait
-    for a core: on a 16-core Xeon, tp 4 at 4 threads a rank spent 125-135 ms of a 199 ms
-    batch-1 decode step in all-reduces, at 3 threads a rank 27 ms of 99 ms, its prefill as
-    fast (docs/benchmarks.md)."""
+    where that share is 4 or more, so the ranks leave a core a rank to their collectives
+    (where it is less, a thread is too large a part of the rank's). Gloo runs each
+    all-reduce in I/O threads of its own, which otherwise wait for a core: on a 16-core
+    Xeon, tp 4 at 4 threads a rank spent 125-135 ms of a 199 ms batch-1 decode step in
+    all-reduces, at 3 threads a rank 27 ms of 99 ms, its prefill as fast
+    (docs/benchmarks.md)."""
     if config.threads:
         return max(1, config.threads // config.ranks)
     cores = cores or len(os.sched_getaffinity(0))
