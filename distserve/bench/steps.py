@@ -51,10 +51,15 @@ class StepLog:
 
 
 def calibrator_of(steps: Steps, latency: LatencyModel, min_steps: int = 10) -> Calibrator:
-    """The online planner's calibrator, fed `steps` (the instances of one host)."""
+    """The online planner's calibrator, fed `steps`: a run's steps of the instances of one
+    machine, every step each ran until the run's last one ended."""
     calibrator = Calibrator(latency, window=1 << 30, min_steps=min_steps)
     for instance, samples in steps.items():
         calibrator.observe(instance, samples)
+    ends = [s.ended for samples in steps.values() for s in samples if s.ended > 0]
+    if ends:  # a run's steps, recorded whole: between them the instances were idle
+        for instance in steps:
+            calibrator.timeline.complete(instance, max(ends))
     return calibrator
 
 

@@ -11,13 +11,15 @@ choice matters where the planner prices steps far larger than the live ones: on 
 development VM a 16-token prefill step took 1.45x the profile but a 512-token one 1.0x,
 which a scale would have priced at 1.45x and a fixed +34 ms at 1.04x.
 
-Steps that say when they ended are placed beside the steps the other instances of their host
-were running (CPU cores share the memory bandwidth and caches): each phase is then calibrated
-on its steps that ran alone, and the contention is measured on those that ran beside exactly
-one neighbour's step, so a plan with another mix of instances on the host (another split,
-colocated replicas) is priced as its steps would run, not at the level the current mix
-happened to average. A phase with too few steps alone is calibrated on all its steps, which
-then carry their contention (none is added on top)."""
+Steps that say when they ended are placed beside the steps the other instances of their
+machine were running (CPU cores share the memory bandwidth and caches; `Timeline`: only
+where every neighbour's record says what it ran then, not at the edges of what its
+heartbeats have told): each phase is then calibrated on its steps that ran alone, and the
+contention is measured on those that ran beside exactly one neighbour's step, so a plan
+with another mix of instances on the machine (another split, colocated replicas) is priced
+as its steps would run, not at the level the current mix happened to average. A phase with
+too few steps alone is calibrated on all its steps, which then carry their contention (none
+is added on top)."""
 
 from __future__ import annotations
 
@@ -26,9 +28,9 @@ import dataclasses
 import statistics
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, model_validator
 
 from services.planner.latency import Contention, LatencyModel, Phase
 from services.planner.profiles import Profile
@@ -36,16 +38,18 @@ from shared.state import StepSample
 
 Fit = Literal["scale", "offset"]
 # what a phase's correction was fitted on: nothing yet (the profile as it is), the steps that
-# ran alone on their host, or all of them (their contention in the level)
+# ran alone on their machine, or all of them (their contention in the level)
 Basis = Literal["profile", "alone", "all"]
 PHASES: tuple[Phase, Phase] = ("prefill", "decode")
+NO_CONTENTION = Contention()
 
 
 class Calibration(BaseModel):
     """Per phase: measured / predicted step time at the live steps (the median; 1.0: as
-    profiled), the correction that fits them best, the steps it was fitted on, and how
-    much longer the phase's steps took beside a neighbour's step of each phase (measured
-    factors only, e.g. {"decode_by_decode": 1.6})."""
+    profiled), the correction that fits them best, the steps it was fitted on, and the
+    contention measured beside a neighbour's step of each phase (`Contention`'s factors,
+    which a step slows by on the share of it that reads memory; measured ones only, e.g.
+    {"decode_by_decode": 1.6})."""
 
     prefill: float = 1.0
     decode: float = 1.0
@@ -58,6 +62,16 @@ class Calibration(BaseModel):
     prefill_basis: Basis = "profile"
     decode_basis: Basis = "profile"
     contention: dict[str, float] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fitted_on_all_before_bases(cls, data: Any) -> Any:
+        """A calibration saved before phases said what they were fitted on was fitted on
+        all the steps, and priced no contention on top: it still does."""
+        if isinstance(data, dict) and not {"prefill_basis", "decode_basis"} & data.keys() \
+                and data.get("prefill_steps", 0) + data.get("decode_steps", 0) > 0:
+            return data | {"prefill_basis": "all", "decode_basis": "all"}
+        return data
 
     def correction(self, phase: str) -> tuple[float, float]:
         """(scale, ms added a step) for the profile's step times of `phase`."""
@@ -104,12 +118,13 @@ class Calibration(BaseModel):
                          if name.startswith(f"{phase}_by_"))
         return f"{getattr(self, phase):.2f}x the profile{alone}{fits}{beside}"
 
-    def differs(self, other: Calibration, by: float) -> bool:
-        """Either phase's scale, or a measured contention factor, moved by more than the
-        ratio `by` (e.g. 1.2)."""
+    def differs(self, other: Calibration, by: float,
+                profiled: Contention = NO_CONTENTION) -> bool:
+        """Either phase's scale, or a contention factor as each prices it over the profile's
+        (`profiled`), moved by more than the ratio `by` (e.g. 1.2)."""
+        mine, theirs = (dataclasses.asdict(c.contention_over(profiled)) for c in (self, other))
         pairs = [(self.prefill, other.prefill), (self.decode, other.decode)]
-        pairs += [(self.contention.get(name, 1.0), other.contention.get(name, 1.0))
-                  for name in self.contention.keys() | other.contention.keys()]
+        pairs += [(mine[name], theirs[name]) for name in mine]
         return any(max(a / b, b / a) > by for a, b in pairs)
 
 
@@ -118,35 +133,113 @@ class Timed:
     """A step as the calibrator keeps it."""
 
     instance: str
-    host: str
     phase: Phase
     predicted_s: float  # what the profile says it takes
+    reads_s: float  # of which reading memory (what a neighbour's step slows; a prompt: all)
     seconds: float  # what it took
     ended: float  # wall clock; 0: not said (it is then never placed beside another step)
-    share: float  # the share of it a neighbour's step slows, as the simulator prices it
 
 
-def neighbours(steps: Iterable[Timed]) -> list[tuple[Timed, list[Phase]]]:
-    """Each step that says when it ended, with the phases of the steps the other instances
-    of its host were running at its midpoint (an instance runs one step at a time)."""
-    timed = [t for t in steps if t.ended > 0]
-    spans: dict[tuple[str, str], list[tuple[float, float, Phase]]] = {}
-    for t in timed:
-        spans.setdefault((t.host, t.instance), []).append((t.ended - t.seconds, t.ended, t.phase))
-    for found in spans.values():
-        found.sort()
-    starts = {key: [start for start, _, _ in found] for key, found in spans.items()}
-    out = []
-    for t in timed:
-        middle, beside = t.ended - t.seconds / 2, []
-        for key, found in spans.items():
-            if key[0] != t.host or key[1] == t.instance:
+Span = tuple[float, float, Phase | None]  # start, end, phase (None: steps ran, none priced)
+
+
+class Timeline:
+    """When each instance ran its steps, as far as its heartbeats tell (pure): the priced
+    steps it reported, and, between two of them whose numbers skip, steps that ran unpriced
+    (a mixed step, steps a heartbeat's window dropped) at times unknown. An instance's
+    moments are known from its first reported step's start to its last one's end, idle
+    between steps numbered one after the other; past its last step (or before its first),
+    idle up to a margin (1.5x its longest step) before a heartbeat that counted no step
+    since (none at all), and running nothing once it stopped heartbeating (`GONE_S`); else
+    not known (it may be mid-step)."""
+
+    GONE_S = 5.0
+    FIRST_STEP_S = 3.0  # how long a step may be, for an instance that has run none yet
+
+    def __init__(self, keep: int = 4000) -> None:
+        self.machine: dict[str, str] = {}  # instance -> the machine it runs on
+        self._spans: dict[str, list[Span]] = {}
+        self._starts: dict[str, list[float]] = {}
+        self._last: dict[str, tuple[int, float]] = {}  # instance -> its last step, its end
+        self._longest: dict[str, float] = {}
+        self._idle_until: dict[str, float] = {}
+        self._idle_before: dict[str, float] = {}  # it ran no step before this
+        self._heard: dict[str, float] = {}  # instance -> its last heartbeat
+        self._keep = keep
+
+    def add(self, instance: str, machine: str, samples: Iterable[StepSample]) -> None:
+        """`instance`'s steps (those not added before; none for an instance whose steps are
+        not priced, which then makes its machine's every step unknown)."""
+        self.machine[instance] = machine
+        spans = self._spans.setdefault(instance, [])
+        starts = self._starts.setdefault(instance, [])
+        for s in sorted(samples, key=lambda s: s.step):
+            last = self._last.get(instance)
+            if s.ended <= 0 or (last is not None and s.step <= last[0]):
                 continue
-            i = bisect.bisect_right(starts[key], middle) - 1
-            if i >= 0 and found[i][1] >= middle:
-                beside.append(found[i][2])
-        out.append((t, beside))
-    return out
+            start = s.ended - s.seconds
+            if last is not None and s.step > last[0] + 1:  # after any moment known idle
+                gap = max(last[1], min(start, self._idle_until.get(instance, last[1])))
+                spans.append((gap, start, None))
+                starts.append(gap)
+            spans.append((start, s.ended, "prefill" if s.prompts else "decode"))
+            starts.append(start)
+            self._last[instance] = (s.step, s.ended)
+            self._longest[instance] = max(self._longest.get(instance, 0.0), s.seconds)
+        if len(spans) > 2 * self._keep:
+            del spans[:-self._keep], starts[:-self._keep]
+
+    def heard(self, instance: str, at: float, steps: int) -> None:
+        """A heartbeat of `instance` at `at` that counted `steps` steps so far: where every
+        one of them is in the record, it ran none from its last one's end until shortly
+        before `at` (a step started within the margin may still be running)."""
+        if at <= 0:
+            return
+        self._heard[instance] = at
+        if steps == self._last.get(instance, (0, 0.0))[0]:
+            margin = 1.5 * self._longest.get(instance, self.FIRST_STEP_S)
+            self._idle_until[instance] = max(self._idle_until.get(instance, float("-inf")),
+                                             at - margin)
+            if steps == 0:  # it never ran a step before
+                self._idle_before[instance] = at - margin
+
+    def complete(self, instance: str, end: float) -> None:
+        """Every step `instance` ran until `end` is in the record (a benchmark's run,
+        recorded whole): it was idle wherever no step of it ran."""
+        spans = self._spans.get(instance)
+        self._idle_before[instance] = spans[0][0] if spans else end
+        self._idle_until[instance] = end
+
+    def forget(self, instance: str) -> None:
+        for kept in (self.machine, self._spans, self._starts, self._last, self._longest,
+                     self._idle_until, self._idle_before, self._heard):
+            kept.pop(instance, None)
+
+    def running(self, instance: str, moment: float) -> Phase | Literal["idle"] | None:
+        """What `instance` ran at `moment`: a step of a phase, nothing, or None (not known)."""
+        if moment > self._heard.get(instance, float("inf")) + self.GONE_S:
+            return "idle"  # stopped heartbeating: gone
+        spans = self._spans[instance]
+        if not spans or moment > spans[-1][1]:
+            return "idle" if moment <= self._idle_until.get(instance, float("-inf")) else None
+        if moment < spans[0][0]:
+            return "idle" if moment <= self._idle_before.get(instance, float("-inf")) else None
+        i = bisect.bisect_right(self._starts[instance], moment) - 1
+        return spans[i][2] if spans[i][1] >= moment else "idle"
+
+    def beside(self, instance: str, moment: float) -> list[Phase] | None:
+        """The phases of the steps the other instances of `instance`'s machine were running
+        at `moment`; None where what one of them ran then is not known."""
+        machine, out = self.machine.get(instance), []
+        for other, where in self.machine.items():
+            if other == instance or where != machine:
+                continue
+            phase = self.running(other, moment)
+            if phase is None:
+                return None
+            if phase != "idle":
+                out.append(phase)
+        return out
 
 
 @dataclasses.dataclass
@@ -154,32 +247,42 @@ class Calibrator:
     latency: LatencyModel  # the profile's, for one device
     window: int = 200  # steps per phase
     min_steps: int = 10  # a phase's scale (or a contention factor) needs this many steps
+    min_share: float = 0.2  # steps that read less of their time say nothing of contention
 
     def __post_init__(self) -> None:
         self.steps: dict[Phase, deque[Timed]] = {phase: deque(maxlen=self.window)
                                                  for phase in PHASES}
         self.seen: dict[str, int] = {}  # instance -> the last step taken from it
+        self.timeline = Timeline()
 
     def observe(self, instance: str, samples: list[StepSample],
-                latency: LatencyModel | None = None, host: str = "") -> int:
-        """Take the samples of `instance` (on `host`) not seen before, against what
+                latency: LatencyModel | None = None, machine: str = "",
+                heard_at: float = 0.0, steps: int = -1) -> int:
+        """Take the samples of `instance` (on `machine`) not seen before, against what
         `latency` (the instance's own shape's, where it is not the one `self.latency` is
-        of) predicts for them; how many were new."""
+        of) predicts for them, from a heartbeat at `heard_at` that counted `steps` steps so
+        far (-1: not from a heartbeat); how many were new."""
         model = latency or self.latency
         last = self.seen.get(instance, 0)
         new = [s for s in samples if s.step > last and s.seconds > 0]
+        self.timeline.add(instance, machine, new)
+        if steps >= 0:
+            self.timeline.heard(instance, heard_at, steps)
         for s in new:
             if s.prompts or s.batch:
                 phase: Phase = "prefill" if s.prompts else "decode"
-                share = 1.0 if s.prompts else max(model.reading_share(s.batch, s.context), 1e-3)
-                self.steps[phase].append(Timed(instance, host, phase, predicted_s(model, s),
-                                               s.seconds, s.ended, share))
+                predicted = predicted_s(model, s)
+                reads = predicted if s.prompts else \
+                    predicted * model.reading_share(s.batch, s.context)
+                self.steps[phase].append(Timed(instance, phase, predicted, reads, s.seconds,
+                                               s.ended))
         if new:
             self.seen[instance] = max(s.step for s in new)
         return len(new)
 
     def forget(self, instance: str) -> None:
         self.seen.pop(instance, None)
+        self.timeline.forget(instance)
 
     def _constant_s(self, phase: str) -> float:
         """The smallest constant of the phase's fitted step times, in seconds."""
@@ -188,17 +291,22 @@ class Calibrator:
                                                                  co.decode_large[0]]
         return min(constants) / 1e3
 
+    def placed(self, phase: Phase) -> list[tuple[Timed, list[Phase] | None]]:
+        """The phase's steps, each with the phases its machine's other instances were
+        running at its midpoint (None: not known)."""
+        return [(t, self.timeline.beside(t.instance, t.ended - t.seconds / 2)
+                 if t.ended > 0 else None) for t in self.steps[phase]]
+
     def calibration(self) -> Calibration:
-        """Each phase's correction, fitted on its steps that ran alone where at least
-        `min_steps` did (then with the contention of those that ran beside exactly one
-        neighbour's step of a phase: the factor that prices them as they ran, at the share
-        of the step it slows), else on all its steps."""
-        placed = neighbours([*self.steps["prefill"], *self.steps["decode"]])
+        """Each phase's correction, fitted on its steps that ran alone on their machine where
+        at least `min_steps` did (then with the contention measured on those that ran beside
+        exactly one neighbour's step), else on all its steps."""
         fields: dict[str, object] = {}
         contention: dict[str, float] = {}
         for phase in PHASES:
             fields[f"{phase}_steps"] = len(self.steps[phase])
-            alone = [t for t, beside in placed if t.phase == phase and not beside]
+            placed = self.placed(phase)
+            alone = [t for t, beside in placed if beside == []]
             basis: Basis = "alone" if len(alone) >= self.min_steps else "all"
             fitted_on = alone if basis == "alone" else list(self.steps[phase])
             if len(fitted_on) < self.min_steps:
@@ -207,17 +315,30 @@ class Calibrator:
                                              self._constant_s(phase))
             fields |= {phase: ratio, f"{phase}_fit": fit, f"{phase}_offset_s": offset_s,
                        f"{phase}_basis": basis}
-            if basis == "all":
-                continue
-            scale, plus_s = (1.0, offset_s) if fit == "offset" else (ratio, 0.0)
-            for other in PHASES:
-                pairs = [(t.seconds / (scale * t.predicted_s + plus_s), t.share)
-                         for t, beside in placed if t.phase == phase and beside == [other]]
-                if len(pairs) >= self.min_steps:
-                    slower = statistics.median(r for r, _ in pairs)
-                    share = statistics.median(w for _, w in pairs)
-                    contention[f"{phase}_by_{other}"] = max(1.0, 1.0 + (slower - 1.0) / share)
+            if basis == "alone":
+                scale, plus_s = (1.0, offset_s) if fit == "offset" else (ratio, 0.0)
+                for other in PHASES:
+                    factor = self._factor([t for t, beside in placed if beside == [other]],
+                                          scale, plus_s)
+                    if factor is not None:
+                        contention[f"{phase}_by_{other}"] = factor
         return Calibration.model_validate(fields | {"contention": contention})
+
+    def _factor(self, steps: list[Timed], scale: float, plus_s: float) -> float | None:
+        """The contention factor that prices `steps` (each beside one neighbour's step of a
+        phase) as they ran on the corrected profile (`scale` x predicted + `plus_s`): the
+        median over the steps of how much longer each took than predicted, over the share
+        of it the neighbour slows (the corrected model's, as the simulator prices it); None
+        from fewer than `min_steps` steps reading at least `min_share` of their time."""
+        slowed = []
+        for t in steps:
+            corrected = scale * t.predicted_s + plus_s
+            share = (scale * t.reads_s + plus_s) / corrected
+            if share >= self.min_share:
+                slowed.append((t.seconds / corrected - 1.0) / share)
+        if len(slowed) < self.min_steps:
+            return None
+        return max(1.0, 1.0 + statistics.median(slowed))
 
 
 def predicted_s(latency: LatencyModel, step: StepSample) -> float:
@@ -253,13 +374,14 @@ def fit_steps(steps: list[tuple[float, float]], constant_s: float = float("inf")
 
 
 def replan_reason(found: Calibration, planned_on: Calibration, ratio: float,
-                  min_steps: int) -> str | None:
+                  min_steps: int, profiled: Contention = NO_CONTENTION) -> str | None:
     """Why the planner should plan again on `found` (None: it need not): both phases are
-    measured over `min_steps` steps at least, and one has moved by more than `ratio` since
-    the calibration the last plan was made on."""
+    measured over `min_steps` steps at least, and a scale or a contention factor (priced
+    over the profile's, `profiled`) has moved by more than `ratio` since the calibration the
+    last plan was made on."""
     if min(found.prefill_steps, found.decode_steps) < min_steps or \
-            not found.differs(planned_on, ratio):
+            not found.differs(planned_on, ratio, profiled):
         return None
     return (f"step times moved: prefill {found.describe('prefill')}, decode "
-            f"{found.describe('decode')} (were {planned_on.prefill:.2f}x, "
-            f"{planned_on.decode:.2f}x)")
+            f"{found.describe('decode')} (were {planned_on.describe('prefill')}, "
+            f"{planned_on.describe('decode')})")

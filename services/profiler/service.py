@@ -102,6 +102,10 @@ class ProfilerService(ControlService):
         if calibrator is None or self.profile is None:
             return
         if info.tp not in self.profile.tps:  # nothing to compare its steps with
+            # (nor to say when it ran them: what its machine's other instances ran beside
+            # it is not known)
+            calibrator.timeline.add(info.instance_id, info.machine, [])
+            calibrator.timeline.heard(info.instance_id, info.heartbeat_at, -1)
             if info.tp not in self.unpriced:
                 self.unpriced.add(info.tp)
                 log.warning("the profile has no tp %d: the steps of workers of tp %d are not "
@@ -110,10 +114,12 @@ class ProfilerService(ControlService):
         # a pipeline's workers report no step shapes (a step of theirs spans micro-batches):
         # the steps seen are of one stage of `tp` ranks
         if not calibrator.observe(info.instance_id, info.recent_steps,
-                                  self.profile.latency(info.tp, 1), info.machine):
+                                  self.profile.latency(info.tp, 1), info.machine,
+                                  info.heartbeat_at, info.steps):
             return
         found = calibrator.calibration()
-        if not found.differs(self.calibration, 1.02) and time.time() - self.saved_at < 10:
+        if not found.differs(self.calibration, 1.02, self.profile.contention) and \
+                time.time() - self.saved_at < 10:
             return  # no Redis write for every heartbeat that moves the medians a little
         try:
             await self.redis.set(subjects.CALIBRATION_KEY, found.model_dump_json())
@@ -122,7 +128,7 @@ class ProfilerService(ControlService):
             return
         self.calibration, self.saved_at = found, time.time()
         reason = replan_reason(found, self.planned_on, self.settings.profiler_recalibrate_ratio,
-                               calibrator.min_steps)
+                               calibrator.min_steps, self.profile.contention)
         if reason is not None and self.monitor.reference:  # a plan was made: make it again
             self.planned_on = found
             log.info("%s; asking for a new plan", reason)

@@ -1,6 +1,7 @@
 """The engine steps a benchmark records from the workers' heartbeats, and the simulation of
 each rate on them (pure; the recorder against a real stack is in test_loadgen.py)."""
 
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -20,13 +21,15 @@ from distserve.bench.steps import (
 )
 from distserve.bench.workload import Limits, parse_bench_workload
 from distserve.cli import main
-from services.planner.calibration import neighbours
+from services.planner.latency import Contention
 from services.planner.profiles import load_profile, shipped_cpu_profile
 from shared.metrics import SLO
 from shared.state import StepSample
 
 PROFILE = load_profile(shipped_cpu_profile(1))
 LATENCY = PROFILE.latency(1, 1)
+CONTENDED = dataclasses.replace(PROFILE, contention=Contention(
+    decode_by_decode=1.5, decode_by_prefill=1.2, prefill_by_decode=1.1))
 
 
 def decode(step: int, batch: int, context: int, slower: float = 1.0) -> StepSample:
@@ -93,22 +96,21 @@ def test_steps_beside_another_instances_give_the_contention_the_rest_the_level()
     beside_s = 1.8 * LATENCY.decode_step_s(1, 200)
     steps = {"colocated-0": decoding(0.0, alone_s, 40) + decoding(10.0, beside_s, 40, 41),
              "colocated-1": decoding(10.0 + beside_s / 2, beside_s, 40)}
-    placed = neighbours(t for phase in calibrator_of(steps, LATENCY).steps.values()
-                        for t in phase)
-    assert sum(not beside for _, beside in placed) == 40
+    placed = calibrator_of(steps, LATENCY).placed("decode")
+    assert sum(beside == [] for _, beside in placed) == 40
     assert sum(beside == ["decode"] for _, beside in placed) == 80
-    live = live_profile(steps, PROFILE)
+    live = live_profile(steps, CONTENDED)
     assert live.calibration.decode_basis == "alone"
     assert live.calibration.contention.keys() == {"decode_by_decode"}
     contention = live.profile.contention
-    assert contention != PROFILE.contention
+    assert contention != CONTENDED.contention
     latency = live.profile.latency(1, 1)
     alone = latency.decode_step_s(1, 200)
     assert alone == pytest.approx(alone_s, rel=0.02)
     assert alone * contention.factor("decode", ["decode"], latency.reading_share(
         1, 200)) == pytest.approx(beside_s, rel=0.02)
     # steps never beside a prefill: the profile's own factor stays
-    assert contention.decode_by_prefill == PROFILE.contention.decode_by_prefill
+    assert contention.decode_by_prefill == CONTENDED.contention.decode_by_prefill == 1.2
     assert "decode beside a decode 1." in live.describe()
 
 
@@ -132,7 +134,7 @@ def test_each_rate_is_simulated_on_the_steps_the_stack_ran_at_it() -> None:
             RunResult(0.4, requests(0.4, 12, 256, 16), 30.0)]
     measured = Measured(disaggregated, runs, Unloaded(0.5, 0.03, 256), 1e9, {})
     slo = SLO(2.0, 0.1)
-    live = simulate_live(measured, PROFILE, workload, slo)
+    live = simulate_live(measured, CONTENDED, workload, slo)
     assert live[1] is None
     assert live[0] is not None
     fit, sim = live[0]

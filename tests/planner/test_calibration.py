@@ -7,7 +7,13 @@ import random
 import numpy as np
 import pytest
 
-from services.planner.calibration import Calibration, Calibrator, fit_steps, replan_reason
+from services.planner.calibration import (
+    Calibration,
+    Calibrator,
+    Timeline,
+    fit_steps,
+    replan_reason,
+)
 from services.planner.decide import PlannerConfig, decide
 from services.planner.latency import Contention, LatencyModel
 from services.planner.profiles import load_profile, shipped_cpu_profile
@@ -236,16 +242,30 @@ def back_to_back(start: float, step_s: float, n: int, first: int = 1,
 
 def disaggregated_steps() -> tuple[list[StepSample], list[StepSample], float]:
     """A 1P+1D stack on one host: decode alone at 1.1x the profile, then beside back-to-back
-    prefills, slowed on the share of the step that reads (as the simulator prices it) by a
-    factor of 1.3; then the prefill instance alone, as profiled. Also that share."""
+    prefills, each decode step 13% longer (1 + 0.3 x the share of the step the profile says
+    reads memory); then the prefill instance alone, as profiled. Also that longer step."""
     decode_s = 1.1 * LATENCY.decode_step_s(4, 1200)
-    share = LATENCY.reading_share(4, 1200)
-    beside_s = decode_s * (1 + share * 0.3)
+    beside_s = decode_s * (1 + LATENCY.reading_share(4, 1200) * 0.3)
     prefill_s = LATENCY.prefill_latency_s(256, 256 * 256)
     decode = back_to_back(0.0, decode_s, 30) + back_to_back(20.0, beside_s, 80, 31)
     prefill = back_to_back(20.0, prefill_s, int(80 * beside_s / prefill_s) + 1, prompt=256)
     prefill += back_to_back(prefill[-1].ended + 1.0, prefill_s, 20, len(prefill) + 1, 256)
-    return prefill, decode, share
+    return prefill, decode, beside_s
+
+
+def heartbeats(calibrator: Calibrator, instances: dict[str, tuple[str, list[StepSample]]],
+               every: float = 0.5) -> None:
+    """Feed `instance -> (machine, steps)` to `calibrator` as the profiler hears them: a
+    heartbeat of each instance every `every` seconds with its last 64 steps ended by then and
+    its count of steps (numbered from 1)."""
+    end = max(s.ended for _, steps in instances.values() for s in steps) + 3.0
+    at = every
+    while at <= end:
+        for instance, (machine, steps) in instances.items():
+            done = [s for s in steps if s.ended <= at]
+            calibrator.observe(instance, done[-64:], machine=machine, heard_at=at,
+                               steps=done[-1].step if done else 0)
+        at += every
 
 
 def test_steps_alone_give_the_level_and_steps_beside_a_neighbour_the_contention() -> None:
@@ -256,35 +276,38 @@ def test_steps_alone_give_the_level_and_steps_beside_a_neighbour_the_contention(
     steps from two machines never ran beside each other."""
     contended = dataclasses.replace(PROFILE, contention=Contention(
         decode_by_decode=1.6, decode_by_prefill=1.05, prefill_by_decode=1.1))
-    prefill, decode, share = disaggregated_steps()
+    prefill, decode, beside_s = disaggregated_steps()
     calibrator = Calibrator(LATENCY)
-    calibrator.observe("prefill-0", prefill, host="m")
-    calibrator.observe("decode-0", decode, host="m")
+    heartbeats(calibrator, {"prefill-0": ("m", prefill), "decode-0": ("m", decode)})
     found = calibrator.calibration()
     assert (found.decode_basis, found.prefill_basis) == ("alone", "alone")
     assert found.decode == pytest.approx(1.1, rel=0.01)
     assert found.prefill == pytest.approx(1.0, rel=0.01)
     assert found.contention.keys() == {"decode_by_prefill", "prefill_by_decode"}
-    assert found.contention["decode_by_prefill"] == pytest.approx(1.3, rel=0.01)
+    # priced as they ran: the calibrated model's step times its contention at its share
+    priced = found.apply(contended)
+    latency = priced.latency(1, 1)
+    assert latency.decode_step_s(4, 1200) * latency.contention.factor(
+        "decode", ["prefill"], latency.reading_share(4, 1200)) == pytest.approx(beside_s,
+                                                                               rel=0.01)
+    assert 1.2 < found.contention["decode_by_prefill"] < 1.3
     # the prefills beside the decodes took as long as alone: no slowdown measured
     assert found.contention["prefill_by_decode"] == pytest.approx(1.0)
-    priced = found.apply(contended).contention
-    assert priced == Contention(decode_by_decode=1.6, decode_by_prefill=found.contention[
+    assert priced.contention == Contention(decode_by_decode=1.6, decode_by_prefill=found.contention[
         "decode_by_prefill"], prefill_by_decode=1.0)
     described = found.describe("decode")  # steps of one size: an offset fits
     assert described.startswith("1.10x the profile alone (+9 ms a step")
-    assert described.endswith(", 1.30x beside a prefill")
+    assert described.endswith(f", {found.contention['decode_by_prefill']:.2f}x beside a prefill")
     # steps that do not say when they ran: the level of all of them, no contention on top
     blind = Calibrator(LATENCY)
     blind.observe("prefill-0", [s.model_copy(update={"ended": 0.0}) for s in prefill])
     blind.observe("decode-0", [s.model_copy(update={"ended": 0.0}) for s in decode])
     level = blind.calibration()
-    assert level.decode_basis == "all" and level.decode > 1.1 * (1 + share * 0.1)
+    assert level.decode_basis == "all" and level.decode > 1.1 * 1.05
     assert level.apply(contended).contention.none
     # on two machines: every step alone, the level of all of them
     apart = Calibrator(LATENCY)
-    apart.observe("prefill-0", prefill, host="m")
-    apart.observe("decode-0", decode, host="n")
+    heartbeats(apart, {"prefill-0": ("m", prefill), "decode-0": ("n", decode)})
     assert apart.calibration().contention == {}
     assert apart.calibration().decode == pytest.approx(level.decode, rel=0.01)
 
@@ -306,8 +329,8 @@ def test_a_calibration_that_keeps_the_profiles_contention_prices_colocated_repli
     request = ReplanRequest(reasons=["first full window"], workload=window)
     prefill, decode, _ = disaggregated_steps()
     timed, blind = Calibrator(LATENCY), Calibrator(LATENCY)
+    heartbeats(timed, {"prefill-0": ("m", prefill), "decode-0": ("m", decode)})
     for name, steps in (("prefill-0", prefill), ("decode-0", decode)):
-        timed.observe(name, steps, host="m")
         blind.observe(name, [s.model_copy(update={"ended": 0.0}) for s in steps])
     decisions = [decide(request, None, config, now=1.0, calibration=c.calibration())
                  for c in (timed, blind)]
@@ -318,3 +341,60 @@ def test_a_calibration_that_keeps_the_profiles_contention_prices_colocated_repli
     assert with_contention["colocated"] < 0.5 * with_contention["disaggregated"]
     assert decisions[0].plan.mode == "disaggregated"
     assert decisions[1].plan.mode in ("colocated", "chunked")
+
+
+def test_a_moment_is_placed_only_where_every_neighbour_is_known_then() -> None:
+    """What the machine's other instances ran at a moment, as their heartbeats tell it: a
+    step, idle between steps numbered one after the other, not known past an instance's last
+    step until a heartbeat counted no step since (less a margin for a step still running),
+    nor over steps that ran unpriced; idle once an instance stopped heartbeating."""
+    def step(n: int, start: float, end: float) -> StepSample:
+        return StepSample(step=n, batch=1, context=100, seconds=end - start, ended=end)
+
+    timeline = Timeline()
+    timeline.add("a", "m", [step(i, i - 1.0, float(i)) for i in range(1, 21)])  # busy 0-20
+    timeline.add("b", "m", [step(1, 0.5, 1.5), step(2, 2.0, 2.5)])
+    timeline.add("c", "another machine", [])  # runs nothing priced, elsewhere: no matter
+    assert timeline.beside("a", 1.0) == ["decode"]
+    assert timeline.beside("a", 1.75) == []  # between b's steps 1 and 2
+    assert timeline.beside("b", 2.2) == ["decode"]
+    assert timeline.beside("a", 3.0) is None  # b may be mid-step
+    timeline.heard("b", 5.0, 2)  # no step since its second: idle until 5.0 - 1.5 x 1.0
+    assert timeline.beside("a", 2.4) == ["decode"] and timeline.beside("a", 3.0) == []
+    assert timeline.beside("a", 4.0) is None
+    timeline.add("b", "m", [step(4, 6.0, 6.5)])  # its third step, in 3.5-6.0, not priced
+    assert timeline.beside("a", 3.0) == [] and timeline.beside("a", 4.5) is None
+    assert timeline.beside("a", 6.2) == ["decode"]
+    timeline.heard("b", 7.0, 4)
+    assert timeline.beside("a", 9.5) is None
+    assert timeline.beside("a", 12.5) == []  # 5 s after its last heartbeat: gone
+    # an instance whose steps are not priced makes its machine's moments unknown
+    timeline.add("d", "m", [])
+    assert timeline.beside("a", 1.0) is None
+    timeline.forget("d")
+    assert timeline.beside("a", 1.0) == ["decode"]
+
+
+def test_a_calibration_saved_before_bases_is_priced_as_it_was() -> None:
+    """Saved by a profiler before phases said what they were fitted on (Redis, a plan's
+    record): fitted on all the steps, no contention on top; an unloaded one keeps it."""
+    contended = Contention(decode_by_decode=1.5)
+    old = Calibration.model_validate_json(
+        '{"prefill": 1.2, "decode": 1.1, "prefill_steps": 40, "decode_steps": 80}')
+    assert (old.prefill_basis, old.decode_basis) == ("all", "all")
+    assert old.contention_over(contended).none
+    assert Calibration(prefill=1.2).contention_over(contended) == contended
+
+
+def test_the_planner_plans_again_when_the_priced_contention_moves() -> None:
+    """A factor measured as the profile has it changes no price: no replan; fitted on all
+    steps instead of the steps alone (so the profile's 1.8 gives way to none), it does."""
+    profiled = Contention(decode_by_decode=1.8)
+    alone = Calibration(prefill_steps=40, decode_steps=80, prefill_basis="alone",
+                        decode_basis="alone")
+    same = alone.model_copy(update={"contention": {"decode_by_decode": 1.8}})
+    assert not same.differs(alone, 1.2, profiled)
+    assert same.differs(alone, 1.2)  # against a profile without contention it moved
+    blended = alone.model_copy(update={"decode_basis": "all"})
+    reason = replan_reason(blended, alone, 1.2, 10, profiled)
+    assert reason is not None and "were 1.00x the profile alone" in reason
