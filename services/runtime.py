@@ -106,6 +106,7 @@ class EngineHost:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._wake = asyncio.Event()
         self.step_started = 0.0  # wall-clock start of the step whose outputs are delivered
+        self.busy_since = 0.0  # wall-clock start of the step not yet counted (0: none)
         # where the loop's time goes: engine steps, handling their outputs, requests per step
         self.steps = 0
         self.step_s = 0.0
@@ -156,12 +157,13 @@ class EngineHost:
                 with contextlib.suppress(TimeoutError):  # a wake since the step: at once
                     await asyncio.wait_for(self._wake.wait(), stalled_poll_s)
             self._wake.clear()
-            started = time.time()
+            started = self.busy_since = time.time()
             outputs, cpu_s, queued_s = await self._on_thread(self._step)  # not a wake
             handled = time.time()
             stalled = self.engine.stalled
             if stalled:  # not a step the step counters should average in
                 self.stalled_steps += 1
+                self.busy_since = 0.0
                 continue
             self.step_started = started
             if outputs:
@@ -176,6 +178,7 @@ class EngineHost:
             if self.engine.last_shape is not None:
                 self.samples.append((self.steps, self.engine.last_shape, handled - started,
                                      handled))
+            self.busy_since = 0.0  # counted (and priced): a heartbeat now has all of it
             self.outputs_s += time.time() - handled
 
     def _step(self) -> tuple[list[RequestOutput], float, float]:
@@ -337,6 +340,7 @@ class Worker:
                             chunked=self.role == "colocated" and scheduler.config.chunked_prefill,
                             weights=self.engine.config.weights, tp=self.engine.config.tp,
                             pp=self.engine.config.pp, machine=machine_id(),
+                            busy_since=self.host.busy_since,
                             max_running=scheduler.config.max_running, steps=self.host.steps,
                             stalled_steps=self.host.stalled_steps,
                             step_seconds=self.host.step_s, step_cpu_seconds=self.host.step_cpu_s,

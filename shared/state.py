@@ -49,6 +49,7 @@ class InstanceInfo(BaseModel):
     tp: int = 1  # tensor-parallel ranks (processes, devices) of each pipeline stage
     pp: int = 1  # pipeline stages of the instance
     machine: str = ""  # shared.host.machine_id(): instances of one machine share its cores
+    busy_since: float = -1.0  # wall clock since which a step not yet counted has run (0: none)
     max_request_tokens: int = 0  # prompt + output one request can have here (context, pool)
     max_running: int = 0  # requests the engine batches at most
     kv_requests: int = 0  # KV transfers served (prefill) or pulled (decode) over UCX

@@ -149,11 +149,12 @@ class Timeline:
     (a mixed step, steps a heartbeat's window dropped) at times unknown. An instance's
     moments are known from its first reported step's start to its last one's end, idle
     between steps numbered one after the other; past its last step (or before its first),
-    idle up to a margin (1.5x its longest step) before a heartbeat that counted no step
-    since (none at all), and running nothing once it stopped heartbeating (`GONE_S`); else
-    not known (it may be mid-step)."""
+    idle until a heartbeat that counted no step since (none at all) and said none was
+    running (or since when one was), and running nothing once it stopped heartbeating
+    (`GONE_S`); else not known (it may be mid-step)."""
 
     GONE_S = 5.0
+    FORGET_S = 600.0
     FIRST_STEP_S = 3.0  # how long a step may be, for an instance that has run none yet
 
     def __init__(self, keep: int = 4000) -> None:
@@ -165,6 +166,8 @@ class Timeline:
         self._idle_until: dict[str, float] = {}
         self._idle_before: dict[str, float] = {}  # it ran no step before this
         self._heard: dict[str, float] = {}  # instance -> its last heartbeat
+        self._counted: dict[str, int] = {}  # instance -> the steps its last heartbeat counted
+        self._first: dict[str, float] = {}  # instance -> its first recorded step's start
         self._keep = keep
 
     def add(self, instance: str, machine: str, samples: Iterable[StepSample]) -> None:
@@ -178,41 +181,53 @@ class Timeline:
             if s.ended <= 0 or (last is not None and s.step <= last[0]):
                 continue
             start = s.ended - s.seconds
-            if last is not None and s.step > last[0] + 1:  # after any moment known idle
-                gap = max(last[1], min(start, self._idle_until.get(instance, last[1])))
-                spans.append((gap, start, None))
-                starts.append(gap)
+            if last is not None and s.step > last[0] + 1:  # unpriced: when, not known
+                spans.append((last[1], start, None))
+                starts.append(last[1])
             spans.append((start, s.ended, "prefill" if s.prompts else "decode"))
             starts.append(start)
+            self._first.setdefault(instance, start)
             self._last[instance] = (s.step, s.ended)
             self._longest[instance] = max(self._longest.get(instance, 0.0), s.seconds)
         if len(spans) > 2 * self._keep:
             del spans[:-self._keep], starts[:-self._keep]
 
-    def heard(self, instance: str, at: float, steps: int) -> None:
-        """A heartbeat of `instance` at `at` that counted `steps` steps so far: where every
-        one of them is in the record, it ran none from its last one's end until shortly
-        before `at` (a step started within the margin may still be running)."""
-        if at <= 0:
+    def heard(self, instance: str, at: float, steps: int, busy_since: float = -1.0) -> None:
+        """A heartbeat of `instance` at `at` that counted `steps` steps so far and says since
+        when a step of it has been running (0: none; -1: not said). Where every step it
+        counted is in the record, it ran none from its last one's end until then (until
+        `at` if none runs; not said: until 1.5x its longest step before `at`, which a step
+        may still be running for). Instances not heard of for `FORGET_S` are forgotten."""
+        if at <= 0:  # not a heartbeat of the step loop's (a draining worker's last word)
             return
         self._heard[instance] = at
+        self._counted[instance] = steps
         if steps == self._last.get(instance, (0, 0.0))[0]:
-            margin = 1.5 * self._longest.get(instance, self.FIRST_STEP_S)
+            if busy_since < 0:
+                until = at - 1.5 * self._longest.get(instance, self.FIRST_STEP_S)
+            else:
+                until = min(at, busy_since) if busy_since > 0 else at
             self._idle_until[instance] = max(self._idle_until.get(instance, float("-inf")),
-                                             at - margin)
+                                             until)
             if steps == 0:  # it never ran a step before
-                self._idle_before[instance] = at - margin
+                self._idle_before[instance] = until
+        for gone in [i for i, t in self._heard.items() if t < at - self.FORGET_S]:
+            self.forget(gone)
+
+    def counted(self, instance: str) -> int:
+        """The steps `instance`'s last heartbeat counted (-1: none heard)."""
+        return self._counted.get(instance, -1)
 
     def complete(self, instance: str, end: float) -> None:
         """Every step `instance` ran until `end` is in the record (a benchmark's run,
         recorded whole): it was idle wherever no step of it ran."""
-        spans = self._spans.get(instance)
-        self._idle_before[instance] = spans[0][0] if spans else end
+        self._idle_before[instance] = self._first.get(instance, end)
         self._idle_until[instance] = end
 
     def forget(self, instance: str) -> None:
         for kept in (self.machine, self._spans, self._starts, self._last, self._longest,
-                     self._idle_until, self._idle_before, self._heard):
+                     self._idle_until, self._idle_before, self._heard, self._counted,
+                     self._first):
             kept.pop(instance, None)
 
     def running(self, instance: str, moment: float) -> Phase | Literal["idle"] | None:
@@ -253,21 +268,24 @@ class Calibrator:
         self.steps: dict[Phase, deque[Timed]] = {phase: deque(maxlen=self.window)
                                                  for phase in PHASES}
         self.seen: dict[str, int] = {}  # instance -> the last step taken from it
-        self.timeline = Timeline()
+        self.timeline = Timeline(keep=max(4000, 20 * self.window))
 
     def observe(self, instance: str, samples: list[StepSample],
                 latency: LatencyModel | None = None, machine: str = "",
-                heard_at: float = 0.0, steps: int = -1) -> int:
+                heard_at: float = 0.0, steps: int = -1, busy_since: float = -1.0) -> int:
         """Take the samples of `instance` (on `machine`) not seen before, against what
         `latency` (the instance's own shape's, where it is not the one `self.latency` is
         of) predicts for them, from a heartbeat at `heard_at` that counted `steps` steps so
-        far (-1: not from a heartbeat); how many were new."""
+        far (-1: not from a heartbeat) and said since when a step has been running
+        (`Timeline.heard`); how many were new."""
+        if heard_at > 0 and 0 <= steps < self.timeline.counted(instance):
+            self.forget(instance)  # counting from 0 again: restarted under its old name
         model = latency or self.latency
         last = self.seen.get(instance, 0)
         new = [s for s in samples if s.step > last and s.seconds > 0]
         self.timeline.add(instance, machine, new)
         if steps >= 0:
-            self.timeline.heard(instance, heard_at, steps)
+            self.timeline.heard(instance, heard_at, steps, busy_since)
         for s in new:
             if s.prompts or s.batch:
                 phase: Phase = "prefill" if s.prompts else "decode"

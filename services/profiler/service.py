@@ -115,7 +115,7 @@ class ProfilerService(ControlService):
         # the steps seen are of one stage of `tp` ranks
         if not calibrator.observe(info.instance_id, info.recent_steps,
                                   self.profile.latency(info.tp, 1), info.machine,
-                                  info.heartbeat_at, info.steps):
+                                  info.heartbeat_at, info.steps, info.busy_since):
             return
         found = calibrator.calibration()
         if not found.differs(self.calibration, 1.02, self.profile.contention) and \

@@ -7,6 +7,7 @@ import random
 import numpy as np
 import pytest
 
+from distserve.bench.steps import calibrator_of
 from services.planner.calibration import (
     Calibration,
     Calibrator,
@@ -362,12 +363,20 @@ def test_a_moment_is_placed_only_where_every_neighbour_is_known_then() -> None:
     timeline.heard("b", 5.0, 2)  # no step since its second: idle until 5.0 - 1.5 x 1.0
     assert timeline.beside("a", 2.4) == ["decode"] and timeline.beside("a", 3.0) == []
     assert timeline.beside("a", 4.0) is None
-    timeline.add("b", "m", [step(4, 6.0, 6.5)])  # its third step, in 3.5-6.0, not priced
-    assert timeline.beside("a", 3.0) == [] and timeline.beside("a", 4.5) is None
+    # its third step was not priced: it ran somewhere after its second (not necessarily
+    # within the margin: an unpriced step may be longer than any priced one)
+    timeline.add("b", "m", [step(4, 6.0, 6.5)])
+    assert timeline.beside("a", 3.0) is None and timeline.beside("a", 4.5) is None
     assert timeline.beside("a", 6.2) == ["decode"]
     timeline.heard("b", 7.0, 4)
     assert timeline.beside("a", 9.5) is None
     assert timeline.beside("a", 12.5) == []  # 5 s after its last heartbeat: gone
+    # a heartbeat that says whether a step is running needs no margin
+    timeline.add("b", "m", [step(5, 13.0, 13.5)])
+    timeline.heard("b", 14.0, 5, busy_since=13.8)  # one started at 13.8
+    assert timeline.beside("a", 13.7) == [] and timeline.beside("a", 13.9) is None
+    timeline.heard("b", 15.0, 5, busy_since=0.0)  # none running: idle since 13.5
+    assert timeline.beside("a", 14.9) == []
     # an instance whose steps are not priced makes its machine's moments unknown
     timeline.add("d", "m", [])
     assert timeline.beside("a", 1.0) is None
@@ -398,3 +407,25 @@ def test_the_planner_plans_again_when_the_priced_contention_moves() -> None:
     blended = alone.model_copy(update={"decode_basis": "all"})
     reason = replan_reason(blended, alone, 1.2, 10, profiled)
     assert reason is not None and "were 1.00x the profile alone" in reason
+
+
+def test_a_worker_restarted_under_its_name_starts_a_new_record() -> None:
+    """Counting from 0 again, a worker's new steps are taken (not dropped as seen), and its
+    old record says nothing of its new life."""
+    calibrator = Calibrator(LATENCY)
+    first = back_to_back(0.0, 0.1, 30)
+    calibrator.observe("decode-0", first, machine="m", heard_at=3.5, steps=30, busy_since=0.0)
+    again = back_to_back(10.0, 0.1, 5)
+    assert calibrator.observe("decode-0", again, machine="m", heard_at=10.6, steps=5,
+                              busy_since=0.0) == 5
+    assert calibrator.timeline.running("decode-0", 5.0) is None  # before its new record
+    assert calibrator.timeline.running("decode-0", 10.25) == "decode"
+
+
+def test_a_run_recorded_whole_is_known_from_its_first_step_however_long() -> None:
+    """bench compare's runs: every step of the run in the record, past any trimming."""
+    steps = {"a": back_to_back(0.0, 0.01, 9000),
+             "b": back_to_back(1.0, 0.01, 20)}
+    placed = calibrator_of(steps, LATENCY).placed("decode")
+    b_steps = [beside for t, beside in placed if t.instance == "b"]
+    assert b_steps == [["decode"]] * 20
