@@ -159,8 +159,7 @@ class Timeline:
 
     def __init__(self, keep: int = 4000) -> None:
         self.machine: dict[str, str] = {}  # instance -> the machine it runs on
-        self._spans: dict[str, list[Span]] = {}
-        self._starts: dict[str, list[float]] = {}
+        self._spans: dict[str, list[Span]] = {}  # in order of their starts
         self._last: dict[str, tuple[int, float]] = {}  # instance -> its last step, its end
         self._longest: dict[str, float] = {}
         self._idle_until: dict[str, float] = {}
@@ -175,7 +174,6 @@ class Timeline:
         not priced, which then makes its machine's every step unknown)."""
         self.machine[instance] = machine
         spans = self._spans.setdefault(instance, [])
-        starts = self._starts.setdefault(instance, [])
         for s in sorted(samples, key=lambda s: s.step):
             last = self._last.get(instance)
             if s.ended <= 0 or (last is not None and s.step <= last[0]):
@@ -183,14 +181,12 @@ class Timeline:
             start = s.ended - s.seconds
             if last is not None and s.step > last[0] + 1:  # unpriced: when, not known
                 spans.append((last[1], start, None))
-                starts.append(last[1])
-            spans.append((start, s.ended, "prefill" if s.prompts else "decode"))
-            starts.append(start)
+            spans.append((start, s.ended, phase_of(s)))
             self._first.setdefault(instance, start)
             self._last[instance] = (s.step, s.ended)
             self._longest[instance] = max(self._longest.get(instance, 0.0), s.seconds)
         if len(spans) > 2 * self._keep:
-            del spans[:-self._keep], starts[:-self._keep]
+            del spans[:-self._keep]
 
     def heard(self, instance: str, at: float, steps: int, busy_since: float = -1.0) -> None:
         """A heartbeat of `instance` at `at` that counted `steps` steps so far and says since
@@ -225,7 +221,7 @@ class Timeline:
         self._idle_until[instance] = end
 
     def forget(self, instance: str) -> None:
-        for kept in (self.machine, self._spans, self._starts, self._last, self._longest,
+        for kept in (self.machine, self._spans, self._last, self._longest,
                      self._idle_until, self._idle_before, self._heard, self._counted,
                      self._first):
             kept.pop(instance, None)
@@ -239,7 +235,7 @@ class Timeline:
             return "idle" if moment <= self._idle_until.get(instance, float("-inf")) else None
         if moment < spans[0][0]:
             return "idle" if moment <= self._idle_before.get(instance, float("-inf")) else None
-        i = bisect.bisect_right(self._starts[instance], moment) - 1
+        i = bisect.bisect_right(spans, moment, key=lambda span: span[0]) - 1
         return spans[i][2] if spans[i][1] >= moment else "idle"
 
     def beside(self, instance: str, moment: float) -> list[Phase] | None:
@@ -288,7 +284,7 @@ class Calibrator:
             self.timeline.heard(instance, heard_at, steps, busy_since)
         for s in new:
             if s.prompts or s.batch:
-                phase: Phase = "prefill" if s.prompts else "decode"
+                phase = phase_of(s)
                 predicted = predicted_s(model, s)
                 reads = predicted if s.prompts else \
                     predicted * model.reading_share(s.batch, s.context)
@@ -357,6 +353,10 @@ class Calibrator:
         if len(slowed) < self.min_steps:
             return None
         return max(1.0, 1.0 + statistics.median(slowed))
+
+
+def phase_of(step: StepSample) -> Phase:
+    return "prefill" if step.prompts else "decode"
 
 
 def predicted_s(latency: LatencyModel, step: StepSample) -> float:
