@@ -15,7 +15,8 @@ Steps that say when they ended are placed beside the steps the other instances o
 machine were running (CPU cores share the memory bandwidth and caches; `Timeline`: only
 where every neighbour's record says what it ran then, not at the edges of what its
 heartbeats have told): each phase is then calibrated on its steps that ran alone, and the
-contention is measured on those that ran beside exactly one neighbour's step, so a plan
+contention is measured on those that ran beside one neighbour's steps of one phase for at
+least half their time (how much slower they ran while beside it), so a plan
 with another mix of instances on the machine (another split, colocated replicas) is priced
 as its steps would run, not at the level the current mix happened to average. A phase with
 too few steps alone is calibrated on all its steps, which then carry their contention (none
@@ -32,7 +33,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, model_validator
 
-from services.planner.latency import Contention, LatencyModel, Phase
+from services.planner.latency import PHASES, Contention, LatencyModel, Phase
 from services.planner.profiles import Profile
 from shared.state import StepSample
 
@@ -40,7 +41,20 @@ Fit = Literal["scale", "offset"]
 # what a phase's correction was fitted on: nothing yet (the profile as it is), the steps that
 # ran alone on their machine, or all of them (their contention in the level)
 Basis = Literal["profile", "alone", "all"]
-PHASES: tuple[Phase, Phase] = ("prefill", "decode")
+MOMENTS = 8  # a step's neighbours are looked up this many times through it
+MOST_SLOWED = 10.0  # a contention factor measured on one step is taken as at most this
+
+
+@dataclasses.dataclass(frozen=True)
+class Company:
+    """What ran beside a step on its machine: a phase (None: nothing) and for what share of
+    the step."""
+
+    phase: Phase | None
+    share: float
+
+
+ALONE = Company(None, 0.0)
 NO_CONTENTION = Contention()
 
 
@@ -259,6 +273,7 @@ class Calibrator:
     window: int = 200  # steps per phase
     min_steps: int = 10  # a phase's scale (or a contention factor) needs this many steps
     min_share: float = 0.2  # steps that read less of their time say nothing of contention
+    min_overlap: float = 0.5  # nor steps a neighbour ran beside for less of their time
 
     def __post_init__(self) -> None:
         self.steps: dict[Phase, deque[Timed]] = {phase: deque(maxlen=self.window)
@@ -305,22 +320,40 @@ class Calibrator:
                                                                  co.decode_large[0]]
         return min(constants) / 1e3
 
-    def placed(self, phase: Phase) -> list[tuple[Timed, list[Phase] | None]]:
-        """The phase's steps, each with the phases its machine's other instances were
-        running at its midpoint (None: not known)."""
-        return [(t, self.timeline.beside(t.instance, t.ended - t.seconds / 2)
-                 if t.ended > 0 else None) for t in self.steps[phase]]
+    def placed(self, phase: Phase) -> list[tuple[Timed, Company | None]]:
+        """The phase's steps, each with what its machine's other instances ran beside it."""
+        return [(t, self.company(t)) for t in self.steps[phase]]
+
+    def company(self, t: Timed) -> Company | None:
+        """What ran beside step `t` on its machine, looked up at `MOMENTS` moments through
+        it: the one phase its neighbours ran and for what share of the step (None and 0.0:
+        nothing, the step ran alone); None where a moment is not known or the step met two
+        steps at once, or steps of both phases (then it says nothing of one factor)."""
+        if t.ended <= 0:
+            return None
+        ran: set[Phase] = set()
+        beside_n = 0
+        for k in range(MOMENTS):
+            beside = self.timeline.beside(t.instance, t.ended - t.seconds * (k + 0.5) / MOMENTS)
+            if beside is None or len(beside) > 1:
+                return None
+            ran.update(beside)
+            beside_n += len(beside)
+        if len(ran) > 1:
+            return None
+        return Company(next(iter(ran), None), beside_n / MOMENTS)
 
     def calibration(self) -> Calibration:
         """Each phase's correction, fitted on its steps that ran alone on their machine where
         at least `min_steps` did (then with the contention measured on those that ran beside
-        exactly one neighbour's step), else on all its steps."""
+        one neighbour's steps of one phase for `min_overlap` of their time at least), else
+        on all its steps."""
         fields: dict[str, object] = {}
         contention: dict[str, float] = {}
         for phase in PHASES:
             fields[f"{phase}_steps"] = len(self.steps[phase])
             placed = self.placed(phase)
-            alone = [t for t, beside in placed if beside == []]
+            alone = [t for t, company in placed if company == ALONE]
             basis: Basis = "alone" if len(alone) >= self.min_steps else "all"
             fitted_on = alone if basis == "alone" else list(self.steps[phase])
             if len(fitted_on) < self.min_steps:
@@ -332,24 +365,31 @@ class Calibrator:
             if basis == "alone":
                 scale, plus_s = (1.0, offset_s) if fit == "offset" else (ratio, 0.0)
                 for other in PHASES:
-                    factor = self._factor([t for t, beside in placed if beside == [other]],
+                    factor = self._factor([(t, company.share) for t, company in placed
+                                           if company is not None and company.phase == other
+                                           and company.share >= self.min_overlap],
                                           scale, plus_s)
                     if factor is not None:
                         contention[f"{phase}_by_{other}"] = factor
         return Calibration.model_validate(fields | {"contention": contention})
 
-    def _factor(self, steps: list[Timed], scale: float, plus_s: float) -> float | None:
-        """The contention factor that prices `steps` (each beside one neighbour's step of a
-        phase) as they ran on the corrected profile (`scale` x predicted + `plus_s`): the
-        median over the steps of how much longer each took than predicted, over the share
-        of it the neighbour slows (the corrected model's, as the simulator prices it); None
-        from fewer than `min_steps` steps reading at least `min_share` of their time."""
+    def _factor(self, steps: list[tuple[Timed, float]], scale: float, plus_s: float
+                ) -> float | None:
+        """The contention factor that prices `steps` (each with the share of it a neighbour's
+        steps of one phase ran beside it) as they ran on the corrected profile (`scale` x
+        predicted + `plus_s`), as the simulator runs them (core.Host: at the slowdown of
+        whatever runs beside it at each moment): a step of W seconds alone that took T with
+        a neighbour for a share b of it ran W = T(1 - b) + T b / g, slowed g = b / (W / T -
+        1 + b) while beside it; the factor is the median over the steps of (g - 1) over the
+        share of the step the neighbour slows (the corrected model's reads). None from
+        fewer than `min_steps` steps reading at least `min_share` of their time."""
         slowed = []
-        for t in steps:
+        for t, beside in steps:
             corrected = scale * t.predicted_s + plus_s
             share = (scale * t.reads_s + plus_s) / corrected
             if share >= self.min_share:
-                slowed.append((t.seconds / corrected - 1.0) / share)
+                g = beside / max(corrected / t.seconds - 1.0 + beside, beside / MOST_SLOWED)
+                slowed.append((g - 1.0) / share)
         if len(slowed) < self.min_steps:
             return None
         return max(1.0, 1.0 + statistics.median(slowed))

@@ -57,6 +57,7 @@ class PhaseCoefficients:
 
 
 Phase = Literal["prefill", "decode"]
+PHASES: tuple[Phase, Phase] = ("prefill", "decode")
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,10 @@ import pytest
 
 from distserve.bench.steps import calibrator_of
 from services.planner.calibration import (
+    ALONE,
     Calibration,
     Calibrator,
+    Company,
     Timeline,
     fit_steps,
     replan_reason,
@@ -428,4 +430,31 @@ def test_a_run_recorded_whole_is_known_from_its_first_step_however_long() -> Non
              "b": back_to_back(1.0, 0.01, 20)}
     placed = calibrator_of(steps, LATENCY).placed("decode")
     b_steps = [beside for t, beside in placed if t.instance == "b"]
-    assert b_steps == [["decode"]] * 20
+    assert b_steps == [Company("decode", 1.0)] * 20
+
+
+def test_a_neighbour_beside_part_of_a_step_is_priced_for_that_part() -> None:
+    """A prefill instance's steps: 12 alone at 1.2x the profile, then 12 whose second half
+    ran beside a decoding neighbour, 1.5x slower while it did (the simulator's processor
+    sharing: a step of W seconds alone takes W/2 alone-paced, then the rest at 1/1.5 the
+    pace). The measured factor is the 1.5 it ran at beside the neighbour, not the 1.2x the
+    whole step took over its time alone (what placing it by its midpoint measured)."""
+    alone_s = 1.2 * LATENCY.prefill_latency_s(512, 512 * 512)
+    took_s = 1.2 * alone_s
+    assert took_s / 2 + took_s / 2 / 1.5 == pytest.approx(alone_s)  # its work, paced so
+    prefills = [s.model_copy(update={"seconds": alone_s})  # a gap after each: idle
+                for s in back_to_back(0.0, 2 * alone_s, 12, prompt=512)]
+    start, decodes = 30.0, []
+    for k in range(12):
+        prefills.append(StepSample(step=13 + k, prompts=[512], seconds=took_s,
+                                   ended=start + took_s))
+        half = took_s / 2 / 10
+        decodes += back_to_back(start + took_s / 2, half, 10, first=1 + 10 * k)
+        start += 2 * took_s
+    calibrator = calibrator_of({"prefill-0": prefills, "decode-0": decodes}, LATENCY)
+    placed = calibrator.placed("prefill")
+    assert [company for _, company in placed] == [ALONE] * 12 + [Company("decode", 0.5)] * 12
+    found = calibrator.calibration()
+    assert found.prefill_basis == "alone"
+    assert found.prefill == pytest.approx(1.2)
+    assert found.contention["prefill_by_decode"] == pytest.approx(1.5)

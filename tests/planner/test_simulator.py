@@ -160,3 +160,20 @@ def test_a_decode_instance_slows_while_the_prefill_instance_beside_it_runs() -> 
     alone = tpot(decode_node=1)
     assert alone == pytest.approx(LatencyModel(COEFFS).decode_step_s(1, 64 + 200), rel=0.05)
     assert 1.05 * alone < tpot(decode_node=0) <= 1.3 * alone
+
+
+def test_a_step_is_priced_again_when_a_neighbour_starts_or_ends() -> None:
+    """Two replicas on one host, a prompt each, the second arriving halfway through the
+    first's prefill; prefill beside prefill runs 1.5x slower. The first runs its first half
+    alone and its second at 1/1.5 the pace (D/2 + 0.75 D); the second runs 0.75 D beside it
+    (half its work), then the rest alone: both take 1.25 D. Priced once at their start, the
+    first took D and the second 1.5 D."""
+    beside = Contention(prefill_by_prefill=1.5)
+    requests = [WorkloadRequest(0.0, PROMPT, 1), WorkloadRequest(D / 2, PROMPT, 1)]
+    cluster = ColocatedCluster([contended(0, beside)] * 2)
+    done = simulate_colocated(cluster, requests).requests
+    assert [r.instance for r in done] == [0, 1]
+    assert [r.ttft for r in done] == pytest.approx([1.25 * D, 1.25 * D])
+    apart = ColocatedCluster([contended(0, beside), contended(1, beside)])
+    assert [r.ttft for r in simulate_colocated(apart, requests).requests] == \
+        pytest.approx([D, D])

@@ -45,12 +45,12 @@ class ColocatedInstance:
 
     loop: EventLoop
     spec: InstanceSpec
+    host: Host
     waiting: deque[SimRequest] = field(default_factory=deque)
     prefilling: list[Prefilling] = field(default_factory=list)
     batch: DecodeBatch = field(default_factory=DecodeBatch)
     reserved: int = 0
     busy: bool = False
-    host: Host = field(default_factory=Host)
 
     @property
     def load(self) -> int:
@@ -90,13 +90,11 @@ class ColocatedInstance:
         if planned is not None:
             seconds, chunks, decoding = planned
             lat = self.spec.latency
-            slowed = self.host.start(self, "prefill", lat) if chunks else self.host.start(
-                self, "decode", lat, lat.reading_share(self.batch.size, self.batch.sum_ctx))
-            self.loop.at(self.loop.now + seconds * slowed, self._step_done, (chunks, decoding))
+            share = 1.0 if chunks else lat.reading_share(self.batch.size, self.batch.sum_ctx)
+            self.host.run(self, "prefill" if chunks else "decode", lat, seconds,
+                        lambda _: self._step_done(chunks, decoding), share)
 
-    def _step_done(self, item: tuple[list[Chunk], bool]) -> None:
-        self.host.stop(self)
-        chunks, decoding = item
+    def _step_done(self, chunks: list[Chunk], decoding: bool) -> None:
         if decoding:
             for r in self.batch.advance(self.loop.now):
                 self.reserved -= r.prompt + r.output
@@ -166,9 +164,10 @@ class ColocatedCluster:
 
 def simulate_colocated(cluster: ColocatedCluster,
                        workload: Sequence[WorkloadRequest]) -> SimResult:
-    loop, on = EventLoop(), hosts()
+    loop = EventLoop()
+    on = hosts(loop)
     kind = ChunkedInstance if cluster.chunked else PrefillFirstInstance
-    instances = [kind(loop, spec, host=on[spec.node]) for spec in cluster.instances]
+    instances = [kind(loop, spec, on[spec.node]) for spec in cluster.instances]
     requests = sim_requests(workload)
 
     def dispatch(r: SimRequest) -> None:  # as the gateway does (shared.state.pick_colocated)

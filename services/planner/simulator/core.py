@@ -5,6 +5,7 @@ result with its attainment and per-phase breakdown."""
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 import itertools
 import math
@@ -12,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.planner.latency import LatencyModel, Phase
+from services.planner.latency import PHASES, Contention, LatencyModel, Phase
 from shared.metrics import SLO, attainment, tpot
 from shared.workloads import WorkloadRequest
 
@@ -82,31 +83,93 @@ class EventLoop:
             fn(arg)
 
 
+@dataclass
+class _Running:
+    """A step on a host: how much of it is left, in seconds alone, and at what slowdown it
+    runs now (of the events scheduled for its instance, only the one of `version`, the
+    host's count when it was last priced, ends it; the others are stale)."""
+
+    phase: Phase
+    by: dict[Phase, float]  # what a neighbour's step of each phase adds to its slowdown
+    alone_s: float
+    started: float
+    done: Callable[[float], None]
+    left_s: float
+    factor: float = 0.0
+    version: int = 0
+
+
 class Host:
-    """The devices of one host (a node), as the simulator prices their steps: a step takes
-    its latency model's time, times its contention factor beside the steps the host's other
-    devices run when it starts. The factor is fixed for the step: decode steps are short
-    next to how often a neighbour starts or stops, and a prefill step is slowed little by
-    anything (1.0 with a profile that measured no contention, as on GPUs)."""
+    """The devices of one host (a node), as the simulator runs their steps: each step runs
+    at its latency model's speed slowed by the contention factor beside the steps the
+    host's other devices run at the moment, and is priced again whenever one of them starts
+    or ends (processor sharing: a 0.7 s prefill beside a neighbour's that starts halfway
+    runs the second half slower, and both are slowed, not only the one that started last).
+    Without contention (a profile that measured none, as on GPUs) every step takes its time
+    alone and is scheduled once."""
 
-    def __init__(self) -> None:
-        self.running: dict[int, Phase] = {}  # id(instance) -> the phase of its step
+    def __init__(self, loop: EventLoop) -> None:
+        self.loop = loop
+        self.running: dict[int, _Running] = {}  # id(instance) -> its step
+        self.at = 0.0  # when the running steps' `left_s` were last brought up to date
+        self.versions = itertools.count(1)
+        self.ending = False  # in a step's end: the steps its instance starts are priced after
 
-    def start(self, instance: object, phase: Phase, latency: LatencyModel,
-              share: float = 1.0) -> float:
-        """`instance` starts a step of `phase` (`share` of it contending for memory): how
-        many times its time alone it takes."""
-        beside = [p for who, p in self.running.items() if who != id(instance)]
-        self.running[id(instance)] = phase
-        return latency.contention.factor(phase, beside, share)
+    def run(self, instance: object, phase: Phase, latency: LatencyModel, seconds: float,
+            done: Callable[[float], None], share: float = 1.0) -> None:
+        """`instance` starts a step of `phase` that takes `seconds` alone (`share` of it
+        contending for memory: Contention.factor); `done(stretch)` when it ends, with how
+        many times its time alone it took."""
+        self._advance()
+        by = {other: share * added for other, added in added_by(latency.contention, phase)}
+        self.running[id(instance)] = _Running(phase, by, seconds, self.loop.now, done,
+                                               seconds)
+        if not self.ending:
+            self._price()
 
-    def stop(self, instance: object) -> None:
-        self.running.pop(id(instance), None)
+    def _advance(self) -> None:
+        elapsed, self.at = self.loop.now - self.at, self.loop.now
+        if elapsed > 0:
+            for step in self.running.values():
+                step.left_s = max(0.0, step.left_s - elapsed / step.factor)
+
+    def _price(self) -> None:
+        """Each running step's slowdown beside the others; a step whose slowdown changed
+        (or that has none yet) is scheduled to end anew."""
+        for key, step in self.running.items():
+            factor = 1.0 + sum(step.by[other.phase] for k, other in self.running.items()
+                               if k != key)
+            if factor != step.factor:
+                step.factor, step.version = factor, next(self.versions)
+                self.loop.at(self.loop.now + step.left_s * factor, self._end,
+                             (key, step.version))
+
+    def _end(self, item: tuple[int, int]) -> None:
+        key, version = item
+        step = self.running.get(key)
+        if step is None or step.version != version:
+            return  # priced again since
+        self._advance()
+        del self.running[key]
+        took = self.loop.now - step.started
+        self.ending = True  # a next step started at once leaves its neighbours' pace as is
+        try:
+            step.done(took / step.alone_s if step.alone_s > 0 else 1.0)
+        finally:
+            self.ending = False
+        self._price()
 
 
-def hosts() -> collections.defaultdict[int, Host]:
+@functools.cache
+def added_by(contention: Contention, phase: Phase) -> tuple[tuple[Phase, float], ...]:
+    """What a neighbour's step of each phase adds to a `phase` step's slowdown (the whole
+    step contending)."""
+    return tuple((other, contention.factor(phase, [other]) - 1.0) for other in PHASES)
+
+
+def hosts(loop: EventLoop) -> collections.defaultdict[int, Host]:
     """One simulation's hosts by node, made as instances name them."""
-    return collections.defaultdict(Host)
+    return collections.defaultdict(lambda: Host(loop))
 
 
 class DecodeBatch:

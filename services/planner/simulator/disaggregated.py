@@ -29,7 +29,7 @@ class PrefillInstance:
                  on_prefilled: Callable[[SimRequest, PrefillInstance], None],
                  host: Host | None = None) -> None:
         self.loop, self.spec, self.on_prefilled = loop, spec, on_prefilled
-        self.host = host or Host()
+        self.host = host or Host(loop)
         self.queue: deque[SimRequest] = deque()
         self.busy = False
         self.held = 0  # KV tokens of prefilled requests not yet pulled, plus the running batch
@@ -66,14 +66,15 @@ class PrefillInstance:
             r.prefill_start = now
         self.held += total
         self.busy = True
-        slowed = self.host.start(self, "prefill", lat)
-        self.loop.at(now + lat.prefill_stage_s(total, squares) * slowed, self._stage_free)
-        self.loop.at(now + lat.prefill_latency_s(total, squares) * slowed, self._done, batch)
+        stage_s, latency_s = lat.prefill_stage_s(total, squares), \
+            lat.prefill_latency_s(total, squares)
 
-    def _stage_free(self, _: None) -> None:
-        self.host.stop(self)
-        self.busy = False
-        self._try_start()
+        def stage_free(stretch: float) -> None:  # the later stages run at its pace
+            self.loop.at(self.loop.now + (latency_s - stage_s) * stretch, self._done, batch)
+            self.busy = False
+            self._try_start()
+
+        self.host.run(self, "prefill", lat, stage_s, stage_free)
 
     def _done(self, batch: list[SimRequest]) -> None:
         for r in batch:
@@ -85,7 +86,7 @@ class DecodeInstance:
     def __init__(self, loop: EventLoop, spec: InstanceSpec, link: Link | None,
                  host: Host | None = None) -> None:
         self.loop, self.spec, self.link = loop, spec, link
-        self.host = host or Host()
+        self.host = host or Host(loop)
         self.pending: deque[tuple[SimRequest, PrefillInstance | None]] = deque()
         self.joining: list[SimRequest] = []
         self.batch = DecodeBatch()
@@ -135,12 +136,10 @@ class DecodeInstance:
         if self.stepping:
             lat = self.spec.latency
             step = lat.decode_step_s(self.batch.size, self.batch.sum_ctx)
-            slowed = self.host.start(self, "decode", lat,
-                                     lat.reading_share(self.batch.size, self.batch.sum_ctx))
-            self.loop.at(self.loop.now + step * slowed, self._step_done)
+            self.host.run(self, "decode", lat, step, self._step_done,
+                          lat.reading_share(self.batch.size, self.batch.sum_ctx))
 
-    def _step_done(self, _: None) -> None:
-        self.host.stop(self)
+    def _step_done(self, _: float) -> None:
         for r in self.batch.advance(self.loop.now):
             self.reserved -= r.prompt + r.output
         self._try_pull()
@@ -157,7 +156,8 @@ class DisaggregatedCluster:
 
 def simulate_disaggregated(cluster: DisaggregatedCluster,
                            workload: Sequence[WorkloadRequest]) -> SimResult:
-    loop, on = EventLoop(), hosts()
+    loop = EventLoop()
+    on = hosts(loop)
     decodes = [DecodeInstance(loop, spec, cluster.link, on[spec.node])
                for spec in cluster.decode]
 
