@@ -14,13 +14,13 @@ which a scale would have priced at 1.45x and a fixed +34 ms at 1.04x.
 Steps that say when they ended are placed beside the steps the other instances of their
 machine were running (CPU cores share the memory bandwidth and caches; `Timeline`: only
 where every neighbour's record says what it ran then, not at the edges of what its
-heartbeats have told): each phase is then calibrated on its steps that ran alone, and the
-contention is measured on those that ran beside one neighbour's steps of one phase for at
-least half their time (how much slower they ran while beside it), so a plan
-with another mix of instances on the machine (another split, colocated replicas) is priced
-as its steps would run, not at the level the current mix happened to average. A phase with
-too few steps alone is calibrated on all its steps, which then carry their contention (none
-is added on top)."""
+heartbeats have told, at eight moments through each step): each phase is then calibrated on
+its steps that ran alone, and the contention is fitted on those that ran beside others' (how
+much slower they ran while beside them, as the simulator prices it), so a plan with another
+mix of instances on the machine (another split, colocated replicas) is priced as its steps
+would run, not at the level the current mix happened to average. A phase with too few steps
+alone is calibrated on all its steps, which then carry their contention (none is added on
+top)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, model_validator
+from scipy.optimize import least_squares
 
 from services.planner.latency import PHASES, Contention, LatencyModel, Phase
 from services.planner.profiles import Profile
@@ -42,19 +44,10 @@ Fit = Literal["scale", "offset"]
 # ran alone on their machine, or all of them (their contention in the level)
 Basis = Literal["profile", "alone", "all"]
 MOMENTS = 8  # a step's neighbours are looked up this many times through it
-MOST_SLOWED = 10.0  # a contention factor measured on one step is taken as at most this
-
-
-@dataclasses.dataclass(frozen=True)
-class Company:
-    """What ran beside a step on its machine: a phase (None: nothing) and for what share of
-    the step."""
-
-    phase: Phase | None
-    share: float
-
-
-ALONE = Company(None, 0.0)
+MOST_SLOWED = 10.0  # a contention factor is fitted as at most this
+# the phases of the steps a step's machine's other instances ran at each of its moments
+Moments = tuple[tuple[Phase, ...], ...]
+ALONE: Moments = ((),) * MOMENTS
 NO_CONTENTION = Contention()
 
 
@@ -271,9 +264,9 @@ class Timeline:
 class Calibrator:
     latency: LatencyModel  # the profile's, for one device
     window: int = 200  # steps per phase
-    min_steps: int = 10  # a phase's scale (or a contention factor) needs this many steps
+    min_steps: int = 10  # a phase's level (a factor: half as many steps' time) needs this many
     min_share: float = 0.2  # steps that read less of their time say nothing of contention
-    min_overlap: float = 0.5  # nor steps a neighbour ran beside for less of their time
+    min_seconds: float = 2.0  # or this much of them (a few long prefills)
 
     def __post_init__(self) -> None:
         self.steps: dict[Phase, deque[Timed]] = {phase: deque(maxlen=self.window)
@@ -320,43 +313,41 @@ class Calibrator:
                                                                  co.decode_large[0]]
         return min(constants) / 1e3
 
-    def placed(self, phase: Phase) -> list[tuple[Timed, Company | None]]:
+    def placed(self, phase: Phase) -> list[tuple[Timed, Moments | None]]:
         """The phase's steps, each with what its machine's other instances ran beside it."""
-        return [(t, self.company(t)) for t in self.steps[phase]]
+        return [(t, self.moments(t)) for t in self.steps[phase]]
 
-    def company(self, t: Timed) -> Company | None:
-        """What ran beside step `t` on its machine, looked up at `MOMENTS` moments through
-        it: the one phase its neighbours ran and for what share of the step (None and 0.0:
-        nothing, the step ran alone); None where a moment is not known or the step met two
-        steps at once, or steps of both phases (then it says nothing of one factor)."""
+    def moments(self, t: Timed) -> Moments | None:
+        """The phases of the steps the other instances of `t`'s machine ran at `MOMENTS`
+        moments evenly through it; None where one of those is not known."""
         if t.ended <= 0:
             return None
-        ran: set[Phase] = set()
-        beside_n = 0
+        out = []
         for k in range(MOMENTS):
-            beside = self.timeline.beside(t.instance, t.ended - t.seconds * (k + 0.5) / MOMENTS)
-            if beside is None or len(beside) > 1:
+            beside = self.timeline.beside(
+                t.instance, t.ended - t.seconds * (MOMENTS - k - 0.5) / MOMENTS)
+            if beside is None:
                 return None
-            ran.update(beside)
-            beside_n += len(beside)
-        if len(ran) > 1:
-            return None
-        return Company(next(iter(ran), None), beside_n / MOMENTS)
+            out.append(tuple(beside))
+        return tuple(out)
+
+    def _enough(self, steps: int | float, seconds: float) -> bool:
+        return steps >= self.min_steps or seconds >= self.min_seconds
 
     def calibration(self) -> Calibration:
         """Each phase's correction, fitted on its steps that ran alone on their machine where
-        at least `min_steps` did (then with the contention measured on those that ran beside
-        one neighbour's steps of one phase for `min_overlap` of their time at least), else
-        on all its steps."""
+        `min_steps` did (or `min_seconds` of them), with the contention fitted on those that
+        ran beside other instances' steps (`_factors`), else on all its steps."""
         fields: dict[str, object] = {}
         contention: dict[str, float] = {}
         for phase in PHASES:
             fields[f"{phase}_steps"] = len(self.steps[phase])
             placed = self.placed(phase)
-            alone = [t for t, company in placed if company == ALONE]
-            basis: Basis = "alone" if len(alone) >= self.min_steps else "all"
+            alone = [t for t, moments in placed if moments == ALONE]
+            basis: Basis = "alone" if self._enough(len(alone), sum(t.seconds for t in alone)) \
+                else "all"
             fitted_on = alone if basis == "alone" else list(self.steps[phase])
-            if len(fitted_on) < self.min_steps:
+            if not self._enough(len(fitted_on), sum(t.seconds for t in fitted_on)):
                 continue
             ratio, fit, offset_s = fit_steps([(t.predicted_s, t.seconds) for t in fitted_on],
                                              self._constant_s(phase))
@@ -364,35 +355,50 @@ class Calibrator:
                        f"{phase}_basis": basis}
             if basis == "alone":
                 scale, plus_s = (1.0, offset_s) if fit == "offset" else (ratio, 0.0)
-                for other in PHASES:
-                    factor = self._factor([(t, company.share) for t, company in placed
-                                           if company is not None and company.phase == other
-                                           and company.share >= self.min_overlap],
-                                          scale, plus_s)
-                    if factor is not None:
-                        contention[f"{phase}_by_{other}"] = factor
+                beside = [(t, moments) for t, moments in placed
+                          if moments is not None and moments != ALONE]
+                for other, factor in self._factors(beside, scale, plus_s).items():
+                    contention[f"{phase}_by_{other}"] = factor
         return Calibration.model_validate(fields | {"contention": contention})
 
-    def _factor(self, steps: list[tuple[Timed, float]], scale: float, plus_s: float
-                ) -> float | None:
-        """The contention factor that prices `steps` (each with the share of it a neighbour's
-        steps of one phase ran beside it) as they ran on the corrected profile (`scale` x
-        predicted + `plus_s`), as the simulator runs them (core.Host: at the slowdown of
-        whatever runs beside it at each moment): a step of W seconds alone that took T with
-        a neighbour for a share b of it ran W = T(1 - b) + T b / g, slowed g = b / (W / T -
-        1 + b) while beside it; the factor is the median over the steps of (g - 1) over the
-        share of the step the neighbour slows (the corrected model's reads). None from
-        fewer than `min_steps` steps reading at least `min_share` of their time."""
-        slowed = []
-        for t, beside in steps:
+    def _factors(self, steps: list[tuple[Timed, Moments]], scale: float, plus_s: float
+                 ) -> dict[Phase, float]:
+        """The contention factors that price `steps` (each with what ran beside it) as they
+        ran on the corrected profile (`scale` x predicted + `plus_s`), as the simulator runs
+        them (core.Host, processor sharing): a step of W seconds alone runs at the pace 1/g
+        while its neighbours run steps of phases q, g = 1 + share x sum(f_q - 1) (`share`:
+        the part of it they slow, the corrected model's reads), so it takes T = W / mean(1/g)
+        over its moments. Fitted together (one step may meet both phases, or two steps at
+        once), on log T, robustly (a few steps slowed by something else do not move them),
+        within [1, MOST_SLOWED], to 3 decimals; each factor given where steps ran beside that
+        phase for half of `min_steps` steps' time (or `min_seconds`), leaving out steps that
+        read under `min_share` of their time (near a share of 0 noise says nothing of a
+        factor)."""
+        took, alone, shares, counts = [], [], [], []
+        for t, moments in steps:
             corrected = scale * t.predicted_s + plus_s
             share = (scale * t.reads_s + plus_s) / corrected
             if share >= self.min_share:
-                g = beside / max(corrected / t.seconds - 1.0 + beside, beside / MOST_SLOWED)
-                slowed.append((g - 1.0) / share)
-        if len(slowed) < self.min_steps:
-            return None
-        return max(1.0, 1.0 + statistics.median(slowed))
+                took.append(t.seconds)
+                alone.append(corrected)
+                shares.append(share)
+                counts.append([[m.count(q) for m in moments] for q in PHASES])
+        if not took:
+            return {}
+        seconds, n = np.array(took), np.array(counts, dtype=float)  # n: [step, phase, moment]
+        share_s = np.array(shares)[:, None]
+        measured = np.log(seconds / np.array(alone))
+        beside = (n > 0).mean(axis=2)  # [step, phase]: the share of each step beside it
+
+        def residuals(added: np.ndarray) -> np.ndarray:  # added: f - 1 by phase
+            slowdown = 1.0 + share_s * np.einsum("spm,p->sm", n, added)
+            return np.asarray(-np.log((1.0 / slowdown).mean(axis=1)) - measured)
+
+        fitted = least_squares(residuals, np.full(len(PHASES), 0.1), loss="soft_l1",
+                               f_scale=0.05, bounds=(0.0, MOST_SLOWED - 1.0),
+                               xtol=1e-10, ftol=1e-10, gtol=1e-10).x
+        return {q: round(1.0 + float(fitted[j]), 3) for j, q in enumerate(PHASES)
+                if self._enough(beside[:, j].sum() * 2, float(beside[:, j] @ seconds))}
 
 
 def phase_of(step: StepSample) -> Phase:

@@ -21,7 +21,7 @@ from distserve.bench.steps import (
 )
 from distserve.bench.workload import Limits, parse_bench_workload
 from distserve.cli import main
-from services.planner.calibration import ALONE, Company
+from services.planner.calibration import ALONE, MOMENTS
 from services.planner.latency import Contention
 from services.planner.profiles import load_profile, shipped_cpu_profile
 from shared.metrics import SLO
@@ -98,9 +98,9 @@ def test_steps_beside_another_instances_give_the_contention_the_rest_the_level()
     steps = {"colocated-0": decoding(0.0, alone_s, 40) + decoding(10.0, beside_s, 40, 41),
              "colocated-1": decoding(10.0 + beside_s / 2, beside_s, 40)}
     placed = calibrator_of(steps, LATENCY).placed("decode")
-    assert sum(company == ALONE for _, company in placed) == 40
+    assert sum(moments == ALONE for _, moments in placed) == 40
     # all of 78 steps beside the other's decodes, half of the first and last one's
-    assert sum(company == Company("decode", 1.0) for _, company in placed) == 78
+    assert sum(moments == (("decode",),) * MOMENTS for _, moments in placed) == 78
     live = live_profile(steps, CONTENDED)
     assert live.calibration.decode_basis == "alone"
     assert live.calibration.contention.keys() == {"decode_by_decode"}

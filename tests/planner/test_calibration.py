@@ -10,9 +10,9 @@ import pytest
 from distserve.bench.steps import calibrator_of
 from services.planner.calibration import (
     ALONE,
+    MOMENTS,
     Calibration,
     Calibrator,
-    Company,
     Timeline,
     fit_steps,
     replan_reason,
@@ -85,7 +85,7 @@ def test_each_workers_steps_are_compared_with_its_own_shapes_prediction() -> Non
 
 
 def test_steps_already_seen_are_not_counted_twice_and_a_phase_needs_enough_steps() -> None:
-    calibrator = Calibrator(LATENCY, min_steps=10)
+    calibrator = Calibrator(LATENCY, min_steps=10, min_seconds=float("inf"))
     steps = recorded_steps(1.5, 1.5, n=12)
     assert calibrator.observe("p", steps[:8]) == 8
     assert calibrator.observe("p", steps) == 4  # the heartbeat repeats the last steps
@@ -95,6 +95,11 @@ def test_steps_already_seen_are_not_counted_twice_and_a_phase_needs_enough_steps
     assert (found.prefill, found.decode) == (1.0, 1.0)  # too few steps to move either
     assert calibrator.observe("q", steps) == 12  # another instance counts on its own
     assert calibrator.calibration().decode == pytest.approx(1.5, rel=0.1)
+    # or enough seconds of them: the 4 prompts took more than 2 s together
+    assert sum(s.seconds for s in steps if s.prompts) > 2.0
+    by_time = Calibrator(LATENCY, min_steps=10, min_seconds=2.0)
+    by_time.observe("p", steps)
+    assert by_time.calibration().prefill == pytest.approx(1.5, rel=0.1)
 
 
 def test_a_slower_decode_side_moves_the_plan_toward_decode() -> None:
@@ -430,7 +435,7 @@ def test_a_run_recorded_whole_is_known_from_its_first_step_however_long() -> Non
              "b": back_to_back(1.0, 0.01, 20)}
     placed = calibrator_of(steps, LATENCY).placed("decode")
     b_steps = [beside for t, beside in placed if t.instance == "b"]
-    assert b_steps == [Company("decode", 1.0)] * 20
+    assert b_steps == [(("decode",),) * MOMENTS] * 20
 
 
 def test_a_neighbour_beside_part_of_a_step_is_priced_for_that_part() -> None:
@@ -453,8 +458,47 @@ def test_a_neighbour_beside_part_of_a_step_is_priced_for_that_part() -> None:
         start += 2 * took_s
     calibrator = calibrator_of({"prefill-0": prefills, "decode-0": decodes}, LATENCY)
     placed = calibrator.placed("prefill")
-    assert [company for _, company in placed] == [ALONE] * 12 + [Company("decode", 0.5)] * 12
+    half = ((),) * (MOMENTS // 2) + (("decode",),) * (MOMENTS // 2)
+    assert [moments for _, moments in placed] == [ALONE] * 12 + [half] * 12
     found = calibrator.calibration()
     assert found.prefill_basis == "alone"
     assert found.prefill == pytest.approx(1.2)
     assert found.contention["prefill_by_decode"] == pytest.approx(1.5)
+
+
+def test_steps_that_met_both_phases_give_both_factors() -> None:
+    """Three instances on one machine. The measured prefill instance's steps: 12 alone at
+    1.2x the profile, then 12 that ran beside a decoding neighbour for a share a of their
+    time (1.4x slower meanwhile) and beside another prefill for the rest (1.5x): a quarter
+    then three quarters, by turns. No step met one phase alone, yet both factors are found,
+    fitted together on what each step took."""
+    alone_s = 1.2 * LATENCY.prefill_latency_s(512, 512 * 512)
+    measured = [s.model_copy(update={"seconds": alone_s})
+                for s in back_to_back(0.0, 2 * alone_s, 12, prompt=512)]
+    decodes: list[StepSample] = []
+    others: list[StepSample] = []
+    start = 30.0
+    for k in range(12):
+        a = 0.25 if k % 2 else 0.75
+        took_s = alone_s / (a / 1.4 + (1 - a) / 1.5)
+        measured.append(StepSample(step=13 + k, prompts=[512], seconds=took_s,
+                                   ended=start + took_s))
+        decodes += back_to_back(start, a * took_s / 5, 5, first=1 + 5 * k)
+        # the other prefill ran its step beside this one all along: 1.5x its time alone
+        other_s = (1 - a) * took_s
+        prompt = next(n for n in range(1, 4096)
+                      if 1.2 * 1.5 * LATENCY.prefill_latency_s(n, n * n) >= other_s)
+        others.append(StepSample(step=1 + k, prompts=[prompt], seconds=other_s,
+                                 ended=start + took_s))
+        start += 2 * took_s
+    calibrator = calibrator_of({"prefill-0": measured, "decode-0": decodes,
+                                "prefill-1": others}, LATENCY)
+    mixed = [moments for t, moments in calibrator.placed("prefill")
+             if t.instance == "prefill-0" and moments not in (None, ALONE)]
+    assert len(mixed) == 12 and all(set(moments) == {("decode",), ("prefill",)}
+                                    for moments in mixed)
+    found = calibrator.calibration()
+    assert found.prefill_basis == "alone" and found.prefill == pytest.approx(1.2)
+    # (the other prefill's steps priced to a whole token)
+    assert found.contention["prefill_by_decode"] == pytest.approx(1.4, rel=0.01)
+    assert found.contention["prefill_by_prefill"] == pytest.approx(1.5, rel=0.01)
