@@ -45,6 +45,7 @@ Fit = Literal["scale", "offset"]
 Basis = Literal["profile", "alone", "all"]
 MOMENTS = 8  # a step's neighbours are looked up this many times through it
 MOST_SLOWED = 10.0  # a contention factor is fitted as at most this
+FEWEST = 3  # steps a phase's level is fitted on at least, however long they ran
 # the phases of the steps a step's machine's other instances ran at each of its moments
 Moments = tuple[tuple[Phase, ...], ...]
 ALONE: Moments = ((),) * MOMENTS
@@ -174,6 +175,7 @@ class Timeline:
         self._heard: dict[str, float] = {}  # instance -> its last heartbeat
         self._counted: dict[str, int] = {}  # instance -> the steps its last heartbeat counted
         self._first: dict[str, float] = {}  # instance -> its first recorded step's start
+        self._forgotten: dict[str, float] = {}  # machine -> up to when a forgotten record ran
         self._keep = keep
 
     def add(self, instance: str, machine: str, samples: Iterable[StepSample]) -> None:
@@ -228,6 +230,14 @@ class Timeline:
         self._idle_until[instance] = end
 
     def forget(self, instance: str) -> None:
+        """Drop `instance`'s record: what its machine ran up to the last moment it told of
+        is not known any more (its steps may have run beside the others')."""
+        if instance in self.machine:
+            spans = self._spans.get(instance) or [(0.0, 0.0, None)]
+            told = max(spans[-1][1], self._heard.get(instance, 0.0),
+                       self._idle_until.get(instance, 0.0))
+            machine = self.machine[instance]
+            self._forgotten[machine] = max(self._forgotten.get(machine, 0.0), told)
         for kept in (self.machine, self._spans, self._last, self._longest,
                      self._idle_until, self._idle_before, self._heard, self._counted,
                      self._first):
@@ -247,8 +257,13 @@ class Timeline:
 
     def beside(self, instance: str, moment: float) -> list[Phase] | None:
         """The phases of the steps the other instances of `instance`'s machine were running
-        at `moment`; None where what one of them ran then is not known."""
-        machine, out = self.machine.get(instance), []
+        at `moment`; None where what one of them ran then is not known (or what `instance`
+        itself ran: forgotten)."""
+        if instance not in self.machine:
+            return None
+        machine, out = self.machine[instance], []
+        if moment <= self._forgotten.get(machine, float("-inf")):
+            return None
         for other, where in self.machine.items():
             if other == instance or where != machine:
                 continue
@@ -331,8 +346,13 @@ class Calibrator:
             out.append(tuple(beside))
         return tuple(out)
 
-    def _enough(self, steps: int | float, seconds: float) -> bool:
+    def _enough(self, steps: float, seconds: float) -> bool:
         return steps >= self.min_steps or seconds >= self.min_seconds
+
+    def _enough_for_level(self, steps: list[Timed]) -> bool:
+        """`min_steps` steps, or `min_seconds` of at least `FEWEST` (a few long prefills)."""
+        return self._enough(len(steps), sum(t.seconds for t in steps) if len(steps) >= FEWEST
+                            else 0.0)
 
     def calibration(self) -> Calibration:
         """Each phase's correction, fitted on its steps that ran alone on their machine where
@@ -344,10 +364,9 @@ class Calibrator:
             fields[f"{phase}_steps"] = len(self.steps[phase])
             placed = self.placed(phase)
             alone = [t for t, moments in placed if moments == ALONE]
-            basis: Basis = "alone" if self._enough(len(alone), sum(t.seconds for t in alone)) \
-                else "all"
+            basis: Basis = "alone" if self._enough_for_level(alone) else "all"
             fitted_on = alone if basis == "alone" else list(self.steps[phase])
-            if not self._enough(len(fitted_on), sum(t.seconds for t in fitted_on)):
+            if not self._enough_for_level(fitted_on):
                 continue
             ratio, fit, offset_s = fit_steps([(t.predicted_s, t.seconds) for t in fitted_on],
                                              self._constant_s(phase))
@@ -377,6 +396,8 @@ class Calibrator:
         took, alone, shares, counts = [], [], [], []
         for t, moments in steps:
             corrected = scale * t.predicted_s + plus_s
+            if corrected <= 0 or t.seconds <= 0:
+                continue  # a fixed time a step below a shape's own constant: no pace to tell
             share = (scale * t.reads_s + plus_s) / corrected
             if share >= self.min_share:
                 took.append(t.seconds)

@@ -389,6 +389,11 @@ def test_a_moment_is_placed_only_where_every_neighbour_is_known_then() -> None:
     assert timeline.beside("a", 1.0) is None
     timeline.forget("d")
     assert timeline.beside("a", 1.0) == ["decode"]
+    # a record forgotten (a restart, 10 minutes silent) leaves what ran up to the last
+    # moment it told of unknown, not idle; and its own steps placed nowhere
+    timeline.forget("b")
+    assert timeline.beside("a", 1.0) is None and timeline.beside("a", 14.9) is None
+    assert timeline.beside("a", 15.5) == [] and timeline.beside("b", 16.0) is None
 
 
 def test_a_calibration_saved_before_bases_is_priced_as_it_was() -> None:
@@ -470,8 +475,9 @@ def test_steps_that_met_both_phases_give_both_factors() -> None:
     """Three instances on one machine. The measured prefill instance's steps: 12 alone at
     1.2x the profile, then 12 that ran beside a decoding neighbour for a share a of their
     time (1.4x slower meanwhile) and beside another prefill for the rest (1.5x): a quarter
-    then three quarters, by turns. No step met one phase alone, yet both factors are found,
-    fitted together on what each step took."""
+    then three quarters, by turns. None of its steps met one phase alone (the other
+    prefill's steps met only its prefills: no decode), yet both factors are found, fitted
+    together on what each step took."""
     alone_s = 1.2 * LATENCY.prefill_latency_s(512, 512 * 512)
     measured = [s.model_copy(update={"seconds": alone_s})
                 for s in back_to_back(0.0, 2 * alone_s, 12, prompt=512)]

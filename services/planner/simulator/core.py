@@ -113,13 +113,14 @@ class Host:
         self.running: dict[int, _Running] = {}  # id(instance) -> its step
         self.at = 0.0  # when the running steps' `left_s` were last brought up to date
         self.versions = itertools.count(1)
-        self.ending = False  # in a step's end: the steps its instance starts are priced after
+        self.ending = False  # in a step's end: steps started meanwhile are priced after it
 
     def run(self, instance: object, phase: Phase, latency: LatencyModel, seconds: float,
             done: Callable[[float], None], share: float = 1.0) -> None:
         """`instance` starts a step of `phase` that takes `seconds` alone (`share` of it
         contending for memory: Contention.factor); `done(stretch)` when it ends, with how
         many times its time alone it took."""
+        assert id(instance) not in self.running, "one step at a time an instance"
         self._advance()
         by = {other: share * added for other, added in added_by(latency.contention, phase)}
         self.running[id(instance)] = _Running(phase, by, seconds, self.loop.now, done,
