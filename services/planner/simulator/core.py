@@ -83,7 +83,7 @@ class EventLoop:
             fn(arg)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Running:
     """A step on a host: how much of it is left, in seconds alone, and at what slowdown it
     runs now (of the events scheduled for its instance, only the one of `version`, the
@@ -91,6 +91,7 @@ class _Running:
 
     phase: Phase
     by: dict[Phase, float]  # what a neighbour's step of each phase adds to its slowdown
+    share: float  # of it that contends (`by` is of a whole step's)
     alone_s: float
     started: float
     done: Callable[[float], None]
@@ -122,9 +123,8 @@ class Host:
         many times its time alone it took."""
         assert id(instance) not in self.running, "one step at a time an instance"
         self._advance()
-        by = {other: share * added for other, added in added_by(latency.contention, phase)}
-        self.running[id(instance)] = _Running(phase, by, seconds, self.loop.now, done,
-                                               seconds)
+        self.running[id(instance)] = _Running(phase, added_by(latency.contention, phase),
+                                               share, seconds, self.loop.now, done, seconds)
         if not self.ending:
             self._price()
 
@@ -132,14 +132,19 @@ class Host:
         elapsed, self.at = self.loop.now - self.at, self.loop.now
         if elapsed > 0:
             for step in self.running.values():
-                step.left_s = max(0.0, step.left_s - elapsed / step.factor)
+                left = step.left_s - elapsed / step.factor
+                step.left_s = left if left > 0.0 else 0.0
 
     def _price(self) -> None:
         """Each running step's slowdown beside the others; a step whose slowdown changed
         (or that has none yet) is scheduled to end anew."""
-        for key, step in self.running.items():
-            factor = 1.0 + sum(step.by[other.phase] for k, other in self.running.items()
-                               if k != key)
+        running = list(self.running.items())  # a few: plain loops beat a generator's sum
+        for key, step in running:
+            added = 0.0
+            for k, other in running:
+                if k != key:
+                    added += step.by[other.phase]
+            factor = 1.0 + step.share * added
             if factor != step.factor:
                 step.factor, step.version = factor, next(self.versions)
                 self.loop.at(self.loop.now + step.left_s * factor, self._end,
@@ -162,10 +167,10 @@ class Host:
 
 
 @functools.cache
-def added_by(contention: Contention, phase: Phase) -> tuple[tuple[Phase, float], ...]:
+def added_by(contention: Contention, phase: Phase) -> dict[Phase, float]:
     """What a neighbour's step of each phase adds to a `phase` step's slowdown (the whole
-    step contending)."""
-    return tuple((other, contention.factor(phase, [other]) - 1.0) for other in PHASES)
+    step contending). Shared: not to be changed."""
+    return {other: contention.factor(phase, [other]) - 1.0 for other in PHASES}
 
 
 def hosts(loop: EventLoop) -> collections.defaultdict[int, Host]:
