@@ -233,8 +233,7 @@ class Timeline:
         """Drop `instance`'s record: what its machine ran up to the last moment it told of
         is not known any more (its steps may have run beside the others')."""
         if instance in self.machine:
-            spans = self._spans.get(instance) or [(0.0, 0.0, None)]
-            told = max(spans[-1][1], self._heard.get(instance, 0.0),
+            told = max(self._last.get(instance, (0, 0.0))[1], self._heard.get(instance, 0.0),
                        self._idle_until.get(instance, 0.0))
             machine = self.machine[instance]
             self._forgotten[machine] = max(self._forgotten.get(machine, 0.0), told)
@@ -346,13 +345,10 @@ class Calibrator:
             out.append(tuple(beside))
         return tuple(out)
 
-    def _enough(self, steps: float, seconds: float) -> bool:
-        return steps >= self.min_steps or seconds >= self.min_seconds
-
     def _enough_for_level(self, steps: list[Timed]) -> bool:
         """`min_steps` steps, or `min_seconds` of at least `FEWEST` (a few long prefills)."""
-        return self._enough(len(steps), sum(t.seconds for t in steps) if len(steps) >= FEWEST
-                            else 0.0)
+        return len(steps) >= self.min_steps or (
+            len(steps) >= FEWEST and sum(t.seconds for t in steps) >= self.min_seconds)
 
     def calibration(self) -> Calibration:
         """Each phase's correction, fitted on its steps that ran alone on their machine where
@@ -419,7 +415,8 @@ class Calibrator:
                                f_scale=0.05, bounds=(0.0, MOST_SLOWED - 1.0),
                                xtol=1e-10, ftol=1e-10, gtol=1e-10).x
         return {q: round(1.0 + float(fitted[j]), 3) for j, q in enumerate(PHASES)
-                if self._enough(beside[:, j].sum() * 2, float(beside[:, j] @ seconds))}
+                if beside[:, j].sum() >= self.min_steps / 2
+                or beside[:, j] @ seconds >= self.min_seconds}
 
 
 def phase_of(step: StepSample) -> Phase:
