@@ -136,9 +136,9 @@ class Calibration(BaseModel):
         return any(max(a / b, b / a) > by for a, b in pairs)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Timed:
-    """A step as the calibrator keeps it."""
+    """A step as the calibrator keeps it (each one itself: hashed by identity)."""
 
     instance: str
     phase: Phase
@@ -194,8 +194,18 @@ class Timeline:
             self._first.setdefault(instance, start)
             self._last[instance] = (s.step, s.ended)
             self._longest[instance] = max(self._longest.get(instance, 0.0), s.seconds)
-        if len(spans) > 2 * self._keep:
+        if len(spans) > 2 * self._keep:  # a bound on memory, whatever the calibrator asks
             del spans[:-self._keep]
+
+    def trim(self, before: float) -> None:
+        """Drop the spans that ended before `before`: no step left to place needs them."""
+        for spans in self._spans.values():
+            ends = bisect.bisect_left(spans, before, key=lambda span: span[1])
+            del spans[:ends]
+
+    def held(self) -> int:
+        """How many spans the record holds."""
+        return sum(len(spans) for spans in self._spans.values())
 
     def heard(self, instance: str, at: float, steps: int, busy_since: float = -1.0) -> None:
         """A heartbeat of `instance` at `at` that counted `steps` steps so far and says since
@@ -277,16 +287,24 @@ class Timeline:
 @dataclasses.dataclass
 class Calibrator:
     latency: LatencyModel  # the profile's, for one device
-    window: int = 200  # steps per phase
+    window: int = 2000  # steps per phase at most
+    window_s: float = 120.0  # of the last this many seconds (by the newest step heard)
     min_steps: int = 10  # a phase's level (a factor: half as many steps' time) needs this many
     min_share: float = 0.2  # steps that read less of their time say nothing of contention
     min_seconds: float = 2.0  # or this much of them (a few long prefills)
+    # a step's neighbours are taken as its machine's record told them once a step this much
+    # newer was heard (every instance that ran beside it has heartbeated since)
+    settle_s: float = Timeline.GONE_S
+    late_s: float = 60.0  # a step is heard within this of the newest step heard
 
     def __post_init__(self) -> None:
         self.steps: dict[Phase, deque[Timed]] = {phase: deque(maxlen=self.window)
                                                  for phase in PHASES}
         self.seen: dict[str, int] = {}  # instance -> the last step taken from it
         self.timeline = Timeline(keep=max(4000, 20 * self.window))
+        self._settled: dict[Timed, Moments] = {}  # steps placed for good
+        self._unsettled: list[Timed] = []  # steps in the windows not placed for good yet
+        self._newest = float("-inf")  # the latest end of a step heard
 
     def observe(self, instance: str, samples: list[StepSample],
                 latency: LatencyModel | None = None, machine: str = "",
@@ -310,11 +328,42 @@ class Calibrator:
                 predicted = predicted_s(model, s)
                 reads = predicted if s.prompts else \
                     predicted * model.reading_share(s.batch, s.context)
-                self.steps[phase].append(Timed(instance, phase, predicted, reads, s.seconds,
-                                               s.ended))
+                timed = Timed(instance, phase, predicted, reads, s.seconds, s.ended)
+                self.steps[phase].append(timed)
+                if s.ended > 0:
+                    self._unsettled.append(timed)
         if new:
             self.seen[instance] = max(s.step for s in new)
+            self._newest = max(self._newest, max(s.ended for s in new))
+        for kept in self.steps.values():  # heard about in the order they ran, near enough
+            while kept and 0 < kept[0].ended < self._newest - self.window_s:
+                kept.popleft()
+        self._trim()
         return len(new)
+
+    def _trim(self) -> None:
+        """Place for good the steps whose neighbours' records have told (`settle_s`), and
+        drop from the timeline what no step will be placed on any more: spans older than
+        the steps still to be placed and than steps yet to be heard can be (`late_s`; a
+        step still unplaced that old never will be: what ran beside it was not told). Its
+        spans of a busy decode instance (50 steps a second) would otherwise outgrow a
+        window of prefills minutes long (or be cut by count, and the oldest prefills placed
+        nowhere)."""
+        if len(self._settled) > 2 * sum(map(len, self.steps.values())) + 64:
+            kept = {t for steps in self.steps.values() for t in steps}  # the rest: gone
+            self._settled = {t: m for t, m in self._settled.items() if t in kept}
+        oldest, unsettled = self._newest - self.late_s, []
+        for t in self._unsettled:
+            if t.ended < oldest:
+                continue  # what ran beside it was never told (or it left its window)
+            moments = self.moments(t) if t.ended <= self._newest - self.settle_s else None
+            if moments is None:
+                oldest = min(oldest, t.ended - t.seconds)
+                unsettled.append(t)
+            else:
+                self._settled[t] = moments
+        self._unsettled = unsettled
+        self.timeline.trim(oldest)
 
     def forget(self, instance: str) -> None:
         self.seen.pop(instance, None)
@@ -329,7 +378,8 @@ class Calibrator:
 
     def placed(self, phase: Phase) -> list[tuple[Timed, Moments | None]]:
         """The phase's steps, each with what its machine's other instances ran beside it."""
-        return [(t, self.moments(t)) for t in self.steps[phase]]
+        settled = self._settled
+        return [(t, settled[t] if t in settled else self.moments(t)) for t in self.steps[phase]]
 
     def moments(self, t: Timed) -> Moments | None:
         """The phases of the steps the other instances of `t`'s machine ran at `MOMENTS`

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from dataclasses import asdict
 
@@ -47,11 +48,13 @@ class ProfilerSettings(BaseSettings):
     profiler_cooldown_s: float = 30.0  # no new shift this soon after the last one
     profiler_check_every: int = 5
     # calibration: the planner's profile (the same DS_ variables the planner reads), the steps
-    # per phase it is calibrated over, and how far it may move before the planner replans
+    # it is calibrated over, and how far it may move before the planner replans
     planner_profile: str = ""
     threads: int = 1
-    profiler_calibration_window: int = 200
-    profiler_recalibrate_ratio: float = 1.2
+    profiler_calibration_window: int = 2000  # steps per phase at most
+    profiler_calibration_window_s: float = 120.0  # of the last this many seconds
+    profiler_calibrate_every_s: float = 1.0  # fitted again at most this often
+    profiler_recalibrate_ratio: float = 1.2  # (no sooner than the cooldown after a replan)
 
     def detector(self) -> DetectorConfig:
         return DetectorConfig(self.profiler_window, self.profiler_alpha, self.profiler_min_ks,
@@ -81,12 +84,15 @@ class ProfilerService(ControlService):
             self.profile = planner_profile(settings.planner_profile, settings.threads,
                                            cpu_description())
             self.calibrator = Calibrator(self.profile.latency(self.profile.tps[0], 1),
-                                         settings.profiler_calibration_window)
+                                         settings.profiler_calibration_window,
+                                         settings.profiler_calibration_window_s)
         except (ProfileError, OSError) as e:  # shift detection goes on without it
             log.warning("no latency profile to calibrate (%s): step times are not watched", e)
         self.calibration = Calibration()  # as last saved
-        self.saved_at = 0.0
+        self.clock = time.monotonic  # of saved_at, fitted_at and replanned_at
+        self.saved_at = self.fitted_at = -math.inf
         self.planned_on = Calibration()  # as when the last replan was asked for
+        self.replanned_at = -math.inf
 
     async def serve(self, stop: asyncio.Event) -> None:
         await self.nc.subscribe(subjects.HEARTBEATS, cb=self._on_heartbeat)
@@ -117,20 +123,25 @@ class ProfilerService(ControlService):
                                   self.profile.latency(info.tp, 1), info.machine,
                                   info.heartbeat_at, info.steps, info.busy_since):
             return
+        if self.clock() - self.fitted_at < self.settings.profiler_calibrate_every_s:
+            return  # (every worker heartbeats twice a second; a fit takes 5-15 ms)
+        self.fitted_at = self.clock()
         found = calibrator.calibration()
-        if not found.differs(self.calibration, 1.02, self.profile.contention) and \
-                time.time() - self.saved_at < 10:
-            return  # no Redis write for every heartbeat that moves the medians a little
-        try:
-            await self.redis.set(subjects.CALIBRATION_KEY, found.model_dump_json())
-        except (RedisError, OSError) as e:  # the next heartbeat tries again
-            log.warning("cannot save the calibration to Redis: %s", e)
-            return
-        self.calibration, self.saved_at = found, time.time()
-        reason = replan_reason(found, self.planned_on, self.settings.profiler_recalibrate_ratio,
-                               calibrator.min_steps, self.profile.contention)
-        if reason is not None and self.monitor.reference:  # a plan was made: make it again
-            self.planned_on = found
+        # no Redis write for every heartbeat that moves the medians a little
+        if found.differs(self.calibration, 1.02, self.profile.contention) or \
+                self.clock() - self.saved_at >= 10:
+            try:
+                await self.redis.set(subjects.CALIBRATION_KEY, found.model_dump_json())
+            except (RedisError, OSError) as e:  # the next heartbeat tries again
+                log.warning("cannot save the calibration to Redis: %s", e)
+                return
+            self.calibration, self.saved_at = found, self.clock()
+        reason = replan_reason(self.calibration, self.planned_on,
+                               self.settings.profiler_recalibrate_ratio, calibrator.min_steps,
+                               self.profile.contention)
+        if reason is not None and self.monitor.reference and \
+                self.clock() - self.replanned_at >= self.settings.profiler_cooldown_s:
+            self.planned_on, self.replanned_at = self.calibration, self.clock()
             log.info("%s; asking for a new plan", reason)
             await publish(self.nc, subjects.REPLAN, ReplanRequest(reasons=[reason]))
 
@@ -148,6 +159,7 @@ class ProfilerService(ControlService):
     async def _replan(self, shift: Shift) -> None:
         events = self.monitor.reference  # the window that flagged the shift
         self.planned_on = self.calibration  # the planner reads the latest calibration
+        self.replanned_at = self.clock()
         log.info("workload shift: %s", "; ".join(shift.reasons))
         self.shifts.append({"at": time.time(), "reasons": list(shift.reasons),
                             "before": asdict(shift.reference), "after": asdict(shift.recent)})

@@ -434,6 +434,37 @@ def test_a_worker_restarted_under_its_name_starts_a_new_record() -> None:
     assert calibrator.timeline.running("decode-0", 10.25) == "decode"
 
 
+def test_each_phase_is_calibrated_on_its_steps_of_the_last_two_minutes() -> None:
+    """Both phases over the same span of time (by steps, a window of 200 decode steps held
+    4 s of two busy replicas, and their contention swung 1.04-1.73 from one to the next),
+    at most `window` steps of each."""
+    calibrator = Calibrator(LATENCY)
+    calibrator.observe("decode-0", back_to_back(0.0, 0.1, 2000))  # 200 s
+    kept = calibrator.steps["decode"]
+    assert 1199 <= len(kept) <= 1201 and kept[-1].ended == pytest.approx(200.0)
+    assert kept[0].ended >= 200.0 - calibrator.window_s
+    capped = Calibrator(LATENCY, window=500)
+    capped.observe("decode-0", back_to_back(0.0, 0.1, 2000))
+    assert len(capped.steps["decode"]) == 500
+
+
+def test_a_window_of_prefills_minutes_long_is_placed_beside_a_busy_decode_instance() -> None:
+    """A window of prefills spans minutes where a decode instance beside them runs 50 steps
+    a second: each prefill is placed once its neighbours' heartbeats have told, and the
+    timeline keeps only what steps yet to be placed need (cut by count, the decode
+    instance's record reached back 80-120 s and the older prefills were placed nowhere)."""
+    decode = back_to_back(0.0, 0.02, 10_000)  # 200 s
+    prefill = [s for k in range(20)
+               for s in back_to_back(10.0 * k + 1.0, 0.5, 1, first=k + 1, prompt=256)]
+    calibrator = Calibrator(LATENCY, window=200, window_s=300.0)  # a record cut at 8,000
+    heartbeats(calibrator, {"decode-0": ("m", decode), "prefill-0": ("m", prefill)})
+    placed = calibrator.placed("prefill")
+    assert len(placed) == 20
+    assert all(moments == (("decode",),) * MOMENTS for _, moments in placed)
+    late_s = calibrator.late_s
+    assert calibrator.timeline.held() <= late_s / 0.02 + 2 * 20  # the last minute's, about
+
+
 def test_a_run_recorded_whole_is_known_from_its_first_step_however_long() -> None:
     """bench compare's runs: every step of the run in the record, past any trimming."""
     steps = {"a": back_to_back(0.0, 0.01, 9000),
