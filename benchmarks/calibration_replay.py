@@ -4,7 +4,9 @@ profiler hears them, a heartbeat of each worker every 0.5 s with its last 64 ste
 after each; how often it would have asked the planner for a new plan
 (`replan_reason`, at most once a `--cooldown`), how often a phase's basis changed, what a
 fit cost and how many spans the timeline held. The 200-step windows the profiler had before
-against the default two minutes:
+against the default two minutes. Near the profiler, not it: every worker is heard at the
+same instants, without its `busy_since`, fitted at every heartbeat (the profiler: at most
+once a second) and compared as fitted (the profiler: as last saved in Redis).
 
     .venv/bin/python benchmarks/calibration_replay.py runs/bench-.../results.json \\
         [--window 200 --window-s inf --cooldown 0]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -54,8 +53,7 @@ class StepLog:
 def calibrator_of(steps: Steps, latency: LatencyModel, min_steps: int = 10) -> Calibrator:
     """The online planner's calibrator, fed `steps`: a run's steps of the instances of one
     machine, every step each ran until the run's last one ended."""
-    calibrator = Calibrator(latency, window=1 << 30, window_s=math.inf, late_s=math.inf,
-                            min_steps=min_steps)
+    calibrator = Calibrator(latency, window=1 << 30, min_steps=min_steps, whole=True)
     for instance, samples in steps.items():  # every record first: the run is over
         calibrator.timeline.add(instance, "", [s for s in samples if s.seconds > 0])
     for instance, samples in steps.items():

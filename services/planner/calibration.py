@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -146,6 +147,8 @@ class Timed:
     reads_s: float  # of which reading memory (what a neighbour's step slows; a prompt: all)
     seconds: float  # what it took
     ended: float  # wall clock; 0: not said (it is then never placed beside another step)
+    machine: str
+    at: float  # what it ages by: its end, else the newest end its machine had told of then
 
 
 Span = tuple[float, float, Phase | None]  # start, end, phase (None: steps ran, none priced)
@@ -197,11 +200,20 @@ class Timeline:
         if len(spans) > 2 * self._keep:  # a bound on memory, whatever the calibrator asks
             del spans[:-self._keep]
 
-    def trim(self, before: float) -> None:
-        """Drop the spans that ended before `before`: no step left to place needs them."""
-        for spans in self._spans.values():
-            ends = bisect.bisect_left(spans, before, key=lambda span: span[1])
-            del spans[:ends]
+    def trim(self, machine: str, before: float) -> None:
+        """Drop the spans of `machine`'s instances that ended before `before` (no step left
+        to place needs them) but the last of them: what ran from its end is still told."""
+        for instance, where in self.machine.items():
+            if where == machine:
+                spans = self._spans[instance]
+                ends = bisect.bisect_left(spans, before, key=lambda span: span[1])
+                del spans[:max(0, ends - 1)]
+
+    def longest(self, machine: str) -> float:
+        """The longest step `machine`'s instances ran (as long as a first step may be, where
+        none ran one yet)."""
+        return max((self._longest.get(i, self.FIRST_STEP_S) for i, where
+                    in self.machine.items() if where == machine), default=self.FIRST_STEP_S)
 
     def held(self) -> int:
         """How many spans the record holds."""
@@ -293,18 +305,21 @@ class Calibrator:
     min_share: float = 0.2  # steps that read less of their time say nothing of contention
     min_seconds: float = 2.0  # or this much of them (a few long prefills)
     # a step's neighbours are taken as its machine's record told them once a step this much
-    # newer was heard (every instance that ran beside it has heartbeated since)
+    # newer was heard, and its machine heard this long (every instance that ran beside it
+    # has heartbeated since)
     settle_s: float = Timeline.GONE_S
-    late_s: float = 60.0  # a step is heard within this of the newest step heard
+    late_s: float = 60.0  # a step is heard within this of its machine's newest step heard
+    whole: bool = False  # the steps are a record given whole (bench compare's): none is late
 
     def __post_init__(self) -> None:
         self.steps: dict[Phase, deque[Timed]] = {phase: deque(maxlen=self.window)
                                                  for phase in PHASES}
         self.seen: dict[str, int] = {}  # instance -> the last step taken from it
         self.timeline = Timeline(keep=max(4000, 20 * self.window))
-        self._settled: dict[Timed, Moments] = {}  # steps placed for good
+        self._settled: dict[Timed, Moments | None] = {}  # steps placed for good (or nowhere)
         self._unsettled: list[Timed] = []  # steps in the windows not placed for good yet
-        self._newest = float("-inf")  # the latest end of a step heard
+        self._newest: dict[str, float] = {}  # machine -> the latest end of its steps heard
+        self._heard: dict[str, tuple[float, float]] = {}  # machine -> first, last heartbeat
 
     def observe(self, instance: str, samples: list[StepSample],
                 latency: LatencyModel | None = None, machine: str = "",
@@ -322,48 +337,65 @@ class Calibrator:
         self.timeline.add(instance, machine, new)
         if steps >= 0:
             self.timeline.heard(instance, heard_at, steps, busy_since)
+        if heard_at > 0:
+            since, latest = self._heard.get(machine, (heard_at, heard_at))
+            self._heard[machine] = (since, max(latest, heard_at))
+        newest = max([self._newest.get(machine, -math.inf)] + [s.ended for s in new])
+        self._newest[machine] = newest
         for s in new:
-            if s.prompts or s.batch:
-                phase = phase_of(s)
-                predicted = predicted_s(model, s)
-                reads = predicted if s.prompts else \
-                    predicted * model.reading_share(s.batch, s.context)
-                timed = Timed(instance, phase, predicted, reads, s.seconds, s.ended)
-                self.steps[phase].append(timed)
-                if s.ended > 0:
-                    self._unsettled.append(timed)
+            if not (s.prompts or s.batch) or (not self.whole and
+                                             0 < s.ended < newest - self.window_s):
+                continue  # nothing to price, or too old for the window by now
+            phase = phase_of(s)
+            predicted = predicted_s(model, s)
+            reads = predicted if s.prompts else \
+                predicted * model.reading_share(s.batch, s.context)
+            timed = Timed(instance, phase, predicted, reads, s.seconds, s.ended, machine,
+                          s.ended if s.ended > 0 else newest)
+            self.steps[phase].append(timed)
+            if s.ended > 0:
+                self._unsettled.append(timed)
         if new:
             self.seen[instance] = max(s.step for s in new)
-            self._newest = max(self._newest, max(s.ended for s in new))
-        for kept in self.steps.values():  # heard about in the order they ran, near enough
-            while kept and 0 < kept[0].ended < self._newest - self.window_s:
-                kept.popleft()
+        if not self.whole:
+            for kept in self.steps.values():  # heard in the order they ran, near enough
+                while kept and kept[0].at < self._newest[kept[0].machine] - self.window_s:
+                    kept.popleft()
         self._trim()
         return len(new)
 
     def _trim(self) -> None:
-        """Place for good the steps whose neighbours' records have told (`settle_s`), and
-        drop from the timeline what no step will be placed on any more: spans older than
-        the steps still to be placed and than steps yet to be heard can be (`late_s`; a
-        step still unplaced that old never will be: what ran beside it was not told). Its
-        spans of a busy decode instance (50 steps a second) would otherwise outgrow a
-        window of prefills minutes long (or be cut by count, and the oldest prefills placed
-        nowhere)."""
+        """Place for good the steps whose neighbours' records have told (`settle_s` after
+        them, and after the first heartbeat heard from their machine: its other instances
+        may not have been heard yet), or nowhere those still unknown a longest step later
+        (what ran beside them was never told: a neighbour's unpriced steps); and drop from
+        the timeline what no step will be placed on any more: spans older than the steps
+        still to be placed and than steps yet to be heard can be (`late_s`). A busy decode
+        instance's record (50 steps a second) would otherwise outgrow a window of prefills
+        minutes long (or be cut by count, and the oldest prefills placed nowhere)."""
         if len(self._settled) > 2 * sum(map(len, self.steps.values())) + 64:
             kept = {t for steps in self.steps.values() for t in steps}  # the rest: gone
             self._settled = {t: m for t, m in self._settled.items() if t in kept}
-        oldest, unsettled = self._newest - self.late_s, []
+        if self.whole:
+            return  # placed once the record is complete (`placed`)
+        oldest = {machine: newest - self.late_s for machine, newest in self._newest.items()}
+        unsettled = []
         for t in self._unsettled:
-            if t.ended < oldest:
-                continue  # what ran beside it was never told (or it left its window)
-            moments = self.moments(t) if t.ended <= self._newest - self.settle_s else None
-            if moments is None:
-                oldest = min(oldest, t.ended - t.seconds)
-                unsettled.append(t)
-            else:
+            first, last = self._heard.get(t.machine, (0.0, 0.0))
+            told = self._newest[t.machine] - self.settle_s
+            moments = self.moments(t) if t.ended <= told and last - first >= self.settle_s \
+                else None
+            if moments is not None:
                 self._settled[t] = moments
+            elif t.ended <= told - self.timeline.longest(t.machine) and \
+                    last - first >= self.settle_s:
+                self._settled[t] = None
+            else:
+                oldest[t.machine] = min(oldest[t.machine], t.ended - t.seconds)
+                unsettled.append(t)
         self._unsettled = unsettled
-        self.timeline.trim(oldest)
+        for machine, before in oldest.items():
+            self.timeline.trim(machine, before)
 
     def forget(self, instance: str) -> None:
         self.seen.pop(instance, None)

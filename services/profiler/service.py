@@ -119,23 +119,24 @@ class ProfilerService(ControlService):
             return
         # a pipeline's workers report no step shapes (a step of theirs spans micro-batches):
         # the steps seen are of one stage of `tp` ranks
-        if not calibrator.observe(info.instance_id, info.recent_steps,
-                                  self.profile.latency(info.tp, 1), info.machine,
-                                  info.heartbeat_at, info.steps, info.busy_since):
-            return
-        if self.clock() - self.fitted_at < self.settings.profiler_calibrate_every_s:
-            return  # (every worker heartbeats twice a second; a fit takes 5-15 ms)
-        self.fitted_at = self.clock()
-        found = calibrator.calibration()
-        # no Redis write for every heartbeat that moves the medians a little
-        if found.differs(self.calibration, 1.02, self.profile.contention) or \
-                self.clock() - self.saved_at >= 10:
-            try:
-                await self.redis.set(subjects.CALIBRATION_KEY, found.model_dump_json())
-            except (RedisError, OSError) as e:  # the next heartbeat tries again
-                log.warning("cannot save the calibration to Redis: %s", e)
-                return
-            self.calibration, self.saved_at = found, self.clock()
+        observed = calibrator.observe(info.instance_id, info.recent_steps,
+                                      self.profile.latency(info.tp, 1), info.machine,
+                                      info.heartbeat_at, info.steps, info.busy_since)
+        # fitted at most once a second (every worker heartbeats twice a second; a fit takes
+        # 4-18 ms), and saved when it moved (no Redis write for every heartbeat that moves
+        # the medians a little) or every 10 s
+        if observed and self.clock() - self.fitted_at >= self.settings.profiler_calibrate_every_s:
+            self.fitted_at = self.clock()
+            found = calibrator.calibration()
+            if found.differs(self.calibration, 1.02, self.profile.contention) or \
+                    self.clock() - self.saved_at >= 10:
+                try:
+                    await self.redis.set(subjects.CALIBRATION_KEY, found.model_dump_json())
+                except (RedisError, OSError) as e:  # the next heartbeat tries again
+                    log.warning("cannot save the calibration to Redis: %s", e)
+                    return
+                self.calibration, self.saved_at = found, self.clock()
+        # on every heartbeat: a replan the cooldown held back goes once it is over
         reason = replan_reason(self.calibration, self.planned_on,
                                self.settings.profiler_recalibrate_ratio, calibrator.min_steps,
                                self.profile.contention)

@@ -465,6 +465,64 @@ def test_a_window_of_prefills_minutes_long_is_placed_beside_a_busy_decode_instan
     assert calibrator.timeline.held() <= late_s / 0.02 + 2 * 20  # the last minute's, about
 
 
+Ran = tuple[float, float, StepSample | None]  # start, end, the step (None: unpriced)
+
+
+def hear(calibrator: Calibrator, ran: dict[str, list[Ran]], start: float, end: float) -> None:
+    """The profiler hearing `ran` from `start` to `end`: a heartbeat of each instance every
+    0.5 s with its last 64 priced steps, its count of steps (unpriced ones too) and since
+    when one runs."""
+    at = start
+    while at <= end:
+        for instance, steps in ran.items():
+            done = [r for r in steps if r[1] <= at]
+            busy = next((r[0] for r in steps if r[0] <= at < r[1]), 0.0)
+            priced = [r[2] for r in done if r[2] is not None][-64:]
+            calibrator.observe(instance, priced, machine="m", heard_at=at, steps=len(done),
+                               busy_since=busy)
+        at += 0.5
+
+
+def ran(steps: list[StepSample]) -> list[Ran]:
+    return [(s.ended - s.seconds, s.ended, s) for s in steps]
+
+
+def test_steps_are_placed_for_good_only_once_every_neighbour_has_told() -> None:
+    """A profiler started while the workers run hears one before the other: the first's
+    steps wait for its neighbour's record (placed alone at once, they would have read
+    alone for the whole window); steps beside a neighbour's unpriced steps (chunked) are
+    placed nowhere for good, not alone once its record is trimmed; and a step beside the
+    first step a neighbour ran after a long lull is placed beside it."""
+    decode = ran(back_to_back(0.0, 0.05, 8000))  # 400 s
+    prefill = ran([s for k in range(40)
+                   for s in back_to_back(10.0 * k, 2.0, 1, first=k + 1, prompt=256)])
+    late = Calibrator(LATENCY)
+    hear(late, {"prefill-0": prefill, "decode-0": decode}, 300.0, 310.0)
+    placed = {round(t.ended): moments for t, moments in late.placed("prefill")}
+    # the last two minutes; before the decode instance's 64 steps heard, what ran beside
+    # is not known
+    assert set(placed) == {10 * k + 2 for k in range(19, 31)}
+    assert placed.pop(302) == (("decode",),) * MOMENTS
+    assert set(placed.values()) == {None}
+
+    mixed = ran(back_to_back(0.0, 0.1, 1))
+    mixed += [(0.1 + 0.2 * k, 0.3 + 0.2 * k, None) for k in range(49)]  # to 9.9 s
+    mixed += ran(back_to_back(9.9, 0.2, 1, first=51))
+    beside_mixed = Calibrator(LATENCY)
+    hear(beside_mixed, {"a": ran(back_to_back(0.0, 0.05, 2000)), "b": mixed}, 0.5, 100.5)
+    unknown = [moments for t, moments in beside_mixed.placed("decode")
+               if t.instance == "a" and 0.2 < t.ended < 9.8]
+    assert len(unknown) == 191 and set(unknown) == {None}
+
+    lull = [(0.0, 0.1, back_to_back(0.0, 0.1, 1, prompt=256)[0]),
+            (100.03, 101.03, back_to_back(100.03, 1.0, 1, first=2, prompt=256)[0])]
+    after_lull = Calibrator(LATENCY)
+    hear(after_lull, {"a": ran(back_to_back(0.0, 0.05, 2400)), "b": lull}, 0.5, 120.0)
+    straddling = [moments for t, moments in after_lull.placed("decode")
+                  if t.ended - t.seconds < 100.03 < t.ended]
+    assert straddling == [((),) * 5 + (("prefill",),) * 3]
+
+
 def test_a_run_recorded_whole_is_known_from_its_first_step_however_long() -> None:
     """bench compare's runs: every step of the run in the record, past any trimming."""
     steps = {"a": back_to_back(0.0, 0.01, 9000),
