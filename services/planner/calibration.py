@@ -209,11 +209,24 @@ class Timeline:
                 ends = bisect.bisect_left(spans, before, key=lambda span: span[1])
                 del spans[:max(0, ends - 1)]
 
-    def longest(self, machine: str) -> float:
-        """The longest step `machine`'s instances ran (as long as a first step may be, where
-        none ran one yet)."""
-        return max((self._longest.get(i, self.FIRST_STEP_S) for i, where
-                    in self.machine.items() if where == machine), default=self.FIRST_STEP_S)
+    def told(self, instance: str, moment: float) -> bool:
+        """Whether the record of `instance`'s machine has told all it will of `moment`: each
+        of its other instances' record runs past it (or never will tell: an instance whose
+        steps are not priced; or was forgotten)."""
+        machine = self.machine.get(instance)
+        if machine is None or moment <= self._forgotten.get(machine, float("-inf")):
+            return True
+        for other, where in self.machine.items():
+            if where != machine or other == instance:
+                continue
+            spans = self._spans.get(other)
+            if self._counted.get(other, 0) < 0 and not spans:
+                continue  # heartbeats that count no steps, no priced step: never tells
+            told = max(spans[-1][1] if spans else float("-inf"),
+                       self._idle_until.get(other, float("-inf")))
+            if told < moment <= self._heard.get(other, float("inf")) + self.GONE_S:
+                return False
+        return True
 
     def held(self) -> int:
         """How many spans the record holds."""
@@ -309,6 +322,8 @@ class Calibrator:
     # has heartbeated since)
     settle_s: float = Timeline.GONE_S
     late_s: float = 60.0  # a step is heard within this of its machine's newest step heard
+    # (steps age by the newest step of any machine: a host whose clock lags the others' by
+    # more than `window_s` has its steps aged at once)
     whole: bool = False  # the steps are a record given whole (bench compare's): none is late
 
     def __post_init__(self) -> None:
@@ -337,11 +352,14 @@ class Calibrator:
         self.timeline.add(instance, machine, new)
         if steps >= 0:
             self.timeline.heard(instance, heard_at, steps, busy_since)
-        if heard_at > 0:
+        if heard_at > 0:  # heard since `since` without a silence of `settle_s`
             since, latest = self._heard.get(machine, (heard_at, heard_at))
+            if heard_at - latest > self.settle_s:
+                since = heard_at
             self._heard[machine] = (since, max(latest, heard_at))
-        newest = max([self._newest.get(machine, -math.inf)] + [s.ended for s in new])
-        self._newest[machine] = newest
+        self._newest[machine] = max([self._newest.get(machine, -math.inf)] +
+                                    [s.ended for s in new])
+        newest = max(self._newest.values())
         for s in new:
             if not (s.prompts or s.batch) or (not self.whole and
                                              0 < s.ended < newest - self.window_s):
@@ -353,53 +371,56 @@ class Calibrator:
             timed = Timed(instance, phase, predicted, reads, s.seconds, s.ended, machine,
                           s.ended if s.ended > 0 else newest)
             self.steps[phase].append(timed)
-            if s.ended > 0:
+            if s.ended > 0 and not self.whole:
                 self._unsettled.append(timed)
         if new:
             self.seen[instance] = max(s.step for s in new)
         if not self.whole:
             for kept in self.steps.values():  # heard in the order they ran, near enough
-                while kept and kept[0].at < self._newest[kept[0].machine] - self.window_s:
+                while kept and kept[0].at < newest - self.window_s:
                     kept.popleft()
-        self._trim()
+            self._trim(newest - self.window_s)
         return len(new)
 
-    def _trim(self) -> None:
+    def _trim(self, window_from: float) -> None:
         """Place for good the steps whose neighbours' records have told (`settle_s` after
-        them, and after the first heartbeat heard from their machine: its other instances
-        may not have been heard yet), or nowhere those still unknown a longest step later
-        (what ran beside them was never told: a neighbour's unpriced steps); and drop from
-        the timeline what no step will be placed on any more: spans older than the steps
-        still to be placed and than steps yet to be heard can be (`late_s`). A busy decode
+        them, and after their machine has been heard for `settle_s`: its other instances
+        may not have been heard yet), or nowhere those still unknown once every neighbour's
+        record has run past them (beside a neighbour's unpriced steps); and drop from the
+        timeline what no step will be placed on any more: spans older than the steps still
+        to be placed and than steps yet to be heard can be (`late_s`). A busy decode
         instance's record (50 steps a second) would otherwise outgrow a window of prefills
-        minutes long (or be cut by count, and the oldest prefills placed nowhere)."""
+        minutes long (or be cut by count, and the oldest prefills placed nowhere). Steps
+        of a machine not heard from (no heartbeats) are placed when asked (`placed`)."""
         if len(self._settled) > 2 * sum(map(len, self.steps.values())) + 64:
             kept = {t for steps in self.steps.values() for t in steps}  # the rest: gone
             self._settled = {t: m for t, m in self._settled.items() if t in kept}
-        if self.whole:
-            return  # placed once the record is complete (`placed`)
-        oldest = {machine: newest - self.late_s for machine, newest in self._newest.items()}
+        oldest = {machine: newest - self.late_s for machine, newest in self._newest.items()
+                  if machine in self._heard}
         unsettled = []
         for t in self._unsettled:
-            first, last = self._heard.get(t.machine, (0.0, 0.0))
-            told = self._newest[t.machine] - self.settle_s
-            moments = self.moments(t) if t.ended <= told and last - first >= self.settle_s \
-                else None
-            if moments is not None:
-                self._settled[t] = moments
-            elif t.ended <= told - self.timeline.longest(t.machine) and \
-                    last - first >= self.settle_s:
-                self._settled[t] = None
-            else:
+            if t.at < window_from:
+                continue  # gone from its window
+            since, latest = self._heard.get(t.machine, (0.0, 0.0))
+            if latest - since >= self.settle_s and \
+                    t.ended <= self._newest[t.machine] - self.settle_s:
+                moments = self.moments(t)
+                if moments is not None or self.timeline.told(t.instance, t.ended):
+                    self._settled[t] = moments  # None: never to be told
+                    continue
+            if t.machine in oldest:
                 oldest[t.machine] = min(oldest[t.machine], t.ended - t.seconds)
-                unsettled.append(t)
+            unsettled.append(t)
         self._unsettled = unsettled
         for machine, before in oldest.items():
             self.timeline.trim(machine, before)
 
     def forget(self, instance: str) -> None:
         self.seen.pop(instance, None)
+        machine = self.timeline.machine.get(instance)
         self.timeline.forget(instance)
+        if machine not in self.timeline.machine.values():
+            self._heard.pop(machine or "", None)  # heard again: its instances told anew
 
     def _constant_s(self, phase: str) -> float:
         """The smallest constant of the phase's fitted step times, in seconds."""

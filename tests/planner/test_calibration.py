@@ -522,6 +522,31 @@ def test_steps_are_placed_for_good_only_once_every_neighbour_has_told() -> None:
                   if t.ended - t.seconds < 100.03 < t.ended]
     assert straddling == [((),) * 5 + (("prefill",),) * 3]
 
+    # a neighbour's first step, 20 s long: the steps beside it wait for it to be told
+    long = Calibrator(LATENCY)
+    hear(long, {"a": ran(back_to_back(0.0, 0.05, 1600)),
+                "b": ran(back_to_back(50.0, 20.0, 1, prompt=256))}, 0.5, 80.0)
+    beside_long = [moments for t, moments in long.placed("decode")
+                   if t.ended - t.seconds >= 50.0 and t.ended <= 70.0]
+    assert len(beside_long) >= 398 and set(beside_long) == {(("prefill",),) * MOMENTS}
+
+
+def test_a_machine_gone_quiet_leaves_the_window_with_the_rest() -> None:
+    """Steps age by the newest step heard from any machine: one machine's last steps do
+    not stay in the window (nor hold the others' there) once it stops."""
+    calibrator = Calibrator(LATENCY)
+    for k in range(600):
+        at = float(k + 1)
+        if k < 30:
+            calibrator.observe("gone-0", back_to_back(float(k), 1.0, 1, first=k + 1,
+                                                      prompt=64), machine="m1",
+                               heard_at=at, steps=k + 1)
+        calibrator.observe("p-0", back_to_back(float(k), 1.0, 1, first=k + 1, prompt=64),
+                           machine="m0", heard_at=at, steps=k + 1)
+    kept = calibrator.steps["prefill"]
+    assert {t.instance for t in kept} == {"p-0"}
+    assert kept[-1].ended - kept[0].ended <= calibrator.window_s
+
 
 def test_a_run_recorded_whole_is_known_from_its_first_step_however_long() -> None:
     """bench compare's runs: every step of the run in the record, past any trimming."""
