@@ -123,7 +123,7 @@ class ProfilerService(ControlService):
                                       self.profile.latency(info.tp, 1), info.machine,
                                       info.heartbeat_at, info.steps, info.busy_since)
         # fitted at most once a second (every worker heartbeats twice a second; a fit takes
-        # 4-18 ms), and saved when it moved (no Redis write for every heartbeat that moves
+        # 4-20 ms), and saved when it moved (no Redis write for every heartbeat that moves
         # the medians a little) or every 10 s
         if observed and self.clock() - self.fitted_at >= self.settings.profiler_calibrate_every_s:
             self.fitted_at = self.clock()
