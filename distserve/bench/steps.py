@@ -54,8 +54,6 @@ def calibrator_of(steps: Steps, latency: LatencyModel, min_steps: int = 10) -> C
     """The online planner's calibrator, fed `steps`: a run's steps of the instances of one
     machine, every step each ran until the run's last one ended."""
     calibrator = Calibrator(latency, window=1 << 30, min_steps=min_steps, whole=True)
-    for instance, samples in steps.items():  # every record first: the run is over
-        calibrator.timeline.add(instance, "", [s for s in samples if s.seconds > 0])
     for instance, samples in steps.items():
         calibrator.observe(instance, samples)
     ends = [s.ended for samples in steps.values() for s in samples if s.ended > 0]

@@ -334,7 +334,7 @@ class Calibrator:
         self._settled: dict[Timed, Moments | None] = {}  # steps placed for good (or nowhere)
         self._unsettled: list[Timed] = []  # steps in the windows not placed for good yet
         self._newest: dict[str, float] = {}  # machine -> the latest end of its steps heard
-        self._heard: dict[str, tuple[float, float]] = {}  # machine -> first, last heartbeat
+        self._listening: dict[str, tuple[float, float]] = {}  # machine -> heard since, last
 
     def observe(self, instance: str, samples: list[StepSample],
                 latency: LatencyModel | None = None, machine: str = "",
@@ -353,10 +353,10 @@ class Calibrator:
         if steps >= 0:
             self.timeline.heard(instance, heard_at, steps, busy_since)
         if heard_at > 0:  # heard since `since` without a silence of `settle_s`
-            since, latest = self._heard.get(machine, (heard_at, heard_at))
+            since, latest = self._listening.get(machine, (heard_at, heard_at))
             if heard_at - latest > self.settle_s:
                 since = heard_at
-            self._heard[machine] = (since, max(latest, heard_at))
+            self._listening[machine] = (since, max(latest, heard_at))
         self._newest[machine] = max([self._newest.get(machine, -math.inf)] +
                                     [s.ended for s in new])
         newest = max(self._newest.values())
@@ -396,12 +396,12 @@ class Calibrator:
             kept = {t for steps in self.steps.values() for t in steps}  # the rest: gone
             self._settled = {t: m for t, m in self._settled.items() if t in kept}
         oldest = {machine: newest - self.late_s for machine, newest in self._newest.items()
-                  if machine in self._heard}
+                  if machine in self._listening}
         unsettled = []
         for t in self._unsettled:
             if t.at < window_from:
                 continue  # gone from its window
-            since, latest = self._heard.get(t.machine, (0.0, 0.0))
+            since, latest = self._listening.get(t.machine, (0.0, 0.0))
             if latest - since >= self.settle_s and \
                     t.ended <= self._newest[t.machine] - self.settle_s:
                 moments = self.moments(t)
@@ -420,7 +420,7 @@ class Calibrator:
         machine = self.timeline.machine.get(instance)
         self.timeline.forget(instance)
         if machine not in self.timeline.machine.values():
-            self._heard.pop(machine or "", None)  # heard again: its instances told anew
+            self._listening.pop(machine or "", None)  # heard again: its instances told anew
 
     def _constant_s(self, phase: str) -> float:
         """The smallest constant of the phase's fitted step times, in seconds."""

@@ -1,62 +1,96 @@
-"""The profiler's calibration on heartbeats (its NATS and Redis faked, its clock injected):
-it asks for a new plan when the step times move far enough, but no sooner than its cooldown
-after the last plan it asked for, so a calibration that swings with the load does not
-replan the stack every few seconds; one the cooldown held back goes once it is over."""
+"""The profiler's calibration on heartbeats, over a real nats-server and Valkey (its clock
+injected): it asks for a new plan when the step times move far enough, but no sooner than
+its cooldown after the last plan it asked for, so a calibration that swings with the load
+does not replan the stack every few seconds; one the cooldown held back goes once it is
+over."""
 
 import asyncio
-from typing import Any
+import time
+from collections.abc import Callable
+
+from nats.aio.msg import Msg
+from redis import Redis
 
 from services.profiler.detector import RequestEvent
 from services.profiler.service import ProfilerService, ProfilerSettings
 from shared import subjects
+from shared.bus import connect, publish
 from shared.state import InstanceInfo
 from tests.planner.test_calibration import recorded_steps
 
-
-class Published:
-    def __init__(self) -> None:
-        self.subjects: list[str] = []
-
-    async def publish(self, subject: str, data: bytes, headers: Any = None) -> None:
-        self.subjects.append(subject)
+WAIT_S = 30.0  # generous: CI hosts are busy
 
 
-class Kept:
-    async def set(self, key: str, value: Any) -> None:
-        pass
+async def until(ok: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not ok():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
 
 
-class Heartbeat:
-    def __init__(self, info: InstanceInfo) -> None:
-        self.data = info.model_dump_json().encode()
-
-
-def test_step_times_that_move_ask_for_a_plan_at_most_once_a_cooldown() -> None:
-    settings = ProfilerSettings(profiler_cooldown_s=30.0, profiler_calibrate_every_s=0.0)
+def test_step_times_that_move_ask_for_a_plan_at_most_once_a_cooldown(
+        nats_url: str, redis_url: str) -> None:
+    settings = ProfilerSettings(nats_url=nats_url, redis_url=redis_url,
+                                profiler_cooldown_s=30.0, profiler_calibrate_every_s=0.0)
     service = ProfilerService(settings)
     assert service.calibrator is not None
-    bus = Published()
-    service.nc, service.redis = bus, Kept()  # type: ignore[assignment]
     service.monitor.reference = [RequestEvent(0.0, 100, 10)]  # a plan was made
     now = [0.0]
     service.clock = lambda: now[0]
-    numbered = 0
+    handled = [0]
+    on_heartbeat = service._on_heartbeat
 
-    def beat(at: float, slower: float, n: int) -> list[str]:
-        nonlocal numbered
-        steps = [s.model_copy(update={"step": s.step + numbered})
-                 for s in recorded_steps(slower, slower, n, seed=numbered)]
-        numbered += n
-        now[0] = at
-        info = InstanceInfo(instance_id="w-0", role="colocated", recent_steps=steps,
-                            steps=numbered, heartbeat_at=1000.0 + at)
-        before = len(bus.subjects)
-        asyncio.run(service._on_heartbeat(Heartbeat(info)))  # type: ignore[arg-type]
-        return bus.subjects[before:]
+    async def counted(msg: Msg) -> None:
+        await on_heartbeat(msg)
+        handled[0] += 1
 
-    assert beat(0.0, 1.0, 120) == [subjects.REPLAN]  # the first measured: off the profile
-    assert beat(5.0, 1.6, 400) == []  # moved 1.6x, but 5 s after the last plan
-    assert beat(20.0, 1.6, 30) == []
-    # the cooldown over, the next heartbeat asks, though it brought no new step (idle)
-    assert beat(31.0, 1.6, 0) == [subjects.REPLAN]
-    assert beat(40.0, 1.6, 30) == []  # planned on it: nothing moved since
+    service._on_heartbeat = counted  # type: ignore[method-assign]
+
+    async def scenario() -> list[int]:
+        stop = asyncio.Event()
+        served = asyncio.create_task(service.run(stop))
+        nc = await connect(nats_url, "test")
+        replans: list[Msg] = []
+
+        async def replan(msg: Msg) -> None:
+            replans.append(msg)
+
+        await nc.subscribe(subjects.REPLAN, cb=replan)
+        await nc.flush()
+        await until(lambda: Redis.from_url(redis_url).get(subjects.ready_key("profiler"))
+                    is not None, "the profiler")
+        numbered = 0
+        seen: list[int] = []
+
+        async def beat(at: float, slower: float, n: int, asks: int) -> None:
+            """A heartbeat at `at` on the profiler's clock with `n` new steps `slower` x the
+            profile; `asks`: the replans asked for by then."""
+            nonlocal numbered
+            steps = [s.model_copy(update={"step": s.step + numbered})
+                     for s in recorded_steps(slower, slower, n, seed=numbered)]
+            numbered += n
+            now[0] = at
+            before = handled[0]
+            await publish(nc, subjects.HEARTBEATS, InstanceInfo(
+                instance_id="w-0", role="colocated", recent_steps=steps, steps=numbered,
+                heartbeat_at=1000.0 + at))
+            await until(lambda: handled[0] > before, "the heartbeat")
+            await until(lambda: len(replans) >= asks, "a replan")
+            await asyncio.sleep(0.2)  # (one that should not come, late)
+            seen.append(len(replans))
+
+        await beat(0.0, 1.0, 120, 1)  # the first measured: off the profile
+        await beat(5.0, 1.6, 400, 1)  # moved 1.6x, but 5 s after the last plan
+        await beat(20.0, 1.6, 30, 1)
+        # the cooldown over, the next heartbeat asks, though it brought no new step (idle)
+        await beat(31.0, 1.6, 0, 2)
+        await beat(40.0, 1.6, 30, 2)  # planned on it: nothing moved since
+        await nc.close()
+        stop.set()
+        await served
+        return seen
+
+    assert asyncio.run(scenario()) == [1, 1, 1, 2, 2]
+    # what the planner reads when it plans again: the calibration as last saved
+    saved = Redis.from_url(redis_url).get(subjects.CALIBRATION_KEY)
+    assert saved is not None and b'"decode_steps"' in saved
