@@ -7,10 +7,11 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256  # longer stop strings cannot match a reply in any useful way
+MAX_CHOICES = 128  # OpenAI's bound on n
 
 
 class APIError(Exception):
@@ -61,17 +62,10 @@ class _Common(BaseModel):
     top_k: int = Field(default=0, ge=-1)  # extension (vLLM's): -1 or 0 = no cut
     seed: int | None = None
     stop: Text | list[Text] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # each choice its own request
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension: generate exactly max_tokens (benchmarks)
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
 
     @field_validator("stop")
     @classmethod
@@ -134,14 +128,62 @@ class TextPart(BaseModel):
     text: Text
 
 
+class ToolCall(BaseModel):
+    """A call the assistant made earlier in the conversation, passed to the chat template
+    as it came (templates that know tools render it)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: Text | list[TextPart]
+    """One message of the conversation. An agent's history is accepted as the OpenAI client
+    sends it: an assistant turn with tool calls and no content, the tools' answers."""
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        """Parts other than text (an image, audio, a file) get a 400 that names them, not a
+        validation error about strings."""
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"this model reads text only: a content part of type "
+                                 f"'{kind[:64]}' cannot be served")
+        return content
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a message of role '{self.role}' needs content"
+                             + (" or tool_calls" if self.role == "assistant" else ""))
+        return self
 
     @property
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(
-            p.text for p in self.content)
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: content as one string, and the tool
+        fields only where given."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
 
 
 class ChatRequest(_Common):
@@ -193,17 +235,17 @@ def envelope(response_id: str, model: str, chat: bool, stream: bool) -> dict[str
 
 
 def choice(chat: bool, text: str, finish: str | None, logprobs: dict[str, Any] | None,
-           stream: bool) -> dict[str, Any]:
+           stream: bool, index: int = 0) -> dict[str, Any]:
     if not chat:
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     if stream:
-        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": logprobs,
-                "finish_reason": finish}
-    return {"index": 0, "message": {"role": "assistant", "content": text},
+        return {"index": index, "delta": {"content": text} if text else {},
+                "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "message": {"role": "assistant", "content": text},
             "logprobs": logprobs, "finish_reason": finish}
 
 
-def first_chat_chunk() -> dict[str, Any]:
-    """The role announcement that opens a streamed chat answer."""
-    return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+def first_chat_chunk(index: int = 0) -> dict[str, Any]:
+    """The role announcement that opens a streamed chat answer's choice."""
+    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
             "finish_reason": None}

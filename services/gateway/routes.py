@@ -1,4 +1,4 @@
-"""HTTP routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""HTTP routes: /v1/completions, /v1/chat/completions, /v1/models[/ID], /health, /metrics.
 
 A request is admitted (or gets 429) before anything else, tokenized off the event loop,
 dispatched, and answered as one JSON or as SSE. A client that goes away, streaming or not,
@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,18 +28,16 @@ from shared.messages import Sampling, TokenChunk
 
 
 class Call:
-    """One admitted request: what shapes its answer, and its timing."""
+    """One choice of an admitted request (a request with n choices runs n, each a request of
+    its own on the instances): what shapes its answer, and its timing."""
 
-    def __init__(self, gateway: Gateway, model: str, chat: bool, target: Target,
-                 booking: Booking | None, prompt_ids: list[int], sampling: Sampling,
-                 include_usage: bool) -> None:
-        self.gateway, self.model, self.chat, self.target = gateway, model, chat, target
-        self.booking = booking
-        self.prompt_ids, self.sampling, self.include_usage = prompt_ids, sampling, include_usage
-        self.request_id = uuid.uuid4().hex
-        self.id = api.response_id(self.request_id, chat)
+    def __init__(self, gateway: Gateway, chat: bool, target: Target, booking: Booking | None,
+                 prompt_ids: list[int], sampling: Sampling, request_id: str,
+                 index: int = 0) -> None:
+        self.gateway, self.chat, self.target, self.booking = gateway, chat, target, booking
+        self.prompt_ids, self.sampling = prompt_ids, sampling
+        self.request_id, self.index = request_id, index
         self.timing = RequestTiming(len(prompt_ids))
-        self.logprobs: list[float] = []
 
     def chunks(self) -> AsyncIterator[TokenChunk]:
         return self.gateway.generate(self.request_id, self.target, self.booking,
@@ -52,15 +50,37 @@ class Call:
         build = api.chat_logprobs if self.chat else api.completion_logprobs
         return build(texts, logprobs[: len(texts)])
 
+
+class Reply:
+    """An admitted request's answer: its choices' calls, its id (the first choice's request
+    id, which finds that choice's trace) and its usage (the prompt counted once, as OpenAI
+    does)."""
+
+    def __init__(self, calls: list[Call], model: str, include_usage: bool) -> None:
+        self.calls, self.model, self.include_usage = calls, model, include_usage
+        self.chat = calls[0].chat
+        self.id = api.response_id(calls[0].request_id, self.chat)
+
     def usage(self) -> dict[str, int]:
-        return api.usage(len(self.prompt_ids), self.timing.output_tokens)
+        return api.usage(len(self.calls[0].prompt_ids),
+                         sum(c.timing.output_tokens for c in self.calls))
+
+
+def choice_ids(request_id: str, n: int) -> list[str]:
+    """The request ids of n choices: the first is the request's own."""
+    return [request_id] + [f"{request_id}c{i}" for i in range(1, n)]
+
+
+def choice_seeds(seed: int, n: int) -> list[int]:
+    """Each choice its own draws; the first choice's are a single choice's with this seed."""
+    return [seed + i for i in range(n)]
 
 
 def failed(chunk_error: str) -> APIError:
     return APIError(500, f"the request failed: {chunk_error}", kind="server_error")
 
 
-async def answer(call: Call) -> dict[str, Any]:
+async def collect(call: Call) -> dict[str, Any]:
     text, finish, tokens, logprobs = "", None, [], []
     try:
         async with contextlib.aclosing(call.chunks()) as chunks:  # type: ignore[type-var]
@@ -73,24 +93,44 @@ async def answer(call: Call) -> dict[str, Any]:
                 finish = chunk.finish_reason or finish
     except GaveUp as e:
         raise APIError(503, f"the request failed: {e}", kind="server_error") from None
-    body = api.envelope(call.id, call.model, call.chat, stream=False)
-    body["choices"] = [api.choice(call.chat, text, finish, call.logprob_block(tokens, logprobs),
-                                  stream=False)]
-    body["usage"] = call.usage()
+    return api.choice(call.chat, text, finish, call.logprob_block(tokens, logprobs),
+                      stream=False, index=call.index)
+
+
+async def all_of(calls: list[Call]) -> list[dict[str, Any]]:
+    """Every choice collected at once; the first to fail cancels the others (on their
+    instances too) and is the answer."""
+    tasks = [asyncio.ensure_future(collect(call)) for call in calls]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def answer(reply: Reply) -> dict[str, Any]:
+    body = api.envelope(reply.id, reply.model, reply.chat, stream=False)
+    body["choices"] = await all_of(reply.calls)
+    body["usage"] = reply.usage()
     return body
 
 
-async def answer_unless_gone(call: Call, request: Request) -> dict[str, Any] | Response:
+async def answer_unless_gone(reply: Reply, request: Request) -> dict[str, Any] | Response:
     """The answer; if the client disconnects first, the request is cancelled (FastAPI does
     not cancel a non-streaming handler whose client went away) and nobody reads the reply."""
-    answering = asyncio.ensure_future(answer(call))
+    answering = asyncio.ensure_future(answer(reply))
     watching = asyncio.ensure_future(until_disconnected(request))
     try:
         await asyncio.wait([answering, watching], return_when=asyncio.FIRST_COMPLETED)
     finally:
         watching.cancel()
         if not answering.done():
-            answering.cancel()  # the generator's cleanup cancels it on the workers
+            answering.cancel()  # the generators' cleanup cancels it on the workers
             with contextlib.suppress(asyncio.CancelledError):
                 await answering
     if answering.cancelled():
@@ -107,14 +147,52 @@ def error_event(message: str) -> str:
     return api.sse(api.error_body(f"the request failed: {message}", "server_error"))
 
 
-async def stream_events(call: Call) -> AsyncIterator[str]:
-    base = api.envelope(call.id, call.model, call.chat, stream=True)
-    extra = {"usage": None} if call.include_usage else {}
-    if call.chat:
-        yield api.sse(base | {"choices": [api.first_chat_chunk()]} | extra)
-    try:
-        async with contextlib.aclosing(call.chunks()) as chunks:  # type: ignore[type-var]
+async def interleaved(calls: list[Call]) -> AsyncGenerator[tuple[Call, TokenChunk], None]:
+    """The choices' chunks as they come, each with its call. One choice alone is read
+    directly; several are read each by a task of its own, cancelled (on their instances
+    too) when the stream ends early. GaveUp as soon as one choice gives up."""
+    if len(calls) == 1:
+        async with contextlib.aclosing(calls[0].chunks()) as chunks:  # type: ignore[type-var]
             async for chunk in chunks:
+                yield calls[0], chunk
+        return
+    queue: asyncio.Queue[tuple[Call, TokenChunk | Exception | None]] = asyncio.Queue()
+
+    async def read(call: Call) -> None:
+        try:
+            async with contextlib.aclosing(call.chunks()) as chunks:  # type: ignore[type-var]
+                async for chunk in chunks:
+                    queue.put_nowait((call, chunk))
+        except Exception as e:  # GaveUp, or a fault: the stream ends with it
+            queue.put_nowait((call, e))
+        else:
+            queue.put_nowait((call, None))
+
+    tasks = [asyncio.ensure_future(read(call)) for call in calls]
+    try:
+        running = len(tasks)
+        while running:
+            call, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield call, item
+    finally:
+        for task in tasks:  # their generators' cleanup runs in their own tasks: a client
+            task.cancel()   # gone away cancels this one's awaits
+
+
+async def stream_events(reply: Reply) -> AsyncIterator[str]:
+    base = api.envelope(reply.id, reply.model, reply.chat, stream=True)
+    extra = {"usage": None} if reply.include_usage else {}
+    if reply.chat:
+        yield api.sse(base | {"choices": [api.first_chat_chunk(c.index) for c in reply.calls]}
+                      | extra)
+    try:
+        async with contextlib.aclosing(interleaved(reply.calls)) as chunks:
+            async for call, chunk in chunks:
                 if chunk.error:
                     yield error_event(chunk.error)
                     yield api.sse("[DONE]")
@@ -123,40 +201,45 @@ async def stream_events(call: Call) -> AsyncIterator[str]:
                                                          call.sampling.logprobs):
                     logprobs = call.logprob_block(chunk.token_ids, chunk.logprobs)
                     choice = api.choice(call.chat, chunk.text, chunk.finish_reason, logprobs,
-                                        stream=True)
+                                        stream=True, index=call.index)
                     yield api.sse(base | {"choices": [choice]} | extra)
     except GaveUp as e:
         yield error_event(str(e))
         yield api.sse("[DONE]")
         return
-    if call.include_usage:
-        yield api.sse(base | {"choices": [], "usage": call.usage()})
+    if reply.include_usage:
+        yield api.sse(base | {"choices": [], "usage": reply.usage()})
     yield api.sse("[DONE]")
 
 
 class AdmittedStream(StreamingResponse):
-    """An SSE response that gives its admission slot back however it ends, even when the
+    """An SSE response that gives its admission slots back however it ends, even when the
     client left before the first byte and the body never started."""
 
-    def __init__(self, content: AsyncIterator[str], ticket: Ticket) -> None:
+    def __init__(self, content: AsyncIterator[str], tickets: list[Ticket]) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})
-        self.ticket = ticket
+        self.tickets = tickets
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.ticket.release()
+            release(self.tickets)
 
 
-async def respond(call: Call, ticket: Ticket, request: Request, stream: bool) -> Any:
-    if stream:
-        return AdmittedStream(stream_events(call), ticket)
-    try:
-        return await answer_unless_gone(call, request)
-    finally:
+def release(tickets: list[Ticket]) -> None:
+    for ticket in tickets:
         ticket.release()
+
+
+async def respond(reply: Reply, tickets: list[Ticket], request: Request, stream: bool) -> Any:
+    if stream:
+        return AdmittedStream(stream_events(reply), tickets)
+    try:
+        return await answer_unless_gone(reply, request)
+    finally:
+        release(tickets)
 
 
 def add_routes(app: FastAPI, gateway: Gateway) -> None:
@@ -171,7 +254,7 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
         return list(prompt)
 
     async def chat_ids(req: ChatRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text} for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
 
         def encode() -> list[int]:
             try:
@@ -181,21 +264,42 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
 
         return await asyncio.to_thread(encode)
 
+    def admit(n: int) -> list[Ticket]:
+        """A slot for each of a request's n choices, or none (429, or 400 where n is more
+        than this server ever runs at once)."""
+        if n > (limit := gateway.inflight_limit()):
+            raise APIError(400, f"n={n} choices are more than this server runs at once "
+                                f"({limit})", "n")
+        tickets: list[Ticket] = []
+        try:
+            for _ in range(n):
+                tickets.append(gateway.admit())
+        except BaseException:
+            release(tickets)
+            raise
+        return tickets
+
     async def serve(req: CompletionRequest | ChatRequest, request: Request) -> Any:
         gateway.check_model(req.model)
-        ticket = gateway.admit()
+        tickets = admit(req.n)
         try:
             chat = isinstance(req, ChatRequest)
             ids = await (chat_ids(req) if chat else completion_ids(req))  # type: ignore[arg-type]
             if not ids:
                 raise APIError(400, "the prompt is empty", "prompt")
-            target = gateway.dispatch(ticket)
-            sampling = gateway.sampling(target, len(ids), req)
-            call = Call(gateway, req.model, chat, target, ticket.booking, ids, sampling,
-                        req.include_usage)
-            return await respond(call, ticket, request, req.stream)
+            request_ids = choice_ids(uuid.uuid4().hex, req.n)
+            calls: list[Call] = []
+            for index, ticket in enumerate(tickets):  # each dispatched apart: they spread
+                target = gateway.dispatch(ticket)
+                sampling = gateway.sampling(target, len(ids), req)
+                if index:
+                    sampling.seed = choice_seeds(calls[0].sampling.seed, req.n)[index]
+                calls.append(Call(gateway, chat, target, ticket.booking, ids, sampling,
+                                  request_ids[index], index))
+            reply = Reply(calls, req.model, req.include_usage)
+            return await respond(reply, tickets, request, req.stream)
         except BaseException:
-            ticket.release()
+            release(tickets)
             raise
 
     @app.post("/v1/completions")
@@ -206,10 +310,20 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def chat(req: ChatRequest, request: Request) -> Any:
         return await serve(req, request)
 
+    def model_card() -> dict[str, Any]:
+        return {"id": gateway.served_model, "object": "model", "created": 0,
+                "owned_by": "distserve"}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": gateway.served_model, "object": "model",
-                                            "created": 0, "owned_by": "distserve"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        if model != gateway.served_model:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                                f"`{gateway.served_model}`.", "model", "model_not_found")
+        return model_card()
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -22,7 +22,7 @@ from tokenizers import (
 
 from shared.engine.gguf_loader import TokenizerData
 
-ChatMessage = dict[str, str]
+ChatMessage = dict[str, Any]  # role and content; tool_calls, tool_call_id, name where given
 
 
 class ChatTemplateError(ValueError):

@@ -62,6 +62,53 @@ def test_openai_client_defaults_without_max_tokens(stack: Stack) -> None:
     assert completion.choices[0].finish_reason in ("stop", "length")
 
 
+def test_n_choices_each_sampled_the_first_as_a_single_request(stack: Stack) -> None:
+    c = client(stack)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    three = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, n=3,
+                                      seed=11, logprobs=True)  # type: ignore[call-overload]
+    one = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, seed=11)
+    assert [ch.index for ch in three.choices] == [0, 1, 2]
+    texts = [ch.message.content for ch in three.choices]
+    assert texts[0] == one.choices[0].message.content
+    assert len(set(texts)) > 1  # each choice draws its own tokens
+    assert all(ch.logprobs and ch.logprobs.content for ch in three.choices)
+    assert three.usage is not None and one.usage is not None
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
+    assert three.usage.completion_tokens == sum(
+        len(ch.logprobs.content) for ch in three.choices if ch.logprobs and ch.logprobs.content)
+
+    texts_streamed: dict[int, str] = collections.defaultdict(str)
+    usage = None
+    for chunk in c.completions.create(model=MODEL, prompt="Colours:", max_tokens=6, n=2,
+                                      seed=5, stream=True, stream_options={"include_usage": True}):
+        for ch in chunk.choices:
+            texts_streamed[ch.index] += ch.text
+        usage = chunk.usage or usage
+    whole = c.completions.create(model=MODEL, prompt="Colours:", max_tokens=6, n=2, seed=5)
+    assert dict(texts_streamed) == {ch.index: ch.text for ch in whole.choices}
+    assert usage is not None and whole.usage is not None
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_an_agents_history_and_the_model_card(stack: Stack) -> None:
+    c = client(stack)
+    assert c.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        c.models.retrieve("gpt-4o")
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "add", "arguments": '{"a": 1, "b": 1}'}}
+    reply = c.chat.completions.create(model=MODEL, max_tokens=4, messages=[  # type: ignore[misc]
+        {"role": "user", "content": [{"type": "text", "text": "What is 1 + 1?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "2"}])
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="reads text only"):
+        c.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "image_url",
+                                          "image_url": {"url": "https://example.com/a.png"}}]}])
+
+
 def test_a_request_that_can_never_fit_gets_400_naming_the_limit(stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError, match="maximum context length is") as e:
         client(stack).completions.create(model=MODEL, prompt="hi", max_tokens=10**6)
@@ -167,7 +214,12 @@ def test_clients_that_go_away_free_their_kv(stack: Stack) -> None:
                       headers=AUTH, timeout=120) as r:
         for _, _line in zip(range(4), r.iter_lines(), strict=False):
             pass  # a few tokens in, the client goes away
+    with httpx.stream("POST", f"{stack.url}/v1/completions", headers=AUTH, timeout=120,
+                      json=body | {"stream": True, "n": 3}) as r:
+        for _, _line in zip(range(6), r.iter_lines(), strict=False):
+            pass  # so does one streaming three choices
     with pytest.raises(httpx.ReadTimeout):  # a non-streaming client gives up waiting
-        httpx.post(f"{stack.url}/v1/completions", json=body, headers=AUTH, timeout=3)
+        httpx.post(f"{stack.url}/v1/completions", json=body | {"n": 2}, headers=AUTH,
+                   timeout=3)
     # 2,000 tokens would take minutes to finish on their own
     wait_all_free(stack, timeout=20)

@@ -17,9 +17,11 @@ from services.gateway.app import Door
 from services.gateway.gateway import Gateway, GatewaySettings
 from services.gateway.ledger import Ledger, Overloaded
 from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
-from services.gateway.stream import Relay
+from services.gateway.routes import choice_ids, choice_seeds, interleaved
+from services.gateway.stream import GaveUp, Relay
 from services.gateway.timing import RequestTiming
 from services.gateway.view import InstanceView
+from shared.messages import TokenChunk
 from shared.state import InstanceInfo
 
 
@@ -97,6 +99,105 @@ def test_timing_feeds_ttft_tpot_and_the_event() -> None:
 def test_chat_requests_refuse_what_cannot_be_served(body: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         ChatRequest.model_validate(body)
+
+
+@pytest.mark.parametrize(("message", "refused"), [
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+     "reads text only: a content part of type 'image_url'"),
+    ({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]},
+     "'input_audio'"),
+    ({"role": "user"}, "role 'user' needs content"),
+    ({"role": "assistant", "content": None}, "role 'assistant' needs content or tool_calls"),
+])
+def test_a_message_that_cannot_be_read_is_refused_by_name(message: dict[str, object],
+                                                         refused: str) -> None:
+    with pytest.raises(ValidationError, match=refused):
+        ChatRequest.model_validate({"model": "m", "messages": [message]})
+
+
+def test_an_agents_history_goes_to_the_template_as_the_client_sent_it() -> None:
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "add", "arguments": '{"a": 1}'}}
+    req = ChatRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "1 + "},
+                                     {"type": "text", "text": "1?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "2"}]})
+    assert [m.for_template() for m in req.messages] == [
+        {"role": "user", "content": "1 + 1?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "2", "tool_call_id": "call_1"}]
+
+
+def test_choices_are_requests_of_their_own_the_first_as_a_single_one() -> None:
+    assert choice_ids("ab12", 3) == ["ab12", "ab12c1", "ab12c2"]
+    assert choice_seeds(7, 3) == [7, 8, 9]
+    assert ChatRequest.model_validate({"model": "m", "n": 128, "messages": [
+        {"role": "user", "content": "hi"}]}).n == 128
+    for n in (0, 129):
+        with pytest.raises(ValidationError):
+            CompletionRequest(model="m", prompt="hi", n=n)
+
+
+class FakeChoice:
+    """A choice whose chunks come at given moments; it says whether its stream was closed
+    (as the gateway's generator cancels a request on its instances when closed)."""
+
+    def __init__(self, index: int, delays: list[float], gives_up: bool = False) -> None:
+        self.index, self.delays, self.gives_up = index, delays, gives_up
+        self.closed = False
+
+    async def chunks(self):  # type: ignore[no-untyped-def]
+        try:
+            for i, delay in enumerate(self.delays):
+                await asyncio.sleep(delay)
+                yield TokenChunk(request_id=str(self.index), token_ids=[i], text=f"{i}")
+            if self.gives_up:
+                raise GaveUp("no instance left")
+        finally:
+            self.closed = True
+
+
+def read(choices: list[FakeChoice], stop_after: int | None = None
+         ) -> tuple[list[tuple[int, str]], list[bool]]:
+    """What the stream gave, and which choices were closed 50 ms after it ended (still
+    inside the event loop: asyncio.run would cancel what is left on its way out)."""
+    async def go() -> tuple[list[tuple[int, str]], list[bool]]:
+        seen: list[tuple[int, str]] = []
+        stream = interleaved(choices)  # type: ignore[arg-type]
+        try:
+            async for call, chunk in stream:
+                seen.append((call.index, chunk.text))
+                if len(seen) == stop_after:
+                    break
+        except GaveUp:
+            seen.append((-1, "gave up"))
+        await stream.aclose()
+        await asyncio.sleep(0.05)  # the readers' tasks run their cleanup
+        return seen, [c.closed for c in choices]
+
+    return asyncio.run(go())
+
+
+def test_choices_stream_interleaved_as_their_tokens_come() -> None:
+    choices = [FakeChoice(0, [0.0, 0.3, 0.3]), FakeChoice(1, [0.05, 0.05, 0.05])]
+    seen, closed = read(choices)
+    assert [text for index, text in seen if index == 0] == ["0", "1", "2"]
+    assert [text for index, text in seen if index == 1] == ["0", "1", "2"]
+    assert seen[0] == (0, "0") and seen[-1] == (0, "2")  # the other's came between
+    assert closed == [True, True]
+
+
+def test_a_stream_that_ends_early_closes_every_choice() -> None:
+    choices = [FakeChoice(0, [0.0] + [0.5] * 9), FakeChoice(1, [0.01] + [0.5] * 9)]
+    seen, closed = read(choices, stop_after=2)
+    assert len(seen) == 2 and closed == [True, True]  # cancelled on their instances
+
+
+def test_one_choice_that_gives_up_ends_the_stream_and_closes_the_others() -> None:
+    choices = [FakeChoice(0, [0.0, 0.01], gives_up=True), FakeChoice(1, [0.005] + [1.0] * 9)]
+    seen, closed = read(choices)
+    assert seen[-1] == (-1, "gave up") and closed == [True, True]
 
 
 def test_completion_prompt_forms() -> None:
