@@ -7,7 +7,7 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256  # longer stop strings cannot match a reply in any useful way
@@ -139,15 +139,10 @@ class ToolCall(BaseModel):
     function: dict[str, Any]
 
 
-class ChatMessage(BaseModel):
-    """One message of the conversation. An agent's history is accepted as the OpenAI client
-    sends it: an assistant turn with tool calls and no content, the tools' answers."""
-
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+class _Message(BaseModel):
+    role: str
     content: Text | list[TextPart] | None = None
     name: Text | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: Text | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -161,13 +156,6 @@ class ChatMessage(BaseModel):
                                  f"'{kind[:64]}' cannot be served")
         return content
 
-    @model_validator(mode="after")
-    def _has_content(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a message of role '{self.role}' needs content"
-                             + (" or tool_calls" if self.role == "assistant" else ""))
-        return self
-
     @property
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -178,12 +166,30 @@ class ChatMessage(BaseModel):
         """The message as chat templates read it: content as one string, and the tool
         fields only where given."""
         message: dict[str, Any] = {"role": self.role, "content": self.text}
-        if self.tool_calls:
-            message["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
-        for key in ("name", "tool_call_id"):
-            if getattr(self, key) is not None:
-                message[key] = getattr(self, key)
+        for key in ("tool_calls", "name", "tool_call_id"):
+            if (value := getattr(self, key, None)) is not None:
+                message[key] = [c.model_dump(exclude_none=True) for c in value] \
+                    if key == "tool_calls" else value
         return message
+
+
+class _SaidMessage(_Message):
+    role: Literal["system", "user", "developer", "tool"]
+    content: Text | list[TextPart]
+    tool_call_id: Text | None = None  # a tool's answer: the call it answers
+
+
+class _AssistantMessage(_Message):
+    """An assistant turn of the history: its text, or the tool calls it made (an agent's
+    turn has no content), or both."""
+
+    role: Literal["assistant"]
+    tool_calls: list[ToolCall] | None = None
+
+
+# One message of the conversation; an agent's history is accepted as the OpenAI client sends
+# it: an assistant turn with tool calls and no content, the tools' answers.
+ChatMessage = Annotated[_SaidMessage | _AssistantMessage, Field(discriminator="role")]
 
 
 class ChatRequest(_Common):

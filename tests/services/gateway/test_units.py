@@ -106,8 +106,9 @@ def test_chat_requests_refuse_what_cannot_be_served(body: dict[str, object]) -> 
      "reads text only: a content part of type 'image_url'"),
     ({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]},
      "'input_audio'"),
-    ({"role": "user"}, "role 'user' needs content"),
-    ({"role": "assistant", "content": None}, "role 'assistant' needs content or tool_calls"),
+    ({"role": "user"}, "Field required"),
+    ({"role": "tool", "content": None}, "valid string"),
+    ({"role": "function", "content": "x"}, "does not match any of the expected tags"),
 ])
 def test_a_message_that_cannot_be_read_is_refused_by_name(message: dict[str, object],
                                                          refused: str) -> None:
@@ -122,11 +123,13 @@ def test_an_agents_history_goes_to_the_template_as_the_client_sent_it() -> None:
         {"role": "user", "content": [{"type": "text", "text": "1 + "},
                                      {"type": "text", "text": "1?"}]},
         {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "2"}]})
+        {"role": "tool", "tool_call_id": "call_1", "content": "2"},
+        {"role": "assistant"}]})
     assert [m.for_template() for m in req.messages] == [
         {"role": "user", "content": "1 + 1?"},
         {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "content": "2", "tool_call_id": "call_1"}]
+        {"role": "tool", "content": "2", "tool_call_id": "call_1"},
+        {"role": "assistant", "content": ""}]
 
 
 def test_choices_are_requests_of_their_own_the_first_as_a_single_one() -> None:
