@@ -229,9 +229,11 @@ def completion_logprobs(tokens: list[str], logprobs: list[float]) -> dict[str, A
             "top_logprobs": [{} for _ in tokens], "text_offset": []}
 
 
-def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict[str, Any]:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                         "top_logprobs": []} for t, lp in zip(tokens, logprobs, strict=True)]}
+def chat_logprobs(tokens: list[str], logprobs: list[float], pieces: list[bytes]
+                  ) -> dict[str, Any]:
+    """`pieces`: each token's own bytes (part of a character, where a token splits one)."""
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(b), "top_logprobs": []}
+                        for t, lp, b in zip(tokens, logprobs, pieces, strict=True)]}
 
 
 def envelope(response_id: str, model: str, chat: bool, stream: bool) -> dict[str, Any]:

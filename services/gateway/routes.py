@@ -46,9 +46,12 @@ class Call:
     def logprob_block(self, tokens: list[int], logprobs: list[float]) -> dict[str, Any] | None:
         if not self.sampling.logprobs:
             return None
-        texts = [self.gateway.tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
-        build = api.chat_logprobs if self.chat else api.completion_logprobs
-        return build(texts, logprobs[: len(texts)])
+        tokenizer = self.gateway.tokenizer
+        texts = [tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
+        if not self.chat:
+            return api.completion_logprobs(texts, logprobs[: len(texts)])
+        return api.chat_logprobs(texts, logprobs[: len(texts)],
+                                 [tokenizer.token_bytes(t) for t in tokens])
 
 
 class Reply:

@@ -3,8 +3,11 @@ from the data inside a GGUF file."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +43,19 @@ PRE_TOKENIZER_PATTERNS = {
 
 
 GPT2_PRE_TOKENIZERS = ("default", "gpt2", "smollm")  # GPT-2's regex (smollm: digits split)
+
+
+def _gpt2_byte_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: each byte as a printable character (the printable
+    Latin-1 ones as themselves, the others from U+0100 on)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+BYTE_OF_CHAR = _gpt2_byte_chars()
+BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def raise_exception(message: str) -> None:
@@ -120,6 +136,33 @@ class TextTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for, which may be part of a character (a byte-level
+        BPE piece, a SentencePiece byte fallback `<0xE2>`): what OpenAI's logprobs give as
+        `bytes`, so that a client joins a split character's bytes again."""
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level and piece not in self._added:
+            with contextlib.suppress(KeyError):  # a piece outside the alphabet: as text
+                return bytes(BYTE_OF_CHAR[c] for c in piece)
+        if piece in self._added:
+            return piece.encode()
+        if (byte := BYTE_FALLBACK.fullmatch(piece)) is not None:
+            return bytes([int(byte[1], 16)])
+        return piece.replace("▁", " ").encode()  # SentencePiece's word boundary
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether the decoder maps each character of a piece to a byte (GPT-2's)."""
+        decoder = json.loads(self._tokenizer.to_str()).get("decoder") or {}
+        kinds = [d.get("type") for d in decoder.get("decoders", [decoder])]
+        return "ByteLevel" in kinds
+
+    @functools.cached_property
+    def _added(self) -> frozenset[str]:
+        return frozenset(t.content for t in self._tokenizer.get_added_tokens_decoder().values())
 
     def apply_chat_template(self, messages: Sequence[ChatMessage]) -> str:
         """Render messages as the model's chat prompt, ending with the assistant's turn."""

@@ -162,3 +162,19 @@ def test_incremental_deltas_add_up_to_the_text_decoding_a_few_ids_a_token(
     assert "".join(pieces) == detok.text == whole
     assert all("\ufffd" not in p for p in pieces)
     assert max(windows) <= 8, max(windows)
+
+
+@pytest.mark.parametrize("kind", ["byte-level BPE", "SentencePiece-like"])
+def test_each_tokens_bytes_join_into_the_texts(kind: str, tok: TextTokenizer) -> None:
+    """A token's bytes (OpenAI's logprobs `bytes`) may be part of a character; the tokens'
+    bytes together are the text's, where decoding a token alone gives U+FFFD."""
+    tokenizer = tok if kind == "byte-level BPE" else _spm_like()
+    ids = tokenizer.encode(MIXED)
+    alone = [tokenizer.decode([t]) for t in ids]
+    assert any("\ufffd" in a for a in alone)  # some token splits a character
+    joined = b"".join(tokenizer.token_bytes(t) for t in ids)
+    prefix = b" " if kind == "SentencePiece-like" else b""  # its normalizer's "▁"
+    assert joined == prefix + MIXED.encode()
+    im_end = tokenizer.encode("<|im_end|>") if kind == "byte-level BPE" else [2]
+    assert tokenizer.token_bytes(im_end[0]) == (b"<|im_end|>" if kind == "byte-level BPE"
+                                                 else b"</s>")

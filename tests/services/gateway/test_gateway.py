@@ -72,7 +72,10 @@ def test_n_choices_each_sampled_the_first_as_a_single_request(stack: Stack) -> N
     texts = [ch.message.content for ch in three.choices]
     assert texts[0] == one.choices[0].message.content
     assert len(set(texts)) > 1  # each choice draws its own tokens
-    assert all(ch.logprobs and ch.logprobs.content for ch in three.choices)
+    for ch in three.choices:  # the tokens' bytes join into the text (EOS aside)
+        assert ch.logprobs and ch.logprobs.content
+        joined = b"".join(bytes(t.bytes or []) for t in ch.logprobs.content)
+        assert joined.decode().removesuffix("<|im_end|>") == ch.message.content
     assert three.usage is not None and one.usage is not None
     assert three.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
     assert three.usage.completion_tokens == sum(
