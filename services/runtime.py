@@ -513,7 +513,9 @@ class Worker:
             self.attempts.get(out.request_id, 0)
         await self.send(TokenChunk(request_id=out.request_id, seq=out.index, attempt=attempt,
                                    token_ids=out.new_token_ids, text=out.new_text,
-                                   logprobs=out.logprobs, finish_reason=out.finish_reason,
+                                   logprobs=out.logprobs,
+                                   top_logprobs=[list(top) for top in out.top_logprobs],
+                                   finish_reason=out.finish_reason,
                                    error=out.error, source=self.id))
 
     async def send(self, chunk: TokenChunk) -> None:

@@ -19,10 +19,12 @@ class Sampling(BaseModel):
     stop: list[str] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
 
     def params(self) -> SamplingParams:
         return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k,
-                              self.seed, tuple(self.stop), self.ignore_eos, self.logprobs)
+                              self.seed, tuple(self.stop), self.ignore_eos, self.logprobs,
+                              self.top_logprobs)
 
 
 class PrefillRequest(BaseModel):
@@ -143,6 +145,8 @@ class TokenChunk(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     text: str = ""
     logprobs: list[float] = Field(default_factory=list)
+    # each token's most likely alternatives (token id, logprob), where asked for
+    top_logprobs: list[list[tuple[int, float]]] = Field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length", "abort"
     error: str | None = None
     source: str = ""  # the instance that sent it

@@ -3,15 +3,18 @@ the error envelope, ids, response and chunk envelopes, choices, usage, logprobs 
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256  # longer stop strings cannot match a reply in any useful way
 MAX_CHOICES = 128  # OpenAI's bound on n
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (the legacy API's on logprobs: 5)
 
 
 class APIError(Exception):
@@ -117,6 +120,10 @@ class CompletionRequest(_Common):
         return self.logprobs is not None
 
     @property
+    def top_count(self) -> int:
+        return self.logprobs or 0
+
+    @property
     def text_or_ids(self) -> str | list[int]:
         if isinstance(self.prompt, list) and isinstance(self.prompt[0], str):
             return str(self.prompt[0])
@@ -196,7 +203,13 @@ class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=0)  # chosen tokens only
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_with_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     @property
     def token_limit(self) -> int | None:
@@ -205,6 +218,10 @@ class ChatRequest(_Common):
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs
+
+    @property
+    def top_count(self) -> int:
+        return self.top_logprobs or 0
 
 
 # -- responses ---------------------------------------------------------------------------
@@ -224,16 +241,33 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
             "total_tokens": prompt + completion}
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float]) -> dict[str, Any]:
-    return {"tokens": tokens, "token_logprobs": logprobs,
-            "top_logprobs": [{} for _ in tokens], "text_offset": []}
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token as the logprobs blocks show it: its text, its own bytes (part of a character
+    where a token splits one), its logprob."""
+
+    text: str
+    piece: bytes
+    logprob: float
 
 
-def chat_logprobs(tokens: list[str], logprobs: list[float], pieces: list[bytes]
+def completion_logprobs(tokens: list[TokenLogprob], tops: list[list[TokenLogprob]] | None,
+                        start: int = 0) -> dict[str, Any]:
+    """The legacy block: each position's top tokens as {text: logprob} (where asked for),
+    and where each token starts in the text (from `start`, the text streamed before)."""
+    offsets = list(itertools.accumulate((len(t.text) for t in tokens[:-1]), initial=start))
+    return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{c.text: c.logprob for c in top} for top in tops]
+            if tops is not None else None, "text_offset": offsets if tokens else []}
+
+
+def chat_logprobs(tokens: list[TokenLogprob], tops: list[list[TokenLogprob]] | None
                   ) -> dict[str, Any]:
-    """`pieces`: each token's own bytes (part of a character, where a token splits one)."""
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(b), "top_logprobs": []}
-                        for t, lp, b in zip(tokens, logprobs, pieces, strict=True)]}
+    def entry(t: TokenLogprob) -> dict[str, Any]:
+        return {"token": t.text, "logprob": t.logprob, "bytes": list(t.piece)}
+
+    return {"content": [entry(t) | {"top_logprobs": [entry(c) for c in top]}
+                        for t, top in zip(tokens, tops or [[] for _ in tokens], strict=True)]}
 
 
 def envelope(response_id: str, model: str, chat: bool, stream: bool) -> dict[str, Any]:

@@ -38,20 +38,31 @@ class Call:
         self.prompt_ids, self.sampling = prompt_ids, sampling
         self.request_id, self.index = request_id, index
         self.timing = RequestTiming(len(prompt_ids))
+        self.offset = 0  # the characters of the tokens whose logprobs were given so far
 
     def chunks(self) -> AsyncIterator[TokenChunk]:
         return self.gateway.generate(self.request_id, self.target, self.booking,
                                      self.prompt_ids, self.sampling, self.timing)
 
-    def logprob_block(self, tokens: list[int], logprobs: list[float]) -> dict[str, Any] | None:
+    def logprob_block(self, tokens: list[int], logprobs: list[float],
+                      tops: list[list[tuple[int, float]]]) -> dict[str, Any] | None:
         if not self.sampling.logprobs:
             return None
+        chosen = [self.token(t, lp) for t, lp in zip(tokens, logprobs, strict=False)]
+        top = None
+        if self.sampling.top_logprobs:  # (a position without them, were one lost: none)
+            top = [[self.token(t, lp) for t, lp in top] for top in tops[: len(chosen)]]
+            top += [[] for _ in range(len(chosen) - len(top))]
+        if self.chat:
+            return api.chat_logprobs(chosen, top)
+        block = api.completion_logprobs(chosen, top, self.offset)
+        self.offset += sum(len(t.text) for t in chosen)
+        return block
+
+    def token(self, token_id: int, logprob: float) -> api.TokenLogprob:
         tokenizer = self.gateway.tokenizer
-        texts = [tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
-        if not self.chat:
-            return api.completion_logprobs(texts, logprobs[: len(texts)])
-        return api.chat_logprobs(texts, logprobs[: len(texts)],
-                                 [tokenizer.token_bytes(t) for t in tokens])
+        return api.TokenLogprob(tokenizer.decode([token_id], skip_special_tokens=False),
+                                tokenizer.token_bytes(token_id), logprob)
 
 
 class Reply:
@@ -84,7 +95,7 @@ def failed(chunk_error: str) -> APIError:
 
 
 async def collect(call: Call) -> dict[str, Any]:
-    text, finish, tokens, logprobs = "", None, [], []
+    text, finish, tokens, logprobs, tops = "", None, [], [], []
     try:
         async with contextlib.aclosing(call.chunks()) as chunks:  # type: ignore[type-var]
             async for chunk in chunks:
@@ -93,10 +104,11 @@ async def collect(call: Call) -> dict[str, Any]:
                 text += chunk.text
                 tokens += chunk.token_ids
                 logprobs += chunk.logprobs
+                tops += chunk.top_logprobs
                 finish = chunk.finish_reason or finish
     except GaveUp as e:
         raise APIError(503, f"the request failed: {e}", kind="server_error") from None
-    return api.choice(call.chat, text, finish, call.logprob_block(tokens, logprobs),
+    return api.choice(call.chat, text, finish, call.logprob_block(tokens, logprobs, tops),
                       stream=False, index=call.index)
 
 
@@ -202,7 +214,8 @@ async def stream_events(reply: Reply) -> AsyncIterator[str]:
                     return
                 if chunk.text or chunk.finish_reason or (chunk.token_ids and
                                                          call.sampling.logprobs):
-                    logprobs = call.logprob_block(chunk.token_ids, chunk.logprobs)
+                    logprobs = call.logprob_block(chunk.token_ids, chunk.logprobs,
+                                                  chunk.top_logprobs)
                     choice = api.choice(call.chat, chunk.text, chunk.finish_reason, logprobs,
                                         stream=True, index=call.index)
                     yield api.sse(base | {"choices": [choice]} | extra)

@@ -27,7 +27,8 @@ from shared.engine.parallel.kv_serving import export_part
 from shared.engine.parallel.packet import pack
 from shared.engine.parallel.pipeline import hidden_states, last_stage, run_stage
 from shared.engine.parallel.sharding import KvSpan, RankPlace, check_tp, stage_layers
-from shared.engine.sampler import sample
+from shared.engine.request import Draw
+from shared.engine.sampler import sample, top_logprobs
 from shared.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -128,7 +129,7 @@ class ModelRunner:
     def model_config(self) -> ModelConfig:
         return self.model.config
 
-    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, float | None]]:
+    def execute(self, out: SchedulerOutput) -> dict[str, Draw]:
         """Run one step; return the sampled token (and logprob) of each request that samples."""
         return self.finish(self.launch(out))
 
@@ -149,7 +150,7 @@ class ModelRunner:
             return Launched(out, final, self.ranks.start_receive(final, last_stage(self.model)))
 
     @torch.inference_mode()
-    def finish(self, launched: Launched) -> dict[str, tuple[int, float | None]]:
+    def finish(self, launched: Launched) -> dict[str, Draw]:
         """Wait for a launched step's hidden states; sample the requests that sample."""
         if launched.arriving is not None:
             assert self.ranks is not None
@@ -165,10 +166,11 @@ class ModelRunner:
         if not sampling:
             return {}
         logits = self.model.logits(launched.hidden[torch.tensor(rows, device=self.device)])
-        tokens, logprobs = sample(logits, [c.request.params for c in sampling],
-                                  [len(c.request.output_ids) for c in sampling])
-        return {c.request.request_id: (t, lp)
-                for c, t, lp in zip(sampling, tokens, logprobs, strict=True)}
+        params = [c.request.params for c in sampling]
+        tokens, logprobs = sample(logits, params, [len(c.request.output_ids) for c in sampling])
+        tops = top_logprobs(logits, params)
+        return {c.request.request_id: Draw(t, lp, top)
+                for c, t, lp, top in zip(sampling, tokens, logprobs, tops, strict=True)}
 
     @contextlib.contextmanager
     def _instance_failure(self) -> Iterator[None]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class RequestStatus(enum.IntEnum):
@@ -26,6 +27,20 @@ FINISH_REASONS = {
 }
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+
+# the most likely tokens at a position, with their logprobs, most likely first
+TopLogprobs = tuple[tuple[int, float], ...]
+
+
+class Draw(NamedTuple):
+    """A request's sampled token, its logprob and the top ones, where asked for."""
+
+    token: int
+    logprob: float | None = None
+    top: TopLogprobs = ()
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -36,6 +51,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: the most likely tokens' at each position
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -46,6 +62,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+                             f"{self.top_logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -61,6 +80,7 @@ class Request:
     arrival: int = 0  # order of arrival; the newest running request is preempted first
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[TopLogprobs] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose K/V are in the pool
     block_table: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -97,12 +117,14 @@ class Request:
         assert 0 <= self.num_computed <= self.num_tokens, (self.num_computed, self.num_tokens)
         assert self.num_computed <= len(self.block_table) * block_size
 
-    def append(self, token: int, logprob: float | None) -> None:
+    def append(self, token: int, logprob: float | None, top: TopLogprobs = ()) -> None:
         """Record a sampled token and finish on EOS or max_tokens (stop strings are text and
         are checked by the engine's output processor)."""
         self.output_ids.append(token)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if self.params.top_logprobs:
+            self.output_top.append(top)
         if token in self.eos_ids and not self.params.ignore_eos:
             self.status = RequestStatus.FINISHED_STOPPED
         elif len(self.output_ids) >= self.params.max_tokens:

@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, chosen logprobs.
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, the chosen tokens'
+logprobs and the most likely ones'.
 
 A request's draw for output index i is one uniform number from a generator seeded from
 (seed, i) alone, and its row is drawn from on its own, so the same request samples the same
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from shared.engine.kernels import cpu_kernels
-from shared.engine.request import SamplingParams
+from shared.engine.request import SamplingParams, TopLogprobs
 
 _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 63) - 1
@@ -118,3 +119,18 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         for row, value in zip(wanted, lp.tolist(), strict=True):
             logprobs[row] = value
     return chosen, logprobs
+
+
+def top_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[TopLogprobs]:
+    """Each row's most likely tokens with their logprobs (of the model's distribution, as the
+    chosen token's), as many as its params ask for: none for most rows."""
+    tops: list[TopLogprobs] = [()] * len(params)
+    wanted = [row for row, p in enumerate(params) if p.top_logprobs]
+    if wanted:
+        k = max(params[row].top_logprobs for row in wanted)
+        rows = torch.tensor(wanted, device=logits.device)
+        best = logits[rows].log_softmax(-1).topk(min(k, logits.shape[-1]), dim=-1)
+        for row, ids, values in zip(wanted, best.indices.tolist(), best.values.tolist(),
+                                    strict=True):
+            tops[row] = tuple(zip(ids, values, strict=True))[: params[row].top_logprobs]
+    return tops

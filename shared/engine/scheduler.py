@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from shared.engine.block_manager import BlockManager, blocks_for
 from shared.engine.config import Role, SchedulerConfig
-from shared.engine.request import Request, RequestStatus
+from shared.engine.request import Draw, Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class StepShape:
     context: int  # their tokens attended to, summed
 
 
-Sampled = Mapping[str, tuple[int, float | None]]  # request id -> (token, logprob)
+Sampled = Mapping[str, Draw]  # request id -> its token, logprob and the top ones
 
 
 class Scheduler:
@@ -227,8 +227,7 @@ class Scheduler:
             request.num_computed += chunk.length
             if not chunk.samples:
                 continue
-            token, logprob = sampled[request.request_id]
-            request.append(token, logprob)
+            request.append(*sampled[request.request_id])
             if request.status.finished:
                 self._drop(request)
                 finished.append(request)

@@ -3,8 +3,8 @@ import dataclasses
 import pytest
 import torch
 
-from shared.engine.request import Request, RequestStatus, SamplingParams
-from shared.engine.sampler import _filter, sample
+from shared.engine.request import Draw, Request, RequestStatus, SamplingParams
+from shared.engine.sampler import _filter, sample, top_logprobs
 
 
 @pytest.mark.parametrize("bad", [{"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0},
@@ -33,6 +33,32 @@ def test_greedy_picks_argmax_and_reports_logprob() -> None:
     tokens, lps = sample(logits, [SamplingParams(logprobs=True), SamplingParams()], [0, 0])
     assert tokens == [1, 0]
     assert lps[1] is None and lps[0] == pytest.approx(torch.log_softmax(logits[0], -1)[1].item())
+
+
+def test_top_logprobs_are_the_likeliest_tokens_as_many_as_each_row_asks() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [2.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    params = [SamplingParams(logprobs=True, top_logprobs=2), SamplingParams(),
+              SamplingParams(logprobs=True, top_logprobs=9)]
+    tops = top_logprobs(logits, params)
+    lp = torch.log_softmax(logits, -1)
+    assert [t for t, _ in tops[0]] == [1, 3]
+    assert [v for _, v in tops[0]] == pytest.approx([lp[0, 1].item(), lp[0, 3].item()])
+    assert tops[1] == ()  # not asked for
+    assert len(tops[2]) == 4  # no more than the vocabulary
+    tokens, lps = sample(logits, params, [0, 0, 0])
+    assert tops[0][0] == (tokens[0], pytest.approx(lps[0]))  # greedy: the likeliest
+    with pytest.raises(ValueError, match="top_logprobs"):
+        SamplingParams(top_logprobs=21)
+
+
+def test_a_request_keeps_its_top_logprobs_only_when_asked() -> None:
+    asked = Request("a", [1], SamplingParams(max_tokens=3, logprobs=True, top_logprobs=1))
+    plain = Request("b", [1], SamplingParams(max_tokens=3))
+    for r in (asked, plain):
+        r.append(*Draw(5, -0.1, ((5, -0.1),)))
+        r.append(*Draw(6, -0.2, ((7, -0.05),)))
+    assert asked.output_top == [((5, -0.1),), ((7, -0.05),)]
+    assert plain.output_top == [] and plain.output_logprobs == [-0.1, -0.2]
 
 
 def test_seeded_sampling_is_reproducible_and_depends_on_index() -> None:

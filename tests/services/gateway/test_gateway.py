@@ -94,6 +94,45 @@ def test_n_choices_each_sampled_the_first_as_a_single_request(stack: Stack) -> N
     assert usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_top_logprobs_through_prefill_and_decode(stack: Stack) -> None:
+    """The likeliest tokens at each position, the first from the prefill instance and the
+    rest from the decode one: greedy, the chosen token is the top one, in both APIs,
+    streamed or not."""
+    c = client(stack)
+    chat = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=5,
+        temperature=0, logprobs=True, top_logprobs=3)
+    assert chat.choices[0].logprobs is not None and chat.usage is not None
+    content = chat.choices[0].logprobs.content
+    assert content is not None and len(content) == chat.usage.completion_tokens
+    for position in content:
+        assert len(position.top_logprobs) == 3
+        best = position.top_logprobs[0]
+        assert (best.token, best.bytes) == (position.token, position.bytes)
+        assert best.logprob == pytest.approx(position.logprob, abs=1e-5)
+        values = [t.logprob for t in position.top_logprobs]
+        assert values == sorted(values, reverse=True)
+
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4,
+            "temperature": 0, "logprobs": 2, "ignore_eos": True}
+    whole = httpx.post(f"{stack.url}/v1/completions", json=body, headers=AUTH, timeout=120)
+    block = whole.json()["choices"][0]["logprobs"]
+    assert [max(top, key=top.get) for top in block["top_logprobs"]] == block["tokens"]
+    assert block["text_offset"] == [sum(map(len, block["tokens"][:i])) for i in range(4)]
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body | {"stream": True},
+                      headers=AUTH, timeout=120) as r:
+        streamed = [json.loads(line[6:])["choices"][0]["logprobs"] for line in r.iter_lines()
+                    if line.startswith("data: {")]
+    tops = [top for b in streamed if b for top in b["top_logprobs"]]
+    assert [list(t) for t in tops] == [list(t) for t in block["top_logprobs"]]  # the tokens
+    assert [list(t.values()) for t in tops] == [  # their logprobs
+        pytest.approx(list(t.values()), abs=1e-4) for t in block["top_logprobs"]]
+    assert [o for b in streamed if b for o in b["text_offset"]] == block["text_offset"]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                  max_tokens=2, top_logprobs=2)
+
+
 def test_an_agents_history_and_the_model_card(stack: Stack) -> None:
     c = client(stack)
     assert c.models.retrieve(MODEL).id == MODEL
