@@ -515,6 +515,10 @@ class Worker:
                                    token_ids=out.new_token_ids, text=out.new_text,
                                    logprobs=out.logprobs,
                                    top_logprobs=[list(top) for top in out.top_logprobs],
+                                   prompt_logprobs=[d.logprob or 0.0
+                                                    for d in out.prompt_logprobs],
+                                   prompt_top_logprobs=[list(d.top)
+                                                        for d in out.prompt_logprobs],
                                    finish_reason=out.finish_reason,
                                    error=out.error, source=self.id))
 

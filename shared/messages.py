@@ -20,11 +20,12 @@ class Sampling(BaseModel):
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: bool = False
 
     def params(self) -> SamplingParams:
         return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k,
                               self.seed, tuple(self.stop), self.ignore_eos, self.logprobs,
-                              self.top_logprobs)
+                              self.top_logprobs, self.prompt_logprobs)
 
 
 class PrefillRequest(BaseModel):
@@ -147,6 +148,10 @@ class TokenChunk(BaseModel):
     logprobs: list[float] = Field(default_factory=list)
     # each token's most likely alternatives (token id, logprob), where asked for
     top_logprobs: list[list[tuple[int, float]]] = Field(default_factory=list)
+    # with the first token, where asked for: prompt token p + 1's logprob given tokens 0..p,
+    # and the likeliest there
+    prompt_logprobs: list[float] = Field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = Field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length", "abort"
     error: str | None = None
     source: str = ""  # the instance that sent it

@@ -330,7 +330,8 @@ class Gateway:
                         top_p=req.top_p, top_k=max(0, req.top_k),
                         seed=req.seed if req.seed is not None else random.getrandbits(62),
                         stop=req.stop_list, ignore_eos=req.ignore_eos,
-                        logprobs=req.wants_logprobs, top_logprobs=req.top_count)
+                        logprobs=req.wants_logprobs, top_logprobs=req.top_count,
+                        prompt_logprobs=req.scores_prompt)
 
     # -- one request ---------------------------------------------------------------------
 

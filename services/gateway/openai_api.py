@@ -104,13 +104,6 @@ class CompletionRequest(_Common):
             raise ValueError("the prompt is empty")
         return prompt
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
-
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
@@ -122,6 +115,12 @@ class CompletionRequest(_Common):
     @property
     def top_count(self) -> int:
         return self.logprobs or 0
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The prompt's tokens scored too (echo with logprobs: what evaluation harnesses
+        read a text's likelihood from)."""
+        return self.echo and self.logprobs is not None
 
     @property
     def text_or_ids(self) -> str | list[int]:
@@ -223,6 +222,10 @@ class ChatRequest(_Common):
     def top_count(self) -> int:
         return self.top_logprobs or 0
 
+    @property
+    def scores_prompt(self) -> bool:
+        return False  # a chat has no echo
+
 
 # -- responses ---------------------------------------------------------------------------
 
@@ -248,17 +251,20 @@ class TokenLogprob:
 
     text: str
     piece: bytes
-    logprob: float
+    logprob: float | None  # None: an echoed prompt's first token (nothing precedes it)
 
 
-def completion_logprobs(tokens: list[TokenLogprob], tops: list[list[TokenLogprob]] | None,
-                        start: int = 0) -> dict[str, Any]:
-    """The legacy block: each position's top tokens as {text: logprob} (where asked for),
-    and where each token starts in the text (from `start`, the text streamed before)."""
+def completion_logprobs(tokens: list[TokenLogprob],
+                        tops: list[list[TokenLogprob] | None] | None, start: int = 0
+                        ) -> dict[str, Any]:
+    """The legacy block: each position's top tokens as {text: logprob} (where asked for;
+    None at an echoed prompt's first token), and where each token starts in the text (from
+    `start`, the text streamed before)."""
     offsets = list(itertools.accumulate((len(t.text) for t in tokens[:-1]), initial=start))
     return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{c.text: c.logprob for c in top} for top in tops]
-            if tops is not None else None, "text_offset": offsets if tokens else []}
+            "top_logprobs": [None if top is None else {c.text: c.logprob for c in top}
+                             for top in tops] if tops is not None else None,
+            "text_offset": offsets if tokens else []}
 
 
 def chat_logprobs(tokens: list[TokenLogprob], tops: list[list[TokenLogprob]] | None

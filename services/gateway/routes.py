@@ -33,19 +33,39 @@ class Call:
 
     def __init__(self, gateway: Gateway, chat: bool, target: Target, booking: Booking | None,
                  prompt_ids: list[int], sampling: Sampling, request_id: str,
-                 index: int = 0) -> None:
+                 index: int = 0, echo: str | None = None) -> None:
         self.gateway, self.chat, self.target, self.booking = gateway, chat, target, booking
         self.prompt_ids, self.sampling = prompt_ids, sampling
         self.request_id, self.index = request_id, index
         self.timing = RequestTiming(len(prompt_ids))
         self.offset = 0  # the characters of the tokens whose logprobs were given so far
+        self.echo = echo  # the prompt's text, shown before the first tokens (then None)
+        self.prompt_scores: tuple[list[float], list[list[tuple[int, float]]]] | None = None
 
     def chunks(self) -> AsyncIterator[TokenChunk]:
         return self.gateway.generate(self.request_id, self.target, self.booking,
                                      self.prompt_ids, self.sampling, self.timing)
 
-    def logprob_block(self, tokens: list[int], logprobs: list[float],
+    def pending(self) -> bool:
+        """Whether the echo waits to be shown."""
+        return self.echo is not None
+
+    def show(self, chunk: TokenChunk) -> tuple[str, dict[str, Any] | None]:
+        """A chunk's text and logprobs block as the client sees them: the first shown comes
+        after the echoed prompt and its tokens' scores (which come with the first token: the
+        first copy heard is kept, a request prefilled again sends them again)."""
+        if chunk.prompt_logprobs and self.prompt_scores is None:
+            self.prompt_scores = (chunk.prompt_logprobs, chunk.prompt_top_logprobs)
+        text, echoed = chunk.text, []
+        if self.echo is not None and (chunk.token_ids or chunk.finish_reason):
+            text, echoed, self.echo = self.echo + text, self.prompt_ids, None
+        return text, self.logprob_block(echoed, chunk.token_ids, chunk.logprobs,
+                                        chunk.top_logprobs)
+
+    def logprob_block(self, echoed: list[int], tokens: list[int], logprobs: list[float],
                       tops: list[list[tuple[int, float]]]) -> dict[str, Any] | None:
+        """`echoed`: the prompt's tokens, shown first with their scores (None for the
+        first: nothing precedes it)."""
         if not self.sampling.logprobs:
             return None
         chosen = [self.token(t, lp) for t, lp in zip(tokens, logprobs, strict=False)]
@@ -55,11 +75,22 @@ class Call:
             top += [[] for _ in range(len(chosen) - len(top))]
         if self.chat:
             return api.chat_logprobs(chosen, top)
-        block = api.completion_logprobs(chosen, top, self.offset)
+        shown_tops: list[list[api.TokenLogprob] | None] | None = list(top) \
+            if top is not None else None
+        if echoed:
+            scores, prompt_tops = self.prompt_scores or ([], [])
+            prompt = [self.token(t, scores[i - 1] if 0 < i <= len(scores) else None)
+                      for i, t in enumerate(echoed)]
+            chosen = prompt + chosen
+            if shown_tops is not None:
+                shown_tops = [None] + [[self.token(t, lp) for t, lp in top]
+                                       for top in prompt_tops[: len(echoed) - 1]] \
+                    + [[] for _ in range(len(echoed) - len(prompt_tops) - 1)] + shown_tops
+        block = api.completion_logprobs(chosen, shown_tops, self.offset)
         self.offset += sum(len(t.text) for t in chosen)
         return block
 
-    def token(self, token_id: int, logprob: float) -> api.TokenLogprob:
+    def token(self, token_id: int, logprob: float | None) -> api.TokenLogprob:
         tokenizer = self.gateway.tokenizer
         return api.TokenLogprob(tokenizer.decode([token_id], skip_special_tokens=False),
                                 tokenizer.token_bytes(token_id), logprob)
@@ -95,21 +126,25 @@ def failed(chunk_error: str) -> APIError:
 
 
 async def collect(call: Call) -> dict[str, Any]:
-    text, finish, tokens, logprobs, tops = "", None, [], [], []
+    whole = TokenChunk(request_id=call.request_id)  # the chunks together
     try:
         async with contextlib.aclosing(call.chunks()) as chunks:  # type: ignore[type-var]
             async for chunk in chunks:
                 if chunk.error:
                     raise failed(chunk.error)
-                text += chunk.text
-                tokens += chunk.token_ids
-                logprobs += chunk.logprobs
-                tops += chunk.top_logprobs
-                finish = chunk.finish_reason or finish
+                whole.text += chunk.text
+                whole.token_ids += chunk.token_ids
+                whole.logprobs += chunk.logprobs
+                whole.top_logprobs += chunk.top_logprobs
+                whole.finish_reason = chunk.finish_reason or whole.finish_reason
+                if chunk.prompt_logprobs and not whole.prompt_logprobs:
+                    whole.prompt_logprobs = chunk.prompt_logprobs
+                    whole.prompt_top_logprobs = chunk.prompt_top_logprobs
     except GaveUp as e:
         raise APIError(503, f"the request failed: {e}", kind="server_error") from None
-    return api.choice(call.chat, text, finish, call.logprob_block(tokens, logprobs, tops),
-                      stream=False, index=call.index)
+    text, logprobs = call.show(whole)
+    return api.choice(call.chat, text, whole.finish_reason, logprobs, stream=False,
+                      index=call.index)
 
 
 async def all_of(calls: list[Call]) -> list[dict[str, Any]]:
@@ -212,11 +247,10 @@ async def stream_events(reply: Reply) -> AsyncIterator[str]:
                     yield error_event(chunk.error)
                     yield api.sse("[DONE]")
                     return
-                if chunk.text or chunk.finish_reason or (chunk.token_ids and
-                                                         call.sampling.logprobs):
-                    logprobs = call.logprob_block(chunk.token_ids, chunk.logprobs,
-                                                  chunk.top_logprobs)
-                    choice = api.choice(call.chat, chunk.text, chunk.finish_reason, logprobs,
+                if chunk.text or chunk.finish_reason or (chunk.token_ids and (
+                        call.sampling.logprobs or call.pending())):
+                    text, logprobs = call.show(chunk)
+                    choice = api.choice(call.chat, text, chunk.finish_reason, logprobs,
                                         stream=True, index=call.index)
                     yield api.sse(base | {"choices": [choice]} | extra)
     except GaveUp as e:
@@ -304,6 +338,10 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
             if not ids:
                 raise APIError(400, "the prompt is empty", "prompt")
             request_ids = choice_ids(uuid.uuid4().hex, req.n)
+            echo = None
+            if isinstance(req, CompletionRequest) and req.echo:
+                prompt = req.text_or_ids
+                echo = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
             calls: list[Call] = []
             for index, ticket in enumerate(tickets):  # each dispatched apart: they spread
                 target = gateway.dispatch(ticket)
@@ -311,7 +349,7 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
                 if index:
                     sampling.seed = choice_seeds(calls[0].sampling.seed, req.n)[index]
                 calls.append(Call(gateway, chat, target, ticket.booking, ids, sampling,
-                                  request_ids[index], index))
+                                  request_ids[index], index, echo))
             reply = Reply(calls, req.model, req.include_usage)
             return await respond(reply, tickets, request, req.stream)
         except BaseException:

@@ -20,7 +20,7 @@ from shared.engine.model_runner import Launched, ModelRunner
 from shared.engine.parallel.group import Command, RankFailed, text_payload
 from shared.engine.parallel.kv_serving import KvPull
 from shared.engine.parallel.sharding import KvSpan
-from shared.engine.request import Request, RequestStatus, SamplingParams, TopLogprobs
+from shared.engine.request import Draw, Request, RequestStatus, SamplingParams, TopLogprobs
 from shared.engine.scheduler import Sampled, Scheduler, SchedulerOutput, StepShape
 from shared.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
 
@@ -40,6 +40,7 @@ class RequestOutput:
     parked: bool = False  # prefill role: first token sampled, KV ready to be pulled
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)  # where asked for
+    prompt_logprobs: list[Draw] = field(default_factory=list)  # with the first token's
     error: str | None = None  # the step failed: the request was aborted, its blocks freed
     index: int = 0  # output index of the first new token (without tokens: outputs so far)
     arrival: int = -1  # the request's admission number here: which copy of a request id
@@ -360,7 +361,9 @@ class Engine:
         if request.status.finished:
             self._text.pop(request.request_id, None)
         logprobs = request.output_logprobs[-1:] if request.params.logprobs else []
+        first = len(request.output_ids) == 1  # the prompt's scores go with the first token
         return RequestOutput(request.request_id, request.output_ids[-1:], text,
                              request.finish_reason, request.status is RequestStatus.PARKED,
                              logprobs, request.output_top[-1:],
+                             request.prompt_scores if first else [],
                              index=len(request.output_ids) - 1, arrival=request.arrival)

@@ -33,6 +33,8 @@ from shared.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+SCORED_ROWS = 256  # prompt rows whose logits are held at once (each a vocabulary wide)
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -151,7 +153,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def finish(self, launched: Launched) -> dict[str, Draw]:
-        """Wait for a launched step's hidden states; sample the requests that sample."""
+        """Wait for a launched step's hidden states; sample the requests that sample, and
+        score the prompt tokens of those that ask (recorded on the request: a chunk that
+        does not sample has no draw to carry them)."""
         if launched.arriving is not None:
             assert self.ranks is not None
             with self._instance_failure():
@@ -159,6 +163,8 @@ class ModelRunner:
         rows, sampling = [], []
         row = 0
         for chunk in launched.out.chunks:
+            if chunk.request.params.prompt_logprobs:
+                chunk.request.prompt_scores += self._score_prompt(launched.hidden, row, chunk)
             row += chunk.length
             if chunk.samples:
                 rows.append(row - 1)
@@ -171,6 +177,27 @@ class ModelRunner:
         tops = top_logprobs(logits, params)
         return {c.request.request_id: Draw(t, lp, top)
                 for c, t, lp, top in zip(sampling, tokens, logprobs, tops, strict=True)}
+
+    def _score_prompt(self, hidden: torch.Tensor, row: int, chunk: ScheduledChunk
+                      ) -> list[Draw]:
+        """The logprob of each prompt token the chunk's rows predict (row p: token p + 1)
+        and the likeliest ones, those not scored before (a prompt computed again after a
+        preemption is not scored twice); a few hundred rows of logits at a time."""
+        request = chunk.request
+        prompt, params = request.prompt_ids, request.params
+        first = max(chunk.start, len(request.prompt_scores))
+        last = min(chunk.start + chunk.length, len(prompt) - 1)
+        scores: list[Draw] = []
+        for lo in range(first, last, SCORED_ROWS):
+            hi = min(lo + SCORED_ROWS, last)
+            logits = self.model.logits(hidden[row + lo - chunk.start:row + hi - chunk.start])
+            targets = prompt[lo + 1:hi + 1]
+            chosen = logits.log_softmax(-1).gather(
+                1, torch.tensor(targets, device=logits.device)[:, None]).squeeze(1).tolist()
+            tops = top_logprobs(logits, [params] * (hi - lo)) if params.top_logprobs \
+                else [()] * (hi - lo)
+            scores += map(Draw, targets, chosen, tops)
+        return scores
 
     @contextlib.contextmanager
     def _instance_failure(self) -> Iterator[None]:

@@ -52,6 +52,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # with logprobs: the most likely tokens' at each position
+    prompt_logprobs: bool = False  # each prompt token's given those before it (and the top)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -81,6 +82,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top: list[TopLogprobs] = field(default_factory=list)
+    # with params.prompt_logprobs: prompt token p + 1 scored given tokens 0..p, p from 0 on
+    prompt_scores: list[Draw] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose K/V are in the pool
     block_table: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

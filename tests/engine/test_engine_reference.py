@@ -211,3 +211,24 @@ def test_a_request_resumed_mid_stream_continues_as_if_uninterrupted(
     assert streamed == whole_text
     assert decode.blocks.num_free == decode.blocks.num_blocks
     assert prefill.blocks.num_free == prefill.blocks.num_blocks
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_prompt_logprobs_are_what_sampling_saw(loaded: LoadedModel, prompt_ids: list[list[int]],
+                                               chunked: bool) -> None:
+    """A prompt's tokens scored in its prefill (echo with logprobs) have the logprobs they
+    had when they were generated: a greedy continuation, fed back as a prompt, scores its
+    tokens as sampling did; whole or in chunks of 8, each prompt token scored once."""
+    e = engine(loaded)
+    asked = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True)
+    generated = e.generate(prompt_ids, asked)
+    scoring = engine(loaded, chunked_prefill=chunked, max_batch_tokens=8 if chunked else 2048)
+    fed_back = [p + r.output_ids for p, r in zip(prompt_ids, generated, strict=True)]
+    scored = scoring.generate(fed_back, SamplingParams(
+        max_tokens=1, logprobs=True, top_logprobs=2, prompt_logprobs=True))
+    for r, ids, first in zip(scored, fed_back, generated, strict=True):
+        assert [d.token for d in r.prompt_scores] == ids[1:]
+        tail = r.prompt_scores[-len(first.output_ids):]
+        assert [d.logprob for d in tail] == pytest.approx(first.output_logprobs, abs=2e-4)
+        assert all(d.top[0][0] == d.token for d in tail)  # greedy: each was the likeliest
+        assert all(len(d.top) == 2 for d in r.prompt_scores)

@@ -9,6 +9,7 @@ import asyncio
 import collections
 import json
 import time
+from typing import Any
 
 import httpx
 import openai
@@ -131,6 +132,44 @@ def test_top_logprobs_through_prefill_and_decode(stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
         c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                   max_tokens=2, top_logprobs=2)
+
+
+def test_echo_scores_the_prompt_as_sampling_scored_it(stack: Stack) -> None:
+    """echo with logprobs (how evaluation harnesses read a text's likelihood): the prompt's
+    tokens, scored on the prefill instance, carry the logprobs they had when the stack
+    generated them; streamed as whole."""
+    def complete(prompt: str, **extra: object) -> dict[str, Any]:
+        r = httpx.post(f"{stack.url}/v1/completions", headers=AUTH, timeout=120, json={
+            "model": MODEL, "prompt": prompt, "temperature": 0, **extra})
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    prompt = "The capital of France is"
+    generated = complete(prompt, max_tokens=2, logprobs=0)["choices"][0]
+    text = prompt + generated["text"]
+    body = complete(text, max_tokens=1, logprobs=1, echo=True)
+    echoed, prompt_tokens = body["choices"][0], body["usage"]["prompt_tokens"]
+    block = echoed["logprobs"]
+    assert echoed["text"].startswith(text) and len(block["tokens"]) == prompt_tokens + 1
+    assert block["token_logprobs"][0] is None and block["top_logprobs"][0] is None
+    scored = slice(prompt_tokens - 2, prompt_tokens)  # the two tokens generated before
+    assert block["tokens"][scored] == generated["logprobs"]["tokens"]
+    assert block["token_logprobs"][scored] == pytest.approx(
+        generated["logprobs"]["token_logprobs"], abs=1e-3)
+    assert [max(t, key=t.get) for t in block["top_logprobs"][scored]] == \
+        block["tokens"][scored]  # greedy: each was the likeliest
+    assert block["text_offset"][:3] == [0, 3, 11]  # "The", " capital", " of"
+
+    with httpx.stream("POST", f"{stack.url}/v1/completions", headers=AUTH, timeout=120,
+                      json={"model": MODEL, "prompt": text, "temperature": 0, "max_tokens": 1,
+                            "logprobs": 1, "echo": True, "stream": True}) as r:
+        chunks = [json.loads(line[6:])["choices"][0] for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    assert "".join(c["text"] for c in chunks) == echoed["text"]
+    assert [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]] == \
+        block["tokens"]
+    plain = complete(prompt, max_tokens=2, echo=True)["choices"][0]
+    assert plain["text"] == text and plain["logprobs"] is None
 
 
 def test_an_agents_history_and_the_model_card(stack: Stack) -> None:
