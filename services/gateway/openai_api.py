@@ -89,24 +89,43 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: Text | list[int] | list[Text]
+    # one prompt (text or token ids) or several, each answered by its own n choices
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)  # 0: the echoed prompt scored only
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int] | list[str]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) \
-                and len(prompt) != 1:
-            raise ValueError("only one prompt per request is supported")
-        if not prompt or prompt == [""]:
+    def _prompts(cls, prompt: str | list[int] | list[str] | list[list[int]]
+                 ) -> str | list[int] | list[str] | list[list[int]]:
+        several = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+        prompts: list[Any] = list(prompt) if several else [prompt]
+        if not prompts or any(not p for p in prompts):
             raise ValueError("the prompt is empty")
+        if len(prompts) > MAX_CHOICES:
+            raise ValueError(f"at most {MAX_CHOICES} prompts a request")
         return prompt
+
+    @model_validator(mode="after")
+    def _choices(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing: it goes with echo (the prompt "
+                             "and, with logprobs, its scores)")
+        if len(self.prompts) * self.n > MAX_CHOICES:
+            raise ValueError(f"{len(self.prompts)} prompts x n={self.n} choices: at most "
+                             f"{MAX_CHOICES} choices a request")
+        return self
 
     @property
     def token_limit(self) -> int | None:
-        return self.max_tokens
+        """What the instances generate: one token where max_tokens is 0 (the prompt is
+        scored in its prefill, which samples a token the answer leaves out)."""
+        return None if self.max_tokens is None else max(1, self.max_tokens)
+
+    @property
+    def generates(self) -> bool:
+        return self.max_tokens != 0
 
     @property
     def wants_logprobs(self) -> bool:
@@ -123,10 +142,11 @@ class CompletionRequest(_Common):
         return self.echo and self.logprobs is not None
 
     @property
-    def text_or_ids(self) -> str | list[int]:
-        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str):
-            return str(self.prompt[0])
-        return self.prompt
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt, as text or token ids."""
+        if isinstance(self.prompt, list) and not isinstance(self.prompt[0], int):
+            return list(self.prompt)
+        return [self.prompt]
 
 
 class TextPart(BaseModel):
@@ -225,6 +245,10 @@ class ChatRequest(_Common):
     @property
     def scores_prompt(self) -> bool:
         return False  # a chat has no echo
+
+    @property
+    def generates(self) -> bool:
+        return True
 
 
 # -- responses ---------------------------------------------------------------------------

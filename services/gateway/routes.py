@@ -33,13 +33,14 @@ class Call:
 
     def __init__(self, gateway: Gateway, chat: bool, target: Target, booking: Booking | None,
                  prompt_ids: list[int], sampling: Sampling, request_id: str,
-                 index: int = 0, echo: str | None = None) -> None:
+                 index: int = 0, echo: str | None = None, generates: bool = True) -> None:
         self.gateway, self.chat, self.target, self.booking = gateway, chat, target, booking
         self.prompt_ids, self.sampling = prompt_ids, sampling
         self.request_id, self.index = request_id, index
         self.timing = RequestTiming(len(prompt_ids))
         self.offset = 0  # the characters of the tokens whose logprobs were given so far
         self.echo = echo  # the prompt's text, shown before the first tokens (then None)
+        self.generates = generates  # False: the prompt scored only (its token left out)
         self.prompt_scores: tuple[list[float], list[list[tuple[int, float]]]] | None = None
 
     def chunks(self) -> AsyncIterator[TokenChunk]:
@@ -56,11 +57,20 @@ class Call:
         first copy heard is kept, a request prefilled again sends them again)."""
         if chunk.prompt_logprobs and self.prompt_scores is None:
             self.prompt_scores = (chunk.prompt_logprobs, chunk.prompt_top_logprobs)
-        text, echoed = chunk.text, []
+        text, echoed, tokens = chunk.text, [], chunk.token_ids
+        if not self.generates:
+            text, tokens = "", []
         if self.echo is not None and (chunk.token_ids or chunk.finish_reason):
             text, echoed, self.echo = self.echo + text, self.prompt_ids, None
-        return text, self.logprob_block(echoed, chunk.token_ids, chunk.logprobs,
-                                        chunk.top_logprobs)
+        return text, self.logprob_block(echoed, tokens, chunk.logprobs, chunk.top_logprobs)
+
+    def finish(self, reason: str | None) -> str | None:
+        """Why the choice ended, as the client asked for it (nothing generated: length)."""
+        return reason if self.generates or reason is None else "length"
+
+    @property
+    def output_tokens(self) -> int:
+        return self.timing.output_tokens if self.generates else 0
 
     def logprob_block(self, echoed: list[int], tokens: list[int], logprobs: list[float],
                       tops: list[list[tuple[int, float]]]) -> dict[str, Any] | None:
@@ -97,18 +107,19 @@ class Call:
 
 
 class Reply:
-    """An admitted request's answer: its choices' calls, its id (the first choice's request
-    id, which finds that choice's trace) and its usage (the prompt counted once, as OpenAI
-    does)."""
+    """An admitted request's answer: its choices' calls (n for each prompt, prompt by
+    prompt), its id (the first choice's request id, which finds that choice's trace) and its
+    usage (each prompt counted once, as OpenAI does)."""
 
-    def __init__(self, calls: list[Call], model: str, include_usage: bool) -> None:
-        self.calls, self.model, self.include_usage = calls, model, include_usage
+    def __init__(self, calls: list[Call], model: str, include_usage: bool, n: int = 1
+                 ) -> None:
+        self.calls, self.model, self.include_usage, self.n = calls, model, include_usage, n
         self.chat = calls[0].chat
         self.id = api.response_id(calls[0].request_id, self.chat)
 
     def usage(self) -> dict[str, int]:
-        return api.usage(len(self.calls[0].prompt_ids),
-                         sum(c.timing.output_tokens for c in self.calls))
+        return api.usage(sum(len(c.prompt_ids) for c in self.calls[::self.n]),
+                         sum(c.output_tokens for c in self.calls))
 
 
 def choice_ids(request_id: str, n: int) -> list[str]:
@@ -143,8 +154,8 @@ async def collect(call: Call) -> dict[str, Any]:
     except GaveUp as e:
         raise APIError(503, f"the request failed: {e}", kind="server_error") from None
     text, logprobs = call.show(whole)
-    return api.choice(call.chat, text, whole.finish_reason, logprobs, stream=False,
-                      index=call.index)
+    return api.choice(call.chat, text, call.finish(whole.finish_reason), logprobs,
+                      stream=False, index=call.index)
 
 
 async def all_of(calls: list[Call]) -> list[dict[str, Any]]:
@@ -250,8 +261,8 @@ async def stream_events(reply: Reply) -> AsyncIterator[str]:
                 if chunk.text or chunk.finish_reason or (chunk.token_ids and (
                         call.sampling.logprobs or call.pending())):
                     text, logprobs = call.show(chunk)
-                    choice = api.choice(call.chat, text, chunk.finish_reason, logprobs,
-                                        stream=True, index=call.index)
+                    choice = api.choice(call.chat, text, call.finish(chunk.finish_reason),
+                                        logprobs, stream=True, index=call.index)
                     yield api.sse(base | {"choices": [choice]} | extra)
     except GaveUp as e:
         yield error_event(str(e))
@@ -295,8 +306,7 @@ async def respond(reply: Reply, tickets: list[Ticket], request: Request, stream:
 def add_routes(app: FastAPI, gateway: Gateway) -> None:
     tokenizer = gateway.tokenizer
 
-    async def completion_ids(req: CompletionRequest) -> list[int]:
-        prompt = req.text_or_ids
+    async def completion_ids(prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return await asyncio.to_thread(tokenizer.encode, prompt, True)
         if any(not 0 <= t < tokenizer.vocab_size for t in prompt):
@@ -318,8 +328,8 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
         """A slot for each of a request's n choices, or none (429, or 400 where n is more
         than this server ever runs at once)."""
         if n > (limit := gateway.inflight_limit()):
-            raise APIError(400, f"n={n} choices are more than this server runs at once "
-                                f"({limit})", "n")
+            raise APIError(400, f"{n} choices (n for each prompt) are more than this server "
+                                f"runs at once ({limit})", "n")
         tickets: list[Ticket] = []
         try:
             for _ in range(n):
@@ -331,26 +341,31 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
 
     async def serve(req: CompletionRequest | ChatRequest, request: Request) -> Any:
         gateway.check_model(req.model)
-        tickets = admit(req.n)
+        prompts = req.prompts if isinstance(req, CompletionRequest) else [""]
+        tickets = admit(len(prompts) * req.n)
         try:
-            chat = isinstance(req, ChatRequest)
-            ids = await (chat_ids(req) if chat else completion_ids(req))  # type: ignore[arg-type]
-            if not ids:
+            if isinstance(req, ChatRequest):
+                each = [await chat_ids(req)]
+            else:
+                each = [await completion_ids(prompt) for prompt in prompts]
+            if not all(each):
                 raise APIError(400, "the prompt is empty", "prompt")
-            request_ids = choice_ids(uuid.uuid4().hex, req.n)
-            echo = None
-            if isinstance(req, CompletionRequest) and req.echo:
-                prompt = req.text_or_ids
-                echo = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+            request_ids = choice_ids(uuid.uuid4().hex, len(tickets))
             calls: list[Call] = []
+            seeds: list[int] = []
             for index, ticket in enumerate(tickets):  # each dispatched apart: they spread
+                ids, prompt = each[index // req.n], prompts[index // req.n]
                 target = gateway.dispatch(ticket)
                 sampling = gateway.sampling(target, len(ids), req)
-                if index:
-                    sampling.seed = choice_seeds(calls[0].sampling.seed, req.n)[index]
-                calls.append(Call(gateway, chat, target, ticket.booking, ids, sampling,
-                                  request_ids[index], index, echo))
-            reply = Reply(calls, req.model, req.include_usage)
+                seeds = seeds or choice_seeds(sampling.seed, req.n)  # each prompt's the same
+                sampling.seed = seeds[index % req.n]
+                echo = None
+                if isinstance(req, CompletionRequest) and req.echo:
+                    echo = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+                calls.append(Call(gateway, isinstance(req, ChatRequest), target,
+                                  ticket.booking, ids, sampling, request_ids[index], index,
+                                  echo, req.generates))
+            reply = Reply(calls, req.model, req.include_usage, req.n)
             return await respond(reply, tickets, request, req.stream)
         except BaseException:
             release(tickets)

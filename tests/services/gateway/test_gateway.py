@@ -170,6 +170,37 @@ def test_echo_scores_the_prompt_as_sampling_scored_it(stack: Stack) -> None:
         block["tokens"]
     plain = complete(prompt, max_tokens=2, echo=True)["choices"][0]
     assert plain["text"] == text and plain["logprobs"] is None
+    only = complete(text, max_tokens=0, logprobs=1, echo=True)  # the prompt scored, no more
+    assert only["choices"][0]["text"] == text and only["usage"]["completion_tokens"] == 0
+    assert only["choices"][0]["finish_reason"] == "length"
+    assert only["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+        block["token_logprobs"][:-1], abs=1e-5)
+    r = httpx.post(f"{stack.url}/v1/completions", headers=AUTH, timeout=60,
+                   json={"model": MODEL, "prompt": text, "max_tokens": 0})
+    assert r.status_code == 400 and "echo" in r.json()["error"]["message"]
+
+
+def test_several_prompts_each_answered_in_order(stack: Stack) -> None:
+    """A batch of prompts, as evaluation harnesses send it (lm-eval's loglikelihood: token
+    ids, echo, logprobs 1, max_tokens 1): choice i*n + j answers prompt i, each as the
+    prompt alone would be answered; usage counts each prompt once."""
+    def complete(prompt: object, **extra: object) -> dict[str, Any]:
+        r = httpx.post(f"{stack.url}/v1/completions", headers=AUTH, timeout=120, json={
+            "model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 3, **extra})
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    texts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
+    alone = [complete(t) for t in texts]
+    batch = complete(texts, n=2)
+    assert [c["index"] for c in batch["choices"]] == list(range(6))
+    assert [c["text"] for c in batch["choices"]] == [
+        a["choices"][0]["text"] for a in alone for _ in range(2)]
+    assert batch["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    ids = [[504, 3575, 282, 4649, 314], [14213, 2584, 30]]
+    scored = complete(ids, echo=True, logprobs=1, max_tokens=1)["choices"]
+    assert [len(c["logprobs"]["tokens"]) for c in scored] == [6, 4]
+    assert all(c["logprobs"]["token_logprobs"][0] is None for c in scored)
 
 
 def test_an_agents_history_and_the_model_card(stack: Stack) -> None:

@@ -204,11 +204,16 @@ def test_one_choice_that_gives_up_ends_the_stream_and_closes_the_others() -> Non
 
 
 def test_completion_prompt_forms() -> None:
-    assert CompletionRequest(model="m", prompt=["hello"]).text_or_ids == "hello"
-    assert CompletionRequest(model="m", prompt=[1, 2]).text_or_ids == [1, 2]
-    for prompt in ("", [""], [], ["a", "b"]):
+    assert CompletionRequest(model="m", prompt="hello").prompts == ["hello"]
+    assert CompletionRequest(model="m", prompt=["hello"]).prompts == ["hello"]
+    assert CompletionRequest(model="m", prompt=[1, 2]).prompts == [[1, 2]]
+    assert CompletionRequest(model="m", prompt=["a", "b"]).prompts == ["a", "b"]
+    assert CompletionRequest(model="m", prompt=[[1, 2], [3]]).prompts == [[1, 2], [3]]
+    for prompt in ("", [""], [], ["a", ""], [[1], []], ["a"] * 129):
         with pytest.raises(ValidationError):
             CompletionRequest(model="m", prompt=prompt)
+    with pytest.raises(ValidationError, match="at most 128 choices"):
+        CompletionRequest(model="m", prompt=["a"] * 65, n=2)
 
 
 async def echo(scope: Scope, receive: Receive, send: Send) -> None:
