@@ -326,12 +326,17 @@ class Gateway:
                                 f"the KV cache); the prompt ({prompt_len} tokens){asked} "
                                 "exceeds it.", "max_tokens" if room >= 1 else "messages",
                            "context_length_exceeded")
+        if any(token >= self.tokenizer.vocab_size for token, _ in req.bias_list):
+            raise APIError(400, f"logit_bias names a token id past the vocabulary "
+                                f"({self.tokenizer.vocab_size} tokens)", "logit_bias")
         return Sampling(max_tokens=max_tokens or room, temperature=req.temperature,
                         top_p=req.top_p, top_k=max(0, req.top_k),
                         seed=req.seed if req.seed is not None else random.getrandbits(62),
                         stop=req.stop_list, ignore_eos=req.ignore_eos,
                         logprobs=req.wants_logprobs, top_logprobs=req.top_count,
-                        prompt_logprobs=req.scores_prompt)
+                        prompt_logprobs=req.scores_prompt,
+                        presence_penalty=req.presence_penalty,
+                        frequency_penalty=req.frequency_penalty, logit_bias=req.bias_list)
 
     # -- one request ---------------------------------------------------------------------
 

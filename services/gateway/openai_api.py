@@ -15,6 +15,7 @@ MAX_STOPS = 4
 MAX_STOP_CHARS = 256  # longer stop strings cannot match a reply in any useful way
 MAX_CHOICES = 128  # OpenAI's bound on n
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (the legacy API's on logprobs: 5)
+MAX_LOGIT_BIAS = 300  # OpenAI's bound on the tokens a logit_bias names
 
 
 class APIError(Exception):
@@ -69,6 +70,22 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension: generate exactly max_tokens (benchmarks)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    # token id (as a string) -> added to its logit, -100 (never) to 100 (only)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if any(not key.isdigit() for key in bias or {}):
+            raise ValueError("logit_bias maps token ids (integers, as strings) to biases")
+        return bias
+
+    @property
+    def bias_list(self) -> list[tuple[int, float]]:
+        return [(int(token), bias) for token, bias in (self.logit_bias or {}).items()]
 
     @field_validator("stop")
     @classmethod

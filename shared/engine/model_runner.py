@@ -28,7 +28,7 @@ from shared.engine.parallel.packet import pack
 from shared.engine.parallel.pipeline import hidden_states, last_stage, run_stage
 from shared.engine.parallel.sharding import KvSpan, RankPlace, check_tp, stage_layers
 from shared.engine.request import Draw
-from shared.engine.sampler import sample, top_logprobs
+from shared.engine.sampler import adjust, sample, top_logprobs
 from shared.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -173,6 +173,7 @@ class ModelRunner:
             return {}
         logits = self.model.logits(launched.hidden[torch.tensor(rows, device=self.device)])
         params = [c.request.params for c in sampling]
+        logits = adjust(logits, params, [c.request.output_ids for c in sampling])
         tokens, logprobs = sample(logits, params, [len(c.request.output_ids) for c in sampling])
         tops = top_logprobs(logits, params)
         return {c.request.request_id: Draw(t, lp, top)

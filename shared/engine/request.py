@@ -53,6 +53,11 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0  # with logprobs: the most likely tokens' at each position
     prompt_logprobs: bool = False  # each prompt token's given those before it (and the top)
+    # OpenAI's: a token's logit lowered by presence (once it was generated) + frequency x
+    # the times it was; logit_bias added to the logits of the tokens it names
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -63,6 +68,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
+            raise ValueError("a logit_bias must be in [-100, 100]")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
                              f"{self.top_logprobs}")
@@ -70,6 +80,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the logits are changed before sampling (penalties, a bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 @dataclass(eq=False)

@@ -134,3 +134,26 @@ def top_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list
                                     strict=True):
             tops[row] = tuple(zip(ids, values, strict=True))[: params[row].top_logprobs]
     return tops
+
+
+def adjust(logits: torch.Tensor, params: Sequence[SamplingParams],
+           outputs: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The logits as sampling sees them: each row that asks lowered by its presence and
+    frequency penalties on the tokens its request generated so far (OpenAI's: presence once a
+    token appeared, frequency times its count) and raised by its logit_bias. Rows that ask
+    nothing are left as they are (and no copy is made when none asks)."""
+    rows = [row for row, p in enumerate(params) if p.adjusts]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for row in rows:
+        p, generated = params[row], [t for t in outputs[row] if 0 <= t < vocab]
+        if generated and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(torch.tensor(generated, device=logits.device),
+                                    minlength=vocab).to(logits.dtype)
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        for token, bias in p.logit_bias:
+            if 0 <= token < vocab:
+                logits[row, token] += bias
+    return logits

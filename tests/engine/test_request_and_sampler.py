@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from shared.engine.request import Draw, Request, RequestStatus, SamplingParams
-from shared.engine.sampler import _filter, sample, top_logprobs
+from shared.engine.sampler import _filter, adjust, sample, top_logprobs
 
 
 @pytest.mark.parametrize("bad", [{"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0},
@@ -59,6 +59,22 @@ def test_a_request_keeps_its_top_logprobs_only_when_asked() -> None:
         r.append(*Draw(6, -0.2, ((7, -0.05),)))
     assert asked.output_top == [((5, -0.1),), ((7, -0.05),)]
     assert plain.output_top == [] and plain.output_logprobs == [-0.1, -0.2]
+
+
+def test_penalties_and_bias_change_the_logits_sampling_sees() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.5], [1.0, 2.0, 3.0, 0.5]])
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25,
+                             logit_bias=((0, 10.0), (9, 5.0))), SamplingParams()]
+    adjusted = adjust(logits, params, [[2, 2, 1, 7], [2, 2]])  # 7, 9: past the vocabulary
+    assert adjusted[0].tolist() == pytest.approx([11.0, 2.0 - 0.75, 3.0 - 1.0, 0.5])
+    assert torch.equal(adjusted[1], logits[1]) and torch.equal(logits[0], logits[1])
+    assert adjust(logits, [SamplingParams()] * 2, [[2], [2]]) is logits  # nothing asked
+    tokens, _ = sample(adjusted, params, [0, 0])
+    assert tokens == [0, 2]  # greedy: the bias decides
+    for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -3.0},
+                {"logit_bias": ((1, 101.0),)}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)  # type: ignore[arg-type]
 
 
 def test_seeded_sampling_is_reproducible_and_depends_on_index() -> None:

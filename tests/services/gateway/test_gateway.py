@@ -203,6 +203,32 @@ def test_several_prompts_each_answered_in_order(stack: Stack) -> None:
     assert all(c["logprobs"]["token_logprobs"][0] is None for c in scored)
 
 
+def test_penalties_and_logit_bias_steer_the_tokens(stack: Stack) -> None:
+    """Greedy, so only the logits' changes move the tokens: a bias of -100 bans the likeliest
+    token, +100 forces one, and a frequency penalty breaks a repetition."""
+    from shared.engine.loader import read_tokenizer
+
+    def text(prompt: str, **extra: object) -> str:
+        r = httpx.post(f"{stack.url}/v1/completions", headers=AUTH, timeout=120, json={
+            "model": MODEL, "prompt": prompt, "temperature": 0, "ignore_eos": True, **extra})
+        assert r.status_code == 200, r.text
+        return str(r.json()["choices"][0]["text"])
+
+    tokenizer = read_tokenizer("smollm2-135m")
+    (paris,), (banana,) = tokenizer.encode(" Paris"), tokenizer.encode(" banana")
+    prompt = "The capital of France is"
+    assert text(prompt, max_tokens=1) == " Paris"
+    assert text(prompt, max_tokens=1, logit_bias={str(paris): -100}) != " Paris"
+    assert text(prompt, max_tokens=3, logit_bias={str(banana): 100}) == " banana" * 3
+    repeated = "hello hello hello hello hello hello"
+    plain = text(repeated, max_tokens=8)
+    penalized = text(repeated, max_tokens=8, frequency_penalty=2.0, presence_penalty=1.0)
+    assert penalized.count("hello") < plain.count("hello"), (plain, penalized)
+    r = httpx.post(f"{stack.url}/v1/completions", headers=AUTH, timeout=60, json={
+        "model": MODEL, "prompt": prompt, "logit_bias": {"99999999": 1}})
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+
+
 def test_an_agents_history_and_the_model_card(stack: Stack) -> None:
     c = client(stack)
     assert c.models.retrieve(MODEL).id == MODEL
