@@ -76,6 +76,23 @@ class _Common(BaseModel):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         default=None, max_length=MAX_LOGIT_BIAS)
 
+    # accepted where they ask for nothing this server cannot do (see _served)
+    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _served(self) -> _Common:
+        """What a client would be misled by if it were ignored: an answer held to JSON or a
+        schema, a tool call it requires. (`tools` offered with the choice left to the model
+        are not: its answer is text, as a model may always answer.)"""
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(f"response_format {kind!r} is not served: answers are free text")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ValueError("tool_choice that requires a tool call is not served: tools are "
+                             "not offered to the model")
+        return self
+
     @field_validator("logit_bias")
     @classmethod
     def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:

@@ -116,6 +116,25 @@ def test_a_message_that_cannot_be_read_is_refused_by_name(message: dict[str, obj
         ChatRequest.model_validate({"model": "m", "messages": [message]})
 
 
+@pytest.mark.parametrize(("extra", "refused"), [
+    ({"response_format": {"type": "json_object"}}, "'json_object' is not served"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "'json_schema'"),
+    ({"tool_choice": "required"}, "requires a tool call"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "requires a tool"),
+    ({"logit_bias": {"x": 1}}, "token ids"),
+    ({"logit_bias": {"1": 101}}, "less than or equal to 100"),
+])
+def test_what_would_mislead_if_ignored_is_refused(extra: dict[str, object],
+                                                   refused: str) -> None:
+    with pytest.raises(ValidationError, match=refused):
+        ChatRequest.model_validate({"model": "m", "messages": [
+            {"role": "user", "content": "hi"}], **extra})
+    for fine in ({"response_format": {"type": "text"}}, {"tool_choice": "auto"},
+                 {"tool_choice": "none"}, {"tools": [{"type": "function"}]}):
+        ChatRequest.model_validate({"model": "m", "messages": [
+            {"role": "user", "content": "hi"}], **fine})
+
+
 def test_an_agents_history_goes_to_the_template_as_the_client_sent_it() -> None:
     call = {"id": "call_1", "type": "function",
             "function": {"name": "add", "arguments": '{"a": 1}'}}
