@@ -28,7 +28,7 @@ from shared import subjects
 from shared.bus import connect, parse, publish
 from shared.engine.config import EngineConfig, Role
 from shared.engine.engine import Engine, RequestOutput, RequestRejected
-from shared.engine.request import Request
+from shared.engine.request import Draw, Request
 from shared.engine.scheduler import StepShape
 from shared.host import machine_id
 from shared.messages import Cancel, PrefillRequest, TokenChunk
@@ -38,6 +38,15 @@ from shared.telemetry import shutdown as shutdown_tracing
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+SCORES_PER_CHUNK = 1024  # prompt positions whose scores one chunk carries (~200 KB at top 5)
+
+
+def prompt_part(scores: list[Draw], start: int) -> dict[str, Any]:
+    """The TokenChunk fields of the prompt's scores from position `start` on (a part)."""
+    part = scores[start:start + SCORES_PER_CHUNK]
+    return {"prompt_from": start, "prompt_logprobs": [d.logprob or 0.0 for d in part],
+            "prompt_top_logprobs": [list(d.top) for d in part]}
 
 
 class WorkerSettings(BaseSettings):
@@ -511,21 +520,37 @@ class Worker:
         """New tokens and text, the end, or the error that failed the request's step."""
         attempt = self.attempts.pop(out.request_id, 0) if out.finished else \
             self.attempts.get(out.request_id, 0)
+        # a long prompt's scores in parts (each well under NATS's 1 MiB message), all but the
+        # last ahead of the token: chunks of one subject arrive in order
+        scores = out.prompt_logprobs
+        starts = range(0, len(scores), SCORES_PER_CHUNK) or [0]
+        for start in starts[:-1]:
+            await self.send(TokenChunk(request_id=out.request_id, seq=out.index,
+                                       attempt=attempt, source=self.id,
+                                       **prompt_part(scores, start)))
         await self.send(TokenChunk(request_id=out.request_id, seq=out.index, attempt=attempt,
                                    token_ids=out.new_token_ids, text=out.new_text,
                                    logprobs=out.logprobs,
                                    top_logprobs=[list(top) for top in out.top_logprobs],
-                                   prompt_logprobs=[d.logprob or 0.0
-                                                    for d in out.prompt_logprobs],
-                                   prompt_top_logprobs=[list(d.top)
-                                                        for d in out.prompt_logprobs],
                                    finish_reason=out.finish_reason,
-                                   error=out.error, source=self.id))
+                                   error=out.error, source=self.id,
+                                   **prompt_part(scores, starts[-1])))
 
     async def send(self, chunk: TokenChunk) -> None:
         """Publish a chunk; a failure (NATS down, its buffer full) is logged, never raised:
-        the engine loop goes on, and the gateway sees the gap by the chunk's seq."""
+        the engine loop goes on, and the gateway sees the gap by the chunk's seq. A chunk
+        past NATS's message limit fails its request clearly instead (sent again, it would
+        be as large)."""
         try:
             await publish(self.nc, subjects.tokens(chunk.request_id), chunk)
+        except nats.errors.MaxPayloadError as e:
+            log.warning("%s: a chunk of %s is too large to send: %s", self.id,
+                        chunk.request_id, e)
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await publish(self.nc, subjects.tokens(chunk.request_id), TokenChunk(
+                    request_id=chunk.request_id, seq=chunk.seq, attempt=chunk.attempt,
+                    error=f"an answer's chunk is past the message limit ({e})",
+                    source=self.id))
         except (nats.errors.Error, OSError) as e:
             log.warning("%s: lost a chunk of %s: %s", self.id, chunk.request_id, e)
+

@@ -152,8 +152,10 @@ class TokenChunk(BaseModel):
     logprobs: list[float] = Field(default_factory=list)
     # each token's most likely alternatives (token id, logprob), where asked for
     top_logprobs: list[list[tuple[int, float]]] = Field(default_factory=list)
-    # with the first token, where asked for: prompt token p + 1's logprob given tokens 0..p,
-    # and the likeliest there
+    # with the first token (a long prompt's in several chunks just before it), where asked
+    # for: prompt token p + 1's logprob given tokens 0..p, p from prompt_from on, and the
+    # likeliest there
+    prompt_from: int = 0
     prompt_logprobs: list[float] = Field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]]] = Field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length", "abort"

@@ -427,6 +427,8 @@ class Gateway:
         if path == "re_prefill":  # a new attempt: a late "held" answer acts on the one asked
             route = await self._live_route(failed, deadline)
             relay.retarget(route.worker, route.decode, prefilled=not route.decode)
+            if relay.output_ids:  # the prompt's scores went with the first token already
+                sampling = sampling.model_copy(update={"prompt_logprobs": False})
             await self._prefill(relay, prompt_ids, sampling, timing)
         self.metrics.moves.labels(lost.cause, path).inc()
         log.info("moved %s after %d tokens (%s: %s) to %s%s, by %s", relay.request_id,

@@ -3,7 +3,6 @@ the error envelope, ids, response and chunk envelopes, choices, usage, logprobs 
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -188,6 +187,13 @@ class TextPart(BaseModel):
     text: Text
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: Text
+    arguments: Text = "{}"  # JSON, as the model wrote it
+
+
 class ToolCall(BaseModel):
     """A call the assistant made earlier in the conversation, passed to the chat template
     as it came (templates that know tools render it)."""
@@ -196,7 +202,7 @@ class ToolCall(BaseModel):
 
     id: Text | None = None
     type: Literal["function"] = "function"
-    function: dict[str, Any]
+    function: FunctionCall
 
 
 class _Message(BaseModel):
@@ -304,8 +310,8 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A token as the logprobs blocks show it: its text, its own bytes (part of a character
-    where a token splits one), its logprob."""
+    """A token as the logprobs blocks show it: its text (`bytes:\\xe2\\x80` where its bytes
+    are part of a character), its own bytes, its logprob."""
 
     text: str
     piece: bytes
@@ -313,16 +319,14 @@ class TokenLogprob:
 
 
 def completion_logprobs(tokens: list[TokenLogprob],
-                        tops: list[list[TokenLogprob] | None] | None, start: int = 0
+                        tops: list[list[TokenLogprob] | None] | None, offsets: list[int]
                         ) -> dict[str, Any]:
     """The legacy block: each position's top tokens as {text: logprob} (where asked for;
-    None at an echoed prompt's first token), and where each token starts in the text (from
-    `start`, the text streamed before)."""
-    offsets = list(itertools.accumulate((len(t.text) for t in tokens[:-1]), initial=start))
+    None at an echoed prompt's first token), and where each token starts in the text."""
     return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
             "top_logprobs": [None if top is None else {c.text: c.logprob for c in top}
                              for top in tops] if tops is not None else None,
-            "text_offset": offsets if tokens else []}
+            "text_offset": offsets}
 
 
 def chat_logprobs(tokens: list[TokenLogprob], tops: list[list[TokenLogprob]] | None

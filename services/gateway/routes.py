@@ -7,6 +7,7 @@ cancels its request on every instance."""
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -26,6 +27,9 @@ from services.gateway.timing import RequestTiming
 from shared.engine.tokenizer import ChatTemplateError
 from shared.messages import Sampling, TokenChunk
 
+DRESSED_ON_LOOP = 256  # logprob entries shown on the event loop; more go to a thread
+MAX_SCORED = 1 << 20  # prompt tokens x (1 + top) one echo request scores (~30 MB of JSON)
+
 
 class Call:
     """One choice of an admitted request (a request with n choices runs n, each a request of
@@ -38,14 +42,26 @@ class Call:
         self.prompt_ids, self.sampling = prompt_ids, sampling
         self.request_id, self.index = request_id, index
         self.timing = RequestTiming(len(prompt_ids))
-        self.offset = 0  # the characters of the tokens whose logprobs were given so far
         self.echo = echo  # the prompt's text, shown before the first tokens (then None)
         self.generates = generates  # False: the prompt scored only (its token left out)
-        self.prompt_scores: tuple[list[float], list[list[tuple[int, float]]]] | None = None
+        # prompt position p -> the logprob of token p + 1 and the likeliest there
+        self.scores: dict[int, tuple[float, list[tuple[int, float]]]] = {}
+        # the characters of the tokens shown with logprobs so far (text_offset), counted from
+        # their bytes: a character split between tokens counts once it is whole
+        self.chars = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def chunks(self) -> AsyncIterator[TokenChunk]:
         return self.gateway.generate(self.request_id, self.target, self.booking,
                                      self.prompt_ids, self.sampling, self.timing)
+
+    def take(self, chunk: TokenChunk) -> None:
+        """Keep the prompt's scores a chunk carries, by position (a long prompt's come in
+        parts; a request prefilled again sends them again)."""
+        tops = chunk.prompt_top_logprobs
+        for i, logprob in enumerate(chunk.prompt_logprobs):
+            self.scores.setdefault(chunk.prompt_from + i,
+                                   (logprob, tops[i] if i < len(tops) else []))
 
     def pending(self) -> bool:
         """Whether the echo waits to be shown."""
@@ -53,16 +69,19 @@ class Call:
 
     def show(self, chunk: TokenChunk) -> tuple[str, dict[str, Any] | None]:
         """A chunk's text and logprobs block as the client sees them: the first shown comes
-        after the echoed prompt and its tokens' scores (which come with the first token: the
-        first copy heard is kept, a request prefilled again sends them again)."""
-        if chunk.prompt_logprobs and self.prompt_scores is None:
-            self.prompt_scores = (chunk.prompt_logprobs, chunk.prompt_top_logprobs)
+        after the echoed prompt and its tokens' scores (taken from the chunks before)."""
         text, echoed, tokens = chunk.text, [], chunk.token_ids
         if not self.generates:
             text, tokens = "", []
         if self.echo is not None and (chunk.token_ids or chunk.finish_reason):
             text, echoed, self.echo = self.echo + text, self.prompt_ids, None
         return text, self.logprob_block(echoed, tokens, chunk.logprobs, chunk.top_logprobs)
+
+    def work(self, chunk: TokenChunk) -> int:
+        """How many tokens showing the chunk dresses (the echoed prompt's too)."""
+        echoed = len(self.prompt_ids) if self.echo is not None else 0
+        return (echoed + len(chunk.token_ids)) * (1 + self.sampling.top_logprobs) \
+            if self.sampling.logprobs else 0
 
     def finish(self, reason: str | None) -> str | None:
         """Why the choice ended, as the client asked for it (nothing generated: length)."""
@@ -78,32 +97,34 @@ class Call:
         first: nothing precedes it)."""
         if not self.sampling.logprobs:
             return None
-        chosen = [self.token(t, lp) for t, lp in zip(tokens, logprobs, strict=False)]
-        top = None
-        if self.sampling.top_logprobs:  # (a position without them, were one lost: none)
-            top = [[self.token(t, lp) for t, lp in top] for top in tops[: len(chosen)]]
-            top += [[] for _ in range(len(chosen) - len(top))]
+        asked = bool(self.sampling.top_logprobs)
+
+        def dress(top: list[tuple[int, float]]) -> list[api.TokenLogprob] | None:
+            return [self.token(c, v) for c, v in top] if asked else None
+
+        shown: list[tuple[int, float | None, list[api.TokenLogprob] | None]] = [
+            (t, lp, dress(tops[i] if i < len(tops) else []))
+            for i, (t, lp) in enumerate(zip(tokens, logprobs, strict=False))]
         if self.chat:
-            return api.chat_logprobs(chosen, top)
-        shown_tops: list[list[api.TokenLogprob] | None] | None = list(top) \
-            if top is not None else None
-        if echoed:
-            scores, prompt_tops = self.prompt_scores or ([], [])
-            prompt = [self.token(t, scores[i - 1] if 0 < i <= len(scores) else None)
-                      for i, t in enumerate(echoed)]
-            chosen = prompt + chosen
-            if shown_tops is not None:
-                shown_tops = [None] + [[self.token(t, lp) for t, lp in top]
-                                       for top in prompt_tops[: len(echoed) - 1]] \
-                    + [[] for _ in range(len(echoed) - len(prompt_tops) - 1)] + shown_tops
-        block = api.completion_logprobs(chosen, shown_tops, self.offset)
-        self.offset += sum(len(t.text) for t in chosen)
-        return block
+            return api.chat_logprobs([self.token(t, lp) for t, lp, _ in shown],
+                                     [top or [] for _, _, top in shown] if asked else None)
+        if echoed:  # position p scores token p + 1; the first has nothing before it
+            missing: tuple[float | None, list[tuple[int, float]]] = (None, [])
+            scored = [self.scores.get(p, missing) for p in range(len(echoed) - 1)]
+            shown = [(echoed[0], None, None)] + [
+                (t, logprob, dress(top)) for t, (logprob, top) in zip(echoed[1:], scored,
+                                                                      strict=True)] + shown
+        dressed = [self.token(t, lp) for t, lp, _ in shown]
+        offsets = []
+        for t in dressed:
+            offsets.append(self.chars)
+            self.chars += len(self._utf8.decode(t.piece))
+        return api.completion_logprobs(dressed, [top for _, _, top in shown] if asked else None,
+                                       offsets)
 
     def token(self, token_id: int, logprob: float | None) -> api.TokenLogprob:
-        tokenizer = self.gateway.tokenizer
-        return api.TokenLogprob(tokenizer.decode([token_id], skip_special_tokens=False),
-                                tokenizer.token_bytes(token_id), logprob)
+        text, piece = self.gateway.tokenizer.token_piece(token_id)
+        return api.TokenLogprob(text, piece, logprob)
 
 
 class Reply:
@@ -148,14 +169,21 @@ async def collect(call: Call) -> dict[str, Any]:
                 whole.logprobs += chunk.logprobs
                 whole.top_logprobs += chunk.top_logprobs
                 whole.finish_reason = chunk.finish_reason or whole.finish_reason
-                if chunk.prompt_logprobs and not whole.prompt_logprobs:
-                    whole.prompt_logprobs = chunk.prompt_logprobs
-                    whole.prompt_top_logprobs = chunk.prompt_top_logprobs
+                call.take(chunk)
     except GaveUp as e:
         raise APIError(503, f"the request failed: {e}", kind="server_error") from None
-    text, logprobs = call.show(whole)
+    text, logprobs = await shown(call, whole)
     return api.choice(call.chat, text, call.finish(whole.finish_reason), logprobs,
                       stream=False, index=call.index)
+
+
+async def shown(call: Call, chunk: TokenChunk) -> tuple[str, dict[str, Any] | None]:
+    """`call.show(chunk)`, off the event loop where it dresses many tokens (an echoed
+    prompt's scores: a few thousand tokens, each with its top ones, take a fraction of a
+    second that every other stream would wait)."""
+    if call.work(chunk) < DRESSED_ON_LOOP:
+        return call.show(chunk)
+    return await asyncio.to_thread(call.show, chunk)
 
 
 async def all_of(calls: list[Call]) -> list[dict[str, Any]]:
@@ -254,13 +282,14 @@ async def stream_events(reply: Reply) -> AsyncIterator[str]:
     try:
         async with contextlib.aclosing(interleaved(reply.calls)) as chunks:
             async for call, chunk in chunks:
+                call.take(chunk)
                 if chunk.error:
                     yield error_event(chunk.error)
                     yield api.sse("[DONE]")
                     return
                 if chunk.text or chunk.finish_reason or (chunk.token_ids and (
                         call.sampling.logprobs or call.pending())):
-                    text, logprobs = call.show(chunk)
+                    text, logprobs = await shown(call, chunk)
                     choice = api.choice(call.chat, text, call.finish(chunk.finish_reason),
                                         logprobs, stream=True, index=call.index)
                     yield api.sse(base | {"choices": [choice]} | extra)
@@ -328,8 +357,13 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
         """A slot for each of a request's n choices, or none (429, or 400 where n is more
         than this server ever runs at once)."""
         if n > (limit := gateway.inflight_limit()):
-            raise APIError(400, f"{n} choices (n for each prompt) are more than this server "
-                                f"runs at once ({limit})", "n")
+            if gateway.settings.max_inflight:  # a set limit: it will never fit
+                raise APIError(400, f"{n} choices (n for each prompt) are more than this "
+                                    f"server runs at once ({limit})", "n")
+            raise APIError(503, f"{n} choices (n for each prompt) are more than the "  # yet
+                                f"instances live now run at once ({limit}); retry after "
+                                f"{gateway.settings.retry_after_s}s", kind="server_error",
+                           headers={"Retry-After": str(gateway.settings.retry_after_s)})
         tickets: list[Ticket] = []
         try:
             for _ in range(n):
@@ -350,6 +384,13 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
                 each = [await completion_ids(prompt) for prompt in prompts]
             if not all(each):
                 raise APIError(400, "the prompt is empty", "prompt")
+            scored = sum(map(len, each)) * req.n * (1 + req.top_count) \
+                if req.scores_prompt else 0
+            if scored > MAX_SCORED:
+                raise APIError(400, f"echo with logprobs would score {scored:,} prompt tokens "
+                                    f"and their top ones, past the {MAX_SCORED:,} one request "
+                                    "answers: fewer prompts or choices, or smaller logprobs",
+                               "logprobs")
             request_ids = choice_ids(uuid.uuid4().hex, len(tickets))
             calls: list[Call] = []
             seeds: list[int] = []
@@ -361,7 +402,8 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
                 sampling.seed = seeds[index % req.n]
                 echo = None
                 if isinstance(req, CompletionRequest) and req.echo:
-                    echo = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+                    echo = prompt if isinstance(prompt, str) else \
+                        tokenizer.decode(ids, skip_special_tokens=False)  # as its tokens read
                 calls.append(Call(gateway, isinstance(req, ChatRequest), target,
                                   ticket.booking, ids, sampling, request_ids[index], index,
                                   echo, req.generates))

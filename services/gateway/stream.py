@@ -110,6 +110,10 @@ class Relay:
             return False  # from an instance the request has moved away from
         if chunk.retry:
             raise Lost("kv_transfer", chunk.error or "the KV transfer failed")
+        if chunk.prompt_logprobs and not (chunk.token_ids or chunk.finish_reason or
+                                          chunk.error):
+            self._progress_at = self.clock()  # a part of a long prompt's scores: the first
+            return True  # token comes next (nothing is known prefilled before it)
         if chunk.token_ids and chunk.seq != len(self.output_ids):
             if chunk.seq < len(self.output_ids):
                 return False  # tokens relayed already

@@ -88,6 +88,7 @@ class TextTokenizer:
         self.eos_id = eos_ids[0] if eos_ids else None
         self.bos_id = None if bos_token is None else tokenizer.token_to_id(bos_token)
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._pieces: dict[int, tuple[str, bytes]] = {}  # token_piece's
         # the environment transformers renders chat templates in
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=[jinja2.ext.loopcontrols])
@@ -137,6 +138,19 @@ class TextTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    def token_piece(self, token_id: int) -> tuple[str, bytes]:
+        """A token as logprobs show it: its text, or OpenAI's `bytes:\\xe2\\x80` where its
+        bytes are part of a character; and its bytes (cached: a vocabulary's at most)."""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            raw = self.token_bytes(token_id)
+            try:
+                text = raw.decode()
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            piece = self._pieces[token_id] = (text, raw)
+        return piece
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for, which may be part of a character (a byte-level
         BPE piece, a SentencePiece byte fallback `<0xE2>`): what OpenAI's logprobs give as
@@ -174,9 +188,11 @@ class TextTokenizer:
                 documents=None, eos_token=self.eos_token or "", bos_token=self.bos_token or ""))
         except ChatTemplateError:
             raise
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
+            # a template's own error, or one its expressions raise on values it did not
+            # expect (a number where it joins strings)
             raise ChatTemplateError(f"the model's chat template cannot render these messages: "
-                                    f"{e}") from e
+                                    f"{type(e).__name__}: {e}") from e
 
 
 class IncrementalDetokenizer:

@@ -175,6 +175,12 @@ def test_each_tokens_bytes_join_into_the_texts(kind: str, tok: TextTokenizer) ->
     joined = b"".join(tokenizer.token_bytes(t) for t in ids)
     prefix = b" " if kind == "SentencePiece-like" else b""  # its normalizer's "▁"
     assert joined == prefix + MIXED.encode()
+    pieces = [tokenizer.token_piece(t) for t in ids]
+    assert all(text == piece.decode() for text, piece in pieces
+               if not text.startswith("bytes:"))
+    split = [(text, piece) for text, piece in pieces if text.startswith("bytes:")]
+    assert split and all(text == "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+                         for text, piece in split)  # OpenAI's form of a partial character
     im_end = tokenizer.encode("<|im_end|>") if kind == "byte-level BPE" else [2]
     assert tokenizer.token_bytes(im_end[0]) == (b"<|im_end|>" if kind == "byte-level BPE"
                                                  else b"</s>")

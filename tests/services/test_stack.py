@@ -124,7 +124,7 @@ def test_cancel_mid_stream_frees_kv_everywhere(stack: Stack) -> None:
 @pytest.mark.parametrize(("body", "message"), [
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"model": "gpt-9", "prompt": "hi"}, "does not exist"),
-    ({"model": MODEL, "prompt": "hi", "n": 3}, "only n=1"),
+    ({"model": MODEL, "prompt": "hi", "n": 129}, "less than or equal to 128"),
     ({"model": MODEL, "prompt": "hi", "temperature": 7}, "temperature"),
     ({"model": MODEL, "prompt": "hi " * 9000, "max_tokens": 5}, "maximum context length"),
     ({"model": MODEL, "prompt": ""}, "empty"),

@@ -179,6 +179,33 @@ def test_echo_scores_the_prompt_as_sampling_scored_it(stack: Stack) -> None:
                    json={"model": MODEL, "prompt": text, "max_tokens": 0})
     assert r.status_code == 400 and "echo" in r.json()["error"]["message"]
 
+    split = complete("I love 🦜 parrots and ünïcödé", max_tokens=0, logprobs=0,
+                     echo=True)["choices"][0]  # the parrot is split between tokens
+    tokens, offsets = split["logprobs"]["tokens"], split["logprobs"]["text_offset"]
+    assert any(t.startswith("bytes:") for t in tokens)  # OpenAI's form of a part
+    for token, offset in zip(tokens, offsets, strict=True):
+        if not token.startswith("bytes:"):
+            assert split["text"][offset:offset + len(token)] == token
+
+
+def test_a_long_prompts_scores_come_whole(stack: Stack) -> None:
+    """3,000 prompt tokens scored with their top 5 (more than one NATS message holds at
+    some lengths: they travel in parts); a request that would score past what one answer
+    holds gets a 400 before any work."""
+    prompt = [(t * 7919) % 40000 + 100 for t in range(3000)]
+    r = httpx.post(f"{stack.url}/v1/completions", headers=AUTH, timeout=300, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 5})
+    assert r.status_code == 200, r.text
+    block = r.json()["choices"][0]["logprobs"]
+    assert len(block["tokens"]) == 3000 and block["token_logprobs"][0] is None
+    assert all(lp is not None and lp <= 0 for lp in block["token_logprobs"][1:])
+    assert all(len(top) >= 1 for top in block["top_logprobs"][1:])
+    r = httpx.post(f"{stack.url}/v1/completions", headers=AUTH, timeout=60, json={
+        "model": MODEL, "prompt": prompt, "n": 64, "max_tokens": 0, "echo": True,
+        "logprobs": 5})
+    assert r.status_code == 400 and "past the" in r.json()["error"]["message"]
+    wait_all_free(stack)
+
 
 def test_several_prompts_each_answered_in_order(stack: Stack) -> None:
     """A batch of prompts, as evaluation harnesses send it (lm-eval's loglikelihood: token

@@ -135,6 +135,39 @@ def test_what_would_mislead_if_ignored_is_refused(extra: dict[str, object],
             {"role": "user", "content": "hi"}], **fine})
 
 
+def test_a_tool_call_names_its_function_by_a_string() -> None:
+    with pytest.raises(ValidationError, match="valid string"):
+        ChatRequest.model_validate({"model": "m", "messages": [{"role": "assistant",
+                                    "tool_calls": [{"function": {"name": 5}}]}]})
+
+
+def test_a_long_prompts_scores_go_in_parts_and_come_together() -> None:
+    """Each part under NATS's message limit, all but the last ahead of the token; the
+    gateway's choice takes them by position, the first copy kept, and its relay passes a
+    part on without taking the request for prefilled."""
+    from services.gateway.routes import Call
+    from services.runtime import SCORES_PER_CHUNK, prompt_part
+    from shared.engine.request import Draw
+
+    scores = [Draw(t, -float(t), ((t, -float(t)), (0, -9.0))) for t in range(2500)]
+    parts = [prompt_part(scores, start) for start in range(0, 2500, SCORES_PER_CHUNK)]
+    assert [p["prompt_from"] for p in parts] == [0, 1024, 2048]
+    assert all(len(TokenChunk(request_id="r", **p).model_dump_json()) < 1 << 19
+               for p in parts)
+    call = Call.__new__(Call)
+    call.scores = {}
+    for p in reversed(parts):  # in any order, and twice: the first copy stays
+        call.take(TokenChunk(request_id="r", **p))
+    call.take(TokenChunk(request_id="r", prompt_from=0, prompt_logprobs=[1.0],
+                         prompt_top_logprobs=[[]]))
+    assert sorted(call.scores) == list(range(2500))
+    assert call.scores[2499] == (-2499.0, [(2499, -2499.0), (0, -9.0)])
+    assert call.scores[0][0] == 0.0  # not the second copy's 1.0
+    relay = Relay(None, InstanceView(2.0), "r", "p0", "d0", 60.0)  # type: ignore[arg-type]
+    assert relay.accept(TokenChunk(request_id="r", source="p0", **parts[0]))
+    assert not relay.prefilled and relay.output_ids == []
+
+
 def test_an_agents_history_goes_to_the_template_as_the_client_sent_it() -> None:
     call = {"id": "call_1", "type": "function",
             "function": {"name": "add", "arguments": '{"a": 1}'}}
