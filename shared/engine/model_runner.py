@@ -27,7 +27,7 @@ from shared.engine.parallel.kv_serving import export_part
 from shared.engine.parallel.packet import pack
 from shared.engine.parallel.pipeline import hidden_states, last_stage, run_stage
 from shared.engine.parallel.sharding import KvSpan, RankPlace, check_tp, stage_layers
-from shared.engine.request import Draw
+from shared.engine.request import Draw, TopLogprobs
 from shared.engine.sampler import adjust, sample, top_logprobs
 from shared.engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -191,12 +191,16 @@ class ModelRunner:
         scores: list[Draw] = []
         for lo in range(first, last, SCORED_ROWS):
             hi = min(lo + SCORED_ROWS, last)
-            logits = self.model.logits(hidden[row + lo - chunk.start:row + hi - chunk.start])
+            logprobs = self.model.logits(
+                hidden[row + lo - chunk.start:row + hi - chunk.start]).log_softmax(-1)
             targets = prompt[lo + 1:hi + 1]
-            chosen = logits.log_softmax(-1).gather(
-                1, torch.tensor(targets, device=logits.device)[:, None]).squeeze(1).tolist()
-            tops = top_logprobs(logits, [params] * (hi - lo)) if params.top_logprobs \
-                else [()] * (hi - lo)
+            chosen = logprobs.gather(
+                1, torch.tensor(targets, device=logprobs.device)[:, None]).squeeze(1).tolist()
+            tops: list[TopLogprobs] = [()] * (hi - lo)
+            if params.top_logprobs:
+                best = logprobs.topk(min(params.top_logprobs, logprobs.shape[-1]), dim=-1)
+                tops = [tuple(zip(i, v, strict=True)) for i, v in
+                        zip(best.indices.tolist(), best.values.tolist(), strict=True)]
             scores += map(Draw, targets, chosen, tops)
         return scores
 
