@@ -482,11 +482,11 @@ class Gateway:
             await asyncio.sleep(0.25)
 
     async def _after(self, relay: Relay, timing: RequestTiming, outcome: str) -> None:
-        """What follows a request: tell the workers to drop it unless one said it ended,
-        stop listening, and report it."""
+        """What follows a request: tell the workers to drop it unless one said it ended
+        well, stop listening, and report it."""
         self.metrics.observe(timing, outcome)
         with contextlib.suppress(nats.errors.Error, OSError):
-            if not relay.finished:
+            if not relay.finished or relay.failed:  # a failure need not have stopped it
                 await publish(self.nc, subjects.cancel(relay.request_id),
                               Cancel(request_id=relay.request_id))
             await relay.close()

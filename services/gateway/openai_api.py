@@ -3,7 +3,9 @@ the error envelope, ids, response and chunk envelopes, choices, usage, logprobs 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -15,6 +17,7 @@ MAX_STOP_CHARS = 256  # longer stop strings cannot match a reply in any useful w
 MAX_CHOICES = 128  # OpenAI's bound on n
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (the legacy API's on logprobs: 5)
 MAX_LOGIT_BIAS = 300  # OpenAI's bound on the tokens a logit_bias names
+TOKEN_ID = re.compile(r"[0-9]{1,9}")  # ASCII digits only ("²".isdigit() is True)
 
 
 class APIError(Exception):
@@ -95,8 +98,10 @@ class _Common(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        if any(not key.isdigit() for key in bias or {}):
+        if any(TOKEN_ID.fullmatch(key) is None for key in bias or {}):
             raise ValueError("logit_bias maps token ids (integers, as strings) to biases")
+        if len({int(key) for key in bias or {}}) != len(bias or {}):
+            raise ValueError("logit_bias names a token twice")
         return bias
 
     @property
@@ -204,6 +209,13 @@ class ToolCall(BaseModel):
     type: Literal["function"] = "function"
     function: FunctionCall
 
+    def for_template(self) -> dict[str, Any]:
+        call = self.model_dump(exclude_none=True)
+        with contextlib.suppress(ValueError):
+            if isinstance(arguments := json.loads(self.function.arguments), dict):
+                call["function"]["arguments"] = arguments
+        return call
+
 
 class _Message(BaseModel):
     role: str
@@ -230,11 +242,12 @@ class _Message(BaseModel):
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it: content as one string, and the tool
-        fields only where given."""
+        fields only where given (a call's JSON arguments as the object they spell, which
+        templates such as Llama 3.1's read)."""
         message: dict[str, Any] = {"role": self.role, "content": self.text}
         for key in ("tool_calls", "name", "tool_call_id"):
             if (value := getattr(self, key, None)) is not None:
-                message[key] = [c.model_dump(exclude_none=True) for c in value] \
+                message[key] = [c.for_template() for c in value] \
                     if key == "tool_calls" else value
         return message
 

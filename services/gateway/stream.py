@@ -55,6 +55,8 @@ class Relay:
         self.attempt = 0
         self.moves = 0
         self.finished = False  # a worker said the request ended
+        self.failed = False  # ... with an error (it may still run there: cancel it anyway)
+        self._scored = 0  # the prompt positions whose scores this attempt relayed
         self._queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._sub: Any = None
         self.retarget(worker, decode, prefilled=not decode)
@@ -75,6 +77,7 @@ class Relay:
         self.prefilled = prefilled  # the prefill instance is done with this attempt
         self.serving = decode if prefilled and decode else worker
         self._progress_at = self.clock()
+        self._scored = 0  # a new attempt scores the prompt from its start
         self._steps = -1
         self._heard_decode = False  # a chunk of this attempt came from the decode instance
         self._steps_at_chunk: int | None = None  # the decode instance's steps at the last one
@@ -110,10 +113,14 @@ class Relay:
             return False  # from an instance the request has moved away from
         if chunk.retry:
             raise Lost("kv_transfer", chunk.error or "the KV transfer failed")
-        if chunk.prompt_logprobs and not (chunk.token_ids or chunk.finish_reason or
-                                          chunk.error):
-            self._progress_at = self.clock()  # a part of a long prompt's scores: the first
-            return True  # token comes next (nothing is known prefilled before it)
+        if chunk.prompt_logprobs:  # a part of the prompt's scores, in order
+            if chunk.prompt_from != self._scored:
+                raise Lost("gap", f"the scores of prompt tokens {self._scored}-"
+                                  f"{chunk.prompt_from - 1} of {self.request_id} never arrived")
+            self._scored += len(chunk.prompt_logprobs)
+            if not (chunk.token_ids or chunk.finish_reason or chunk.error):
+                self._progress_at = self.clock()  # the first token comes next (nothing is
+                return True  # known prefilled before it)
         if chunk.token_ids and chunk.seq != len(self.output_ids):
             if chunk.seq < len(self.output_ids):
                 return False  # tokens relayed already
@@ -127,6 +134,7 @@ class Relay:
         if not self.prefilled and (chunk.source == self.worker or chunk.error):
             self.prefilled, self.serving = True, self.decode or self.worker
         self.finished = chunk.finish_reason is not None or chunk.error is not None
+        self.failed = chunk.error is not None
         return True
 
     def _role(self) -> str:

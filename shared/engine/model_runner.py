@@ -163,7 +163,9 @@ class ModelRunner:
         rows, sampling = [], []
         row = 0
         for chunk in launched.out.chunks:
-            if chunk.request.params.prompt_logprobs:
+            if chunk.request.params.prompt_logprobs and not chunk.request.output_ids:
+                # (a prompt computed again later, preempted or moved with its KV, was
+                # scored and sent before its first token)
                 chunk.request.prompt_scores += self._score_prompt(launched.hidden, row, chunk)
             row += chunk.length
             if chunk.samples:

@@ -16,6 +16,7 @@ temperature sends the others towards -inf (probability 0) and never overflows to
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -141,19 +142,43 @@ def adjust(logits: torch.Tensor, params: Sequence[SamplingParams],
     """The logits as sampling sees them: each row that asks lowered by its presence and
     frequency penalties on the tokens its request generated so far (OpenAI's: presence once a
     token appeared, frequency times its count) and raised by its logit_bias. Rows that ask
-    nothing are left as they are (and no copy is made when none asks)."""
+    nothing are left as they are (and no copy is made when none asks); every row that asks is
+    changed in a few tensor operations, not a token at a time."""
     rows = [row for row, p in enumerate(params) if p.adjusts]
     if not rows:
         return logits
     logits = logits.clone()
-    vocab = logits.shape[-1]
-    for row in rows:
-        p, generated = params[row], [t for t in outputs[row] if 0 <= t < vocab]
-        if generated and (p.presence_penalty or p.frequency_penalty):
-            counts = torch.bincount(torch.tensor(generated, device=logits.device),
-                                    minlength=vocab).to(logits.dtype)
-            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-        for token, bias in p.logit_bias:
-            if 0 <= token < vocab:
-                logits[row, token] += bias
+    vocab, device = logits.shape[-1], logits.device
+    penalized = [row for row in rows if params[row].presence_penalty or
+                 params[row].frequency_penalty]
+    if penalized:  # over the (row, token) pairs generated, not the whole vocabulary
+        tokens = torch.cat([torch.tensor(outputs[row], dtype=torch.long) for row in penalized])
+        where = torch.repeat_interleave(torch.tensor(penalized),
+                                        torch.tensor([len(outputs[r]) for r in penalized]))
+        inside = (tokens >= 0) & (tokens < vocab)
+        pairs, counts = torch.unique(where[inside] * vocab + tokens[inside],
+                                     return_counts=True)
+        at, token = pairs // vocab, pairs % vocab
+        frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype)
+        presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype)
+        lowered = frequency[at] * counts.to(logits.dtype) + presence[at]
+        logits.index_put_((at.to(device), token.to(device)), -lowered.to(device),
+                          accumulate=True)
+    biased = [row for row in rows if params[row].logit_bias]
+    if biased:
+        parts = [_bias(params[row].logit_bias, vocab) for row in biased]
+        where = torch.cat([torch.full((len(ids),), row, dtype=torch.long)
+                           for row, (ids, _) in zip(biased, parts, strict=True)])
+        logits.index_put_((where.to(device), torch.cat([ids for ids, _ in parts]).to(device)),
+                          torch.cat([v for _, v in parts]).to(device, logits.dtype),
+                          accumulate=True)
     return logits
+
+
+@functools.lru_cache(maxsize=1024)
+def _bias(bias: tuple[tuple[int, float], ...], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A logit_bias's token ids (those inside the vocabulary) and values, as tensors: made
+    once for a request's params, not every step."""
+    inside = [(t, v) for t, v in bias if 0 <= t < vocab]
+    return (torch.tensor([t for t, _ in inside], dtype=torch.long),
+            torch.tensor([v for _, v in inside], dtype=torch.float32))

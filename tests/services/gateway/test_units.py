@@ -18,7 +18,7 @@ from services.gateway.gateway import Gateway, GatewaySettings
 from services.gateway.ledger import Ledger, Overloaded
 from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
 from services.gateway.routes import choice_ids, choice_seeds, interleaved
-from services.gateway.stream import GaveUp, Relay
+from services.gateway.stream import GaveUp, Lost, Relay
 from services.gateway.timing import RequestTiming
 from services.gateway.view import InstanceView
 from shared.messages import TokenChunk
@@ -123,6 +123,9 @@ def test_a_message_that_cannot_be_read_is_refused_by_name(message: dict[str, obj
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "requires a tool"),
     ({"logit_bias": {"x": 1}}, "token ids"),
     ({"logit_bias": {"1": 101}}, "less than or equal to 100"),
+    ({"logit_bias": {"²": 1}}, "token ids"),  # a digit to str.isdigit, not to int()
+    ({"logit_bias": {"1" * 5000: 1}}, "token ids"),
+    ({"logit_bias": {"0": 100, "00": 100}}, "names a token twice"),
 ])
 def test_what_would_mislead_if_ignored_is_refused(extra: dict[str, object],
                                                    refused: str) -> None:
@@ -166,6 +169,11 @@ def test_a_long_prompts_scores_go_in_parts_and_come_together() -> None:
     relay = Relay(None, InstanceView(2.0), "r", "p0", "d0", 60.0)  # type: ignore[arg-type]
     assert relay.accept(TokenChunk(request_id="r", source="p0", **parts[0]))
     assert not relay.prefilled and relay.output_ids == []
+    with pytest.raises(Lost, match="scores of prompt tokens 1024-2047"):  # one went missing
+        relay.accept(TokenChunk(request_id="r", source="p0", token_ids=[5], **parts[2]))
+    relay.retarget("p1", "d0", prefilled=False)  # the next attempt scores from the start
+    assert relay.accept(TokenChunk(request_id="r", source="p1", attempt=relay.attempt,
+                                   **parts[0]))
 
 
 def test_an_agents_history_goes_to_the_template_as_the_client_sent_it() -> None:
@@ -179,7 +187,9 @@ def test_an_agents_history_goes_to_the_template_as_the_client_sent_it() -> None:
         {"role": "assistant"}]})
     assert [m.for_template() for m in req.messages] == [
         {"role": "user", "content": "1 + 1?"},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "assistant", "content": "", "tool_calls": [  # the arguments as an object
+            {"id": "call_1", "type": "function",
+             "function": {"name": "add", "arguments": {"a": 1}}}]},
         {"role": "tool", "content": "2", "tool_call_id": "call_1"},
         {"role": "assistant", "content": ""}]
 
