@@ -354,15 +354,17 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
         return await asyncio.to_thread(encode)
 
     def admit(n: int) -> list[Ticket]:
-        """A slot for each of a request's n choices, or none (429, or 400 where n is more
-        than this server ever runs at once)."""
+        """A slot for each of a request's n choices, or none: 429 with Retry-After (over
+        capacity now, or more than the instances live now run at once: more may come), 400
+        where n is past a limit set for the server."""
         if n > (limit := gateway.inflight_limit()):
             if gateway.settings.max_inflight:  # a set limit: it will never fit
                 raise APIError(400, f"{n} choices (n for each prompt) are more than this "
                                     f"server runs at once ({limit})", "n")
-            raise APIError(503, f"{n} choices (n for each prompt) are more than the "  # yet
+            raise APIError(429, f"{n} choices (n for each prompt) are more than the "  # yet
                                 f"instances live now run at once ({limit}); retry after "
-                                f"{gateway.settings.retry_after_s}s", kind="server_error",
+                                f"{gateway.settings.retry_after_s}s", kind="rate_limit_error",
+                           code="rate_limit_exceeded",
                            headers={"Retry-After": str(gateway.settings.retry_after_s)})
         tickets: list[Ticket] = []
         try:
