@@ -523,18 +523,17 @@ class Worker:
         # a long prompt's scores in parts (each well under NATS's 1 MiB message), all but the
         # last ahead of the token: chunks of one subject arrive in order
         scores = out.prompt_logprobs
-        starts = range(0, len(scores), SCORES_PER_CHUNK) or [0]
-        for start in starts[:-1]:
+        parts = [prompt_part(scores, start)
+                 for start in range(0, len(scores), SCORES_PER_CHUNK)] or [{}]
+        for part in parts[:-1]:
             await self.send(TokenChunk(request_id=out.request_id, seq=out.index,
-                                       attempt=attempt, source=self.id,
-                                       **prompt_part(scores, start)))
+                                       attempt=attempt, source=self.id, **part))
         await self.send(TokenChunk(request_id=out.request_id, seq=out.index, attempt=attempt,
                                    token_ids=out.new_token_ids, text=out.new_text,
                                    logprobs=out.logprobs,
                                    top_logprobs=[list(top) for top in out.top_logprobs],
                                    finish_reason=out.finish_reason,
-                                   error=out.error, source=self.id,
-                                   **prompt_part(scores, starts[-1])))
+                                   error=out.error, source=self.id, **parts[-1]))
 
     async def send(self, chunk: TokenChunk) -> None:
         """Publish a chunk; a failure (NATS down, its buffer full) is logged, never raised:
@@ -553,4 +552,3 @@ class Worker:
                     source=self.id))
         except (nats.errors.Error, OSError) as e:
             log.warning("%s: lost a chunk of %s: %s", self.id, chunk.request_id, e)
-

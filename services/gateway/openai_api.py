@@ -12,10 +12,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shared.engine.request import MAX_TOP_LOGPROBS  # the engine's bound, OpenAI's
+
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256  # longer stop strings cannot match a reply in any useful way
 MAX_CHOICES = 128  # OpenAI's bound on n
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (the legacy API's on logprobs: 5)
 MAX_LOGIT_BIAS = 300  # OpenAI's bound on the tokens a logit_bias names
 TOKEN_ID = re.compile(r"[0-9]{1,9}")  # ASCII digits only ("²".isdigit() is True)
 
@@ -241,14 +242,11 @@ class _Message(BaseModel):
         return "".join(p.text for p in self.content)
 
     def for_template(self) -> dict[str, Any]:
-        """The message as chat templates read it: content as one string, and the tool
-        fields only where given (a call's JSON arguments as the object they spell, which
-        templates such as Llama 3.1's read)."""
+        """The message as chat templates read it: content as one string, the other fields
+        only where given."""
         message: dict[str, Any] = {"role": self.role, "content": self.text}
-        for key in ("tool_calls", "name", "tool_call_id"):
-            if (value := getattr(self, key, None)) is not None:
-                message[key] = [c.for_template() for c in value] \
-                    if key == "tool_calls" else value
+        if self.name is not None:
+            message["name"] = self.name
         return message
 
 
@@ -257,6 +255,12 @@ class _SaidMessage(_Message):
     content: Text | list[TextPart]
     tool_call_id: Text | None = None  # a tool's answer: the call it answers
 
+    def for_template(self) -> dict[str, Any]:
+        message = super().for_template()
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
 
 class _AssistantMessage(_Message):
     """An assistant turn of the history: its text, or the tool calls it made (an agent's
@@ -264,6 +268,14 @@ class _AssistantMessage(_Message):
 
     role: Literal["assistant"]
     tool_calls: list[ToolCall] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """(A call's JSON arguments as the object they spell, which templates such as
+        Llama 3.1's read.)"""
+        message = super().for_template()
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        return message
 
 
 # One message of the conversation; an agent's history is accepted as the OpenAI client sends

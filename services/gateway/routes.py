@@ -393,19 +393,20 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
                                     f"and their top ones, past the {MAX_SCORED:,} one request "
                                     "answers: fewer prompts or choices, or smaller logprobs",
                                "logprobs")
+            echoes: list[str | None] = [None] * len(each)  # as their tokens read
+            if isinstance(req, CompletionRequest) and req.echo:
+                echoes = [p if isinstance(p, str) else
+                          tokenizer.decode(ids, skip_special_tokens=False)
+                          for p, ids in zip(prompts, each, strict=True)]
             request_ids = choice_ids(uuid.uuid4().hex, len(tickets))
             calls: list[Call] = []
             seeds: list[int] = []
             for index, ticket in enumerate(tickets):  # each dispatched apart: they spread
-                ids, prompt = each[index // req.n], prompts[index // req.n]
+                ids, echo = each[index // req.n], echoes[index // req.n]
                 target = gateway.dispatch(ticket)
                 sampling = gateway.sampling(target, len(ids), req)
                 seeds = seeds or choice_seeds(sampling.seed, req.n)  # each prompt's the same
                 sampling.seed = seeds[index % req.n]
-                echo = None
-                if isinstance(req, CompletionRequest) and req.echo:
-                    echo = prompt if isinstance(prompt, str) else \
-                        tokenizer.decode(ids, skip_special_tokens=False)  # as its tokens read
                 calls.append(Call(gateway, isinstance(req, ChatRequest), target,
                                   ticket.booking, ids, sampling, request_ids[index], index,
                                   echo, req.generates))

@@ -28,7 +28,7 @@ from shared.engine.parallel.packet import pack
 from shared.engine.parallel.pipeline import hidden_states, last_stage, run_stage
 from shared.engine.parallel.sharding import KvSpan, RankPlace, check_tp, stage_layers
 from shared.engine.request import Draw, TopLogprobs
-from shared.engine.sampler import adjust, sample, top_logprobs
+from shared.engine.sampler import adjust, likeliest, sample, top_logprobs
 from shared.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -198,11 +198,8 @@ class ModelRunner:
             targets = prompt[lo + 1:hi + 1]
             chosen = logprobs.gather(
                 1, torch.tensor(targets, device=logprobs.device)[:, None]).squeeze(1).tolist()
-            tops: list[TopLogprobs] = [()] * (hi - lo)
-            if params.top_logprobs:
-                best = logprobs.topk(min(params.top_logprobs, logprobs.shape[-1]), dim=-1)
-                tops = [tuple(zip(i, v, strict=True)) for i, v in
-                        zip(best.indices.tolist(), best.values.tolist(), strict=True)]
+            tops: list[TopLogprobs] = likeliest(logprobs, params.top_logprobs) \
+                if params.top_logprobs else [()] * (hi - lo)
             scores += map(Draw, targets, chosen, tops)
         return scores
 

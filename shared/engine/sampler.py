@@ -130,11 +130,18 @@ def top_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list
     if wanted:
         k = max(params[row].top_logprobs for row in wanted)
         rows = torch.tensor(wanted, device=logits.device)
-        best = logits[rows].log_softmax(-1).topk(min(k, logits.shape[-1]), dim=-1)
-        for row, ids, values in zip(wanted, best.indices.tolist(), best.values.tolist(),
-                                    strict=True):
-            tops[row] = tuple(zip(ids, values, strict=True))[: params[row].top_logprobs]
+        best = likeliest(logits[rows].log_softmax(-1), k)
+        for row, top in zip(wanted, best, strict=True):
+            tops[row] = top[: params[row].top_logprobs]
     return tops
+
+
+def likeliest(logprobs: torch.Tensor, k: int) -> list[TopLogprobs]:
+    """Each row's k most likely tokens (fewer where the vocabulary is smaller), most likely
+    first, with their log-probabilities."""
+    best = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    return [tuple(zip(ids, values, strict=True))
+            for ids, values in zip(best.indices.tolist(), best.values.tolist(), strict=True)]
 
 
 def adjust(logits: torch.Tensor, params: Sequence[SamplingParams],
