@@ -13,7 +13,10 @@
 #   6. the machine's CPU cores (the GPU hidden): `distserve bench engine` on two of them
 #      (taskset), float32 against HF, int4, and float32 as on an AVX2-only CPU (the kernels'
 #      AVX2 build; torch, MKL and oneDNN held to AVX2), on SmolLM2-135M's shape (random
-#      weights: the GGUF does not travel), with its bandwidth bound; and tensor-parallel instances
+#      weights: the GGUF does not travel), with its bandwidth bound; the kernels alone in
+#      interleaved rounds (benchmarks/kernel_variants.py: float32 against MKL, int4, attention,
+#      the AVX2 build beside; a lent host's speed moves by half within a minute, so one run
+#      after another compares the host's moods); and tensor-parallel instances
 #      (gloo) of a random-weight Llama-3.2-1B shape, tp 4 at 4 threads a rank and at 3
 #      (RANK_THREADS; TP_CONFIGS, default 4x1, the configs).
 # Needs only torch and transformers besides this repo's own light dependencies (no model
@@ -108,6 +111,14 @@ print(cpu_kernels())"
           --lengths 512 --batches 1 8 32 --context 512 --threads 2 $args" \
           2>&1 | tee "$out/bench_engine_cpu_$run.txt"
   done
+  # the same kernels in interleaved rounds, each call's median and spread: float32 panels
+  # against MKL and int4 at a decode step's and a prefill's rows, decode attention; the AVX2
+  # build beside the native one (KERNEL_VARIANTS: benchmarks/kernel_variants.py's names)
+  variants=${KERNEL_VARIANTS:-base base_avx2}
+  echo "== kernels in interleaved rounds on 2 cores (taskset 0,1): $variants"
+  timeout 200 "$py" benchmarks/kernel_variants.py --variants $variants --jobs 8 --build-only
+  timeout 200 taskset -c 0,1 "$py" benchmarks/kernel_variants.py --variants $variants \
+      --rounds 7 --threads 2 2>&1 | tee "$out/kernel_variants.txt"
   # tp 4 with every core a compute thread (4 a rank) and with one core a rank left to
   # gloo's I/O threads (3 a rank)
   for threads in ${RANK_THREADS:-4 3}; do

@@ -66,6 +66,27 @@ def test_the_build_needs_no_path_so_every_checkout_shares_it() -> None:
         assert "#include <torch/extension.h>" in text
 
 
+def test_every_kernel_variant_the_tuning_benchmark_names_still_applies() -> None:
+    """benchmarks/kernel_variants.py changes constants in the sources by their text: each
+    text must occur exactly once, or the variant would silently be the base."""
+    import importlib.util
+
+    path = Path(__file__).parents[2] / "benchmarks" / "kernel_variants.py"
+    spec = importlib.util.spec_from_file_location("kernel_variants", path)
+    assert spec is not None and spec.loader is not None
+    variants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variants)
+    base, march = variants.variant_texts("base")
+    assert march == "native"
+    for name, changes in variants.VARIANTS.items():
+        texts, _ = variants.variant_texts(name)
+        assert (texts != base) == bool(changes), name
+        assert variants.variant_texts(f"{name}_avx2") == (texts, "x86-64-v3")
+    variants.VARIANTS["broken"] = [("K_CHUNK = 7;", "K_CHUNK = 8;")]
+    with pytest.raises(ValueError, match="occurs 0 times"):
+        variants.variant_texts("broken")
+
+
 CHECK = """
 import json, torch
 from shared.engine.kernels import cpu_kernels
