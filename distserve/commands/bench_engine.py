@@ -72,16 +72,30 @@ def _prompt(length: int, vocab: int, salt: int) -> list[int]:
     return torch.randint(100, vocab - 100, (length,), generator=gen).tolist()
 
 
-def side_by_side(fns: list[Callable[[], float]], repeats: int) -> list[float]:
-    """Median ms of each timed callable, their runs interleaved (a, b, a, b, ...) so that
-    drift in a shared machine's speed hits both alike. The first run of each is a warm-up."""
+def rounds(fns: list[Callable[[], float]], repeats: int) -> list[list[float]]:
+    """ms of each timed callable in each of `repeats` rounds, their runs interleaved (a, b,
+    a, b, ...) so that drift in a shared machine's speed hits both alike. The first round is
+    a warm-up, left out."""
     times: list[list[float]] = [[] for _ in fns]
     for i in range(repeats + 1):
         for fn, out in zip(fns, times, strict=True):
             ms = fn()
             if i:
                 out.append(ms)
-    return [statistics.median(t) for t in times]
+    return times
+
+
+def side_by_side(fns: list[Callable[[], float]], repeats: int) -> list[float]:
+    """Median ms of each timed callable over interleaved rounds (`rounds`)."""
+    return [statistics.median(t) for t in rounds(fns, repeats)]
+
+
+def ratio_range(hf: list[float], ours: list[float]) -> tuple[float, float]:
+    """The lowest and highest of HF's time over the engine's within a round: runs of one round
+    share the host's moment, so the spread says how far the host moved the ratio (a lent
+    Xeon's batch-32 ratio read 1.82x one day and 2.17x another)."""
+    ratios = [h / o for h, o in zip(hf, ours, strict=True)]
+    return min(ratios), max(ratios)
 
 
 class EnginePrefill:
@@ -195,20 +209,24 @@ def measure(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
                                                    engine.runner.device, config.seed)
     results: dict[str, Any] = {"threads": torch.get_num_threads(),
                                "dtype": str(engine.runner.dtype), "weights": config.weights}
-    for key in ("prefill_ms", "decode_step_ms", "hf_prefill_ms", "hf_decode_step_ms"):
+    for key in ("prefill_ms", "decode_step_ms", "hf_prefill_ms", "hf_decode_step_ms",
+                "prefill_ratio_range", "decode_step_ratio_range"):
         results[key] = {}
+
+    def record(kind: str, size: int, times: list[list[float]]) -> None:
+        results[f"{kind}_ms"][size] = statistics.median(times[0])
+        if len(times) > 1:  # HF beside
+            results[f"hf_{kind}_ms"][size] = statistics.median(times[1])
+            results[f"{kind}_ratio_range"][size] = ratio_range(times[1], times[0])
+
     for n in track(args.lengths, description="prefill", transient=True):
         fns: list[Callable[[], float]] = [EnginePrefill(engine, n)]
         fns += [] if hf is None else [HFPrefill(hf, n, vocab)]
-        for key, ms in zip(("prefill_ms", "hf_prefill_ms"), side_by_side(fns, args.repeats),
-                           strict=False):
-            results[key][n] = ms
+        record("prefill", n, rounds(fns, args.repeats))
     for b in track(args.batches, description="decode", transient=True):
         ours = EngineDecode(engine, b, args.context, args.steps)
         fns = [ours] + ([] if hf is None else [HFDecode(hf, b, args.context, vocab)])
-        for key, ms in zip(("decode_step_ms", "hf_decode_step_ms"),
-                           side_by_side(fns, args.steps), strict=False):
-            results[key][b] = ms
+        record("decode_step", b, rounds(fns, args.steps))
         ours.close()
     bound = bandwidth_bound(engine, args.context)
     results |= {"bandwidth_bound_ms": bound.ms, "bandwidth_gbps": bound.gbps,
@@ -235,14 +253,16 @@ def quality(engine: Engine, config: EngineConfig, problems: int) -> Agreement:
 
 
 def _table(results: dict[str, Any], kind: str, key: str, label: str) -> Table:
-    table = Table(title=f"{kind} latency (ms)")
-    for column in (label, "engine", "HF", "HF / engine"):
+    table = Table(title=f"{kind} latency (ms, medians of interleaved rounds)")
+    for column in (label, "engine", "HF", "HF / engine", "within a round"):
         table.add_column(column, justify="right")
-    hf = results.get(f"hf_{key}", {})
-    for size, ms in results[key].items():
-        other = hf.get(size)
+    hf = results.get(f"hf_{key}_ms", {})
+    spread = results.get(f"{key}_ratio_range", {})
+    for size, ms in results[f"{key}_ms"].items():
+        other, (low, high) = hf.get(size), spread.get(size, (0.0, 0.0))
         table.add_row(str(size), f"{ms:.2f}", "-" if other is None else f"{other:.2f}",
-                      "-" if other is None else f"{other / ms:.2f}x")
+                      "-" if other is None else f"{other / ms:.2f}x",
+                      "-" if other is None else f"{low:.2f}-{high:.2f}x")
     return table
 
 
@@ -256,8 +276,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as e:  # an unknown model, a checkpoint the engine cannot read
         parser.error(str(e))
     console = Console(stderr=args.json)
-    console.print(_table(results, "Prefill", "prefill_ms", "prompt tokens"))
-    console.print(_table(results, "Decode step", "decode_step_ms", f"batch (ctx {args.context})"))
+    console.print(_table(results, "Prefill", "prefill", "prompt tokens"))
+    console.print(_table(results, "Decode step", "decode_step", f"batch (ctx {args.context})"))
     bound, step1 = results["bandwidth_bound_ms"], results["bound_step_ms"]
     if "quality" in results:
         q = results["quality"]

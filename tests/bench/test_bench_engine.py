@@ -37,3 +37,8 @@ def test_a_random_shape_is_benchmarked_against_hf_on_its_own_weights(
         assert results[key]["16"] > 0
     for key in ("decode_step_ms", "hf_decode_step_ms"):
         assert results[key]["2"] > 0
+    for kind, size in (("prefill", "16"), ("decode_step", "2")):
+        # HF's time over the engine's within each interleaved round, lowest and highest
+        low, high = results[f"{kind}_ratio_range"][size]
+        assert 0 < low <= high
+
