@@ -18,8 +18,8 @@ measures the host, not the variant.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
-import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from types import ModuleType
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
+from distserve.commands.bench_engine import _ms, rounds
 from shared.engine.config import EngineConfig
 from shared.engine.kernels import SOURCES, compile_kernels, source_text
 from shared.engine.kv_cache import KVCache
@@ -92,18 +93,6 @@ def packed(w: torch.Tensor, width: int) -> torch.Tensor:
         part = w[p * width:(p + 1) * width]
         panels[p, :, :part.shape[0]] = part.t()
     return panels
-
-
-def rounds(calls: dict[str, Callable[[], object]], count: int) -> dict[str, list[float]]:
-    """ms of each call in `count` rounds (one call of each, in order), after a warm-up round."""
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for i in range(count + 1):
-        for name, call in calls.items():
-            started = time.perf_counter()
-            call()
-            if i:
-                times[name].append((time.perf_counter() - started) * 1e3)
-    return times
 
 
 def main() -> None:
@@ -174,7 +163,8 @@ def main() -> None:
                                                        tables, lens, config.head_dim ** -0.5)
                               for layer in range(config.num_layers)])
 
-    times = rounds(calls, args.rounds)
+    times = dict(zip(calls, rounds([functools.partial(_ms, call) for call in calls.values()],
+                                   args.rounds), strict=True))
     table = Table(title=f"{MODEL}, {args.threads} threads, {args.rounds} interleaved rounds: ms "
                         f"(attention: {config.num_layers} layers at context {args.context})")
     # float32 panels unless named: MKL's F.linear on the same floats, base's int4 panels
