@@ -12,13 +12,14 @@ Xeon whose same call took 1.06 s and then 0.70 s): one variant run after another
 measures the host, not the variant.
 
     .venv/bin/python benchmarks/kernel_variants.py [--variants base kc256 base_avx2]
-        [--rows 32 512] [--batch 32] [--rounds 7] [--threads 2] [--jobs 8] [--build-only]
+        [--rows 32 512] [--batch 32] [--rounds 7] [--threads 2] [--jobs 4] [--build-only]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import platform
 import statistics
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -31,7 +32,14 @@ from rich.table import Table
 
 from distserve.commands.bench_engine import _ms, rounds
 from shared.engine.config import EngineConfig
-from shared.engine.kernels import SOURCES, compile_kernels, source_text
+from shared.engine.kernels import (
+    SOURCES,
+    build_lock,
+    build_name,
+    compile_kernels,
+    cpu_flags,
+    source_text,
+)
 from shared.engine.kv_cache import KVCache
 from shared.engine.loader import read_config
 from shared.engine.model_runner import load_model
@@ -62,9 +70,17 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
 }
 
 
+# variants of the AVX-512 register tile: an AVX2 build (or a CPU without AVX-512) is the base
+AVX512_ONLY = {"c2r12", "c4r6"}
+
+
 def variant_texts(name: str) -> tuple[list[str], str]:
     """The sources as variant `name` builds them, and its -march."""
     base, avx2 = name.removesuffix("_avx2"), name.endswith("_avx2")
+    if base not in VARIANTS:
+        raise ValueError(f"no variant {base!r} (variants: {', '.join(VARIANTS)})")
+    if avx2 and base in AVX512_ONLY:
+        raise ValueError(f"{base} changes the AVX-512 tile only: its AVX2 build is the base")
     texts = [source_text(source) for source in SOURCES]
     for old, new in VARIANTS[base]:
         found = sum(text.count(old) for text in texts)
@@ -75,8 +91,13 @@ def variant_texts(name: str) -> tuple[list[str], str]:
 
 
 def build(name: str) -> ModuleType:
+    """Variant `name`, built (or loaded from torch's cache) under a name of its own that
+    names the CPU's flags too, as the engine's own builds are (a build for one CPU is never
+    loaded on another), and under the same lock (a build killed half-way is not waited on)."""
     texts, march = variant_texts(name)
-    return compile_kernels(f"kernel_variant_{name}", texts, march)
+    cache = build_name(platform.machine(), march, cpu_flags()) + f"_variant_{name}"
+    with build_lock(cache):
+        return compile_kernels(cache, texts, march)
 
 
 def prebuild(name: str) -> None:
@@ -95,6 +116,30 @@ def packed(w: torch.Tensor, width: int) -> torch.Tensor:
     return panels
 
 
+def float_chain(module: ModuleType, panels: list[tuple[torch.Tensor, int]],
+                xs: dict[int, torch.Tensor]) -> None:
+    for p, n in panels:
+        module.float_matmul(xs[p.shape[1]], p, n)
+
+
+def mkl_chain(dense: list[torch.Tensor], xs: dict[int, torch.Tensor]) -> None:
+    for w in dense:
+        F.linear(xs[w.shape[1]], w)
+
+
+def int4_chain(module: ModuleType, quantized: list[QuantizedPanels],
+               xs: dict[int, torch.Tensor]) -> None:
+    for q in quantized:
+        module.quantized_matmul(xs[q.shape[1]], q.weights, q.scales,
+                                NO_MINS if q.mins is None else q.mins, q.bits, q.out_features)
+
+
+def attention_layers(module: ModuleType, q: torch.Tensor, pool: torch.Tensor,
+                     tables: torch.Tensor, lens: torch.Tensor, scale: float) -> None:
+    for layer in range(pool.shape[0]):
+        module.paged_decode_attention(q, pool[layer, 0], pool[layer, 1], tables, lens, scale)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", nargs="+", default=["base", "base_avx2"],
@@ -110,27 +155,40 @@ def main() -> None:
                         help="build the variants into torch's cache and stop (on all cores, "
                              "before a run held to a few)")
     args = parser.parse_args()
+    args.variants = list(dict.fromkeys(args.variants))
     if "base" not in args.variants:
         parser.error("--variants: include base (the ratios are to it)")
+    if args.rounds < 1 or args.jobs < 1:
+        parser.error("--rounds and --jobs: at least 1")
     for name in args.variants:
-        variant_texts(name)  # every substitution applies, before any build
+        try:
+            variant_texts(name)  # known, and every substitution applies, before any build
+        except ValueError as e:
+            parser.error(str(e))
     console = Console()
-    with console.status(f"building {len(args.variants)} variants"):
-        with ProcessPoolExecutor(min(args.jobs, len(args.variants))) as pool:
-            list(pool.map(prebuild, args.variants))  # into torch's cache; loaded below
-        if args.build_only:
-            return
-        builds = {name: build(name) for name in args.variants}
+    console.print(f"building {len(args.variants)} variants ...")
+    with ProcessPoolExecutor(min(args.jobs, len(args.variants))) as pool:
+        list(pool.map(prebuild, args.variants))  # into torch's cache; loaded below
+    if args.build_only:
+        return
+    builds = {name: build(name) for name in args.variants}
+    for name in AVX512_ONLY & set(builds):
+        if builds[name].panel_width() == builds["base"].panel_width():
+            parser.error(f"{name} is the base on this CPU (no AVX-512 tile to change)")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = read_config(MODEL)
     int4 = load_model(EngineConfig(model=MODEL, weights="int4"))[0]
     quantized: list[QuantizedPanels] = [getattr(layer, name) for layer in int4.layers
                                         for name in ("qkv", "o", "gate_up", "down")]
+    assert isinstance(int4.lm_head, QuantizedPanels)
     quantized.append(int4.lm_head)
     dense = [torch.randn(*m.shape) for m in quantized]
-    panels = {name: [(packed(w, module.panel_width()), w.shape[0]) for w in dense]
-              for name, module in builds.items()}
+    by_width: dict[int, list[tuple[torch.Tensor, int]]] = {}  # builds of one width share
+    for module in builds.values():
+        width = module.panel_width()
+        by_width.setdefault(width, [(packed(w, width), w.shape[0]) for w in dense])
+    panels = {name: by_width[module.panel_width()] for name, module in builds.items()}
     base = builds["base"]
 
     calls: dict[str, Callable[[], object]] = {}
@@ -141,15 +199,11 @@ def main() -> None:
             first, n = panels[name][0]
             torch.testing.assert_close(module.float_matmul(x, first, n), F.linear(x, dense[0]),
                                        rtol=1e-3, atol=1e-3)
-            calls[f"matmuls, {rows} rows: {name}"] = (
-                lambda m=module, ps=panels[name], xs=xs:
-                [m.float_matmul(xs[p.shape[1]], p, n) for p, n in ps])
-        calls[f"matmuls, {rows} rows: MKL"] = (
-            lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in dense])
-        calls[f"matmuls, {rows} rows: int4 panels"] = (
-            lambda xs=xs: [base.quantized_matmul(xs[q.shape[1]], q.weights, q.scales,
-                                                 NO_MINS if q.mins is None else q.mins, q.bits,
-                                                 q.out_features) for q in quantized])
+            calls[f"matmuls, {rows} rows: {name}"] = functools.partial(
+                float_chain, module, panels[name], xs)
+        calls[f"matmuls, {rows} rows: MKL"] = functools.partial(mkl_chain, dense, xs)
+        calls[f"matmuls, {rows} rows: int4 panels"] = functools.partial(
+            int4_chain, base, quantized, xs)
     block = 16
     per = -(-args.context // block)
     kv = KVCache(config, args.batch * per + 1, block, torch.float32, torch.device("cpu"))
@@ -158,10 +212,8 @@ def main() -> None:
     tables = torch.randperm(args.batch * per + 1)[: args.batch * per].view(args.batch, per)
     lens = torch.full((args.batch,), args.context)
     for name, module in builds.items():
-        calls[f"attention, batch {args.batch}: {name}"] = (
-            lambda m=module: [m.paged_decode_attention(q, kv.data[layer, 0], kv.data[layer, 1],
-                                                       tables, lens, config.head_dim ** -0.5)
-                              for layer in range(config.num_layers)])
+        calls[f"attention, batch {args.batch}: {name}"] = functools.partial(
+            attention_layers, module, q, kv.data, tables, lens, config.head_dim ** -0.5)
 
     times = dict(zip(calls, rounds([functools.partial(_ms, call) for call in calls.values()],
                                    args.rounds), strict=True))

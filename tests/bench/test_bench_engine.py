@@ -30,8 +30,8 @@ def test_a_random_shape_is_benchmarked_against_hf_on_its_own_weights(
     from distserve.cli import main
 
     assert main(["bench", "engine", "--model", "tiny", "--device", "cpu", "--threads", "1",
-                 "--lengths", "16", "--batches", "2", "--context", "32", "--steps", "2",
-                 "--repeats", "1", "--json"]) == 0
+                 "--lengths", "16", "--batches", "2", "--context", "32", "--steps", "3",
+                 "--repeats", "2", "--json"]) == 0
     results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for key in ("prefill_ms", "hf_prefill_ms"):
         assert results[key]["16"] > 0
@@ -42,3 +42,17 @@ def test_a_random_shape_is_benchmarked_against_hf_on_its_own_weights(
         low, high = results[f"{kind}_ratio_range"][size]
         assert 0 < low <= high
 
+
+def test_without_hf_the_ratios_are_left_out(capsys: pytest.CaptureFixture[str]) -> None:
+    from distserve.cli import main
+
+    assert main(["bench", "engine", "--model", "tiny", "--device", "cpu", "--threads", "1",
+                 "--lengths", "16", "--batches", "2", "--context", "32", "--steps", "2",
+                 "--repeats", "1", "--no-hf", "--json"]) == 0
+    out, tables = capsys.readouterr()
+    results = json.loads(out.strip().splitlines()[-1])
+    assert results["decode_step_ms"]["2"] > 0 and results["hf_decode_step_ms"] == {}
+    assert results["prefill_ratio_range"] == results["decode_step_ratio_range"] == {}
+    decode_row = next(line for line in tables.split("Decode step")[1].splitlines()
+                      if line.startswith("│") and "2 │" in line)
+    assert [cell.strip() for cell in decode_row.strip("│").split("│")][2:] == ["-", "-", "-"]
