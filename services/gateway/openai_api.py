@@ -18,6 +18,7 @@ MAX_STOPS = 4
 MAX_STOP_CHARS = 256  # longer stop strings cannot match a reply in any useful way
 MAX_CHOICES = 128  # OpenAI's bound on n
 MAX_LOGIT_BIAS = 300  # OpenAI's bound on the tokens a logit_bias names
+MAX_TOOLS = 128  # OpenAI's bound on the tools a request offers
 TOKEN_ID = re.compile(r"[0-9]{1,9}")  # ASCII digits only ("²".isdigit() is True)
 
 
@@ -86,8 +87,9 @@ class _Common(BaseModel):
     @model_validator(mode="after")
     def _served(self) -> _Common:
         """What a client would be misled by if it were ignored: an answer held to JSON or a
-        schema, a tool call it requires. (`tools` offered with the choice left to the model
-        are not: its answer is text, as a model may always answer.)"""
+        schema, a tool call it requires (no decoding is held to a format). Tools offered
+        with the choice left to the model are served where its chat template offers them
+        (routes)."""
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise ValueError(f"response_format {kind!r} is not served: answers are free text")
@@ -283,11 +285,36 @@ class _AssistantMessage(_Message):
 ChatMessage = Annotated[_SaidMessage | _AssistantMessage, Field(discriminator="role")]
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema, shown to the model
+
+
+class Tool(BaseModel):
+    """A function the model may call, as the chat template shows it to the model."""
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    parallel_tool_calls: bool = True  # several calls in one answer (as the model makes them)
+
+    @property
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template reads them, where the model may call them (not
+        with tool_choice "none": then they are not shown to it at all)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     @model_validator(mode="after")
     def _top_with_logprobs(self) -> ChatRequest:
@@ -369,15 +396,25 @@ def envelope(response_id: str, model: str, chat: bool, stream: bool) -> dict[str
     return {"id": response_id, "object": kind, "created": int(time.time()), "model": model}
 
 
-def choice(chat: bool, text: str, finish: str | None, logprobs: dict[str, Any] | None,
-           stream: bool, index: int = 0) -> dict[str, Any]:
+def choice(chat: bool, text: str | None, finish: str | None, logprobs: dict[str, Any] | None,
+           stream: bool, index: int = 0, tool_calls: list[dict[str, Any]] | None = None
+           ) -> dict[str, Any]:
+    """A choice of an answer or a chunk; `tool_calls` (chat): the calls the model made, as
+    OpenAI's message carries them (a chunk's delta: each with its index among them), the
+    finish reason then "tool_calls" where the model ended its turn."""
     if not chat:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    if tool_calls and finish == "stop":
+        finish = "tool_calls"
     if stream:
-        return {"index": index, "delta": {"content": text} if text else {},
-                "logprobs": logprobs, "finish_reason": finish}
-    return {"index": index, "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs, "finish_reason": finish}
+        delta: dict[str, Any] = {"content": text} if text else {}
+        if tool_calls:
+            delta["tool_calls"] = [{"index": i} | call for i, call in enumerate(tool_calls)]
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
 def first_chat_chunk(index: int = 0) -> dict[str, Any]:

@@ -19,11 +19,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
 from services.gateway import openai_api as api
+from services.gateway import tool_calls
 from services.gateway.gateway import Gateway, Target
 from services.gateway.ledger import Booking, Ticket
 from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
 from services.gateway.stream import GaveUp
 from services.gateway.timing import RequestTiming
+from services.gateway.tool_calls import Splitter
 from shared.engine.tokenizer import ChatTemplateError
 from shared.messages import Sampling, TokenChunk
 
@@ -37,8 +39,12 @@ class Call:
 
     def __init__(self, gateway: Gateway, chat: bool, target: Target, booking: Booking | None,
                  prompt_ids: list[int], sampling: Sampling, request_id: str,
-                 index: int = 0, echo: str | None = None, generates: bool = True) -> None:
+                 index: int = 0, echo: str | None = None, generates: bool = True,
+                 tools: bool = False) -> None:
         self.gateway, self.chat, self.target, self.booking = gateway, chat, target, booking
+        # tools offered: the answer's tool calls read from its text (streamed: held from
+        # where a call may begin)
+        self.splitter = Splitter() if tools else None
         self.prompt_ids, self.sampling = prompt_ids, sampling
         self.request_id, self.index = request_id, index
         self.timing = RequestTiming(len(prompt_ids))
@@ -173,6 +179,10 @@ async def collect(call: Call) -> dict[str, Any]:
     except GaveUp as e:
         raise APIError(503, f"the request failed: {e}", kind="server_error") from None
     text, logprobs = await shown(call, whole)
+    if call.splitter is not None:
+        answer = tool_calls.parse(text)
+        return api.choice(True, answer.content, call.finish(whole.finish_reason), logprobs,
+                          stream=False, index=call.index, tool_calls=answer.calls)
     return api.choice(call.chat, text, call.finish(whole.finish_reason), logprobs,
                       stream=False, index=call.index)
 
@@ -290,8 +300,17 @@ async def stream_events(reply: Reply) -> AsyncIterator[str]:
                 if chunk.text or chunk.finish_reason or (chunk.token_ids and (
                         call.sampling.logprobs or call.pending())):
                     text, logprobs = await shown(call, chunk)
+                    calls: list[dict[str, Any]] = []
+                    if call.splitter is not None:  # a call's text held to the end
+                        text = call.splitter.feed(text)
+                        if chunk.finish_reason:
+                            answer = call.splitter.end()
+                            text, calls = text + (answer.content or ""), answer.calls
+                        if not (text or calls or logprobs or chunk.finish_reason):
+                            continue
                     choice = api.choice(call.chat, text, call.finish(chunk.finish_reason),
-                                        logprobs, stream=True, index=call.index)
+                                        logprobs, stream=True, index=call.index,
+                                        tool_calls=calls)
                     yield api.sse(base | {"choices": [choice]} | extra)
     except GaveUp as e:
         yield error_event(str(e))
@@ -344,10 +363,16 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
 
     async def chat_ids(req: ChatRequest) -> list[int]:
         messages = [m.for_template() for m in req.messages]
+        tools = req.offered_tools
+        if tools and tool_calls.call_format(tokenizer.chat_template) is None:
+            raise APIError(400, "tools cannot be offered to this model: its chat template "
+                                "does not show tools with a call format this server reads "
+                                "(Hermes' <tool_call> blocks, as Qwen 2.5 and 3 write them); "
+                                "send tool_choice \"none\" or no tools", "tools")
 
         def encode() -> list[int]:
             try:
-                return tokenizer.encode(tokenizer.apply_chat_template(messages))
+                return tokenizer.encode(tokenizer.apply_chat_template(messages, tools))
             except ChatTemplateError as e:  # no template, or one refusing these messages
                 raise APIError(400, str(e), "messages") from e
 
@@ -407,9 +432,10 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
                 sampling = gateway.sampling(target, len(ids), req)
                 seeds = seeds or choice_seeds(sampling.seed, req.n)  # each prompt's the same
                 sampling.seed = seeds[index % req.n]
+                tools = isinstance(req, ChatRequest) and bool(req.offered_tools)
                 calls.append(Call(gateway, isinstance(req, ChatRequest), target,
                                   ticket.booking, ids, sampling, request_ids[index], index,
-                                  echo, req.generates))
+                                  echo, req.generates, tools))
             reply = Reply(calls, req.model, req.include_usage, req.n)
             return await respond(reply, tickets, request, req.stream)
         except BaseException:

@@ -8,7 +8,7 @@ import datetime
 import functools
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2.ext
@@ -94,6 +94,7 @@ class TextTokenizer:
                                             extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = tojson
         env.globals |= {"raise_exception": raise_exception, "strftime_now": strftime_now}
+        self.chat_template = chat_template  # its source (what it teaches: tool calls)
         try:
             self._template = env.from_string(chat_template) if chat_template else None
         except jinja2.TemplateError as e:
@@ -178,13 +179,17 @@ class TextTokenizer:
     def _added(self) -> frozenset[str]:
         return frozenset(t.content for t in self._tokenizer.get_added_tokens_decoder().values())
 
-    def apply_chat_template(self, messages: Sequence[ChatMessage]) -> str:
-        """Render messages as the model's chat prompt, ending with the assistant's turn."""
+    def apply_chat_template(self, messages: Sequence[ChatMessage],
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """Render messages as the model's chat prompt, ending with the assistant's turn;
+        `tools`: the functions it may call, as OpenAI's requests give them (templates that
+        know tools show them to the model)."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template")
         try:
             return str(self._template.render(
-                messages=list(messages), add_generation_prompt=True, tools=None,
+                messages=list(messages), add_generation_prompt=True,
+                tools=list(tools) if tools else None,
                 documents=None, eos_token=self.eos_token or "", bos_token=self.bos_token or ""))
         except ChatTemplateError:
             raise

@@ -78,14 +78,20 @@ def test_raw_text_gets_the_tokenizers_own_special_tokens_on_request(tok: TextTok
 
 
 def test_chat_templates_render_as_in_transformers(tok: TextTokenizer) -> None:
-    """loop controls, plain tojson, tools=None, and raise_exception as a ChatTemplateError."""
+    """loop controls, plain tojson, tools (None unless given), and raise_exception as a
+    ChatTemplateError."""
     template = ("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
-                "{{ m | tojson }}{% endfor %}{% if tools is not none %}TOOLS{% endif %}"
+                "{{ m | tojson }}{% endfor %}{% if tools is not none %}"
+                "TOOLS{% for t in tools %} {{ t.function.name }}{% endfor %}{% endif %}"
                 "{% if messages | length > 2 %}{{ raise_exception('too many') }}{% endif %}")
     t = TextTokenizer(tok._tokenizer, chat_template=template, eos_token="<|im_end|>",
                       eos_ids=[2])
     one = {"role": "user", "content": "<b>&'"}
     assert t.apply_chat_template([one, one]) == '{"role": "user", "content": "<b>&\'"}'
+    tools = [{"type": "function", "function": {"name": "f"}},
+             {"type": "function", "function": {"name": "g"}}]
+    assert t.apply_chat_template([one], tools).endswith("TOOLS f g")
+    assert "TOOLS" not in t.apply_chat_template([one], [])
     with pytest.raises(ChatTemplateError, match="too many"):
         t.apply_chat_template([one, one, one])
     with pytest.raises(ChatTemplateError, match="no chat template"):

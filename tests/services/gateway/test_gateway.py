@@ -268,6 +268,15 @@ def test_an_agents_history_and_the_model_card(stack: Stack) -> None:
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": "2"}])
     assert reply.choices[0].finish_reason in ("stop", "length")
+    # SmolLM2's template shows no tools: offering some is a 400 that says so, not tools the
+    # model never sees; the same request that leaves them out of the choice is served
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    asked = [{"role": "user", "content": "What is 1 + 1?"}]
+    with pytest.raises(openai.BadRequestError, match="tools cannot be offered to this model"):
+        c.chat.completions.create(model=MODEL, max_tokens=4, messages=asked,  # type: ignore[arg-type]
+                                  tools=tools)  # type: ignore[arg-type]
+    assert c.chat.completions.create(model=MODEL, max_tokens=4, messages=asked,  # type: ignore[arg-type]
+                                     tools=tools, tool_choice="none").choices  # type: ignore[arg-type]
     with pytest.raises(openai.BadRequestError, match="reads text only"):
         c.chat.completions.create(model=MODEL, max_tokens=4, messages=[
             {"role": "user", "content": [{"type": "image_url",

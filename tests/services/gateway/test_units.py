@@ -133,7 +133,8 @@ def test_what_would_mislead_if_ignored_is_refused(extra: dict[str, object],
         ChatRequest.model_validate({"model": "m", "messages": [
             {"role": "user", "content": "hi"}], **extra})
     for fine in ({"response_format": {"type": "text"}}, {"tool_choice": "auto"},
-                 {"tool_choice": "none"}, {"tools": [{"type": "function"}]}):
+                 {"tool_choice": "none"},
+                 {"tools": [{"type": "function", "function": {"name": "f"}}]}):
         ChatRequest.model_validate({"model": "m", "messages": [
             {"role": "user", "content": "hi"}], **fine})
 

@@ -1,0 +1,142 @@
+"""Tool calls read from a model's answer (Hermes' <tool_call> blocks): whole, and streamed in
+pieces cut anywhere; the answer as OpenAI's client reads it, whole and streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from services.gateway.openai_api import ChatRequest
+from services.gateway.routes import Call, Reply, collect, stream_events
+from services.gateway.tool_calls import Splitter, call_format, parse
+from shared.messages import Sampling, TokenChunk
+
+WEATHER = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TIME = '<tool_call>\n{"name": "time", "arguments": "{\\"tz\\": \\"CET\\"}"}\n</tool_call>'
+HERMES_TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}"
+                   "</tools> Call one as <tool_call>{...}</tool_call>{% endif %}"
+                   "{% for m in messages %}{{ m.content }}{% endfor %}")
+
+
+def names_and_arguments(calls: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_calls_and_the_text_around_them() -> None:
+    answer = parse(f"Let me look.\n{WEATHER}\n{TIME}")
+    assert answer.content == "Let me look."
+    assert names_and_arguments(answer.calls) == [("weather", {"city": "Paris"}),
+                                                 ("time", {"tz": "CET"})]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in answer.calls)
+    assert len({c["id"] for c in answer.calls}) == 2
+    assert parse(WEATHER).content is None  # nothing but the call
+    assert parse("no call here").calls == []
+    # a turn ended inside its block (no closing tag) still made the call it wrote whole
+    assert names_and_arguments(parse('<tool_call>{"name": "f", "arguments": {}}').calls) == [
+        ("f", {})]
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>',  # cut short
+    '<tool_call>{"arguments": {}}</tool_call>',  # no name
+    '<tool_call>["f"]</tool_call>',
+    f'{WEATHER}<tool_call>not json</tool_call>',  # one bad block: no calls made up
+])
+def test_a_block_that_is_not_a_call_leaves_the_answer_as_written(text: str) -> None:
+    answer = parse(text)
+    assert answer.calls == [] and answer.content == text
+
+
+def test_a_template_teaches_the_hermes_format_or_none() -> None:
+    assert call_format(HERMES_TEMPLATE) == "hermes"
+    assert call_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+    assert call_format(None) is None
+
+
+@pytest.mark.parametrize("answer", [f"Sure. {WEATHER}", "<tool and more", "a < b", "plain",
+                                    f"{WEATHER}{TIME} done", "ends with <tool_"])
+def test_a_streamed_answer_cut_anywhere_shows_what_the_whole_one_does(answer: str) -> None:
+    whole = parse(answer)
+    for cut in range(len(answer) + 1):
+        for second in (cut, min(len(answer), cut + 7)):
+            splitter = Splitter()
+            shown = "".join(splitter.feed(piece) for piece in
+                            (answer[:cut], answer[cut:second], answer[second:]))
+            end = splitter.end()
+            if whole.calls:  # the text before the first call as it came, the rest parsed
+                before = answer[:answer.find("<tool_call>")]
+                rest = parse(answer[len(before):])
+                assert shown + (end.content or "") == before + (rest.content or "")
+                assert names_and_arguments(end.calls) == names_and_arguments(whole.calls)
+            else:
+                assert shown + (end.content or "") == answer and end.calls == []
+
+
+def test_text_before_a_call_goes_out_before_the_answer_ends() -> None:
+    splitter = Splitter()
+    assert splitter.feed("It is ") == "It is "
+    assert splitter.feed("sunny <tool") == "sunny "  # the tail may begin a call: it waits
+    assert splitter.feed("s>, I think") == "<tools>, I think"  # it did not
+    assert splitter.feed(" <tool_call>{") == " "
+    assert splitter.feed('"name": "f"}') == ""
+    end = splitter.end()
+    assert end.content is None and names_and_arguments(end.calls) == [("f", {})]
+
+
+def test_tools_are_offered_unless_the_choice_is_none() -> None:
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    offered = ChatRequest.model_validate(body).offered_tools
+    assert offered == tools
+    assert ChatRequest.model_validate(body | {"tool_choice": "none"}).offered_tools is None
+    for bad in ([{"type": "function"}], [{"type": "function", "function": {"name": "a b"}}],
+                [{"type": "code_interpreter"}]):
+        with pytest.raises(ValidationError):
+            ChatRequest.model_validate(body | {"tools": bad})
+
+
+class ScriptedCall(Call):
+    """A chat choice whose model wrote `pieces` and stopped."""
+
+    def __init__(self, pieces: list[str], tools: bool = True) -> None:
+        super().__init__(None, True, None, None, [1], Sampling(max_tokens=64), "r1",  # type: ignore[arg-type]
+                         tools=tools)
+        self.pieces = pieces
+
+    async def chunks(self) -> AsyncIterator[TokenChunk]:  # type: ignore[override]
+        for i, piece in enumerate(self.pieces):
+            last = i == len(self.pieces) - 1
+            yield TokenChunk(request_id="r1", token_ids=[i], text=piece,
+                             finish_reason="stop" if last else None)
+
+
+def test_a_whole_answer_carries_its_calls() -> None:
+    choice = asyncio.run(collect(ScriptedCall(["Checking. ", WEATHER])))
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Checking."
+    assert names_and_arguments(choice["message"]["tool_calls"]) == [("weather", {"city": "Paris"})]
+    plain = asyncio.run(collect(ScriptedCall(["Checking. ", WEATHER], tools=False)))
+    assert plain["finish_reason"] == "stop" and "tool_calls" not in plain["message"]
+
+
+def test_a_streamed_answer_carries_its_calls_in_deltas() -> None:
+    async def events() -> list[dict[str, Any]]:
+        call = ScriptedCall(["Checking", ". <tool_", WEATHER[6:30], WEATHER[30:], TIME])
+        return [json.loads(e.removeprefix("data: ")) async for e in
+                stream_events(Reply([call], "m", include_usage=False))
+                if e.strip() != "data: [DONE]"]
+
+    chunks = [c["choices"][0] for c in asyncio.run(events())]
+    text = "".join(c["delta"].get("content") or "" for c in chunks)
+    deltas = [d for c in chunks for d in c["delta"].get("tool_calls", [])]
+    assert text == "Checking. "
+    assert [d["index"] for d in deltas] == [0, 1]
+    assert names_and_arguments(deltas) == [("weather", {"city": "Paris"}), ("time", {"tz": "CET"})]
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    assert all(c["finish_reason"] is None for c in chunks[:-1])
