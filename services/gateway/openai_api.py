@@ -94,8 +94,8 @@ class _Common(BaseModel):
         if kind != "text":
             raise ValueError(f"response_format {kind!r} is not served: answers are free text")
         if self.tool_choice not in (None, "auto", "none"):
-            raise ValueError("tool_choice that requires a tool call is not served: tools are "
-                             "not offered to the model")
+            raise ValueError("tool_choice that requires a tool call is not served: the "
+                             "model's calls are not held to a format; send auto or none")
         return self
 
     @field_validator("logit_bias")

@@ -40,11 +40,11 @@ class Call:
     def __init__(self, gateway: Gateway, chat: bool, target: Target, booking: Booking | None,
                  prompt_ids: list[int], sampling: Sampling, request_id: str,
                  index: int = 0, echo: str | None = None, generates: bool = True,
-                 tools: bool = False) -> None:
+                 tools: bool = False, parallel_calls: bool = True) -> None:
         self.gateway, self.chat, self.target, self.booking = gateway, chat, target, booking
         # tools offered: the answer's tool calls read from its text (streamed: held from
-        # where a call may begin)
-        self.splitter = Splitter() if tools else None
+        # where a call may begin); `parallel_calls` False: the first call only
+        self.splitter = Splitter(parallel_calls) if tools else None
         self.prompt_ids, self.sampling = prompt_ids, sampling
         self.request_id, self.index = request_id, index
         self.timing = RequestTiming(len(prompt_ids))
@@ -180,7 +180,7 @@ async def collect(call: Call) -> dict[str, Any]:
         raise APIError(503, f"the request failed: {e}", kind="server_error") from None
     text, logprobs = await shown(call, whole)
     if call.splitter is not None:
-        answer = tool_calls.parse(text)
+        answer = tool_calls.parse(text, call.splitter.parallel)
         return api.choice(True, answer.content, call.finish(whole.finish_reason), logprobs,
                           stream=False, index=call.index, tool_calls=answer.calls)
     return api.choice(call.chat, text, call.finish(whole.finish_reason), logprobs,
@@ -300,17 +300,24 @@ async def stream_events(reply: Reply) -> AsyncIterator[str]:
                 if chunk.text or chunk.finish_reason or (chunk.token_ids and (
                         call.sampling.logprobs or call.pending())):
                     text, logprobs = await shown(call, chunk)
-                    calls: list[dict[str, Any]] = []
+                    finish = call.finish(chunk.finish_reason)
                     if call.splitter is not None:  # a call's text held to the end
                         text = call.splitter.feed(text)
-                        if chunk.finish_reason:
+                        if finish is not None:
                             answer = call.splitter.end()
-                            text, calls = text + (answer.content or ""), answer.calls
-                        if not (text or calls or logprobs or chunk.finish_reason):
+                            text += answer.content or ""
+                            if answer.calls:
+                                # the calls, then the finish in a chunk of its own, as
+                                # OpenAI streams them (clients read a finish first)
+                                choice = api.choice(True, text, None, logprobs, stream=True,
+                                                    index=call.index, tool_calls=answer.calls)
+                                yield api.sse(base | {"choices": [choice]} | extra)
+                                text, logprobs = "", None
+                                finish = "tool_calls" if finish == "stop" else finish
+                        if not (text or logprobs or finish):
                             continue
-                    choice = api.choice(call.chat, text, call.finish(chunk.finish_reason),
-                                        logprobs, stream=True, index=call.index,
-                                        tool_calls=calls)
+                    choice = api.choice(call.chat, text, finish, logprobs, stream=True,
+                                        index=call.index)
                     yield api.sse(base | {"choices": [choice]} | extra)
     except GaveUp as e:
         yield error_event(str(e))
@@ -353,6 +360,11 @@ async def respond(reply: Reply, tickets: list[Ticket], request: Request, stream:
 
 def add_routes(app: FastAPI, gateway: Gateway) -> None:
     tokenizer = gateway.tokenizer
+    # whether the model's calls can be read from its answers (its template's format, and
+    # tags its text keeps)
+    reads_calls = tool_calls.call_format(
+        tokenizer.chat_template, tool_calls.OPEN in tokenizer.decode(
+            tokenizer.encode(tool_calls.OPEN))) is not None
 
     async def completion_ids(prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -364,7 +376,7 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def chat_ids(req: ChatRequest) -> list[int]:
         messages = [m.for_template() for m in req.messages]
         tools = req.offered_tools
-        if tools and tool_calls.call_format(tokenizer.chat_template) is None:
+        if tools and not reads_calls:
             raise APIError(400, "tools cannot be offered to this model: its chat template "
                                 "does not show tools with a call format this server reads "
                                 "(Hermes' <tool_call> blocks, as Qwen 2.5 and 3 write them); "
@@ -435,7 +447,8 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
                 tools = isinstance(req, ChatRequest) and bool(req.offered_tools)
                 calls.append(Call(gateway, isinstance(req, ChatRequest), target,
                                   ticket.booking, ids, sampling, request_ids[index], index,
-                                  echo, req.generates, tools))
+                                  echo, req.generates, tools,
+                                  getattr(req, "parallel_tool_calls", True)))
             reply = Reply(calls, req.model, req.include_usage, req.n)
             return await respond(reply, tickets, request, req.stream)
         except BaseException:

@@ -28,10 +28,13 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
 
 
-def call_format(template: str | None) -> str | None:
-    """The call format a chat template teaches, or None: "hermes" where it offers tools and
-    asks for <tool_call> blocks."""
-    if template and "tools" in template and OPEN in template:
+def call_format(template: str | None, decode_keeps_tags: bool = True) -> str | None:
+    """The call format a chat template teaches, or None: "hermes" where it shows tools and
+    asks for <tool_call> blocks of JSON with the call's "arguments" (not Qwen3-Coder's
+    `<function=...>` blocks), and the model's text keeps the tags (a tokenizer that marks
+    them special drops them from the text, and the calls with them)."""
+    if (template and "tools" in template and OPEN in template and '"arguments"' in template
+            and "<function=" not in template and decode_keeps_tags):
         return "hermes"
     return None
 
@@ -49,9 +52,11 @@ class Answer:
     calls: list[dict[str, Any]] = field(default_factory=list)
 
 
-def parse(text: str) -> Answer:
+def parse(text: str, parallel: bool = True) -> Answer:
     """The calls in a whole answer and the text around them; no calls if any block is not
-    one (the answer as written)."""
+    one (the answer as written). A call's arguments are its "arguments" (or "parameters",
+    as Llama-style calls name them); a block with neither is not a call. `parallel` False:
+    the first call only (the client asked for at most one)."""
     if OPEN not in text:
         return Answer(text)
     calls = []
@@ -60,20 +65,22 @@ def parse(text: str) -> Answer:
             call = json.loads(block[1])
         except ValueError:
             return Answer(text)
-        name = call.get("name") if isinstance(call, dict) else None
-        arguments = call.get("arguments", {}) if isinstance(call, dict) else None
+        if not isinstance(call, dict):
+            return Answer(text)
+        name, arguments = call.get("name"), call.get("arguments", call.get("parameters"))
         if not isinstance(name, str) or not name or not isinstance(arguments, dict | str):
             return Answer(text)
         calls.append(tool_call(name, arguments))
     content = BLOCK.sub("", text).strip()
-    return Answer(content or None, calls)
+    return Answer(content or None, calls if parallel else calls[:1])
 
 
 class Splitter:
     """A streamed answer's text as it may be shown: `feed` gives what can go out now (all of
     it until a call may begin), `end` the held rest read as calls and text."""
 
-    def __init__(self) -> None:
+    def __init__(self, parallel: bool = True) -> None:
+        self.parallel = parallel  # False: the first call only
         self.held = ""  # from where a block may begin
         self.calling = False  # a block began: everything after is held to the end
 
@@ -97,5 +104,5 @@ class Splitter:
         held, self.held = self.held, ""
         if not self.calling:
             return Answer(held or None)
-        answer = parse(held)
+        answer = parse(held, self.parallel)
         return answer if answer.calls else Answer(held)

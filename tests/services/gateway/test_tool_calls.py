@@ -19,7 +19,8 @@ from shared.messages import Sampling, TokenChunk
 WEATHER = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TIME = '<tool_call>\n{"name": "time", "arguments": "{\\"tz\\": \\"CET\\"}"}\n</tool_call>'
 HERMES_TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}"
-                   "</tools> Call one as <tool_call>{...}</tool_call>{% endif %}"
+                   "</tools> Call one as <tool_call>{\"name\": ..., \"arguments\": ...}"
+                   "</tool_call>{% endif %}"
                    "{% for m in messages %}{{ m.content }}{% endfor %}")
 
 
@@ -39,11 +40,17 @@ def test_calls_and_the_text_around_them() -> None:
     # a turn ended inside its block (no closing tag) still made the call it wrote whole
     assert names_and_arguments(parse('<tool_call>{"name": "f", "arguments": {}}').calls) == [
         ("f", {})]
+    # Llama-style "parameters" are the arguments; asked for one call, the first only
+    assert names_and_arguments(parse('<tool_call>{"name": "f", "parameters": {"a": 1}}').calls
+                               ) == [("f", {"a": 1})]
+    assert names_and_arguments(parse(f"{WEATHER}{TIME}", parallel=False).calls) == [
+        ("weather", {"city": "Paris"})]
 
 
 @pytest.mark.parametrize("text", [
     '<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>',  # cut short
     '<tool_call>{"arguments": {}}</tool_call>',  # no name
+    '<tool_call>{"name": "f"}</tool_call>',  # no arguments: not a call to run
     '<tool_call>["f"]</tool_call>',
     f'{WEATHER}<tool_call>not json</tool_call>',  # one bad block: no calls made up
 ])
@@ -54,6 +61,10 @@ def test_a_block_that_is_not_a_call_leaves_the_answer_as_written(text: str) -> N
 
 def test_a_template_teaches_the_hermes_format_or_none() -> None:
     assert call_format(HERMES_TEMPLATE) == "hermes"
+    # a tokenizer that drops the tags from the text (special tokens) loses the calls
+    assert call_format(HERMES_TEMPLATE, decode_keeps_tags=False) is None
+    # Qwen3-Coder's XML calls: <tool_call><function=name><parameter=...>, no JSON
+    assert call_format(HERMES_TEMPLATE + "<function=example>") is None
     assert call_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
     assert call_format(None) is None
 
@@ -83,7 +94,7 @@ def test_text_before_a_call_goes_out_before_the_answer_ends() -> None:
     assert splitter.feed("sunny <tool") == "sunny "  # the tail may begin a call: it waits
     assert splitter.feed("s>, I think") == "<tools>, I think"  # it did not
     assert splitter.feed(" <tool_call>{") == " "
-    assert splitter.feed('"name": "f"}') == ""
+    assert splitter.feed('"name": "f", "arguments": {}}') == ""
     end = splitter.end()
     assert end.content is None and names_and_arguments(end.calls) == [("f", {})]
 
@@ -138,5 +149,27 @@ def test_a_streamed_answer_carries_its_calls_in_deltas() -> None:
     assert text == "Checking. "
     assert [d["index"] for d in deltas] == [0, 1]
     assert names_and_arguments(deltas) == [("weather", {"city": "Paris"}), ("time", {"tz": "CET"})]
-    assert chunks[-1]["finish_reason"] == "tool_calls"
+    # the finish in a chunk of its own after the calls, as OpenAI streams them
+    assert chunks[-1]["finish_reason"] == "tool_calls" and chunks[-1]["delta"] == {}
     assert all(c["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_the_openai_clients_stream_helper_reads_every_call_through() -> None:
+    """The client's stream state (`client.chat.completions.stream`) reads a chunk's finish
+    before its calls: each call gets its `done` event only if the finish comes apart."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    async def chunks() -> list[str]:
+        call = ScriptedCall(["Checking. ", WEATHER, TIME])
+        return [e.removeprefix("data: ") async for e in
+                stream_events(Reply([call], "m", include_usage=False))
+                if e.strip() != "data: [DONE]"]
+
+    state = ChatCompletionStreamState()
+    kinds = [event.type for chunk in asyncio.run(chunks())
+             for event in state.handle_chunk(ChatCompletionChunk.model_validate_json(chunk))]
+    assert kinds.count("tool_calls.function.arguments.done") == 2
+    final = state.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert [c.function.name for c in final.message.tool_calls or []] == ["weather", "time"]
