@@ -40,11 +40,12 @@ class Call:
     def __init__(self, gateway: Gateway, chat: bool, target: Target, booking: Booking | None,
                  prompt_ids: list[int], sampling: Sampling, request_id: str,
                  index: int = 0, echo: str | None = None, generates: bool = True,
-                 tools: bool = False, parallel_calls: bool = True) -> None:
+                 calls: str | None = None, parallel_calls: bool = True) -> None:
         self.gateway, self.chat, self.target, self.booking = gateway, chat, target, booking
-        # tools offered: the answer's tool calls read from its text (streamed: held from
-        # where a call may begin); `parallel_calls` False: the first call only
-        self.splitter = Splitter(parallel_calls) if tools else None
+        # tools offered: the answer's tool calls read from its text in the format `calls`
+        # (tool_calls.call_format; streamed: held from where a call may begin);
+        # `parallel_calls` False: the first call only
+        self.splitter = None if calls is None else Splitter(parallel_calls, calls)
         self.prompt_ids, self.sampling = prompt_ids, sampling
         self.request_id, self.index = request_id, index
         self.timing = RequestTiming(len(prompt_ids))
@@ -180,7 +181,7 @@ async def collect(call: Call) -> dict[str, Any]:
         raise APIError(503, f"the request failed: {e}", kind="server_error") from None
     text, logprobs = await shown(call, whole)
     if call.splitter is not None:
-        answer = tool_calls.parse(text, call.splitter.parallel)
+        answer = tool_calls.parse(text, call.splitter.parallel, call.splitter.form)
         return api.choice(True, answer.content, call.finish(whole.finish_reason), logprobs,
                           stream=False, index=call.index, tool_calls=answer.calls)
     return api.choice(call.chat, text, call.finish(whole.finish_reason), logprobs,
@@ -360,11 +361,11 @@ async def respond(reply: Reply, tickets: list[Ticket], request: Request, stream:
 
 def add_routes(app: FastAPI, gateway: Gateway) -> None:
     tokenizer = gateway.tokenizer
-    # whether the model's calls can be read from its answers (its template's format, and
-    # tags its text keeps)
-    reads_calls = tool_calls.call_format(
+    # the format the model's calls are read in from its answers (its template's, where the
+    # text keeps its tags), or None
+    call_form = tool_calls.call_format(
         tokenizer.chat_template, tool_calls.OPEN in tokenizer.decode(
-            tokenizer.encode(tool_calls.OPEN))) is not None
+            tokenizer.encode(tool_calls.OPEN)))
 
     async def completion_ids(prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -376,11 +377,12 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def chat_ids(req: ChatRequest) -> list[int]:
         messages = [m.for_template() for m in req.messages]
         tools = req.offered_tools
-        if tools and not reads_calls:
+        if tools and call_form is None:
             raise APIError(400, "tools cannot be offered to this model: its chat template "
                                 "does not show tools with a call format this server reads "
-                                "(Hermes' <tool_call> blocks, as Qwen 2.5 and 3 write them); "
-                                "send tool_choice \"none\" or no tools", "tools")
+                                "(Hermes' <tool_call> blocks as Qwen 2.5 and 3 write them, "
+                                "Llama 3.1's and 3.2's JSON); send tool_choice \"none\" or "
+                                "no tools", "tools")
 
         def encode() -> list[int]:
             try:
@@ -447,7 +449,7 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
                 tools = isinstance(req, ChatRequest) and bool(req.offered_tools)
                 calls.append(Call(gateway, isinstance(req, ChatRequest), target,
                                   ticket.booking, ids, sampling, request_ids[index], index,
-                                  echo, req.generates, tools,
+                                  echo, req.generates, call_form if tools else None,
                                   getattr(req, "parallel_tool_calls", True)))
             reply = Reply(calls, req.model, req.include_usage, req.n)
             return await respond(reply, tickets, request, req.stream)

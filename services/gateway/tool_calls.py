@@ -1,20 +1,26 @@
 """Tool calls in a model's answer, in the format its chat template teaches it (pure logic).
 
-A chat template that offers tools tells the model how to call one; this server reads the
-format of Hermes, which Qwen 2.5, Qwen 3 and the Hermes models are trained on:
+A chat template that offers tools tells the model how to call one. This server reads two
+formats. Hermes' (`hermes`), which Qwen 2.5's and Qwen 3's templates teach:
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-one block a call, any text around them the answer's content. A model that ends its turn
-inside a block (no closing tag) still made the call if what it wrote parses. A block whose
-JSON does not parse, or names no function, is not a call: the whole answer stays text, as the
-model wrote it, rather than calls made up from part of it.
+one block a call, any text around them the answer's content; a model that ends its turn
+inside a block (no closing tag) still made the call if what it wrote parses. And Llama 3.1's
+and 3.2's (`llama3_json`): an answer that is nothing but a call's JSON,
 
-Streamed, text goes out as it comes until a block may begin (a tail that could be the start
-of `<tool_call>` waits for the next piece); from there the answer is held and read whole at
-its end, and its calls go out as one delta each."""
+    {"name": "get_weather", "parameters": {"city": "Paris"}}
+
+(several separated by ";"). An answer whose would-be call does not parse, or names no
+function or no arguments, is not a call: it stays text, as the model wrote it, rather than
+calls made up from part of it.
+
+Streamed, text goes out as it comes until a call may begin (Hermes: a tail that could be the
+start of `<tool_call>` waits for the next piece; Llama: an answer whose first character is
+`{`); from there the answer is held and read whole at its end, and its calls go out as one
+delta each."""
 
 from __future__ import annotations
 
@@ -26,16 +32,23 @@ from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
+# what Llama 3.1's and 3.2's templates ask of a model given tools
+LLAMA3_ASKS = '{"name": function name, "parameters": dictionary of argument name'
+PYTHON_TAG = "<|python_tag|>"  # Llama 3's call marker (a special token: rarely in the text)
 
 
 def call_format(template: str | None, decode_keeps_tags: bool = True) -> str | None:
     """The call format a chat template teaches, or None: "hermes" where it shows tools and
-    asks for <tool_call> blocks of JSON with the call's "arguments" (not Qwen3-Coder's
-    `<function=...>` blocks), and the model's text keeps the tags (a tokenizer that marks
-    them special drops them from the text, and the calls with them)."""
-    if (template and "tools" in template and OPEN in template and '"arguments"' in template
-            and "<function=" not in template and decode_keeps_tags):
+    asks for <tool_call> blocks (of JSON: not Qwen3-Coder's `<function=...>` blocks) and the
+    model's text keeps the tags (a tokenizer that marks them special drops them from the
+    text, and the calls with them); else "llama3_json" where it asks for a call's JSON with
+    its "parameters", as Llama 3.1's and 3.2's do."""
+    if not template or "tools" not in template:
+        return None
+    if OPEN in template and "<function=" not in template and decode_keeps_tags:
         return "hermes"
+    if LLAMA3_ASKS in template:
+        return "llama3_json"
     return None
 
 
@@ -52,43 +65,89 @@ class Answer:
     calls: list[dict[str, Any]] = field(default_factory=list)
 
 
-def parse(text: str, parallel: bool = True) -> Answer:
-    """The calls in a whole answer and the text around them; no calls if any block is not
-    one (the answer as written). A call's arguments are its "arguments" (or "parameters",
-    as Llama-style calls name them); a block with neither is not a call. `parallel` False:
-    the first call only (the client asked for at most one)."""
-    if OPEN not in text:
+def _call(value: Any) -> dict[str, Any] | None:
+    """A parsed object as a call, if it is one: a name and its arguments ("arguments", or
+    "parameters" as Llama's calls name them)."""
+    if not isinstance(value, dict):
+        return None
+    name, arguments = value.get("name"), value.get("arguments", value.get("parameters"))
+    if not isinstance(name, str) or not name or not isinstance(arguments, dict | str):
+        return None
+    return tool_call(name, arguments)
+
+
+def parse(text: str, parallel: bool = True, form: str = "hermes") -> Answer:
+    """The calls in a whole answer and the text around them; no calls if any would-be call
+    is not one (the answer as written). `parallel` False: the first call only (the client
+    asked for at most one)."""
+    calls = _hermes(text) if form == "hermes" else _llama3(text)
+    if calls is None:
         return Answer(text)
+    content = BLOCK.sub("", text).strip() if form == "hermes" else ""
+    return Answer(content or None, calls if parallel else calls[:1])
+
+
+def _hermes(text: str) -> list[dict[str, Any]] | None:
+    if OPEN not in text:
+        return None
     calls = []
     for block in BLOCK.finditer(text):
         try:
-            call = json.loads(block[1])
+            call = _call(json.loads(block[1]))
         except ValueError:
-            return Answer(text)
-        if not isinstance(call, dict):
-            return Answer(text)
-        name, arguments = call.get("name"), call.get("arguments", call.get("parameters"))
-        if not isinstance(name, str) or not name or not isinstance(arguments, dict | str):
-            return Answer(text)
-        calls.append(tool_call(name, arguments))
-    content = BLOCK.sub("", text).strip()
-    return Answer(content or None, calls if parallel else calls[:1])
+            return None
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
+def _llama3(text: str) -> list[dict[str, Any]] | None:
+    """The answer as one call's JSON or several separated by ";", nothing else."""
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return None
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            value, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return None
+        if (call := _call(value)) is None:
+            return None
+        calls.append(call)
+        rest = body[at:].lstrip()
+        if rest and not rest.startswith(";"):
+            return None
+        at = len(body) - len(rest.removeprefix(";").lstrip())
+    return calls
 
 
 class Splitter:
     """A streamed answer's text as it may be shown: `feed` gives what can go out now (all of
     it until a call may begin), `end` the held rest read as calls and text."""
 
-    def __init__(self, parallel: bool = True) -> None:
-        self.parallel = parallel  # False: the first call only
-        self.held = ""  # from where a block may begin
-        self.calling = False  # a block began: everything after is held to the end
+    def __init__(self, parallel: bool = True, form: str = "hermes") -> None:
+        self.parallel, self.form = parallel, form  # parallel False: the first call only
+        self.held = ""  # from where a call may begin
+        self.calling = False  # a call began: everything after is held to the end
+        self.texting = False  # (Llama) the answer began as text: it is text to its end
 
     def feed(self, text: str) -> str:
         if self.calling:
             self.held += text
             return ""
+        if self.texting:
+            return text
         text = self.held + text
+        if self.form == "llama3_json":  # a call is the whole answer: its first character
+            start = text.lstrip().removeprefix(PYTHON_TAG).lstrip()
+            if PYTHON_TAG.startswith(start):  # nothing yet, or the marker's start
+                self.held = text
+                return ""
+            self.calling, self.texting = start.startswith("{"), not start.startswith("{")
+            self.held = text if self.calling else ""
+            return "" if self.calling else text
         if (at := text.find(OPEN)) >= 0:
             self.calling, self.held = True, text[at:]
             return text[:at]
@@ -104,5 +163,5 @@ class Splitter:
         held, self.held = self.held, ""
         if not self.calling:
             return Answer(held or None)
-        answer = parse(held, self.parallel)
+        answer = parse(held, self.parallel, self.form)
         return answer if answer.calls else Answer(held)

@@ -1,5 +1,6 @@
-"""Tool calls read from a model's answer (Hermes' <tool_call> blocks): whole, and streamed in
-pieces cut anywhere; the answer as OpenAI's client reads it, whole and streamed."""
+"""Tool calls read from a model's answer (Hermes' <tool_call> blocks, Llama 3's JSON): whole,
+and streamed in pieces cut anywhere; the answer as OpenAI's client reads it, whole and
+streamed."""
 
 from __future__ import annotations
 
@@ -67,6 +68,11 @@ def test_a_template_teaches_the_hermes_format_or_none() -> None:
     assert call_format(HERMES_TEMPLATE + "<function=example>") is None
     assert call_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
     assert call_format(None) is None
+    llama = ("{% if tools %}Respond in the format {\"name\": function name, \"parameters\": "
+             "dictionary of argument name and its value}.{% endif %}")
+    assert call_format(llama) == "llama3_json"
+    # Llama's JSON asked for inside <tool_call> blocks: Hermes' blocks ("parameters" read)
+    assert call_format(llama + "<tool_call></tool_call>") == "hermes"
 
 
 @pytest.mark.parametrize("answer", [f"Sure. {WEATHER}", "<tool and more", "a < b", "plain",
@@ -115,9 +121,9 @@ def test_tools_are_offered_unless_the_choice_is_none() -> None:
 class ScriptedCall(Call):
     """A chat choice whose model wrote `pieces` and stopped."""
 
-    def __init__(self, pieces: list[str], tools: bool = True) -> None:
+    def __init__(self, pieces: list[str], calls: str | None = "hermes") -> None:
         super().__init__(None, True, None, None, [1], Sampling(max_tokens=64), "r1",  # type: ignore[arg-type]
-                         tools=tools)
+                         calls=calls)
         self.pieces = pieces
 
     async def chunks(self) -> AsyncIterator[TokenChunk]:  # type: ignore[override]
@@ -132,7 +138,7 @@ def test_a_whole_answer_carries_its_calls() -> None:
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] == "Checking."
     assert names_and_arguments(choice["message"]["tool_calls"]) == [("weather", {"city": "Paris"})]
-    plain = asyncio.run(collect(ScriptedCall(["Checking. ", WEATHER], tools=False)))
+    plain = asyncio.run(collect(ScriptedCall(["Checking. ", WEATHER], calls=None)))
     assert plain["finish_reason"] == "stop" and "tool_calls" not in plain["message"]
 
 
@@ -173,3 +179,46 @@ def test_the_openai_clients_stream_helper_reads_every_call_through() -> None:
     final = state.get_final_completion().choices[0]
     assert final.finish_reason == "tool_calls"
     assert [c.function.name for c in final.message.tool_calls or []] == ["weather", "time"]
+
+
+LLAMA_CALL = '{"name": "weather", "parameters": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize(("answer", "calls"), [
+    (LLAMA_CALL, [("weather", {"city": "Paris"})]),
+    (f" <|python_tag|>{LLAMA_CALL}; {LLAMA_CALL.replace('Paris', 'Rome; Italy')}\n",
+     [("weather", {"city": "Paris"}), ("weather", {"city": "Rome; Italy"})]),
+    ("It is sunny in Paris.", []),
+    ('{"name": "weather"}', []),  # no arguments
+    (f"{LLAMA_CALL} and then some", []),  # not the whole answer
+    ('{"city": "Paris"', []),
+])
+def test_llama_calls_are_the_whole_answer(answer: str, calls: list[tuple[str, Any]]) -> None:
+    whole = parse(answer, form="llama3_json")
+    assert names_and_arguments(whole.calls) == calls
+    assert whole.content == (None if calls else answer)
+    for cut in range(len(answer) + 1):  # streamed in two pieces, cut anywhere
+        splitter = Splitter(form="llama3_json")
+        shown = splitter.feed(answer[:cut]) + splitter.feed(answer[cut:])
+        end = splitter.end()
+        assert names_and_arguments(end.calls) == calls
+        assert shown + (end.content or "") == ("" if calls else answer)
+        if not calls and not answer.lstrip().startswith("{"):
+            assert shown == answer[:cut] + answer[cut:]  # text goes out as it comes
+
+
+def test_a_streamed_llama_answer_goes_out_as_text_or_as_calls() -> None:
+    async def events(pieces: list[str]) -> list[dict[str, Any]]:
+        call = ScriptedCall(pieces, calls="llama3_json")
+        return [json.loads(e.removeprefix("data: "))["choices"][0] async for e in
+                stream_events(Reply([call], "m", include_usage=False))
+                if e.strip() != "data: [DONE]"]
+
+    text = asyncio.run(events(["It is", " sunny."]))
+    assert "".join(c["delta"].get("content") or "" for c in text) == "It is sunny."
+    assert text[-1]["finish_reason"] == "stop"
+    called = asyncio.run(events([LLAMA_CALL[:9], LLAMA_CALL[9:]]))
+    deltas = [d for c in called for d in c["delta"].get("tool_calls", [])]
+    assert names_and_arguments(deltas) == [("weather", {"city": "Paris"})]
+    assert not any(c["delta"].get("content") for c in called)
+    assert called[-1]["finish_reason"] == "tool_calls"
