@@ -39,13 +39,15 @@ PYTHON_TAG = "<|python_tag|>"  # Llama 3's call marker (a special token: rarely 
 
 def call_format(template: str | None, decode_keeps_tags: bool = True) -> str | None:
     """The call format a chat template teaches, or None: "hermes" where it shows tools and
-    asks for <tool_call> blocks (of JSON: not Qwen3-Coder's `<function=...>` blocks) and the
-    model's text keeps the tags (a tokenizer that marks them special drops them from the
+    asks for <tool_call> blocks of a call's JSON (its "arguments", or Llama's "parameters":
+    not Qwen3-Coder's `<function=...>` blocks or GLM's `<arg_key>` ones) and the model's text
+    keeps the tags (a tokenizer that marks them special drops them from the
     text, and the calls with them); else "llama3_json" where it asks for a call's JSON with
     its "parameters", as Llama 3.1's and 3.2's do."""
     if not template or "tools" not in template:
         return None
-    if OPEN in template and "<function=" not in template and decode_keeps_tags:
+    if (OPEN in template and ('"arguments"' in template or LLAMA3_ASKS in template)
+            and "<function=" not in template and decode_keeps_tags):
         return "hermes"
     if LLAMA3_ASKS in template:
         return "llama3_json"
@@ -53,8 +55,9 @@ def call_format(template: str | None, decode_keeps_tags: bool = True) -> str | N
 
 
 def tool_call(name: str, arguments: Any) -> dict[str, Any]:
-    """A call as OpenAI's answers carry it: an id of its own, the arguments as a JSON string."""
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    """A call as OpenAI's answers carry it: an id of its own, the arguments as a JSON string
+    (strict JSON: a NaN the model wrote raises ValueError, no call)."""
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, allow_nan=False)
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": text}}
 
@@ -94,7 +97,7 @@ def _hermes(text: str) -> list[dict[str, Any]] | None:
     for block in BLOCK.finditer(text):
         try:
             call = _call(json.loads(block[1]))
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON; nested past what Python parses
             return None
         if call is None:
             return None
@@ -111,9 +114,10 @@ def _llama3(text: str) -> list[dict[str, Any]] | None:
     while at < len(body):
         try:
             value, at = decoder.raw_decode(body, at)
-        except ValueError:
+            call = _call(value)
+        except (ValueError, RecursionError):  # not JSON; nested past what Python parses
             return None
-        if (call := _call(value)) is None:
+        if call is None:
             return None
         calls.append(call)
         rest = body[at:].lstrip()

@@ -54,6 +54,8 @@ def test_calls_and_the_text_around_them() -> None:
     '<tool_call>{"name": "f"}</tool_call>',  # no arguments: not a call to run
     '<tool_call>["f"]</tool_call>',
     f'{WEATHER}<tool_call>not json</tool_call>',  # one bad block: no calls made up
+    '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',  # not strict JSON
+    '<tool_call>{"name": "f", "arguments": ' + "[" * 1200 + "</tool_call>",  # too deep
 ])
 def test_a_block_that_is_not_a_call_leaves_the_answer_as_written(text: str) -> None:
     answer = parse(text)
@@ -73,6 +75,9 @@ def test_a_template_teaches_the_hermes_format_or_none() -> None:
     assert call_format(llama) == "llama3_json"
     # Llama's JSON asked for inside <tool_call> blocks: Hermes' blocks ("parameters" read)
     assert call_format(llama + "<tool_call></tool_call>") == "hermes"
+    # GLM's <tool_call>name<arg_key>...: the tag, but no JSON asked for
+    assert call_format("{% if tools %}<tool_call>{name}<arg_key>k</arg_key></tool_call>"
+                       "{% endif %}") is None
 
 
 @pytest.mark.parametrize("answer", [f"Sure. {WEATHER}", "<tool and more", "a < b", "plain",
@@ -192,6 +197,7 @@ LLAMA_CALL = '{"name": "weather", "parameters": {"city": "Paris"}}'
     ('{"name": "weather"}', []),  # no arguments
     (f"{LLAMA_CALL} and then some", []),  # not the whole answer
     ('{"city": "Paris"', []),
+    ('{"name": "w", "parameters": ' + "[" * 1200, []),  # nested past what Python parses
 ])
 def test_llama_calls_are_the_whole_answer(answer: str, calls: list[tuple[str, Any]]) -> None:
     whole = parse(answer, form="llama3_json")
