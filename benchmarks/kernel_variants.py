@@ -21,8 +21,10 @@ import argparse
 import functools
 import platform
 import statistics
+import sys
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -43,7 +45,11 @@ from shared.engine.kernels import (
 from shared.engine.kv_cache import KVCache
 from shared.engine.loader import read_config
 from shared.engine.model_runner import load_model
-from shared.engine.quant import NO_MINS, QuantizedPanels
+from shared.engine.panels import PanelMatrix
+from shared.engine.quant import QuantizedPanels
+
+sys.path.insert(0, str(Path(__file__).parent))
+from kernel_ab import attend, chain, matmul
 
 MODEL = "smollm2-135m-shape"  # SmolLM2-135M's matrices, random weights (no checkpoint needed)
 
@@ -105,39 +111,9 @@ def prebuild(name: str) -> None:
     build(name)
 
 
-def packed(w: torch.Tensor, width: int) -> torch.Tensor:
-    """w (out, in) as a build's panels [ceil(out / width), in, width] (PanelMatrix's layout at
-    that build's width, which a tile variant may change)."""
-    out, inputs = w.shape
-    panels = torch.zeros(-(-out // width), inputs, width)
-    for p in range(panels.shape[0]):
-        part = w[p * width:(p + 1) * width]
-        panels[p, :, :part.shape[0]] = part.t()
-    return panels
-
-
-def float_chain(module: ModuleType, panels: list[tuple[torch.Tensor, int]],
-                xs: dict[int, torch.Tensor]) -> None:
-    for p, n in panels:
-        module.float_matmul(xs[p.shape[1]], p, n)
-
-
 def mkl_chain(dense: list[torch.Tensor], xs: dict[int, torch.Tensor]) -> None:
     for w in dense:
         F.linear(xs[w.shape[1]], w)
-
-
-def int4_chain(module: ModuleType, quantized: list[QuantizedPanels],
-               xs: dict[int, torch.Tensor]) -> None:
-    for q in quantized:
-        module.quantized_matmul(xs[q.shape[1]], q.weights, q.scales,
-                                NO_MINS if q.mins is None else q.mins, q.bits, q.out_features)
-
-
-def attention_layers(module: ModuleType, q: torch.Tensor, pool: torch.Tensor,
-                     tables: torch.Tensor, lens: torch.Tensor, scale: float) -> None:
-    for layer in range(pool.shape[0]):
-        module.paged_decode_attention(q, pool[layer, 0], pool[layer, 1], tables, lens, scale)
 
 
 def main() -> None:
@@ -184,10 +160,10 @@ def main() -> None:
     assert isinstance(int4.lm_head, QuantizedPanels)
     quantized.append(int4.lm_head)
     dense = [torch.randn(*m.shape) for m in quantized]
-    by_width: dict[int, list[tuple[torch.Tensor, int]]] = {}  # builds of one width share
+    by_width: dict[int, list[PanelMatrix]] = {}  # builds of one width share their panels
     for module in builds.values():
         width = module.panel_width()
-        by_width.setdefault(width, [(packed(w, width), w.shape[0]) for w in dense])
+        by_width.setdefault(width, [PanelMatrix.pack(w, width=width) for w in dense])
     panels = {name: by_width[module.panel_width()] for name, module in builds.items()}
     base = builds["base"]
 
@@ -196,14 +172,14 @@ def main() -> None:
         xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in dense}
         x = xs[dense[0].shape[1]]
         for name, module in builds.items():
-            first, n = panels[name][0]
-            torch.testing.assert_close(module.float_matmul(x, first, n), F.linear(x, dense[0]),
+            first = panels[name][0]
+            torch.testing.assert_close(matmul(module, x, first), F.linear(x, dense[0]),
                                        rtol=1e-3, atol=1e-3)
             calls[f"matmuls, {rows} rows: {name}"] = functools.partial(
-                float_chain, module, panels[name], xs)
+                chain, module, panels[name], xs)
         calls[f"matmuls, {rows} rows: MKL"] = functools.partial(mkl_chain, dense, xs)
         calls[f"matmuls, {rows} rows: int4 panels"] = functools.partial(
-            int4_chain, base, quantized, xs)
+            chain, base, quantized, xs)
     block = 16
     per = -(-args.context // block)
     kv = KVCache(config, args.batch * per + 1, block, torch.float32, torch.device("cpu"))
@@ -213,7 +189,7 @@ def main() -> None:
     lens = torch.full((args.batch,), args.context)
     for name, module in builds.items():
         calls[f"attention, batch {args.batch}: {name}"] = functools.partial(
-            attention_layers, module, q, kv.data, tables, lens, config.head_dim ** -0.5)
+            attend, module, q, kv, tables, lens)
 
     times = dict(zip(calls, rounds([functools.partial(_ms, call) for call in calls.values()],
                                    args.rounds), strict=True))

@@ -400,12 +400,9 @@ def choice(chat: bool, text: str | None, finish: str | None, logprobs: dict[str,
            stream: bool, index: int = 0, tool_calls: list[dict[str, Any]] | None = None
            ) -> dict[str, Any]:
     """A choice of an answer or a chunk; `tool_calls` (chat): the calls the model made, as
-    OpenAI's message carries them (a chunk's delta: each with its index among them), the
-    finish reason then "tool_calls" where the model ended its turn."""
+    OpenAI's message carries them (a chunk's delta: each with its index among them)."""
     if not chat:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    if tool_calls and finish == "stop":
-        finish = "tool_calls"
     if stream:
         delta: dict[str, Any] = {"content": text} if text else {}
         if tool_calls:

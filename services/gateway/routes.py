@@ -180,12 +180,12 @@ async def collect(call: Call) -> dict[str, Any]:
     except GaveUp as e:
         raise APIError(503, f"the request failed: {e}", kind="server_error") from None
     text, logprobs = await shown(call, whole)
+    finish = call.finish(whole.finish_reason)
     if call.splitter is not None:
-        answer = tool_calls.parse(text, call.splitter.parallel, call.splitter.form)
-        return api.choice(True, answer.content, call.finish(whole.finish_reason), logprobs,
-                          stream=False, index=call.index, tool_calls=answer.calls)
-    return api.choice(call.chat, text, call.finish(whole.finish_reason), logprobs,
-                      stream=False, index=call.index)
+        answer = call.splitter.whole(text)
+        return api.choice(True, answer.content, tool_calls.finish_reason(finish, answer.calls),
+                          logprobs, stream=False, index=call.index, tool_calls=answer.calls)
+    return api.choice(call.chat, text, finish, logprobs, stream=False, index=call.index)
 
 
 async def shown(call: Call, chunk: TokenChunk) -> tuple[str, dict[str, Any] | None]:
@@ -314,7 +314,7 @@ async def stream_events(reply: Reply) -> AsyncIterator[str]:
                                                     index=call.index, tool_calls=answer.calls)
                                 yield api.sse(base | {"choices": [choice]} | extra)
                                 text, logprobs = "", None
-                                finish = "tool_calls" if finish == "stop" else finish
+                                finish = tool_calls.finish_reason(finish, answer.calls)
                         if not (text or logprobs or finish):
                             continue
                     choice = api.choice(call.chat, text, finish, logprobs, stream=True,
@@ -438,6 +438,10 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
                           tokenizer.decode(ids, skip_special_tokens=False)
                           for p, ids in zip(prompts, each, strict=True)]
             request_ids = choice_ids(uuid.uuid4().hex, len(tickets))
+            chat = isinstance(req, ChatRequest)
+            # the format each choice's calls are read in (tools offered), and how many
+            form = call_form if isinstance(req, ChatRequest) and req.offered_tools else None
+            parallel = req.parallel_tool_calls if isinstance(req, ChatRequest) else True
             calls: list[Call] = []
             seeds: list[int] = []
             for index, ticket in enumerate(tickets):  # each dispatched apart: they spread
@@ -446,11 +450,9 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
                 sampling = gateway.sampling(target, len(ids), req)
                 seeds = seeds or choice_seeds(sampling.seed, req.n)  # each prompt's the same
                 sampling.seed = seeds[index % req.n]
-                tools = isinstance(req, ChatRequest) and bool(req.offered_tools)
-                calls.append(Call(gateway, isinstance(req, ChatRequest), target,
-                                  ticket.booking, ids, sampling, request_ids[index], index,
-                                  echo, req.generates, call_form if tools else None,
-                                  getattr(req, "parallel_tool_calls", True)))
+                calls.append(Call(gateway, chat, target, ticket.booking, ids, sampling,
+                                  request_ids[index], index, echo, req.generates, form,
+                                  parallel))
             reply = Reply(calls, req.model, req.include_usage, req.n)
             return await respond(reply, tickets, request, req.stream)
         except BaseException:

@@ -41,9 +41,9 @@ def call_format(template: str | None, decode_keeps_tags: bool = True) -> str | N
     """The call format a chat template teaches, or None: "hermes" where it shows tools and
     asks for <tool_call> blocks of a call's JSON (its "arguments", or Llama's "parameters":
     not Qwen3-Coder's `<function=...>` blocks or GLM's `<arg_key>` ones) and the model's text
-    keeps the tags (a tokenizer that marks them special drops them from the
-    text, and the calls with them); else "llama3_json" where it asks for a call's JSON with
-    its "parameters", as Llama 3.1's and 3.2's do."""
+    keeps the tags (a tokenizer that marks them special drops them from the text, and the
+    calls with them); else "llama3_json" where it asks for a call's JSON with its
+    "parameters", as Llama 3.1's and 3.2's do."""
     if not template or "tools" not in template:
         return None
     if (OPEN in template and ('"arguments"' in template or LLAMA3_ASKS in template)
@@ -60,6 +60,12 @@ def tool_call(name: str, arguments: Any) -> dict[str, Any]:
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, allow_nan=False)
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": text}}
+
+
+def finish_reason(reason: str | None, calls: list[dict[str, Any]]) -> str | None:
+    """An answer's finish as OpenAI gives it: "tool_calls" where the model ended its turn
+    with calls."""
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 @dataclass(frozen=True)
@@ -165,7 +171,8 @@ class Splitter:
         """The held text at the answer's end: its calls and the text around them (all text
         when it holds none)."""
         held, self.held = self.held, ""
-        if not self.calling:
-            return Answer(held or None)
-        answer = parse(held, self.parallel, self.form)
-        return answer if answer.calls else Answer(held)
+        return self.whole(held) if self.calling else Answer(held or None)
+
+    def whole(self, text: str) -> Answer:
+        """A whole answer read at once (not streamed), as this stream would read it."""
+        return parse(text, self.parallel, self.form)

@@ -24,12 +24,15 @@ class PanelMatrix:
     out_features: int
 
     @classmethod
-    def pack(cls, *parts: torch.Tensor) -> PanelMatrix:
+    def pack(cls, *parts: torch.Tensor, width: int | None = None) -> PanelMatrix:
         """(out, in) parts stacked by rows (Q, K, V into QKV), each copied (and cast) once
-        into its panels' columns: no concatenated or padded copy of the whole on the way."""
-        kernels = cpu_kernels()
-        assert kernels is not None, "panels need the CPU kernels (checked by packable)"
-        width, inputs = kernels.panel_width(), parts[0].shape[1]
+        into its panels' columns: no concatenated or padded copy of the whole on the way.
+        `width`: the panel width of another build than the engine's (a tuning variant's)."""
+        if width is None:
+            kernels = cpu_kernels()
+            assert kernels is not None, "panels need the CPU kernels (checked by packable)"
+            width = int(kernels.panel_width())
+        inputs = parts[0].shape[1]
         rows = sum(part.shape[0] for part in parts)
         panels = torch.zeros(-(-rows // width), inputs, width, dtype=torch.float32)
         row = 0
