@@ -162,12 +162,107 @@ void block_sums(const float* __restrict__ x, int64_t M, int64_t K, std::vector<f
   }
 }
 
-// Tasks of an [M, K] x [K, N] product: one panel for a run of row tiles each (its blocks stay
-// in cache while they meet).
+// AVX2 unpacks a pair's levels in about as many instructions as two rows' FMAs take to use
+// them (AVX-512 widens a row of 16 in one), so at 32 rows the panels read the model's int4
+// matrices 1.7x slower than float32's (2-vCPU Zen 3). There a task of several rows unpacks
+// each of its panel's blocks once, into floats in L1, and runs its rows over them R_U at a
+// time with the sums in memory: the same sums in the same order as panel_rows at R >= 2.
+constexpr bool UNPACK_ONCE = W == 8;
+constexpr int R_U = 6;                     // rows a pass: 2 R_U partial sums + 2 levels + x
+constexpr int64_t UNPACKED_ROWS = 8 * R_U; // rows a task where blocks are unpacked once
+constexpr int64_t UNPACK_FROM = 5;        // rows a task from which they are
+
+// Tasks of an [M, K] x [K, N] product: one panel for a run of rows each (its blocks stay in
+// cache while they meet): TILES_A_TASK tiles of R_MAX rows, or UNPACKED_ROWS.
 constexpr int64_t TILES_A_TASK = 8;
+constexpr int64_t QUANTIZED_TASK_ROWS = UNPACK_ONCE ? UNPACKED_ROWS : TILES_A_TASK * R_MAX;
 inline int64_t quantized_tasks(int64_t M, int64_t N) {
-  const int64_t tiles = (M + R_MAX - 1) / R_MAX;
-  return (N + G - 1) / G * ((tiles + TILES_A_TASK - 1) / TILES_A_TASK);
+  return (N + G - 1) / G * ((M + QUANTIZED_TASK_ROWS - 1) / QUANTIZED_TASK_ROWS);
+}
+
+// A block's 32 x 16 levels as floats, k by k.
+template <int BITS>
+inline void unpack_block(const uint8_t* __restrict__ wb, float* __restrict__ levels) {
+  constexpr int64_t PAIR_BYTES = G * BITS / 4;
+  for (int64_t pair = 0; pair < QK / 2; ++pair) {
+    V w0[H], w1[H];
+    unpack_pair<BITS>(wb + pair * PAIR_BYTES, w0, w1);
+    for (int h = 0; h < H; ++h) {
+      vstore(levels + 2 * pair * G + h * W, w0[h]);
+      vstore(levels + (2 * pair + 1) * G + h * W, w1[h]);
+    }
+  }
+}
+
+// R rows of x (from k0) over a block's unpacked levels, added to their sums acc[R][G] with
+// the block's scales d and minimums m (sums: the rows' block sums, `blocks` apart).
+template <int R>
+inline void unpacked_rows(const float* __restrict__ x, int64_t K, int64_t k0,
+                          const float* __restrict__ levels, const float* __restrict__ d,
+                          const float* __restrict__ m, const float* __restrict__ sums,
+                          int64_t blocks, float* __restrict__ acc) {
+  V part[R][H];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < H; ++h) part[r][h] = vzero();
+  for (int64_t k = 0; k < QK; ++k) {
+    V w[H];
+    for (int h = 0; h < H; ++h) w[h] = vload(levels + k * G + h * W);
+    for (int r = 0; r < R; ++r) {
+      const V xb = vset(x[r * K + k0 + k]);
+      for (int h = 0; h < H; ++h) part[r][h] = vfma(w[h], xb, part[r][h]);
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    const V scale = vload(d + h * W);
+    for (int r = 0; r < R; ++r) {
+      V total = vfma(part[r][h], scale, vload(acc + r * G + h * W));
+      if (m) total = vfma(vload(m + h * W), vset(sums[r * blocks]), total);
+      vstore(acc + r * G + h * W, total);
+    }
+  }
+}
+
+template <int R>
+inline void unpacked_left(const float* x, int64_t K, int64_t k0, const float* levels,
+                          const float* d, const float* m, const float* sums, int64_t blocks,
+                          float* acc, int64_t rows) {
+  if constexpr (R > 0) {
+    if (rows == R) return unpacked_rows<R>(x, K, k0, levels, d, m, sums, blocks, acc);
+    unpacked_left<R - 1>(x, K, k0, levels, d, m, sums, blocks, acc, rows);
+  }
+}
+
+// `rows` (up to UNPACKED_ROWS) rows of x times one panel, its blocks unpacked once.
+template <int BITS>
+void panel_unpacked(const float* __restrict__ x, const float* __restrict__ sums, int64_t K,
+                    const uint8_t* __restrict__ w, const float* __restrict__ d,
+                    const float* __restrict__ m, float* __restrict__ out, int64_t N,
+                    int64_t cols, int64_t rows) {
+  constexpr int64_t BLOCK_BYTES = G * BITS / 4 * QK / 2;
+  const int64_t blocks = K / QK;
+  alignas(64) float levels[QK * G];
+  alignas(64) float acc[UNPACKED_ROWS * G];
+  std::fill(acc, acc + rows * G, 0.0f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = w + b * BLOCK_BYTES;
+    for (int64_t line = 0; line < BLOCK_BYTES; line += 64)
+      __builtin_prefetch(wb + AHEAD * BLOCK_BYTES + line, 0, 2);
+    __builtin_prefetch(d + (b + AHEAD) * G, 0, 2);
+    if (m) __builtin_prefetch(m + (b + AHEAD) * G, 0, 2);
+    unpack_block<BITS>(wb, levels);
+    const float* db = d + b * G;
+    const float* mb = m ? m + b * G : nullptr;
+    for (int64_t r0 = 0; r0 < rows; r0 += R_U) {
+      const float* s = m ? sums + r0 * blocks + b : nullptr;
+      if (rows - r0 >= R_U)
+        unpacked_rows<R_U>(x + r0 * K, K, b * QK, levels, db, mb, s, blocks, acc + r0 * G);
+      else
+        unpacked_left<R_U - 1>(x + r0 * K, K, b * QK, levels, db, mb, s, blocks,
+                               acc + r0 * G, rows - r0);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)  // the last panel's columns past N are padding
+    std::copy(acc + r * G, acc + r * G + cols, out + r * N);
 }
 
 // Tasks [begin, end) of out = x @ W^T; `sums` from block_sums where there are minimums.
@@ -177,15 +272,20 @@ void quantized_run_tasks(const float* __restrict__ x, const float* __restrict__ 
                          const float* __restrict__ mins, float* __restrict__ out, int64_t M,
                          int64_t N, int64_t K, int64_t begin, int64_t end) {
   const int64_t blocks = K / QK, panels = (N + G - 1) / G;
-  const int64_t panel_bytes = blocks * QK * G * BITS / 8, tiles = (M + R_MAX - 1) / R_MAX;
+  const int64_t panel_bytes = blocks * QK * G * BITS / 8;
   for (int64_t task = begin; task < end; ++task) {
-    const int64_t p = task % panels, first = task / panels * TILES_A_TASK;
-    const int64_t cols = std::min(G, N - p * G);
+    const int64_t p = task % panels, first = task / panels * QUANTIZED_TASK_ROWS;
+    const int64_t cols = std::min(G, N - p * G), last = std::min(M, first + QUANTIZED_TASK_ROWS);
     const uint8_t* w = weights + p * panel_bytes;
     const float* d = scales + p * blocks * G;
     const float* m = mins ? mins + p * blocks * G : nullptr;
-    for (int64_t tile = first; tile < std::min(tiles, first + TILES_A_TASK); ++tile) {
-      const int64_t r0 = tile * R_MAX, rows = std::min<int64_t>(R_MAX, M - r0);
+    if (UNPACK_ONCE && last - first >= UNPACK_FROM) {
+      panel_unpacked<BITS>(x + first * K, mins ? sums + first * blocks : nullptr, K, w, d, m,
+                           out + first * N + p * G, N, cols, last - first);
+      continue;
+    }
+    for (int64_t r0 = first; r0 < last; r0 += R_MAX) {
+      const int64_t rows = std::min<int64_t>(R_MAX, last - r0);
       const float* s = mins ? sums + r0 * blocks : nullptr;
       float* o = out + r0 * N + p * G;
       if (rows == R_MAX) panel_rows<BITS, R_MAX>(x + r0 * K, s, K, w, d, m, o, N, cols);
