@@ -52,15 +52,14 @@ inline void unpack_pair(const uint8_t* __restrict__ p, V* w0, V* w1) {
         reinterpret_cast<const __m128i*>(p + G))));
   }
 #elif defined(__AVX2__) && defined(__FMA__)
-  if constexpr (BITS == 4) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i low = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(bytes, low);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-    w0[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    w0[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    w1[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    w1[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  if constexpr (BITS == 4) {  // 8 columns' bytes widened from memory, split in 32-bit lanes
+    const __m256i low = _mm256_set1_epi32(15);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i bytes = _mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h)));
+      w0[h] = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low));
+      w1[h] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+    }
   } else {
     for (int h = 0; h < 2; ++h) {
       w0[h] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
