@@ -7,7 +7,7 @@
 // The weights are laid out in panels of G = 16 output columns (quant.QuantizedPanels): for
 // each block, the levels of input k for the panel's 16 columns lie together (int4: inputs k
 // and k + 1 in one byte a column, low and high nibble), so one widening and one conversion
-// give the levels of 16 columns as floats, multiplied by x_k broadcast into 16 sums at once:
+// (AVX2: two of each) give the levels of 16 columns as floats, multiplied by x_k broadcast into 16 sums at once:
 // no horizontal sum a column, and a block's scale and minimum are applied once to its sums,
 // not to every weight:
 //   y = sum over blocks of  d * sum_k(q_k x_k)  +  m * sum_k(x_k)
@@ -162,10 +162,12 @@ void block_sums(const float* __restrict__ x, int64_t M, int64_t K, std::vector<f
 }
 
 // AVX2 unpacks a pair's levels in about as many instructions as two rows' FMAs take to use
-// them (AVX-512 widens a row of 16 in one), so at 32 rows the panels read the model's int4
-// matrices 1.7x slower than float32's (2-vCPU Zen 3). There a task of several rows unpacks
-// each of its panel's blocks once, into floats in L1, and runs its rows over them R_U at a
-// time with the sums in memory: the same sums in the same order as panel_rows at R >= 2.
+// them (AVX-512 widens a row of 16 in one), so while every 2 rows unpacked a block again the
+// panels read the model's int4 matrices 1.7x slower than float32's at 32 rows (2-vCPU Zen 3).
+// There a task of several rows unpacks each of its panel's blocks once, into floats in L1,
+// and runs its rows over them R_U at a time with the sums in memory: the same sums in the
+// same order as panel_rows at R >= 2 (a 2-row tile's bits). int8 takes it too (its levels
+// widen as int4's do; not timed apart).
 constexpr bool UNPACK_ONCE = W == 8;
 constexpr int R_U = 6;                     // rows a pass: 2 R_U partial sums + 2 levels + x
 constexpr int64_t UNPACKED_ROWS = 8 * R_U; // rows a task where blocks are unpacked once
@@ -175,6 +177,8 @@ constexpr int64_t UNPACK_FROM = 5;        // rows a task from which they are
 // cache while they meet): TILES_A_TASK tiles of R_MAX rows, or UNPACKED_ROWS.
 constexpr int64_t TILES_A_TASK = 8;
 constexpr int64_t QUANTIZED_TASK_ROWS = UNPACK_ONCE ? UNPACKED_ROWS : TILES_A_TASK * R_MAX;
+static_assert(!UNPACK_ONCE || QUANTIZED_TASK_ROWS <= UNPACKED_ROWS,
+              "panel_unpacked's sums hold a task's rows");
 inline int64_t quantized_tasks(int64_t M, int64_t N) {
   return (N + G - 1) / G * ((M + QUANTIZED_TASK_ROWS - 1) / QUANTIZED_TASK_ROWS);
 }
@@ -278,10 +282,12 @@ void quantized_run_tasks(const float* __restrict__ x, const float* __restrict__ 
     const uint8_t* w = weights + p * panel_bytes;
     const float* d = scales + p * blocks * G;
     const float* m = mins ? mins + p * blocks * G : nullptr;
-    if (UNPACK_ONCE && last - first >= UNPACK_FROM) {
-      panel_unpacked<BITS>(x + first * K, mins ? sums + first * blocks : nullptr, K, w, d, m,
-                           out + first * N + p * G, N, cols, last - first);
-      continue;
+    if constexpr (UNPACK_ONCE) {
+      if (last - first >= UNPACK_FROM) {
+        panel_unpacked<BITS>(x + first * K, mins ? sums + first * blocks : nullptr, K, w, d, m,
+                             out + first * N + p * G, N, cols, last - first);
+        continue;
+      }
     }
     for (int64_t r0 = first; r0 < last; r0 += R_MAX) {
       const int64_t rows = std::min<int64_t>(R_MAX, last - r0);
