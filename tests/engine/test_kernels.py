@@ -58,12 +58,14 @@ def test_a_native_build_is_named_by_the_cpu_it_was_built_on() -> None:
 
 def test_the_build_needs_no_path_so_every_checkout_shares_it() -> None:
     """vec.h's text goes first and the sources' #include of it goes: no include path among
-    the build's arguments (torch's cache key), which made two checkouts rebuild in turn."""
+    the build's arguments (torch's cache key), which made two checkouts rebuild in turn. The
+    sources include the ATen headers they use, not <torch/extension.h>."""
     header, *rest = [source_text(source) for source in SOURCES]
     assert SOURCES[0].name == "vec.h" and header == SOURCES[0].read_text().rstrip("\n")
     for source, text in zip(SOURCES[1:], rest, strict=True):
         assert OWN_HEADER in source.read_text() and OWN_HEADER not in text
-        assert "#include <torch/extension.h>" in text
+        assert "#include <ATen/core/Tensor.h>" in text  # the ATen headers it uses stay
+        assert "torch/extension.h" not in text  # the whole C++ frontend: most of a build
 
 
 def test_every_kernel_variant_the_tuning_benchmark_names_still_applies() -> None:

@@ -5,7 +5,7 @@
 // ones the model calls one at a time (this file comes after theirs in the build); what goes is
 // the ~15 Python and torch dispatches a layer between them: at batch 1 those cost more than
 // the norms, RoPE and the KV write themselves.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 
@@ -27,7 +27,7 @@ using namespace ds;
 constexpr int TENSORS_A_LAYER = 2 + 3 * 4, SHAPES_A_LAYER = 2 * 4;
 
 struct Linear {
-  const torch::Tensor &weights, &scales, &mins;
+  const at::Tensor &weights, &scales, &mins;
   int64_t bits, N;
   const void* w = nullptr;  // the tensors' data, taken once checked (`check`)
   const float *d = nullptr, *m = nullptr;
@@ -103,12 +103,12 @@ void add_rows(float* __restrict__ x, const float* __restrict__ y, int64_t n) {
 // positions, slots [B] (each token's position and pool slot); block_tables [B, max_blocks],
 // context_lens [B] (the new token included); cos, sin [P, D]; scale: attention's 1 / sqrt(D),
 // as the model gives it to the attention kernel alone.
-torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> tensors,
-                            std::vector<int64_t> shapes, torch::Tensor pool,
-                            torch::Tensor positions, torch::Tensor slots,
-                            torch::Tensor block_tables, torch::Tensor context_lens,
-                            torch::Tensor cos, torch::Tensor sin, int64_t heads, double eps,
-                            double scale) {
+at::Tensor decode_layers(at::Tensor x, std::vector<at::Tensor> tensors,
+                         std::vector<int64_t> shapes, at::Tensor pool,
+                         at::Tensor positions, at::Tensor slots,
+                         at::Tensor block_tables, at::Tensor context_lens,
+                         at::Tensor cos, at::Tensor sin, int64_t heads, double eps,
+                         double scale) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
                   x.is_contiguous(), "x: contiguous float32 [B, hidden] on the CPU");
   TORCH_CHECK(pool.is_contiguous() && pool.scalar_type() == at::kFloat && pool.dim() == 6 &&
@@ -143,7 +143,7 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> tensors,
   std::vector<Linear> linears;
   linears.reserve(layers * 4);
   for (int64_t l = 0; l < layers; ++l) {
-    const torch::Tensor* t = tensors.data() + l * TENSORS_A_LAYER;
+    const at::Tensor* t = tensors.data() + l * TENSORS_A_LAYER;
     const int64_t* s = shapes.data() + l * SHAPES_A_LAYER;
     for (int m = 0; m < 4; ++m)
       linears.push_back(Linear{t[2 + 3 * m], t[3 + 3 * m], t[4 + 3 * m], s[2 * m], s[2 * m + 1]});

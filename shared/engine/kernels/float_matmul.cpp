@@ -10,7 +10,8 @@
 // no horizontal sums, each load feeding several FMAs). K is cut in chunks so a panel's chunk
 // stays in L2 and R rows of x in L1 while the next rows pass; work is split over panels and
 // blocks of rows.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -182,7 +183,7 @@ int64_t panel_width() { return panels::P; }
 
 // x [M, K] float32; packed [ceil(N / P), K, P]: panel p's column j at k is W[p * P + j, k].
 // Returns x @ W^T, [M, N].
-torch::Tensor float_matmul(torch::Tensor x, torch::Tensor packed, int64_t N) {
+at::Tensor float_matmul(at::Tensor x, at::Tensor packed, int64_t N) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "x: float32 on the CPU");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == panels::P && packed.is_contiguous() &&
                   packed.scalar_type() == at::kFloat,
@@ -191,7 +192,7 @@ torch::Tensor float_matmul(torch::Tensor x, torch::Tensor packed, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(packed.size(1) == K && (N + panels::P - 1) / panels::P == packed.size(0),
               "panels do not match x or N");
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   pybind11::gil_scoped_release no_gil;  // the service's event loop runs meanwhile
   panels::run(x.data_ptr<float>(), packed.data_ptr<float>(), out.data_ptr<float>(), M, N, K);
   return out;

@@ -1,7 +1,8 @@
 // A layer's small operations in one call each (CPU, float32): RMSNorm, SiLU(gate) * up, RoPE.
 // Torch runs each as 4-8 operators of its own (a decode step at batch 1 spent ~40 us a layer
 // on them, mostly dispatch, against a few us of arithmetic).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -16,7 +17,7 @@ using namespace ds;
 // rows per task: small batches stay on the calling thread (a task costs more than its work)
 constexpr int64_t ROWS_A_TASK = 16;
 
-void check_rows(const torch::Tensor& x, int64_t width, const char* name) {
+void check_rows(const at::Tensor& x, int64_t width, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, name, ": float32 on the CPU");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == width && x.stride(1) == 1, name,
               ": rows of ", width, " contiguous floats");
@@ -111,11 +112,11 @@ void rope_rows(float* base, int64_t stride, int64_t T, int64_t heads, int64_t D,
 }  // namespace
 
 // x [T, H] -> x / sqrt(mean(x^2) + eps) * weight, row by row.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   const int64_t H = weight.size(0);
   check_rows(x, H, "x");
   TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kFloat, "weight: float32");
-  auto out = torch::empty({x.size(0), H}, x.options());
+  auto out = at::empty({x.size(0), H}, x.options());
   pybind11::gil_scoped_release no_gil;
   rms_norm_rows(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(),
                 out.data_ptr<float>(), x.size(0), H, float(eps));
@@ -123,11 +124,11 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 // gate_up [T, 2I] (gate, then up) -> silu(gate) * up [T, I].
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up: [T, 2I]");
   const int64_t I = gate_up.size(1) / 2;
   check_rows(gate_up, 2 * I, "gate_up");
-  auto out = torch::empty({gate_up.size(0), I}, gate_up.options());
+  auto out = at::empty({gate_up.size(0), I}, gate_up.options());
   pybind11::gil_scoped_release no_gil;
   silu_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), out.data_ptr<float>(),
                 gate_up.size(0), I);
@@ -137,7 +138,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 // RoPE in place on x [T, heads, D] (each head's D floats contiguous; rows may be strided, as
 // a view of the fused QKV output is), at `positions` [T] of cos/sin tables [P, D] whose
 // halves repeat: x_i <- x_i cos_i - x_{i+D/2} sin_i, x_{i+D/2} <- x_{i+D/2} cos_i + x_i sin_i.
-void rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions) {
+void rope(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor positions) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 3,
               "x: float32 [T, heads, D] on the CPU");
   const int64_t T = x.size(0), heads = x.size(1), D = x.size(2);

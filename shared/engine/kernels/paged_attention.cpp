@@ -9,7 +9,9 @@
 // merged as flash-decoding does (rescaled to the largest score). Scores and accumulation are
 // float. Float K/V use the build's vector registers (vec.h: AVX-512 or AVX2+FMA; exp
 // vectorised too); every other case is the portable loops below, vectorised by the compiler.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -329,15 +331,15 @@ void decode_attention_kernel(const T* q, int64_t q_stride, const T* k_cache, con
 
 // q [B, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D]; block_tables [B, max_blocks]
 // (int64); context_lens [B] (int64). Returns [B, H, D].
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
-                                     torch::Tensor v_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
+                                  at::Tensor v_cache, at::Tensor block_tables,
+                                  at::Tensor context_lens, double scale) {
   TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention runs on the CPU");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "pool must be contiguous");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   if (batch == 0) return out;
   const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);

@@ -16,7 +16,8 @@
 // rounding errors than summing (q - 8) d x, within what the accuracy tests measure).
 // Activations stay float32 (integer activations, as llama.cpp quantizes them, cost this
 // model 7 points of top-1 agreement with float32).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -332,8 +333,8 @@ void quantized_matmul_kernel(const float* __restrict__ x, const uint8_t* __restr
 // x [M, K] float32; weights uint8 [panels, K / 32, 32 * 16 * bits / 8]; scales float32
 // [panels, K / 32, 16]; mins the same for 4 bits (empty for 8); N output columns (the last
 // panel's others are padding). Returns [M, N] float32.
-torch::Tensor quantized_matmul(torch::Tensor x, torch::Tensor weights, torch::Tensor scales,
-                               torch::Tensor mins, int64_t bits, int64_t N) {
+at::Tensor quantized_matmul(at::Tensor x, at::Tensor weights, at::Tensor scales,
+                            at::Tensor mins, int64_t bits, int64_t N) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "x: float32 on the CPU");
   TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
   x = x.contiguous();
@@ -344,7 +345,7 @@ torch::Tensor quantized_matmul(torch::Tensor x, torch::Tensor weights, torch::Te
   TORCH_CHECK(weights.is_contiguous() && weights.scalar_type() == at::kByte, "weights: uint8");
   TORCH_CHECK(scales.is_contiguous() && scales.sizes() == at::IntArrayRef({panels, K / QK, G}),
               "scales: [panels, K / 32, 16]");
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   const float* m = nullptr;
   if (bits == 4) {
     TORCH_CHECK(mins.sizes() == scales.sizes() && mins.is_contiguous(), "mins: as scales");

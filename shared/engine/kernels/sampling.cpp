@@ -3,7 +3,8 @@
 // no copy of it. torch took ~0.25 ms a row of a 49k vocabulary in its own operators (the
 // shift, the scaling, exp, cumsum, searchsorted; torch.multinomial ~1 ms); a step at batch 32
 // of requests at the API's default temperature of 1 spent 8-39 ms on it.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -155,8 +156,8 @@ int64_t draw_cut(const float* x, int64_t n, float peak, float t, int64_t k, doub
 // uniforms [n] float64 in [0, 1). Returns the n tokens drawn (int64): each row's
 // e^((x - max) / t) over the tokens top_k and top_p leave, normalised, sampled at its uniform.
 // A token at -inf has weight 0 and is never drawn.
-torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor rows, torch::Tensor temperatures,
-                          torch::Tensor top_ks, torch::Tensor top_ps, torch::Tensor uniforms) {
+at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temperatures,
+                       at::Tensor top_ks, at::Tensor top_ps, at::Tensor uniforms) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
                   logits.dim() == 2 && logits.stride(1) == 1,
               "logits: float32 [B, V] on the CPU, each row contiguous");
@@ -180,7 +181,7 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor rows, torch::Tenso
     TORCH_CHECK(p[r] >= 0.0 && p[r] <= 1.0, "top_p ", p[r], " outside [0, 1]");
     TORCH_CHECK(u[r] >= 0.0 && u[r] < 1.0, "uniform ", u[r], " outside [0, 1)");
   }
-  auto out = torch::empty({n}, rows.options());
+  auto out = at::empty({n}, rows.options());
   int64_t* tokens = out.data_ptr<int64_t>();
   const float* base = logits.data_ptr<float>();
   const int64_t stride = logits.stride(0);
