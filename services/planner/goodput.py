@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+# below guess / FLOOR_CHECK with nothing attained yet, the lowest rate is tried before halving on
+FLOOR_CHECK = 16
+
 
 def max_rate(attainment_at: Callable[[float], float], target: float, guess: float,
              upper: float = float("inf"), rel_tol: float = 0.02,
@@ -24,6 +27,13 @@ def max_rate(attainment_at: Callable[[float], float], target: float, guess: floa
         return lo
     floor = guess / 2**max_doublings
     while hi - lo > rel_tol * hi and hi > floor:
+        if lo == 0 and hi < guess / FLOOR_CHECK:
+            # missed well below the guess: a config that misses at any rate (the SLO is
+            # beneath its lone request's latency) would take 20 more halvings to say so, each
+            # a simulation of requests decoding one by one, the slowest kind to simulate
+            if attainment_at(floor) < target:
+                return 0.0
+            lo = floor
         mid = (lo + hi) / 2
         if attainment_at(mid) >= target:
             lo = mid

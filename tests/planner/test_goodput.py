@@ -1,0 +1,39 @@
+"""The goodput search (max_rate) on attainment curves given as functions: pure, milliseconds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from services.planner.goodput import max_rate
+
+
+def counted(threshold: float) -> tuple[list[float], Callable[[float], float]]:
+    """A step curve that attains everything up to `threshold` req/s and nothing above it,
+    recording the rates asked."""
+    asked: list[float] = []
+
+    def attainment_at(rate: float) -> float:
+        asked.append(rate)
+        return 1.0 if rate <= threshold else 0.0
+    return asked, attainment_at
+
+
+@pytest.mark.parametrize("threshold", [0.37, 3.0, 11.5, 40.0])
+def test_the_search_lands_within_its_tolerance_below_the_threshold(threshold: float) -> None:
+    _, at = counted(threshold)
+    found = max_rate(at, 0.9, guess=5.0)
+    assert threshold * 0.98 <= found <= threshold
+
+
+def test_a_config_that_misses_at_every_rate_is_found_out_in_a_few_simulations() -> None:
+    asked, at = counted(0.0)  # not even a lone request attains
+    assert max_rate(at, 0.9, guess=5.0) == 0.0
+    # the guess, halvings to a sixteenth of it, then the lowest rate: not 20 halvings
+    assert len(asked) <= 7 and min(asked) == pytest.approx(5.0 / 2**20)
+
+
+def test_a_throughput_bound_below_the_threshold_is_the_answer() -> None:
+    _, at = counted(10.0)
+    assert max_rate(at, 0.9, guess=2.0, upper=6.0) == 6.0
