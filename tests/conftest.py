@@ -35,3 +35,13 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
             "--dir", str(tmp_path), "--save", "", "--appendonly", "no"]
     for address in _server("valkey", args, port, tmp_path):
         yield f"redis://{address}"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built-in GGUF as a Hugging Face directory, written once a run (the engine's and the
+    stack's tests read it); a test that changes a file links the others into a directory of
+    its own."""
+    from tests.model_dirs import write_smollm2
+
+    return write_smollm2(tmp_path_factory.mktemp("models") / "SmolLM2-135M-Instruct")

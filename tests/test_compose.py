@@ -151,10 +151,12 @@ def test_only_the_gateway_and_jaegers_ui_are_published_on_loopback() -> None:
 
 
 def test_service_modules_start() -> None:
-    """Each service module at least imports and finds its settings (no servers needed)."""
-    for module in ("services.prefill.service", "services.decode.service",
-                   "services.colocated.service", "services.gateway.routes",
-                   "services.profiler.service", "services.planner.service"):
-        result = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT,
-                                capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, result.stderr
+    """Each service module at least imports and finds its settings (no servers needed): in
+    one fresh interpreter, where six took 33 s, each loading torch again."""
+    modules = ["services.prefill.service", "services.decode.service",
+               "services.colocated.service", "services.gateway.routes",
+               "services.profiler.service", "services.planner.service"]
+    code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)"
+    result = subprocess.run([sys.executable, "-c", code, *modules], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr

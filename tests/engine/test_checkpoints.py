@@ -28,18 +28,12 @@ from tests.model_dirs import (
     hf_greedy,
     write_gguf,
     write_random,
-    write_smollm2,
 )
 
 pytestmark = pytest.mark.slow
 CPU = torch.device("cpu")
 # token ids of varied lengths (the random models share SmolLM2's vocabulary)
 IDS = [[(i * 7919 + j * 104729) % 49000 + 100 for j in range(5 + 3 * i)] for i in range(8)]
-
-
-@pytest.fixture(scope="module")
-def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_smollm2(tmp_path_factory.mktemp("models") / "SmolLM2-135M-Instruct")
 
 
 @pytest.fixture(scope="module")
