@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-# below guess / FLOOR_CHECK with nothing attained yet, the lowest rate is tried before halving on
+# below 1 / FLOOR_CHECK of the first rate tried, nothing attained yet, the lowest rate is tried
+# before halving on
 FLOOR_CHECK = 16
 
 
@@ -17,6 +18,7 @@ def max_rate(attainment_at: Callable[[float], float], target: float, guess: floa
     falls as the rate grows, as it does for common-random-number workloads."""
     assert guess > 0
     lo, hi = 0.0, min(guess, upper)
+    start = hi
     for _ in range(max_doublings):
         if attainment_at(hi) < target:
             break
@@ -27,8 +29,8 @@ def max_rate(attainment_at: Callable[[float], float], target: float, guess: floa
         return lo
     floor = guess / 2**max_doublings
     while hi - lo > rel_tol * hi and hi > floor:
-        if lo == 0 and hi < guess / FLOOR_CHECK:
-            # missed well below the guess: a config that misses at any rate (the SLO is
+        if lo == 0 and hi < start / FLOOR_CHECK:
+            # missed well below the first rate: a config that misses at any rate (the SLO is
             # beneath its lone request's latency) would take 20 more halvings to say so, each
             # a simulation of requests decoding one by one, the slowest kind to simulate
             if attainment_at(floor) < target:

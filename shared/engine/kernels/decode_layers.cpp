@@ -7,6 +7,7 @@
 // the norms, RoPE and the KV write themselves.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <pybind11/pybind11.h>
 #include <omp.h>
 
 #include <cmath>

@@ -13,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <pybind11/pybind11.h>
 
 #include <algorithm>
 #include <cstdint>

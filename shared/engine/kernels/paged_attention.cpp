@@ -13,6 +13,7 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <pybind11/pybind11.h>
 
 #include <algorithm>
 #include <cmath>

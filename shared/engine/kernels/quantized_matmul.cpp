@@ -19,6 +19,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <pybind11/pybind11.h>
 
 #include <algorithm>
 #include <cstdint>

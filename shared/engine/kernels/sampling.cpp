@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <pybind11/pybind11.h>
 
 #include <algorithm>
 #include <cmath>
