@@ -51,6 +51,18 @@ def write_smollm2(directory: Path) -> Path:
     return directory
 
 
+def linked_with(source: Path, directory: Path, files: dict[str, str]) -> Path:
+    """`directory` made of `source`'s files, linked, except `files` (name: text), written:
+    a model directory that differs in a file or two, without copying its weights."""
+    directory.mkdir()
+    for file in source.iterdir():
+        if file.name not in files:
+            (directory / file.name).symlink_to(file)
+    for name, text in files.items():
+        (directory / name).write_text(text)
+    return directory
+
+
 def write_random(directory: Path, arch: str, shard_kb: int = 0, **shape: Any) -> Path:
     """A small random-weight model of `arch`, saved by transformers (in shards of `shard_kb`
     KB when given), with SmolLM2's tokenizer; `shape` overrides the config's sizes."""

@@ -26,6 +26,7 @@ from tests.model_dirs import (
     THINK,
     THINK_ID,
     hf_greedy,
+    linked_with,
     write_gguf,
     write_random,
 )
@@ -202,12 +203,8 @@ def test_every_eos_id_of_generation_config_ends_a_generation(smollm2_dir: Path,
     loaded = load(str(smollm2_dir), 0, CPU, torch.float32)
     (free,) = greedy(loaded, [ids], 6)
     stop = next(i for i in range(1, 6) if free[i] not in free[:i])  # first new token after one
-    directory = tmp_path / "eos"
-    directory.mkdir()
-    for file in smollm2_dir.iterdir():
-        if file.name != "generation_config.json":
-            (directory / file.name).symlink_to(file)
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, free[stop]]}))
+    directory = linked_with(smollm2_dir, tmp_path / "eos", {
+        "generation_config.json": json.dumps({"eos_token_id": [2, free[stop]]})})
     model, tokenizer = load(str(directory), 0, CPU, torch.float32)
     assert tokenizer is not None and tokenizer.eos_ids == {2, free[stop]}
     engine = Engine(EngineConfig(device="cpu"), (model, tokenizer))

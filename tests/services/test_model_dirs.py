@@ -18,6 +18,7 @@ from distserve.cli import main as distserve
 from services.launcher import Stack
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
+from tests.model_dirs import linked_with
 from tests.services.conftest import greedy, metric_when, start_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -32,14 +33,9 @@ REFUSING = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no syste
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """The run's SmolLM2 directory with the refusing template (its other files linked)."""
-    directory = tmp_path_factory.mktemp("models") / NAME
-    directory.mkdir()
-    for file in smollm2_dir.iterdir():
-        if file.name != "chat_template.jinja":
-            (directory / file.name).symlink_to(file)
     template = (smollm2_dir / "chat_template.jinja").read_text()
-    (directory / "chat_template.jinja").write_text(REFUSING + template)
-    return directory
+    return linked_with(smollm2_dir, tmp_path_factory.mktemp("models") / NAME,
+                       {"chat_template.jinja": REFUSING + template})
 
 
 @pytest.fixture(scope="module")
