@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -336,7 +337,7 @@ class Worker:
         self.draining = False
         self.attempts: dict[str, int] = {}  # request -> the gateway's attempt served here
         self.cancelled = Cancelled()  # a cancel may overtake its request: never start those
-        self.taking_in: set[asyncio.Task[None]] = set()  # admissions under way (take_in)
+        self.in_hand: set[asyncio.Task[Any]] = set()  # admissions and aborts under way (detach)
         self.nc: Client
 
     def info(self) -> InstanceInfo:
@@ -371,7 +372,7 @@ class Worker:
         """Nothing queued, running, parked or being pulled: every KV block is free."""
         blocks = self.engine.blocks
         return not self.engine.has_work() and blocks.num_free == blocks.num_blocks and \
-            not self.holding() and not self.taking_in
+            not self.holding() and not self.in_hand
 
     def subscriptions(self) -> dict[str, Callable[[Msg], Awaitable[None]]]:
         return {}
@@ -414,7 +415,7 @@ class Worker:
         ending = asyncio.create_task(self._drain_after(stop, registry, redis), name="drain")
         done, _ = await asyncio.wait([ending, *tasks], return_when=asyncio.FIRST_COMPLETED)
         failed = next((t for t in done if t is not ending), None)
-        for task in [ending, *tasks, *self.taking_in]:
+        for task in [ending, *tasks, *self.in_hand]:
             task.cancel()
         await asyncio.to_thread(heartbeats.stop)
         with contextlib.suppress(RedisError, OSError):  # it expires by itself otherwise
@@ -464,22 +465,47 @@ class Worker:
         return sum(int(c) for c in counts if c is not None)
 
     def take_in(self, admission: Coroutine[Any, Any, None]) -> None:
-        """Run a request's admission (`admit` and what follows it) in a task of its own, so
-        that a subscription's callback returns at once: nats-py hands a subscription's
-        messages to its callback one at a time, and an admission waits for the engine step
-        under way, so awaited in the callback it let one request into the engine a step
-        (a prefill instance then prefilled one prompt a step however many were waiting).
-        Tasks start in the order they were made and each hands its engine call to the
-        engine thread before it first yields, so requests still reach the engine in arrival
-        order: all that arrived during a step, before the next."""
-        task = asyncio.create_task(admission)
-        self.taking_in.add(task)
-        task.add_done_callback(self._taken_in)
+        """Run a request's admission (`admit` and what follows it) in a task of its own
+        (`detach`): an admission waits for the engine step under way, so awaited in the
+        callback it let one request into the engine a step (a prefill instance then
+        prefilled one prompt a step however many were waiting). Tasks start in the order
+        they were made and each hands its engine call to the engine thread before it first
+        yields, so requests still reach the engine in arrival order: all that arrived during
+        a step, before the next."""
+        self.detach(admission, "an admission")
 
-    def _taken_in(self, task: asyncio.Task[None]) -> None:
-        self.taking_in.discard(task)
+    def abort(self, request_id: str) -> None:
+        """Drop a request from the engine, in a task of its own (`detach`): awaited in the
+        cancel callback, the abort waited for the step under way, and the next cancel was
+        not read until it ran, so a burst of cancels was read one a step while the engine
+        went on with the requests they named (a cancel that overtook its request's
+        admission then came too late: its tokens streamed). Whatever the service keeps of
+        the request is dropped before this, in the callback; the engine drops its copy
+        between two steps, at most a step after the cancel was read."""
+        self.detach(self._abort(request_id), "an abort")
+
+    async def _abort(self, request_id: str) -> None:
+        if await self.host.call(self.engine.abort, request_id):
+            self.aborted()
+
+    def aborted(self) -> None:
+        """A request the engine held is gone: its blocks are free (a role waiting for room
+        hears it here)."""
+
+    def detach(self, work: Coroutine[Any, Any, Any], what: str) -> None:
+        """Run `work` in a task of its own, so that a subscription's callback returns at
+        once: nats-py hands a subscription's messages to its callback one at a time, and a
+        callback that awaits the engine thread holds back every message after it for a
+        step. The task counts against `idle` until it ends, and is cancelled when the
+        worker stops; a failure is logged."""
+        task = asyncio.create_task(work)
+        self.in_hand.add(task)
+        task.add_done_callback(functools.partial(self._handed, what))
+
+    def _handed(self, what: str, task: asyncio.Task[Any]) -> None:
+        self.in_hand.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.error("%s: an admission failed", self.id, exc_info=task.exception())
+            log.error("%s: %s failed", self.id, what, exc_info=task.exception())
 
     async def admit(self, req: PrefillRequest) -> Request | None:
         """Queue a prompt (with the tokens a failed-over request already streamed) on the

@@ -52,4 +52,4 @@ class ColocatedService(Worker):
             return
         del self.known[request_id]
         self.attempts.pop(request_id, None)
-        await self.host.call(self.engine.abort, request_id)
+        self.abort(request_id)

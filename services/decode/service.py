@@ -310,6 +310,9 @@ class DecodeService(Worker):
                 record(self.tracer, "decode run", context_from(headers), joined, time.time(),
                        instance=self.id, finish_reason=out.finish_reason or "error")
 
+    def aborted(self) -> None:
+        self.room.set()  # its blocks are free: a pull waiting for room may fit now
+
     async def _on_cancel(self, msg: Msg) -> None:
         """Drop each copy of the request the cancel covers, wherever it is (queued, being
         pulled, decoding): all of them when the client left; when the gateway moved the
@@ -329,8 +332,7 @@ class DecodeService(Worker):
             pull.cancel()  # its blocks are freed as it ends
         if request_id in self.attempts and stale(self.attempts[request_id]):
             del self.attempts[request_id]
-            if await self.host.call(self.engine.abort, request_id):
-                self.room.set()
+            self.abort(request_id)
         if not self._holds(request_id):
             self.traces.pop(request_id, None)
 

@@ -244,7 +244,7 @@ class PrefillService(Worker):
             return  # it names an older attempt than the one here now: that one stays
         if req is not None:
             self._forget(request_id)
-            await self.host.call(self.engine.abort, request_id)
+            self.abort(request_id)
         self.arrived.pop(request_id, None)
 
     async def _on_heartbeat(self, msg: Msg) -> None:

@@ -47,7 +47,7 @@ class BrokenEngine(Engine):
         raise RuntimeError("the device fell over")
 
 
-async def serving(worker: ColocatedService | DecodeService, stop: asyncio.Event,
+async def serving(worker: ColocatedService | DecodeService | PrefillService, stop: asyncio.Event,
                   redis_url: str) -> tuple[asyncio.Task[None], Registry]:
     """The worker running until `stop`, once it is registered."""
     running = asyncio.create_task(worker.run(stop))
@@ -158,14 +158,15 @@ async def chunks_of(nc: Client, request_ids: list[str]
     return seen, [await nc.subscribe(subjects.tokens(r), cb=on_chunk) for r in request_ids]
 
 
-W = TypeVar("W", ColocatedService, DecodeService)
+W = TypeVar("W", ColocatedService, DecodeService, PrefillService)
 
 
 def tiny(kind: type[W], instance_id: str, nats_url: str, redis_url: str) -> W:
-    """A worker of `kind` on a tiny random-weight engine."""
+    """A worker of `kind` on a tiny random-weight engine in its role."""
     settings = WorkerSettings(instance_id=instance_id, nats_url=nats_url, redis_url=redis_url,
                               model="tiny", heartbeat_s=0.1)
-    return kind(settings, Engine(EngineConfig(model="tiny", device="cpu")))
+    config = EngineConfig(model="tiny", device="cpu").with_scheduler(role=kind.engine_role)
+    return kind(settings, Engine(config))
 
 
 async def until(condition: Callable[[], bool], timeout: float = 30) -> None:
@@ -175,7 +176,8 @@ async def until(condition: Callable[[], bool], timeout: float = 30) -> None:
         await asyncio.sleep(0.01)
 
 
-async def until_idle(worker: ColocatedService | DecodeService, timeout: float = 30) -> None:
+async def until_idle(worker: ColocatedService | DecodeService | PrefillService,
+                     timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while not worker.idle() or worker.engine.has_work():
         assert time.monotonic() < deadline, "the worker never went idle"
@@ -186,7 +188,9 @@ async def until_idle(worker: ColocatedService | DecodeService, timeout: float = 
 def test_a_request_whose_cancel_overtakes_it_never_runs(nats_url: str, redis_url: str) -> None:
     """NATS hands the prompts and the cancels to separate tasks, and taking a prompt in waits
     for the engine's step: a cancel read before its prompt, or while the prompt is being
-    taken in, still drops it (it used to run to its end, its KV held, nobody listening)."""
+    taken in, still drops it (it used to run to its end, its KV held, nobody listening).
+    Every cancel is read while the engine thread is busy: one waiting for its abort used to
+    hold back the next, read only after the engine had stepped the request it named."""
     worker = tiny(ColocatedService, "colocated-z", nats_url, redis_url)
 
     async def main() -> None:
@@ -198,17 +202,26 @@ def test_a_request_whose_cancel_overtakes_it_never_runs(nats_url: str, redis_url
         await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="first"))
         await publish(nc, subjects.prefill("colocated-z"), PrefillRequest(
             request_id="first", prompt_ids=[1, 2, 3], sampling=long, arrival_ts=time.time()))
-        # the engine thread busy: the next prompt waits there to be taken in
-        busy = asyncio.ensure_future(worker.host.call(time.sleep, 1.5))
+        # the engine thread held: the next prompts wait there to be taken in
+        held, gate = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            held.set()
+            gate.wait(60)
+
+        busy = asyncio.ensure_future(worker.host.call(hold))
+        await until(held.is_set)
         for request_id in ("during", "named"):
             await publish(nc, subjects.prefill("colocated-z"), PrefillRequest(
                 request_id=request_id, prompt_ids=[4, 5, 6], sampling=long,
                 arrival_ts=time.time()))
-        await asyncio.sleep(0.5)
+        await until(lambda: {"during", "named"} <= worker.known.keys())
         await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="during"))
         # moved away from this worker at its attempt 0
         await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="named", instance="colocated-z",
                                                       attempt=0))
+        await until(lambda: not {"during", "named"} & worker.known.keys())  # both read
+        gate.set()
         await busy
         good = await send_and_wait(nc, "colocated-z", "after")  # served after both
         assert good[-1].finish_reason == "length"
@@ -216,6 +229,40 @@ def test_a_request_whose_cancel_overtakes_it_never_runs(nats_url: str, redis_url
         assert seen == []  # none ran: not a token of any
         assert "first" in worker.cancelled and "during" in worker.cancelled
         assert worker.known == {} and worker.attempts == {}
+        await stop_serving(running, stop, registry, nc, subs)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_burst_of_cancels_is_read_while_the_engine_steps(nats_url: str,
+                                                           redis_url: str) -> None:
+    """Clients that leave together: every cancel is read while the engine thread is busy,
+    and none of the prompts they name is prefilled (awaiting each abort in the cancel's
+    callback read them one a step, the engine prefilling the rest meanwhile)."""
+    worker = tiny(PrefillService, "prefill-c", nats_url, redis_url)
+    ids = [f"left-{i}" for i in range(3)]
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        running, registry = await serving(worker, stop, redis_url)
+        nc = await connect(nats_url, "test")
+        seen, subs = await chunks_of(nc, ids)
+        gate = threading.Event()
+        busy = asyncio.ensure_future(worker.host.call(gate.wait, 60))  # a step under way
+        for request_id in ids:
+            await publish(nc, subjects.prefill("prefill-c"), PrefillRequest(
+                request_id=request_id, prompt_ids=[1, 2, 3], decode_instance="decode-c",
+                sampling=Sampling(max_tokens=4, ignore_eos=True), arrival_ts=time.time()))
+        await until(lambda: set(ids) <= worker.requests.keys())
+        for request_id in ids:
+            await publish(nc, subjects.CANCEL_ALL, Cancel(request_id=request_id))
+        await until(lambda: not set(ids) & worker.requests.keys())  # all read, engine held
+        gate.set()
+        await busy
+        await until_idle(worker)
+        assert seen == []  # not one prefilled
+        assert worker.host.steps == 0
         await stop_serving(running, stop, registry, nc, subs)
 
     asyncio.run(main())
