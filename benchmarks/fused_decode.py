@@ -18,7 +18,7 @@ from types import ModuleType
 from rich.console import Console
 from rich.table import Table
 
-from distserve.commands.bench_engine import EngineDecode, side_by_side
+from distserve.bench.engine import EngineDecode, side_by_side
 from shared.engine import panels, quant
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from distserve.commands.bench_engine import EngineDecode, side_by_side
+from distserve.bench.engine import EngineDecode, side_by_side
 from shared.engine.attention import DecodeGroup, gather_decode_attention, pick_decode_attention
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine

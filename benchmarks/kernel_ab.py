@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from distserve.commands.bench_engine import _ms, side_by_side
+from distserve.bench.engine import _ms, side_by_side
 from shared.engine.config import EngineConfig
 from shared.engine.kernels import (
     FUNCTIONS,

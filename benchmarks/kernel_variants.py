@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from distserve.commands.bench_engine import _ms, rounds
+from distserve.bench.engine import _ms, rounds
 from shared.engine.config import EngineConfig
 from shared.engine.kernels import (
     SOURCES,

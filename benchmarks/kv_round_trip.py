@@ -33,7 +33,7 @@ import torch
 from shared import kv_transfer
 from shared.engine.config import EngineConfig, Role
 from shared.engine.engine import Engine
-from shared.engine.parallel.sharding import KvSpan
+from shared.engine.parallel.layout import KvSpan
 from shared.engine.request import Request, SamplingParams
 from shared.kv_transfer import KvClient, KvServer, pull_pieces
 

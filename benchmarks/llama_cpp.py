@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from distserve.commands.bench_engine import EngineDecode, EnginePrefill, _prompt
+from distserve.bench.engine import EngineDecode, EnginePrefill, _prompt
 from services.supervisor import free_port
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine

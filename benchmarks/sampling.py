@@ -20,8 +20,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from distserve.bench.engine import _ms, side_by_side
 from distserve.bench.workload import humaneval_prompts
-from distserve.commands.bench_engine import _ms, side_by_side
 from shared.engine.config import EngineConfig
 from shared.engine.model_runner import load_model
 from shared.engine.quality import next_token_logits

@@ -33,7 +33,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from distserve.commands.bench_engine import EngineDecode, EnginePrefill, _prompt
+from distserve.bench.engine import EngineDecode, EnginePrefill, _prompt
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.request import SamplingParams

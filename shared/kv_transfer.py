@@ -53,7 +53,7 @@ from ucxx._lib.arr import Array
 from ucxx._lib_async.utils import hash64bits
 from ucxx.exceptions import UCXCanceledError, UCXError
 
-from shared.engine.parallel.sharding import KvSpan, kv_pieces
+from shared.engine.parallel.layout import KvSpan, kv_pieces
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from shared.engine.parallel.sharding import KvSpan
+from shared.engine.parallel.layout import KvSpan
 from shared.engine.request import SamplingParams
 
 

@@ -30,7 +30,7 @@ from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.kv_cache import block_bytes
 from shared.engine.parallel.kv_serving import KvPull
-from shared.engine.parallel.sharding import KvSpan
+from shared.engine.parallel.layout import KvSpan
 from shared.engine.request import Request
 from shared.kv_transfer import KvClient, TransferError, pull_pieces, stop_notifier_thread
 from shared.messages import (

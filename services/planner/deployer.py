@@ -29,7 +29,7 @@ from services.supervisor import Supervisor, incarnation
 from shared import subjects
 from shared.bus import publish
 from shared.engine.config import ModelConfig
-from shared.engine.parallel.sharding import check_tp
+from shared.engine.parallel.layout import check_tp
 from shared.messages import Drain
 from shared.state import InstanceInfo, Registry, Role
 

@@ -23,7 +23,7 @@ from shared import subjects
 from shared.bus import parse, publish
 from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput
-from shared.engine.parallel.sharding import KvSpan
+from shared.engine.parallel.layout import KvSpan
 from shared.engine.request import Request
 from shared.kv_transfer import KvServer, stop_notifier_thread, wire
 from shared.messages import (

@@ -17,6 +17,7 @@ def served_name(model: str) -> str:
 # --weights: "auto" keeps floats in the engine's dtype; int8 and int4 are blocks of 32 weights
 # with a scale (and a minimum) each, for the CPU's quantized matmul (shared.engine.quant)
 WEIGHT_FORMATS: dict[str, int | None] = {"auto": None, "int8": 8, "int4": 4}
+QUANT_BLOCK = 32  # weights a quantization block has, with its scale (and minimum)
 
 
 def weight_bits(name: str) -> int | None:

@@ -19,7 +19,7 @@ from shared.engine.loader import LoadedModel
 from shared.engine.model_runner import Launched, ModelRunner
 from shared.engine.parallel.group import Command, RankFailed, text_payload
 from shared.engine.parallel.kv_serving import KvPull
-from shared.engine.parallel.sharding import KvSpan
+from shared.engine.parallel.layout import KvSpan
 from shared.engine.request import Draw, Request, RequestStatus, SamplingParams, TopLogprobs
 from shared.engine.scheduler import Sampled, Scheduler, SchedulerOutput, StepShape
 from shared.engine.tokenizer import IncrementalDetokenizer, TextTokenizer

@@ -11,7 +11,7 @@ from shared.engine import hf_checkpoint
 from shared.engine.config import LLAMA_SHAPES, ModelConfig, served_name, weight_bits
 from shared.engine.gguf_loader import load_gguf, read_gguf_meta, read_gguf_tokenizer
 from shared.engine.model import WHOLE, LlamaModel
-from shared.engine.parallel.sharding import RankPlace
+from shared.engine.parallel.layout import RankPlace
 from shared.engine.tokenizer import TextTokenizer
 
 LoadedModel = tuple[LlamaModel, TextTokenizer | None]

@@ -27,12 +27,8 @@ from shared.engine.config import ModelConfig, RopeScaling
 from shared.engine.kernels import cpu_kernels
 from shared.engine.kv_cache import KVCache
 from shared.engine.panels import PanelMatrix, packable
-from shared.engine.parallel.sharding import (
-    RankPlace,
-    ShardedWeights,
-    check_tp,
-    shard_config,
-)
+from shared.engine.parallel.layout import RankPlace, check_tp, shard_config
+from shared.engine.parallel.sharding import ShardedWeights
 from shared.engine.quant import NO_MINS, QuantizedMatrix, QuantizedPanels, matmul, stack_rows
 
 # float [in, out], or (out, in) in float32 panels (CPU) or quantized blocks

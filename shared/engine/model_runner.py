@@ -24,9 +24,9 @@ from shared.engine.loader import LoadedModel
 from shared.engine.model import LlamaModel
 from shared.engine.parallel.group import Command, RankFailed, Ranks, rank_threads
 from shared.engine.parallel.kv_serving import export_part
+from shared.engine.parallel.layout import KvSpan, RankPlace, check_tp, stage_layers
 from shared.engine.parallel.packet import pack
 from shared.engine.parallel.pipeline import hidden_states, last_stage, run_stage
-from shared.engine.parallel.sharding import KvSpan, RankPlace, check_tp, stage_layers
 from shared.engine.request import Draw, TopLogprobs
 from shared.engine.sampler import adjust, likeliest, sample, top_logprobs
 from shared.engine.scheduler import ScheduledChunk, SchedulerOutput

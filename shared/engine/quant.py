@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shared.engine.config import QUANT_BLOCK
 from shared.engine.kernels import cpu_kernels
 from shared.engine.panels import PanelMatrix
 
-BLOCK = 32  # weights a block
+BLOCK = QUANT_BLOCK  # weights a block
 PANEL = 16  # output columns a panel of the kernel's layout
 # GGUF block types the formats read directly: name -> (bits, bytes a block)
 GGUF_BLOCKS = {"Q8_0": (8, 34), "Q4_0": (4, 18), "Q4_1": (4, 20)}

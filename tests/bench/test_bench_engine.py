@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from distserve.commands.bench_engine import bandwidth_bound
+from distserve.bench.engine import bandwidth_bound
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 

@@ -21,15 +21,9 @@ from shared.engine.config import EngineConfig, ModelConfig, Role
 from shared.engine.engine import Engine
 from shared.engine.loader import LoadedModel, load
 from shared.engine.parallel.group import RankFailed, rank_threads
+from shared.engine.parallel.layout import RankPlace, check_tp, shard_config, stage_layers
 from shared.engine.parallel.packet import pack, unpack
-from shared.engine.parallel.sharding import (
-    RankPlace,
-    ShardedWeights,
-    check_tp,
-    narrow,
-    shard_config,
-    stage_layers,
-)
+from shared.engine.parallel.sharding import ShardedWeights, narrow
 from shared.engine.quant import quantize
 from shared.engine.request import Request, SamplingParams
 from tests.engine.conftest import NEW_TOKENS, prefill_then_decode

@@ -22,7 +22,7 @@ from shared.engine.engine import Engine
 from shared.engine.loader import LoadedModel
 from shared.engine.parallel.group import RankFailed
 from shared.engine.parallel.kv_serving import KvPull, ParkedBlocks, PullsUnderWay
-from shared.engine.parallel.sharding import KvSpan, RankPlace, kv_pieces
+from shared.engine.parallel.layout import KvSpan, RankPlace, kv_pieces
 from shared.engine.request import Request, SamplingParams
 from shared.kv_transfer import KvClient, KvServer, TransferError
 from tests.engine.conftest import NEW_TOKENS

@@ -18,7 +18,7 @@ import torch
 
 from shared.engine.config import LLAMA_SHAPES
 from shared.engine.kv_cache import KVCache
-from shared.engine.parallel.sharding import KvSpan
+from shared.engine.parallel.layout import KvSpan
 from shared.kv_transfer import (
     KvClient,
     KvServer,

@@ -38,7 +38,7 @@ from pydantic import TypeAdapter
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from shared.engine.config import EngineConfig
-from shared.engine.parallel.sharding import RankPlace
+from shared.engine.parallel.layout import RankPlace
 
 if TYPE_CHECKING:
     from shared.engine.parallel.kv_serving import KvPull, PullsUnderWay

@@ -33,7 +33,7 @@ from pydantic import TypeAdapter
 
 from shared.engine.kv_cache import KVCache
 from shared.engine.parallel.group import Collective, RankFailed
-from shared.engine.parallel.sharding import KvSpan
+from shared.engine.parallel.layout import KvSpan
 
 T = TypeVar("T")
 

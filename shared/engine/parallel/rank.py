@@ -34,9 +34,9 @@ from shared.engine.parallel.group import (
     receive,
 )
 from shared.engine.parallel.kv_serving import ORDERS, RankKv, address_key
+from shared.engine.parallel.layout import KvSpan, RankPlace
 from shared.engine.parallel.packet import unpack
 from shared.engine.parallel.pipeline import run_stage
-from shared.engine.parallel.sharding import KvSpan, RankPlace
 
 log = logging.getLogger(__name__)
 
