@@ -134,10 +134,15 @@ class EngineHost:
         """`fn(*args)` on the engine thread, after the step under way. Whatever a call from
         the service changes (a request taken in or aborted, blocks freed or imported) may
         give the next step something to run, so it wakes the loop."""
-        try:
-            return await self._on_thread(fn, *args)
-        finally:
-            self._wake.set()
+        return await self.submit(fn, *args)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """`fn(*args)` queued on the engine thread now, in order with every call before and
+        after it, its result awaited later (or not): a subscription's callback queues its
+        engine call without waiting for the step under way. Wakes the loop when done."""
+        future = asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        future.add_done_callback(lambda _: self._wake.set())
+        return future
 
     async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -475,17 +480,17 @@ class Worker:
         self.detach(admission, "an admission")
 
     def abort(self, request_id: str) -> None:
-        """Drop a request from the engine, in a task of its own (`detach`): awaited in the
-        cancel callback, the abort waited for the step under way, and the next cancel was
-        not read until it ran, so a burst of cancels was read one a step while the engine
-        went on with the requests they named (a cancel that overtook its request's
-        admission then came too late: its tokens streamed). Whatever the service keeps of
-        the request is dropped before this, in the callback; the engine drops its copy
-        between two steps, at most a step after the cancel was read."""
-        self.detach(self._abort(request_id), "an abort")
+        """Drop a request from the engine: the abort is queued on the engine thread at once
+        (before any call that follows, a newer attempt's admission among them) and waited
+        for in a task of its own (`detach`). Awaited in the cancel callback, it held back
+        every later cancel for a step, so a burst of cancels was read one a step while the
+        engine ran the requests they named (a cancel that overtook its request's admission
+        then came too late: its tokens streamed). Whatever the service keeps of the request
+        is dropped in the callback; the engine drops its copy after the step under way."""
+        self.detach(self._abort(self.host.submit(self.engine.abort, request_id)), "an abort")
 
-    async def _abort(self, request_id: str) -> None:
-        if await self.host.call(self.engine.abort, request_id):
+    async def _abort(self, abort: asyncio.Future[bool]) -> None:
+        if await abort:
             self.aborted()
 
     def aborted(self) -> None:
@@ -522,7 +527,8 @@ class Worker:
                                        seq=len(req.output_ids), attempt=req.attempt))
             return None
         if self.cancelled.covers(req.request_id, req.attempt):  # read while taken in
-            await self.host.call(self.engine.abort, req.request_id)
+            # this copy only: a newer attempt taken in since (after the cancel) stays
+            await self.host.call(self.engine.abort, req.request_id, request)
             return None
         self.attempts[req.request_id] = req.attempt
         return request

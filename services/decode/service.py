@@ -306,9 +306,12 @@ class DecodeService(Worker):
             await self.stream(out)
             if out.finished:  # its blocks are free: at the end, or after an error
                 self.room.set()
-                headers, joined = self.traces.pop(out.request_id, ({}, time.time()))
-                record(self.tracer, "decode run", context_from(headers), joined, time.time(),
-                       instance=self.id, finish_reason=out.finish_reason or "error")
+                traced = self.traces.pop(out.request_id, None)  # None: cancelled meanwhile
+                if traced is not None:
+                    headers, joined = traced
+                    record(self.tracer, "decode run", context_from(headers), joined,
+                           time.time(), instance=self.id,
+                           finish_reason=out.finish_reason or "error")
 
     def aborted(self) -> None:
         self.room.set()  # its blocks are free: a pull waiting for room may fit now

@@ -223,7 +223,11 @@ class Engine:
         aborted since)."""
         return self.scheduler.has_work or bool(self._under_way)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, copy: Request | None = None) -> bool:
+        """Drop the request; given `copy`, only if that is the engine's request of the id
+        (not a newer attempt that replaced it). False if there was none to drop."""
+        if copy is not None and self.scheduler.get(request_id) is not copy:
+            return False
         self._text.pop(request_id, None)
         return self.scheduler.abort(request_id) is not None
 

@@ -184,6 +184,26 @@ async def until_idle(worker: ColocatedService | DecodeService | PrefillService,
         await asyncio.sleep(0.05)
 
 
+@contextlib.asynccontextmanager
+async def engine_held(worker: ColocatedService | DecodeService | PrefillService
+                      ) -> AsyncIterator[None]:
+    """The worker's engine thread busy (as in a long step) for the body: what the service
+    hands it meanwhile waits there, in order."""
+    held, gate = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        gate.wait(60)
+
+    busy = asyncio.ensure_future(worker.host.call(hold))
+    try:
+        await until(held.is_set)
+        yield
+    finally:
+        gate.set()  # also when the body failed: the engine thread is not left waiting
+    await busy
+
+
 @pytest.mark.timeout(120)
 def test_a_request_whose_cancel_overtakes_it_never_runs(nats_url: str, redis_url: str) -> None:
     """NATS hands the prompts and the cancels to separate tasks, and taking a prompt in waits
@@ -202,27 +222,17 @@ def test_a_request_whose_cancel_overtakes_it_never_runs(nats_url: str, redis_url
         await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="first"))
         await publish(nc, subjects.prefill("colocated-z"), PrefillRequest(
             request_id="first", prompt_ids=[1, 2, 3], sampling=long, arrival_ts=time.time()))
-        # the engine thread held: the next prompts wait there to be taken in
-        held, gate = threading.Event(), threading.Event()
-
-        def hold() -> None:
-            held.set()
-            gate.wait(60)
-
-        busy = asyncio.ensure_future(worker.host.call(hold))
-        await until(held.is_set)
-        for request_id in ("during", "named"):
-            await publish(nc, subjects.prefill("colocated-z"), PrefillRequest(
-                request_id=request_id, prompt_ids=[4, 5, 6], sampling=long,
-                arrival_ts=time.time()))
-        await until(lambda: {"during", "named"} <= worker.known.keys())
-        await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="during"))
-        # moved away from this worker at its attempt 0
-        await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="named", instance="colocated-z",
-                                                      attempt=0))
-        await until(lambda: not {"during", "named"} & worker.known.keys())  # both read
-        gate.set()
-        await busy
+        async with engine_held(worker):  # the next prompts wait there to be taken in
+            for request_id in ("during", "named"):
+                await publish(nc, subjects.prefill("colocated-z"), PrefillRequest(
+                    request_id=request_id, prompt_ids=[4, 5, 6], sampling=long,
+                    arrival_ts=time.time()))
+            await until(lambda: {"during", "named"} <= worker.known.keys())
+            await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="during"))
+            # moved away from this worker at its attempt 0
+            await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="named",
+                                                          instance="colocated-z", attempt=0))
+            await until(lambda: not {"during", "named"} & worker.known.keys())  # both read
         good = await send_and_wait(nc, "colocated-z", "after")  # served after both
         assert good[-1].finish_reason == "length"
         await until_idle(worker)
@@ -248,21 +258,54 @@ def test_a_burst_of_cancels_is_read_while_the_engine_steps(nats_url: str,
         running, registry = await serving(worker, stop, redis_url)
         nc = await connect(nats_url, "test")
         seen, subs = await chunks_of(nc, ids)
-        gate = threading.Event()
-        busy = asyncio.ensure_future(worker.host.call(gate.wait, 60))  # a step under way
-        for request_id in ids:
-            await publish(nc, subjects.prefill("prefill-c"), PrefillRequest(
-                request_id=request_id, prompt_ids=[1, 2, 3], decode_instance="decode-c",
-                sampling=Sampling(max_tokens=4, ignore_eos=True), arrival_ts=time.time()))
-        await until(lambda: set(ids) <= worker.requests.keys())
-        for request_id in ids:
-            await publish(nc, subjects.CANCEL_ALL, Cancel(request_id=request_id))
-        await until(lambda: not set(ids) & worker.requests.keys())  # all read, engine held
-        gate.set()
-        await busy
+        async with engine_held(worker):
+            for request_id in ids:
+                await publish(nc, subjects.prefill("prefill-c"), PrefillRequest(
+                    request_id=request_id, prompt_ids=[1, 2, 3], decode_instance="decode-c",
+                    sampling=Sampling(max_tokens=4, ignore_eos=True), arrival_ts=time.time()))
+            await until(lambda: set(ids) <= worker.requests.keys())
+            for request_id in ids:
+                await publish(nc, subjects.CANCEL_ALL, Cancel(request_id=request_id))
+            await until(lambda: not set(ids) & worker.requests.keys())  # all read meanwhile
         await until_idle(worker)
         assert seen == []  # not one prefilled
         assert worker.host.steps == 0
+        await stop_serving(running, stop, registry, nc, subs)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_cancel_read_while_its_attempt_is_taken_in_leaves_a_newer_attempt_running(
+        nats_url: str, redis_url: str) -> None:
+    """Attempt 0 waits on the engine thread to be taken in; the gateway moves the request
+    away (a cancel of attempt 0 here) and back (attempt 1) meanwhile. When attempt 0's
+    admission returns and sees its cancel, it drops its own copy only: it used to abort the
+    request's id, after attempt 1 had been taken in, and attempt 1 never ran."""
+    worker = tiny(ColocatedService, "colocated-n", nats_url, redis_url)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        running, registry = await serving(worker, stop, redis_url)
+        nc = await connect(nats_url, "test")
+        seen, subs = await chunks_of(nc, ["again"])
+        sampling = Sampling(max_tokens=6, ignore_eos=True)
+        async with engine_held(worker):
+            await publish(nc, subjects.prefill("colocated-n"), PrefillRequest(
+                request_id="again", prompt_ids=[1, 2, 3], sampling=sampling,
+                arrival_ts=time.time()))
+            await until(lambda: worker.known.get("again") == 0)
+            await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="again",
+                                                          instance="colocated-n", attempt=0))
+            await until(lambda: "again" not in worker.known)
+            await publish(nc, subjects.prefill("colocated-n"), PrefillRequest(
+                request_id="again", prompt_ids=[1, 2, 3], sampling=sampling, attempt=1,
+                arrival_ts=time.time()))
+            await until(lambda: worker.known.get("again") == 1)
+        await until(lambda: any(c.finish_reason or c.error for c in seen))
+        await until_idle(worker)
+        assert [c.attempt for c in seen] == [1] * 6 and seen[-1].finish_reason == "length"
+        assert worker.known == {} and worker.attempts == {}
         await stop_serving(running, stop, registry, nc, subs)
 
     asyncio.run(main())
