@@ -77,7 +77,7 @@ from distserve.bench import scrape
 from distserve.bench.runner import read_spans
 from distserve.bench.workload import Tokenizer, humaneval_prompts
 from services.launcher import Stack, StackConfig
-from services.runtime import WorkerSettings
+from services.process import WorkerSettings
 from services.supervisor import free_port, wait_for_port
 from shared.engine.kv_cache import block_bytes
 from shared.engine.loader import read_meta

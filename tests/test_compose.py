@@ -17,8 +17,8 @@ from services.gateway.app import GatewaySettings
 from services.launcher import NATS_USER
 from services.launcher import module as launcher_module
 from services.planner.service import PlannerSettings
+from services.process import WorkerSettings
 from services.profiler.service import ProfilerSettings
-from services.runtime import WorkerSettings
 
 ROOT = Path(__file__).parents[1]
 VARIABLE = re.compile(r"\$\{(\w+)(?:(:?)([-?])([^}]*))?\}")

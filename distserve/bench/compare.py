@@ -33,7 +33,7 @@ from services.planner.modes import Candidate, Mode, candidates, cluster
 from services.planner.placement import Problem
 from services.planner.profiles import Profile
 from services.planner.simulator.core import SimResult
-from services.runtime import WorkerSettings
+from services.process import WorkerSettings
 from services.supervisor import free_port
 from shared.metrics import SLO, attains
 from shared.workloads import WorkloadRequest

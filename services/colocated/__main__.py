@@ -3,7 +3,7 @@
 import asyncio
 
 from services.colocated.service import ColocatedService
-from services.runtime import WorkerSettings, built_or_exit, run_until_signalled, setup_logging
+from services.process import WorkerSettings, built_or_exit, run_until_signalled, setup_logging
 
 if __name__ == "__main__":
     setup_logging("colocated")

@@ -3,7 +3,7 @@
 import asyncio
 
 from services.decode.service import DecodeService
-from services.runtime import WorkerSettings, built_or_exit, run_until_signalled, setup_logging
+from services.process import WorkerSettings, built_or_exit, run_until_signalled, setup_logging
 from shared.kv_transfer import enable_notifier_thread
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 import uvicorn
 
 from services.gateway.app import GatewaySettings, create_app
-from services.runtime import built_or_exit, setup_logging
+from services.process import built_or_exit, setup_logging
 
 if __name__ == "__main__":
     setup_logging("gateway")

@@ -3,7 +3,7 @@
 import asyncio
 
 from services.planner.service import PlannerService, PlannerSettings
-from services.runtime import run_until_signalled, setup_logging
+from services.process import run_until_signalled, setup_logging
 
 if __name__ == "__main__":
     setup_logging("planner")

@@ -34,7 +34,7 @@ from services.planner.deployer import (
 )
 from services.planner.modes import MODES, SWITCH_MARGIN, Kind, Mode, parse_modes, serving_mode
 from services.planner.profiles import Profile, measured_elsewhere, planner_profile
-from services.runtime import ControlService
+from services.process import ControlService
 from shared import subjects
 from shared.bus import parse
 from shared.engine.config import served_name

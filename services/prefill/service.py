@@ -18,7 +18,8 @@ import nats.errors
 import torch
 from nats.aio.msg import Msg
 
-from services.runtime import Worker, WorkerSettings
+from services.process import WorkerSettings
+from services.runtime import Worker
 from shared import subjects
 from shared.bus import parse, publish
 from shared.engine.config import Role

@@ -2,8 +2,8 @@
 
 import asyncio
 
+from services.process import run_until_signalled, setup_logging
 from services.profiler.service import ProfilerService, ProfilerSettings
-from services.runtime import run_until_signalled, setup_logging
 
 if __name__ == "__main__":
     setup_logging("profiler")

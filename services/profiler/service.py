@@ -17,6 +17,7 @@ from redis.exceptions import RedisError
 
 from services.planner.calibration import Calibration, Calibrator, replan_reason
 from services.planner.profiles import Profile, ProfileError, planner_profile
+from services.process import ControlService
 from services.profiler.detector import (
     DetectorConfig,
     RequestEvent,
@@ -24,7 +25,6 @@ from services.profiler.detector import (
     WindowStats,
     WorkloadMonitor,
 )
-from services.runtime import ControlService
 from shared import subjects
 from shared.bus import parse, publish
 from shared.host import cpu_description

@@ -22,7 +22,8 @@ from redis.asyncio import Redis
 from services.colocated.service import ColocatedService
 from services.decode.service import DecodeService
 from services.prefill.service import PrefillService
-from services.runtime import EngineHost, WorkerFailed, WorkerSettings, thread_clock
+from services.process import WorkerSettings
+from services.runtime import EngineHost, WorkerFailed, thread_clock
 from shared import subjects
 from shared.bus import connect, parse, publish
 from shared.engine.config import EngineConfig, Role
