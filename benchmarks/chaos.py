@@ -80,7 +80,7 @@ from services.launcher import Stack, StackConfig
 from services.process import WorkerSettings
 from services.supervisor import free_port, wait_for_port
 from shared.engine.kv_cache import block_bytes
-from shared.engine.loader import read_meta
+from shared.engine.meta import read_meta
 from shared.engine.model_runner import resolve_device, resolve_dtype
 from shared.metrics import percentiles
 from shared.workloads import unit_rate_gaps

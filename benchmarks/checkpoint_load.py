@@ -36,7 +36,7 @@ def write(directory: Path, shape: dict[str, object], dtype: torch.dtype,
     load reads the tokenizer too; its vocabulary need not match for this)."""
     from safetensors.torch import save_file
 
-    from shared.engine.loader import read_tokenizer
+    from shared.engine.meta import read_tokenizer
 
     directory.mkdir(parents=True, exist_ok=True)
     h, i = int(shape["hidden_size"]), int(shape["intermediate_size"])  # type: ignore[call-overload]

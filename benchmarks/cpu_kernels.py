@@ -23,7 +23,7 @@ from rich.table import Table
 from shared.engine.attention import DecodeGroup, gather_decode_attention, paged_decode_attention
 from shared.engine.config import ModelConfig
 from shared.engine.kv_cache import KVCache
-from shared.engine.loader import read_config
+from shared.engine.meta import read_config
 from shared.engine.panels import PanelMatrix
 
 COLD_BYTES = 64 << 20

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from distserve.bench.workload import humaneval_prompts
-from shared.engine.loader import read_tokenizer
+from shared.engine.meta import read_tokenizer
 from shared.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 

@@ -43,7 +43,7 @@ from shared.engine.kernels import (
     without_own_header,
 )
 from shared.engine.kv_cache import KVCache
-from shared.engine.loader import read_config
+from shared.engine.meta import read_config
 from shared.engine.model_runner import load_model
 from shared.engine.quant import NO_MINS, QuantizedPanels
 

@@ -43,7 +43,7 @@ from shared.engine.kernels import (
     source_text,
 )
 from shared.engine.kv_cache import KVCache
-from shared.engine.loader import read_config
+from shared.engine.meta import read_config
 from shared.engine.model_runner import load_model
 from shared.engine.panels import PanelMatrix
 from shared.engine.quant import QuantizedPanels

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from shared.engine.gguf_loader import resolve_gguf_path
-from shared.engine.loader import read_tokenizer
+from shared.engine.meta import read_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 VOCAB = 49152  # SmolLM2's: the random models share its tokenizer

@@ -104,7 +104,7 @@ class Tokenizer:
     """The built-in model's tokenizer, loaded on first use."""
 
     def __init__(self) -> None:
-        from shared.engine.loader import read_tokenizer
+        from shared.engine.meta import read_tokenizer
 
         self._tok = read_tokenizer("smollm2-135m")
 

@@ -16,7 +16,7 @@ from distserve.commands.common import add_engine_args, engine_config, positive_i
 from services.planner.latency import PhaseCoefficients
 from services.planner.profiles import save_profile
 from services.planner.profiling import Grid, enough_cores_for_contention, profile_engine
-from shared.engine.loader import read_config
+from shared.engine.meta import read_config
 
 
 def register(sub: Any) -> None:

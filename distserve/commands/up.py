@@ -161,7 +161,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                    "DS_PLANNER_TTFT_S": str(args.ttft), "DS_PLANNER_TPOT_S": str(args.tpot),
                    "DS_PLANNER_MODES": ",".join(modes),
                    "DS_PLANNER_SWITCH_MARGIN": str(args.switch_margin)}
-    from shared.engine.loader import read_meta
+    from shared.engine.meta import read_meta
 
     model = str(Path(args.model).resolve()) if os.path.exists(args.model) else args.model
     try:

@@ -27,7 +27,7 @@ from shared.workloads import (
 
 @functools.cache
 def _count_tokens() -> object:
-    from shared.engine.loader import read_tokenizer
+    from shared.engine.meta import read_tokenizer
 
     tokenizer = read_tokenizer("smollm2-135m")
     return lambda text: len(tokenizer.encode(text))

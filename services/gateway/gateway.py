@@ -35,7 +35,7 @@ from services.gateway.view import InstanceView
 from shared import subjects
 from shared.bus import connect, parse, publish
 from shared.engine.config import served_name
-from shared.engine.loader import read_meta
+from shared.engine.meta import read_meta
 from shared.messages import Cancel, PrefillRequest, Resume, ResumeReply, Sampling, TokenChunk
 from shared.state import (
     InstanceInfo,

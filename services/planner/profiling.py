@@ -21,7 +21,7 @@ from services.planner.models import MODELS, from_config
 from services.planner.profiles import Profile, saturation_length
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
-from shared.engine.loader import read_config
+from shared.engine.meta import read_config
 from shared.engine.request import Request, SamplingParams
 from shared.host import cpu_description
 

@@ -38,7 +38,7 @@ from services.process import ControlService
 from shared import subjects
 from shared.bus import parse
 from shared.engine.config import served_name
-from shared.engine.loader import read_config
+from shared.engine.meta import read_config
 from shared.host import cpu_description
 from shared.messages import ReplanRequest, WorkloadSummary
 from shared.metrics import SLO

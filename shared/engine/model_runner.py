@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from shared.engine import loader
+from shared.engine import loader, meta
 from shared.engine.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -73,7 +73,7 @@ def check_parallel(config: EngineConfig) -> None:
     if resolve_device(config.device).type != "cpu":
         raise ValueError("instances of several ranks (--tp, --pp) run on the CPU (gloo) in "
                          "this build; on GPUs (NCCL) they are not built yet")
-    model = loader.read_config(config.model)
+    model = meta.read_config(config.model)
     check_tp(model, config.tp, quantized=weight_bits(config.weights) is not None)
     stage_layers(model.num_layers, config.pp)
 

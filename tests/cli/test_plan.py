@@ -121,12 +121,11 @@ def test_the_whole_help_still_lists_every_command() -> None:
     assert all(f"    {command} " in text for command in COMMANDS)
 
 
-@pytest.mark.parametrize("module", ["distserve.commands.bench", "services.profiler.__main__",
-                                    "shared.messages"])
-def test_the_load_generator_and_the_profiler_start_without_torch(module: str) -> None:
-    """`bench compare` drives a stack from a process beside it, the profiler serves beside
-    the workers, and every service parses the messages: none loads the engine (torch took
-    the profiler's process from 120 MB to 323 MB at import)."""
+@pytest.mark.parametrize("module", ["services.gateway.__main__", "services.planner.__main__",
+                                    "services.profiler.__main__", "distserve.commands.bench"])
+def test_the_services_beside_the_workers_start_without_torch(module: str) -> None:
+    """The gateway, the planner and the profiler serve beside the workers, and `bench
+    compare` drives a stack from a process beside it: none loads the engine (torch)."""
     code = f"import sys, {module}; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)

@@ -17,7 +17,8 @@ from distserve.cli import main as distserve
 from shared.engine.config import EngineConfig, served_name
 from shared.engine.engine import Engine
 from shared.engine.hf_checkpoint import CheckpointError
-from shared.engine.loader import LoadedModel, load, read_meta
+from shared.engine.loader import LoadedModel, load
+from shared.engine.meta import read_meta
 from shared.engine.request import SamplingParams
 from tests.engine.conftest import NEW_TOKENS, PROMPTS
 from tests.model_dirs import (

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as Q
 
-from shared.engine import loader
+from shared.engine import meta
 from shared.engine.config import LLAMA_SHAPES
 from shared.engine.gguf_file import GgufFile
 from shared.engine.gguf_loader import resolve_gguf_path
@@ -93,7 +93,7 @@ def test_a_file_that_is_not_gguf_or_is_cut_short_is_refused(tmp_path: Path) -> N
 def test_the_smollm2_shape_is_the_built_in_models_shape() -> None:
     """`smollm2-135m-shape` stands in for the built-in GGUF where the file cannot go (a lent
     machine): its step times hold for the model only if the shapes are the same."""
-    built_in = loader.read_config("smollm2-135m")
+    built_in = meta.read_config("smollm2-135m")
     shape = LLAMA_SHAPES["smollm2-135m-shape"]
     assert dataclasses.replace(shape, name=built_in.name) == dataclasses.replace(
         built_in, rms_norm_eps=shape.rms_norm_eps)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from shared.engine.gguf_loader import read_gguf_tokenizer
-from shared.engine.loader import read_tokenizer
+from shared.engine.meta import read_tokenizer
 from shared.engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, TextTokenizer
 
 SHAREGPT = Path(__file__).parents[3] / "shared" / "data" / "sharegpt_v3_filtered_1000_prompts.json"

@@ -11,7 +11,7 @@ from services.planner.decide import PlannerConfig, decide
 from services.planner.deployer import priced_shapes, runnable_tps
 from services.planner.modes import MODES
 from services.planner.profiles import load_profile, shipped_cpu_profile
-from shared.engine.loader import read_config
+from shared.engine.meta import read_config
 from shared.messages import ReplanRequest, WorkloadSummary
 from shared.metrics import SLO
 

@@ -14,7 +14,7 @@ from services.planner.low_affinity import low_affinity
 from services.planner.placement import NoFeasiblePlan, Problem, high_affinity
 from services.planner.plan import Plan
 from services.planner.profiles import ProfileError, kv_capacity_tokens, load_profile
-from shared.engine.loader import read_tokenizer
+from shared.engine.meta import read_tokenizer
 from shared.metrics import SLO
 from shared.workloads import Workload, read_trace, sharegpt_lengths
 

@@ -233,7 +233,7 @@ def test_several_prompts_each_answered_in_order(stack: Stack) -> None:
 def test_penalties_and_logit_bias_steer_the_tokens(stack: Stack) -> None:
     """Greedy, so only the logits' changes move the tokens: a bias of -100 bans the likeliest
     token, +100 forces one, and a frequency penalty breaks a repetition."""
-    from shared.engine.loader import read_tokenizer
+    from shared.engine.meta import read_tokenizer
 
     def text(prompt: str, **extra: object) -> str:
         r = httpx.post(f"{stack.url}/v1/completions", headers=AUTH, timeout=120, json={
