@@ -88,12 +88,20 @@ def worker_env(env: Mapping[str, str], name: str) -> Env:
 
 
 def gpu_count(env: Mapping[str, str]) -> int:
-    """GPUs the workers may use: none when the run names a device (DS_DEVICE) itself."""
-    if "DS_DEVICE" in env:
+    """GPUs the workers may use: none when the run names a device (DS_DEVICE) itself, or
+    where no GPU driver is loaded (then torch would find none: not loaded to be told so)."""
+    if "DS_DEVICE" in env or not gpu_driver_loaded():
         return 0
-    import torch  # only here: the launcher starts fast where no worker needs a GPU
+    import torch  # only here: the launcher and the planner start without it on a CPU host
 
     return int(torch.cuda.device_count())
+
+
+def gpu_driver_loaded(root: Path = Path("/")) -> bool:
+    """An NVIDIA driver (its /proc entry or a device node) or ROCm's (/dev/kfd) is here."""
+    dev = root / "dev"
+    return (root / "proc/driver/nvidia/gpus").is_dir() or (dev / "kfd").exists() or \
+        any(dev.glob("nvidia[0-9]*"))
 
 
 def assign_devices(ranks: Sequence[int], gpus: int) -> list[str]:

@@ -1,7 +1,7 @@
 """What every service process shares, without the engine (torch): the workers' settings,
 logging, signals, a clean exit on settings a process cannot start with, and the control
-services' (planner, profiler) base. The gateway and the control services import only this;
-the workers' runtime (services/runtime.py) adds the engine."""
+services' (planner, profiler) base. The gateway and the control services need nothing more
+of services/; the workers' runtime (services/runtime.py) adds the engine."""
 
 from __future__ import annotations
 

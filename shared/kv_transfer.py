@@ -11,7 +11,7 @@ Protocol, per pull, on one endpoint the decode instance keeps per prefill instan
 
 A parallel instance's ranks each serve the part of the KV they hold (layers l0..l1, KV heads
 h0..h1 of the model, ends exclusive), under one key: a decode rank asks each for the overlap
-of its part and theirs (shared.engine.parallel.sharding.kv_pieces), so every byte of the KV
+of its part and theirs (shared.engine.parallel.layout.kv_pieces), so every byte of the KV
 crosses once and never through another rank.
 
 A pull presents the request's token, which the prefill side handed only to the decode

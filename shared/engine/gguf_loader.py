@@ -63,6 +63,7 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 def config_of(reader: GgufFile, name: str) -> ModelConfig:
+    """The model's shape from the file's metadata, served as `name`."""
     arch = reader.fields.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelNotFoundError(f"{name}: architecture {arch!r} is not supported "
@@ -98,6 +99,7 @@ def config_of(reader: GgufFile, name: str) -> ModelConfig:
 
 
 def tokenizer_of(reader: GgufFile) -> TokenizerData:
+    """The tokenizer's vocabulary, merges, special ids and chat template from the metadata."""
     tokens = [str(t) for t in reader.fields["tokenizer.ggml.tokens"]]
     types = reader.fields["tokenizer.ggml.token_type"]
     model = reader.fields.get("tokenizer.ggml.model")

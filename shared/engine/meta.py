@@ -1,6 +1,7 @@
 """What a model name means, without its weights or torch: its shape and its tokenizer, from a
-Hugging Face model directory, a GGUF file (a path or a built-in name), or a Llama shape (no
-tokenizer). The gateway, the planner and the workload builders read only these."""
+Hugging Face model directory or a GGUF file (a path or a built-in name); of a Llama shape,
+its config alone (it has no tokenizer). The gateway, the planner and the workload builders
+read only these."""
 
 from __future__ import annotations
 

@@ -124,7 +124,8 @@ class LlamaModel:
         a checkpoint's files is loaded one tensor at a time. With `weight_bits` (8 or 4) the
         layers' matrices are quantized (blocks already quantized so, a GGUF's, kept as they
         are) and the LM head is int8; activations, norms and the embedding stay float32.
-        `place`: the rank's part of an instance of several (parallel.sharding): its stage's
+        `place`: the rank's part of an instance of several (parallel.layout; the weights cut by
+        parallel.sharding): its stage's
         layers and, with tp > 1, its share of their heads and MLP columns (`shard`); the
         embedding on the first stage, the LM head on rank 0 only, which samples."""
         self.config = config  # the whole model's shape

@@ -161,3 +161,17 @@ def test_each_worker_gets_its_own_gpu_while_there_are_enough() -> None:
     assert assign_devices([2, 1, 1], 4) == ["cuda:0", "cuda:2", "cuda:3"]  # tp 2: GPUs 0, 1
     assert assign_devices([1, 1], 0) == ["", ""]
     assert gpu_count({"DS_DEVICE": "cpu"}) == 0  # the run chose the device itself
+
+
+def test_torch_is_asked_for_gpus_only_where_a_gpu_driver_is_loaded(tmp_path: Path) -> None:
+    from services.launcher import gpu_driver_loaded
+
+    assert not gpu_driver_loaded(tmp_path)
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "nvidiactl").touch()  # the control node alone: no GPU
+    assert not gpu_driver_loaded(tmp_path)
+    (tmp_path / "dev" / "nvidia0").touch()
+    assert gpu_driver_loaded(tmp_path)
+    (tmp_path / "dev" / "nvidia0").unlink()
+    (tmp_path / "proc" / "driver" / "nvidia" / "gpus").mkdir(parents=True)
+    assert gpu_driver_loaded(tmp_path)
