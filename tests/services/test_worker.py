@@ -11,12 +11,14 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from types import SimpleNamespace
+from typing import TypeVar, cast
 
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from pydantic import BaseModel
 from redis.asyncio import Redis
 
 from services.colocated.service import ColocatedService
@@ -245,33 +247,35 @@ def test_a_request_whose_cancel_overtakes_it_never_runs(nats_url: str, redis_url
     asyncio.run(main())
 
 
+def message(body: BaseModel) -> Msg:
+    """A NATS message carrying `body`, for a callback called directly."""
+    return cast(Msg, SimpleNamespace(data=body.model_dump_json().encode(), headers=None,
+                                     reply=""))
+
+
 @pytest.mark.timeout(120)
-def test_a_burst_of_cancels_is_read_while_the_engine_steps(nats_url: str,
-                                                           redis_url: str) -> None:
-    """Clients that leave together: every cancel is read while the engine thread is busy,
-    and none of the prompts they name is prefilled (awaiting each abort in the cancel's
-    callback read them one a step, the engine prefilling the rest meanwhile)."""
-    worker = tiny(PrefillService, "prefill-c", nats_url, redis_url)
+def test_a_burst_of_cancels_is_read_while_the_engine_steps() -> None:
+    """Clients that leave together: each cancel's callback returns while the engine thread is
+    busy, and none of the prompts is left in the engine. The callback used to await the
+    abort, and NATS holds a subscription's next message until its callback returns: a burst
+    was read one cancel a step, the engine prefilling the rest meanwhile. The callbacks are
+    called directly (no NATS): a prefill instance's KV listener must be the first UCX user
+    of its process, which it is not after a suite's earlier tests."""
+    worker = tiny(PrefillService, "prefill-c", "nats://unused", "redis://unused")
     ids = [f"left-{i}" for i in range(3)]
 
     async def main() -> None:
-        stop = asyncio.Event()
-        running, registry = await serving(worker, stop, redis_url)
-        nc = await connect(nats_url, "test")
-        seen, subs = await chunks_of(nc, ids)
         async with engine_held(worker):
             for request_id in ids:
-                await publish(nc, subjects.prefill("prefill-c"), PrefillRequest(
+                await worker._on_request(message(PrefillRequest(
                     request_id=request_id, prompt_ids=[1, 2, 3], decode_instance="decode-c",
-                    sampling=Sampling(max_tokens=4, ignore_eos=True), arrival_ts=time.time()))
-            await until(lambda: set(ids) <= worker.requests.keys())
-            for request_id in ids:
-                await publish(nc, subjects.CANCEL_ALL, Cancel(request_id=request_id))
-            await until(lambda: not set(ids) & worker.requests.keys())  # all read meanwhile
-        await until_idle(worker)
-        assert seen == []  # not one prefilled
-        assert worker.host.steps == 0
-        await stop_serving(running, stop, registry, nc, subs)
+                    sampling=Sampling(max_tokens=4, ignore_eos=True), arrival_ts=time.time())))
+            for request_id in ids:  # each returns with the engine still held
+                await asyncio.wait_for(worker._on_cancel(message(Cancel(request_id=request_id))),
+                                       10)
+            assert not set(ids) & worker.requests.keys()
+        await until(lambda: not worker.in_hand)  # the admissions and the aborts ran
+        assert not worker.engine.has_work()
 
     asyncio.run(main())
 
@@ -335,6 +339,7 @@ def test_a_late_cancel_of_an_older_attempt_leaves_the_newer_one_running(
         await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="back",
                                                       instance="colocated-l", attempt=0))
         await until(lambda: worker.cancelled.covers("back", 0))
+        await until(lambda: any(c.finish_reason or c.error for c in seen))  # its last chunk
         await until_idle(worker)
         assert seen and seen[-1].finish_reason == "length"  # not aborted
         assert {c.attempt for c in seen} == {1}  # attempt 0 never ran
@@ -372,6 +377,7 @@ def test_prompts_that_arrive_during_a_step_all_go_into_the_next(nats_url: str,
             await asyncio.sleep(0.05)  # every prompt handed over (or, before, the first)
         gate.set()
         await busy
+        await until(lambda: sum(bool(c.finish_reason or c.error) for c in seen) == len(ids))
         await until_idle(worker)
         prefills = [shape.prompts for _, shape, _, _ in worker.host.samples if shape.prompts]
         assert prefills[0] == (3, 4, 5, 6)  # all four, in arrival order
