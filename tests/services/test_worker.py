@@ -188,6 +188,20 @@ async def until_idle(worker: ColocatedService | DecodeService | PrefillService,
 
 
 @contextlib.asynccontextmanager
+async def worker_serving(worker: ColocatedService | DecodeService, nats_url: str, redis_url: str,
+                         request_ids: list[str]
+                         ) -> AsyncIterator[tuple[Client, list[TokenChunk]]]:
+    """`worker` serving; a client connection and the chunks of `request_ids`; the worker
+    stopped after the body."""
+    stop = asyncio.Event()
+    running, registry = await serving(worker, stop, redis_url)
+    nc = await connect(nats_url, "test")
+    seen, subs = await chunks_of(nc, request_ids)
+    yield nc, seen
+    await stop_serving(running, stop, registry, nc, subs)
+
+
+@contextlib.asynccontextmanager
 async def engine_held(worker: ColocatedService | DecodeService | PrefillService
                       ) -> AsyncIterator[None]:
     """The worker's engine thread busy (as in a long step) for the body: what the service
@@ -217,32 +231,29 @@ def test_a_request_whose_cancel_overtakes_it_never_runs(nats_url: str, redis_url
     worker = tiny(ColocatedService, "colocated-z", nats_url, redis_url)
 
     async def main() -> None:
-        stop = asyncio.Event()
-        running, registry = await serving(worker, stop, redis_url)
-        nc = await connect(nats_url, "test")
-        seen, subs = await chunks_of(nc, ["first", "during", "named"])
-        long = Sampling(max_tokens=64, ignore_eos=True)
-        await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="first"))
-        await publish(nc, subjects.prefill("colocated-z"), PrefillRequest(
-            request_id="first", prompt_ids=[1, 2, 3], sampling=long, arrival_ts=time.time()))
-        async with engine_held(worker):  # the next prompts wait there to be taken in
-            for request_id in ("during", "named"):
-                await publish(nc, subjects.prefill("colocated-z"), PrefillRequest(
-                    request_id=request_id, prompt_ids=[4, 5, 6], sampling=long,
-                    arrival_ts=time.time()))
-            await until(lambda: {"during", "named"} <= worker.known.keys())
-            await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="during"))
-            # moved away from this worker at its attempt 0
-            await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="named",
-                                                          instance="colocated-z", attempt=0))
-            await until(lambda: not {"during", "named"} & worker.known.keys())  # both read
-        good = await send_and_wait(nc, "colocated-z", "after")  # served after both
-        assert good[-1].finish_reason == "length"
-        await until_idle(worker)
-        assert seen == []  # none ran: not a token of any
-        assert "first" in worker.cancelled and "during" in worker.cancelled
-        assert worker.known == {} and worker.attempts == {}
-        await stop_serving(running, stop, registry, nc, subs)
+        ids = ["first", "during", "named"]
+        async with worker_serving(worker, nats_url, redis_url, ids) as (nc, seen):
+            long = Sampling(max_tokens=64, ignore_eos=True)
+            await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="first"))
+            await publish(nc, subjects.prefill("colocated-z"), PrefillRequest(
+                request_id="first", prompt_ids=[1, 2, 3], sampling=long, arrival_ts=time.time()))
+            async with engine_held(worker):  # the next prompts wait there to be taken in
+                for request_id in ("during", "named"):
+                    await publish(nc, subjects.prefill("colocated-z"), PrefillRequest(
+                        request_id=request_id, prompt_ids=[4, 5, 6], sampling=long,
+                        arrival_ts=time.time()))
+                await until(lambda: {"during", "named"} <= worker.known.keys())
+                await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="during"))
+                # moved away from this worker at its attempt 0
+                await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="named",
+                                                              instance="colocated-z", attempt=0))
+                await until(lambda: not {"during", "named"} & worker.known.keys())  # both read
+            good = await send_and_wait(nc, "colocated-z", "after")  # served after both
+            assert good[-1].finish_reason == "length"
+            await until_idle(worker)
+            assert seen == []  # none ran: not a token of any
+            assert "first" in worker.cancelled and "during" in worker.cancelled
+            assert worker.known == {} and worker.attempts == {}
 
     asyncio.run(main())
 
@@ -290,28 +301,24 @@ def test_a_cancel_read_while_its_attempt_is_taken_in_leaves_a_newer_attempt_runn
     worker = tiny(ColocatedService, "colocated-n", nats_url, redis_url)
 
     async def main() -> None:
-        stop = asyncio.Event()
-        running, registry = await serving(worker, stop, redis_url)
-        nc = await connect(nats_url, "test")
-        seen, subs = await chunks_of(nc, ["again"])
-        sampling = Sampling(max_tokens=6, ignore_eos=True)
-        async with engine_held(worker):
-            await publish(nc, subjects.prefill("colocated-n"), PrefillRequest(
-                request_id="again", prompt_ids=[1, 2, 3], sampling=sampling,
-                arrival_ts=time.time()))
-            await until(lambda: worker.known.get("again") == 0)
-            await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="again",
-                                                          instance="colocated-n", attempt=0))
-            await until(lambda: "again" not in worker.known)
-            await publish(nc, subjects.prefill("colocated-n"), PrefillRequest(
-                request_id="again", prompt_ids=[1, 2, 3], sampling=sampling, attempt=1,
-                arrival_ts=time.time()))
-            await until(lambda: worker.known.get("again") == 1)
-        await until(lambda: any(c.finish_reason or c.error for c in seen))
-        await until_idle(worker)
-        assert [c.attempt for c in seen] == [1] * 6 and seen[-1].finish_reason == "length"
-        assert worker.known == {} and worker.attempts == {}
-        await stop_serving(running, stop, registry, nc, subs)
+        async with worker_serving(worker, nats_url, redis_url, ["again"]) as (nc, seen):
+            sampling = Sampling(max_tokens=6, ignore_eos=True)
+            async with engine_held(worker):
+                await publish(nc, subjects.prefill("colocated-n"), PrefillRequest(
+                    request_id="again", prompt_ids=[1, 2, 3], sampling=sampling,
+                    arrival_ts=time.time()))
+                await until(lambda: worker.known.get("again") == 0)
+                await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="again",
+                                                              instance="colocated-n", attempt=0))
+                await until(lambda: "again" not in worker.known)
+                await publish(nc, subjects.prefill("colocated-n"), PrefillRequest(
+                    request_id="again", prompt_ids=[1, 2, 3], sampling=sampling, attempt=1,
+                    arrival_ts=time.time()))
+                await until(lambda: worker.known.get("again") == 1)
+            await until(lambda: any(c.finish_reason or c.error for c in seen))
+            await until_idle(worker)
+            assert [c.attempt for c in seen] == [1] * 6 and seen[-1].finish_reason == "length"
+            assert worker.known == {} and worker.attempts == {}
 
     asyncio.run(main())
 
@@ -327,25 +334,21 @@ def test_a_late_cancel_of_an_older_attempt_leaves_the_newer_one_running(
     worker = tiny(ColocatedService, "colocated-l", nats_url, redis_url)
 
     async def main() -> None:
-        stop = asyncio.Event()
-        running, registry = await serving(worker, stop, redis_url)
-        nc = await connect(nats_url, "test")
-        seen, subs = await chunks_of(nc, ["back"])
-        for attempt in (1, 0):  # the newer first; the older, stale, after it
-            await publish(nc, subjects.prefill("colocated-l"), PrefillRequest(
-                request_id="back", prompt_ids=[1, 2, 3], attempt=attempt,
-                sampling=Sampling(max_tokens=48, ignore_eos=True), arrival_ts=time.time()))
-        await until(lambda: worker.attempts.get("back") == 1)  # the engine has attempt 1
-        await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="back",
-                                                      instance="colocated-l", attempt=0))
-        await until(lambda: worker.cancelled.covers("back", 0))
-        await until(lambda: any(c.finish_reason or c.error for c in seen))  # its last chunk
-        await until_idle(worker)
-        assert seen and seen[-1].finish_reason == "length"  # not aborted
-        assert {c.attempt for c in seen} == {1}  # attempt 0 never ran
-        assert sum(len(c.token_ids) for c in seen) == 48
-        assert not worker.cancelled.covers("back", 1) and worker.known == {}
-        await stop_serving(running, stop, registry, nc, subs)
+        async with worker_serving(worker, nats_url, redis_url, ["back"]) as (nc, seen):
+            for attempt in (1, 0):  # the newer first; the older, stale, after it
+                await publish(nc, subjects.prefill("colocated-l"), PrefillRequest(
+                    request_id="back", prompt_ids=[1, 2, 3], attempt=attempt,
+                    sampling=Sampling(max_tokens=48, ignore_eos=True), arrival_ts=time.time()))
+            await until(lambda: worker.attempts.get("back") == 1)  # the engine has attempt 1
+            await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="back",
+                                                          instance="colocated-l", attempt=0))
+            await until(lambda: worker.cancelled.covers("back", 0))
+            await until(lambda: any(c.finish_reason or c.error for c in seen))  # its last chunk
+            await until_idle(worker)
+            assert seen and seen[-1].finish_reason == "length"  # not aborted
+            assert {c.attempt for c in seen} == {1}  # attempt 0 never ran
+            assert sum(len(c.token_ids) for c in seen) == 48
+            assert not worker.cancelled.covers("back", 1) and worker.known == {}
 
     asyncio.run(main())
 
@@ -362,27 +365,23 @@ def test_prompts_that_arrive_during_a_step_all_go_into_the_next(nats_url: str,
     ids = [f"burst-{i}" for i in range(4)]
 
     async def main() -> None:
-        stop = asyncio.Event()
-        running, registry = await serving(worker, stop, redis_url)
-        nc = await connect(nats_url, "test")
-        seen, subs = await chunks_of(nc, ids)
-        gate = threading.Event()
-        busy = asyncio.ensure_future(worker.host.call(gate.wait, 60))  # a step under way
-        for i, request_id in enumerate(ids):
-            await publish(nc, subjects.prefill("colocated-b"), PrefillRequest(
-                request_id=request_id, prompt_ids=list(range(1, 4 + i)),
-                sampling=Sampling(max_tokens=4, ignore_eos=True), arrival_ts=time.time()))
-        deadline = time.monotonic() + 10
-        while set(worker.known) != set(ids) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)  # every prompt handed over (or, before, the first)
-        gate.set()
-        await busy
-        await until(lambda: sum(bool(c.finish_reason or c.error) for c in seen) == len(ids))
-        await until_idle(worker)
-        prefills = [shape.prompts for _, shape, _, _ in worker.host.samples if shape.prompts]
-        assert prefills[0] == (3, 4, 5, 6)  # all four, in arrival order
-        assert {c.request_id for c in seen if c.finish_reason == "length"} == set(ids)
-        await stop_serving(running, stop, registry, nc, subs)
+        async with worker_serving(worker, nats_url, redis_url, ids) as (nc, seen):
+            gate = threading.Event()
+            busy = asyncio.ensure_future(worker.host.call(gate.wait, 60))  # a step under way
+            for i, request_id in enumerate(ids):
+                await publish(nc, subjects.prefill("colocated-b"), PrefillRequest(
+                    request_id=request_id, prompt_ids=list(range(1, 4 + i)),
+                    sampling=Sampling(max_tokens=4, ignore_eos=True), arrival_ts=time.time()))
+            deadline = time.monotonic() + 10
+            while set(worker.known) != set(ids) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # every prompt handed over (or, before, the first)
+            gate.set()
+            await busy
+            await until(lambda: sum(bool(c.finish_reason or c.error) for c in seen) == len(ids))
+            await until_idle(worker)
+            prefills = [shape.prompts for _, shape, _, _ in worker.host.samples if shape.prompts]
+            assert prefills[0] == (3, 4, 5, 6)  # all four, in arrival order
+            assert {c.request_id for c in seen if c.finish_reason == "length"} == set(ids)
 
     asyncio.run(main())
 
@@ -406,13 +405,8 @@ async def decode_serving(worker: DecodeService, nats_url: str, redis_url: str, p
                                                   list[TokenChunk]]]:
     """`worker` serving; a client connection, the releases sent to the prefill instance
     `prefill` and the chunks of `request_ids`; the worker stopped after the body."""
-    stop = asyncio.Event()
-    running, registry = await serving(worker, stop, redis_url)
-    nc = await connect(nats_url, "test")
-    released = await releases_to(nc, prefill)
-    seen, subs = await chunks_of(nc, request_ids)
-    yield nc, released, seen
-    await stop_serving(running, stop, registry, nc, subs)
+    async with worker_serving(worker, nats_url, redis_url, request_ids) as (nc, seen):
+        yield nc, await releases_to(nc, prefill), seen
 
 
 def announcement(request_id: str, prefill: str, token: str, attempt: int = 0) -> KvReady:
