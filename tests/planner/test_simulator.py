@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import numpy as np
 import pytest
 
 from services.planner.latency import Contention, LatencyModel, PhaseCoefficients
 from services.planner.simulator import (
     ColocatedCluster,
+    SimResult,
     DisaggregatedCluster,
     InstanceSpec,
     Link,
@@ -16,7 +19,9 @@ from services.planner.simulator import (
     simulate_decode_only,
     simulate_disaggregated,
 )
-from shared.workloads import Workload, WorkloadRequest, fixed_lengths
+from services.planner.simulator import colocated, disaggregated
+from services.planner.simulator.core import run_quiet_steps
+from shared.workloads import Lengths, Workload, WorkloadRequest, fixed_lengths
 
 PROMPT = 512
 COEFFS = PhaseCoefficients((10.0, 0.1, 0.0), (10.0, 0.001, 0.05), (10.0, 0.001, 0.05))
@@ -203,3 +208,65 @@ def test_a_request_heard_mid_step_is_pulled_after_it_and_joins_the_step_after_it
     alone = simulate_decode_only(decode, [WorkloadRequest(0.0, 100, 50),
                                           WorkloadRequest(0.015, 100, 5)]).requests
     assert (alone[1].transfer_start, alone[1].decode_start) == pytest.approx((0.020, 0.030))
+
+
+def timestamps(result: SimResult) -> list[tuple[float, ...]]:
+    return [(r.prefill_start, r.first_token, r.transfer_start, r.transfer_end, r.decode_start,
+             r.finish, r.instance) for r in result.requests]
+
+
+@pytest.mark.parametrize("contention", [Contention(), Contention(1.4, 1.1, 1.2, 1.3)])
+def test_quiet_decode_steps_taken_at_once_change_no_result(
+        monkeypatch: pytest.MonkeyPatch, contention: Contention) -> None:
+    """Decode steps in which nothing happens but the clock are run at once
+    (`run_quiet_steps`); every request's every timestamp is the same, to the bit, as when
+    each step is an event of its own: both modes, their instances on one host (the steps
+    slowed by their neighbours') and apart, a small decode pool, at a low rate (long quiet
+    spells) and a high one."""
+    mixed = Workload(Lengths(np.array([200, 600, 50, 400]), np.array([120, 240, 2, 30])))
+    workloads = [Workload(fixed_lengths(200, 120)).requests(rate, 120, seed=5)
+                 for rate in (0.5, 20.0)] + [mixed.requests(8.0, 120, seed=6)]
+
+    def on(node: int, capacity: int = 10**6) -> InstanceSpec:
+        return InstanceSpec(LatencyModel(COEFFS, contention=contention), capacity,
+                            max_batch_tokens=1024, node=node)
+
+    def runs() -> list[list[tuple[float, ...]]]:
+        out = []
+        for requests in workloads:
+            for nodes in ((0, 0), (0, 1)):
+                cluster = DisaggregatedCluster([on(nodes[0])], [on(nodes[1], 4000)],
+                                               Link(1, 1e6, 1e6))
+                out.append(timestamps(simulate_disaggregated(cluster, requests)))
+                for chunked in (False, True):
+                    colocated = ColocatedCluster([on(n, 3000) for n in nodes], chunked)
+                    out.append(timestamps(simulate_colocated(colocated, requests)))
+            out.append(timestamps(simulate_decode_only(on(0, 2000), requests)))
+        return out
+
+    skipped = []
+
+    def counted(*args: Any) -> int:
+        skipped.append(run_quiet_steps(*args))
+        return skipped[-1]
+
+    for module in (disaggregated, colocated):
+        monkeypatch.setattr(module, "run_quiet_steps", counted)
+    def edges() -> list[list[tuple[float, ...]]]:
+        """Steps of exactly 0.25 s and an arrival at exactly 1 s, as a step ends (the
+        arrival comes first); a chunked replica whose decodes take its whole token budget
+        (it admits a waiting prompt a step and prefills none)."""
+        quarter = LatencyModel(PhaseCoefficients((250.0, 0, 0), (250.0, 0, 0), (250.0, 0, 0)))
+        exact = InstanceSpec(quarter, 10**6, max_batch_tokens=1024)
+        ties = [WorkloadRequest(0.0, 10, 40), WorkloadRequest(1.0, 10, 5)]
+        full = dataclasses.replace(on(0), max_batch_tokens=3)
+        crowded = Workload(fixed_lengths(8, 60)).requests(50.0, 12, seed=7)
+        return [timestamps(simulate_decode_only(exact, ties)),
+                timestamps(simulate_colocated(ColocatedCluster([exact]), ties)),
+                timestamps(simulate_colocated(ColocatedCluster([full], True), crowded))]
+
+    at_once = runs() + edges()
+    assert sum(skipped) > 10 * sum(1 for n in skipped if n)  # long quiet spells were skipped
+    for module in (disaggregated, colocated):
+        monkeypatch.setattr(module, "run_quiet_steps", lambda *_: 0)
+    assert runs() + edges() == at_once

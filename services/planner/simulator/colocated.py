@@ -23,6 +23,7 @@ from services.planner.simulator.core import (
     SimRequest,
     SimResult,
     hosts,
+    run_quiet_steps,
     sim_requests,
 )
 from shared.state import colocated_key
@@ -90,6 +91,11 @@ class ColocatedInstance:
         if planned is not None:
             seconds, chunks, decoding = planned
             lat = self.spec.latency
+            # with no prompt in hand (none admitted, the next not fitting), a decode step is
+            # planned again and again until an arrival or a finish
+            if not chunks and not self.prefilling and \
+                    run_quiet_steps(self.loop, self.host, self.batch, lat):
+                seconds = lat.decode_step_s(self.batch.size, self.batch.sum_ctx)
             share = 1.0 if chunks else lat.reading_share(self.batch.size, self.batch.sum_ctx)
             self.host.run(self, "prefill" if chunks else "decode", lat, seconds,
                         lambda _: self._step_done(chunks, decoding), share)

@@ -22,6 +22,7 @@ from services.planner.simulator.core import (
     SimRequest,
     SimResult,
     hosts,
+    run_quiet_steps,
     sim_requests,
 )
 from shared.workloads import WorkloadRequest
@@ -139,6 +140,7 @@ class DecodeInstance:
         self.stepping = self.batch.size > 0
         if self.stepping:
             lat = self.spec.latency
+            run_quiet_steps(self.loop, self.host, self.batch, lat)
             step = lat.decode_step_s(self.batch.size, self.batch.sum_ctx)
             self.host.run(self, "decode", lat, step, self._step_done,
                           lat.reading_share(self.batch.size, self.batch.sum_ctx))
