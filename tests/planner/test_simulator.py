@@ -11,15 +11,16 @@ import pytest
 from services.planner.latency import Contention, LatencyModel, PhaseCoefficients
 from services.planner.simulator import (
     ColocatedCluster,
-    SimResult,
     DisaggregatedCluster,
     InstanceSpec,
     Link,
+    SimResult,
+    colocated,
+    disaggregated,
     simulate_colocated,
     simulate_decode_only,
     simulate_disaggregated,
 )
-from services.planner.simulator import colocated, disaggregated
 from services.planner.simulator.core import run_quiet_steps
 from shared.workloads import Lengths, Workload, WorkloadRequest, fixed_lengths
 
