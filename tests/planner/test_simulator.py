@@ -223,7 +223,7 @@ def test_quiet_decode_steps_taken_at_once_change_no_result(
     (`run_quiet_steps`); every request's every timestamp is the same, to the bit, as when
     each step is an event of its own: both modes, their instances on one host (the steps
     slowed by their neighbours') and apart, a small decode pool, at a low rate (long quiet
-    spells) and a high one."""
+    spells) and a high one, and the edges below."""
     mixed = Workload(Lengths(np.array([200, 600, 50, 400]), np.array([120, 240, 2, 30])))
     workloads = [Workload(fixed_lengths(200, 120)).requests(rate, 120, seed=5)
                  for rate in (0.5, 20.0)] + [mixed.requests(8.0, 120, seed=6)]
@@ -262,9 +262,29 @@ def test_quiet_decode_steps_taken_at_once_change_no_result(
         ties = [WorkloadRequest(0.0, 10, 40), WorkloadRequest(1.0, 10, 5)]
         full = dataclasses.replace(on(0), max_batch_tokens=3)
         crowded = Workload(fixed_lengths(8, 60)).requests(50.0, 12, seed=7)
+        # instances of one host that contend unlike: one slowed by nothing (its steps
+        # skipped) beside one slowed by a prefill or by a decode, whose pace must be
+        # priced beside the first's decode steps, not as it was beside its prefill, or as
+        # alone (the review's counterexamples)
+        def constant(prefill_ms: float, decode_ms: float, beside: Contention,
+                     node: int = 0) -> InstanceSpec:
+            model = LatencyModel(PhaseCoefficients((prefill_ms, 0, 0), (decode_ms, 0, 0),
+                                                   (decode_ms, 0, 0)), contention=beside)
+            return InstanceSpec(model, 10**6, max_batch_tokens=1024, node=node)
+
+        unlike = [constant(100.0, 10.0, Contention()),
+                  constant(1000.0, 10.0, Contention(prefill_by_prefill=2.0))]
+        pair = [WorkloadRequest(0.0, 10, 50), WorkloadRequest(0.0, 10, 2)]
+        split = DisaggregatedCluster(
+            [constant(100.0, 10.0, Contention(), node=1)],
+            [constant(1.0, 400.0, Contention(decode_by_decode=2.0)),
+             constant(1.0, 10.0, Contention())], Link(1, 1e12, 1e12))
         return [timestamps(simulate_decode_only(exact, ties)),
                 timestamps(simulate_colocated(ColocatedCluster([exact]), ties)),
-                timestamps(simulate_colocated(ColocatedCluster([full], True), crowded))]
+                timestamps(simulate_colocated(ColocatedCluster([full], True), crowded)),
+                timestamps(simulate_colocated(ColocatedCluster(unlike), pair)),
+                timestamps(simulate_disaggregated(split, [WorkloadRequest(0.05, 10, 50),
+                                                          WorkloadRequest(0.0, 10, 2)]))]
 
     at_once = runs() + edges()
     assert sum(skipped) > 10 * sum(1 for n in skipped if n)  # long quiet spells were skipped
