@@ -139,6 +139,13 @@ class Host:
         if not self.ending:
             self._price()
 
+    def paced_alone(self, contention: Contention) -> bool:
+        """Whether a step of a device with `contention` started now runs at its pace alone,
+        and leaves the running steps at theirs, until one of them ends or another starts:
+        nothing runs here, or nothing here slows or is slowed by a neighbour's step."""
+        return not self.running or (contention.none and not any(
+            any(step.by.values()) for step in self.running.values()))
+
     def _advance(self) -> None:
         elapsed, self.at = self.loop.now - self.at, self.loop.now
         if elapsed > 0:
@@ -232,15 +239,13 @@ def run_quiet_steps(loop: EventLoop, host: Host, batch: DecodeBatch,
                     latency: LatencyModel) -> int:
     """Run at once the decode steps about to start that change nothing but the clock and
     the contexts, and return how many: those before the next one in which a request
-    finishes, that end before the next event (an arrival, a pull, a neighbour's step),
-    while nothing else runs on the host, or nothing there slows or is slowed by a step (a
-    neighbour's pace is priced as its neighbours were when the last step ended). The clock
-    moves to the end of the last one. Each is timed as the step-by-step
-    simulation times it (the same sums in the same order), so the results are the same,
-    to the bit; where requests decode for hundreds of steps between arrivals (the low
-    rates a goodput search probes) it skips nearly all the events."""
-    if host.running and not (latency.contention.none and not any(
-            any(step.by.values()) for step in host.running.values())):
+    finishes that end before the next event (an arrival, a pull, a neighbour's step), where
+    the host paces them as if alone (`Host.paced_alone`). The clock moves to the end of the
+    last one. Each is timed as the step-by-step simulation times it (the same sums in the
+    same order), so the results are the same to the bit; where requests decode for hundreds
+    of steps between arrivals (the low rates a goodput search probes) it skips nearly all
+    the events."""
+    if not host.paced_alone(latency.contention):
         return 0
     until, now, context, steps = loop.next_event, loop.now, batch.sum_ctx, 0
     for _ in range(batch.quiet_steps):
