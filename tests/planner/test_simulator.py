@@ -27,6 +27,7 @@ from shared.workloads import Lengths, Workload, WorkloadRequest, fixed_lengths
 PROMPT = 512
 COEFFS = PhaseCoefficients((10.0, 0.1, 0.0), (10.0, 0.001, 0.05), (10.0, 0.001, 0.05))
 D = (10.0 + 0.1 * PROMPT) / 1e3  # seconds to prefill one prompt on one device
+NO_CONTENTION = Contention()
 
 
 def mean_ttft(latency: LatencyModel, rate: float, n: int = 40000) -> float:
@@ -185,6 +186,14 @@ def test_a_step_is_priced_again_when_a_neighbour_starts_or_ends() -> None:
         pytest.approx([D, D])
 
 
+def constant(prefill_ms: float, decode_ms: float, beside: Contention = NO_CONTENTION,
+             node: int = 0) -> InstanceSpec:
+    """Steps of fixed times, whatever their size."""
+    model = LatencyModel(PhaseCoefficients((prefill_ms, 0, 0), (decode_ms, 0, 0),
+                                           (decode_ms, 0, 0)), contention=beside)
+    return InstanceSpec(model, 10**6, max_batch_tokens=1024, node=node)
+
+
 def test_a_request_heard_mid_step_is_pulled_after_it_and_joins_the_step_after_its_pull() -> None:
     """As the decode service runs a handoff (its pull's blocks are taken on the engine thread
     between steps, the request joins at a step's start): prefills of 5 ms, pulls of 12 ms,
@@ -193,9 +202,7 @@ def test_a_request_heard_mid_step_is_pulled_after_it_and_joins_the_step_after_it
     joins the step starting at 47 ms. Pulled at its first token, it joined at 37 ms: the
     recorded humaneval run on the Zen 5 had 153 of 155 requests heard mid-step join where
     the first says, 72 where the second does."""
-    constant = PhaseCoefficients((5.0, 0.0, 0.0), (10.0, 0.0, 0.0), (10.0, 0.0, 0.0))
-    prefill, decode = (InstanceSpec(LatencyModel(constant), 10**6, max_batch_tokens=1024,
-                                    node=node) for node in (0, 1))
+    prefill, decode = constant(5.0, 10.0, node=0), constant(5.0, 10.0, node=1)
     link = Link(1, 100 / 0.012, 100 / 0.012)  # 100 tokens of 1 byte in 12 ms
     requests = [WorkloadRequest(0.0, 100, 50), WorkloadRequest(0.020, 100, 5)]
     a, b = simulate_disaggregated(DisaggregatedCluster([prefill], [decode], link),
@@ -216,6 +223,32 @@ def timestamps(result: SimResult) -> list[tuple[float, ...]]:
              r.finish, r.instance) for r in result.requests]
 
 
+def edge_runs(spec: InstanceSpec) -> list[list[tuple[float, ...]]]:
+    """Where skipping quiet steps could go wrong: steps of exactly 0.25 s and an arrival at
+    exactly 1 s, as a step ends (the arrival comes first); a chunked replica whose decodes
+    take its whole token budget (`spec`'s, cut to 3: it admits a waiting prompt a step and
+    prefills none); instances of one host that contend unlike, one slowed by nothing (its
+    steps skipped) beside one slowed by a prefill or by a decode, whose pace must be priced
+    beside the first's decode steps, not as it was beside its prefill or as alone (the
+    review's counterexamples)."""
+    exact = constant(250.0, 250.0)
+    ties = [WorkloadRequest(0.0, 10, 40), WorkloadRequest(1.0, 10, 5)]
+    full = dataclasses.replace(spec, max_batch_tokens=3)
+    crowded = Workload(fixed_lengths(8, 60)).requests(50.0, 12, seed=7)
+    unlike = [constant(100.0, 10.0), constant(1000.0, 10.0, Contention(prefill_by_prefill=2.0))]
+    split = DisaggregatedCluster(
+        [constant(100.0, 10.0, node=1)],
+        [constant(1.0, 400.0, Contention(decode_by_decode=2.0)), constant(1.0, 10.0)],
+        Link(1, 1e12, 1e12))
+    return [timestamps(simulate_decode_only(exact, ties)),
+            timestamps(simulate_colocated(ColocatedCluster([exact]), ties)),
+            timestamps(simulate_colocated(ColocatedCluster([full], True), crowded)),
+            timestamps(simulate_colocated(ColocatedCluster(unlike), [
+                WorkloadRequest(0.0, 10, 50), WorkloadRequest(0.0, 10, 2)])),
+            timestamps(simulate_disaggregated(split, [
+                WorkloadRequest(0.05, 10, 50), WorkloadRequest(0.0, 10, 2)]))]
+
+
 @pytest.mark.parametrize("contention", [Contention(), Contention(1.4, 1.1, 1.2, 1.3)])
 def test_quiet_decode_steps_taken_at_once_change_no_result(
         monkeypatch: pytest.MonkeyPatch, contention: Contention) -> None:
@@ -223,7 +256,7 @@ def test_quiet_decode_steps_taken_at_once_change_no_result(
     (`run_quiet_steps`); every request's every timestamp is the same, to the bit, as when
     each step is an event of its own: both modes, their instances on one host (the steps
     slowed by their neighbours') and apart, a small decode pool, at a low rate (long quiet
-    spells) and a high one, and the edges below."""
+    spells) and a high one, and the edges of `edge_runs`."""
     mixed = Workload(Lengths(np.array([200, 600, 50, 400]), np.array([120, 240, 2, 30])))
     workloads = [Workload(fixed_lengths(200, 120)).requests(rate, 120, seed=5)
                  for rate in (0.5, 20.0)] + [mixed.requests(8.0, 120, seed=6)]
@@ -236,14 +269,14 @@ def test_quiet_decode_steps_taken_at_once_change_no_result(
         out = []
         for requests in workloads:
             for nodes in ((0, 0), (0, 1)):
-                cluster = DisaggregatedCluster([on(nodes[0])], [on(nodes[1], 4000)],
-                                               Link(1, 1e6, 1e6))
-                out.append(timestamps(simulate_disaggregated(cluster, requests)))
+                split = DisaggregatedCluster([on(nodes[0])], [on(nodes[1], 4000)],
+                                             Link(1, 1e6, 1e6))
+                out.append(timestamps(simulate_disaggregated(split, requests)))
                 for chunked in (False, True):
-                    colocated = ColocatedCluster([on(n, 3000) for n in nodes], chunked)
-                    out.append(timestamps(simulate_colocated(colocated, requests)))
+                    replicas = ColocatedCluster([on(n, 3000) for n in nodes], chunked)
+                    out.append(timestamps(simulate_colocated(replicas, requests)))
             out.append(timestamps(simulate_decode_only(on(0, 2000), requests)))
-        return out
+        return out + edge_runs(on(0))
 
     skipped = []
 
@@ -253,41 +286,8 @@ def test_quiet_decode_steps_taken_at_once_change_no_result(
 
     for module in (disaggregated, colocated):
         monkeypatch.setattr(module, "run_quiet_steps", counted)
-    def edges() -> list[list[tuple[float, ...]]]:
-        """Steps of exactly 0.25 s and an arrival at exactly 1 s, as a step ends (the
-        arrival comes first); a chunked replica whose decodes take its whole token budget
-        (it admits a waiting prompt a step and prefills none)."""
-        quarter = LatencyModel(PhaseCoefficients((250.0, 0, 0), (250.0, 0, 0), (250.0, 0, 0)))
-        exact = InstanceSpec(quarter, 10**6, max_batch_tokens=1024)
-        ties = [WorkloadRequest(0.0, 10, 40), WorkloadRequest(1.0, 10, 5)]
-        full = dataclasses.replace(on(0), max_batch_tokens=3)
-        crowded = Workload(fixed_lengths(8, 60)).requests(50.0, 12, seed=7)
-        # instances of one host that contend unlike: one slowed by nothing (its steps
-        # skipped) beside one slowed by a prefill or by a decode, whose pace must be
-        # priced beside the first's decode steps, not as it was beside its prefill, or as
-        # alone (the review's counterexamples)
-        def constant(prefill_ms: float, decode_ms: float, beside: Contention,
-                     node: int = 0) -> InstanceSpec:
-            model = LatencyModel(PhaseCoefficients((prefill_ms, 0, 0), (decode_ms, 0, 0),
-                                                   (decode_ms, 0, 0)), contention=beside)
-            return InstanceSpec(model, 10**6, max_batch_tokens=1024, node=node)
-
-        unlike = [constant(100.0, 10.0, Contention()),
-                  constant(1000.0, 10.0, Contention(prefill_by_prefill=2.0))]
-        pair = [WorkloadRequest(0.0, 10, 50), WorkloadRequest(0.0, 10, 2)]
-        split = DisaggregatedCluster(
-            [constant(100.0, 10.0, Contention(), node=1)],
-            [constant(1.0, 400.0, Contention(decode_by_decode=2.0)),
-             constant(1.0, 10.0, Contention())], Link(1, 1e12, 1e12))
-        return [timestamps(simulate_decode_only(exact, ties)),
-                timestamps(simulate_colocated(ColocatedCluster([exact]), ties)),
-                timestamps(simulate_colocated(ColocatedCluster([full], True), crowded)),
-                timestamps(simulate_colocated(ColocatedCluster(unlike), pair)),
-                timestamps(simulate_disaggregated(split, [WorkloadRequest(0.05, 10, 50),
-                                                          WorkloadRequest(0.0, 10, 2)]))]
-
-    at_once = runs() + edges()
+    at_once = runs()
     assert sum(skipped) > 10 * sum(1 for n in skipped if n)  # long quiet spells were skipped
     for module in (disaggregated, colocated):
         monkeypatch.setattr(module, "run_quiet_steps", lambda *_: 0)
-    assert runs() + edges() == at_once
+    assert runs() == at_once
