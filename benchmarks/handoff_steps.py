@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from distserve.bench.results import span_bounds
+from distserve.bench.runner import read_spans
 
 PULL_STARTS_AT_STEP_END_S = 0.003  # within this of the step's end
 
@@ -36,9 +37,9 @@ def decode_steps(results: dict[str, Any], system: str, instance: str) -> list[tu
 def handoffs(logs: Path, instance: str) -> list[tuple[float, float, float]]:
     """(announced, pull started, pulled) of each request the instance pulled and ran."""
     spans: dict[str, dict[str, tuple[float, float]]] = {}
-    for line in (logs / f"traces-{instance}.jsonl").read_text().splitlines():
-        span = json.loads(line)
-        spans.setdefault(span["context"]["trace_id"], {})[span["name"]] = span_bounds(span)
+    for span in read_spans(logs):
+        if span["attributes"].get("instance") == instance:
+            spans.setdefault(span["context"]["trace_id"], {})[span["name"]] = span_bounds(span)
     return [(s["decode queue"][0], s["kv transfer"][0], s["kv transfer"][1])
             for s in spans.values() if {"decode queue", "kv transfer", "decode run"} <= s.keys()]
 
