@@ -1,9 +1,10 @@
 """A decode instance: its own engine (decode role). Announced requests wait in `pending`
-until the pool has room; then the KV is pulled over UCX straight into a buffer that is
-imported at this pool's block ids, the prefill instance is told it may free its copy (after
-a short retention), and the request joins the running batch. Pulls run several at a time,
-each bounded by a timeout: a request whose pull fails gets a `retry` chunk, and the gateway
-moves it elsewhere."""
+until the pool has room (on the CPU their blocks are taken at once, beside the step under
+way); then the KV is pulled over UCX straight into a buffer that is imported at this pool's
+block ids, the prefill instance is told it may free its copy (after a short retention), and
+the request joins the running batch. Pulls run several at a time, each bounded by a
+timeout: a request whose pull fails gets a `retry` chunk, and the gateway moves it
+elsewhere."""
 
 from __future__ import annotations
 
@@ -139,14 +140,17 @@ class DecodeService(Worker):
 
     async def _pull_forever(self, batch: int = 32) -> None:
         """Pull announced requests in arrival order, as many at a time as the pool holds
-        (up to `batch`): one engine call allocates for all of them, and their transfers and
-        imports overlap, so a burst costs a few engine steps rather than two per request."""
+        (up to `batch`), their transfers and imports overlapping. Where the engine allows it
+        (one rank on the CPU) their blocks are taken at once, beside the step under way, so
+        a request heard mid-step can join the next step; else one engine call allocates for
+        all of them after that step, and a burst costs a few steps, not two per request."""
         while True:
             await self.room.wait()
             self.room.clear()
             while self.pending:
                 wanted = list(itertools.islice(self.pending, batch))
-                granted = await self.host.call(self._allocate_in_order, wanted)
+                granted = self._allocate_in_order(wanted) if self.engine.blocks_off_thread \
+                    else await self.host.call(self._allocate_in_order, wanted)
                 if not granted:
                     break  # no room: wait until a request finishes
                 pairs = list(zip(wanted, granted, strict=False))
@@ -161,10 +165,10 @@ class DecodeService(Worker):
                         self._free_later(grant)
 
     def _allocate_in_order(self, wanted: list[KvReady]) -> list[Grant]:
-        """On the engine thread: blocks for the longest prefix of `wanted` the pool holds,
-        each with the buffer rank 0's KV is received into and, with several ranks, the
-        others' pulls of theirs started (one engine call for all: each call waits for the
-        running step, and a pull used to make three)."""
+        """Blocks for the longest prefix of `wanted` the pool holds, each with the buffer
+        rank 0's KV is received into and, with several ranks, the others' pulls of theirs
+        started. On the engine thread (one call for all: each call waits for the running
+        step, and a pull used to make three) unless `Engine.blocks_off_thread`."""
         granted = []
         for ready in wanted:
             blocks = self.engine.allocate(ready.computed)

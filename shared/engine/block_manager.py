@@ -1,7 +1,10 @@
-"""Bookkeeping of the paged KV pool: which block ids are free. No device memory here."""
+"""Bookkeeping of the paged KV pool: which block ids are free. No device memory here.
+Each call is atomic: the engine's steps take and free blocks on their thread while a decode
+service on the CPU takes the blocks for a pull on its own (`Engine.blocks_off_thread`)."""
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 
@@ -16,6 +19,7 @@ class BlockManager:
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._used: set[int] = set()
+        self._lock = threading.Lock()
 
     @property
     def num_free(self) -> int:
@@ -26,17 +30,19 @@ class BlockManager:
 
     def allocate(self, num_blocks: int) -> list[int] | None:
         """`num_blocks` fresh block ids, or None when they cannot fit (nothing is taken)."""
-        if not self.can_allocate(num_blocks):
-            return None
-        ids = [self._free.popleft() for _ in range(num_blocks)]
-        self._used.update(ids)
-        return ids
+        with self._lock:
+            if num_blocks > len(self._free):
+                return None
+            ids = [self._free.popleft() for _ in range(num_blocks)]
+            self._used.update(ids)
+            return ids
 
     def free(self, block_ids: list[int]) -> None:
-        for block in block_ids:
-            assert block in self._used, f"block {block} freed twice or never allocated"
-            self._used.remove(block)
-            self._free.append(block)
+        with self._lock:
+            for block in block_ids:
+                assert block in self._used, f"block {block} freed twice or never allocated"
+                self._used.remove(block)
+                self._free.append(block)
 
     def grow(self, block_table: list[int], num_tokens: int) -> bool:
         """Extend `block_table` in place to hold `num_tokens`; False (unchanged) if no room."""

@@ -309,6 +309,14 @@ class Engine:
         self._text.pop(request_id, None)
         return self.scheduler.release(request_id) is not None
 
+    @property
+    def blocks_off_thread(self) -> bool:
+        """Whether `allocate`, `free` and `kv_buffer` may run off the steps' thread, beside a
+        step: with one rank on the CPU (the pool's bookkeeping is atomic, and a buffer is
+        plain memory). A CUDA buffer must wait for the steps' stream, and other ranks take
+        their parts' blocks in order with the steps (`pull_on_ranks`)."""
+        return self.runner.ranks is None and self.runner.device.type == "cpu"
+
     def allocate(self, num_tokens: int) -> list[int] | None:
         """Blocks for an incoming request's K/V, or None while the pool has no room."""
         return self.blocks.allocate(blocks_for(num_tokens, self.blocks.block_size))

@@ -169,9 +169,9 @@ class Scheduler:
                 break
             reserve = self.config.watermark_blocks if self.running else 0
             needed = blocks_for(request.num_computed + length, self.blocks.block_size)
-            if not self.blocks.can_allocate(needed - len(request.block_table) + reserve):
-                break
-            self.blocks.grow(request.block_table, request.num_computed + length)
+            if not self.blocks.can_allocate(needed - len(request.block_table) + reserve) or \
+                    not self.blocks.grow(request.block_table, request.num_computed + length):
+                break  # (a pull taken off the steps' thread may take the room in between)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -1,3 +1,7 @@
+import random
+import sys
+import threading
+
 import pytest
 
 from shared.engine.block_manager import BlockManager, blocks_for
@@ -37,3 +41,45 @@ def test_grow_extends_table_only_when_needed() -> None:
     assert bm.grow(table, 9) and len(table) == 3
     assert not bm.grow(table, 13)  # a 4th block does not exist
     assert len(table) == 3 and bm.num_free == 0
+
+
+def test_two_threads_taking_and_freeing_blocks_never_share_one() -> None:
+    """A CPU decode service takes a pull's blocks on its event loop while the engine thread
+    steps (growing and freeing tables): every call is atomic, so no block is handed out
+    twice, none is lost and no call fails on a pool another emptied under it. Threads are
+    switched every microsecond to make an interleaving likely."""
+    pool = BlockManager(num_blocks=24, block_size=16)
+    errors: list[BaseException] = []
+    held: list[set[int]] = [set(), set()]
+
+    def churn(me: int, seed: int) -> None:
+        rng = random.Random(seed)
+        tables: list[list[int]] = []
+        try:
+            for _ in range(20_000):
+                if tables and (rng.random() < 0.5 or pool.num_free == 0):
+                    table = tables.pop(rng.randrange(len(tables)))
+                    held[me].difference_update(table)
+                    pool.free(table)
+                elif (taken := pool.allocate(rng.randint(1, 4))) is not None:
+                    assert not held[1 - me] & set(taken), "a block handed out twice"
+                    held[me].update(taken)
+                    tables.append(taken)
+            for table in tables:
+                held[me].difference_update(table)
+                pool.free(table)
+        except BaseException as e:
+            errors.append(e)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=churn, args=(i, i)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert pool.num_free == pool.num_blocks and pool.allocate(24) is not None

@@ -495,6 +495,48 @@ def test_a_newer_attempt_announced_during_an_older_ones_pull_supersedes_it(
 
 
 @pytest.mark.timeout(120)
+def test_on_the_cpu_a_pull_starts_beside_the_step_under_way_and_joins_the_next(
+        nats_url: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode instance of one rank on the CPU takes a pull's blocks at once, not after the
+    step under way (an engine call waits for it): the pull runs beside that step, and only
+    the admission waits for it, so the request decodes in the next step. Taken on the
+    engine thread, a request heard mid-step ran a step later (83 of 155 on a recorded
+    humaneval run)."""
+    worker = tiny(DecodeService, "decode-m", nats_url, redis_url)
+    assert worker.engine.blocks_off_thread
+    pulled = asyncio.Event()
+    free_then: list[int] = []
+
+    async def pull(*_: object) -> None:  # lands at once (the KV is random weights' anyway)
+        free_then.append(worker.engine.blocks.num_free)
+        pulled.set()
+
+    monkeypatch.setattr("services.decode.service.pull_pieces", pull)
+
+    async def main() -> None:
+        async with decode_serving(worker, nats_url, redis_url, "prefill-m",
+                                  ["mid"]) as (nc, released, seen):
+            free = worker.engine.blocks.num_free
+            async with engine_held(worker):  # a step under way
+                await publish(nc, subjects.decode("decode-m"),
+                              announcement("mid", "prefill-m", "t"))
+                await asyncio.wait_for(pulled.wait(), 10)  # while the step runs
+                assert free_then == [free - 1]  # its block taken beside the step
+                steps = worker.host.steps
+                assert worker.engine.scheduler.get("mid") is None  # admitted after it
+            release = await asyncio.wait_for(released.get(), 30)
+            assert (release.request_id, release.attempt) == ("mid", 0)
+            await until(lambda: bool(seen) and seen[-1].finish_reason is not None)
+            await until_idle(worker)
+            first = [shape for n, shape, _, _ in worker.host.samples if n > steps]
+            assert first and first[0].batch == 1  # it ran in the very next step
+            assert sum(len(c.token_ids) for c in seen) == 15 and {c.attempt for c in seen} == {0}
+            assert worker.engine.blocks.num_free == free
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
 def test_a_failed_pull_frees_its_blocks_releases_the_kv_and_asks_to_be_moved(
         nats_url: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The prefill instance answers the pull with an error: the blocks taken for it are
