@@ -1,9 +1,10 @@
 """Where a disaggregated request's KV handoff lands among the decode instance's steps, in a
 recorded `bench compare` run: per request announced while the decode engine was mid-step,
-whether its pull started when that step ended (the pull's blocks are taken by an engine
-call, which waits for the step under way), and which step it first ran in, against two
-rules: the simulator's (pulled when the step under way ends, joining the first step that
-starts after the pull) and the one it used before (pulled at once, on the announcement).
+whether its pull started on the announcement or when that step ended, and which step it
+first ran in, against the simulator's two rules (`InstanceSpec.pulls_mid_step`): the pull's
+blocks taken at once, beside the step (one rank on the CPU), or when the step under way
+ends (the blocks taken by an engine call, which waits for it); either way the request joins
+the first step that starts after its pull.
 
     .venv/bin/python benchmarks/handoff_steps.py LOGS RESULTS_JSON
 
@@ -24,7 +25,7 @@ from typing import Any
 from distserve.bench.results import span_bounds
 from distserve.bench.runner import read_spans
 
-PULL_STARTS_AT_STEP_END_S = 0.003  # within this of the step's end
+WITHIN_S = 0.003  # a pull started on the announcement, or at the step's end
 
 
 def decode_steps(results: dict[str, Any], system: str, instance: str) -> list[tuple[float, float]]:
@@ -57,24 +58,27 @@ def main() -> None:
         k = bisect.bisect_right(starts, t)
         return starts[k] if k < len(starts) else None
 
-    mid_step = at_step_end = simulator = before = 0
+    mid_step = on_announcement = at_step_end = ran_as_mid_step = ran_as_after_step = 0
+    ran_next = 0  # in the step right after the one it was announced in
     for announced, pull_start, pulled in handoffs(args.logs, args.instance):
         k = bisect.bisect_right(starts, announced) - 1
         if k < 0 or steps[k][1] <= announced:
             continue  # the engine idled: the pull starts at once under either rule
         step_end, ran = steps[k][1], first_start_after(pulled)
         mid_step += 1
-        at_step_end += abs(pull_start - step_end) <= PULL_STARTS_AT_STEP_END_S
-        simulator += first_start_after(step_end + pulled - pull_start) == ran
-        before += first_start_after(announced + pulled - pull_start) == ran
+        on_announcement += pull_start - announced <= WITHIN_S
+        at_step_end += abs(pull_start - step_end) <= WITHIN_S
+        ran_as_mid_step += first_start_after(announced + pulled - pull_start) == ran
+        ran_as_after_step += first_start_after(step_end + pulled - pull_start) == ran
+        ran_next += k + 1 < len(starts) and starts[k + 1] == ran
+    ms = f"{1e3 * WITHIN_S:.0f} ms"
     print(f"requests announced while a decode step ran: {mid_step}")
-    print(f"  pull started within {1e3 * PULL_STARTS_AT_STEP_END_S:.0f} ms of that step's end: "
-          f"{at_step_end}")
-    print(f"  first ran in the step the simulator's rule names (pulled at the step's end): "
-          f"{simulator}")
-    print(f"  first ran in the step the earlier rule named (pulled on the announcement): "
-          f"{before}")
-
+    print(f"  pull started within {ms} of the announcement: {on_announcement}; "
+          f"within {ms} of that step's end: {at_step_end}")
+    print(f"  first ran in the step the rule names, with the blocks taken beside the step "
+          f"(pulled on the announcement): {ran_as_mid_step}; after it (pulled at the step's "
+          f"end): {ran_as_after_step}")
+    print(f"  first ran in the step right after the one it was announced in: {ran_next}")
 
 if __name__ == "__main__":
     main()

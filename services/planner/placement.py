@@ -32,9 +32,11 @@ T = TypeVar("T")
 
 
 def instance_spec(profile: Profile, tp: int, pp: int, node: int = 0) -> InstanceSpec:
-    """A simulated instance of `tp` x `pp` devices as the profile describes it."""
+    """A simulated instance of `tp` x `pp` devices as the profile describes it (a decode
+    instance of one CPU device takes a pull's blocks beside its step under way)."""
     return InstanceSpec(profile.latency(tp, pp), kv_capacity_tokens(profile, tp, pp),
-                        profile.l_m, profile.max_decode_batch, node)
+                        profile.l_m, profile.max_decode_batch, node,
+                        pulls_mid_step=profile.device.startswith("cpu") and tp * pp == 1)
 
 
 def layout_cluster(profile: Profile, layout: Sequence[InstancePlacement], link: Link,

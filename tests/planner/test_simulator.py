@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from services.planner.latency import Contention, LatencyModel, PhaseCoefficients
+from services.planner.placement import instance_spec
+from services.planner.profiles import load_profile, shipped_cpu_profile
 from services.planner.simulator import (
     ColocatedCluster,
     DisaggregatedCluster,
@@ -195,13 +197,14 @@ def constant(prefill_ms: float, decode_ms: float, beside: Contention = NO_CONTEN
 
 
 def test_a_request_heard_mid_step_is_pulled_after_it_and_joins_the_step_after_its_pull() -> None:
-    """As the decode service runs a handoff (its pull's blocks are taken on the engine thread
-    between steps, the request joins at a step's start): prefills of 5 ms, pulls of 12 ms,
-    decode steps of 10 ms. A is pulled at once (the decode instance idles) and steps from
-    17 ms; B's first token comes at 25 ms, mid-step [17, 27]: its pull runs 27-39 ms and it
-    joins the step starting at 47 ms. Pulled at its first token, it joined at 37 ms: the
-    recorded humaneval run on the Zen 5 had 153 of 155 requests heard mid-step join where
-    the first says, 72 where the second does."""
+    """As the decode service runs a handoff where its pull's blocks are taken on the engine
+    thread between steps (on a GPU, or with several ranks), the request joining at a step's
+    start: prefills of 5 ms, pulls of 12 ms, decode steps of 10 ms. A is pulled at once (the
+    decode instance idles) and steps from 17 ms; B's first token comes at 25 ms, mid-step
+    [17, 27]: its pull runs 27-39 ms and it joins the step starting at 47 ms. Pulled at its
+    first token, it joined at 37 ms: a recorded humaneval run on the Zen 5, whose decode
+    instance took blocks that way, had 153 of 155 requests heard mid-step join where the
+    first says, 72 where the second does."""
     prefill, decode = constant(5.0, 10.0, node=0), constant(5.0, 10.0, node=1)
     link = Link(1, 100 / 0.012, 100 / 0.012)  # 100 tokens of 1 byte in 12 ms
     requests = [WorkloadRequest(0.0, 100, 50), WorkloadRequest(0.020, 100, 5)]
@@ -216,6 +219,42 @@ def test_a_request_heard_mid_step_is_pulled_after_it_and_joins_the_step_after_it
     alone = simulate_decode_only(decode, [WorkloadRequest(0.0, 100, 50),
                                           WorkloadRequest(0.015, 100, 5)]).requests
     assert (alone[1].transfer_start, alone[1].decode_start) == pytest.approx((0.020, 0.030))
+
+
+def test_where_blocks_are_taken_beside_a_step_a_pull_landing_mid_step_joins_the_next() -> None:
+    """The same handoff where the decode instance takes a pull's blocks beside its step under
+    way (one rank on the CPU): B's first token comes at 23 ms, mid-step [17, 27]; its pull
+    runs 23-35 ms, mid-step [27, 37], and it joins the step starting at 37 ms, where taking
+    its blocks after the step would have pulled it 27-39 ms and joined it at 47 ms."""
+    prefill = constant(5.0, 10.0, node=0)
+    decode = dataclasses.replace(constant(5.0, 10.0, node=1), pulls_mid_step=True)
+    link = Link(1, 100 / 0.012, 100 / 0.012)  # 100 tokens of 1 byte in 12 ms
+    requests = [WorkloadRequest(0.0, 100, 50), WorkloadRequest(0.018, 100, 5)]
+    for spec, pulled, joined in ((decode, 0.023, 0.037),
+                                 (dataclasses.replace(decode, pulls_mid_step=False), 0.027,
+                                  0.047)):
+        a, b = simulate_disaggregated(DisaggregatedCluster([prefill], [spec], link),
+                                      requests).requests
+        assert a.decode_start == pytest.approx(0.017)
+        assert (b.first_token, b.transfer_start, b.transfer_end, b.decode_start) == \
+            pytest.approx((0.023, pulled, pulled + 0.012, joined))
+        assert b.finish == pytest.approx(joined + 4 * 0.010)
+    # a decode instance alone, fed at once: one heard mid-step [10, 20] joins at 20 ms
+    alone = simulate_decode_only(decode, [WorkloadRequest(0.0, 100, 50),
+                                          WorkloadRequest(0.015, 100, 5)]).requests
+    assert (alone[1].transfer_start, alone[1].decode_start) == pytest.approx((0.015, 0.020))
+
+
+def test_one_cpu_device_decodes_with_blocks_taken_beside_its_steps() -> None:
+    """What the decode service does, as the planner's instances say it: at once on one CPU
+    device, between steps with several devices or on a GPU."""
+    shipped = load_profile(shipped_cpu_profile(1))
+    cpu = dataclasses.replace(shipped, by_tp={1: shipped.by_tp[1], 2: shipped.by_tp[1]})
+    gpu = dataclasses.replace(cpu, device="NVIDIA H100 80GB HBM3")
+    assert instance_spec(cpu, 1, 1).pulls_mid_step
+    assert not instance_spec(cpu, 2, 1).pulls_mid_step
+    assert not instance_spec(cpu, 1, 2).pulls_mid_step
+    assert not instance_spec(gpu, 1, 1).pulls_mid_step
 
 
 def timestamps(result: SimResult) -> list[tuple[float, ...]]:

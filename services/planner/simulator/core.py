@@ -54,6 +54,9 @@ class InstanceSpec:
     max_batch_tokens: int  # prefill: L_m; colocated: prefill (or chunk) budget per step
     max_batch: int = 256  # decode batch size cap
     node: int = 0
+    # decode: a pull's blocks are taken at once, beside a step under way (one rank on the
+    # CPU), not when that step ends (`Engine.blocks_off_thread`)
+    pulls_mid_step: bool = False
 
 
 @dataclass(frozen=True)
