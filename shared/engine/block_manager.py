@@ -1,11 +1,14 @@
 """Bookkeeping of the paged KV pool: which block ids are free. No device memory here.
-Each call is atomic: the engine's steps take and free blocks on their thread while a decode
-service on the CPU takes the blocks for a pull on its own (`Engine.blocks_off_thread`)."""
+Each call is atomic, and a run of calls can hold the pool (`held`): the engine's steps take
+and free blocks on their thread while a decode service on the CPU takes the blocks for a
+pull on its own (`Engine.blocks_off_thread`)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
+from collections.abc import Iterator
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -19,7 +22,7 @@ class BlockManager:
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._used: set[int] = set()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     @property
     def num_free(self) -> int:
@@ -27,6 +30,12 @@ class BlockManager:
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """No other thread takes or frees a block until the body ends (this one may)."""
+        with self._lock:
+            yield
 
     def allocate(self, num_blocks: int) -> list[int] | None:
         """`num_blocks` fresh block ids, or None when they cannot fit (nothing is taken)."""

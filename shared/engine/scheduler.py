@@ -118,16 +118,20 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput | None:
-        if self.config.chunked_prefill:
-            out = self._schedule_mixed()
-        else:
-            preempted: list[Request] = []
-            prefills = self._admit(self.config.max_batch_tokens, chunk=False)
-            decodes: list[ScheduledChunk] = []
-            if not prefills:  # decodes, with replays (only a decode role has them) beside
-                decodes = self._schedule_decodes(preempted)
-                prefills = self._continue(self.config.max_batch_tokens - len(decodes))
-            out = SchedulerOutput(prefills, decodes, preempted)
+        """The next step's chunks. The pool stays held while they are chosen: a pull taking
+        blocks off the steps' thread waits for the choice (not for the step), so no block a
+        preemption frees for an older request, nor the admission watermark, goes to it."""
+        with self.blocks.held():
+            if self.config.chunked_prefill:
+                out = self._schedule_mixed()
+            else:
+                preempted: list[Request] = []
+                prefills = self._admit(self.config.max_batch_tokens, chunk=False)
+                decodes: list[ScheduledChunk] = []
+                if not prefills:  # decodes, with replays (only a decode role has them)
+                    decodes = self._schedule_decodes(preempted)
+                    prefills = self._continue(self.config.max_batch_tokens - len(decodes))
+                out = SchedulerOutput(prefills, decodes, preempted)
         for chunk in out.chunks:
             chunk.request.in_step = True
         return out if out.chunks else None
@@ -169,9 +173,9 @@ class Scheduler:
                 break
             reserve = self.config.watermark_blocks if self.running else 0
             needed = blocks_for(request.num_computed + length, self.blocks.block_size)
-            if not self.blocks.can_allocate(needed - len(request.block_table) + reserve) or \
-                    not self.blocks.grow(request.block_table, request.num_computed + length):
-                break  # (a pull taken off the steps' thread may take the room in between)
+            if not self.blocks.can_allocate(needed - len(request.block_table) + reserve):
+                break
+            self.blocks.grow(request.block_table, request.num_computed + length)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)

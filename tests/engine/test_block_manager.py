@@ -43,11 +43,12 @@ def test_grow_extends_table_only_when_needed() -> None:
     assert len(table) == 3 and bm.num_free == 0
 
 
+@pytest.mark.timeout(60)
 def test_two_threads_taking_and_freeing_blocks_never_share_one() -> None:
     """A CPU decode service takes a pull's blocks on its event loop while the engine thread
-    steps (growing and freeing tables): every call is atomic, so no block is handed out
-    twice, none is lost and no call fails on a pool another emptied under it. Threads are
-    switched every microsecond to make an interleaving likely."""
+    takes and frees blocks for its steps: every `allocate` and `free` is atomic, so no block
+    is handed out twice, none is lost and no call fails on a pool another emptied under it.
+    Threads are switched every microsecond to make an interleaving likely."""
     pool = BlockManager(num_blocks=24, block_size=16)
     errors: list[BaseException] = []
     held: list[set[int]] = [set(), set()]

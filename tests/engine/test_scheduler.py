@@ -1,5 +1,8 @@
 """The scheduler is pure: these tests drive it with a fake 'model' that returns fixed tokens."""
 
+import threading
+import time
+
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import Role, SchedulerConfig
 from shared.engine.request import Request, RequestStatus, SamplingParams
@@ -213,3 +216,37 @@ def test_a_request_under_way_is_neither_chunked_again_nor_preempted() -> None:
     assert s.schedule() is None
     assert idle.status is RequestStatus.WAITING and idle.num_preemptions == 1
     assert busy.status is RequestStatus.RUNNING and busy.block_table and busy.in_step
+
+
+def test_a_block_freed_by_a_preemption_goes_to_the_older_request_not_to_another_thread(
+) -> None:
+    """A decode service on the CPU takes a pull's blocks on its own thread while the engine
+    schedules. The pool is held while a step is chosen: the block the newest request's
+    preemption frees goes to the older request that needed it, and a pull asking
+    meanwhile waits for the choice (then finds the pool full) rather than taking it and
+    leaving the older request to be preempted as well."""
+    s = make(Role.DECODE, blocks=2, watermark_blocks=0)
+    old, new = req("old", 4, max_tokens=8, arrival=0), req("new", 4, max_tokens=8, arrival=1)
+    for r in (old, new):  # a whole block each, full: the next token needs another
+        r.output_ids, r.num_computed = [9], 4
+        table = s.blocks.allocate(1)
+        assert table is not None
+        r.block_table = table
+        s.add_prefilled(r)
+    pulled: list[list[int] | None] = []
+    free = s.blocks.free
+
+    def free_then_pull(block_ids: list[int]) -> None:  # a pull asks as the victim's blocks free
+        free(block_ids)
+        pull = threading.Thread(target=lambda: pulled.append(s.blocks.allocate(1)))
+        pull.start()
+        pull.join(0.5)  # time enough to take the block, were the pool not held
+
+    s.blocks.free = free_then_pull  # type: ignore[method-assign]
+    out = s.schedule()
+    assert out is not None and out.preempted == [new]
+    assert [c.request for c in out.decodes] == [old] and len(old.block_table) == 2
+    deadline = time.monotonic() + 30
+    while not pulled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pulled == [None]  # it waited for the choice, then found the pool full
