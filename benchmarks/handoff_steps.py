@@ -80,5 +80,6 @@ def main() -> None:
           f"end): {ran_as_after_step}")
     print(f"  first ran in the step right after the one it was announced in: {ran_next}")
 
+
 if __name__ == "__main__":
     main()

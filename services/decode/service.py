@@ -264,7 +264,10 @@ class DecodeService(Worker):
                 await asyncio.shield(grant.importing)
             if grant.ranks is not None:
                 await asyncio.shield(asyncio.wrap_future(grant.ranks))
-        await self.host.call(self.engine.free, grant.blocks)
+        if self.engine.blocks_off_thread:  # at once, as they were taken
+            self.engine.free(grant.blocks)
+        else:
+            await self.host.call(self.engine.free, grant.blocks)
         self.room.set()
 
     async def _give_up(self, ready: KvReady, grant: Grant, error: str) -> None:
