@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import nats.errors
 import torch
@@ -46,6 +46,7 @@ from shared.state import InstanceInfo
 from shared.telemetry import context_from, record
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -149,8 +150,7 @@ class DecodeService(Worker):
             self.room.clear()
             while self.pending:
                 wanted = list(itertools.islice(self.pending, batch))
-                granted = self._allocate_in_order(wanted) if self.engine.blocks_off_thread \
-                    else await self.host.call(self._allocate_in_order, wanted)
+                granted = await self._on_pool(self._allocate_in_order, wanted)
                 if not granted:
                     break  # no room: wait until a request finishes
                 pairs = list(zip(wanted, granted, strict=False))
@@ -164,11 +164,19 @@ class DecodeService(Worker):
                     if id(ready) not in queued:  # freed in a task: admission goes on
                         self._free_later(grant)
 
+    async def _on_pool(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`, which takes or frees a pull's blocks: at once where the engine lets
+        that run beside a step (`Engine.blocks_off_thread`: no await, so nothing else runs
+        on the loop meanwhile), else on the engine thread after the step under way."""
+        if self.engine.blocks_off_thread:
+            return fn(*args)
+        return await self.host.call(fn, *args)
+
     def _allocate_in_order(self, wanted: list[KvReady]) -> list[Grant]:
         """Blocks for the longest prefix of `wanted` the pool holds, each with the buffer
         rank 0's KV is received into and, with several ranks, the others' pulls of theirs
-        started. On the engine thread (one call for all: each call waits for the running
-        step, and a pull used to make three) unless `Engine.blocks_off_thread`."""
+        started: one call for all (`_on_pool`: on the engine thread each call waits for
+        the running step, and a pull used to make three)."""
         granted = []
         for ready in wanted:
             blocks = self.engine.allocate(ready.computed)
@@ -264,10 +272,7 @@ class DecodeService(Worker):
                 await asyncio.shield(grant.importing)
             if grant.ranks is not None:
                 await asyncio.shield(asyncio.wrap_future(grant.ranks))
-        if self.engine.blocks_off_thread:  # at once, as they were taken
-            self.engine.free(grant.blocks)
-        else:
-            await self.host.call(self.engine.free, grant.blocks)
+        await self._on_pool(self.engine.free, grant.blocks)
         self.room.set()
 
     async def _give_up(self, ready: KvReady, grant: Grant, error: str) -> None:

@@ -40,7 +40,7 @@ class BlockManager:
     def allocate(self, num_blocks: int) -> list[int] | None:
         """`num_blocks` fresh block ids, or None when they cannot fit (nothing is taken)."""
         with self._lock:
-            if num_blocks > len(self._free):
+            if not self.can_allocate(num_blocks):
                 return None
             ids = [self._free.popleft() for _ in range(num_blocks)]
             self._used.update(ids)
