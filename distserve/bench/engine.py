@@ -178,7 +178,7 @@ def bandwidth_bound(engine: Engine, context: int, rounds: int = 9) -> Bound:
     finally:
         step.close()
     gbps = max(buffer_bytes / read_ms, 2 * buffer_bytes / copy_ms) / 1e6
-    kv_bytes = context * engine.model_config.kv_bytes_per_token(element)
+    kv_bytes = context * engine.model_config.kv_bytes_per_token(engine.runner.kv.data.itemsize)
     return Bound((engine.runner.model.weight_bytes() + kv_bytes) / gbps / 1e6, gbps, step_ms,
                  kv_bytes)
 

@@ -361,9 +361,9 @@ def profile_engine(config: EngineConfig, grid: Grid,
     try:
         dtype_bytes = engine.runner.dtype.itemsize
         spec = MODELS.get(config.model) or from_config(engine.model_config, dtype_bytes)
-        needed = biggest * engine.model_config.kv_bytes_per_token(dtype_bytes)
-        have = engine.blocks.num_blocks * engine.blocks.block_size * \
-            engine.model_config.kv_bytes_per_token(dtype_bytes)
+        per_token = engine.model_config.kv_bytes_per_token(engine.runner.kv.data.itemsize)
+        needed = biggest * per_token
+        have = engine.blocks.num_blocks * engine.blocks.block_size * per_token
         if have < needed:
             raise ValueError(f"the profiling grid needs a KV pool of {needed / 2**20:.0f} MiB, "
                              f"the budget holds {have / 2**20:.0f} MiB: raise --kv-cache-mb")

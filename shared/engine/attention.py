@@ -62,7 +62,7 @@ GPU_DECODE_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 def gather_decode_attention(layer: int, q: torch.Tensor, group: DecodeGroup,
                             kv: KVCache) -> torch.Tensor:
     """Gather the batch's blocks into [B, L, H_kv, D] and run SDPA (any device)."""
-    keys, values = kv.gather(layer, group.block_tables)
+    keys, values = (t.to(q.dtype) for t in kv.gather(layer, group.block_tables))
     # The query heads sharing a KV head become that head's query rows ([B, H_kv, G, D]),
     # so every key and value is read once, not once per query head.
     b, heads, dim = q.shape
@@ -80,9 +80,9 @@ def paged_decode_attention(layer: int, q: torch.Tensor, group: DecodeGroup,
     kernel = cpu_kernels()
     assert kernel is not None
     keys, values = kv.data[layer, 0], kv.data[layer, 1]
-    out = kernel.paged_decode_attention(q, keys, values, group.block_tables, group.context_lens,
-                                        q.shape[-1] ** -0.5)
-    return out.reshape(q.shape[0], -1)  # type: ignore[no-any-return]
+    out = kernel.paged_decode_attention(q.to(keys.dtype), keys, values, group.block_tables,
+                                        group.context_lens, q.shape[-1] ** -0.5)
+    return out.reshape(q.shape[0], -1).to(q.dtype)  # type: ignore[no-any-return]
 
 
 def pick_decode_attention(device: torch.device) -> DecodeAttention:

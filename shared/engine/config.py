@@ -20,6 +20,16 @@ WEIGHT_FORMATS: dict[str, int | None] = {"auto": None, "int8": 8, "int4": 4}
 QUANT_BLOCK = 32  # weights a quantization block has, with its scale (and minimum)
 
 
+# --dtype: what an engine computes in; "auto" is float32 on a CPU, bfloat16 (or float16) on a GPU
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+
+
+def check_dtype(name: str) -> None:
+    """ValueError for a dtype name the engine does not know."""
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}: choose one of {list(DTYPE_NAMES)}")
+
+
 def weight_bits(name: str) -> int | None:
     """The bits a weight of format `name` takes (None: floats); ValueError for an unknown one."""
     if name not in WEIGHT_FORMATS:

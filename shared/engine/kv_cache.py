@@ -42,10 +42,10 @@ class KVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store K/V of new tokens ([T, kv_heads, head_dim]) at token slots
-        (block * block_size + offset)."""
+        (block * block_size + offset), in the pool's dtype."""
         keys, values = self.slots[layer]
-        keys.index_copy_(0, slots, k)
-        values.index_copy_(0, slots, v)
+        keys.index_copy_(0, slots, k.to(keys.dtype))
+        values.index_copy_(0, slots, v.to(values.dtype))
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of whole block tables ([B, max_blocks]) as [B, max_blocks*block_size, H, D]."""

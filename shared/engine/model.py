@@ -400,7 +400,7 @@ class LlamaModel:
         else:
             total = seg.cached + seg.length
             keys, values = kv.gather(layer, seg.block_table.unsqueeze(0))
-            kh, vh = keys[:, :total].transpose(1, 2), values[:, :total].transpose(1, 2)
+            kh, vh = (t[:, :total].transpose(1, 2).to(q.dtype) for t in (keys, values))
             rows = torch.arange(seg.length, device=q.device).unsqueeze(1) + seg.cached
             mask = torch.arange(total, device=q.device).unsqueeze(0) <= rows
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)

@@ -59,6 +59,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def kv_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype: float32 on the CPU whatever the instance computes in, so every
+    CPU instance's KV moves to any other unchanged (a bfloat16 prefill instance, whose
+    matmuls run twice as wide where the CPU has bfloat16 dot products, hands its KV to a
+    float32 or int4 decode instance); on a GPU the model's dtype."""
+    return torch.float32 if device.type == "cpu" else dtype
+
+
 def load_model(config: EngineConfig, rank: int = 0) -> LoadedModel:
     """The model named in `config` (a Hugging Face directory, a GGUF, or a Llama shape with
     random weights) on its device, in its dtype, with its tokenizer: rank `rank`'s part of
@@ -83,9 +91,9 @@ def kv_pool(model: LlamaModel, config: EngineConfig) -> KVCache:
     of an instance (sized for its largest stage), so rank 0's block ids hold everywhere."""
     stages = stage_layers(model.config.num_layers, config.pp)
     widest = dataclasses.replace(model.shard, num_layers=max(len(s) for s in stages))
-    blocks = config.kv_cache_bytes // block_bytes(widest, config.scheduler.block_size,
-                                                  model.dtype)
-    return KVCache(model.shard, blocks, config.scheduler.block_size, model.dtype, model.device)
+    dtype = kv_dtype(model.device, model.dtype)
+    blocks = config.kv_cache_bytes // block_bytes(widest, config.scheduler.block_size, dtype)
+    return KVCache(model.shard, blocks, config.scheduler.block_size, dtype, model.device)
 
 
 @dataclass
@@ -121,6 +129,11 @@ class ModelRunner:
         if self.ranks is not None and config.tp > 1:
             self.model.all_reduce = self.ranks.all_reduce
         self.kv = kv_pool(self.model, config)
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The KV pool's dtype as a name ("float32"): what a KV handoff's two sides compare."""
+        return str(self.kv.data.dtype).removeprefix("torch.")
 
     def close(self) -> None:
         """Stop the other ranks (nothing to do for one rank)."""
@@ -242,7 +255,7 @@ class ModelRunner:
             self.kv.import_blocks(block_ids, buffer)
             return
         self.ranks.command(Command.IMPORT, torch.tensor(block_ids))
-        buffer = buffer.to(self.device, self.dtype)
+        buffer = buffer.to(self.device, self.kv.data.dtype)
         for place in self.ranks.places[1:]:
             self.ranks.send(self._part(buffer, place).contiguous(), place.rank)
         self.kv.import_blocks(block_ids, self._part(buffer, self.ranks.places[0]))

@@ -140,6 +140,47 @@ def test_an_int4_decode_engine_continues_kv_prefilled_in_float32(
     assert decode.blocks.num_free == decode.blocks.num_blocks
 
 
+@pytest.mark.parametrize("decode_weights", ["auto", "int4"])
+def test_a_bfloat16_prefill_engine_hands_float32_kv_to_any_decode_engine(
+        decode_weights: str, loaded: LoadedModel, prompt_ids: list[list[int]],
+        hf_tokens: list[list[int]]) -> None:
+    """A prefill engine computing in bfloat16 (twice the matmul width where the CPU has
+    bfloat16 dot products) keeps its KV in float32, the pool every CPU engine shares: its
+    blocks are float32's to bfloat16's rounding; a float32 or int4 decode engine continuing
+    them predicts as float32 does (teacher-forced: the pair as it serves, the bfloat16 model
+    prefilling each prompt), and the engines' round trip decodes every request."""
+    bf16 = load_model(EngineConfig(dtype="bfloat16"))
+    prefill = Engine(EngineConfig(dtype="bfloat16", kv_cache_bytes=32 << 20).with_scheduler(
+        role=Role.PREFILL), bf16)
+    exact = Engine(EngineConfig(kv_cache_bytes=32 << 20).with_scheduler(role=Role.PREFILL),
+                   loaded)
+    assert bf16[0].dtype == torch.bfloat16 and prefill.runner.kv.data.dtype == torch.float32
+    for engine in (prefill, exact):
+        engine.add_request("r", prompt_ids[1], GREEDY)
+        engine.step()
+    ours, theirs = prefill.export_kv("r"), exact.export_kv("r")
+    off = ((ours - theirs).norm() / theirs.norm()).item()
+    print(f"bfloat16 prefill's KV off float32's by {off:.2e}")
+    assert ours.dtype == torch.float32 and 1e-4 < off < 5e-2  # bfloat16's rounding, no more
+    for engine in (prefill, exact):
+        engine.release("r")
+    decode_model = loaded if decode_weights == "auto" else load_model(
+        EngineConfig(weights=decode_weights))
+    sequences = [ids + tokens for ids, tokens in zip(prompt_ids, hf_tokens, strict=True)]
+    pair = compare(decode_model[0], loaded[0], sequences, [len(ids) for ids in prompt_ids],
+                   prefilled_by=bf16[0])
+    print(f"bfloat16 prefill -> {decode_weights} decode: top-1 agreement {pair.top1:.3f} over "
+          f"{pair.positions} positions, perplexity {pair.perplexity:.3f} vs "
+          f"{pair.reference_perplexity:.3f}")
+    assert pair.positions == sum(len(tokens) for tokens in hf_tokens) > 200
+    assert pair.top1 >= 0.9 and pair.perplexity_ratio < 1.1
+    decode = Engine(EngineConfig(kv_cache_bytes=32 << 20, weights=decode_weights).with_scheduler(
+        role=Role.DECODE), decode_model)
+    moved = prefill_then_decode(prefill, decode, prompt_ids, GREEDY)
+    assert [len(r.output_ids) for r in moved] == [NEW_TOKENS] * len(prompt_ids)
+    assert decode.blocks.num_free == decode.blocks.num_blocks
+
+
 def test_quantized_weights_are_refused_where_the_kernel_cannot_run() -> None:
     with pytest.raises(ValueError, match="CPU in float32"):
         load_model(EngineConfig(model="tiny", weights="int4", dtype="bfloat16", device="cpu"))
