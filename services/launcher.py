@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from services.supervisor import Child, Env, Supervisor, free_port, incarnation, wait_for_port
-from shared.engine.config import weight_bits
+from shared.engine.config import check_dtype, weight_bits
 
 BIN = Path(sys.executable).parent
 NATS_USER = "distserve"
@@ -128,6 +128,9 @@ class StackConfig:
     weights: str = "auto"  # every worker's weight format (see shared.engine.quant) ...
     prefill_weights: str = ""  # ... unless its role's is given: an fp32 prefill instance
     decode_weights: str = ""  # may hand its KV to an int4 decode instance
+    dtype: str = "auto"  # every worker's compute dtype (auto: float32 on a CPU) ...
+    prefill_dtype: str = ""  # ... unless its role's is given: a bfloat16 prefill instance
+    decode_dtype: str = ""  # hands float32 KV (the CPU pool's) to any decode instance
     tp: int = 1  # every worker's tensor-parallel ranks and pipeline stages ...
     pp: int = 1
     prefill_tp: int = 0  # ... unless its role's are given (0: not given)
@@ -145,6 +148,9 @@ class StackConfig:
         for name in (self.weights, self.prefill_weights, self.decode_weights):
             if name:
                 weight_bits(name)  # an unknown format: ValueError
+        for name in (self.dtype, self.prefill_dtype, self.decode_dtype):
+            if name:
+                check_dtype(name)
         if min(self.tp, self.pp, self.prefill_tp or 1, self.decode_tp or 1,
                self.prefill_pp or 1, self.decode_pp or 1) < 1:
             raise ValueError("an instance has at least 1 rank and 1 stage")
@@ -156,6 +162,10 @@ class StackConfig:
         own = {"prefill": self.prefill_weights, "decode": self.decode_weights}.get(role, "")
         return own or self.weights
 
+    def dtype_for(self, role: str) -> str:
+        own = {"prefill": self.prefill_dtype, "decode": self.decode_dtype}.get(role, "")
+        return own or self.dtype
+
     def tp_for(self, role: str) -> int:
         return {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role, 0) or self.tp
 
@@ -163,17 +173,19 @@ class StackConfig:
         return {"prefill": self.prefill_pp, "decode": self.decode_pp}.get(role, 0) or self.pp
 
     def role_settings(self) -> dict[str, str]:
-        """Every role's weights, and the tp and pp given (any but 1, or a role's own), for
+        """Every role's weights and dtype, and the tp and pp given (any but 1, or a role's own), for
         the planner: the workers its deployer starts run as the ones started here
         (services.planner.deployer.role_env); it chooses the tp of the roles left out (their
         settings are empty, so none comes from the launcher's own environment)."""
         every = (self.tp, self.pp) != (1, 1)
-        settings = {"DS_WEIGHTS": self.weights, "DS_TP": str(self.tp) if every else "",
+        settings = {"DS_WEIGHTS": self.weights, "DS_DTYPE": self.dtype,
+                    "DS_TP": str(self.tp) if every else "",
                     "DS_PP": str(self.pp) if every else ""}
         for role, own in (("prefill", (self.prefill_tp, self.prefill_pp)),
                           ("decode", (self.decode_tp, self.decode_pp))):
             given = every or any(own)
             settings |= {f"DS_{role.upper()}_WEIGHTS": self.weights_for(role),
+                         f"DS_{role.upper()}_DTYPE": self.dtype_for(role),
                          f"DS_{role.upper()}_TP": str(self.tp_for(role)) if given else "",
                          f"DS_{role.upper()}_PP": str(self.pp_for(role)) if given else ""}
         return settings
@@ -239,7 +251,8 @@ class Stack:
         devices = assign_devices([c.tp_for(role) * c.pp_for(role) for role, _ in workers],
                                  gpu_count({**os.environ, **env}))
         for (role, i), device in zip(workers, devices, strict=True):
-            own = env | {"DS_WEIGHTS": c.weights_for(role), "DS_TP": str(c.tp_for(role)),
+            own = env | {"DS_WEIGHTS": c.weights_for(role), "DS_DTYPE": c.dtype_for(role),
+                         "DS_TP": str(c.tp_for(role)),
                          "DS_PP": str(c.pp_for(role))} | \
                 ({"DS_DEVICE": device} if device else {})
             self.supervisor.spawn(f"{role}-{i}", module(role), worker_env(own, f"{role}-{i}"),

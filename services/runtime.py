@@ -239,7 +239,9 @@ class Worker:
                             free_blocks=blocks.num_free, total_blocks=blocks.num_blocks,
                             draining=self.draining, max_request_tokens=capacity,
                             chunked=self.role == "colocated" and scheduler.config.chunked_prefill,
-                            weights=self.engine.config.weights, tp=self.engine.config.tp,
+                            weights=self.engine.config.weights,
+                            dtype=str(self.engine.runner.dtype).removeprefix("torch."),
+                            tp=self.engine.config.tp,
                             pp=self.engine.config.pp, machine=machine_id(),
                             busy_since=self.host.busy_since,
                             max_running=scheduler.config.max_running, steps=self.host.steps,
@@ -301,7 +303,9 @@ class Worker:
         named |= {f"background {i}": c for i, c in enumerate(self.background())}
         tasks = [asyncio.create_task(c, name=n) for n, c in named.items()]
         config = self.engine.config
-        log.info("%s %s ready (%s weights%s)", self.role, self.id, config.weights,
+        runner = self.engine.runner
+        log.info("%s %s ready (%s weights, %s, KV in %s%s)", self.role, self.id, config.weights,
+                 str(runner.dtype).removeprefix("torch."), runner.kv_dtype_name,
                  f", tp {config.tp} pp {config.pp}" if config.ranks > 1 else "")
         ending = asyncio.create_task(self._drain_after(stop, registry, redis), name="drain")
         done, _ = await asyncio.wait([ending, *tasks], return_when=asyncio.FIRST_COMPLETED)

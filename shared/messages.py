@@ -100,6 +100,7 @@ class KvReady(BaseModel):
     arrival_ts: float
     first_token_ts: float
     attempt: int = 0
+    kv_dtype: str = ""  # the blocks' dtype ("float32"); "": not said (a sender before it)
 
 
 class ReleaseKv(BaseModel):

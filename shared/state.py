@@ -46,6 +46,7 @@ class InstanceInfo(BaseModel):
     draining: bool = False
     chunked: bool = False  # colocated: prefills in chunks, decodes riding along
     weights: str = "auto"  # the engine's weight format: auto (floats), int8, int4
+    dtype: str = ""  # what it computes in ("float32", "bfloat16"); its KV pool is float32 on CPUs
     tp: int = 1  # tensor-parallel ranks (processes, devices) of each pipeline stage
     pp: int = 1  # pipeline stages of the instance
     machine: str = ""  # shared.host.machine_id(): instances of one machine share its cores

@@ -59,22 +59,24 @@ class System:
 
 
 def systems(threads: int, kv_cache_mb: int, chunked: bool, weights: str = "auto",
-            decode_weights: str = "") -> list[System]:
+            decode_weights: str = "", prefill_dtype: str = "") -> list[System]:
     """1 prefill + 1 decode against 2 colocated replicas (and chunked-prefill replicas): two
     workers, `threads` each, in every system. Every worker's weights are `weights`, but the
-    decode instance's `decode_weights` where given: disaggregation lets each phase run its
-    own format, while a colocated worker runs one for both, so colocated replicas are then
-    run in either format. A format other than `auto` is named after the system."""
+    decode instance's `decode_weights` where given, and the prefill instance computes in
+    `prefill_dtype` where given: disaggregation lets each phase run its own format, while a
+    colocated worker runs one for both, so colocated replicas are then run in each. A format
+    other than the default is named after the system."""
     common: dict[str, Any] = {"threads": threads, "kv_cache_mb": kv_cache_mb,
                               "weights": weights}
     every = "" if weights == "auto" else f" ({weights})"
     split = decode_weights not in ("", weights)  # the phases in two formats
-    decode = every
-    if split:
-        decode = f" ({weights}, decode {decode_weights})" if every else \
-            f" (decode {decode_weights})"
-    out = [System(f"disaggregated 1P+1D{decode}",
-                  StackConfig(mode="disaggregated", decode_weights=decode_weights, **common)),
+    parts = [weights] if every else []
+    parts += [f"prefill {prefill_dtype}"] if prefill_dtype else []
+    parts += [f"decode {decode_weights}"] if split else []
+    named = f" ({', '.join(parts)})" if parts else ""
+    out = [System(f"disaggregated 1P+1D{named}",
+                  StackConfig(mode="disaggregated", decode_weights=decode_weights,
+                              prefill_dtype=prefill_dtype, **common)),
            System(f"colocated x2{every}", StackConfig(mode="colocated", replicas=2, **common))]
     if chunked:
         out.append(System(f"chunked x2{every}", StackConfig(
@@ -82,6 +84,9 @@ def systems(threads: int, kv_cache_mb: int, chunked: bool, weights: str = "auto"
     if split:
         out.append(System(f"colocated x2 ({decode_weights})", StackConfig(
             mode="colocated", replicas=2, **common | {"weights": decode_weights})))
+    if prefill_dtype:
+        out.append(System(f"colocated x2 ({prefill_dtype})", StackConfig(
+            mode="colocated", replicas=2, dtype=prefill_dtype, **common)))
     return out
 
 
@@ -265,7 +270,8 @@ def recorded(report: dict[str, Any]) -> list[Measured]:
     kv_cache_mb = int(report.get("kv_cache_mb", 256))
     known = {s.name: s for s in systems(threads, kv_cache_mb, chunked=True,
                                          weights=report.get("weights", "auto"),
-                                         decode_weights=report.get("decode_weights", ""))}
+                                         decode_weights=report.get("decode_weights", ""),
+                                         prefill_dtype=report.get("prefill_dtype", ""))}
     out = []
     for entry in report["systems"]:
         if entry["name"] not in known:

@@ -42,7 +42,7 @@ from services.planner.profiles import (
     shipped_cpu_profile,
 )
 from services.planner.simulator.core import SimResult
-from shared.engine.config import WEIGHT_FORMATS
+from shared.engine.config import DTYPE_NAMES, WEIGHT_FORMATS
 from shared.host import cpu_description
 from shared.metrics import SLO, goodput_from_curve
 from shared.workloads import WorkloadError
@@ -83,6 +83,10 @@ def register(sub: Any) -> None:
                         "float32 prefill instance); a colocated worker runs one format for "
                         "both phases, so colocated replicas then run in each of the two and "
                         "the ratio is taken against the better")
+    c.add_argument("--prefill-dtype", choices=list(DTYPE_NAMES)[1:], default="",
+                   help="the disaggregated prefill instance's compute dtype (e.g. bfloat16, "
+                        "on a CPU with bfloat16 dot products); colocated replicas then also "
+                        "run in it, and the ratio is taken against the better")
     c.add_argument("--quick", action="store_true",
                    help="fewer rates and requests (4 rates of 16): about 12 minutes on 2 "
                         "cores for two systems, more with --chunked, --decode-weights and "
@@ -237,11 +241,13 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                           "may be far off (distserve profile --threads "
                           f"{args.threads} -o FILE, then --profile FILE)")
         formats = {recorded.get("weights", args.weights),
-                   recorded.get("decode_weights", args.decode_weights)} - {"", "auto"}
+                   recorded.get("decode_weights", args.decode_weights),
+                   recorded.get("prefill_dtype", args.prefill_dtype)} - {"", "auto"}
         if formats:
-            console.print(f"[yellow]warning[/yellow]: a profile prices one weight format; "
-                          f"the {'/'.join(sorted(formats))} instances are simulated at its step "
-                          "times (distserve profile --weights ... for theirs)")
+            console.print(f"[yellow]warning[/yellow]: a profile prices one weight format and "
+                          f"dtype; the {'/'.join(sorted(formats))} instances are simulated at "
+                          "its step times (distserve profile --weights / --dtype ... for "
+                          "theirs)")
     if recorded:
         try:
             measured = cmp.recorded(recorded)
@@ -256,7 +262,8 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     measured = [cmp.measure(system, workload, grid, requests, args.seed,
                             cmp.default_run_root(), console.print)
                 for system in cmp.systems(args.threads, args.kv_cache_mb, args.chunked,
-                                          args.weights, args.decode_weights)]
+                                          args.weights, args.decode_weights,
+                                          args.prefill_dtype)]
     assert grid.slo is not None, "set by the first system's calibration"
     return _report_compare(args, console, workload, measured, grid.rates, grid.slo, profile)
 
@@ -298,7 +305,7 @@ def _report_compare(args: argparse.Namespace, console: Console, workload: BenchW
     stack = measured[0].system.stack
     report = {"workload": workload.name, "slo": slo.__dict__, "threads_per_worker":
               args.threads, "kv_cache_mb": stack.kv_cache_mb, "weights": stack.weights,
-              "decode_weights": stack.decode_weights,
+              "decode_weights": stack.decode_weights, "prefill_dtype": stack.prefill_dtype,
               "attainment_target": args.attainment, "rates": list(chosen),
               "unloaded": measured[0].unloaded.__dict__, "systems": reports,
               "ratio_disaggregated_to_colocated": ours / base if base > 0 else None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from shared.engine.config import LLAMA_SHAPES, WEIGHT_FORMATS, EngineConfig
+from shared.engine.config import DTYPE_NAMES, LLAMA_SHAPES, WEIGHT_FORMATS, EngineConfig
 
 
 def positive_int(text: str) -> int:
@@ -24,7 +24,7 @@ def add_engine_args(parser: argparse.ArgumentParser, tp: bool = True) -> None:
                             "default: %(default)s")
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     group.add_argument("--dtype", default="auto",
-                       choices=["auto", "float32", "bfloat16", "float16"],
+                       choices=list(DTYPE_NAMES),
                        help="auto: float32 on CPU; bfloat16 on a GPU that computes it (Ampere "
                             "on), else float16")
     group.add_argument("--weights", default="auto", choices=list(WEIGHT_FORMATS),

@@ -12,7 +12,7 @@ from typing import Any
 
 from services.launcher import Stack, StackConfig
 from services.planner.modes import MODES, SWITCH_MARGIN, parse_modes
-from shared.engine.config import WEIGHT_FORMATS
+from shared.engine.config import DTYPE_NAMES, WEIGHT_FORMATS
 
 
 def register(sub: Any) -> None:
@@ -46,6 +46,16 @@ def register(sub: Any) -> None:
     p.add_argument("--decode-weights", choices=list(WEIGHT_FORMATS),
                    help="the decode instances' (default: --weights); decode reads every "
                         "weight a step, so int4 steps faster; the KV stays float either way")
+    p.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
+                   help="every worker's compute dtype (auto: float32 on a CPU, bfloat16 or "
+                        "float16 on a GPU; default: %(default)s)")
+    p.add_argument("--prefill-dtype", choices=list(DTYPE_NAMES),
+                   help="the prefill instances' (default: --dtype): on a CPU with bfloat16 "
+                        "dot products (AVX512_BF16, AMX) bfloat16 prefills faster; a CPU "
+                        "instance keeps its KV in float32 whatever it computes in, so any "
+                        "decode instance takes it")
+    p.add_argument("--decode-dtype", choices=list(DTYPE_NAMES),
+                   help="the decode instances' (default: --dtype)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks of every worker: processes splitting each "
                         "layer's heads (CPU; --threads is shared by them); must divide the "
@@ -174,7 +184,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                              redis_url=args.redis_url, model=model,
                              served_model_name=args.served_model_name, threads=args.threads,
                              weights=args.weights, prefill_weights=args.prefill_weights or "",
-                             decode_weights=args.decode_weights or "", tp=args.tp,
+                             decode_weights=args.decode_weights or "", dtype=args.dtype,
+                             prefill_dtype=args.prefill_dtype or "",
+                             decode_dtype=args.decode_dtype or "", tp=args.tp,
                              pp=args.pp, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                              prefill_pp=args.prefill_pp, decode_pp=args.decode_pp,
                              kv_cache_mb=args.kv_cache_mb, chunked_prefill=args.chunked_prefill,

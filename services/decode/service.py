@@ -81,7 +81,7 @@ class DecodeService(Worker):
         self.traces: dict[str, tuple[dict[str, str], float]] = {}  # trace headers, since
         self.freeing: set[asyncio.Task[None]] = set()  # blocks of pulls cancelled early
         self.block_bytes = block_bytes(self.engine.model_config, self.engine.blocks.block_size,
-                                       self.engine.runner.dtype)  # every rank's part
+                                       self.engine.runner.kv.data.dtype)  # every rank's part
 
     def info(self) -> InstanceInfo:
         stats = self.kv_client.stats
@@ -223,6 +223,10 @@ class DecodeService(Worker):
             if ready.num_blocks != len(blocks):
                 raise TransferError(f"prefill sent {ready.num_blocks} blocks, expected "
                                     f"{len(blocks)}: block sizes differ")
+            ours = self.engine.runner.kv_dtype_name
+            if ready.kv_dtype not in ("", ours):
+                raise TransferError(f"prefill holds the KV in {ready.kv_dtype}, this instance "
+                                    f"in {ours}: the KV cannot move between them")
             await pull_pieces(self.kv_client, ready.request_id, ready.token, _sources(ready),
                               self.engine.runner.kv_spans[0], grant.buffer)
             if grant.ranks is not None:  # rank 0's part now, then the others' once landed

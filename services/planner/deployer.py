@@ -38,12 +38,12 @@ ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
 
 
 def role_env(env: Mapping[str, str], role: Role) -> dict[str, str]:
-    """A new `role` worker's weight format, tensor-parallel ranks and pipeline stages: its
-    role's (`DS_DECODE_WEIGHTS`, `DS_PREFILL_TP`, ...: what `distserve up` gave the role's
-    workers) or every worker's (`DS_WEIGHTS`, `DS_TP`, `DS_PP`); unset, the worker's own
-    defaults."""
+    """A new `role` worker's weight format, dtype, tensor-parallel ranks and pipeline
+    stages: its role's (`DS_DECODE_WEIGHTS`, `DS_PREFILL_DTYPE`, `DS_PREFILL_TP`, ...: what
+    `distserve up` gave the role's workers) or every worker's (`DS_WEIGHTS`, `DS_DTYPE`,
+    `DS_TP`, `DS_PP`); unset, the worker's own defaults."""
     own = {}
-    for setting in ("WEIGHTS", "TP", "PP"):
+    for setting in ("WEIGHTS", "DTYPE", "TP", "PP"):
         value = env.get(f"DS_{role.upper()}_{setting}") or env.get(f"DS_{setting}")
         if value:
             own[f"DS_{setting}"] = value

@@ -173,7 +173,8 @@ class PrefillService(Worker):
                 output_ids=output_ids, last_logprob=last_logprob,
                 computed=parked.num_computed, sampling=req.sampling,
                 arrival_ts=req.arrival_ts, first_token_ts=first_token_ts,
-                attempt=req.attempt), headers=headers)
+                attempt=req.attempt, kv_dtype=self.engine.runner.kv_dtype_name),
+                headers=headers)
 
     def _current(self, request_id: str, arrival: int) -> bool:
         """Whether an engine copy of the request (by its admission number) is the attempt

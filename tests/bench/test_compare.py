@@ -118,6 +118,28 @@ def test_a_decode_format_goes_to_the_decode_instance_only() -> None:
     assert recorded(report)[0].system == disaggregated
 
 
+def test_a_prefill_dtype_goes_to_the_prefill_instance_only() -> None:
+    """`--prefill-dtype bfloat16`: the disaggregated prefill instance computes in bfloat16
+    beside a float32 decode instance; colocated replicas run in each; a recorded run maps
+    back to its systems."""
+    disaggregated, colocated, bf16 = systems(1, 128, chunked=False, prefill_dtype="bfloat16")
+    assert disaggregated.stack.dtype_for("prefill") == "bfloat16"
+    assert disaggregated.stack.dtype_for("decode") == colocated.stack.dtype_for("colocated") \
+        == "auto"
+    assert bf16.stack.dtype_for("colocated") == "bfloat16" and bf16.devices == 2
+    assert [s.name for s in (disaggregated, colocated, bf16)] == [
+        "disaggregated 1P+1D (prefill bfloat16)", "colocated x2", "colocated x2 (bfloat16)"]
+    both = systems(1, 128, chunked=False, decode_weights="int4", prefill_dtype="bfloat16")
+    assert both[0].name == "disaggregated 1P+1D (prefill bfloat16, decode int4)"
+    assert both[0].stack.weights_for("decode") == "int4"
+    assert [s.name for s in both[1:]] == ["colocated x2", "colocated x2 (int4)",
+                                          "colocated x2 (bfloat16)"]
+    report = {"threads_per_worker": 1, "kv_cache_mb": 128, "prefill_dtype": "bfloat16",
+              "systems": [{"name": bf16.name, "runs": [],
+                           "unloaded": Unloaded(0.2, 0.02, 8).__dict__}]}
+    assert recorded(report)[0].system == bf16
+
+
 def test_default_rates_scale_with_unloaded_capacity() -> None:
     unloaded = Unloaded(ttft_s=1.0, tpot_s=0.05, prompt_tokens=512)
     # 2 workers / (1 s + 32 x 0.05 s) = 0.769 req/s

@@ -10,12 +10,16 @@ from services.planner.deployer import changes, fixed_shapes, live_shapes, ranks_
 from shared.state import InstanceInfo
 
 
-def test_a_new_worker_gets_its_roles_weights_tp_and_pp_from_up() -> None:
-    settings = StackConfig(decode_weights="int4", prefill_tp=3, pp=2).role_settings()
-    assert role_env(settings, "decode") == {"DS_WEIGHTS": "int4", "DS_TP": "1", "DS_PP": "2"}
-    assert role_env(settings, "prefill") == {"DS_WEIGHTS": "auto", "DS_TP": "3", "DS_PP": "2"}
+def test_a_new_worker_gets_its_roles_weights_dtype_tp_and_pp_from_up() -> None:
+    settings = StackConfig(decode_weights="int4", prefill_dtype="bfloat16", prefill_tp=3,
+                           pp=2).role_settings()
+    assert role_env(settings, "decode") == {"DS_WEIGHTS": "int4", "DS_DTYPE": "auto",
+                                            "DS_TP": "1", "DS_PP": "2"}
+    assert role_env(settings, "prefill") == {"DS_WEIGHTS": "auto", "DS_DTYPE": "bfloat16",
+                                             "DS_TP": "3", "DS_PP": "2"}
     # colocated workers serve both phases: every worker's settings
-    assert role_env(settings, "colocated") == {"DS_WEIGHTS": "auto", "DS_TP": "1", "DS_PP": "2"}
+    assert role_env(settings, "colocated") == {"DS_WEIGHTS": "auto", "DS_DTYPE": "auto",
+                                               "DS_TP": "1", "DS_PP": "2"}
     assert ranks_of(role_env(settings, "prefill")) == 6
 
 

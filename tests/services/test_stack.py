@@ -16,7 +16,7 @@ import pytest
 
 from services.launcher import Stack
 from shared.engine.engine import Engine
-from tests.services.conftest import greedy, metric, metric_when, metrics
+from tests.services.conftest import greedy, metric, metric_when, metrics, start_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "smollm2-135m"
@@ -72,8 +72,8 @@ def test_concurrent_streams_across_instances(stack: Stack, engine: Engine) -> No
     logs = {c.name: Path(c.log).read_text() for c in stack.children
             if c.name.startswith(("prefill", "decode"))}
     assert len(logs) == 4
-    assert all(("(int4 weights)" if name.startswith("decode") else "(auto weights)") in text
-               for name, text in logs.items()), logs
+    assert all(("(int4 weights, float32" if name.startswith("decode")
+                else "(auto weights, float32") in text for name, text in logs.items()), logs
     # the counts may lag the streams (a CI run read 4 of 6 on both sides): read them until
     # they agree and count every request, for a while
     def since(after: dict[str, float], role: str) -> dict[str, float]:
@@ -169,3 +169,29 @@ def test_one_trace_spans_gateway_prefill_transfer_and_decode(stack: Stack) -> No
     transfer = next(s for s in spans if s["name"] == "kv transfer"
                     and s["context"]["trace_id"] == trace_id)  # type: ignore[index]
     assert transfer["attributes"]["bytes"] > 0  # type: ignore[index,operator]
+
+
+def test_a_bfloat16_prefill_instance_hands_float32_kv_to_the_decode_instance(
+        tmp_path: Path, engine: Engine) -> None:
+    """`up --prefill-dtype bfloat16`: the prefill instance computes in bfloat16 and keeps
+    its KV in float32, the pool the float32 decode instance pulls over UCX and continues.
+    bfloat16's rounding may flip a near tie (in-process, "def add(a, b):"'s first token
+    does), so most, not all, texts are float32's; KV read wrongly would match none."""
+    stack = start_stack(tmp_path, prefill=1, decode=1, prefill_dtype="bfloat16")
+    try:
+        assert engine.tokenizer is not None
+        expected = [greedy(engine, engine.tokenizer.encode(p), 16) for p in PROMPTS]
+        got = [client(stack).completions.create(model=MODEL, prompt=p, max_tokens=16,
+                                                temperature=0) for p in PROMPTS]
+        assert all(r.usage is not None and r.usage.completion_tokens == 16 for r in got)
+        same = sum(r.choices[0].text == text for r, text in zip(got, expected, strict=True))
+        print(f"bfloat16 prefill, float32 decode: {same} of {len(PROMPTS)} texts as float32's")
+        assert same >= len(PROMPTS) - 2
+        logs = {c.name: Path(c.log).read_text() for c in stack.children}
+        assert "(auto weights, bfloat16, KV in float32)" in logs["prefill-0"]
+        assert "(auto weights, float32, KV in float32)" in logs["decode-0"]
+        pulled = metric_when(stack.url, "ds_kv_transfer_requests",
+                             lambda a: a.get("decode-0", 0) >= len(PROMPTS))
+        assert pulled["decode-0"] >= len(PROMPTS)  # every request's KV crossed over UCX
+    finally:
+        stack.stop()

@@ -582,6 +582,47 @@ def test_a_failed_pull_frees_its_blocks_releases_the_kv_and_asks_to_be_moved(
 
 
 @pytest.mark.timeout(120)
+def test_kv_held_in_another_dtype_is_refused_before_any_byte_moves(
+        nats_url: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill instance whose KV pool is of another dtype (bfloat16 on a GPU, beside a
+    float16 decode instance): its bytes would read as garbage here, so the pull is never
+    made; the blocks are freed, the KV released and the gateway asked to move the request,
+    with the reason. KV in this instance's dtype (or a sender that does not say) is pulled."""
+    worker = tiny(DecodeService, "decode-d", nats_url, redis_url)
+    pulled: list[str] = []
+
+    async def pull(client: object, request_id: str, *rest: object) -> None:
+        pulled.append(request_id)
+        raise TransferError(f"no KV for {request_id}")
+
+    monkeypatch.setattr("services.decode.service.pull_pieces", pull)
+
+    async def main() -> None:
+        async with decode_serving(worker, nats_url, redis_url, "prefill-d",
+                                  ["odd", "same", "unsaid"]) as (nc, released, seen):
+            free = worker.engine.blocks.num_free
+            assert worker.engine.runner.kv_dtype_name == "float32"
+            for request_id, dtype, why in (
+                    ("odd", "bfloat16", "prefill holds the KV in bfloat16, this instance in "
+                                        "float32"),
+                    ("same", "float32", "no KV for same"), ("unsaid", "", "no KV for unsaid")):
+                ready = announcement(request_id, "prefill-d", "t").model_copy(
+                    update={"kv_dtype": dtype})
+                await publish(nc, subjects.decode("decode-d"), ready)
+                release = await asyncio.wait_for(released.get(), 30)
+                assert release.request_id == request_id
+                await until(lambda: len(seen) == 1)
+                chunk = seen.pop()
+                assert chunk.retry and (chunk.error or "").startswith(
+                    f"KV transfer failed: {why}")
+            await until_idle(worker)
+            assert pulled == ["same", "unsaid"]
+            assert worker.engine.blocks.num_free == free
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
 def test_a_pull_cancelled_before_its_task_ran_frees_its_blocks_and_releases_the_kv(
         nats_url: str, redis_url: str) -> None:
     """A newer attempt or a cancel can reach a pull in the same turn of the loop that
