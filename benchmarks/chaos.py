@@ -81,7 +81,7 @@ from services.process import WorkerSettings
 from services.supervisor import free_port, wait_for_port
 from shared.engine.kv_cache import block_bytes
 from shared.engine.meta import read_meta
-from shared.engine.model_runner import resolve_device, resolve_dtype
+from shared.engine.model_runner import kv_dtype, resolve_device, resolve_dtype
 from shared.metrics import percentiles
 from shared.workloads import unit_rate_gaps
 
@@ -544,8 +544,9 @@ def kv_block_bytes(model: str) -> int:
     """The bytes of one KV block of `model` in a worker with default settings."""
     settings = WorkerSettings(model=model)
     config, _ = read_meta(model)
+    device = resolve_device(settings.device)
     return block_bytes(config, settings.block_size,
-                       resolve_dtype(settings.dtype, resolve_device(settings.device)))
+                       kv_dtype(device, resolve_dtype(settings.dtype, device)))
 
 
 # -- the report -------------------------------------------------------------------------------

@@ -151,6 +151,12 @@ class StackConfig:
         for name in (self.dtype, self.prefill_dtype, self.decode_dtype):
             if name:
                 check_dtype(name)
+        for role in ("prefill", "decode", "colocated"):
+            weights, dtype = self.weights_for(role), self.dtype_for(role)
+            if weight_bits(weights) is not None and dtype not in ("auto", "float32"):
+                flag = "--dtype" if role == "colocated" else f"--{role}-dtype"
+                raise ValueError(f"{role} workers: {weights} weights compute in float32, not "
+                                 f"{dtype} (give the role float weights, or {flag} float32)")
         if min(self.tp, self.pp, self.prefill_tp or 1, self.decode_tp or 1,
                self.prefill_pp or 1, self.decode_pp or 1) < 1:
             raise ValueError("an instance has at least 1 rank and 1 stage")

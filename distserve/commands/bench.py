@@ -42,7 +42,7 @@ from services.planner.profiles import (
     shipped_cpu_profile,
 )
 from services.planner.simulator.core import SimResult
-from shared.engine.config import DTYPE_NAMES, WEIGHT_FORMATS
+from shared.engine.config import WEIGHT_FORMATS
 from shared.host import cpu_description
 from shared.metrics import SLO, goodput_from_curve
 from shared.workloads import WorkloadError
@@ -83,7 +83,7 @@ def register(sub: Any) -> None:
                         "float32 prefill instance); a colocated worker runs one format for "
                         "both phases, so colocated replicas then run in each of the two and "
                         "the ratio is taken against the better")
-    c.add_argument("--prefill-dtype", choices=list(DTYPE_NAMES)[1:], default="",
+    c.add_argument("--prefill-dtype", choices=["bfloat16", "float16"], default="",
                    help="the disaggregated prefill instance's compute dtype (e.g. bfloat16, "
                         "on a CPU with bfloat16 dot products); colocated replicas then also "
                         "run in it, and the ratio is taken against the better")
@@ -259,11 +259,13 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     grid = cmp.RateGrid(QUICK_RATE_FACTORS if args.quick else RATE_FACTORS,
                         _mean_output(workload), lambda unloaded: _slo(args, unloaded),
                         args.attainment, args.extend, list(args.rates or []))
+    try:
+        systems = cmp.systems(args.threads, args.kv_cache_mb, args.chunked, args.weights,
+                              args.decode_weights, args.prefill_dtype)
+    except ValueError as e:  # a weight format and a dtype that cannot go together
+        parser.error(str(e))
     measured = [cmp.measure(system, workload, grid, requests, args.seed,
-                            cmp.default_run_root(), console.print)
-                for system in cmp.systems(args.threads, args.kv_cache_mb, args.chunked,
-                                          args.weights, args.decode_weights,
-                                          args.prefill_dtype)]
+                            cmp.default_run_root(), console.print) for system in systems]
     assert grid.slo is not None, "set by the first system's calibration"
     return _report_compare(args, console, workload, measured, grid.rates, grid.slo, profile)
 

@@ -53,7 +53,7 @@ def register(sub: Any) -> None:
                    help="the prefill instances' (default: --dtype): on a CPU with bfloat16 "
                         "dot products (AVX512_BF16, AMX) bfloat16 prefills faster; a CPU "
                         "instance keeps its KV in float32 whatever it computes in, so any "
-                        "decode instance takes it")
+                        "CPU decode instance takes it (quantized weights compute in float32)")
     p.add_argument("--decode-dtype", choices=list(DTYPE_NAMES),
                    help="the decode instances' (default: --dtype)")
     p.add_argument("--tp", type=int, default=1,

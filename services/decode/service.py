@@ -183,9 +183,11 @@ class DecodeService(Worker):
             if blocks is None:
                 break
             granted.append(Grant(blocks, self.engine.kv_buffer(len(blocks))))
-        # where the blocks differ in number the pull fails at once, and no rank is asked
+        # where the blocks differ in number, or the KV's dtype from this pool's, the pull
+        # fails at once (`_pull` says why), and no rank is asked
+        ours = self.engine.runner.kv_dtype_name
         asked = [(ready, grant) for ready, grant in zip(wanted, granted, strict=False)
-                 if ready.num_blocks == len(grant.blocks)]
+                 if ready.num_blocks == len(grant.blocks) and ready.kv_dtype in ("", ours)]
         futures = self.engine.pull_on_ranks(
             [KvPull(ready.request_id, ready.token, grant.blocks, _sources(ready))
              for ready, grant in asked], self.settings.kv_pull_timeout_s) if asked else None

@@ -18,6 +18,7 @@ class ModelSpec:
     num_params: int
     kv_size: int  # width of K (= of V) per layer per token: kv_heads * head_dim
     dtype_bytes: int = 2
+    kv_dtype_bytes: int = 0  # the KV pool's element (0: dtype_bytes; a CPU pool is float32)
 
     @property
     def weight_bytes(self) -> int:
@@ -25,7 +26,7 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_size * self.dtype_bytes
+        return 2 * self.num_layers * self.kv_size * (self.kv_dtype_bytes or self.dtype_bytes)
 
 
 def opt(name: str, layers: int, heads: int, hidden: int, ffn: int) -> ModelSpec:
@@ -34,10 +35,10 @@ def opt(name: str, layers: int, heads: int, hidden: int, ffn: int) -> ModelSpec:
     return ModelSpec(name, layers, hidden, heads, ffn, vocab, params, kv_size=hidden)
 
 
-def from_config(config: ModelConfig, dtype_bytes: int) -> ModelSpec:
+def from_config(config: ModelConfig, dtype_bytes: int, kv_dtype_bytes: int = 0) -> ModelSpec:
     return ModelSpec(config.name, config.num_layers, config.hidden_size, config.num_heads,
                      config.intermediate_size, config.vocab_size, config.num_params(),
-                     config.kv_size, dtype_bytes)
+                     config.kv_size, dtype_bytes, kv_dtype_bytes)
 
 
 SMOLLM2_135M = ModelConfig(name="smollm2-135m", vocab_size=49152, hidden_size=576,

@@ -359,9 +359,10 @@ def profile_engine(config: EngineConfig, grid: Grid,
                                                    max(grid.prefill_batches)))
     engine = Engine(config)
     try:
-        dtype_bytes = engine.runner.dtype.itemsize
-        spec = MODELS.get(config.model) or from_config(engine.model_config, dtype_bytes)
-        per_token = engine.model_config.kv_bytes_per_token(engine.runner.kv.data.itemsize)
+        kv_bytes = engine.runner.kv.data.itemsize  # float32 on a CPU, whatever it computes in
+        spec = MODELS.get(config.model) or from_config(
+            engine.model_config, engine.runner.dtype.itemsize, kv_bytes)
+        per_token = engine.model_config.kv_bytes_per_token(kv_bytes)
         needed = biggest * per_token
         have = engine.blocks.num_blocks * engine.blocks.block_size * per_token
         if have < needed:

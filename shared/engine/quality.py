@@ -25,6 +25,9 @@ def next_token_logits(model: LlamaModel, ids: Sequence[int], prefilled_by: Llama
     """[len(ids), vocab] float32 logits of the token after each position, over a KV pool of
     its own (in the engine's KV dtype): in one prefill, or, with `prefilled_by`, its prefill
     of the first `prompt` positions and then `model`'s of the rest over their KV."""
+    if prefilled_by is not None and not 0 < prompt < len(ids):
+        raise ValueError(f"a prompt of {prompt} of {len(ids)} tokens for the other model to "
+                         "prefill: it needs one at least, and leaves one at least")
     n, block = len(ids), 16
     device = model.device
     kv = KVCache(model.config, -(-n // block), block, kv_dtype(device, model.dtype), device)
@@ -32,7 +35,7 @@ def next_token_logits(model: LlamaModel, ids: Sequence[int], prefilled_by: Llama
     cut = prompt if prefilled_by is not None else 0
     logits = []
     for runs, start, end in ((prefilled_by, 0, cut), (model, cut, n)):
-        if runs is None or start == end:
+        if runs is None:
             continue
         positions = torch.arange(start, end, device=device)
         meta = AttentionMetadata(slots=positions, decode=None,

@@ -17,7 +17,7 @@ from shared.engine.engine import Engine
 from shared.engine.gguf_loader import resolve_gguf_path
 from shared.engine.loader import LoadedModel
 from shared.engine.model_runner import load_model
-from shared.engine.quality import compare
+from shared.engine.quality import compare, next_token_logits
 from shared.engine.quant import (
     QuantizedMatrix,
     QuantizedPanels,
@@ -138,6 +138,21 @@ def test_an_int4_decode_engine_continues_kv_prefilled_in_float32(
     print(f"fp32 prefill -> int4 decode: {same} of {compared} greedy tokens as fp32's")
     assert same >= 0.9 * compared
     assert decode.blocks.num_free == decode.blocks.num_blocks
+
+
+def test_a_pairs_logits_are_the_prefill_models_then_the_other_models_over_its_kv() -> None:
+    """`prefilled_by`: the prompt's rows are the prefilling model's own, to the bit; the
+    rest are the continuing model's over that KV, near its own over its own KV but not it."""
+    fp32, bf16 = (load_model(EngineConfig(model="tiny", dtype=d))[0]
+                  for d in ("float32", "bfloat16"))
+    ids = list(range(3, 40))
+    pair = next_token_logits(fp32, ids, prefilled_by=bf16, prompt=20)
+    alone = next_token_logits(fp32, ids)
+    assert torch.equal(pair[:20], next_token_logits(bf16, ids[:20]))
+    assert torch.allclose(pair[20:], alone[20:], atol=0.05) and not torch.equal(pair[20:],
+                                                                             alone[20:])
+    with pytest.raises(ValueError, match="needs one at least"):
+        next_token_logits(fp32, ids, prefilled_by=bf16)
 
 
 @pytest.mark.parametrize("decode_weights", ["auto", "int4"])

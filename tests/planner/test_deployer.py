@@ -4,6 +4,8 @@ deployer gives a new worker its role's; the tp `up` left alone, the plan chooses
 
 from __future__ import annotations
 
+import pytest
+
 from services.launcher import StackConfig
 from services.planner.budget import ONE, Shape
 from services.planner.deployer import changes, fixed_shapes, live_shapes, ranks_of, role_env
@@ -21,6 +23,23 @@ def test_a_new_worker_gets_its_roles_weights_dtype_tp_and_pp_from_up() -> None:
     assert role_env(settings, "colocated") == {"DS_WEIGHTS": "auto", "DS_DTYPE": "auto",
                                                "DS_TP": "1", "DS_PP": "2"}
     assert ranks_of(role_env(settings, "prefill")) == 6
+
+
+def test_a_roles_quantized_weights_and_a_16_bit_dtype_are_refused_before_anything_starts(
+        ) -> None:
+    """Quantized weights compute in float32: a role given both is refused with the flag to
+    change (its worker would die at load), whichever setting names them."""
+    with pytest.raises(ValueError, match=r"decode workers: int4 weights .* --decode-dtype"):
+        StackConfig(dtype="bfloat16", decode_weights="int4")
+    with pytest.raises(ValueError, match=r"prefill workers: int8 weights .* --prefill-dtype"):
+        StackConfig(weights="int8", prefill_dtype="bfloat16", decode_dtype="float32")
+    with pytest.raises(ValueError, match=r"colocated workers: int4 weights .* --dtype"):
+        StackConfig(mode="colocated", weights="int4", dtype="float16", prefill_dtype="auto",
+                    decode_dtype="auto")
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        StackConfig(prefill_dtype="fp8")
+    fine = StackConfig(prefill_dtype="bfloat16", decode_weights="int4")
+    assert (fine.dtype_for("prefill"), fine.weights_for("decode")) == ("bfloat16", "int4")
 
 
 def test_without_settings_a_worker_keeps_its_own_defaults() -> None:
