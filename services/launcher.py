@@ -130,7 +130,7 @@ class StackConfig:
     decode_weights: str = ""  # may hand its KV to an int4 decode instance
     dtype: str = "auto"  # every worker's compute dtype (auto: float32 on a CPU) ...
     prefill_dtype: str = ""  # ... unless its role's is given: a bfloat16 prefill instance
-    decode_dtype: str = ""  # hands float32 KV (the CPU pool's) to any decode instance
+    decode_dtype: str = ""  # hands float32 KV (a CPU pool's) to any CPU decode instance
     tp: int = 1  # every worker's tensor-parallel ranks and pipeline stages ...
     pp: int = 1
     prefill_tp: int = 0  # ... unless its role's are given (0: not given)
@@ -179,8 +179,8 @@ class StackConfig:
         return {"prefill": self.prefill_pp, "decode": self.decode_pp}.get(role, 0) or self.pp
 
     def role_settings(self) -> dict[str, str]:
-        """Every role's weights and dtype, and the tp and pp given (any but 1, or a role's own), for
-        the planner: the workers its deployer starts run as the ones started here
+        """Every role's weights and dtype, and the tp and pp given (any but 1, or a role's
+        own), for the planner: the workers its deployer starts run as the ones started here
         (services.planner.deployer.role_env); it chooses the tp of the roles left out (their
         settings are empty, so none comes from the launcher's own environment)."""
         every = (self.tp, self.pp) != (1, 1)
