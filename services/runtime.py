@@ -26,6 +26,7 @@ from shared import subjects
 from shared.bus import connect, parse, publish
 from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput, RequestRejected
+from shared.engine.model_runner import dtype_name
 from shared.engine.request import Draw, Request
 from shared.engine.scheduler import StepShape
 from shared.host import machine_id
@@ -240,7 +241,7 @@ class Worker:
                             draining=self.draining, max_request_tokens=capacity,
                             chunked=self.role == "colocated" and scheduler.config.chunked_prefill,
                             weights=self.engine.config.weights,
-                            dtype=str(self.engine.runner.dtype).removeprefix("torch."),
+                            dtype=dtype_name(self.engine.runner.dtype),
                             tp=self.engine.config.tp,
                             pp=self.engine.config.pp, machine=machine_id(),
                             busy_since=self.host.busy_since,
@@ -305,7 +306,7 @@ class Worker:
         config = self.engine.config
         runner = self.engine.runner
         log.info("%s %s ready (%s weights, %s, KV in %s%s)", self.role, self.id, config.weights,
-                 str(runner.dtype).removeprefix("torch."), runner.kv_dtype_name,
+                 dtype_name(runner.dtype), runner.kv_dtype_name,
                  f", tp {config.tp} pp {config.pp}" if config.ranks > 1 else "")
         ending = asyncio.create_task(self._drain_after(stop, registry, redis), name="drain")
         done, _ = await asyncio.wait([ending, *tasks], return_when=asyncio.FIRST_COMPLETED)

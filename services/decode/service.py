@@ -66,6 +66,16 @@ def _sources(ready: KvReady) -> list[tuple[str, KvSpan]]:
     return [(s.address, s.span()) for s in ready.sources]
 
 
+def _mismatch(ready: KvReady, blocks: list[int], kv_dtype: str) -> str | None:
+    """Why the announced KV cannot land in `blocks` of a pool of `kv_dtype`, or None."""
+    if ready.num_blocks != len(blocks):
+        return f"prefill sent {ready.num_blocks} blocks, expected {len(blocks)}: block sizes differ"
+    if ready.kv_dtype not in ("", kv_dtype):
+        return (f"prefill holds the KV in {ready.kv_dtype}, this instance in {kv_dtype}: the "
+                "KV cannot move between them")
+    return None
+
+
 class DecodeService(Worker):
     role = "decode"
     engine_role = Role.DECODE
@@ -183,11 +193,11 @@ class DecodeService(Worker):
             if blocks is None:
                 break
             granted.append(Grant(blocks, self.engine.kv_buffer(len(blocks))))
-        # where the blocks differ in number, or the KV's dtype from this pool's, the pull
-        # fails at once (`_pull` says why), and no rank is asked
+        # where the KV cannot land here the pull fails at once (`_pull` says why), and no
+        # rank is asked
         ours = self.engine.runner.kv_dtype_name
         asked = [(ready, grant) for ready, grant in zip(wanted, granted, strict=False)
-                 if ready.num_blocks == len(grant.blocks) and ready.kv_dtype in ("", ours)]
+                 if _mismatch(ready, grant.blocks, ours) is None]
         futures = self.engine.pull_on_ranks(
             [KvPull(ready.request_id, ready.token, grant.blocks, _sources(ready))
              for ready, grant in asked], self.settings.kv_pull_timeout_s) if asked else None
@@ -222,13 +232,9 @@ class DecodeService(Worker):
         blocks = grant.blocks
         buffer: torch.Tensor | None = grant.buffer
         try:
-            if ready.num_blocks != len(blocks):
-                raise TransferError(f"prefill sent {ready.num_blocks} blocks, expected "
-                                    f"{len(blocks)}: block sizes differ")
-            ours = self.engine.runner.kv_dtype_name
-            if ready.kv_dtype not in ("", ours):
-                raise TransferError(f"prefill holds the KV in {ready.kv_dtype}, this instance "
-                                    f"in {ours}: the KV cannot move between them")
+            refused = _mismatch(ready, blocks, self.engine.runner.kv_dtype_name)
+            if refused is not None:
+                raise TransferError(refused)
             await pull_pieces(self.kv_client, ready.request_id, ready.token, _sources(ready),
                               self.engine.runner.kv_spans[0], grant.buffer)
             if grant.ranks is not None:  # rank 0's part now, then the others' once landed

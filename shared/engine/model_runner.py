@@ -33,6 +33,11 @@ from shared.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as `--dtype` names it ("bfloat16")."""
+    return str(dtype).removeprefix("torch.")
+
 SCORED_ROWS = 256  # prompt rows whose logits are held at once (each a vocabulary wide)
 
 
@@ -133,7 +138,7 @@ class ModelRunner:
     @property
     def kv_dtype_name(self) -> str:
         """The KV pool's dtype as a name ("float32"): what a KV handoff's two sides compare."""
-        return str(self.kv.data.dtype).removeprefix("torch.")
+        return dtype_name(self.kv.data.dtype)
 
     def close(self) -> None:
         """Stop the other ranks (nothing to do for one rank)."""

@@ -32,11 +32,10 @@ def next_token_logits(model: LlamaModel, ids: Sequence[int], prefilled_by: Llama
     device = model.device
     kv = KVCache(model.config, -(-n // block), block, kv_dtype(device, model.dtype), device)
     table = torch.arange(kv.num_blocks, device=device)
-    cut = prompt if prefilled_by is not None else 0
+    parts = [(model, 0, n)] if prefilled_by is None else [(prefilled_by, 0, prompt),
+                                                          (model, prompt, n)]
     logits = []
-    for runs, start, end in ((prefilled_by, 0, cut), (model, cut, n)):
-        if runs is None:
-            continue
+    for runs, start, end in parts:
         positions = torch.arange(start, end, device=device)
         meta = AttentionMetadata(slots=positions, decode=None,
                                  prefills=[PrefillSegment(0, end - start, start, table)])
