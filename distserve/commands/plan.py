@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from services.planner.low_affinity import low_affinity
 from services.planner.models import UnknownModelError
 from services.planner.placement import NoFeasiblePlan, Problem, high_affinity
 from services.planner.plan import ModeCandidate, Plan
-from services.planner.profiles import ProfileError, load_profile
+from services.planner.profiles import Profile, ProfileError, load_profile, with_prefill_of
 from shared.metrics import SLO
 from shared.workloads import WorkloadError
 
@@ -58,6 +59,11 @@ def register(sub: Any) -> None:
                         "node (Algorithm 2)")
     p.add_argument("--intra-bw", type=float, default=600.0, help="intra-node GB/s")
     p.add_argument("--inter-bw", type=float, default=25.0, help="inter-node GB/s")
+    p.add_argument("--prefill-profile", metavar="PROFILE",
+                   help="a second profile to price the disaggregated prefill instances with, "
+                   "measured in another compute dtype (distserve profile --dtype bfloat16): "
+                   "the disaggregated mode is searched with each, and the plan says the "
+                   "prefill dtype it chose (distserve up --plan starts it so)")
     p.add_argument("--baseline-profile", help="also plan a colocated baseline with this "
                    "profile (e.g. the artifact's vLLM profile) and print the goodput ratio")
     p.add_argument("--workers", type=int, default=0, help="processes (0: one per CPU)")
@@ -116,40 +122,67 @@ def plan_table(plan: Plan, seconds: float) -> Table:
     return table
 
 
-def search_modes(problem: Problem, args: argparse.Namespace) -> list[Plan | ModeCandidate]:
-    """The best plan of each mode asked for (or why it has none)."""
+def search_modes(problem: Problem, args: argparse.Namespace,
+                 prefilled: tuple[Problem, Profile] | None = None) -> list[Plan | ModeCandidate]:
+    """The best plan of each mode asked for (or why it has none); the disaggregated mode also
+    on `prefilled`'s problem, its prefill instances priced by that profile."""
     modes = ["disaggregated", "colocated", "chunked"] if args.mode == "auto" else [args.mode]
+    search = high_affinity if args.affinity == "high" else low_affinity
     out: list[Plan | ModeCandidate] = []
     for mode in modes:
-        try:
-            if mode == "disaggregated":
-                out.append((high_affinity if args.affinity == "high" else low_affinity)(problem))
-            else:
-                out.append(colocated_plan(problem, chunked=mode == "chunked"))
-        except NoFeasiblePlan as e:
-            out.append(ModeCandidate(mode=mode, placement="", error=str(e)))  # type: ignore[arg-type]
+        tries = [(problem, "")]
+        if mode == "disaggregated" and prefilled is not None:
+            tries.append((prefilled[0], prefilled[1].dtype))
+        for on, dtype in tries:
+            try:
+                if mode == "disaggregated":
+                    out.append(search(on).model_copy(update={"prefill_dtype": dtype}))
+                else:
+                    out.append(colocated_plan(on, chunked=mode == "chunked"))
+            except NoFeasiblePlan as e:
+                out.append(ModeCandidate(mode=mode, placement="", error=str(e),  # type: ignore[arg-type]
+                                         prefill_dtype=dtype))
     return out
+
+
+def prefill_problem(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                    problem: Problem) -> tuple[Problem, Profile] | None:
+    """`problem` with its prefill priced by `--prefill-profile`, and that profile (None
+    without one)."""
+    if not args.prefill_profile:
+        return None
+    try:
+        prefiller = load_profile(args.prefill_profile, args.model)
+        mixed = with_prefill_of(problem.profile, prefiller)
+    except ProfileError as e:
+        parser.error(f"--prefill-profile: {e}")
+    if not prefiller.dtype:
+        parser.error(f"--prefill-profile {args.prefill_profile} does not say the dtype it was "
+                     "measured in (written before profiles did): measure it again with "
+                     "distserve profile --dtype")
+    return dataclasses.replace(problem, profile=mixed), prefiller
 
 
 def modes_table(candidates: list[ModeCandidate], chosen: Plan) -> Table:
     table = Table(title=f"serving modes for {chosen.model} at {chosen.rate_rps} req/s")
     for column in ("mode", "placement", "devices", "req/s/dev", "attained"):
-        left = column in ("mode", "placement")
-        table.add_column(column, justify="left" if left else "right", no_wrap=left)
+        left = column in ("mode", "placement")  # a placement may wrap (a mode's error)
+        table.add_column(column, justify="left" if left else "right", no_wrap=column == "mode")
     for c in candidates:
         if c.error:
-            table.add_row(c.mode, f"none: {c.error}", "", "", "")
+            table.add_row(c.label, f"none: {c.error}", "", "", "")
         else:
-            table.add_row(c.mode, c.placement, str(c.devices_used),
+            table.add_row(c.label, c.placement, str(c.devices_used),
                           f"{c.best_per_device_goodput_rps:.3f}", f"{c.predicted_attainment:.1%}")
     others = [c.best_per_device_goodput_rps for c in candidates
-              if c.mode != chosen.mode and not c.error]
+              if c.label != chosen.candidate().label and not c.error]
     margin = (f", {chosen.best_per_device_goodput_rps / max(others):.2f}x the next best"
               if others and max(others) > 0 else "")
-    table.caption = (f"recommended: {chosen.mode}{margin}. placement: the instances that serve "
-                     "the rate; req/s/dev: the best per-device goodput of the mode's "
-                     "configurations (modes are ranked by it); attained: simulated attainment "
-                     "of the placement at the rate. Colocated modes run vLLM's scheduler limits "
+    table.caption = (f"recommended: {chosen.candidate().label}{margin}. placement: the "
+                     "instances that serve the rate; req/s/dev: the best per-device goodput of "
+                     "the mode's configurations (modes are ranked by it); attained: simulated "
+                     "attainment of the placement at the rate. Colocated modes run vLLM's "
+                     "scheduler limits "
                      "(2048 tokens a step, 256 requests).")
     return table
 
@@ -170,7 +203,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     problem = build_problem(args, parser, args.profile, args.rate)
     console = Console(stderr=args.json)
     start = time.perf_counter()
-    searched = search_modes(problem, args)
+    prefilled = prefill_problem(args, parser, problem)
+    searched = search_modes(problem, args, prefilled)
     plans = [p for p in searched if isinstance(p, Plan)]
     if not plans:
         for failed in searched:
@@ -182,6 +216,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     candidates = [p.candidate() if isinstance(p, Plan) else p for p in searched]
     plan = chosen.model_copy(update={
         "profile": args.profile, "profile_model": args.model or "",
+        "prefill_profile": (args.prefill_profile or "") if chosen.prefill_dtype else "",
         "intra_node_gbps": args.intra_bw, "inter_node_gbps": args.inter_bw,
         "candidates": candidates,
         "reason": f"distserve plan --mode {args.mode} --affinity {args.affinity}"})

@@ -39,7 +39,8 @@ def register(sub: Any) -> None:
                         "simulator's contention between devices of one host; about 1.5 minutes, "
                         "tp 1 only, where the host has cores for two engines)")
     p.add_argument("--output", "-o", type=Path, help="profile file to write "
-                   "(default: profiles/<model>-<device>.json)")
+                   "(default: profiles/<model>-<device>.json, -<dtype> before .json where "
+                   "not float32)")
     add_engine_args(p, tp=False)
     p.set_defaults(parser=p, run=run, kv_cache_mb=2048)
 
@@ -74,7 +75,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     profile = dataclasses.replace(
         profiles[0], by_tp={tp: co for p in profiles for tp, co in p.by_tp.items()},
         pipelines={shape: co for p in profiles for shape, co in p.pipelines.items()})
-    out = args.output or Path("profiles") / f"{profile.model.name}-{profile.device}.json"
+    dtype = "" if profile.dtype in ("", "float32") else f"-{profile.dtype}"
+    out = args.output or Path("profiles") / f"{profile.model.name}-{profile.device}{dtype}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     save_profile(profile, out)
     for tp, co in sorted(profile.by_tp.items()):

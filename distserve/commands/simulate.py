@@ -19,7 +19,7 @@ from services.planner.models import UnknownModelError
 from services.planner.placement import NoFeasiblePlan, Problem
 from services.planner.plan import Plan
 from services.planner.plan_sim import colocated_on_same_devices, simulate_plan
-from services.planner.profiles import Profile, ProfileError, load_profile
+from services.planner.profiles import Profile, ProfileError, load_profile, with_prefill_of
 from services.planner.simulator import SimResult
 from shared.metrics import SLO, goodput_from_curve, percentiles
 from shared.workloads import Workload, WorkloadError
@@ -51,6 +51,9 @@ def _load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Pl
     try:
         plan = Plan.model_validate_json(args.plan.read_text())
         profile = load_profile(plan.profile, plan.profile_model or None)
+        if plan.prefill_profile:  # its prefill instances priced as they were planned
+            profile = with_prefill_of(profile, load_profile(plan.prefill_profile,
+                                                               plan.profile_model or None))
         workload = parse_workload(args.workload, args.cv, max_context=args.max_context,
                                   fit=args.fit)
     except FileNotFoundError as e:

@@ -144,6 +144,7 @@ def apply_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
             plan.decode.count
         args.prefill_tp, args.decode_tp = plan.prefill.tp, plan.decode.tp
         args.prefill_pp, args.decode_pp = plan.prefill.pp, plan.decode.pp
+        args.prefill_dtype = plan.prefill_dtype or args.prefill_dtype  # as it was priced
     else:
         assert plan.colocated is not None
         args.mode, args.replicas = "colocated", plan.colocated.count

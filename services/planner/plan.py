@@ -37,6 +37,12 @@ class ModeCandidate(BaseModel):
     best_per_device_goodput_rps: float = 0.0
     predicted_attainment: float = 0.0
     error: str = Field(default="", description="why the mode has no plan (then no figures)")
+    prefill_dtype: str = Field(default="", description="disaggregated: the prefill instances' "
+                               "compute dtype where it is not the profile's")
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode} (prefill {self.prefill_dtype})" if self.prefill_dtype else self.mode
 
 
 class Plan(BaseModel):
@@ -69,6 +75,10 @@ class Plan(BaseModel):
         default_factory=list, description="every mode searched (the plan is the best of them)")
     reason: str = ""
     profile: str = Field(default="", description="the profile file the plan was made with")
+    prefill_profile: str = Field(default="", description="disaggregated: the profile its "
+                                 "prefill instances were priced with, where not `profile`")
+    prefill_dtype: str = Field(default="", description="disaggregated: the prefill "
+                               "instances' compute dtype (that profile's), where given")
     profile_model: str = ""
     intra_node_gbps: float = 600.0
     inter_node_gbps: float = 25.0
@@ -90,4 +100,5 @@ class Plan(BaseModel):
         return ModeCandidate(mode=self.mode, placement=self.placement,
                              devices_used=self.devices_used,
                              best_per_device_goodput_rps=self.best_per_device_goodput_rps,
-                             predicted_attainment=self.predicted_attainment)
+                             predicted_attainment=self.predicted_attainment,
+                             prefill_dtype=self.prefill_dtype)

@@ -39,6 +39,7 @@ class Profile:
     kv_capacity: dict[tuple[int, int], int] = field(default_factory=dict)  # (tp, pp) -> tokens
     fit: dict[str, float] = field(default_factory=dict)
     host: str = ""  # the CPU a CPU profile was measured on ('': not recorded)
+    dtype: str = ""  # the compute dtype it was measured in ('': not recorded, the model's)
     # how its steps slow beside the host's other devices (measured; none recorded: 1.0)
     contention: Contention = field(default_factory=Contention)
     # (tp, pp > 1) -> coefficients measured on that pipeline as the engine runs it: a
@@ -130,7 +131,7 @@ def _load_ours(data: dict[str, Any]) -> Profile:
         l_m=int(data["l_m"]), max_decode_batch=int(data.get("max_decode_batch", 256)),
         stage_overhead_ms=float(data.get("stage_overhead_ms", 0.0)),
         fit={k: float(v) for k, v in data.get("fit", {}).items()},
-        host=str(data.get("host", "")),
+        host=str(data.get("host", "")), dtype=str(data.get("dtype", "")),
         contention=Contention(**{k: float(v) for k, v in data.get("contention", {}).items()}),
         pipelines={(int(e["tp"]), int(e["pp"])): _coefficients(e)
                    for e in data.get("pipelines", [])})
@@ -146,6 +147,7 @@ def save_profile(profile: Profile, path: str | Path) -> None:
         "configs": {str(tp): _entry(co) for tp, co in sorted(profile.by_tp.items())},
         "fit": profile.fit,
         **({"host": profile.host} if profile.host else {}),
+        **({"dtype": profile.dtype} if profile.dtype else {}),
         **({"contention": dataclasses.asdict(profile.contention)}
            if not profile.contention.none else {}),
         **({"pipelines": [{"tp": tp, "pp": pp, **_entry(co)}
@@ -170,15 +172,48 @@ SHIPPED_PROFILES = Path(__file__).resolve().parents[2] / "profiles"
 
 def shipped_cpu_profile(threads: int, host: str = "") -> Path:
     """The profile this project measured for the default model with `threads` torch
-    threads per worker: the one measured on a CPU like `host` where one ships
+    threads per worker, in float32: the one measured on a CPU like `host` where one ships
     (profiles/smollm2-135m-cpu-<n>thread(s)-<cpu>.json, its `host` field equal to `host`),
     else the generic profiles/smollm2-135m-cpu-<n>thread(s).json."""
     stem = f"smollm2-135m-cpu-{threads}thread{'s' if threads > 1 else ''}"
     if host:
         for path in sorted(SHIPPED_PROFILES.glob(f"{stem}-*.json")):
-            if json.loads(path.read_text()).get("host") == host:
+            data = json.loads(path.read_text())
+            if data.get("host") == host and data.get("dtype", "float32") == "float32":
                 return path
     return SHIPPED_PROFILES / f"{stem}.json"
+
+
+def with_prefill_of(decoder: Profile, prefiller: Profile) -> Profile:
+    """The profile of a disaggregated stack whose prefill instances run as `prefiller` was
+    measured (e.g. in bfloat16: `distserve profile --dtype bfloat16`) and its decode
+    instances as `decoder`: the prefill coefficients, L_m and the prefill steps' contention
+    of the one, the decode's and everything else of the other (KV capacity included: the
+    decode instances hold the KV), for the tensor-parallel degrees and measured pipelines
+    both have. A prefill instance only prefills and a decode instance only decodes, so this
+    prices both exactly; a colocated worker runs one format for both phases (price it with
+    either profile, never this one)."""
+    if (prefiller.model.name, prefiller.model.num_layers) != (decoder.model.name,
+                                                              decoder.model.num_layers):
+        raise ProfileError(f"the prefill profile is of {prefiller.model.name}, the other of "
+                           f"{decoder.model.name}: one model serves both phases")
+
+    def mixed(decode: PhaseCoefficients, prefill: PhaseCoefficients) -> PhaseCoefficients:
+        return dataclasses.replace(decode, prefill=prefill.prefill,
+                                   prefill_stage=prefill.prefill_stage)
+
+    tps = sorted(set(decoder.by_tp) & set(prefiller.by_tp))
+    if not tps:
+        raise ProfileError(f"the prefill profile measured tp {prefiller.tps}, the other tp "
+                           f"{decoder.tps}: none in common")
+    contention = dataclasses.replace(
+        decoder.contention, prefill_by_decode=prefiller.contention.prefill_by_decode,
+        prefill_by_prefill=prefiller.contention.prefill_by_prefill)
+    return dataclasses.replace(
+        decoder, by_tp={tp: mixed(decoder.by_tp[tp], prefiller.by_tp[tp]) for tp in tps},
+        pipelines={key: mixed(co, prefiller.pipelines[key])
+                   for key, co in decoder.pipelines.items() if key in prefiller.pipelines},
+        l_m=prefiller.l_m, contention=contention)
 
 
 def measured_elsewhere(profile: Profile, host: str) -> str | None:

@@ -22,6 +22,7 @@ from services.planner.profiles import Profile, saturation_length
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.meta import read_config
+from shared.engine.model_runner import dtype_name
 from shared.engine.request import Request, SamplingParams
 from shared.host import cpu_description
 
@@ -388,4 +389,4 @@ def profile_engine(config: EngineConfig, grid: Grid,
                    pipelines={(config.tp, config.pp): coefficients} if pipeline else {},
                    l_m=saturation_length(coefficients),
                    fit=report, host=cpu_description() if engine.runner.device.type == "cpu"
-                   else "", contention=beside)
+                   else "", contention=beside, dtype=dtype_name(engine.runner.dtype))

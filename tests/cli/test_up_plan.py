@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 from distserve.cli import build_parser
 from distserve.commands.up import apply_plan
+from services.planner.plan import Plan
 from services.planner.profiling import Grid
 from tests.model_dirs import write_random
 
@@ -89,3 +91,52 @@ def test_profile_measures_each_tp_into_one_profile(tmp_path: Path) -> None:
     points = [line for line in done.stdout.splitlines() if " s] tp " in line]
     assert len(points) == 2 * Grid.quick().points
     assert "tp 2: decode batch 32 at context 256" in points[-1]
+
+
+def prefill_profile(path: Path, factor: float) -> Path:
+    """The shipped profile with its prefill `factor` times as long, said to be measured in
+    bfloat16 (as `distserve profile --dtype bfloat16` would write it)."""
+    profile = json.loads(PROFILE.read_text())
+    one = profile["configs"]["1"]
+    one["prefill"] = [c * factor for c in one["prefill"]]
+    path.write_text(json.dumps(profile | {"dtype": "bfloat16"}))
+    return path
+
+
+@pytest.mark.parametrize(("factor", "chosen"), [(0.5, "bfloat16"), (2.0, "")])
+def test_the_plan_prices_prefill_in_the_dtype_of_its_profile_and_up_starts_it_so(
+        tmp_path: Path, factor: float, chosen: str) -> None:
+    """512-token prompts within 1.5 s at 0.3 req/s: float32 prefill instances (0.87 s a
+    prompt) need two beside the decode instance; one twice as fast (0.43 s) serves alone,
+    more per device; one twice as slow (1.7 s) serves none. The plan weighs both prefill
+    profiles, keeps the better and says which; `up --plan` starts the prefill instances in
+    its dtype, `simulate --plan` prices them with its profile."""
+    plan_file = tmp_path / "plan.json"
+    planned = subprocess.run(
+        [sys.executable, "-m", "distserve.cli", "plan", "--profile", str(PROFILE),
+         "--prefill-profile", str(prefill_profile(tmp_path / "bf16.json", factor)),
+         "--workload", "fixed:512:16", "--ttft", "1.5", "--tpot", "0.5", "--rate", "0.3",
+         "--nodes", "1", "--gpus-per-node", "4", "--mode", "disaggregated", "--requests",
+         "200", "--workers", "1", "-o", str(plan_file)], capture_output=True, text=True,
+        timeout=300)
+    assert planned.returncode == 0, planned.stderr
+    plan = Plan.model_validate_json(plan_file.read_text())
+    assert [c.label for c in plan.candidates] == ["disaggregated",
+                                                  "disaggregated (prefill bfloat16)"]
+    assert plan.prefill_dtype == chosen
+    assert plan.placement == ("1 prefill + 1 decode" if chosen else "2 prefill + 1 decode")
+    assert bool(plan.candidates[1].error) == (not chosen)  # the slower one meets no TTFT
+    assert f"recommended: {plan.candidate().label}" in " ".join(planned.stdout.split())
+    assert bool(plan.prefill_profile) == bool(chosen)
+    args, parser = parsed("--plan", str(plan_file))
+    apply_plan(args, parser)
+    assert (args.mode, args.prefill_dtype) == ("disaggregated", chosen or None)
+    simulated = subprocess.run(
+        [sys.executable, "-m", "distserve.cli", "simulate", "--plan", str(plan_file),
+         "--workload", "fixed:512:16", "--requests", "100"],
+        capture_output=True, text=True, timeout=300)
+    assert simulated.returncode == 0, simulated.stderr
+    found = re.search(r"ttft_s\s*\W\s*([\d.]+)", simulated.stdout)
+    assert found is not None, simulated.stdout
+    ttft_p50 = float(found.group(1))
+    assert ttft_p50 < 0.6 if chosen else ttft_p50 > 0.8  # 0.43 s or 0.87 s alone

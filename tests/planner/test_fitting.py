@@ -107,15 +107,25 @@ def test_a_profile_says_which_cpu_it_was_measured_on(tmp_path: Path) -> None:
 
 def test_the_shipped_profile_is_the_one_measured_on_this_cpu_where_one_ships() -> None:
     """With no profile named, the planner, the profiler and `bench compare --simulate` take
-    the shipped profile whose `host` is this CPU, else the generic one for the threads."""
+    the shipped float32 profile whose `host` is this CPU, else the generic one for the
+    threads; a profile measured in another dtype (a prefill instance's, for `distserve plan
+    --prefill-profile`) is never taken for it."""
     generic = shipped_cpu_profile(1)
     assert generic.name == "smollm2-135m-cpu-1thread.json"
     assert shipped_cpu_profile(2).name == "smollm2-135m-cpu-2threads.json"
+    others = 0
     for path in generic.parent.glob("smollm2-135m-cpu-1thread-*.json"):
-        host = load_profile(path).host
-        assert host, f"{path.name} must say which CPU it was measured on"
-        assert shipped_cpu_profile(1, host) == path
-        assert shipped_cpu_profile(2, host).name == "smollm2-135m-cpu-2threads.json"
+        profile = load_profile(path)
+        assert profile.host, f"{path.name} must say which CPU it was measured on"
+        if profile.dtype in ("", "float32"):
+            assert shipped_cpu_profile(1, profile.host) == path
+        else:
+            others += 1
+            assert path.stem.endswith(profile.dtype)
+            float32 = load_profile(shipped_cpu_profile(1, profile.host))
+            assert float32.host == profile.host and float32.dtype in ("", "float32")
+        assert shipped_cpu_profile(2, profile.host).name == "smollm2-135m-cpu-2threads.json"
+    assert others, "a bfloat16 profile ships beside its host's float32 one"
     zen1 = "AMD EPYC (family 23 model 1, avx2)"
     assert shipped_cpu_profile(1, zen1).name == "smollm2-135m-cpu-1thread-amd-epyc-zen1.json"
     assert shipped_cpu_profile(1, "Some CPU (family 1 model 1, baseline)") == generic

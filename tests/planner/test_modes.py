@@ -10,11 +10,24 @@ import numpy as np
 import pytest
 
 from services.planner.budget import ONE, Shape
-from services.planner.latency import PhaseCoefficients
+from services.planner.latency import Contention, PhaseCoefficients
 from services.planner.models import model_spec
-from services.planner.modes import Candidate, best, candidates, serving_mode, worth_switching
+from services.planner.modes import (
+    MODES,
+    Candidate,
+    best,
+    candidates,
+    serving_mode,
+    worth_switching,
+)
 from services.planner.placement import Problem
-from services.planner.profiles import Profile, load_profile, save_profile
+from services.planner.profiles import (
+    Profile,
+    ProfileError,
+    load_profile,
+    save_profile,
+    with_prefill_of,
+)
 from shared.metrics import SLO
 from shared.workloads import Lengths, Workload
 
@@ -249,3 +262,32 @@ def test_measured_pipeline_coefficients_are_whole_latencies_and_rounds(
     assert again.pipelines[(1, 2)].prefill_stage == 0.6 and again.tps == [1]
     save_profile(one, path)  # a profile without pipelines writes none, and reads none
     assert "pipelines" not in json.loads(path.read_text()) and not load_profile(path).pipelines
+
+
+def test_a_prefill_profile_prices_the_prefill_instances_and_nothing_else() -> None:
+    """A profile measured in another compute dtype (here prompts at half the cost, decode
+    steps at twice: bfloat16 on a CPU without fused bfloat16 decode layers) prices only the
+    disaggregated prefill instances: on 512-token prompts against a 0.6 s TTFT the pair then
+    serves more; the decode steps, the KV room and the decode's contention stay the float32
+    profile's."""
+    fp32 = dataclasses.replace(profile(1.0, 20.0), dtype="float32",
+                               contention=Contention(decode_by_prefill=1.1,
+                                                     prefill_by_decode=1.3))
+    bf16 = dataclasses.replace(profile(0.5, 40.0), dtype="bfloat16", l_m=1024,
+                               kv_capacity={(1, 1): 1 << 10},
+                               contention=Contention(decode_by_prefill=1.5,
+                                                     prefill_by_decode=1.05))
+    mixed = with_prefill_of(fp32, bf16)
+    assert mixed.by_tp[1].prefill == bf16.by_tp[1].prefill
+    assert mixed.by_tp[1].decode_small == fp32.by_tp[1].decode_small
+    assert (mixed.l_m, mixed.kv_capacity, mixed.dtype) == (1024, fp32.kv_capacity, "float32")
+    assert (mixed.contention.decode_by_prefill, mixed.contention.prefill_by_decode) == (1.1, 1.05)
+    slo = SLO(0.6, 0.1)
+    alone = by_mode(candidates(problem(fp32, 512, 16, slo, 0.5), budget=2, modes=MODES[:1]))
+    paired = by_mode(candidates(problem(mixed, 512, 16, slo, 0.5), budget=2, modes=MODES[:1]))
+    assert paired["disaggregated"].goodput_rps > 1.5 * alone["disaggregated"].goodput_rps
+    other_model = dataclasses.replace(bf16, model=model_spec("facebook/opt-13b"))
+    other_tp = dataclasses.replace(bf16, by_tp={2: bf16.by_tp[1]})
+    for wrong, reason in ((other_model, "one model serves both"), (other_tp, "none in common")):
+        with pytest.raises(ProfileError, match=reason):
+            with_prefill_of(fp32, wrong)

@@ -53,6 +53,7 @@ def test_fitted_model_predicts_held_out_points(tmp_path: Path) -> None:
     again = load_profile(path)
     assert again.by_tp == profile.by_tp and again.l_m == profile.l_m
     assert again.host == cpu_description()  # which CPU it was measured on
+    assert (profile.dtype, again.dtype) == ("float32", "float32")  # and in which dtype
 
 
 def test_shipped_profiles_load_and_were_fitted_well() -> None:
