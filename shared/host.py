@@ -37,6 +37,18 @@ def vector_isa(flags: frozenset[str]) -> str:
     return "avx2" if {"avx2", "fma"} <= flags else "baseline"
 
 
+# the flags of dot products in each 16-bit float: without one, torch's CPU matmuls in it
+# convert to float32 as they go
+NATIVE_16BIT = {"bfloat16": frozenset({"avx512_bf16", "amx_bf16"}),
+                "float16": frozenset({"avx512_fp16", "amx_fp16"})}
+
+
+def computes_natively(dtype: str, flags: frozenset[str]) -> bool:
+    """Whether a CPU of `flags` has dot products in `dtype` ("bfloat16", "float16"; float32
+    always)."""
+    return dtype not in NATIVE_16BIT or bool(NATIVE_16BIT[dtype] & flags)
+
+
 def cpu_description() -> str:
     """'AMD EPYC (family 23 model 1, avx2)': what a CPU profile was measured on."""
     name = _cpuinfo(("model name",)) or "unknown CPU"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,9 @@ from shared.engine.parallel.pipeline import hidden_states, last_stage, run_stage
 from shared.engine.request import Draw, TopLogprobs
 from shared.engine.sampler import adjust, likeliest, sample, top_logprobs
 from shared.engine.scheduler import ScheduledChunk, SchedulerOutput
+from shared.host import NATIVE_16BIT, computes_natively, cpu_flags
 
+log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -61,6 +64,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}: choose one of {sorted(DTYPES)}")
     if DTYPES[name] is torch.bfloat16 and device.type == "cuda" and not bf16_native(device):
         raise ValueError(f"{device} cannot compute in bfloat16: use --dtype float16 or float32")
+    if device.type == "cpu" and not computes_natively(name, cpu_flags()):
+        log.warning("this CPU has no %s dot products (%s): torch converts every matmul to "
+                    "float32 as it goes, so %s may be slower here than float32; time it "
+                    "first (benchmarks/prefill_dtype.py)", name,
+                    " or ".join(sorted(NATIVE_16BIT[name])), name)
     return DTYPES[name]
 
 

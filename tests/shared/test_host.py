@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import platform
 from pathlib import Path
 
 import pytest
+import torch
 
 from shared import host
+from shared.engine import model_runner
 
 
 def test_the_widest_vector_extension_names_the_kernels_build() -> None:
@@ -15,6 +18,31 @@ def test_the_widest_vector_extension_names_the_kernels_build() -> None:
     assert host.vector_isa(frozenset({"sse4_2", "avx", "avx2", "fma"})) == "avx2"
     assert host.vector_isa(frozenset({"sse4_2", "avx2"})) == "baseline"  # no FMA, no AVX2 path
     assert host.vector_isa(frozenset()) == "baseline"
+
+
+@pytest.mark.parametrize(("flags", "bfloat16", "float16"), [
+    ({"avx2", "fma", "avx512f", "avx512_bf16"}, True, False),  # a Zen 4/5 EPYC
+    ({"avx512f", "amx_bf16", "amx_fp16", "avx512_fp16"}, True, True),  # a Granite Rapids Xeon
+    ({"avx2", "fma"}, False, False),  # a Zen 3 EPYC
+])
+def test_an_instance_in_a_16_bit_dtype_is_warned_where_the_cpu_only_emulates_it(
+        flags: set[str], bfloat16: bool, float16: bool, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """torch's CPU matmuls in a 16-bit float without the CPU's dot products in it convert to
+    float32 as they go: a worker asked for one there loads (it computes the same) and says so
+    in its log; float32 is never warned about."""
+    assert host.computes_natively("bfloat16", frozenset(flags)) == bfloat16
+    assert host.computes_natively("float16", frozenset(flags)) == float16
+    assert host.computes_natively("float32", frozenset())
+    monkeypatch.setattr(model_runner, "cpu_flags", lambda: frozenset(flags))
+    for name, native in (("bfloat16", bfloat16), ("float16", float16), ("float32", True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
+            dtype = model_runner.resolve_dtype(name, torch.device("cpu"))
+        assert dtype == model_runner.DTYPES[name]
+        warned = [r.getMessage() for r in caplog.records]
+        assert bool(warned) != native, warned
+        assert all(f"no {name} dot products" in w for w in warned)
 
 
 def test_a_cpu_is_described_by_its_model_and_vector_extension(
