@@ -67,10 +67,10 @@ def main() -> None:
             for run in measured.runs:
                 tpots = [r.tpot for r in run.records if r.tpot is not None]
                 attained[dtype, run.rate].append(100 * run.attainment(slo))
+                tpot = f"{1e3 * statistics.median(tpots):.1f} ms" if tpots else "none"
                 print(f"round {i + 1}, prefill {dtype:8s} at {run.rate:g} req/s: "
-                      f"{attained[dtype, run.rate][-1]:3.0f}% attained, TPOT p50 "
-                      f"{1e3 * statistics.median(tpots):.1f} ms; decode steps "
-                      f"{decode_steps(run)}", flush=True)
+                      f"{attained[dtype, run.rate][-1]:3.0f}% attained, TPOT p50 {tpot}; "
+                      f"decode steps {decode_steps(run)}", flush=True)
     for rate in rates:
         print(f"{rate:g} req/s, attainment by round: " + "; ".join(
             f"prefill {dtype} " + " / ".join(f"{a:.0f}" for a in attained[dtype, rate])

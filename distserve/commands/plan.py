@@ -151,15 +151,19 @@ def prefill_problem(args: argparse.Namespace, parser: argparse.ArgumentParser,
     without one)."""
     if not args.prefill_profile:
         return None
+    if args.mode not in ("auto", "disaggregated"):
+        parser.error(f"--prefill-profile prices disaggregated prefill instances; --mode "
+                     f"{args.mode} has none (a colocated worker runs one dtype: plan it with "
+                     "that dtype's profile as --profile)")
     try:
         prefiller = load_profile(args.prefill_profile, args.model)
+        if not prefiller.dtype:
+            parser.error(f"--prefill-profile {args.prefill_profile} does not say the dtype it "
+                         "was measured in (written before profiles did): measure it again "
+                         "with distserve profile --dtype")
         mixed = with_prefill_of(problem.profile, prefiller)
     except ProfileError as e:
         parser.error(f"--prefill-profile: {e}")
-    if not prefiller.dtype:
-        parser.error(f"--prefill-profile {args.prefill_profile} does not say the dtype it was "
-                     "measured in (written before profiles did): measure it again with "
-                     "distserve profile --dtype")
     return dataclasses.replace(problem, profile=mixed), prefiller
 
 
@@ -209,7 +213,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not plans:
         for failed in searched:
             if isinstance(failed, ModeCandidate):
-                print(f"distserve plan: no feasible plan: {failed.mode}: {failed.error}",
+                print(f"distserve plan: no feasible plan: {failed.label}: {failed.error}",
                       file=sys.stderr)
         return 1
     chosen = max(plans, key=lambda p: p.best_per_device_goodput_rps)
@@ -232,7 +236,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             console.print(f"colocated baseline: {e}")
         else:
             ratio = plan.best_per_device_goodput_rps / base.best_per_device_goodput_rps
-            console.print(f"best per-device goodput: {plan.mode} "
+            console.print(f"best per-device goodput: {plan.candidate().label} "
                           f"{plan.best_per_device_goodput_rps:.3f} req/s, colocated baseline "
                           f"{base.best_per_device_goodput_rps:.3f} req/s: {ratio:.2f}x")
     if args.output:

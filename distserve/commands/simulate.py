@@ -52,8 +52,12 @@ def _load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Pl
         plan = Plan.model_validate_json(args.plan.read_text())
         profile = load_profile(plan.profile, plan.profile_model or None)
         if plan.prefill_profile:  # its prefill instances priced as they were planned
-            profile = with_prefill_of(profile, load_profile(plan.prefill_profile,
-                                                               plan.profile_model or None))
+            try:
+                prefiller = load_profile(plan.prefill_profile, plan.profile_model or None)
+            except ProfileError as e:
+                raise ProfileError(f"the plan's prefill_profile: {e} (a path is read from "
+                                   "the directory you run in)") from e
+            profile = with_prefill_of(profile, prefiller)
         workload = parse_workload(args.workload, args.cv, max_context=args.max_context,
                                   fit=args.fit)
     except FileNotFoundError as e:

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -144,7 +145,10 @@ def apply_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
             plan.decode.count
         args.prefill_tp, args.decode_tp = plan.prefill.tp, plan.decode.tp
         args.prefill_pp, args.decode_pp = plan.prefill.pp, plan.decode.pp
-        args.prefill_dtype = plan.prefill_dtype or args.prefill_dtype  # as it was priced
+        if plan.prefill_dtype and args.prefill_dtype not in (None, plan.prefill_dtype):
+            print(f"the plan priced its prefill instances in {plan.prefill_dtype}; starting "
+                  f"them in {args.prefill_dtype} as --prefill-dtype says", file=sys.stderr)
+        args.prefill_dtype = args.prefill_dtype or plan.prefill_dtype or None  # as priced
     else:
         assert plan.colocated is not None
         args.mode, args.replicas = "colocated", plan.colocated.count

@@ -185,34 +185,44 @@ def shipped_cpu_profile(threads: int, host: str = "") -> Path:
 
 
 def with_prefill_of(decoder: Profile, prefiller: Profile) -> Profile:
-    """The profile of a disaggregated stack whose prefill instances run as `prefiller` was
-    measured (e.g. in bfloat16: `distserve profile --dtype bfloat16`) and its decode
+    """The profile of a disaggregated stack on CPUs whose prefill instances run as `prefiller`
+    was measured (e.g. in bfloat16: `distserve profile --dtype bfloat16`) and its decode
     instances as `decoder`: the prefill coefficients, L_m and the prefill steps' contention
     of the one, the decode's and everything else of the other (KV capacity included: the
-    decode instances hold the KV), for the tensor-parallel degrees and measured pipelines
-    both have. A prefill instance only prefills and a decode instance only decodes, so this
-    prices both exactly; a colocated worker runs one format for both phases (price it with
-    either profile, never this one)."""
+    decode instances hold the KV). Every tp and measured pipeline of `decoder` stays; a
+    shape `prefiller` did not measure keeps `decoder`'s prefill (priced as the other dtype).
+    A prefill instance only prefills and a decode instance only decodes, so each step is
+    priced as its dtype runs it; the contention factors were each measured beside a
+    neighbour in the profile's own dtype. A colocated worker runs one dtype for both phases:
+    price it with either profile, never this one. On a GPU an instance keeps its KV in the
+    dtype it computes in, so the two could not hand KV over: refused."""
     if (prefiller.model.name, prefiller.model.num_layers) != (decoder.model.name,
                                                               decoder.model.num_layers):
         raise ProfileError(f"the prefill profile is of {prefiller.model.name}, the other of "
                            f"{decoder.model.name}: one model serves both phases")
+    if not (decoder.device.startswith("cpu") and prefiller.device.startswith("cpu")):
+        raise ProfileError("a prefill instance in another dtype hands its KV on only between "
+                           "CPU instances (a CPU keeps KV in float32 whatever it computes in; "
+                           f"a GPU in its own dtype): these profiles are of {decoder.device} "
+                           f"and {prefiller.device}")
+    if not set(decoder.by_tp) & set(prefiller.by_tp):
+        raise ProfileError(f"the prefill profile measured tp {prefiller.tps}, the other tp "
+                           f"{decoder.tps}: none in common")
 
-    def mixed(decode: PhaseCoefficients, prefill: PhaseCoefficients) -> PhaseCoefficients:
+    def mixed(decode: PhaseCoefficients, prefill: PhaseCoefficients | None) -> PhaseCoefficients:
+        if prefill is None:
+            return decode
         return dataclasses.replace(decode, prefill=prefill.prefill,
                                    prefill_stage=prefill.prefill_stage)
 
-    tps = sorted(set(decoder.by_tp) & set(prefiller.by_tp))
-    if not tps:
-        raise ProfileError(f"the prefill profile measured tp {prefiller.tps}, the other tp "
-                           f"{decoder.tps}: none in common")
     contention = dataclasses.replace(
         decoder.contention, prefill_by_decode=prefiller.contention.prefill_by_decode,
         prefill_by_prefill=prefiller.contention.prefill_by_prefill)
     return dataclasses.replace(
-        decoder, by_tp={tp: mixed(decoder.by_tp[tp], prefiller.by_tp[tp]) for tp in tps},
-        pipelines={key: mixed(co, prefiller.pipelines[key])
-                   for key, co in decoder.pipelines.items() if key in prefiller.pipelines},
+        decoder, by_tp={tp: mixed(co, prefiller.by_tp.get(tp))
+                        for tp, co in decoder.by_tp.items()},
+        pipelines={key: mixed(co, prefiller.pipelines.get(key))
+                   for key, co in decoder.pipelines.items()},
         l_m=prefiller.l_m, contention=contention)
 
 

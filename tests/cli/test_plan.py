@@ -81,6 +81,8 @@ def test_a_colocated_mode_plan_simulates_as_planned(tmp_path: Path) -> None:
     (["--rate", "1", "--nodes", "0", "--gpus-per-node", "8"], 2, "at least 1"),
     (["--rate", "1", "--nodes", "1", "--gpus-per-node", "8", "--prefill-profile", str(VLLM)], 2,
      "does not say the dtype it was measured in"),
+    (["--rate", "1", "--nodes", "1", "--gpus-per-node", "8", "--prefill-profile", str(VLLM),
+      "--mode", "colocated"], 2, "--mode colocated has none"),
 ])
 def test_plan_errors_are_clear(args: list[str], code: int, message: str) -> None:
     result = distserve("plan", *BASE, *args)

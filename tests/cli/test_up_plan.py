@@ -105,7 +105,7 @@ def prefill_profile(path: Path, factor: float) -> Path:
 
 @pytest.mark.parametrize(("factor", "chosen"), [(0.5, "bfloat16"), (2.0, "")])
 def test_the_plan_prices_prefill_in_the_dtype_of_its_profile_and_up_starts_it_so(
-        tmp_path: Path, factor: float, chosen: str) -> None:
+        tmp_path: Path, factor: float, chosen: str, capsys: pytest.CaptureFixture[str]) -> None:
     """512-token prompts within 1.5 s at 0.3 req/s: float32 prefill instances (0.87 s a
     prompt) need two beside the decode instance; one twice as fast (0.43 s) serves alone,
     more per device; one twice as slow (1.7 s) serves none. The plan weighs both prefill
@@ -131,6 +131,11 @@ def test_the_plan_prices_prefill_in_the_dtype_of_its_profile_and_up_starts_it_so
     args, parser = parsed("--plan", str(plan_file))
     apply_plan(args, parser)
     assert (args.mode, args.prefill_dtype) == ("disaggregated", chosen or None)
+    args, parser = parsed("--plan", str(plan_file), "--prefill-dtype", "float32")
+    apply_plan(args, parser)  # a dtype given wins, said where the plan priced another
+    assert args.prefill_dtype == "float32"
+    assert ("priced its prefill instances in bfloat16" in capsys.readouterr().err) == bool(
+        chosen)
     simulated = subprocess.run(
         [sys.executable, "-m", "distserve.cli", "simulate", "--plan", str(plan_file),
          "--workload", "fixed:512:16", "--requests", "100"],
@@ -140,3 +145,12 @@ def test_the_plan_prices_prefill_in_the_dtype_of_its_profile_and_up_starts_it_so
     assert found is not None, simulated.stdout
     ttft_p50 = float(found.group(1))
     assert ttft_p50 < 0.6 if chosen else ttft_p50 > 0.8  # 0.43 s or 0.87 s alone
+    if chosen:  # a plan whose prefill profile is gone says which file it wanted
+        gone = plan.model_copy(update={"prefill_profile": str(tmp_path / "gone.json")})
+        plan_file.write_text(gone.model_dump_json())
+        failed = subprocess.run(
+            [sys.executable, "-m", "distserve.cli", "simulate", "--plan", str(plan_file),
+             "--workload", "fixed:512:16", "--requests", "20"], capture_output=True,
+            text=True, timeout=300)
+        assert failed.returncode == 2 and "the plan's prefill_profile" in failed.stderr
+        assert "Traceback" not in failed.stderr

@@ -268,26 +268,34 @@ def test_a_prefill_profile_prices_the_prefill_instances_and_nothing_else() -> No
     """A profile measured in another compute dtype (here prompts at half the cost, decode
     steps at twice: bfloat16 on a CPU without fused bfloat16 decode layers) prices only the
     disaggregated prefill instances: on 512-token prompts against a 0.6 s TTFT the pair then
-    serves more; the decode steps, the KV room and the decode's contention stay the float32
-    profile's."""
-    fp32 = dataclasses.replace(profile(1.0, 20.0), dtype="float32",
+    serves more; the decode steps, the KV room, the decode's contention and every shape the
+    float32 profile measured stay (a shape the other did not measure prefills as float32)."""
+    one = profile(1.0, 20.0)
+    fp32 = dataclasses.replace(one, device="cpu-1threads", dtype="float32",
+                               by_tp={1: one.by_tp[1], 2: one.by_tp[1].scaled(1.5)},
+                               pipelines={(1, 2): one.by_tp[1].scaled(1.2)},
                                contention=Contention(decode_by_prefill=1.1,
                                                      prefill_by_decode=1.3))
-    bf16 = dataclasses.replace(profile(0.5, 40.0), dtype="bfloat16", l_m=1024,
-                               kv_capacity={(1, 1): 1 << 10},
+    bf16 = dataclasses.replace(profile(0.5, 40.0), device="cpu-1threads", dtype="bfloat16",
+                               l_m=1024, kv_capacity={(1, 1): 1 << 10},
                                contention=Contention(decode_by_prefill=1.5,
                                                      prefill_by_decode=1.05))
     mixed = with_prefill_of(fp32, bf16)
     assert mixed.by_tp[1].prefill == bf16.by_tp[1].prefill
     assert mixed.by_tp[1].decode_small == fp32.by_tp[1].decode_small
+    assert mixed.by_tp[2] == fp32.by_tp[2] and mixed.pipelines == fp32.pipelines
     assert (mixed.l_m, mixed.kv_capacity, mixed.dtype) == (1024, fp32.kv_capacity, "float32")
     assert (mixed.contention.decode_by_prefill, mixed.contention.prefill_by_decode) == (1.1, 1.05)
     slo = SLO(0.6, 0.1)
-    alone = by_mode(candidates(problem(fp32, 512, 16, slo, 0.5), budget=2, modes=MODES[:1]))
-    paired = by_mode(candidates(problem(mixed, 512, 16, slo, 0.5), budget=2, modes=MODES[:1]))
+    alone = by_mode(candidates(problem(fp32, 512, 16, slo, 0.5), budget=2, modes=MODES[:1],
+                               fixed={"prefill": ONE, "decode": ONE}))
+    paired = by_mode(candidates(problem(mixed, 512, 16, slo, 0.5), budget=2, modes=MODES[:1],
+                                fixed={"prefill": ONE, "decode": ONE}))
     assert paired["disaggregated"].goodput_rps > 1.5 * alone["disaggregated"].goodput_rps
     other_model = dataclasses.replace(bf16, model=model_spec("facebook/opt-13b"))
-    other_tp = dataclasses.replace(bf16, by_tp={2: bf16.by_tp[1]})
-    for wrong, reason in ((other_model, "one model serves both"), (other_tp, "none in common")):
+    other_tp = dataclasses.replace(bf16, by_tp={4: bf16.by_tp[1]})
+    gpu = dataclasses.replace(bf16, device="NVIDIA H100 80GB HBM3")
+    for wrong, reason in ((other_model, "one model serves both"), (other_tp, "none in common"),
+                          (gpu, "only between CPU instances")):
         with pytest.raises(ProfileError, match=reason):
             with_prefill_of(fp32, wrong)
