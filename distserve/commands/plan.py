@@ -186,8 +186,7 @@ def modes_table(candidates: list[ModeCandidate], chosen: Plan) -> Table:
                      "instances that serve the rate; req/s/dev: the best per-device goodput of "
                      "the mode's configurations (modes are ranked by it); attained: simulated "
                      "attainment of the placement at the rate. Colocated modes run vLLM's "
-                     "scheduler limits "
-                     "(2048 tokens a step, 256 requests).")
+                     "scheduler limits (2048 tokens a step, 256 requests).")
     return table
 
 
