@@ -218,7 +218,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     chosen = max(plans, key=lambda p: p.best_per_device_goodput_rps)
     candidates = [p.candidate() if isinstance(p, Plan) else p for p in searched]
     plan = chosen.model_copy(update={
-        "profile": args.profile, "profile_model": args.model or "",
+        "profile": args.profile, "profile_model": args.model or "", "dtype": problem.profile.dtype,
         "prefill_profile": (args.prefill_profile or "") if chosen.prefill_dtype else "",
         "intra_node_gbps": args.intra_bw, "inter_node_gbps": args.inter_bw,
         "candidates": candidates,

@@ -139,6 +139,11 @@ def apply_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         plan = Plan.model_validate_json(args.plan.read_text())
     except (OSError, ValidationError) as e:
         parser.error(f"--plan {args.plan}: not a plan from `distserve plan -o`: {e}")
+    if plan.dtype and args.dtype not in ("auto", plan.dtype):
+        print(f"the plan priced its workers in {plan.dtype}; starting them in {args.dtype} as "
+              "--dtype says", file=sys.stderr)
+    elif plan.dtype:
+        args.dtype = plan.dtype  # as priced
     if plan.mode == "disaggregated":
         assert plan.prefill is not None and plan.decode is not None
         args.mode, args.prefill, args.decode = "disaggregated", plan.prefill.count, \

@@ -75,6 +75,8 @@ class Plan(BaseModel):
         default_factory=list, description="every mode searched (the plan is the best of them)")
     reason: str = ""
     profile: str = Field(default="", description="the profile file the plan was made with")
+    dtype: str = Field(default="", description="the compute dtype `profile` was measured in, "
+                       "where it says: the workers' as priced")
     prefill_profile: str = Field(default="", description="disaggregated: the profile its "
                                  "prefill instances were priced with, where not `profile`")
     prefill_dtype: str = Field(default="", description="disaggregated: the prefill "

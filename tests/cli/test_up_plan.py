@@ -65,6 +65,16 @@ def test_a_plan_file_is_read_or_refused_with_the_reason(tmp_path: Path,
     args, parser = parsed("--plan", str(tmp_path / "pp.json"))
     apply_plan(args, parser)  # pipeline stages as planned
     assert (args.prefill_pp, args.decode_pp) == (2, 1)
+    assert args.dtype == "auto"  # a plan from a profile that does not say its dtype
+    (tmp_path / "bf16.json").write_text(json.dumps(plan | {"dtype": "bfloat16"}))
+    args, parser = parsed("--plan", str(tmp_path / "bf16.json"))
+    apply_plan(args, parser)  # the workers in the dtype the plan was priced in
+    assert args.dtype == "bfloat16"
+    capsys.readouterr()
+    args, parser = parsed("--plan", str(tmp_path / "bf16.json"), "--dtype", "float32")
+    apply_plan(args, parser)  # ... unless one is given, said
+    assert args.dtype == "float32"
+    assert "priced its workers in bfloat16" in capsys.readouterr().err
     (tmp_path / "junk.json").write_text("{}")
     for name, reason in (("junk.json", "not a plan from `distserve plan -o`"),
                          ("missing.json", "not a plan")):
@@ -123,7 +133,7 @@ def test_the_plan_prices_prefill_in_the_dtype_of_its_profile_and_up_starts_it_so
     plan = Plan.model_validate_json(plan_file.read_text())
     assert [c.label for c in plan.candidates] == ["disaggregated",
                                                   "disaggregated (prefill bfloat16)"]
-    assert plan.prefill_dtype == chosen
+    assert plan.prefill_dtype == chosen and plan.dtype == ""  # --profile says none
     assert plan.placement == ("1 prefill + 1 decode" if chosen else "2 prefill + 1 decode")
     assert bool(plan.candidates[1].error) == (not chosen)  # the slower one meets no TTFT
     assert f"recommended: {plan.candidate().label}" in " ".join(planned.stdout.split())
