@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from distserve.commands.workload_arg import add_context_args, parse_workload
+from distserve.commands.workload_arg import WORKLOAD_HELP, add_context_args, parse_workload
 from services.planner.baseline import colocated_plan
 from services.planner.low_affinity import low_affinity
 from services.planner.models import UnknownModelError
@@ -28,7 +28,7 @@ def add_problem_args(p: argparse.ArgumentParser) -> None:
                    "DistServe artifact's format)")
     p.add_argument("--model", help="which model of a multi-model profile file")
     p.add_argument("--workload",
-                   help="sharegpt:PATH, azure:PATH, mooncake:PATH or fixed:PROMPT:OUTPUT")
+                   help=WORKLOAD_HELP)
     p.add_argument("--cv", type=float, default=1.0, help="arrival CV (1 = Poisson; gamma else)")
     add_context_args(p)
     p.add_argument("--ttft", type=float, help="TTFT objective, seconds")

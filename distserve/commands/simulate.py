@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from distserve.commands.workload_arg import add_context_args, parse_workload
+from distserve.commands.workload_arg import WORKLOAD_HELP, add_context_args, parse_workload
 from services.planner.baseline import colocated_plan
 from services.planner.models import UnknownModelError
 from services.planner.placement import NoFeasiblePlan, Problem
@@ -30,7 +30,7 @@ def register(sub: Any) -> None:
                        description=__doc__)
     p.add_argument("--plan", required=True, type=Path, help="plan JSON from distserve plan -o")
     p.add_argument("--workload", required=True,
-                   help="sharegpt:PATH, azure:PATH, mooncake:PATH or fixed:PROMPT:OUTPUT")
+                   help=WORKLOAD_HELP)
     p.add_argument("--rate", type=float, help="request rate (req/s); default: the plan's")
     p.add_argument("--cv", type=float, default=1.0, help="arrival CV (1 = Poisson)")
     add_context_args(p)

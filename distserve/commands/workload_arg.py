@@ -1,5 +1,7 @@
 """`--workload` specs shared by plan, simulate and bench:
 
+    humaneval            the 164 HumanEval prompts' token counts, each with its canonical
+                         solution's as the output (what `bench` sends by default)
     sharegpt:PATH        real ShareGPT prompts (token counts), Azure-trace output lengths
     azure:PATH           Azure LLM inference trace CSV (lengths; arrivals with --arrival trace)
     mooncake:PATH        Mooncake JSONL trace (likewise)
@@ -23,6 +25,8 @@ from shared.workloads import (
     read_trace,
     sharegpt_lengths,
 )
+
+WORKLOAD_HELP = "humaneval, sharegpt:PATH, azure:PATH, mooncake:PATH or fixed:PROMPT:OUTPUT"
 
 
 @functools.cache
@@ -52,15 +56,17 @@ def parse_workload(spec: str, cv: float = 1.0, replay_arrivals: bool = False,
     lengths: Lengths
     if kind == "fixed":
         lengths = fixed_lengths(*parse_fixed(spec))
+    elif kind == "humaneval" and not rest:
+        from distserve.bench.workload import Limits, parse_bench_workload
+
+        lengths = parse_bench_workload(spec, Limits()).as_workload().lengths
     elif kind == "sharegpt" and rest:
         lengths = sharegpt_lengths(rest, _count_tokens())  # type: ignore[arg-type]
     elif kind in ("azure", "mooncake") and rest:
         trace = read_trace(kind, rest)
         lengths, times = trace.lengths, trace.times_s if replay_arrivals else None
     else:
-        raise WorkloadError(
-            f"unknown workload {spec!r}: use sharegpt:PATH, azure:PATH, mooncake:PATH or "
-            "fixed:PROMPT:OUTPUT")
+        raise WorkloadError(f"unknown workload {spec!r}: use {WORKLOAD_HELP}")
     if max_context is not None and fit == "drop":
         total = len(lengths.prompts)
         try:

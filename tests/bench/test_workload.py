@@ -74,3 +74,15 @@ def test_unknown_or_malformed_workloads_are_named() -> None:
             parse_bench_workload(spec, Limits())
     with pytest.raises(WorkloadError, match="does not exist"):
         parse_bench_workload("mooncake:/no/such/file.jsonl", Limits())
+
+
+def test_plan_and_simulate_read_humaneval_as_bench_sends_it() -> None:
+    """`distserve plan --workload humaneval` plans for the lengths `bench` measures with."""
+    from distserve.commands.workload_arg import parse_workload
+
+    planned = parse_workload("humaneval", max_context=2048).lengths
+    sent = parse_bench_workload("humaneval", Limits()).items
+    assert planned.prompts.tolist() == [i.prompt_tokens for i in sent]
+    assert planned.outputs.tolist() == [i.output_tokens for i in sent]
+    with pytest.raises(WorkloadError, match="use humaneval, sharegpt:PATH"):
+        parse_workload("humaneval:extra")

@@ -91,6 +91,24 @@ def test_plan_errors_are_clear(args: list[str], code: int, message: str) -> None
     assert "Traceback" not in result.stderr
 
 
+def test_plan_takes_the_benchmarks_default_workload(tmp_path: Path) -> None:
+    """humaneval, what `bench compare` sends unless told otherwise, is a workload the planner
+    plans for, on a shipped CPU profile."""
+    shipped = Path(__file__).parents[2] / "profiles" / "smollm2-135m-cpu-1thread-amd-epyc-zen5.json"
+    plan_file = tmp_path / "plan.json"
+    result = distserve("plan", "--profile", str(shipped), "--workload", "humaneval",
+                       "--ttft", "1", "--tpot", "0.05", "--rate", "1", "--nodes", "1",
+                       "--gpus-per-node", "2", "--requests", "200", "-o", str(plan_file))
+    assert result.returncode == 0, result.stderr
+    plan = Plan.model_validate_json(plan_file.read_text())
+    assert plan.model == "smollm2-135m" and plan.devices_used <= 2
+    assert {c.mode for c in plan.candidates} == {"disaggregated", "colocated", "chunked"}
+    sim = distserve("simulate", "--plan", str(plan_file), "--workload", "humaneval",
+                    "--requests", "200")
+    assert sim.returncode == 0, sim.stderr
+    assert "attainment" in sim.stdout
+
+
 def test_unknown_workload_is_a_clear_error() -> None:
     args = [a if a != SHAREGPT else "poisson:nothing" for a in BASE]
     result = distserve("plan", *args, "--rate", "1", "--nodes", "1", "--gpus-per-node", "8")
