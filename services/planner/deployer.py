@@ -61,6 +61,24 @@ def fixed_shapes(env: Mapping[str, str]) -> dict[Role, Shape]:
     return fixed
 
 
+def unpriced_dtypes(env: Mapping[str, str], profile: Profile, on_gpu: bool
+                    ) -> dict[Role, str]:
+    """The roles whose workers compute in another dtype than `profile` was measured in, with
+    that dtype ("auto": float32 on a CPU; on a GPU the worker's choice, not known here). One
+    profile prices every kind online, and the live calibration moves each phase to what the
+    workers measure, so a bfloat16 prefill instance's steps also set the price of the
+    prefills of float32 colocated replicas."""
+    measured = profile.dtype or ("float32" if not on_gpu else "")
+    out: dict[Role, str] = {}
+    for role in ROLES:
+        dtype = role_env(env, role).get("DS_DTYPE", "auto")
+        if dtype == "auto" and not on_gpu:
+            dtype = "float32"
+        if measured and dtype != "auto" and dtype != measured:
+            out[role] = dtype
+    return out
+
+
 def priced_shapes(fixed: Mapping[Role, Shape], profile: Profile) -> dict[Role, Shape]:
     """The shapes `up` fixed, as the planner prices them: one of a tp the profile lacks as
     the profile's smallest tp, with a warning (those workers then hold more devices, and

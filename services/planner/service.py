@@ -31,6 +31,7 @@ from services.planner.deployer import (
     live_workers,
     priced_shapes,
     runnable_tps,
+    unpriced_dtypes,
 )
 from services.planner.modes import MODES, SWITCH_MARGIN, Kind, Mode, parse_modes, serving_mode
 from services.planner.profiles import Profile, measured_elsewhere, planner_profile
@@ -100,8 +101,19 @@ class PlannerSettings(BaseSettings):
     def modes(self) -> tuple[Mode, ...]:
         return parse_modes(self.planner_modes)
 
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.startswith("cuda") or (self.device == "auto" and gpu_count({}) > 0)
+
     def config(self) -> PlannerConfig:
         profile = self.runnable(self.profile())
+        for role, dtype in unpriced_dtypes(os.environ, profile, self.on_gpu).items():
+            log.warning("the %s workers compute in %s, the profile was measured in %s: every "
+                        "kind's steps of a phase are priced alike (the live calibration moves "
+                        "them to what the workers measure), so the modes weighed online are "
+                        "priced as if all ran one dtype; `distserve plan --prefill-profile` "
+                        "weighs a prefill dtype offline", role, dtype,
+                        profile.dtype or "float32")
         return PlannerConfig(profile, SLO(self.planner_ttft_s, self.planner_tpot_s),
                              self.planner_attainment, self.budget, modes=self.modes,
                              switch_margin=self.planner_switch_margin,
@@ -110,9 +122,7 @@ class PlannerSettings(BaseSettings):
 
     def runnable(self, profile: Profile) -> Profile:
         """`profile` less the tps the workers cannot run here (`runnable_tps`)."""
-        on_gpu = self.device.startswith("cuda") or (self.device == "auto" and
-                                                    gpu_count({}) > 0)
-        return runnable_tps(profile, read_config(self.model), on_gpu)
+        return runnable_tps(profile, read_config(self.model), self.on_gpu)
 
 
 class PlannerService(ControlService):

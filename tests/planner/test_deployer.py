@@ -8,7 +8,15 @@ import pytest
 
 from services.launcher import StackConfig
 from services.planner.budget import ONE, Shape
-from services.planner.deployer import changes, fixed_shapes, live_shapes, ranks_of, role_env
+from services.planner.deployer import (
+    changes,
+    fixed_shapes,
+    live_shapes,
+    ranks_of,
+    role_env,
+    unpriced_dtypes,
+)
+from services.planner.profiles import SHIPPED_PROFILES, load_profile
 from shared.state import InstanceInfo
 
 
@@ -23,6 +31,20 @@ def test_a_new_worker_gets_its_roles_weights_dtype_tp_and_pp_from_up() -> None:
     assert role_env(settings, "colocated") == {"DS_WEIGHTS": "auto", "DS_DTYPE": "auto",
                                                "DS_TP": "1", "DS_PP": "2"}
     assert ranks_of(role_env(settings, "prefill")) == 6
+
+
+def test_roles_computing_in_another_dtype_than_the_profile_are_named() -> None:
+    """The online planner prices every kind on one profile: the roles it then misprices
+    (it warns) are those whose workers run another dtype than the profile's."""
+    zen5 = SHIPPED_PROFILES / "smollm2-135m-cpu-1thread-amd-epyc-zen5"
+    fp32, bf16 = load_profile(f"{zen5}.json"), load_profile(f"{zen5}-bfloat16.json")
+    settings = StackConfig(prefill_dtype="bfloat16").role_settings()
+    assert unpriced_dtypes(settings, fp32, on_gpu=False) == {"prefill": "bfloat16"}
+    assert unpriced_dtypes(settings, bf16, on_gpu=False) == {"decode": "float32",
+                                                             "colocated": "float32"}
+    assert unpriced_dtypes(StackConfig().role_settings(), fp32, on_gpu=False) == {}
+    # on a GPU "auto" is the worker's choice: only a dtype given is compared
+    assert unpriced_dtypes(settings, bf16, on_gpu=True) == {}
 
 
 def test_a_roles_quantized_weights_and_a_16_bit_dtype_are_refused_before_anything_starts(
