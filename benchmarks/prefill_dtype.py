@@ -8,8 +8,9 @@ throughout, what a colocated worker in bfloat16 computes.
     .venv/bin/python benchmarks/prefill_dtype.py [--threads 1] [--lengths 128 512]
         [--rounds 7] [--quality 164]
 
-bfloat16 pays where the CPU multiplies it natively (AVX512_BF16's dot products, AMX); on
-an AVX2-only CPU torch emulates it and float32 is the faster prefill.
+bfloat16 can pay where the CPU multiplies it natively (AVX512_BF16's dot products, AMX): it
+did on a Zen 5 (1.3x), not on a Xeon with AVX512_BF16 and no AMX (0.6x); on an AVX2-only CPU
+torch emulates it and float32 is the faster prefill.
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
+import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -69,7 +72,34 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
                     "float32 as it goes, so %s may be slower here than float32; time it "
                     "first (benchmarks/prefill_dtype.py)", name,
                     " or ".join(sorted(NATIVE_16BIT[name])), name)
+    elif device.type == "cpu" and name in NATIVE_16BIT:
+        ms, ms_float32 = prefill_matmul_ms(name, torch.get_num_threads())
+        if ms >= ms_float32:
+            log.warning("%s matmuls run slower than float32's on this CPU although it has %s "
+                        "dot products (a 256-token prompt's matmul: %.1f ms, float32 %.1f): "
+                        "float32 is the faster prefill here (benchmarks/prefill_dtype.py "
+                        "times the model)", name, name, ms, ms_float32)
     return DTYPES[name]
+
+
+@functools.cache
+def prefill_matmul_ms(name: str, threads: int, rows: int = 256) -> tuple[float, float]:
+    """The fastest of a few runs of one prefill-shaped matmul (SmolLM2's MLP: `rows` x 576
+    by 576 x 1536) in `name` and in float32, interleaved, ms: whether the CPU's 16-bit dot
+    products pay is measured, not read off its flags (a Xeon with AVX512_BF16 but no AMX
+    ran bfloat16 GEMMs 1.4-1.7x slower than float32's, a Zen 5 with the same flag 1.3x
+    faster). Tens of ms, once a process and dtype."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 576, generator=generator)
+    w = torch.randn(1536, 576, generator=generator)
+    pairs = {torch.float32: (x, w), DTYPES[name]: (x.to(DTYPES[name]), w.to(DTYPES[name]))}
+    best = dict.fromkeys(pairs, math.inf)
+    for _ in range(4):
+        for dtype, (a, b) in pairs.items():
+            start = time.perf_counter()
+            torch.nn.functional.linear(a, b)
+            best[dtype] = min(best[dtype], (time.perf_counter() - start) * 1e3)
+    return best[DTYPES[name]], best[torch.float32]
 
 
 def kv_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:

@@ -35,6 +35,7 @@ def test_an_instance_in_a_16_bit_dtype_is_warned_where_the_cpu_only_emulates_it(
     assert host.computes_natively("float16", frozenset(flags)) == float16
     assert host.computes_natively("float32", frozenset())
     monkeypatch.setattr(model_runner, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(model_runner, "prefill_matmul_ms", lambda *_: (1.0, 1.3))  # it pays
     for name, native in (("bfloat16", bfloat16), ("float16", float16), ("float32", True)):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
@@ -62,3 +63,26 @@ def test_this_machine_describes_itself() -> None:
     if platform.system() != "Linux":
         pytest.skip("/proc/cpuinfo is Linux's")
     assert host.cpu_description() != "unknown CPU (baseline)"
+
+
+def test_a_16_bit_dtype_the_cpu_has_dot_products_for_is_timed_before_it_is_trusted(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """AVX512_BF16 alone is no promise: a Xeon (family 6 model 207, no AMX) ran torch's
+    bfloat16 GEMMs 1.4-1.7x slower than float32's, where a Zen 5 with the same flag ran them
+    1.3x faster. A worker asked for bfloat16 there times one prefill-shaped matmul in each
+    and says which is faster."""
+    monkeypatch.setattr(model_runner, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    for timed, slower in (((5.4, 3.0), True), ((2.3, 3.0), False)):
+        monkeypatch.setattr(model_runner, "prefill_matmul_ms", lambda *_, t=timed: t)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
+            assert model_runner.resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+        warned = [r.getMessage() for r in caplog.records]
+        assert bool(warned) == slower, warned
+        assert all("slower than float32's on this CPU" in w and "5.4 ms, float32 3.0" in w
+                   for w in warned)
+
+
+def test_the_matmul_probe_times_both_dtypes() -> None:
+    ms, ms_float32 = model_runner.prefill_matmul_ms.__wrapped__("bfloat16", 1, rows=16)
+    assert 0 < ms < 10_000 and 0 < ms_float32 < 10_000
