@@ -95,6 +95,10 @@ def register(sub: Any) -> None:
                         "(default: %(default)s)")
     p.add_argument("--devices", type=int, default=0,
                    help="the planner's device budget (default: the number of CPU cores)")
+    p.add_argument("--prefill-profile", type=Path, metavar="PATH",
+                   help="with --planner auto: a profile measured in --prefill-dtype (`distserve "
+                        "profile --dtype`) that prices the disaggregated prefill instances; "
+                        "--plan gives its own (DS_PLANNER_PREFILL_PROFILE)")
     p.add_argument("--ttft", type=float, default=5.0, help="the planner's TTFT objective (s)")
     p.add_argument("--tpot", type=float, default=0.2, help="the planner's TPOT objective (s)")
     p.add_argument("--api-key", action="append", metavar="KEY",
@@ -154,11 +158,40 @@ def apply_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
             print(f"the plan priced its prefill instances in {plan.prefill_dtype}; starting "
                   f"them in {args.prefill_dtype} as --prefill-dtype says", file=sys.stderr)
         args.prefill_dtype = args.prefill_dtype or plan.prefill_dtype or None  # as priced
+        if plan.prefill_profile and args.prefill_dtype == plan.prefill_dtype and \
+                args.prefill_profile is None:
+            args.prefill_profile = Path(plan.prefill_profile)  # the planner prices them so too
     else:
         assert plan.colocated is not None
         args.mode, args.replicas = "colocated", plan.colocated.count
         args.tp, args.pp = plan.colocated.tp, plan.colocated.pp
         args.chunked_prefill = plan.mode == "chunked"
+
+
+def planner_env(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, str]:
+    """The DS_PLANNER_* settings `args` give the planner and the profiler."""
+    try:
+        modes = parse_modes(args.planner_modes)
+    except ValueError as e:
+        parser.error(f"--planner-modes: {e}")
+    env = {"DS_PLANNER_DEVICES": str(args.devices), "DS_PLANNER_TTFT_S": str(args.ttft),
+           "DS_PLANNER_TPOT_S": str(args.tpot), "DS_PLANNER_MODES": ",".join(modes),
+           "DS_PLANNER_SWITCH_MARGIN": str(args.switch_margin)}
+    if args.prefill_profile is not None:
+        from services.planner.profiles import (
+            ProfileError,
+            planner_prefill_profile,
+            planner_profile,
+        )
+        from shared.host import cpu_description
+
+        try:  # refused now, not by a planner that dies at start
+            planner_prefill_profile(str(args.prefill_profile), planner_profile(
+                os.environ.get("DS_PLANNER_PROFILE", ""), args.threads, cpu_description()))
+        except (ProfileError, OSError, ValueError) as e:
+            parser.error(f"--prefill-profile: {e}")
+        env["DS_PLANNER_PREFILL_PROFILE"] = str(args.prefill_profile.resolve())
+    return env
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -173,14 +206,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.ttft <= 0 or args.tpot <= 0 or args.devices < 0 or args.switch_margin < 1:
         parser.error("--ttft and --tpot must be positive, --devices at least 0, "
                      "--switch-margin at least 1")
-    try:
-        modes = parse_modes(args.planner_modes)
-    except ValueError as e:
-        parser.error(f"--planner-modes: {e}")
-    planner_env = {"DS_PLANNER_DEVICES": str(args.devices),
-                   "DS_PLANNER_TTFT_S": str(args.ttft), "DS_PLANNER_TPOT_S": str(args.tpot),
-                   "DS_PLANNER_MODES": ",".join(modes),
-                   "DS_PLANNER_SWITCH_MARGIN": str(args.switch_margin)}
+    env = planner_env(args, parser)
     from shared.engine.meta import read_meta
 
     model = str(Path(args.model).resolve()) if os.path.exists(args.model) else args.model
@@ -202,7 +228,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                              kv_cache_mb=args.kv_cache_mb, chunked_prefill=args.chunked_prefill,
                              run_dir=args.run_dir, planner=args.planner == "auto",
                              api_keys=api_keys(args, parser),
-                             extra_env=planner_env if args.planner == "auto" else {})
+                             extra_env=env if args.planner == "auto" else {})
     except ValueError as e:
         parser.error(str(e))
     # the supervisor says here which child crashed and when it is restarted

@@ -26,7 +26,7 @@ from services.planner.modes import (
     worth_switching,
 )
 from services.planner.placement import Problem
-from services.planner.profiles import Profile
+from services.planner.profiles import Profile, with_prefill_of
 from shared.messages import ReplanRequest, WorkloadSummary
 from shared.metrics import SLO
 from shared.state import Role
@@ -45,6 +45,16 @@ class PlannerConfig:
     max_running: int = 0  # the workers' running requests at most (0: the profile's)
     # roles whose workers' shape `up` fixed; the others' tp is searched (budget.searched_shapes)
     fixed: Mapping[Role, Shape] = field(default_factory=dict)
+    # measured in the prefill workers' dtype where it is not `profile`'s (DS_PREFILL_DTYPE):
+    # the disaggregated mode's prefill instances are priced with it
+    prefill_profile: Profile | None = None
+
+    def profile_of(self, mode: Mode) -> Profile:
+        """What `mode`'s instances are priced with: a colocated worker runs one dtype for
+        both phases (`profile`'s); a disaggregated prefill instance its own."""
+        if mode == "disaggregated" and self.prefill_profile is not None:
+            return with_prefill_of(self.profile, self.prefill_profile)
+        return self.profile
 
 
 @dataclass(frozen=True)
@@ -59,11 +69,16 @@ class Decision:
         return self.plan.deployment
 
 
-def problem_for(workload: WorkloadSummary, config: PlannerConfig,
-                calibration: Calibration) -> Problem:
+def problem_for(workload: WorkloadSummary, config: PlannerConfig, calibration: Calibration,
+                mode: Mode = "colocated") -> Problem:
+    """`mode`'s search on the calibrated profile its instances are priced with. The
+    calibration is each phase's measured steps over the profile of the workers that ran
+    them (services/profiler), so it moves a dtype's price by what the stack measured in
+    another."""
     lengths = Lengths(np.array(workload.prompt_tokens), np.array(workload.output_tokens))
     cv = workload.arrival_cv if workload.arrival_cv > 0 else 1.0
-    return Problem(calibration.apply(config.profile), Workload(lengths, cv=cv), config.slo,
+    return Problem(calibration.apply(config.profile_of(mode)), Workload(lengths, cv=cv),
+                   config.slo,
                    max(workload.rate_rps, 1e-3), 1, config.budget, config.attainment, workers=1,
                    batch_tokens=config.batch_tokens, max_batch=config.max_running)
 
@@ -85,8 +100,9 @@ def decide(request: ReplanRequest, last_workload: WorkloadSummary | None,
     if workload is None:
         return None
     calibration = calibration or Calibration()
-    problem = problem_for(workload, config, calibration)
-    found = candidates(problem, config.budget, MODES, config.fixed)
+    problems = {mode: problem_for(workload, config, calibration, mode) for mode in MODES}
+    found = [c for mode in MODES
+             for c in candidates(problems[mode], config.budget, (mode,), config.fixed)]
     deployable = [c for c in found if c.mode in config.modes]
     if not deployable:
         raise ValueError(f"no {'/'.join(config.modes)} plan fits a budget of {config.budget} "
@@ -94,7 +110,7 @@ def decide(request: ReplanRequest, last_workload: WorkloadSummary | None,
     plan = best(deployable)
     stay = next((c for c in deployable if c.mode == current), None)
     if stay is not None and current_shapes:
-        stay = as_live(stay, current_shapes, problem, config)
+        stay = as_live(stay, current_shapes, problems[stay.mode], config)
     if stay is not None and not worth_switching(plan, stay, config.switch_margin):
         plan = stay
     record: dict[str, Any] = {
@@ -104,6 +120,7 @@ def decide(request: ReplanRequest, last_workload: WorkloadSummary | None,
         "current_shapes": {kind: asdict(shape) for kind, shape in (current_shapes or {}).items()},
         "deployable": list(config.modes), "switch_margin": config.switch_margin,
         "fixed": {role: asdict(shape) for role, shape in config.fixed.items()},
+        "prefill_dtype": config.prefill_profile.dtype if config.prefill_profile else "",
         "candidates": [asdict(c) for c in found],
         "workload": {"rate_rps": workload.rate_rps, "arrival_cv": workload.arrival_cv,
                      "requests": len(workload.prompt_tokens),

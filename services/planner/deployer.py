@@ -61,16 +61,18 @@ def fixed_shapes(env: Mapping[str, str]) -> dict[Role, Shape]:
     return fixed
 
 
-def unpriced_dtypes(env: Mapping[str, str], profile: Profile, on_gpu: bool
-                    ) -> dict[Role, str]:
-    """The roles whose workers compute in another dtype than `profile` was measured in, with
-    that dtype ("auto": float32 on a CPU; on a GPU the worker's choice, not known here). One
-    profile prices every kind online, and the live calibration moves each phase to what the
-    workers measure, so a bfloat16 prefill instance's steps also set the price of the
-    prefills of float32 colocated replicas."""
-    measured = profile.dtype or ("float32" if not on_gpu else "")
+def unpriced_dtypes(env: Mapping[str, str], profile: Profile, on_gpu: bool,
+                    prefill_profile: Profile | None = None) -> dict[Role, str]:
+    """The roles whose workers compute in another dtype than the profile that prices them
+    was measured in (`prefill_profile`, where given, prices the prefill role), with that
+    dtype ("auto": float32 on a CPU; on a GPU the worker's choice, not known here). The live
+    calibration moves each phase to what the workers measure, so a bfloat16 prefill
+    instance priced on a float32 profile also sets the price of the prefills of float32
+    colocated replicas."""
     out: dict[Role, str] = {}
     for role in ROLES:
+        priced = prefill_profile if role == "prefill" and prefill_profile else profile
+        measured = priced.dtype or ("float32" if not on_gpu else "")
         dtype = role_env(env, role).get("DS_DTYPE", "auto")
         if dtype == "auto" and not on_gpu:
             dtype = "float32"

@@ -243,3 +243,18 @@ def planner_profile(path: str, threads: int, host: str = "") -> Profile:
     DS_PLANNER_PROFILE names, else the shipped one for DS_THREADS threads per worker,
     measured on a CPU like `host` where the project has one."""
     return load_profile(path or shipped_cpu_profile(threads, host))
+
+
+def planner_prefill_profile(path: str, profile: Profile) -> Profile | None:
+    """The profile DS_PLANNER_PREFILL_PROFILE names (None where it names none): measured in
+    the prefill workers' dtype (`distserve profile --dtype bfloat16`), it prices the
+    disaggregated mode's prefill instances and their live steps (`with_prefill_of` over
+    `profile`, which must accept it)."""
+    if not path:
+        return None
+    prefiller = load_profile(path)
+    if not prefiller.dtype:
+        raise ProfileError(f"{path} does not say the dtype it was measured in (written before "
+                           "profiles did): measure it again with distserve profile --dtype")
+    with_prefill_of(profile, prefiller)  # refuses another model, a GPU, no tp in common
+    return prefiller

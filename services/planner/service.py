@@ -34,7 +34,12 @@ from services.planner.deployer import (
     unpriced_dtypes,
 )
 from services.planner.modes import MODES, SWITCH_MARGIN, Kind, Mode, parse_modes, serving_mode
-from services.planner.profiles import Profile, measured_elsewhere, planner_profile
+from services.planner.profiles import (
+    Profile,
+    measured_elsewhere,
+    planner_prefill_profile,
+    planner_profile,
+)
 from services.process import ControlService
 from shared import subjects
 from shared.bus import parse
@@ -61,6 +66,9 @@ class PlannerSettings(BaseSettings):
     device: str = "auto"  # the workers' device (DS_DEVICE): "auto" takes a GPU where one is
     heartbeat_ttl_s: float = 2.0
     planner_profile: str = ""  # default: the shipped CPU profile for DS_THREADS
+    # measured in the prefill workers' dtype (DS_PREFILL_DTYPE) where it is not the profile's:
+    # prices the disaggregated mode's prefill instances (`distserve profile --dtype`)
+    planner_prefill_profile: str = ""
     planner_ttft_s: float = 5.0
     planner_tpot_s: float = 0.2
     planner_attainment: float = 0.9
@@ -107,18 +115,27 @@ class PlannerSettings(BaseSettings):
 
     def config(self) -> PlannerConfig:
         profile = self.runnable(self.profile())
-        for role, dtype in unpriced_dtypes(os.environ, profile, self.on_gpu).items():
-            log.warning("the %s workers compute in %s, the profile was measured in %s: every "
-                        "kind's steps of a phase are priced alike (the live calibration moves "
-                        "them to what the workers measure), so the modes weighed online are "
-                        "priced as if all ran one dtype; `distserve plan --prefill-profile` "
-                        "weighs a prefill dtype offline", role, dtype,
-                        profile.dtype or "float32")
+        prefiller = planner_prefill_profile(self.planner_prefill_profile, profile)
+        if prefiller is not None:
+            log.info("pricing disaggregated prefill instances on %s (%s)",
+                     self.planner_prefill_profile, prefiller.dtype)
+        for role, dtype in unpriced_dtypes(os.environ, profile, self.on_gpu,
+                                           prefiller).items():
+            fix = (f"name a profile measured in {dtype} (`distserve profile --dtype {dtype}`) "
+                   "in DS_PLANNER_PREFILL_PROFILE" if role == "prefill" else
+                   "one profile prices the other roles")
+            log.warning("the %s workers compute in %s, their profile was measured in %s: "
+                        "every kind's steps of a phase are priced alike (the live calibration "
+                        "moves them to what the workers measure), so the modes weighed online "
+                        "are priced as if all ran one dtype; %s", role, dtype,
+                        (prefiller if role == "prefill" and prefiller else profile).dtype
+                        or "float32", fix)
         return PlannerConfig(profile, SLO(self.planner_ttft_s, self.planner_tpot_s),
                              self.planner_attainment, self.budget, modes=self.modes,
                              switch_margin=self.planner_switch_margin,
                              batch_tokens=self.max_batch_tokens, max_running=self.max_running,
-                             fixed=priced_shapes(fixed_shapes(os.environ), profile))
+                             fixed=priced_shapes(fixed_shapes(os.environ), profile),
+                             prefill_profile=prefiller)
 
     def runnable(self, profile: Profile) -> Profile:
         """`profile` less the tps the workers cannot run here (`runnable_tps`)."""

@@ -16,7 +16,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.exceptions import RedisError
 
 from services.planner.calibration import Calibration, Calibrator, replan_reason
-from services.planner.profiles import Profile, ProfileError, planner_profile
+from services.planner.profiles import (
+    Profile,
+    ProfileError,
+    planner_prefill_profile,
+    planner_profile,
+    with_prefill_of,
+)
 from services.process import ControlService
 from services.profiler.detector import (
     DetectorConfig,
@@ -50,6 +56,7 @@ class ProfilerSettings(BaseSettings):
     # calibration: the planner's profile (the same DS_ variables the planner reads), the steps
     # it is calibrated over, and how far it may move before the planner replans
     planner_profile: str = ""
+    planner_prefill_profile: str = ""  # prices the prefill workers' steps (their own dtype)
     threads: int = 1
     profiler_calibration_window: int = 2000  # steps per phase at most
     profiler_calibration_window_s: float = 120.0  # of the last this many seconds
@@ -79,10 +86,14 @@ class ProfilerService(ControlService):
         self.seen = 0
         self.calibrator: Calibrator | None = None
         self.profile: Profile | None = None
+        self.prefill_profile: Profile | None = None  # the prefill workers' (with_prefill_of)
         self.unpriced: set[int] = set()  # tps the profile lacks, as logged
         try:
             self.profile = planner_profile(settings.planner_profile, settings.threads,
                                            cpu_description())
+            prefiller = planner_prefill_profile(settings.planner_prefill_profile, self.profile)
+            if prefiller is not None:
+                self.prefill_profile = with_prefill_of(self.profile, prefiller)
             self.calibrator = Calibrator(self.profile.latency(self.profile.tps[0], 1),
                                          settings.profiler_calibration_window,
                                          settings.profiler_calibration_window_s)
@@ -118,9 +129,12 @@ class ProfilerService(ControlService):
                             "watched", info.tp, info.tp)
             return
         # a pipeline's workers report no step shapes (a step of theirs spans micro-batches):
-        # the steps seen are of one stage of `tp` ranks
+        # the steps seen are of one stage of `tp` ranks; a prefill worker's priced in its
+        # own dtype, so each phase's correction is the stack's over the right profile
+        priced = self.prefill_profile if info.role == "prefill" and self.prefill_profile \
+            else self.profile
         observed = calibrator.observe(info.instance_id, info.recent_steps,
-                                      self.profile.latency(info.tp, 1), info.machine,
+                                      priced.latency(info.tp, 1), info.machine,
                                       info.heartbeat_at, info.steps, info.busy_since)
         # fitted at most once a second (every worker heartbeats twice a second; a fit takes
         # 4-20 ms), and saved when it moved (no Redis write for every heartbeat that moves

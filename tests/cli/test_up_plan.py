@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from distserve.cli import build_parser
-from distserve.commands.up import apply_plan
+from distserve.commands.up import apply_plan, planner_env
 from services.planner.plan import Plan
 from services.planner.profiling import Grid
 from tests.model_dirs import write_random
@@ -138,14 +138,22 @@ def test_the_plan_prices_prefill_in_the_dtype_of_its_profile_and_up_starts_it_so
     assert bool(plan.candidates[1].error) == (not chosen)  # the slower one meets no TTFT
     assert f"recommended: {plan.candidate().label}" in " ".join(planned.stdout.split())
     assert bool(plan.prefill_profile) == bool(chosen)
-    args, parser = parsed("--plan", str(plan_file))
+    args, parser = parsed("--plan", str(plan_file), "--planner", "auto")
     apply_plan(args, parser)
     assert (args.mode, args.prefill_dtype) == ("disaggregated", chosen or None)
+    # the online planner prices the prefill instances as the plan did
+    assert planner_env(args, parser).get("DS_PLANNER_PREFILL_PROFILE") == (
+        str((tmp_path / "bf16.json").resolve()) if chosen else None)
     args, parser = parsed("--plan", str(plan_file), "--prefill-dtype", "float32")
     apply_plan(args, parser)  # a dtype given wins, said where the plan priced another
     assert args.prefill_dtype == "float32"
+    assert "DS_PLANNER_PREFILL_PROFILE" not in planner_env(args, parser)
     assert ("priced its prefill instances in bfloat16" in capsys.readouterr().err) == bool(
         chosen)
+    args, parser = parsed("--prefill-profile", str(PROFILE))  # says no dtype: refused
+    with pytest.raises(SystemExit):
+        planner_env(args, parser)
+    assert "does not say the dtype" in capsys.readouterr().err
     simulated = subprocess.run(
         [sys.executable, "-m", "distserve.cli", "simulate", "--plan", str(plan_file),
          "--workload", "fixed:512:16", "--requests", "100"],

@@ -10,7 +10,7 @@ from services.planner.budget import ONE, Shape
 from services.planner.decide import PlannerConfig, decide
 from services.planner.deployer import priced_shapes, runnable_tps
 from services.planner.modes import MODES
-from services.planner.profiles import load_profile, shipped_cpu_profile
+from services.planner.profiles import SHIPPED_PROFILES, load_profile, shipped_cpu_profile
 from shared.engine.meta import read_config
 from shared.messages import ReplanRequest, WorkloadSummary
 from shared.metrics import SLO
@@ -205,3 +205,33 @@ def test_live_workers_of_a_tp_the_profile_lacks_never_stop_the_planner() -> None
                   current_shapes=live)
     fresh = decide(request, None, CONFIG, now=1.0)
     assert free is not None and fresh is not None and free.plan == fresh.plan
+
+
+def test_a_prefill_profile_prices_the_disaggregated_prefill_instances_alone() -> None:
+    """`up --prefill-dtype bfloat16` with the profile measured in it
+    (DS_PLANNER_PREFILL_PROFILE): the disaggregated mode's prefill instances are priced on
+    it (on the Zen 5 profiles a bfloat16 prefill is the faster: more goodput), the colocated
+    modes, whose workers run float32 for both phases, as without it; the record says the
+    dtype and replays."""
+    zen5 = SHIPPED_PROFILES / "smollm2-135m-cpu-1thread-amd-epyc-zen5"
+    fp32, bf16 = load_profile(f"{zen5}.json"), load_profile(f"{zen5}-bfloat16.json")
+    assert bf16.latency(1, 1).prefill_latency_s(512, 512 * 512) < \
+        0.9 * fp32.latency(1, 1).prefill_latency_s(512, 512 * 512)
+    # long prompts, a decode batch's TPOT to spare: the prefill instances set the goodput
+    request = ReplanRequest(reasons=["x"], workload=WorkloadSummary(
+        rate_rps=1.0, arrival_cv=1.0, prompt_tokens=[512] * 20, output_tokens=[32] * 20))
+    plain = PlannerConfig(fp32, SLO(2.0, 0.1), 0.9, 4)
+    mixed = dataclasses.replace(plain, prefill_profile=bf16)
+    before, after = (decide(request, None, c, now=1.0) for c in (plain, mixed))
+    assert before is not None and after is not None
+    by_mode = [{c.mode: c for c in d.candidates} for d in (before, after)]
+    assert by_mode[1]["disaggregated"].goodput_rps > 1.05 * by_mode[0]["disaggregated"]\
+        .goodput_rps
+    for mode in ("colocated", "chunked"):
+        assert by_mode[1][mode] == by_mode[0][mode]
+    assert (before.record["prefill_dtype"], after.record["prefill_dtype"]) == ("", "bfloat16")
+    stored = json.loads(json.dumps(after.record))
+    again = decide(ReplanRequest(reasons=stored["reasons"],
+                                 workload=WorkloadSummary(**stored["inputs"])),
+                   None, mixed, now=stored["made_at"])
+    assert again is not None and json.loads(json.dumps(again.record)) == stored

@@ -43,6 +43,10 @@ def test_roles_computing_in_another_dtype_than_the_profile_are_named() -> None:
     assert unpriced_dtypes(settings, bf16, on_gpu=False) == {"decode": "float32",
                                                              "colocated": "float32"}
     assert unpriced_dtypes(StackConfig().role_settings(), fp32, on_gpu=False) == {}
+    # a prefill profile in the prefill workers' dtype (DS_PLANNER_PREFILL_PROFILE) prices them
+    assert unpriced_dtypes(settings, fp32, on_gpu=False, prefill_profile=bf16) == {}
+    assert unpriced_dtypes(StackConfig().role_settings(), fp32, on_gpu=False,
+                           prefill_profile=bf16) == {"prefill": "float32"}
     # on a GPU "auto" is the worker's choice: only a dtype given is compared
     assert unpriced_dtypes(settings, bf16, on_gpu=True) == {}
 

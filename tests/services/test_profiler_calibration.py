@@ -8,10 +8,12 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import pytest
 from nats.aio.msg import Msg
 from redis import Redis
 
-from services.planner.profiles import shipped_cpu_profile
+from services.planner.calibration import Calibration
+from services.planner.profiles import SHIPPED_PROFILES, load_profile, shipped_cpu_profile
 from services.profiler.detector import RequestEvent
 from services.profiler.service import ProfilerService, ProfilerSettings
 from shared import subjects
@@ -100,3 +102,48 @@ def test_step_times_that_move_ask_for_a_plan_at_most_once_a_cooldown(
     # what the planner reads when it plans again: the calibration as last saved
     saved = Redis.from_url(redis_url).get(subjects.CALIBRATION_KEY)
     assert saved is not None and b'"decode_steps"' in saved
+
+
+def test_prefill_workers_steps_are_calibrated_against_their_own_dtypes_profile(
+        nats_url: str, redis_url: str) -> None:
+    """bfloat16 prefill workers (DS_PREFILL_DTYPE) whose steps take what the bfloat16 profile
+    says (DS_PLANNER_PREFILL_PROFILE) calibrate the prefill phase at 1.0: the stack runs as
+    profiled, so float32 colocated replicas keep their float32 price. Against the float32
+    profile alone the same steps read as a faster host (the profiles' ratio) and would
+    price float32 prefills as fast as bfloat16 ones."""
+    zen5 = SHIPPED_PROFILES / "smollm2-135m-cpu-1thread-amd-epyc-zen5"
+    fp32, bf16 = f"{zen5}.json", f"{zen5}-bfloat16.json"
+    prefill_steps = recorded_steps(1.0, 1.0, 120, latency=load_profile(bf16).latency(1, 1))
+    decode_steps = recorded_steps(1.0, 1.0, 120, seed=1, latency=load_profile(fp32).latency(1, 1))
+
+    async def calibrated(prefill_profile: str) -> Calibration:
+        service = ProfilerService(ProfilerSettings(
+            nats_url=nats_url, redis_url=redis_url, planner_profile=fp32,
+            planner_prefill_profile=prefill_profile, profiler_calibrate_every_s=0.0))
+        assert service.calibrator is not None
+        stop = asyncio.Event()
+        served = asyncio.create_task(service.run(stop))
+        nc = await connect(nats_url, "test")
+        await until(lambda: Redis.from_url(redis_url).get(subjects.ready_key("profiler"))
+                    is not None, "the profiler")
+        for role, steps in (("prefill", [s for s in prefill_steps if s.prompts]),
+                            ("decode", [s for s in decode_steps if not s.prompts])):
+            await publish(nc, subjects.HEARTBEATS, InstanceInfo(
+                instance_id=f"{role}-0", role=role, recent_steps=steps, steps=len(steps),
+                heartbeat_at=1000.0))
+        await until(lambda: service.calibration.prefill_steps == 40
+                    and service.calibration.decode_steps == 80, "both roles' steps")
+        await nc.close()
+        stop.set()
+        await served
+        return service.calibration
+
+    own = asyncio.run(calibrated(bf16))
+    assert own.prefill == pytest.approx(1.0, rel=0.03)
+    assert own.decode == pytest.approx(1.0, rel=0.03)
+    ratio = load_profile(bf16).latency(1, 1).prefill_latency_s(300, 300 * 300) / \
+        load_profile(fp32).latency(1, 1).prefill_latency_s(300, 300 * 300)
+    assert ratio < 0.9
+    Redis.from_url(redis_url).delete(subjects.CALIBRATION_KEY)
+    alone = asyncio.run(calibrated(""))
+    assert alone.prefill == pytest.approx(ratio, rel=0.06)
