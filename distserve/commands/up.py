@@ -158,14 +158,50 @@ def apply_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
             print(f"the plan priced its prefill instances in {plan.prefill_dtype}; starting "
                   f"them in {args.prefill_dtype} as --prefill-dtype says", file=sys.stderr)
         args.prefill_dtype = args.prefill_dtype or plan.prefill_dtype or None  # as priced
-        if plan.prefill_profile and args.prefill_dtype == plan.prefill_dtype and \
-                args.prefill_profile is None:
-            args.prefill_profile = Path(plan.prefill_profile)  # the planner prices them so too
+        if plan.prefill_profile and args.planner == "auto" and args.prefill_profile is None \
+                and args.prefill_dtype == plan.prefill_dtype:  # priced online as planned
+            args.prefill_profile = plans_prefill_profile(args, plan.prefill_profile)
     else:
         assert plan.colocated is not None
         args.mode, args.replicas = "colocated", plan.colocated.count
         args.tp, args.pp = plan.colocated.tp, plan.colocated.pp
         args.chunked_prefill = plan.mode == "chunked"
+
+
+def prefill_profile_problem(args: argparse.Namespace, path: Path) -> str | None:
+    """Why the online planner could not price the prefill instances `args` start on the
+    profile at `path` (None: it can): a file that does not say its dtype, of another dtype
+    than those instances compute in, or of another model or tps than the planner's own
+    profile (DS_PLANNER_PROFILE, else the shipped one for this CPU)."""
+    from services.planner.profiles import ProfileError, planner_prefill_profile, planner_profile
+    from shared.host import cpu_description
+
+    try:
+        prefiller = planner_prefill_profile(str(path), planner_profile(
+            os.environ.get("DS_PLANNER_PROFILE", ""), args.threads, cpu_description()))
+    except (ProfileError, OSError, ValueError) as e:
+        return str(e)
+    assert prefiller is not None
+    dtype = args.prefill_dtype or args.dtype
+    dtype = "float32" if dtype == "auto" else dtype  # a CPU's (a prefill profile is a CPU's)
+    if prefiller.dtype != dtype:
+        return (f"{path} was measured in {prefiller.dtype}, the prefill instances compute in "
+                f"{dtype} (--prefill-dtype)")
+    return None
+
+
+def plans_prefill_profile(args: argparse.Namespace, named: str) -> Path | None:
+    """The plan's prefill profile (a path as `plan` was given it: from here, else beside the
+    plan file), where the online planner can price the prefill instances on it; else None,
+    said (the planner prices them on its own profile, and says so)."""
+    path = Path(named)
+    if not path.is_absolute() and not path.exists():
+        path = args.plan.parent / named
+    problem = prefill_profile_problem(args, path)
+    if problem is None:
+        return path
+    print(f"the plan's prefill_profile is not used online: {problem}", file=sys.stderr)
+    return None
 
 
 def planner_env(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, str]:
@@ -178,18 +214,12 @@ def planner_env(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
            "DS_PLANNER_TPOT_S": str(args.tpot), "DS_PLANNER_MODES": ",".join(modes),
            "DS_PLANNER_SWITCH_MARGIN": str(args.switch_margin)}
     if args.prefill_profile is not None:
-        from services.planner.profiles import (
-            ProfileError,
-            planner_prefill_profile,
-            planner_profile,
-        )
-        from shared.host import cpu_description
-
-        try:  # refused now, not by a planner that dies at start
-            planner_prefill_profile(str(args.prefill_profile), planner_profile(
-                os.environ.get("DS_PLANNER_PROFILE", ""), args.threads, cpu_description()))
-        except (ProfileError, OSError, ValueError) as e:
-            parser.error(f"--prefill-profile: {e}")
+        if args.planner != "auto":
+            parser.error("--prefill-profile prices the planner's prefill instances: give "
+                         "--planner auto")
+        problem = prefill_profile_problem(args, args.prefill_profile)
+        if problem is not None:  # refused now, not by a planner that warns at start
+            parser.error(f"--prefill-profile: {problem}")
         env["DS_PLANNER_PREFILL_PROFILE"] = str(args.prefill_profile.resolve())
     return env
 

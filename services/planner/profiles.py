@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,8 @@ from typing import Any
 
 from services.planner.latency import Contention, LatencyModel, PhaseCoefficients
 from services.planner.models import ModelSpec, model_spec
+
+log = logging.getLogger(__name__)
 
 FORMAT = "distserve-profile/1"
 ARTIFACT_STAGE_OVERHEAD_MS = 1.0  # the artifact's "+ pp" per-stage overhead
@@ -257,4 +260,29 @@ def planner_prefill_profile(path: str, profile: Profile) -> Profile | None:
         raise ProfileError(f"{path} does not say the dtype it was measured in (written before "
                            "profiles did): measure it again with distserve profile --dtype")
     with_prefill_of(profile, prefiller)  # refuses another model, a GPU, no tp in common
+    return prefiller
+
+
+def unmeasured_prefill_shapes(profile: Profile, prefiller: Profile) -> list[str]:
+    """The tps and pipelines of `profile` that `prefiller` did not measure: `with_prefill_of`
+    prices their prefills in `profile`'s dtype."""
+    return [f"tp {tp}" for tp in profile.tps if tp not in prefiller.by_tp] + \
+        [f"tp {tp} x pp {pp}" for tp, pp in profile.pipelines if (tp, pp) not in
+         prefiller.pipelines]
+
+
+def prefill_profile_or_none(path: str, profile: Profile) -> Profile | None:
+    """`planner_prefill_profile`, or None where it cannot price the prefill instances (said:
+    they are priced on `profile` then, as the planner and the profiler both fall back to),
+    with the shapes it lacks said too."""
+    try:
+        prefiller = planner_prefill_profile(path, profile)
+    except (ProfileError, OSError, ValueError) as e:
+        log.warning("DS_PLANNER_PREFILL_PROFILE %s cannot price the prefill instances (%s): "
+                    "pricing them on the planner's profile", path, e)
+        return None
+    if prefiller is not None and (lacking := unmeasured_prefill_shapes(profile, prefiller)):
+        # `profile` is a CPU's (with_prefill_of refuses others): float32 where it says none
+        log.warning("%s has no %s: prefill instances of those are priced in %s", path,
+                    ", ".join(lacking), profile.dtype or "float32")
     return prefiller

@@ -37,8 +37,8 @@ from services.planner.modes import MODES, SWITCH_MARGIN, Kind, Mode, parse_modes
 from services.planner.profiles import (
     Profile,
     measured_elsewhere,
-    planner_prefill_profile,
     planner_profile,
+    prefill_profile_or_none,
 )
 from services.process import ControlService
 from shared import subjects
@@ -115,7 +115,7 @@ class PlannerSettings(BaseSettings):
 
     def config(self) -> PlannerConfig:
         profile = self.runnable(self.profile())
-        prefiller = planner_prefill_profile(self.planner_prefill_profile, profile)
+        prefiller = prefill_profile_or_none(self.planner_prefill_profile, profile)
         if prefiller is not None:
             log.info("pricing disaggregated prefill instances on %s (%s)",
                      self.planner_prefill_profile, prefiller.dtype)

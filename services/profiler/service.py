@@ -19,8 +19,8 @@ from services.planner.calibration import Calibration, Calibrator, replan_reason
 from services.planner.profiles import (
     Profile,
     ProfileError,
-    planner_prefill_profile,
     planner_profile,
+    prefill_profile_or_none,
     with_prefill_of,
 )
 from services.process import ControlService
@@ -91,14 +91,15 @@ class ProfilerService(ControlService):
         try:
             self.profile = planner_profile(settings.planner_profile, settings.threads,
                                            cpu_description())
-            prefiller = planner_prefill_profile(settings.planner_prefill_profile, self.profile)
-            if prefiller is not None:
-                self.prefill_profile = with_prefill_of(self.profile, prefiller)
             self.calibrator = Calibrator(self.profile.latency(self.profile.tps[0], 1),
                                          settings.profiler_calibration_window,
                                          settings.profiler_calibration_window_s)
         except (ProfileError, OSError) as e:  # shift detection goes on without it
             log.warning("no latency profile to calibrate (%s): step times are not watched", e)
+        if self.profile is not None:  # as the planner prices them (it falls back alike)
+            prefiller = prefill_profile_or_none(settings.planner_prefill_profile, self.profile)
+            if prefiller is not None:
+                self.prefill_profile = with_prefill_of(self.profile, prefiller)
         self.calibration = Calibration()  # as last saved
         self.clock = time.monotonic  # of saved_at, fitted_at and replanned_at
         self.saved_at = self.fitted_at = -math.inf

@@ -150,8 +150,35 @@ def test_the_plan_prices_prefill_in_the_dtype_of_its_profile_and_up_starts_it_so
     assert "DS_PLANNER_PREFILL_PROFILE" not in planner_env(args, parser)
     assert ("priced its prefill instances in bfloat16" in capsys.readouterr().err) == bool(
         chosen)
-    args, parser = parsed("--prefill-profile", str(PROFILE))  # says no dtype: refused
-    with pytest.raises(SystemExit):
+    if chosen:
+        # with the planner off, nothing online to price: the plan's profile is not read
+        args, parser = parsed("--plan", str(plan_file))
+        apply_plan(args, parser)
+        assert args.prefill_profile is None
+        assert "DS_PLANNER_PREFILL_PROFILE" not in planner_env(args, parser)
+        # a plan made with a relative path, moved beside its profile, still finds it
+        moved = tmp_path / "moved"
+        moved.mkdir()
+        (moved / "bf16.json").write_text((tmp_path / "bf16.json").read_text())
+        (moved / "plan.json").write_text(plan.model_copy(
+            update={"prefill_profile": "bf16.json"}).model_dump_json())
+        args, parser = parsed("--plan", str(moved / "plan.json"), "--planner", "auto")
+        apply_plan(args, parser)
+        assert planner_env(args, parser)["DS_PLANNER_PREFILL_PROFILE"] == str(
+            (moved / "bf16.json").resolve())
+    for argv, reason in (((), "give --planner auto"),
+                         (("--planner", "auto"), "measured in bfloat16, the prefill "
+                          "instances compute in float32"),
+                         (("--planner", "auto", "--prefill-dtype", "bfloat16"), "")):
+        args, parser = parsed("--prefill-profile", str(tmp_path / "bf16.json"), *argv)
+        if not reason:  # the prefill instances' dtype: taken
+            assert planner_env(args, parser)["DS_PLANNER_PREFILL_PROFILE"]
+            continue
+        with pytest.raises(SystemExit):
+            planner_env(args, parser)
+        assert reason in capsys.readouterr().err
+    args, parser = parsed("--prefill-profile", str(PROFILE), "--planner", "auto")
+    with pytest.raises(SystemExit):  # says no dtype: refused
         planner_env(args, parser)
     assert "does not say the dtype" in capsys.readouterr().err
     simulated = subprocess.run(

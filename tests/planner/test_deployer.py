@@ -4,6 +4,11 @@ deployer gives a new worker its role's; the tp `up` left alone, the plan chooses
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
 import pytest
 
 from services.launcher import StackConfig
@@ -16,7 +21,8 @@ from services.planner.deployer import (
     role_env,
     unpriced_dtypes,
 )
-from services.planner.profiles import SHIPPED_PROFILES, load_profile
+from services.planner.profiles import SHIPPED_PROFILES, load_profile, prefill_profile_or_none
+from services.planner.service import PlannerSettings
 from shared.state import InstanceInfo
 
 
@@ -49,6 +55,34 @@ def test_roles_computing_in_another_dtype_than_the_profile_are_named() -> None:
                            prefill_profile=bf16) == {"prefill": "float32"}
     # on a GPU "auto" is the worker's choice: only a dtype given is compared
     assert unpriced_dtypes(settings, bf16, on_gpu=True) == {}
+
+
+def test_the_planner_takes_the_prefill_profile_or_says_why_not(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """DS_PLANNER_PREFILL_PROFILE reaches the planner's config; one that cannot price the
+    prefill instances (no such file, no dtype said) is left out with the reason, not a
+    planner that dies at start; tps it lacks are named (priced in the base dtype)."""
+    zen5 = SHIPPED_PROFILES / "smollm2-135m-cpu-1thread-amd-epyc-zen5"
+    settings = PlannerSettings(planner_profile=f"{zen5}.json",
+                               planner_prefill_profile=f"{zen5}-bfloat16.json")
+    prefiller = settings.config().prefill_profile
+    assert prefiller is not None and prefiller.dtype == "bfloat16"
+    undated = json.loads(Path(f"{zen5}-bfloat16.json").read_text())
+    del undated["dtype"]
+    (tmp_path / "undated.json").write_text(json.dumps(undated))
+    for bad, reason in ((tmp_path / "gone.json", "does not exist"),
+                        (tmp_path / "undated.json", "does not say the dtype")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            config = settings.model_copy(update={"planner_prefill_profile": str(bad)}).config()
+        assert config.prefill_profile is None
+        assert reason in caplog.text and "pricing them on the planner's profile" in caplog.text
+    fp32 = load_profile(f"{zen5}.json")
+    two = dataclasses.replace(fp32, by_tp={1: fp32.by_tp[1], 2: fp32.by_tp[1]})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert prefill_profile_or_none(f"{zen5}-bfloat16.json", two) is not None
+    assert "has no tp 2: prefill instances of those are priced in float32" in caplog.text
 
 
 def test_a_roles_quantized_weights_and_a_16_bit_dtype_are_refused_before_anything_starts(
