@@ -325,6 +325,9 @@ class Calibrator:
     # (steps age by the newest step of any machine: a host whose clock lags the others' by
     # more than `window_s` has its steps aged at once)
     whole: bool = False  # the steps are a record given whole (bench compare's): none is late
+    # the other models its steps are priced on (a prefill profile's, where the prefill workers
+    # compute in another dtype): a correction must suit them all (`_constant_s`)
+    also: tuple[LatencyModel, ...] = ()
 
     def __post_init__(self) -> None:
         self.steps: dict[Phase, deque[Timed]] = {phase: deque(maxlen=self.window)
@@ -423,10 +426,13 @@ class Calibrator:
             self._listening.pop(machine or "", None)  # heard again: its instances told anew
 
     def _constant_s(self, phase: str) -> float:
-        """The smallest constant of the phase's fitted step times, in seconds."""
-        co = self.latency.coefficients
-        constants = [co.prefill[0]] if phase == "prefill" else [co.decode_small[0],
-                                                                 co.decode_large[0]]
+        """The smallest constant of the phase's fitted step times, in seconds, of every model
+        the correction prices."""
+        constants = []
+        for model in (self.latency, *self.also):
+            co = model.coefficients
+            constants += [co.prefill[0]] if phase == "prefill" else [co.decode_small[0],
+                                                                      co.decode_large[0]]
         return min(constants) / 1e3
 
     def placed(self, phase: Phase) -> list[tuple[Timed, Moments | None]]:

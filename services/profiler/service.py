@@ -91,15 +91,19 @@ class ProfilerService(ControlService):
         try:
             self.profile = planner_profile(settings.planner_profile, settings.threads,
                                            cpu_description())
-            self.calibrator = Calibrator(self.profile.latency(self.profile.tps[0], 1),
-                                         settings.profiler_calibration_window,
-                                         settings.profiler_calibration_window_s)
         except (ProfileError, OSError) as e:  # shift detection goes on without it
             log.warning("no latency profile to calibrate (%s): step times are not watched", e)
-        if self.profile is not None:  # as the planner prices them (it falls back alike)
+        if self.profile is not None:
+            # the prefill workers' steps priced in their own dtype, as the planner prices
+            # them (both fall back to the profile alike)
             prefiller = prefill_profile_or_none(settings.planner_prefill_profile, self.profile)
             if prefiller is not None:
                 self.prefill_profile = with_prefill_of(self.profile, prefiller)
+            tp = self.profile.tps[0]
+            self.calibrator = Calibrator(
+                self.profile.latency(tp, 1), settings.profiler_calibration_window,
+                settings.profiler_calibration_window_s,
+                also=(self.prefill_profile.latency(tp, 1),) if self.prefill_profile else ())
         self.calibration = Calibration()  # as last saved
         self.clock = time.monotonic  # of saved_at, fitted_at and replanned_at
         self.saved_at = self.fitted_at = -math.inf

@@ -622,3 +622,23 @@ def test_steps_that_met_both_phases_give_both_factors() -> None:
     # (the other prefill's steps priced to a whole token)
     assert found.contention["prefill_by_decode"] == pytest.approx(1.4, rel=0.01)
     assert found.contention["prefill_by_prefill"] == pytest.approx(1.5, rel=0.01)
+
+
+def test_a_fixed_time_a_step_suits_every_model_the_correction_prices() -> None:
+    """Prefill steps 5 ms faster than the profile a step, of one size: a fixed time fits
+    them (within the profile's own constant); where a prefill profile whose constant is
+    smaller than 5 ms also takes the correction (`also`, the profiler's with
+    DS_PLANNER_PREFILL_PROFILE), a fixed time would price its small prefills below zero:
+    the scale then."""
+    big = dataclasses.replace(LATENCY, coefficients=dataclasses.replace(
+        LATENCY.coefficients, prefill=(20.0, *LATENCY.coefficients.prefill[1:])))
+    small = dataclasses.replace(big, coefficients=dataclasses.replace(
+        big.coefficients, prefill=(2.0, *big.coefficients.prefill[1:])))
+    steps = [StepSample(step=i, prompts=[200], seconds=big.prefill_latency_s(200, 200 ** 2)
+                        - 0.005) for i in range(1, 31)]
+    fitted = []
+    for also in ((), (small,)):
+        calibrator = Calibrator(big, also=also)
+        calibrator.observe("prefill-0", steps)
+        fitted.append(calibrator.calibration().prefill_fit)
+    assert fitted == ["offset", "scale"]
