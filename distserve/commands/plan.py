@@ -18,7 +18,13 @@ from services.planner.low_affinity import low_affinity
 from services.planner.models import UnknownModelError
 from services.planner.placement import NoFeasiblePlan, Problem, high_affinity
 from services.planner.plan import ModeCandidate, Plan
-from services.planner.profiles import Profile, ProfileError, load_profile, with_prefill_of
+from services.planner.profiles import (
+    Profile,
+    ProfileError,
+    load_prefill_profile,
+    load_profile,
+    with_prefill_of,
+)
 from shared.metrics import SLO
 from shared.workloads import WorkloadError
 
@@ -156,11 +162,7 @@ def prefill_problem(args: argparse.Namespace, parser: argparse.ArgumentParser,
                      f"{args.mode} has none (a colocated worker runs one dtype: plan it with "
                      "that dtype's profile as --profile)")
     try:
-        prefiller = load_profile(args.prefill_profile, args.model)
-        if not prefiller.dtype:
-            parser.error(f"--prefill-profile {args.prefill_profile} does not say the dtype it "
-                         "was measured in (written before profiles did): measure it again "
-                         "with distserve profile --dtype")
+        prefiller = load_prefill_profile(args.prefill_profile, problem.profile, args.model)
         mixed = with_prefill_of(problem.profile, prefiller)
     except ProfileError as e:
         parser.error(f"--prefill-profile: {e}")

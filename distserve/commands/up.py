@@ -99,6 +99,7 @@ def register(sub: Any) -> None:
                    help="with --planner auto: a profile measured in --prefill-dtype (`distserve "
                         "profile --dtype`) that prices the disaggregated prefill instances; "
                         "--plan gives its own (DS_PLANNER_PREFILL_PROFILE)")
+    p.set_defaults(plan_prefill_profile=None)  # the plan's, with --plan (apply_plan)
     p.add_argument("--ttft", type=float, default=5.0, help="the planner's TTFT objective (s)")
     p.add_argument("--tpot", type=float, default=0.2, help="the planner's TPOT objective (s)")
     p.add_argument("--api-key", action="append", metavar="KEY",
@@ -160,7 +161,10 @@ def apply_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         args.prefill_dtype = args.prefill_dtype or plan.prefill_dtype or None  # as priced
         if plan.prefill_profile and args.planner == "auto" and args.prefill_profile is None \
                 and args.prefill_dtype == plan.prefill_dtype:  # priced online as planned
-            args.prefill_profile = plans_prefill_profile(args, plan.prefill_profile)
+            # a path as `plan` was given it: from here, else beside the plan file
+            named = Path(plan.prefill_profile)
+            args.plan_prefill_profile = named if named.is_absolute() or named.exists() \
+                else args.plan.parent / named
     else:
         assert plan.colocated is not None
         args.mode, args.replicas = "colocated", plan.colocated.count
@@ -170,18 +174,17 @@ def apply_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
 
 def prefill_profile_problem(args: argparse.Namespace, path: Path) -> str | None:
     """Why the online planner could not price the prefill instances `args` start on the
-    profile at `path` (None: it can): a file that does not say its dtype, of another dtype
-    than those instances compute in, or of another model or tps than the planner's own
-    profile (DS_PLANNER_PROFILE, else the shipped one for this CPU)."""
-    from services.planner.profiles import ProfileError, planner_prefill_profile, planner_profile
+    profile at `path` (None: it can): `load_prefill_profile`'s refusals against the planner's
+    own profile (DS_PLANNER_PROFILE, else the shipped one for this CPU), or a profile of
+    another dtype than those instances compute in."""
+    from services.planner.profiles import ProfileError, load_prefill_profile, planner_profile
     from shared.host import cpu_description
 
     try:
-        prefiller = planner_prefill_profile(str(path), planner_profile(
+        prefiller = load_prefill_profile(path, planner_profile(
             os.environ.get("DS_PLANNER_PROFILE", ""), args.threads, cpu_description()))
     except (ProfileError, OSError, ValueError) as e:
         return str(e)
-    assert prefiller is not None
     dtype = args.prefill_dtype or args.dtype
     dtype = "float32" if dtype == "auto" else dtype  # a CPU's (a prefill profile is a CPU's)
     if prefiller.dtype != dtype:
@@ -190,22 +193,10 @@ def prefill_profile_problem(args: argparse.Namespace, path: Path) -> str | None:
     return None
 
 
-def plans_prefill_profile(args: argparse.Namespace, named: str) -> Path | None:
-    """The plan's prefill profile (a path as `plan` was given it: from here, else beside the
-    plan file), where the online planner can price the prefill instances on it; else None,
-    said (the planner prices them on its own profile, and says so)."""
-    path = Path(named)
-    if not path.is_absolute() and not path.exists():
-        path = args.plan.parent / named
-    problem = prefill_profile_problem(args, path)
-    if problem is None:
-        return path
-    print(f"the plan's prefill_profile is not used online: {problem}", file=sys.stderr)
-    return None
-
-
 def planner_env(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, str]:
-    """The DS_PLANNER_* settings `args` give the planner and the profiler."""
+    """The DS_PLANNER_* settings `args` give the planner and the profiler. A
+    `--prefill-profile` that cannot price the prefill instances is refused; the plan's
+    (`apply_plan`) is left out, said (the planner prices them on its own profile)."""
     try:
         modes = parse_modes(args.planner_modes)
     except ValueError as e:
@@ -213,14 +204,17 @@ def planner_env(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
     env = {"DS_PLANNER_DEVICES": str(args.devices), "DS_PLANNER_TTFT_S": str(args.ttft),
            "DS_PLANNER_TPOT_S": str(args.tpot), "DS_PLANNER_MODES": ",".join(modes),
            "DS_PLANNER_SWITCH_MARGIN": str(args.switch_margin)}
-    if args.prefill_profile is not None:
-        if args.planner != "auto":
-            parser.error("--prefill-profile prices the planner's prefill instances: give "
-                         "--planner auto")
-        problem = prefill_profile_problem(args, args.prefill_profile)
-        if problem is not None:  # refused now, not by a planner that warns at start
-            parser.error(f"--prefill-profile: {problem}")
-        env["DS_PLANNER_PREFILL_PROFILE"] = str(args.prefill_profile.resolve())
+    if args.prefill_profile is not None and args.planner != "auto":
+        parser.error("--prefill-profile prices the planner's prefill instances: give "
+                     "--planner auto")
+    path = args.prefill_profile or args.plan_prefill_profile
+    problem = None if path is None else prefill_profile_problem(args, path)
+    if problem is not None and args.prefill_profile is not None:
+        parser.error(f"--prefill-profile: {problem}")  # now, not by a planner warning at start
+    if problem is not None:
+        print(f"the plan's prefill_profile is not used online: {problem}", file=sys.stderr)
+    elif path is not None:
+        env["DS_PLANNER_PREFILL_PROFILE"] = str(path.resolve())
     return env
 
 

@@ -248,14 +248,14 @@ def planner_profile(path: str, threads: int, host: str = "") -> Profile:
     return load_profile(path or shipped_cpu_profile(threads, host))
 
 
-def planner_prefill_profile(path: str, profile: Profile) -> Profile | None:
-    """The profile DS_PLANNER_PREFILL_PROFILE names (None where it names none): measured in
-    the prefill workers' dtype (`distserve profile --dtype bfloat16`), it prices the
-    disaggregated mode's prefill instances and their live steps (`with_prefill_of` over
-    `profile`, which must accept it)."""
-    if not path:
-        return None
-    prefiller = load_profile(path)
+def load_prefill_profile(path: str | Path, profile: Profile, model: str | None = None
+                         ) -> Profile:
+    """The profile at `path`, measured in the prefill instances' dtype (`distserve profile
+    --dtype bfloat16`), to price a disaggregated stack's prefill instances over `profile`
+    (`with_prefill_of`); ProfileError where it cannot: it does not say its dtype, or is of
+    another model, a GPU's, or of no tp `profile` has. `model` picks one out of an artifact
+    file."""
+    prefiller = load_profile(path, model)
     if not prefiller.dtype:
         raise ProfileError(f"{path} does not say the dtype it was measured in (written before "
                            "profiles did): measure it again with distserve profile --dtype")
@@ -272,16 +272,19 @@ def unmeasured_prefill_shapes(profile: Profile, prefiller: Profile) -> list[str]
 
 
 def prefill_profile_or_none(path: str, profile: Profile) -> Profile | None:
-    """`planner_prefill_profile`, or None where it cannot price the prefill instances (said:
-    they are priced on `profile` then, as the planner and the profiler both fall back to),
-    with the shapes it lacks said too."""
+    """The profile DS_PLANNER_PREFILL_PROFILE names (`load_prefill_profile`), or None where it
+    names none or one that cannot price the prefill instances (said: they are priced on
+    `profile` then, as the planner and the profiler both fall back to), with the shapes it
+    lacks said too."""
+    if not path:
+        return None
     try:
-        prefiller = planner_prefill_profile(path, profile)
+        prefiller = load_prefill_profile(path, profile)
     except (ProfileError, OSError, ValueError) as e:
         log.warning("DS_PLANNER_PREFILL_PROFILE %s cannot price the prefill instances (%s): "
                     "pricing them on the planner's profile", path, e)
         return None
-    if prefiller is not None and (lacking := unmeasured_prefill_shapes(profile, prefiller)):
+    if lacking := unmeasured_prefill_shapes(profile, prefiller):
         # `profile` is a CPU's (with_prefill_of refuses others): float32 where it says none
         log.warning("%s has no %s: prefill instances of those are priced in %s", path,
                     ", ".join(lacking), profile.dtype or "float32")
