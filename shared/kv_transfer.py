@@ -38,6 +38,7 @@ import os
 import secrets
 import socket
 import struct
+import time
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -214,6 +215,18 @@ def net_device(host: str) -> str:
                      f"interface of this host: set DS_HOST to an address of this host")
 
 
+@dataclass(frozen=True)
+class Served:
+    """One pull a KvServer answered: when it was asked (time.time()), when the blocks were
+    ready to send (the lookup's copy out of the pool done) and when they were sent."""
+
+    request_id: str
+    nbytes: int
+    asked: float
+    found: float
+    sent: float
+
+
 @dataclass
 class TransferStats:
     requests: int = 0
@@ -231,7 +244,7 @@ class KvServer:
     stats: TransferStats = field(default_factory=TransferStats)
     # the tokens' key: the ranks of one instance share it, so one token opens each rank
     key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
-    on_served: Callable[[int], None] | None = None  # called with each pull's bytes, once sent
+    on_served: Callable[[Served], None] | None = None  # each pull answered, once sent
     _listener: Any = None
 
     def token(self, request_id: str) -> str:
@@ -265,17 +278,18 @@ class KvServer:
                 except (ValueError, TypeError):  # not our protocol: hang up
                     break
                 request_id = str(request.get("request_id", ""))
+                asked = time.time()
                 buffer = await self._find(request_id, str(request.get("token", "")), part)
                 if buffer is None:
                     await ep.send(_header({"ok": False, "error": f"no KV for {request_id}"}))
                     continue
-                nbytes = int(buffer.nbytes)
+                found, nbytes = time.time(), int(buffer.nbytes)
                 await ep.send(_header({"ok": True, "nbytes": nbytes}))
                 await ep.send(buffer)
                 self.stats.requests += 1
                 self.stats.bytes += nbytes
                 if self.on_served is not None:
-                    self.on_served(nbytes)
+                    self.on_served(Served(request_id, nbytes, asked, found, time.time()))
         with contextlib.suppress(UCXError, UCXCanceledError):
             await ep.close()
 

@@ -26,7 +26,7 @@ from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.parallel.layout import KvSpan
 from shared.engine.request import Request
-from shared.kv_transfer import KvServer, stop_notifier_thread, wire
+from shared.kv_transfer import KvServer, Served, stop_notifier_thread, wire
 from shared.messages import (
     KvReady,
     KvSource,
@@ -50,7 +50,7 @@ class PrefillService(Worker):
     def __init__(self, settings: WorkerSettings, engine: Engine | None = None) -> None:
         super().__init__(settings, engine)
         self.kv_server = KvServer(lookup=self._lookup, host=self.settings.host,
-                                  port=self.settings.kv_port)
+                                  port=self.settings.kv_port, on_served=self._served)
         self.requests: dict[str, PrefillRequest] = {}
         self.parked_at: dict[str, float] = {}
         self.released_at: dict[str, float] = {}  # imported by a decode instance; retained
@@ -59,6 +59,7 @@ class PrefillService(Worker):
         self.copies: dict[str, int] = {}  # request -> its engine copy's admission number
         self.decode_seen: dict[str, float] = {}  # decode instance -> its last heartbeat
         self.arrived: dict[str, tuple[float, dict[str, str]]] = {}  # time, trace headers
+        self.traced: dict[str, dict[str, str]] = {}  # a parked request's trace headers
         self.sources: list[KvSource] = []  # the ranks' KV listeners, once they listen
 
     def info(self) -> InstanceInfo:
@@ -78,6 +79,16 @@ class PrefillService(Worker):
         if self.engine.exports_off_thread:
             return await asyncio.to_thread(self._export, request_id, part)
         return await self.host.call(self._export, request_id, part)
+
+    def _served(self, served: Served) -> None:
+        """A pull answered: a "kv export" span in the request's trace, from the pull's header
+        to its last byte sent (`copy_s`: the copy out of the pool), the prefill side of the
+        decode instance's "kv transfer\"."""
+        headers = self.traced.get(served.request_id)
+        if headers is not None:
+            record(self.tracer, "kv export", context_from(headers), served.asked, served.sent,
+                   instance=self.id, bytes=served.nbytes,
+                   copy_s=round(served.found - served.asked, 6))
 
     def _export(self, request_id: str, part: KvSpan | None) -> Any:
         buffer = self.engine.export_part(request_id, part)
@@ -154,6 +165,7 @@ class PrefillService(Worker):
             parked = self.engine.scheduler.parked.get(out.request_id) if out.parked else None
             if parked is not None:
                 self.parked_at[out.request_id] = now
+                self.traced[out.request_id] = headers
                 await self._announce(req, parked, parked.output_ids,
                                      out.logprobs[0] if out.logprobs else None, now, headers)
             elif out.finished:
@@ -205,6 +217,7 @@ class PrefillService(Worker):
     def _forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self.arrived.pop(request_id, None)
+        self.traced.pop(request_id, None)
         self.parked_at.pop(request_id, None)
         self.released_at.pop(request_id, None)
         self.asked_at.pop(request_id, None)

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from distserve.bench.results import span_bounds
 from services.launcher import Stack
 from shared.engine.engine import Engine
 from tests.services.conftest import greedy, metric, metric_when, metrics, start_stack
@@ -153,7 +154,7 @@ def test_one_trace_spans_gateway_prefill_transfer_and_decode(stack: Stack) -> No
     spans: list[dict[str, object]] = []
     deadline = time.monotonic() + 20
     needed = {"request", "prefill queue", "prefill run", "decode queue", "kv transfer",
-              "decode run"}
+              "kv export", "decode run"}
     while time.monotonic() < deadline:
         spans = [json.loads(line) for path in stack.run_dir.glob("traces-*.jsonl")
                  for line in path.read_text().splitlines()]
@@ -166,9 +167,16 @@ def test_one_trace_spans_gateway_prefill_transfer_and_decode(stack: Stack) -> No
                 break
         time.sleep(0.5)
     assert needed <= names, names
-    transfer = next(s for s in spans if s["name"] == "kv transfer"
-                    and s["context"]["trace_id"] == trace_id)  # type: ignore[index]
+    transfer, export = (next(s for s in spans if s["name"] == name
+                             and s["context"]["trace_id"] == trace_id)  # type: ignore[index]
+                        for name in ("kv transfer", "kv export"))
     assert transfer["attributes"]["bytes"] > 0  # type: ignore[index,operator]
+    # the prefill side's view of the same pull: its bytes, asked for during the decode
+    # side's span (where each side's last byte counts as done may differ: not compared)
+    assert export["attributes"]["bytes"] == transfer["attributes"]["bytes"]  # type: ignore[index]
+    (pulled, landed), (asked, sent) = (span_bounds(s) for s in (transfer, export))  # type: ignore[arg-type]
+    assert pulled <= asked <= landed and asked <= sent
+    assert 0 <= export["attributes"]["copy_s"] <= sent - asked + 1e-6  # type: ignore[index,operator]
 
 
 def test_a_bfloat16_prefill_instance_hands_float32_kv_to_the_decode_instance(

@@ -173,7 +173,7 @@ class RankKv:
         from shared import kv_transfer
 
         self._server = kv_transfer.KvServer(lookup=self._lookup, host=host, key=key,
-                                            on_served=lambda nbytes: self._moved(1, nbytes))
+                                            on_served=lambda served: self._moved(1, served.nbytes))
         self._run(self._listen()).result(timeout=60)
         return str(self._server.address)
 
