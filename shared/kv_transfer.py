@@ -326,6 +326,21 @@ class KvClient:
                 host, int(port), connect_timeout=self.timeout_s)
         return self._endpoints[address]
 
+    def connected(self, address: str) -> bool:
+        return address in self._endpoints
+
+    async def connect(self, address: str) -> bool:
+        """Open the endpoint to `address` ahead of its first pull, which otherwise waits for
+        it (a first pull of 23.6 MB took 205 ms, 168 ms of it before the prefill side heard
+        the ask, the next ones 21-41 ms; Zen 4): whether one is open now."""
+        async with self._locks.setdefault(address, asyncio.Lock()):
+            try:
+                await asyncio.wait_for(self._endpoint(address), self.timeout_s)
+            except (TimeoutError, UCXError, UCXCanceledError, OSError):
+                self._abandon(address)
+                return False
+        return True
+
     async def pull(self, address: str, request_id: str, token: str, into: Any,
                    part: KvSpan | None = None) -> None:
         """Fill `into` (exactly the size of the exported blocks, or of `part` of them) with

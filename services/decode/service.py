@@ -23,6 +23,8 @@ from typing import Any, TypeVar
 import nats.errors
 import torch
 from nats.aio.msg import Msg
+from pydantic import ValidationError
+from redis.exceptions import RedisError
 
 from services.process import WorkerSettings
 from services.runtime import Worker
@@ -42,7 +44,7 @@ from shared.messages import (
     ReleaseKv,
     TokenChunk,
 )
-from shared.state import InstanceInfo
+from shared.state import InstanceInfo, Registry, redis_client
 from shared.telemetry import context_from, record
 
 log = logging.getLogger(__name__)
@@ -109,7 +111,36 @@ class DecodeService(Worker):
                 subjects.wanted(self.id): self._on_wanted}
 
     def background(self) -> list[Coroutine[Any, Any, None]]:
-        return [self._pull_forever()]
+        return [self._pull_forever(), self._connect_ahead()]
+
+    async def _connect_ahead(self, every_s: float = 2.0) -> None:
+        """Open an endpoint to each prefill instance's KV listener once the registry lists it
+        (and again after a failed pull dropped it), so that no pull waits for the connection:
+        a request's first pull from an instance did, 168 ms of 205 (Zen 4, 23.6 MB). Each in
+        a task of its own: UCX gives up on a listener that is gone only at the timeout."""
+        redis = redis_client(self.settings.redis_url)
+        registry = Registry(redis, self.settings.heartbeat_ttl_s)
+        opening: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                with contextlib.suppress(RedisError, OSError, ValidationError):
+                    for info in await registry.instances("prefill"):
+                        address = info.kv_address
+                        if address and address not in opening and \
+                                not self.kv_client.connected(address):
+                            task = asyncio.create_task(self._connect(info.instance_id, address))
+                            task.add_done_callback(functools.partial(
+                                lambda a, _: opening.pop(a, None), address))
+                            opening[address] = task
+                await asyncio.sleep(every_s)
+        finally:
+            for task in list(opening.values()):
+                task.cancel()
+            await redis.aclose()
+
+    async def _connect(self, instance: str, address: str) -> None:
+        if await self.kv_client.connect(address):
+            log.info("%s: KV endpoint to %s (%s) open", self.id, instance, address)
 
     async def closing(self) -> None:
         for task in [*(pull for _, pull in self.pulling.values()), *self.releasing]:

@@ -147,6 +147,22 @@ def test_malformed_json_then_still_serving(stack: Stack) -> None:
     assert ok.usage is not None and ok.usage.completion_tokens == 2
 
 
+def test_each_decode_instance_connects_to_every_prefill_instance_on_its_own(
+        stack: Stack) -> None:
+    """The endpoints a first pull would otherwise wait for are opened once the registry
+    lists the prefill instances, requests or not."""
+    deadline = time.monotonic() + 60
+    while True:
+        logs = {d: (stack.run_dir / f"{d}.log").read_text() for d in ("decode-0", "decode-1")}
+        if all(f"KV endpoint to {p} " in log for log in logs.values()
+               for p in ("prefill-0", "prefill-1")) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for decode, log in logs.items():
+        assert "KV endpoint to prefill-0 " in log and "KV endpoint to prefill-1 " in log, \
+            (decode, log[-2000:])
+
+
 def test_one_trace_spans_gateway_prefill_transfer_and_decode(stack: Stack) -> None:
     c = client(stack)
     c.completions.create(model=MODEL, prompt="Trace me", max_tokens=4, temperature=0,

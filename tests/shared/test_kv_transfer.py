@@ -100,6 +100,31 @@ def test_pull_moves_blocks_between_processes(server_port: Any) -> None:
 
 
 @pytest.mark.timeout(180)
+def test_an_endpoint_opened_ahead_carries_the_first_pull(server_port: Any) -> None:
+    """`connect` opens the endpoint a pull would otherwise open first; the pull then goes
+    on it. Nobody listening: False, and no endpoint is kept."""
+    port, token, *_ = server_port
+    address = f"127.0.0.1:{port}"
+    buffer = torch.empty_like(pool(seed=1).export_blocks(SOURCE_BLOCKS))
+
+    async def main() -> None:
+        client = KvClient(timeout_s=20)
+        assert not client.connected(address)
+        assert await client.connect(address) and client.connected(address)
+        opened = client._endpoints[address]
+        assert await client.connect(address)  # open already: the same endpoint
+        await client.pull(address, "req-1", token, buffer.numpy())
+        assert client._endpoints[address] is opened
+        await client.close()
+        nobody = KvClient(timeout_s=2)  # UCX gives up on a closed port only at the timeout
+        assert not await nobody.connect("127.0.0.1:1")
+        assert not nobody.connected("127.0.0.1:1")
+
+    asyncio.run(main())
+    assert torch.equal(buffer, pool(seed=1).export_blocks(SOURCE_BLOCKS))
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("server_port", [torch.bfloat16], indirect=True)
 def test_a_bfloat16_pool_moves_as_its_bytes(server_port: Any) -> None:
     """numpy has no bfloat16 (and an older torch gives it no CUDA typestr): both sides hand
