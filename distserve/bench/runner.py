@@ -46,17 +46,21 @@ class Unloaded:
         return SLO(ttft_factor * self.ttft_s, tpot_factor * self.tpot_s)
 
 
-def calibrate(target: Target, workload: BenchWorkload, probes: int = 5, kept: int = 3
-              ) -> Unloaded:
+def calibrate(target: Target, workload: BenchWorkload, repeats: int = 5) -> Unloaded:
     """Unloaded TTFT and TPOT of the workload's median-length prompt: one warm-up, then
-    `probes` requests one at a time, each figure the median of its `kept` fastest
-    (`fastest_median`)."""
+    `repeats` requests one at a time, medians. Five, not three: a stack's first seconds
+    run slow, and on a shared host a busy moment can slow two probes running; the median of
+    three once came out 16% over what the stack ran unloaded (a chunked replica's TPOT 28.2
+    ms, its decode steps alone 23.9 ms and 23.4 ms a token when probed again), and a
+    calibration that far off prices every step of every simulated rate that much slower.
+    (Not the fastest few: the sweep runs at the host's typical speed, and a calibration on
+    its best moments priced the steps 1.3-5.8 ms a token faster than the runs measured.)"""
     requests = workload.requests(1.0, max(64, len(workload.items)), seed=0)
     median = statistics.median_low(r.prompt_tokens for r in requests)
     probe = next(r for r in requests if r.prompt_tokens == median)
     probe = BenchRequest(0, 0.0, probe.prompt, probe.prompt_tokens, CALIBRATION_TOKENS)
     ttfts, tpots, ids = [], [], []
-    for i in range(probes + 1):
+    for i in range(repeats + 1):
         run = asyncio.run(run_requests(target, [probe], 1.0))
         record = run.records[0]
         if record.ttft is None or record.tpot is None:
@@ -65,20 +69,8 @@ def calibrate(target: Target, workload: BenchWorkload, probes: int = 5, kept: in
             ttfts.append(record.ttft)
             tpots.append(record.tpot)
             ids.append(spanned_id(record.request_id or ""))
-    tpot, kept_ids = fastest_median(tpots, ids, kept)
-    return Unloaded(fastest_median(ttfts, ids, kept)[0], tpot, median, probes=kept_ids)
-
-
-def fastest_median(seconds: Sequence[float], ids: Sequence[str], kept: int
-                   ) -> tuple[float, tuple[str, ...]]:
-    """The median of the `kept` shortest of `seconds`, and those probes' ids. On a host
-    shared with other work only slowdowns are noise, and a stack's first seconds run slow
-    (UCX endpoints opening, first touches of memory): the median of three probes once came
-    out 16% over what the stack ran unloaded (a chunked replica's TPOT 28.2 ms, its decode
-    steps alone 23.9 ms and 23.4 ms a token when probed again), and a calibration that much
-    off prices every step of every simulated rate that much slower."""
-    order = sorted(range(len(seconds)), key=lambda i: seconds[i])[:kept]
-    return statistics.median(seconds[i] for i in order), tuple(ids[i] for i in sorted(order))
+    return Unloaded(statistics.median(ttfts), statistics.median(tpots), median,
+                    probes=tuple(ids))
 
 
 def sweep(target: Target, workload: BenchWorkload, rates: Sequence[float], requests: int,

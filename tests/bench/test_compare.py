@@ -21,7 +21,7 @@ from distserve.bench.compare import (
     systems,
 )
 from distserve.bench.results import RequestRecord, RunResult
-from distserve.bench.runner import CALIBRATION_TOKENS, Unloaded, fastest_median, system_report
+from distserve.bench.runner import CALIBRATION_TOKENS, Unloaded, system_report
 from distserve.bench.workload import Limits, parse_bench_workload
 from distserve.cli import main
 from distserve.commands.bench import recommendation
@@ -44,16 +44,6 @@ def test_calibration_makes_the_profile_predict_the_measured_unloaded_latencies()
     # the shape stays: a longer prompt costs the same multiple more
     ratio = latency.prefill_latency_s(1024, 1024**2) / latency.prefill_latency_s(512, 512**2)
     assert scaled.prefill_latency_s(1024, 1024**2) / 1.3 == pytest.approx(ratio)
-
-
-def test_the_unloaded_latencies_are_of_the_fastest_probes_not_the_slowed_ones() -> None:
-    """Two of five probes slowed (a stack's first seconds, a busy neighbour): the figure is
-    the median of the three fastest, and the probes kept are those (in probe order), whose
-    KV handoffs the disaggregated calibration then takes out."""
-    tpots = [0.0312, 0.0241, 0.0282, 0.0236, 0.0239]
-    ids = ["a", "b", "c", "d", "e"]
-    assert fastest_median(tpots, ids, 3) == (0.0239, ("b", "d", "e"))
-    assert fastest_median(tpots, ids, 5) == (0.0241, tuple(ids))  # all kept: the median
 
 
 def test_a_disaggregated_stack_is_calibrated_less_its_measured_handoff() -> None:
