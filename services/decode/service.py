@@ -113,25 +113,36 @@ class DecodeService(Worker):
     def background(self) -> list[Coroutine[Any, Any, None]]:
         return [self._pull_forever(), self._connect_ahead()]
 
-    async def _connect_ahead(self, every_s: float = 1.0) -> None:
+    async def _connect_ahead(self, every_s: float = 1.0, gone_s: float = 10.0) -> None:
         """Open an endpoint to each prefill instance's KV listener once the registry lists it
-        (and again after a failed pull dropped it), so that no pull waits for the connection:
-        a request's first pull from an instance did, 168 ms of 205 (Zen 4, 23.6 MB). Each in
-        a task of its own: UCX gives up on a listener that is gone only at the timeout."""
+        (and again after its peer closed it), so that no pull waits for the connection: a
+        request's first pull from an instance did, 168 ms of 205 (Zen 4, 23.6 MB). Each in a
+        task of its own: UCX gives up on a listener that is gone only at the timeout. The
+        endpoint to a listener the registry has not listed for `gone_s` is closed (a prefill
+        instance stopped, or came back on another port)."""
         redis = redis_client(self.settings.redis_url)
         registry = Registry(redis, self.settings.heartbeat_ttl_s)
+        loop = asyncio.get_running_loop()
         opening: dict[str, asyncio.Task[None]] = {}
+        listed_at: dict[str, float] = {}  # listener -> when the registry last listed it
         try:
             while True:
                 with contextlib.suppress(RedisError, OSError, ValidationError):
+                    now = loop.time()
                     for info in await registry.instances("prefill"):
                         address = info.kv_address
-                        if address and address not in opening and \
-                                not self.kv_client.connected(address):
+                        if not address:
+                            continue
+                        listed_at[address] = now
+                        if address not in opening and not self.kv_client.connected(address):
                             task = asyncio.create_task(self._connect(info.instance_id, address))
                             task.add_done_callback(functools.partial(
                                 lambda a, _: opening.pop(a, None), address))
                             opening[address] = task
+                    for address in [a for a, at in listed_at.items() if now - at > gone_s]:
+                        del listed_at[address]
+                        if address not in opening:
+                            self.kv_client.drop(address)
                 await asyncio.sleep(every_s)
         finally:
             for task in list(opening.values()):

@@ -29,6 +29,23 @@ def client(stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", timeout=120)
 
 
+def test_each_decode_instance_connects_to_every_prefill_instance_on_its_own(
+        stack: Stack) -> None:
+    """The endpoints a first pull would otherwise wait for are opened once the registry
+    lists the prefill instances, before any request (the module's first test: a pull that
+    opened one first would leave nothing to open ahead, and nothing logged)."""
+    deadline = time.monotonic() + 60
+    while True:
+        logs = {d: (stack.run_dir / f"{d}.log").read_text() for d in ("decode-0", "decode-1")}
+        if all(f"KV endpoint to {p} " in log for log in logs.values()
+               for p in ("prefill-0", "prefill-1")) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for decode, log in logs.items():
+        assert "KV endpoint to prefill-0 " in log and "KV endpoint to prefill-1 " in log, \
+            (decode, log[-2000:])
+
+
 def test_openai_client_completions_and_chat(stack: Stack, engine: Engine) -> None:
     c = client(stack)
     assert engine.tokenizer is not None
@@ -145,22 +162,6 @@ def test_malformed_json_then_still_serving(stack: Stack) -> None:
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     ok = client(stack).completions.create(model=MODEL, prompt="Hello", max_tokens=2)
     assert ok.usage is not None and ok.usage.completion_tokens == 2
-
-
-def test_each_decode_instance_connects_to_every_prefill_instance_on_its_own(
-        stack: Stack) -> None:
-    """The endpoints a first pull would otherwise wait for are opened once the registry
-    lists the prefill instances, requests or not."""
-    deadline = time.monotonic() + 60
-    while True:
-        logs = {d: (stack.run_dir / f"{d}.log").read_text() for d in ("decode-0", "decode-1")}
-        if all(f"KV endpoint to {p} " in log for log in logs.values()
-               for p in ("prefill-0", "prefill-1")) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    for decode, log in logs.items():
-        assert "KV endpoint to prefill-0 " in log and "KV endpoint to prefill-1 " in log, \
-            (decode, log[-2000:])
 
 
 def test_one_trace_spans_gateway_prefill_transfer_and_decode(stack: Stack) -> None:
