@@ -92,6 +92,7 @@ class DecodeService(Worker):
         self.room = asyncio.Event()  # set when something may have become pullable
         self.traces: dict[str, tuple[dict[str, str], float]] = {}  # trace headers, since
         self.freeing: set[asyncio.Task[None]] = set()  # blocks of pulls cancelled early
+        self.connecting: dict[str, asyncio.Task[None]] = {}  # listener -> opening ahead
         self.block_bytes = block_bytes(self.engine.model_config, self.engine.blocks.block_size,
                                        self.engine.runner.kv.data.dtype)  # every rank's part
 
@@ -116,42 +117,47 @@ class DecodeService(Worker):
     async def _connect_ahead(self, every_s: float = 1.0, gone_s: float = 10.0) -> None:
         """Open an endpoint to each prefill instance's KV listener once the registry lists it
         (and again after its peer closed it), so that no pull waits for the connection: a
-        request's first pull from an instance did, 168 ms of 205 (Zen 4, 23.6 MB). Each in a
-        task of its own: UCX gives up on a listener that is gone only at the timeout. The
+        request's first pull from an instance did, 168 ms of 205 (Zen 4, 23.6 MB). The
         endpoint to a listener the registry has not listed for `gone_s` is closed (a prefill
         instance stopped, or came back on another port)."""
         redis = redis_client(self.settings.redis_url)
         registry = Registry(redis, self.settings.heartbeat_ttl_s)
-        loop = asyncio.get_running_loop()
-        opening: dict[str, asyncio.Task[None]] = {}
         listed_at: dict[str, float] = {}  # listener -> when the registry last listed it
         try:
             while True:
                 with contextlib.suppress(RedisError, OSError, ValidationError):
-                    now = loop.time()
-                    for info in await registry.instances("prefill"):
-                        address = info.kv_address
-                        if not address:
-                            continue
-                        listed_at[address] = now
-                        if address not in opening and not self.kv_client.connected(address):
-                            task = asyncio.create_task(self._connect(info.instance_id, address))
-                            task.add_done_callback(functools.partial(
-                                lambda a, _: opening.pop(a, None), address))
-                            opening[address] = task
-                    for address in [a for a, at in listed_at.items() if now - at > gone_s]:
-                        del listed_at[address]
-                        if address not in opening:
-                            self.kv_client.drop(address)
+                    self._connect_listed(await registry.instances("prefill"), listed_at, gone_s)
                 await asyncio.sleep(every_s)
         finally:
-            for task in list(opening.values()):
+            for task in list(self.connecting.values()):
                 task.cancel()
             await redis.aclose()
 
+    def _connect_listed(self, prefills: list[InstanceInfo], listed_at: dict[str, float],
+                        gone_s: float) -> None:
+        """Start opening an endpoint to each listed listener not connected (each in a task of
+        its own: UCX gives up on a listener that is gone only at the timeout); drop those
+        not listed for `gone_s`."""
+        now = time.monotonic()
+        for info in prefills:
+            address = info.kv_address
+            if not address:
+                continue
+            listed_at[address] = now
+            if address not in self.connecting and not self.kv_client.connected(address):
+                self.connecting[address] = asyncio.create_task(
+                    self._connect(info.instance_id, address))
+        for address in [a for a, at in listed_at.items() if now - at > gone_s]:
+            del listed_at[address]
+            if address not in self.connecting:
+                self.kv_client.drop(address)
+
     async def _connect(self, instance: str, address: str) -> None:
-        if await self.kv_client.connect(address):
-            log.info("%s: KV endpoint to %s (%s) open", self.id, instance, address)
+        try:
+            if await self.kv_client.connect(address):
+                log.info("%s: KV endpoint to %s (%s) open", self.id, instance, address)
+        finally:
+            self.connecting.pop(address, None)
 
     async def closing(self) -> None:
         for task in [*(pull for _, pull in self.pulling.values()), *self.releasing]:
