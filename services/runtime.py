@@ -255,7 +255,8 @@ class Worker:
     def recent_steps(self) -> list[StepSample]:
         """The engine's last priced steps, for the heartbeat (its thread, not the loop's)."""
         return [StepSample(step=step, prompts=list(shape.prompts), batch=shape.batch,
-                           context=shape.context, seconds=seconds, ended=ended)
+                           context=shape.context, done=list(shape.done), seconds=seconds,
+                           ended=ended)
                 for step, shape, seconds, ended in self.host.samples.copy()]
 
     def holding(self) -> int:

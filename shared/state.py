@@ -22,13 +22,15 @@ def redis_client(url: str, timeout_s: float = 2.0) -> Redis:
 
 
 class StepSample(BaseModel):
-    """One engine step as its worker timed it (the engine thread, handoff included): whole
-    prompts computed, or a batch of decodes and the tokens they attended to."""
+    """One engine step as its worker timed it (the engine thread, handoff included): the
+    prompt tokens it computed (whole prompts, or chunks of them), and the batch of decodes
+    beside them and the tokens they attended to."""
 
     step: int  # the worker's step count when it ended (orders samples, drops repeats)
-    prompts: list[int] = []
+    prompts: list[int] = []  # tokens of each prompt computed
     batch: int = 0
     context: int = 0
+    done: list[int] = []  # each prompt's tokens computed before the step; []: none (whole)
     seconds: float
     ended: float = 0.0  # wall clock (time.time()) when it ended; 0: not said
 

@@ -99,15 +99,17 @@ def live_profile(steps: Steps, profile: Profile, min_steps: int = 10) -> Live:
 
 
 def steps_to_json(steps: Steps) -> dict[str, list[list[Any]]]:
-    """Compact: [step, prompts, batch, context, seconds, ended] a step."""
+    """Compact: [step, prompts, batch, context, seconds, ended] a step, and the prompts'
+    tokens computed before it where a chunk's were (a chunked step)."""
     return {instance: [[s.step, s.prompts, s.batch, s.context, round(s.seconds, 6),
-                        round(s.ended, 6)] for s in samples]
+                        round(s.ended, 6)] + ([s.done] if s.done else []) for s in samples]
             for instance, samples in steps.items()}
 
 
 def steps_from_json(data: dict[str, Sequence[Sequence[Any]]]) -> Steps:
     return {instance: [StepSample(step=row[0], prompts=row[1], batch=row[2], context=row[3],
-                                  seconds=row[4], ended=row[5] if len(row) > 5 else 0.0)
+                                  seconds=row[4], ended=row[5] if len(row) > 5 else 0.0,
+                                  done=row[6] if len(row) > 6 else [])
                        for row in rows]
             for instance, rows in data.items()}
 

@@ -1,7 +1,8 @@
 """The latency model calibrated on the running stack (pure): the workers time every engine
-step and heartbeat the last ones (`StepSample`: whole prompts, or a batch of decodes); the
-calibrator compares each with what the profile predicts for the same step over a sliding
-window, and fits per phase whichever of two corrections explains the steps better: a scale
+step and heartbeat the last ones (`StepSample`: whole prompts, a batch of decodes, or
+prompt chunks with decodes riding along); the calibrator compares each with what the
+profile predicts for the same step over a sliding window, and fits per phase whichever of
+two corrections explains the steps better: a scale
 (measured = k x predicted: steps slowed by everything else the stack runs on the same
 cores) or a fixed time a step (measured = predicted + d: a per-step cost the profile's fit
 misses, as on a host whose small steps cost more than the profiled one's, or a per-step
@@ -149,6 +150,14 @@ class Timed:
     ended: float  # wall clock; 0: not said (it is then never placed beside another step)
     machine: str
     at: float  # what it ages by: its end, else the newest end its machine had told of then
+    riding_s: float = 0.0  # of `predicted_s`, what decodes beside its prompt chunks add
+
+    def corrected_s(self, scale: float, plus_s: float, riding: float) -> tuple[float, float]:
+        """(its time, its time reading memory) on the profile corrected: its phase's part by
+        `scale` and `plus_s`, the decodes riding along by the decode phase's scale."""
+        own, reads = self.predicted_s - self.riding_s, self.reads_s - self.riding_s
+        return (scale * own + plus_s + riding * self.riding_s,
+                scale * reads + plus_s + riding * self.riding_s)
 
 
 Span = tuple[float, float, Phase | None]  # start, end, phase (None: steps ran, none priced)
@@ -157,7 +166,7 @@ Span = tuple[float, float, Phase | None]  # start, end, phase (None: steps ran, 
 class Timeline:
     """When each instance ran its steps, as far as its heartbeats tell (pure): the priced
     steps it reported, and, between two of them whose numbers skip, steps that ran unpriced
-    (a mixed step, steps a heartbeat's window dropped) at times unknown. An instance's
+    (steps a heartbeat's window dropped, a pipeline's micro-batches) at times unknown. An instance's
     moments are known from its first reported step's start to its last one's end, idle
     between steps numbered one after the other; past its last step (or before its first),
     idle until a heartbeat that counted no step since (none at all) and said none was
@@ -368,11 +377,11 @@ class Calibrator:
                                              0 < s.ended < newest - self.window_s):
                 continue  # nothing to price, or too old for the window by now
             phase = phase_of(s)
-            predicted = predicted_s(model, s)
+            predicted, riding = predicted_s(model, s), riding_s(model, s)
             reads = predicted if s.prompts else \
                 predicted * model.reading_share(s.batch, s.context)
             timed = Timed(instance, phase, predicted, reads, s.seconds, s.ended, machine,
-                          s.ended if s.ended > 0 else newest)
+                          s.ended if s.ended > 0 else newest, riding)
             self.steps[phase].append(timed)
             if s.ended > 0 and not self.whole:
                 self._unsettled.append(timed)
@@ -465,28 +474,35 @@ class Calibrator:
         ran beside other instances' steps (`_factors`), else on all its steps."""
         fields: dict[str, object] = {}
         contention: dict[str, float] = {}
-        for phase in PHASES:
+        riding = 1.0  # the decode phase's scale, which decodes riding along a chunk take
+        for phase in reversed(PHASES):  # decode first: a chunked step's decodes are priced
             fields[f"{phase}_steps"] = len(self.steps[phase])
             placed = self.placed(phase)
             alone = [t for t, moments in placed if moments == ALONE]
             basis: Basis = "alone" if self._enough_for_level(alone) else "all"
             fitted_on = alone if basis == "alone" else list(self.steps[phase])
-            if not self._enough_for_level(fitted_on):
+            # a chunked step's own part: what it took less its decodes as the decode phase's
+            # correction prices them (a step whose decodes took all of it says nothing)
+            pairs = [(t.predicted_s - t.riding_s, t.seconds - riding * t.riding_s)
+                     for t in fitted_on]
+            pairs = [(p, m) for p, m in pairs if p > 0 and m > 0]
+            if not self._enough_for_level(fitted_on) or not pairs:
                 continue
-            ratio, fit, offset_s = fit_steps([(t.predicted_s, t.seconds) for t in fitted_on],
-                                             self._constant_s(phase))
+            ratio, fit, offset_s = fit_steps(pairs, self._constant_s(phase))
             fields |= {phase: ratio, f"{phase}_fit": fit, f"{phase}_offset_s": offset_s,
                        f"{phase}_basis": basis}
+            scale, plus_s = (1.0, offset_s) if fit == "offset" else (ratio, 0.0)
+            if phase == "decode":
+                riding = scale
             if basis == "alone":
-                scale, plus_s = (1.0, offset_s) if fit == "offset" else (ratio, 0.0)
                 beside = [(t, moments) for t, moments in placed
                           if moments is not None and moments != ALONE]
-                for other, factor in self._factors(beside, scale, plus_s).items():
+                for other, factor in self._factors(beside, scale, plus_s, riding).items():
                     contention[f"{phase}_by_{other}"] = factor
         return Calibration.model_validate(fields | {"contention": contention})
 
-    def _factors(self, steps: list[tuple[Timed, Moments]], scale: float, plus_s: float
-                 ) -> dict[Phase, float]:
+    def _factors(self, steps: list[tuple[Timed, Moments]], scale: float, plus_s: float,
+                 riding: float = 1.0) -> dict[Phase, float]:
         """The contention factors that price `steps` (each with what ran beside it) as they
         ran on the corrected profile (`scale` x predicted + `plus_s`), as the simulator runs
         them (core.Host, processor sharing): a step of W seconds alone runs at the pace 1/g
@@ -500,10 +516,10 @@ class Calibrator:
         factor)."""
         took, alone, shares, counts = [], [], [], []
         for t, moments in steps:
-            corrected = scale * t.predicted_s + plus_s
+            corrected, reads = t.corrected_s(scale, plus_s, riding)
             if corrected <= 0 or t.seconds <= 0:
                 continue  # a fixed time a step below a shape's own constant: no pace to tell
-            share = (scale * t.reads_s + plus_s) / corrected
+            share = reads / corrected
             if share >= self.min_share:
                 took.append(t.seconds)
                 alone.append(corrected)
@@ -529,14 +545,25 @@ class Calibrator:
 
 
 def phase_of(step: StepSample) -> Phase:
+    """A step that computes prompt tokens is a prefill step, with decodes riding along or
+    not (as the simulator runs a chunked step: it reads the weights anyway)."""
     return "prefill" if step.prompts else "decode"
 
 
 def predicted_s(latency: LatencyModel, step: StepSample) -> float:
-    """What `latency` says `step` takes: its whole prompts, or its batch of decodes."""
+    """What `latency` says `step` takes: its prompt tokens (a chunk attends to the tokens
+    computed before it too) and what its decodes add to them (`riding_s`), or its batch of
+    decodes alone."""
     if step.prompts:
-        return latency.prefill_latency_s(sum(step.prompts), sum(n * n for n in step.prompts))
+        done = step.done or [0] * len(step.prompts)
+        squares = sum(n * (d + n) for n, d in zip(step.prompts, done, strict=True))
+        return latency.prefill_latency_s(sum(step.prompts), squares) + riding_s(latency, step)
     return latency.decode_step_s(step.batch, step.context)
+
+
+def riding_s(latency: LatencyModel, step: StepSample) -> float:
+    """What `step`'s decodes add to its prompt tokens (0: decodes alone, or none)."""
+    return latency.riding_ms(step.batch, step.context) / 1e3 if step.prompts else 0.0
 
 
 def fit_steps(steps: list[tuple[float, float]], constant_s: float = float("inf"),

@@ -57,20 +57,26 @@ class SchedulerOutput:
         return sum(c.length for c in self.chunks)
 
     def shape(self) -> StepShape | None:
-        """What the latency model prices the step by, for a step of whole prompts only or of
-        decodes only; None for a mixed step (chunked prefill, a replay beside decodes)."""
-        if self.prefills and not self.decodes and all(c.start == 0 for c in self.prefills):
-            return StepShape(tuple(c.length for c in self.prefills), 0, 0)
-        if self.decodes and not self.prefills:
-            return StepShape((), len(self.decodes), sum(c.start + 1 for c in self.decodes))
-        return None
+        """What the latency model prices the step by: the prompt chunks it computes (each
+        one's tokens, and how many of its tokens were computed before) and the decodes
+        beside them; None for a step that computes nothing."""
+        if not self.prefills and not self.decodes:
+            return None
+        done = tuple(c.start for c in self.prefills)
+        return StepShape(tuple(c.length for c in self.prefills), len(self.decodes),
+                         sum(c.start + 1 for c in self.decodes), done if any(done) else ())
 
 
 @dataclass(frozen=True)
 class StepShape:
-    prompts: tuple[int, ...]  # whole prompts computed (a prefill step)
-    batch: int  # requests decoded (a decode step)
+    """A step as the latency model prices it: whole prompts (a prefill step), a batch of
+    decodes (a decode step), or prompt chunks with decodes riding along (a chunked step, a
+    failover's replay beside decodes)."""
+
+    prompts: tuple[int, ...]  # tokens of each prompt computed in the step
+    batch: int  # requests decoded
     context: int  # their tokens attended to, summed
+    done: tuple[int, ...] = ()  # each prompt's tokens computed before (): all 0, whole prompts
 
 
 Sampled = Mapping[str, Draw]  # request id -> its token, logprob and the top ones

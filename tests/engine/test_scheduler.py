@@ -6,7 +6,7 @@ import time
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import Role, SchedulerConfig
 from shared.engine.request import Request, RequestStatus, SamplingParams
-from shared.engine.scheduler import Scheduler, SchedulerOutput
+from shared.engine.scheduler import Scheduler, SchedulerOutput, StepShape
 
 
 def make(role: Role = Role.COLOCATED, blocks: int = 64, **kw: object) -> Scheduler:
@@ -72,11 +72,15 @@ def test_chunked_prefill_mixes_decodes_and_prefill_chunks_within_budget() -> Non
     assert [(c.request.request_id, c.length) for c in out.decodes] == [("a", 1)]
     assert [(c.request.request_id, c.length) for c in out.prefills] == [("b", 5)]
     assert not out.prefills[0].samples
+    # what the latency model prices: b's 5 tokens, a's decode over its 3 tokens
+    assert out.shape() == StepShape((5,), 1, 3)
     lengths = []
     while (out := run_step(s)) is not None and any(c.request.request_id == "b"
                                                    for c in out.prefills):
         lengths.append(out.prefills[0].length)
         assert out.num_tokens <= 6
+        shape = out.shape()  # a later chunk attends to the tokens before it
+        assert shape is not None and shape.done == (5 + sum(lengths[:-1]),)
     assert sum(lengths) == 13 - 5
 
 

@@ -133,9 +133,9 @@ def test_the_planner_plans_again_once_the_calibration_moves_far_enough() -> None
     assert replan_reason(moved.model_copy(update={"prefill_steps": 9}), base, 1.2, 10) is None
 
 
-def test_the_engine_reports_which_steps_the_model_can_price() -> None:
-    """Whole prompts or decodes alone are priced; a mixed step (chunked prefill, a failover
-    replay beside decodes) is not."""
+def test_the_engine_reports_every_step_as_the_model_prices_it() -> None:
+    """Whole prompts, decodes alone, and a mixed step (chunked prefill, a failover replay
+    beside decodes): its chunks, the tokens each had computed before, and its decodes."""
     def request(n: int) -> Request:
         return Request(f"r{n}", list(range(n)), SamplingParams(max_tokens=4),
                        eos_ids=frozenset({0}))
@@ -146,8 +146,59 @@ def test_the_engine_reports_which_steps_the_model_can_price() -> None:
     assert SchedulerOutput([], [ScheduledChunk(a, 100, 1), ScheduledChunk(c, 60, 1)]).shape() \
         == StepShape((), 2, 162)
     assert SchedulerOutput([ScheduledChunk(b, 0, 30)], [ScheduledChunk(a, 100, 1)]).shape() \
-        is None
-    assert SchedulerOutput([ScheduledChunk(a, 64, 36)], []).shape() is None
+        == StepShape((30,), 1, 101)
+    assert SchedulerOutput([ScheduledChunk(a, 64, 36), ScheduledChunk(b, 0, 8)], []).shape() \
+        == StepShape((36, 8), 0, 0, (64, 0))
+    assert SchedulerOutput([], []).shape() is None
+
+
+def chunked_steps(chunk_slower: float, decode_slower: float, n: int = 90,
+                  seed: int = 5) -> list[StepSample]:
+    """A chunked replica's steps: two in three prompt chunks of 32-480 tokens (a prompt's
+    later chunk attends to the 0-512 tokens before it) with 4-24 decodes riding along,
+    the chunks' part `chunk_slower` x the profile and the decodes' `decode_slower` x; the
+    rest decodes alone, `decode_slower` x; +-5% noise."""
+    rng = random.Random(seed)
+    out = []
+    for step in range(1, n + 1):
+        batch = rng.randint(4, 24)
+        context = sum(rng.randint(200, 700) for _ in range(batch))
+        noise = rng.uniform(0.95, 1.05)
+        if step % 3:
+            length, done = rng.randint(32, 480), rng.choice([0, 0, rng.randint(64, 512)])
+            own = LATENCY.prefill_latency_s(length, length * (done + length))
+            seconds = chunk_slower * own + decode_slower * LATENCY.riding_ms(batch, context) / 1e3
+            out.append(StepSample(step=step, prompts=[length], done=[done] if done else [],
+                                  batch=batch, context=context, seconds=seconds * noise))
+        else:
+            seconds = decode_slower * LATENCY.decode_step_s(batch, context) * noise
+            out.append(StepSample(step=step, batch=batch, context=context, seconds=seconds))
+    return out
+
+
+def test_chunked_steps_are_calibrated_with_their_decodes_priced_by_the_decode_phase() -> None:
+    """A chunked replica runs few steps of whole prompts: its prompt tokens are timed in
+    mixed steps. The decodes riding along are priced at the decode phase's correction
+    (fitted on the decodes alone, 1.6x), so the chunks' own 1.1x is found, not the mix."""
+    calibrator = Calibrator(LATENCY)
+    calibrator.observe("colocated-0", chunked_steps(1.1, 1.6))
+    found = calibrator.calibration()
+    assert (found.prefill_steps, found.decode_steps) == (60, 30)
+    assert found.decode == pytest.approx(1.6, rel=0.03)
+    assert (found.prefill_fit, found.prefill) == ("scale", pytest.approx(1.1, rel=0.03))
+    # what the decodes add is a large share of these steps: had they been priced as
+    # profiled, the chunks' scale would have carried their slowdown
+    mixed = [s for s in chunked_steps(1.1, 1.6) if s.prompts]
+    blended = float(np.median([s.seconds / (LATENCY.prefill_latency_s(
+        s.prompts[0], s.prompts[0] * ((s.done or [0])[0] + s.prompts[0]))
+        + LATENCY.riding_ms(s.batch, s.context) / 1e3) for s in mixed]))
+    assert blended > 1.16
+    # and the simulator prices such a step as measured: the chunk corrected, the decodes too
+    fitted = found.apply(PROFILE).latency(1, 1)
+    step = 1.1 * LATENCY.prefill_latency_s(256, 256 * 256) + \
+        1.6 * LATENCY.riding_ms(16, 16 * 400) / 1e3
+    assert fitted.prefill_latency_s(256, 256 * 256) + fitted.riding_ms(16, 16 * 400) / 1e3 \
+        == pytest.approx(step, rel=0.03)
 
 
 def test_a_fixed_cost_a_step_is_fitted_as_one_and_not_scaled_up_to_long_prompts() -> None:
