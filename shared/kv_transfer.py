@@ -245,6 +245,8 @@ class KvServer:
     # the tokens' key: the ranks of one instance share it, so one token opens each rank
     key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
     on_served: Callable[[Served], None] | None = None  # each pull answered, once sent
+    # what `lookup` returned, once sent or failed to send: UCX no longer reads it
+    sent: Callable[[Any], None] | None = None
     _listener: Any = None
 
     def token(self, request_id: str) -> str:
@@ -284,8 +286,12 @@ class KvServer:
                     await ep.send(_header({"ok": False, "error": f"no KV for {request_id}"}))
                     continue
                 found, nbytes = time.time(), int(buffer.nbytes)
-                await ep.send(_header({"ok": True, "nbytes": nbytes}))
-                await ep.send(buffer)
+                try:
+                    await ep.send(_header({"ok": True, "nbytes": nbytes}))
+                    await ep.send(buffer)
+                finally:
+                    if self.sent is not None:
+                        self.sent(buffer)
                 self.stats.requests += 1
                 self.stats.bytes += nbytes
                 if self.on_served is not None:

@@ -32,7 +32,7 @@ from shared import subjects
 from shared.bus import parse
 from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput
-from shared.engine.kv_cache import block_bytes
+from shared.engine.kv_cache import Staging, block_bytes
 from shared.engine.parallel.kv_serving import KvPull
 from shared.engine.parallel.layout import KvSpan
 from shared.engine.request import Request
@@ -93,6 +93,9 @@ class DecodeService(Worker):
         self.traces: dict[str, tuple[dict[str, str], float]] = {}  # trace headers, since
         self.freeing: set[asyncio.Task[None]] = set()  # blocks of pulls cancelled early
         self.connecting: dict[str, asyncio.Task[None]] = {}  # listener -> opening ahead
+        # the buffers pulls land in on the CPU, reused once imported (a pull given up on
+        # leaves its buffer to the garbage collector: UCX may still write it)
+        self.staging = Staging()
         self.block_bytes = block_bytes(self.engine.model_config, self.engine.blocks.block_size,
                                        self.engine.runner.kv.data.dtype)  # every rank's part
 
@@ -236,11 +239,12 @@ class DecodeService(Worker):
         started: one call for all (`_on_pool`: on the engine thread each call waits for
         the running step, and a pull used to make three)."""
         granted = []
+        alloc = self.staging.take if self.engine.blocks_off_thread else None
         for ready in wanted:
             blocks = self.engine.allocate(ready.computed)
             if blocks is None:
                 break
-            granted.append(Grant(blocks, self.engine.kv_buffer(len(blocks))))
+            granted.append(Grant(blocks, self.engine.kv_buffer(len(blocks), alloc)))
         # where the KV cannot land here the pull fails at once (`_pull` says why), and no
         # rank is asked
         ours = self.engine.runner.kv_dtype_name
@@ -305,6 +309,8 @@ class DecodeService(Worker):
             self.attempts[ready.request_id] = ready.attempt
             await self.host.call(self.engine.admit_imported, request, blocks, buffer,
                                  ready.computed)
+            if buffer is not None:  # copied into the pool: the next pull may land in it
+                self.staging.give(buffer)
         except TransferError as e:
             log.warning("pull of %s failed: %s", ready.request_id, e)
             self._pulled(ready.request_id)  # no cancel may cut its freeing short now

@@ -24,6 +24,7 @@ from shared import subjects
 from shared.bus import parse, publish
 from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput
+from shared.engine.kv_cache import Staging
 from shared.engine.parallel.layout import KvSpan
 from shared.engine.request import Request
 from shared.kv_transfer import KvServer, Served, stop_notifier_thread, wire
@@ -50,7 +51,9 @@ class PrefillService(Worker):
     def __init__(self, settings: WorkerSettings, engine: Engine | None = None) -> None:
         super().__init__(settings, engine)
         self.kv_server = KvServer(lookup=self._lookup, host=self.settings.host,
-                                  port=self.settings.kv_port, on_served=self._served)
+                                  port=self.settings.kv_port, on_served=self._served,
+                                  sent=self._sent)
+        self.staging = Staging()  # the exports' buffers on the CPU, reused pull after pull
         self.requests: dict[str, PrefillRequest] = {}
         self.parked_at: dict[str, float] = {}
         self.released_at: dict[str, float] = {}  # imported by a decode instance; retained
@@ -91,12 +94,22 @@ class PrefillService(Worker):
                    copy_s=round(served.found - served.asked, 6))
 
     def _export(self, request_id: str, part: KvSpan | None) -> Any:
-        buffer = self.engine.export_part(request_id, part)
+        """The copy out of the pool: on the CPU into a staging buffer, taken back once sent
+        (`_sent`); a GPU's caching allocator reuses its own."""
+        on_cpu = self.engine.runner.device.type == "cpu"
+        buffer = self.engine.export_part(request_id, part,
+                                         self.staging.take if on_cpu else None)
         if buffer is None:
             return None
         if buffer.device.type == "cuda":
             torch.cuda.current_stream(buffer.device).synchronize()  # the copy is asynchronous
         return wire(buffer)
+
+    def _sent(self, sent: Any) -> None:
+        """An export UCX is done with: its staging buffer (the tensor a CPU buffer's bytes
+        are a view of) serves the next one."""
+        if isinstance(getattr(sent, "base", None), torch.Tensor):
+            self.staging.give(sent.base)
 
     def subscriptions(self) -> dict[str, Callable[[Msg], Awaitable[None]]]:
         """Listen for pulls (each rank on a listener of its own, under rank 0's key; before

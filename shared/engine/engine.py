@@ -15,6 +15,7 @@ import torch
 
 from shared.engine.block_manager import BlockManager, blocks_for
 from shared.engine.config import EngineConfig, ModelConfig
+from shared.engine.kv_cache import Alloc
 from shared.engine.loader import LoadedModel
 from shared.engine.model_runner import Launched, ModelRunner
 from shared.engine.parallel.group import Command, RankFailed, text_payload
@@ -239,11 +240,13 @@ class Engine:
         request = self.scheduler.parked[request_id]
         return self.runner.export_kv(request.block_table)
 
-    def export_part(self, request_id: str, part: KvSpan | None) -> torch.Tensor | None:
-        """`part` (None: all) of the KV rank 0 holds of a parked request; None if it is not
-        parked or rank 0 does not hold that part."""
+    def export_part(self, request_id: str, part: KvSpan | None,
+                    alloc: Alloc | None = None) -> torch.Tensor | None:
+        """`part` (None: all) of the KV rank 0 holds of a parked request (in room `alloc`
+        gives); None if it is not parked or rank 0 does not hold that part."""
         request = self.scheduler.parked.get(request_id)
-        return None if request is None else self.runner.export_part(request.block_table, part)
+        return None if request is None else \
+            self.runner.export_part(request.block_table, part, alloc)
 
     @property
     def exports_off_thread(self) -> bool:
@@ -284,11 +287,12 @@ class Engine:
                                                                    "park": park})))
             told.update(park)
 
-    def kv_buffer(self, num_blocks: int) -> torch.Tensor:
+    def kv_buffer(self, num_blocks: int, alloc: Alloc | None = None) -> torch.Tensor:
         """Room for `num_blocks` blocks of the KV rank 0 holds (all of it on one rank), to
-        receive KV into: each other rank pulls its own (`pull_on_ranks`)."""
+        receive KV into (`alloc`'s, on one rank): each other rank pulls its own
+        (`pull_on_ranks`)."""
         if self.runner.ranks is None:
-            return self.runner.kv_buffer(num_blocks)
+            return self.runner.kv_buffer(num_blocks, alloc)
         return self.runner.kv.empty_blocks(num_blocks)
 
     def pull_on_ranks(self, pulls: list[KvPull], timeout_s: float

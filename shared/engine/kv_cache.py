@@ -9,9 +9,17 @@ blocks of every layer into one contiguous buffer, [num_layers, 2, n, block_size,
 
 from __future__ import annotations
 
+import math
+import threading
+from collections.abc import Callable, Sequence
+
 import torch
 
 from shared.engine.config import ModelConfig
+
+MIB = 1 << 20
+# room for a tensor of a shape and dtype: torch.empty's, or a staging buffer's (`Staging.take`)
+Alloc = Callable[[Sequence[int], torch.dtype], torch.Tensor]
 
 
 def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -57,11 +65,15 @@ class KVCache:
             values.view(b, n * self.block_size, *values.shape[2:])
 
     def export_blocks(self, block_ids: list[int], layers: slice = slice(None),
-                      heads: slice = slice(None)) -> torch.Tensor:
+                      heads: slice = slice(None), alloc: Alloc | None = None) -> torch.Tensor:
         """A request's blocks as one contiguous buffer ([layers, 2, n, block_size, H, D]):
-        of every layer and KV head of the pool, or of some."""
+        of every layer and KV head of the pool, or of some; in room `alloc` gives."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
-        return self.data[layers, :, :, :, heads].index_select(2, index)
+        source = self.data[layers, :, :, :, heads]
+        if alloc is None:
+            return source.index_select(2, index)
+        shape = (*source.shape[:2], len(block_ids), *source.shape[3:])
+        return torch.index_select(source, 2, index, out=alloc(shape, self.data.dtype))
 
     def empty_blocks(self, num_blocks: int) -> torch.Tensor:
         """Room for `num_blocks` exported blocks of this pool's layout."""
@@ -75,3 +87,51 @@ class KVCache:
             f"KV buffer shape {tuple(buffer.shape)} does not match {expected}")
         index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
         self.data.index_copy_(2, index, buffer.to(self.data.device, self.data.dtype))
+
+
+class Staging:
+    """Host buffers KV blocks are staged in on their way out of a pool or into one, kept for
+    the next transfer: a fresh buffer pays for its first touch, page by page (the prefill
+    side's copy of 512 tokens of SmolLM2's KV, 23.6 MB, out of the pool took 11-17 ms into a
+    fresh buffer and 3-5 ms into one the allocator happened to reuse; Zen 4). A buffer is
+    lent (`take`) until given back (`give`); one never given back (a transfer abandoned,
+    which UCX may still be writing) is simply not reused. At most `keep` idle buffers are
+    kept, the largest; each is rounded up to a MiB. Any thread."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._idle: list[torch.Tensor] = []  # uint8, 1-D
+        self._lock = threading.Lock()
+        self.fresh = 0  # buffers allocated (the rest of the takes reused one)
+
+    def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous host tensor of `shape` and `dtype` over a staging buffer: the
+        smallest idle one that holds it, else a new one."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        with self._lock:
+            fits = [i for i, b in enumerate(self._idle) if b.numel() >= nbytes]
+            base = self._idle.pop(min(fits, key=lambda i: self._idle[i].numel())) \
+                if fits else None
+            self.fresh += base is None
+        if base is None:
+            base = torch.empty(-(-max(nbytes, 1) // MIB) * MIB, dtype=torch.uint8)
+        return base[:nbytes].view(dtype).view(tuple(shape))
+
+    def give(self, lent: torch.Tensor) -> None:
+        """Take back a tensor `take` lent (or any view of it), which nothing reads or writes
+        any more: its whole buffer is kept for the next `take` (once: given back twice, it
+        is still lent once)."""
+        storage = lent.untyped_storage()
+        if lent.device.type != "cpu":
+            return
+        with self._lock:
+            if any(b.data_ptr() == storage.data_ptr() for b in self._idle):
+                return
+            self._idle.append(torch.empty(0, dtype=torch.uint8).set_(storage))
+            if len(self._idle) > self.keep:
+                self._idle.pop(min(range(len(self._idle)), key=lambda i: self._idle[i].numel()))
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._idle)

@@ -23,7 +23,7 @@ from shared.engine.attention import (
     pick_decode_attention,
 )
 from shared.engine.config import EngineConfig, ModelConfig, weight_bits
-from shared.engine.kv_cache import KVCache, block_bytes
+from shared.engine.kv_cache import Alloc, KVCache, block_bytes
 from shared.engine.loader import LoadedModel
 from shared.engine.model import LlamaModel
 from shared.engine.parallel.group import Command, RankFailed, Ranks, rank_threads
@@ -309,10 +309,12 @@ class ModelRunner:
         places = self.ranks.places if self.ranks is not None else [RankPlace()]
         return [KvSpan.of(place, self.model_config) for place in places]
 
-    def export_part(self, block_ids: list[int], part: KvSpan | None) -> torch.Tensor | None:
-        """`part` (None: all) of rank 0's own KV of the blocks, contiguous; None where rank 0
-        does not hold all of `part` (each other rank serves its own: kv_serving)."""
-        return export_part(self.kv, block_ids, self.kv_spans[0], part)
+    def export_part(self, block_ids: list[int], part: KvSpan | None,
+                    alloc: Alloc | None = None) -> torch.Tensor | None:
+        """`part` (None: all) of rank 0's own KV of the blocks, contiguous (in room `alloc`
+        gives); None where rank 0 does not hold all of `part` (each other rank serves its
+        own: kv_serving)."""
+        return export_part(self.kv, block_ids, self.kv_spans[0], part, alloc)
 
     def _part(self, buffer: torch.Tensor, place: RankPlace) -> torch.Tensor:
         """The view of an exported buffer that rank `place` holds: its layers, its heads."""
@@ -320,11 +322,13 @@ class ModelRunner:
         layers, heads = KvSpan.of(place, config).within(KvSpan.whole(config))
         return buffer[layers, :, :, :, heads]
 
-    def kv_buffer(self, num_blocks: int) -> torch.Tensor:
-        """Room for `num_blocks` blocks as `export_kv` lays them out (every rank's heads)."""
+    def kv_buffer(self, num_blocks: int, alloc: Alloc | None = None) -> torch.Tensor:
+        """Room for `num_blocks` blocks as `export_kv` lays them out (every rank's heads),
+        `alloc`'s where given."""
         config, pool = self.model_config, self.kv.data
-        return pool.new_empty((config.num_layers, 2, num_blocks, self.kv.block_size,
-                               config.num_kv_heads, config.head_dim))
+        shape = (config.num_layers, 2, num_blocks, self.kv.block_size, config.num_kv_heads,
+                 config.head_dim)
+        return pool.new_empty(shape) if alloc is None else alloc(shape, pool.dtype)
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
                                                       AttentionMetadata]:

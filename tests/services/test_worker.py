@@ -14,7 +14,9 @@ from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
 from typing import TypeVar, cast
 
+import numpy as np
 import pytest
+import torch
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -32,7 +34,7 @@ from shared.engine.config import EngineConfig, Role
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.request import Draw, SamplingParams
 from shared.engine.scheduler import SchedulerOutput
-from shared.kv_transfer import TransferError
+from shared.kv_transfer import TransferError, wire
 from shared.messages import (
     Cancel,
     KvReady,
@@ -547,6 +549,57 @@ def test_on_the_cpu_a_pull_starts_beside_the_step_under_way_and_joins_the_next(
             assert worker.engine.blocks.num_free == free
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_pull_lands_in_the_buffer_the_last_import_was_done_with(
+        nats_url: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU a pull's buffer is a staging buffer: once its KV is in the pool, the next
+    pull lands in the same memory (a fresh one pays its page faults). A pull that failed
+    keeps its buffer (UCX may still write it): the next pull gets another."""
+    worker = tiny(DecodeService, "decode-s", nats_url, redis_url)
+    landed: list[tuple[str, int]] = []  # request -> the address its KV landed at
+
+    async def pull(_: object, request_id: str, token: str, sources: object, wanted: object,
+                   buffer: torch.Tensor) -> None:
+        landed.append((request_id, buffer.data_ptr()))
+        if token == "broken":
+            raise TransferError("the prefill host went away")
+        buffer.zero_()
+
+    monkeypatch.setattr("services.decode.service.pull_pieces", pull)
+
+    async def main() -> None:
+        async with decode_serving(worker, nats_url, redis_url, "prefill-s",
+                                  ["a", "b", "c", "d"]) as (nc, released, seen):
+            for request_id, token in (("a", "t"), ("b", "t"), ("c", "broken"), ("d", "t")):
+                await publish(nc, subjects.decode("decode-s"),
+                              announcement(request_id, "prefill-s", token))
+                await asyncio.wait_for(released.get(), 30)  # after its buffer's import
+            await until(lambda: {c.request_id for c in seen if c.finish_reason} == {"a", "b", "d"})
+            await until_idle(worker)
+        where = dict(landed)
+        assert where["b"] == where["a"] == where["c"]  # a's buffer, given back, twice
+        assert worker.staging.fresh == 2  # c's was not given back: d's is new
+
+    asyncio.run(main())
+
+
+def test_a_prefill_instance_exports_into_the_buffer_its_last_pull_was_sent_from() -> None:
+    """The copy out of the pool lands in a staging buffer, which UCX's end of the send (the
+    KV server's `sent`) gives back for the next export; one still being sent is not
+    reused."""
+    engine = full_prefill_engine()
+    worker = PrefillService(WorkerSettings(instance_id="prefill-x", model="tiny"), engine)
+    first = worker._export("parked-0", None)
+    assert np.array_equal(first, wire(engine.export_kv("parked-0")))
+    worker._sent(first)
+    second = worker._export("parked-1", None)
+    assert second.ctypes.data == first.ctypes.data  # the same memory
+    assert np.array_equal(second, wire(engine.export_kv("parked-1")))
+    third = worker._export("parked-2", None)  # the second is being sent: another buffer
+    assert third.ctypes.data != second.ctypes.data and worker.staging.fresh == 2
+    assert np.array_equal(third, wire(engine.export_kv("parked-2")))
 
 
 @pytest.mark.timeout(120)

@@ -44,17 +44,19 @@ def serve(ports: Any, stop: Any, dtype: torch.dtype = torch.float32) -> None:
     """The prefill side, in its own process."""
     kv = pool(seed=1, dtype=dtype)
     exported = {"req-1": wire(kv.export_blocks(SOURCE_BLOCKS))}
+    sent = []  # what the server said it was done sending
 
     async def lookup(request_id: str, part: Any) -> Any:
         return exported.get(request_id)
 
     async def main() -> None:
-        server = KvServer(lookup=lookup)
+        server = KvServer(lookup=lookup, sent=sent.append)
         server.start()
         ports.put((server.port, server.token("req-1"), server.token("req-unknown")))
         while not stop.is_set():
             await asyncio.sleep(0.05)
-        ports.put(server.stats.bytes)
+        # the bytes it counted, and how many of the lookups' buffers it gave back
+        ports.put((server.stats.bytes, sum(b is exported["req-1"] for b in sent)))
         server.close()
 
     asyncio.run(main())
@@ -96,7 +98,8 @@ def test_pull_moves_blocks_between_processes(server_port: Any) -> None:
     decode.import_blocks(target, buffer)
     assert torch.equal(decode.export_blocks(target), expected)
     stop.set()
-    assert ports.get(timeout=30) == expected.nbytes  # the server counted what it sent
+    # the server counted what it sent, and gave the buffer back once sent
+    assert ports.get(timeout=30) == (expected.nbytes, 1)
 
 
 @pytest.mark.timeout(180)
@@ -147,7 +150,7 @@ def test_a_bfloat16_pool_moves_as_its_bytes(server_port: Any) -> None:
     asyncio.run(main())
     assert buffer.dtype == torch.bfloat16 and torch.equal(buffer, expected)
     stop.set()
-    assert ports.get(timeout=30) == expected.nbytes
+    assert ports.get(timeout=30) == (expected.nbytes, 1)
 
 
 @pytest.mark.timeout(180)
@@ -169,7 +172,7 @@ def test_a_pull_needs_the_requests_token(server_port: Any) -> None:
     asyncio.run(main())
     assert torch.equal(buffer, expected)
     stop.set()
-    assert ports.get(timeout=30) == expected.nbytes  # sent once, to the token's holder
+    assert ports.get(timeout=30) == (expected.nbytes, 1)  # sent once, to the token's holder
 
 
 @pytest.mark.timeout(180)

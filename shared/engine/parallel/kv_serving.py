@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 from pydantic import TypeAdapter
 
-from shared.engine.kv_cache import KVCache
+from shared.engine.kv_cache import Alloc, KVCache
 from shared.engine.parallel.group import Collective, RankFailed
 from shared.engine.parallel.layout import KvSpan
 
@@ -97,16 +97,17 @@ class ParkedBlocks:
             return len(self._blocks)
 
 
-def export_part(kv: KVCache, blocks: list[int], span: KvSpan, part: KvSpan | None
-                ) -> torch.Tensor | None:
+def export_part(kv: KVCache, blocks: list[int], span: KvSpan, part: KvSpan | None,
+                alloc: Alloc | None = None) -> torch.Tensor | None:
     """`part` (None: all the rank holds) of the blocks of a pool that holds `span`, as one
-    contiguous tensor; None if the rank does not hold all of `part`."""
+    contiguous tensor (in room `alloc` gives); None if the rank does not hold all of
+    `part`."""
     if part is None:
-        return kv.export_blocks(blocks)
+        return kv.export_blocks(blocks, alloc=alloc)
     if part.overlap(span) != part:
         return None
     layers, heads = part.within(span)
-    return kv.export_blocks(blocks, layers, heads)
+    return kv.export_blocks(blocks, layers, heads, alloc)
 
 
 @dataclass(frozen=True)

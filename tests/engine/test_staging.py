@@ -1,0 +1,42 @@
+"""The buffers KV transfers stage blocks in: taken, given back once a transfer is done with
+them, and lent again to the next (pure, milliseconds)."""
+
+import torch
+
+from shared.engine.config import LLAMA_SHAPES
+from shared.engine.kv_cache import MIB, KVCache, Staging
+
+
+def test_a_buffer_given_back_is_lent_again_and_one_never_given_back_is_not() -> None:
+    staging = Staging(keep=2)
+    first = staging.take((4, 1000), torch.float32)
+    assert first.shape == (4, 1000) and first.is_contiguous() and staging.fresh == 1
+    staging.give(first)
+    second = staging.take((2, 500), torch.bfloat16)  # smaller, another dtype: the same room
+    assert second.data_ptr() == first.data_ptr() and staging.fresh == 1
+    third = staging.take((8,), torch.float32)  # the one buffer is lent: a new one
+    assert third.data_ptr() != second.data_ptr() and staging.fresh == 2
+    staging.give(second)
+    staging.give(second)  # twice: kept once
+    assert staging.idle_bytes == MIB
+    big = staging.take((MIB,), torch.float32)  # 4 MiB: nothing idle holds it
+    assert staging.fresh == 3 and staging.idle_bytes == MIB
+    for lent in (big, third):
+        staging.give(lent)
+    assert staging.idle_bytes == 4 * MIB + MIB  # the two largest kept, the smallest dropped
+    small = staging.take((10,), torch.float32)  # the smallest that holds it
+    assert small.untyped_storage().nbytes() == MIB
+
+
+def test_blocks_exported_into_a_staging_buffer_are_the_blocks() -> None:
+    kv = KVCache(LLAMA_SHAPES["tiny"], 16, 4, torch.float32, torch.device("cpu"))
+    kv.data.copy_(torch.randn(kv.data.shape, generator=torch.Generator().manual_seed(3)))
+    staging = Staging()
+    for blocks in ([5, 2, 9], [1, 2], [15, 0, 3, 7]):
+        staged = kv.export_blocks(blocks, alloc=staging.take)
+        assert torch.equal(staged, kv.export_blocks(blocks))
+        part = kv.export_blocks(blocks, slice(1, 2), slice(0, 1), staging.take)
+        assert torch.equal(part, kv.export_blocks(blocks, slice(1, 2), slice(0, 1)))
+        staging.give(staged)
+        staging.give(part)
+    assert staging.fresh == 2  # the first round's two buffers served every later one
