@@ -253,11 +253,14 @@ class Worker:
                             batched=self.host.batched, recent_steps=self.recent_steps())
 
     def recent_steps(self) -> list[StepSample]:
-        """The engine's last priced steps, for the heartbeat (its thread, not the loop's)."""
+        """The engine's last steps, for the heartbeat (its thread, not the loop's); not a
+        decode instance's failover replays (prompt tokens beside its decodes), which no plan
+        prices: a calibration would take them for a prefill instance's steps."""
         return [StepSample(step=step, prompts=list(shape.prompts), batch=shape.batch,
                            context=shape.context, done=list(shape.done), seconds=seconds,
                            ended=ended)
-                for step, shape, seconds, ended in self.host.samples.copy()]
+                for step, shape, seconds, ended in self.host.samples.copy()
+                if not (shape.prompts and self.role == "decode")]
 
     def holding(self) -> int:
         """Requests the service holds outside the engine (decode: announced, not pulled)."""

@@ -245,7 +245,8 @@ class KvServer:
     # the tokens' key: the ranks of one instance share it, so one token opens each rank
     key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
     on_served: Callable[[Served], None] | None = None  # each pull answered, once sent
-    # what `lookup` returned, once sent or failed to send: UCX no longer reads it
+    # what `lookup` returned, once UCX is done with it (sent, or its send failed; not where
+    # the serving task was cancelled mid-send: UCX may still read it)
     sent: Callable[[Any], None] | None = None
     _listener: Any = None
 
@@ -289,15 +290,20 @@ class KvServer:
                 try:
                     await ep.send(_header({"ok": True, "nbytes": nbytes}))
                     await ep.send(buffer)
-                finally:
-                    if self.sent is not None:
-                        self.sent(buffer)
+                except (UCXError, UCXCanceledError):  # its request completed, failed
+                    self._done_with(buffer)
+                    raise
+                self._done_with(buffer)
                 self.stats.requests += 1
                 self.stats.bytes += nbytes
                 if self.on_served is not None:
                     self.on_served(Served(request_id, nbytes, asked, found, time.time()))
         with contextlib.suppress(UCXError, UCXCanceledError):
             await ep.close()
+
+    def _done_with(self, buffer: Any) -> None:
+        if self.sent is not None:
+            self.sent(buffer)
 
     async def _find(self, request_id: str, token: str, part: KvSpan | None) -> Any:
         """The blocks, if the token is request_id's (checked before the engine is asked)."""

@@ -93,9 +93,10 @@ class DecodeService(Worker):
         self.traces: dict[str, tuple[dict[str, str], float]] = {}  # trace headers, since
         self.freeing: set[asyncio.Task[None]] = set()  # blocks of pulls cancelled early
         self.connecting: dict[str, asyncio.Task[None]] = {}  # listener -> opening ahead
-        # the buffers pulls land in on the CPU, reused once imported (a pull given up on
-        # leaves its buffer to the garbage collector: UCX may still write it)
-        self.staging = Staging()
+        # the buffers pulls land in on the CPU, reused once imported (not one whose pull
+        # failed: its endpoint was aborted, which cancels the receive, and still it is not
+        # lent again); a quarter of the KV pool's bytes idle at most
+        self.staging = Staging(max_idle_bytes=self.engine.runner.kv.data.nbytes // 4)
         self.block_bytes = block_bytes(self.engine.model_config, self.engine.blocks.block_size,
                                        self.engine.runner.kv.data.dtype)  # every rank's part
 
@@ -224,6 +225,7 @@ class DecodeService(Worker):
                 for ready, grant in pairs:
                     if id(ready) not in queued:  # freed in a task: admission goes on
                         self._free_later(grant)
+                        self._reuse(grant)
 
     async def _on_pool(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)`, which takes or frees a pull's blocks: at once where the engine lets
@@ -272,8 +274,15 @@ class DecodeService(Worker):
         turn of the loop) ran none of its body: free its blocks and release its KV here."""
         if not grant.started:
             self._free_later(grant)
+            self._reuse(grant)
             self._pulled(ready.request_id, task)
             self._release(ready)
+
+    def _reuse(self, grant: Grant) -> None:
+        """`grant`'s buffer for a later pull, once nothing writes it any more: its KV is in
+        the pool, or no receive ever had it (a staging buffer: one rank on the CPU)."""
+        if self.engine.blocks_off_thread:
+            self.staging.give(grant.buffer)
 
     async def _pull(self, ready: KvReady, grant: Grant) -> None:
         grant.started = True
@@ -286,6 +295,7 @@ class DecodeService(Worker):
         try:
             refused = _mismatch(ready, blocks, self.engine.runner.kv_dtype_name)
             if refused is not None:
+                self._reuse(grant)
                 raise TransferError(refused)
             await pull_pieces(self.kv_client, ready.request_id, ready.token, _sources(ready),
                               self.engine.runner.kv_spans[0], grant.buffer)
@@ -309,8 +319,7 @@ class DecodeService(Worker):
             self.attempts[ready.request_id] = ready.attempt
             await self.host.call(self.engine.admit_imported, request, blocks, buffer,
                                  ready.computed)
-            if buffer is not None:  # copied into the pool: the next pull may land in it
-                self.staging.give(buffer)
+            self._reuse(grant)  # copied into the pool: the next pull may land in it
         except TransferError as e:
             log.warning("pull of %s failed: %s", ready.request_id, e)
             self._pulled(ready.request_id)  # no cancel may cut its freeing short now

@@ -48,6 +48,9 @@ Basis = Literal["profile", "alone", "all"]
 MOMENTS = 8  # a step's neighbours are looked up this many times through it
 MOST_SLOWED = 10.0  # a contention factor is fitted as at most this
 FEWEST = 3  # steps a phase's level is fitted on at least, however long they ran
+# a chunked step says something of its prompt tokens where they are this much of it at least
+# (as predicted; the rest the decodes riding along)
+OWN_SHARE = 0.3
 # the phases of the steps a step's machine's other instances ran at each of its moments
 Moments = tuple[tuple[Phase, ...], ...]
 ALONE: Moments = ((),) * MOMENTS
@@ -476,19 +479,18 @@ class Calibrator:
         contention: dict[str, float] = {}
         riding = 1.0  # the decode phase's scale, which decodes riding along a chunk take
         for phase in reversed(PHASES):  # decode first: a chunked step's decodes are priced
-            fields[f"{phase}_steps"] = len(self.steps[phase])
-            placed = self.placed(phase)
+            fields |= {f"{phase}_steps": len(self.steps[phase]), f"{phase}_basis": "profile"}
+            # at that phase's correction, and the step's own part is what is left of it
+            placed = [(t, moments) for t, moments in self.placed(phase)
+                      if t.predicted_s - t.riding_s >= OWN_SHARE * t.predicted_s]
             alone = [t for t, moments in placed if moments == ALONE]
             basis: Basis = "alone" if self._enough_for_level(alone) else "all"
-            fitted_on = alone if basis == "alone" else list(self.steps[phase])
-            # a chunked step's own part: what it took less its decodes as the decode phase's
-            # correction prices them (a step whose decodes took all of it says nothing)
-            pairs = [(t.predicted_s - t.riding_s, t.seconds - riding * t.riding_s)
-                     for t in fitted_on]
-            pairs = [(p, m) for p, m in pairs if p > 0 and m > 0]
-            if not self._enough_for_level(fitted_on) or not pairs:
+            fitted_on = alone if basis == "alone" else [t for t, _ in placed]
+            if not self._enough_for_level(fitted_on):
                 continue
-            ratio, fit, offset_s = fit_steps(pairs, self._constant_s(phase))
+            ratio, fit, offset_s = fit_steps(
+                [(t.predicted_s - t.riding_s, t.seconds - riding * t.riding_s)
+                 for t in fitted_on], self._constant_s(phase))
             fields |= {phase: ratio, f"{phase}_fit": fit, f"{phase}_offset_s": offset_s,
                        f"{phase}_basis": basis}
             scale, plus_s = (1.0, offset_s) if fit == "offset" else (ratio, 0.0)

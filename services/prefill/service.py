@@ -53,7 +53,9 @@ class PrefillService(Worker):
         self.kv_server = KvServer(lookup=self._lookup, host=self.settings.host,
                                   port=self.settings.kv_port, on_served=self._served,
                                   sent=self._sent)
-        self.staging = Staging()  # the exports' buffers on the CPU, reused pull after pull
+        # the exports' buffers on the CPU, reused pull after pull; a quarter of the KV pool's
+        # bytes idle at most
+        self.staging = Staging(max_idle_bytes=self.engine.runner.kv.data.nbytes // 4)
         self.requests: dict[str, PrefillRequest] = {}
         self.parked_at: dict[str, float] = {}
         self.released_at: dict[str, float] = {}  # imported by a decode instance; retained

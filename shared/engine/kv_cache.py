@@ -94,12 +94,13 @@ class Staging:
     the next transfer: a fresh buffer pays for its first touch, page by page (the prefill
     side's copy of 512 tokens of SmolLM2's KV, 23.6 MB, out of the pool took 11-17 ms into a
     fresh buffer and 3-5 ms into one the allocator happened to reuse; Zen 4). A buffer is
-    lent (`take`) until given back (`give`); one never given back (a transfer abandoned,
-    which UCX may still be writing) is simply not reused. At most `keep` idle buffers are
-    kept, the largest; each is rounded up to a MiB. Any thread."""
+    lent (`take`) until given back (`give`); one never given back (a transfer abandoned) is
+    simply not reused. At most `keep` idle buffers are kept, the largest, of at most
+    `max_idle_bytes` together (a larger one is let go); each is rounded up to a MiB. Any
+    thread."""
 
-    def __init__(self, keep: int = 2) -> None:
-        self.keep = keep
+    def __init__(self, keep: int = 2, max_idle_bytes: int = 256 * MIB) -> None:
+        self.keep, self.max_idle_bytes = keep, max_idle_bytes
         self._idle: list[torch.Tensor] = []  # uint8, 1-D
         self._lock = threading.Lock()
         self.fresh = 0  # buffers allocated (the rest of the takes reused one)
@@ -122,14 +123,16 @@ class Staging:
         any more: its whole buffer is kept for the next `take` (once: given back twice, it
         is still lent once)."""
         storage = lent.untyped_storage()
-        if lent.device.type != "cpu":
+        if lent.device.type != "cpu" or storage.nbytes() > self.max_idle_bytes:
             return
         with self._lock:
             if any(b.data_ptr() == storage.data_ptr() for b in self._idle):
                 return
             self._idle.append(torch.empty(0, dtype=torch.uint8).set_(storage))
-            if len(self._idle) > self.keep:
-                self._idle.pop(min(range(len(self._idle)), key=lambda i: self._idle[i].numel()))
+            self._idle.sort(key=torch.Tensor.numel)
+            del self._idle[:max(0, len(self._idle) - self.keep)]  # the smallest beyond `keep`
+            while sum(b.numel() for b in self._idle) > self.max_idle_bytes:
+                self._idle.pop()  # the largest
 
     @property
     def idle_bytes(self) -> int:

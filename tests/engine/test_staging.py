@@ -40,3 +40,22 @@ def test_blocks_exported_into_a_staging_buffer_are_the_blocks() -> None:
         staging.give(staged)
         staging.give(part)
     assert staging.fresh == 2  # the first round's two buffers served every later one
+
+
+def test_idle_buffers_are_held_to_their_byte_limit() -> None:
+    """Idle buffers past `max_idle_bytes` together are let go, the largest first: one long
+    transfer does not keep its memory held for good."""
+    staging = Staging(keep=2, max_idle_bytes=3 * MIB)
+    small, large = staging.take((MIB // 4,), torch.float32), staging.take((2 * MIB,),
+                                                                          torch.uint8)
+    staging.give(small)
+    staging.give(large)
+    assert staging.idle_bytes == 3 * MIB  # 1 + 2 MiB: within the limit
+    huge = staging.take((4 * MIB,), torch.uint8)
+    staging.give(huge)  # over the limit by itself
+    assert staging.idle_bytes == 3 * MIB
+    middle = staging.take((MIB + 1,), torch.uint8)  # the 2 MiB one
+    assert middle.untyped_storage().nbytes() == 2 * MIB
+    staging.give(middle)
+    staging.give(staging.take((MIB,), torch.uint8))  # the 1 MiB one, back again
+    assert staging.idle_bytes == 3 * MIB

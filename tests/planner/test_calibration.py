@@ -201,6 +201,25 @@ def test_chunked_steps_are_calibrated_with_their_decodes_priced_by_the_decode_ph
         == pytest.approx(step, rel=0.03)
 
 
+def test_chunks_the_decodes_riding_along_outweigh_say_nothing_of_the_prefill_phase() -> None:
+    """A chunk of a few tokens beside 32 long decodes is four fifths decodes: what is left of
+    it once they are priced is noise, so such steps are not fitted on (a level needs its
+    minimum of the others), nor do they fail the fit."""
+    rng = random.Random(2)
+    steps = []
+    for step in range(1, 25):
+        n = rng.randint(1, 16)
+        own = LATENCY.prefill_latency_s(n, n * (600 + n))
+        riding = LATENCY.riding_ms(32, 32 * 1000) / 1e3
+        steps.append(StepSample(step=step, prompts=[n], done=[600], batch=32, context=32_000,
+                                seconds=(own + 1.3 * riding) * rng.uniform(0.9, 1.1)))
+    calibrator = Calibrator(LATENCY)
+    calibrator.observe("colocated-0", steps)
+    found = calibrator.calibration()
+    assert found.prefill_steps == 24  # heard, and counted
+    assert (found.prefill_basis, found.prefill) == ("profile", 1.0)  # not fitted on them
+
+
 def test_a_fixed_cost_a_step_is_fitted_as_one_and_not_scaled_up_to_long_prompts() -> None:
     """Short prompts, 1-3 a step, each step 34 ms longer than profiled (as the 16-token
     steps of the development VM, whose 512-token steps match the profile): the calibrator

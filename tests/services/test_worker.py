@@ -32,8 +32,9 @@ from shared import subjects
 from shared.bus import connect, parse, publish
 from shared.engine.config import EngineConfig, Role
 from shared.engine.engine import Engine, RequestOutput
+from shared.engine.kv_cache import MIB, Staging
 from shared.engine.request import Draw, SamplingParams
-from shared.engine.scheduler import SchedulerOutput
+from shared.engine.scheduler import SchedulerOutput, StepShape
 from shared.kv_transfer import TransferError, wire
 from shared.messages import (
     Cancel,
@@ -585,12 +586,31 @@ def test_a_pull_lands_in_the_buffer_the_last_import_was_done_with(
     asyncio.run(main())
 
 
+def test_a_decode_instance_heartbeats_its_decode_steps_not_its_replays() -> None:
+    """A failover's replay (prompt tokens beside the decodes) runs on a decode instance,
+    which no plan prices as a prefill instance's step: its heartbeats leave it out, and a
+    colocated worker's chunked steps stay in."""
+    decode = tiny(DecodeService, "decode-h", "nats://unused", "redis://unused")
+    colocated = tiny(ColocatedService, "colocated-h", "nats://unused", "redis://unused")
+    for worker in (decode, colocated):
+        worker.host.samples.extend([(1, StepShape((), 4, 400), 0.02, 1.0),
+                                    (2, StepShape((3,), 4, 404, (60,)), 0.03, 1.1)])
+    assert [s.step for s in decode.recent_steps()] == [1]
+    assert [(s.step, s.prompts, s.done) for s in colocated.recent_steps()] == [
+        (1, [], []), (2, [3], [60])]
+
+
 def test_a_prefill_instance_exports_into_the_buffer_its_last_pull_was_sent_from() -> None:
     """The copy out of the pool lands in a staging buffer, which UCX's end of the send (the
     KV server's `sent`) gives back for the next export; one still being sent is not
-    reused."""
+    reused. Idle buffers hold a quarter of the pool's bytes at most: this 1 MiB pool's
+    quarter holds none of a MiB."""
     engine = full_prefill_engine()
     worker = PrefillService(WorkerSettings(instance_id="prefill-x", model="tiny"), engine)
+    assert worker.staging.max_idle_bytes == MIB // 4
+    worker._sent(worker._export("parked-0", None))
+    assert worker.staging.idle_bytes == 0
+    worker.staging = Staging(max_idle_bytes=4 * MIB)
     first = worker._export("parked-0", None)
     assert np.array_equal(first, wire(engine.export_kv("parked-0")))
     worker._sent(first)
