@@ -247,7 +247,7 @@ class KvServer:
     on_served: Callable[[Served], None] | None = None  # each pull answered, once sent
     # what `lookup` returned, once UCX is done with it (sent, or its send failed; not where
     # the serving task was cancelled mid-send: UCX may still read it)
-    sent: Callable[[Any], None] | None = None
+    sent: Callable[[Any], None] = lambda buffer: None
     _listener: Any = None
 
     def token(self, request_id: str) -> str:
@@ -291,19 +291,15 @@ class KvServer:
                     await ep.send(_header({"ok": True, "nbytes": nbytes}))
                     await ep.send(buffer)
                 except (UCXError, UCXCanceledError):  # its request completed, failed
-                    self._done_with(buffer)
+                    self.sent(buffer)
                     raise
-                self._done_with(buffer)
+                self.sent(buffer)
                 self.stats.requests += 1
                 self.stats.bytes += nbytes
                 if self.on_served is not None:
                     self.on_served(Served(request_id, nbytes, asked, found, time.time()))
         with contextlib.suppress(UCXError, UCXCanceledError):
             await ep.close()
-
-    def _done_with(self, buffer: Any) -> None:
-        if self.sent is not None:
-            self.sent(buffer)
 
     async def _find(self, request_id: str, token: str, part: KvSpan | None) -> Any:
         """The blocks, if the token is request_id's (checked before the engine is asked)."""

@@ -169,8 +169,8 @@ Span = tuple[float, float, Phase | None]  # start, end, phase (None: steps ran, 
 class Timeline:
     """When each instance ran its steps, as far as its heartbeats tell (pure): the priced
     steps it reported, and, between two of them whose numbers skip, steps that ran unpriced
-    (steps a heartbeat's window dropped, a pipeline's micro-batches) at times unknown. An instance's
-    moments are known from its first reported step's start to its last one's end, idle
+    (steps a heartbeat's window dropped, a pipeline's micro-batches) at times unknown. An
+    instance's moments are known from its first reported step's start to its last one's end, idle
     between steps numbered one after the other; past its last step (or before its first),
     idle until a heartbeat that counted no step since (none at all) and said none was
     running (or since when one was), and running nothing once it stopped heartbeating
@@ -478,7 +478,7 @@ class Calibrator:
         fields: dict[str, object] = {}
         contention: dict[str, float] = {}
         riding = 1.0  # the decode phase's scale, which decodes riding along a chunk take
-        for phase in reversed(PHASES):  # decode first: a chunked step's decodes are priced
+        for phase in ("decode", "prefill"):  # decode first: a chunked step's decodes are priced
             fields |= {f"{phase}_steps": len(self.steps[phase]), f"{phase}_basis": "profile"}
             # at that phase's correction, and the step's own part is what is left of it
             placed = [(t, moments) for t, moments in self.placed(phase)

@@ -109,10 +109,9 @@ class Staging:
         """A contiguous host tensor of `shape` and `dtype` over a staging buffer: the
         smallest idle one that holds it, else a new one."""
         nbytes = math.prod(shape) * dtype.itemsize
-        with self._lock:
-            fits = [i for i, b in enumerate(self._idle) if b.numel() >= nbytes]
-            base = self._idle.pop(min(fits, key=lambda i: self._idle[i].numel())) \
-                if fits else None
+        with self._lock:  # idle buffers are kept smallest first
+            fits = next((i for i, b in enumerate(self._idle) if b.numel() >= nbytes), None)
+            base = None if fits is None else self._idle.pop(fits)
             self.fresh += base is None
         if base is None:
             base = torch.empty(-(-max(nbytes, 1) // MIB) * MIB, dtype=torch.uint8)
