@@ -8,7 +8,9 @@ a service) and the decode side (a KvClient on the same event loop as rank 0's li
 conditions: the prefill instance idle, and busy prefilling prompts of the same length one
 step after another (a service runs the old path's export on the engine thread, so it waits
 for the step in progress; here a lock the step loop holds stands for that thread). Each pull
-moves one request's whole KV over UCX; figures are medians of `--pulls` pulls, ms.
+moves one request's whole KV over UCX; figures are medians of `--pulls` pulls, ms. The new
+way stages both ends in reused host buffers, as the services do (`kv_cache.Staging`): every
+rank's export, and the puller's landing buffer.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from shared import kv_transfer
 from shared.engine.config import EngineConfig, Role
 from shared.engine.engine import Engine
+from shared.engine.kv_cache import Staging
 from shared.engine.parallel.layout import KvSpan
 from shared.engine.request import SamplingParams
 from shared.kv_transfer import KvClient, KvServer, pull_pieces
@@ -46,7 +49,10 @@ class Prefill:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         kv_transfer.enable_notifier_thread()
-        self.server = KvServer(lookup=self._lookup, key=secrets.token_bytes(32))
+        # the new way stages both ends as the services do (rank 0's export, the pull)
+        self.exports, self.landings = Staging(), Staging()
+        self.server = KvServer(lookup=self._lookup, key=secrets.token_bytes(32),
+                               sent=self._sent)
         self.run(self._listen())
         addresses = [self.server.address,
                      *self.engine.serve_kv("127.0.0.1", self.server.key)]
@@ -68,7 +74,12 @@ class Prefill:
         if part is None:
             with self.lock:
                 return self.engine.export_kv(request_id)
-        return self.engine.export_part(request_id, part)
+        return self.engine.export_part(request_id, part, self.exports.take)
+
+    def _sent(self, sent: Any) -> None:
+        lent = kv_transfer.unwire(sent)
+        if lent is not None:
+            self.exports.give(lent)
 
     def park(self, prompt: list[int]) -> str:
         """A prompt prefilled and parked (under the lock: the engine is not thread-safe)."""
@@ -83,7 +94,8 @@ class Prefill:
 
     def pull_ms(self, request_id: str, whole: bool) -> float:
         buffer = self.engine.runner.kv_buffer(
-            len(self.engine.scheduler.parked[request_id].block_table))
+            len(self.engine.scheduler.parked[request_id].block_table),
+            None if whole else self.landings.take)
         token = self.server.token(request_id)
         start = time.perf_counter()
         if whole:
@@ -92,6 +104,7 @@ class Prefill:
         else:
             self.run(pull_pieces(self.client, request_id, token, self.sources,
                                  KvSpan.whole(self.engine.model_config), buffer))
+            self.landings.give(buffer)
         return (time.perf_counter() - start) * 1e3
 
     def close(self) -> None:

@@ -194,6 +194,14 @@ def wire(buffer: torch.Tensor) -> Any:
     return raw.numpy() if raw.device.type == "cpu" else raw
 
 
+def unwire(wired: Any) -> torch.Tensor | None:
+    """The tensor `wire` gave the bytes of (a view of it), or None for anything else."""
+    if isinstance(wired, torch.Tensor):
+        return wired
+    base = getattr(wired, "base", None)
+    return base if isinstance(base, torch.Tensor) else None
+
+
 def interface_ipv4(interface: str) -> str | None:
     """The interface's (primary) IPv4 address, or None if it has none."""
     request = struct.pack("256s", interface.encode()[:15])

@@ -27,7 +27,7 @@ from shared.engine.engine import Engine, RequestOutput
 from shared.engine.kv_cache import Staging
 from shared.engine.parallel.layout import KvSpan
 from shared.engine.request import Request
-from shared.kv_transfer import KvServer, Served, stop_notifier_thread, wire
+from shared.kv_transfer import KvServer, Served, stop_notifier_thread, unwire, wire
 from shared.messages import (
     KvReady,
     KvSource,
@@ -110,8 +110,8 @@ class PrefillService(Worker):
     def _sent(self, sent: Any) -> None:
         """An export UCX is done with: its staging buffer (the tensor a CPU buffer's bytes
         are a view of) serves the next one."""
-        if isinstance(getattr(sent, "base", None), torch.Tensor):
-            self.staging.give(sent.base)
+        if (lent := unwire(sent)) is not None:
+            self.staging.give(lent)
 
     def subscriptions(self) -> dict[str, Callable[[Msg], Awaitable[None]]]:
         """Listen for pulls (each rank on a listener of its own, under rank 0's key; before

@@ -293,7 +293,7 @@ class Engine:
         (`pull_on_ranks`)."""
         if self.runner.ranks is None:
             return self.runner.kv_buffer(num_blocks, alloc)
-        return self.runner.kv.empty_blocks(num_blocks)
+        return self.runner.kv.empty_blocks(num_blocks, alloc)
 
     def pull_on_ranks(self, pulls: list[KvPull], timeout_s: float
                       ) -> list[concurrent.futures.Future[bool]] | None:

@@ -75,9 +75,12 @@ class KVCache:
         shape = (*source.shape[:2], len(block_ids), *source.shape[3:])
         return torch.index_select(source, 2, index, out=alloc(shape, self.data.dtype))
 
-    def empty_blocks(self, num_blocks: int) -> torch.Tensor:
-        """Room for `num_blocks` exported blocks of this pool's layout."""
+    def empty_blocks(self, num_blocks: int, alloc: Alloc | None = None) -> torch.Tensor:
+        """Room for `num_blocks` exported blocks of this pool's layout (`alloc`'s where
+        given)."""
         shape = (*self.data.shape[:2], num_blocks, *self.data.shape[3:])
+        if alloc is not None:
+            return alloc(shape, self.data.dtype)
         return torch.empty(shape, dtype=self.data.dtype, device=self.data.device)
 
     def import_blocks(self, block_ids: list[int], buffer: torch.Tensor) -> None:

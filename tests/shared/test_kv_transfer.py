@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from shared.engine.config import LLAMA_SHAPES
-from shared.engine.kv_cache import KVCache
+from shared.engine.kv_cache import KVCache, Staging
 from shared.engine.parallel.layout import KvSpan
 from shared.kv_transfer import (
     KvClient,
@@ -27,6 +27,7 @@ from shared.kv_transfer import (
     net_device,
     pull_pieces,
     stop_notifier_thread,
+    unwire,
     wire,
 )
 
@@ -100,6 +101,72 @@ def test_pull_moves_blocks_between_processes(server_port: Any) -> None:
     stop.set()
     # the server counted what it sent, and gave the buffer back once sent
     assert ports.get(timeout=30) == (expected.nbytes, 1)
+
+
+REQUESTS = {"req-a": [5, 2, 9], "req-b": [0, 15, 7, 3], "req-c": [11]}
+
+
+def serve_staged(ports: Any, stop: Any) -> None:
+    """The prefill side as the services run it on a CPU: each pull's blocks copied out of
+    the pool into a staging buffer at the lookup, given back once UCX has sent it."""
+    kv, staging = pool(seed=1), Staging()
+
+    async def lookup(request_id: str, part: Any) -> Any:
+        blocks = REQUESTS.get(request_id)
+        return None if blocks is None else wire(kv.export_blocks(blocks, alloc=staging.take))
+
+    def sent(buffer: Any) -> None:
+        lent = unwire(buffer)
+        assert lent is not None
+        staging.give(lent)
+
+    async def main() -> None:
+        server = KvServer(lookup=lookup, sent=sent)
+        server.start()
+        ports.put((server.port, {r: server.token(r) for r in REQUESTS}))
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        ports.put((server.stats.requests, staging.fresh, staging.idle_bytes > 0))
+        server.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(180)
+def test_staging_buffers_are_reused_pull_after_pull_over_ucx() -> None:
+    """Both sides lend each transfer a staging buffer and take it back: pulls of requests
+    of several sizes, one after another, each land bit for bit in a buffer that held the
+    one before's bytes, and neither side allocated more than one buffer."""
+    ctx = mp.get_context("spawn")
+    ports, stop = ctx.Queue(), ctx.Event()
+    server = ctx.Process(target=serve_staged, args=(ports, stop), daemon=True)
+    server.start()
+    expected = {r: pool(seed=1).export_blocks(blocks) for r, blocks in REQUESTS.items()}
+    staging, landed = Staging(), []
+    try:
+        port, tokens = ports.get(timeout=120)
+
+        async def main() -> None:
+            client = KvClient(timeout_s=60)
+            for request_id in ["req-b", "req-a", "req-c", "req-b", "req-a"]:
+                into = staging.take(expected[request_id].shape, torch.float32)
+                await client.pull(f"127.0.0.1:{port}", request_id, tokens[request_id],
+                                  wire(into))
+                landed.append((into.data_ptr(), torch.equal(into, expected[request_id])))
+                staging.give(into)
+            await client.close()
+
+        asyncio.run(main())
+        stop.set()
+        served, server_fresh, server_kept = ports.get(timeout=30)
+    finally:
+        stop.set()
+        server.join(timeout=30)
+        if server.is_alive():
+            server.kill()
+    assert all(equal for _, equal in landed)
+    assert len({pointer for pointer, _ in landed}) == 1 and staging.fresh == 1
+    assert (served, server_fresh, server_kept) == (5, 1, True)
 
 
 @pytest.mark.timeout(180)

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 from pydantic import TypeAdapter
 
-from shared.engine.kv_cache import Alloc, KVCache
+from shared.engine.kv_cache import Alloc, KVCache, Staging
 from shared.engine.parallel.group import Collective, RankFailed
 from shared.engine.parallel.layout import KvSpan
 
@@ -150,11 +150,15 @@ class RankKv:
     """A rank's KV transfers, on a thread of its own (its event loop, started with the first
     transfer): on a prefill instance a KvServer serving `kv`'s parked blocks; on a decode
     instance a KvClient pulling the rank's part of requests' KV into its pool, each pull
-    answered to rank 0 on the `acks` group."""
+    answered to rank 0 on the `acks` group. On the CPU both sides stage the part in host
+    buffers reused transfer after transfer (`Staging`, as rank 0's service does: a buffer
+    touched first pays for every page)."""
 
     def __init__(self, kv: KVCache, span: KvSpan, store: Any, acks: Collective) -> None:
         self.kv, self.span, self.store, self.acks = kv, span, store, acks
         self.parked = ParkedBlocks()
+        self.staging = Staging(max_idle_bytes=kv.data.nbytes // 4) \
+            if kv.data.device.type == "cpu" else None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kv-transfers",
                                         daemon=True)
@@ -174,7 +178,8 @@ class RankKv:
         from shared import kv_transfer
 
         self._server = kv_transfer.KvServer(lookup=self._lookup, host=host, key=key,
-                                            on_served=lambda served: self._moved(1, served.nbytes))
+                                            on_served=lambda served: self._moved(1, served.nbytes),
+                                            sent=self._sent)
         self._run(self._listen()).result(timeout=60)
         return str(self._server.address)
 
@@ -196,8 +201,17 @@ class RankKv:
         with self.parked.holding(request_id) as blocks:
             if blocks is None:
                 return None
-            buffer = export_part(self.kv, blocks, self.span, part)
+            buffer = export_part(self.kv, blocks, self.span, part,
+                                 None if self.staging is None else self.staging.take)
         return None if buffer is None else kv_transfer.wire(buffer)
+
+    def _sent(self, sent: Any) -> None:
+        """An export UCX is done with: its staging buffer (what a CPU buffer's bytes are a
+        view of) serves the next one."""
+        from shared import kv_transfer
+
+        if self.staging is not None and (lent := kv_transfer.unwire(sent)) is not None:
+            self.staging.give(lent)
 
     def _moved(self, pulls: int, nbytes: int) -> None:
         self.store.add(MOVED_BYTES, nbytes)
@@ -220,12 +234,15 @@ class RankKv:
         try:
             if self._client is None:
                 self._client = kv_transfer.KvClient(timeout_s=PARK_WAIT_S)
-            buffer = self.kv.empty_blocks(len(order.blocks))
+            buffer = self.kv.empty_blocks(
+                len(order.blocks), None if self.staging is None else self.staging.take)
             pulls = await asyncio.wait_for(
                 kv_transfer.pull_pieces(self._client, order.request_id, order.token,
                                         order.spans(), self.span, buffer),
                 max(0.0, order.deadline - time.time()))
             self.kv.import_blocks(order.blocks, buffer)
+            if self.staging is not None:  # in the pool: the next pull may land in it (not
+                self.staging.give(buffer)  # one that failed: UCX may still write it)
             self._moved(pulls, buffer.nbytes)
             failed = 0
         except TimeoutError:
