@@ -31,7 +31,7 @@ run: install
 	$(BIN)/distserve up --port $(PORT)
 
 test: install-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 lint: install-test
 	$(BIN)/ruff check . && $(BIN)/mypy
