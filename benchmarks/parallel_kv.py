@@ -49,8 +49,11 @@ class Prefill:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         kv_transfer.enable_notifier_thread()
-        # the new way stages both ends as the services do (rank 0's export, the pull)
+        # the new way stages both ends on the CPU as the services do (rank 0's export, the
+        # pull); the old way's exports are its own
         self.exports, self.landings = Staging(), Staging()
+        self.staged = self.engine.runner.device.type == "cpu"
+        self.lent: set[int] = set()  # the exports' staging buffers, until sent
         self.server = KvServer(lookup=self._lookup, key=secrets.token_bytes(32),
                                sent=self._sent)
         self.run(self._listen())
@@ -74,11 +77,16 @@ class Prefill:
         if part is None:
             with self.lock:
                 return self.engine.export_kv(request_id)
-        return self.engine.export_part(request_id, part, self.exports.take)
+        buffer = self.engine.export_part(request_id, part,
+                                         self.exports.take if self.staged else None)
+        if self.staged and buffer is not None:
+            self.lent.add(buffer.untyped_storage().data_ptr())
+        return buffer
 
     def _sent(self, sent: Any) -> None:
         lent = kv_transfer.unwire(sent)
-        if lent is not None:
+        if lent is not None and lent.untyped_storage().data_ptr() in self.lent:
+            self.lent.discard(lent.untyped_storage().data_ptr())  # not the old way's
             self.exports.give(lent)
 
     def park(self, prompt: list[int]) -> str:
@@ -95,7 +103,7 @@ class Prefill:
     def pull_ms(self, request_id: str, whole: bool) -> float:
         buffer = self.engine.runner.kv_buffer(
             len(self.engine.scheduler.parked[request_id].block_table),
-            None if whole else self.landings.take)
+            self.landings.take if self.staged and not whole else None)
         token = self.server.token(request_id)
         start = time.perf_counter()
         if whole:
@@ -104,7 +112,8 @@ class Prefill:
         else:
             self.run(pull_pieces(self.client, request_id, token, self.sources,
                                  KvSpan.whole(self.engine.model_config), buffer))
-            self.landings.give(buffer)
+            if self.staged:
+                self.landings.give(buffer)
         return (time.perf_counter() - start) * 1e3
 
     def close(self) -> None:

@@ -17,11 +17,19 @@ import time
 import pytest
 import torch
 
+from shared import kv_transfer
 from shared.engine.config import LLAMA_SHAPES, EngineConfig, Role
 from shared.engine.engine import Engine
+from shared.engine.kv_cache import MIB, KVCache
 from shared.engine.loader import LoadedModel
 from shared.engine.parallel.group import RankFailed
-from shared.engine.parallel.kv_serving import KvPull, ParkedBlocks, PullsUnderWay
+from shared.engine.parallel.kv_serving import (
+    KvPull,
+    ParkedBlocks,
+    PullOrder,
+    PullsUnderWay,
+    RankKv,
+)
 from shared.engine.parallel.layout import KvSpan, RankPlace, kv_pieces
 from shared.engine.request import Request, SamplingParams
 from shared.kv_transfer import KvClient, KvServer, TransferError
@@ -144,6 +152,59 @@ def pull(address: str, request_id: str, token: str, into: torch.Tensor,
             await client.close()
 
     asyncio.run(main())
+
+
+class Sent:
+    """Rank 0's acks group as a rank sees it: what it was sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[list[int]] = []
+
+    def send(self, tensor: torch.Tensor, rank: int) -> None:
+        self.sent.append(tensor.tolist())
+
+
+class Store:
+    def add(self, key: str, amount: int) -> None:
+        pass
+
+
+def test_a_rank_lands_each_pull_in_a_reused_buffer_but_never_one_whose_pull_failed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode rank's pull lands in a staging buffer, given back once its part is in the
+    pool; a failed pull's never (UCX may still write it): the pull after it lands in a
+    new one. Every pull is answered, failed or not (the pull itself stands in: UCX's are in
+    the slow test below)."""
+    # a pool of 8 MiB keeps 2 MiB of buffers idle: one (each rounded up to a MiB)
+    kv = KVCache.from_budget(CONFIG, 8 * MIB, 4, torch.float32, torch.device("cpu"))
+    acks = Sent()
+    rank = RankKv(kv, KvSpan.whole(CONFIG), Store(), acks)  # type: ignore[arg-type]
+    rank._client = object()  # no UCX: the pull below stands in for it
+    landed: list[int] = []
+
+    async def pull_pieces(client: object, request_id: str, token: str, sources: object,
+                          span: KvSpan, buffer: torch.Tensor) -> int:
+        landed.append(buffer.data_ptr())
+        if request_id == "fails":
+            raise TransferError("the peer went away")
+        buffer.fill_(float(len(landed)))
+        return 1
+
+    monkeypatch.setattr(kv_transfer, "pull_pieces", pull_pieces)
+
+    def pull(seq: int, request_id: str, blocks: list[int]) -> None:
+        order = PullOrder(seq, request_id, "t", blocks, [], time.time() + 60)
+        asyncio.run(rank._pull(order))
+
+    assert rank.staging is not None
+    pull(0, "a", [3, 5])
+    assert torch.equal(kv.export_blocks([3, 5]), torch.full_like(kv.export_blocks([3, 5]), 1))
+    pull(1, "b", [7])  # the same buffer, given back after the first pull's import
+    pull(2, "fails", [1, 2, 4])  # ... and again, but not given back
+    pull(3, "c", [6])
+    assert landed[1] == landed[2] == landed[0] and landed[3] != landed[0]
+    assert rank.staging.fresh == 2 and acks.sent == [[0, 0], [1, 0], [2, 1], [3, 0]]
+    assert torch.equal(kv.export_blocks([6]), torch.full_like(kv.export_blocks([6]), 4))
 
 
 @pytest.mark.slow
