@@ -2,12 +2,13 @@
 prefill, beside a second engine process that is idle, decoding or prefilling, 1 thread
 each, in interleaved rounds so drift hits every side alike.
 
-    .venv/bin/python benchmarks/interference.py [--rounds 3] [--steps 100] [--prefills 4]
+    .venv/bin/python benchmarks/interference.py [--rounds 5] [--steps 40] [--prefills 2]
 
 The measurement is `distserve profile`'s (services/planner/profiling.py: the contention
-factors a CPU profile carries); this prints its step times and each round's ratios side by
-side. On a GPU, a prefill instance and a decode instance on separate GPUs do not share
-compute or memory bandwidth. Two cores of one CPU socket share the last-level cache and the
+factors a CPU profile carries, the median of 3 rounds' ratios); this prints its step times
+and each round's ratios side by side, and the median ratios as the profile would take them.
+On a GPU, a prefill instance and a decode instance on separate GPUs do not share compute or
+memory bandwidth. Two cores of one CPU socket share the last-level cache and the
 memory bus, so "separate devices" here still interfere; this measures by how much.
 """
 
@@ -16,36 +17,40 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from services.planner.profiling import NEIGHBOUR_MODES, contention_medians
+from services.planner.profiling import NEIGHBOUR_MODES, contention_rounds
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=100, help="decode steps a phase")
-    parser.add_argument("--prefills", type=int, default=4, help="prefills a phase")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=40, help="decode steps a phase")
+    parser.add_argument("--prefills", type=int, default=2, help="prefills a phase")
     args = parser.parse_args()
     config = EngineConfig(threads=1)
     engine = Engine(config)
-    rounds = []
     try:
-        for i in range(args.rounds):
-            rounds.append(contention_medians(engine, config, args.steps, args.prefills))
-            decode = [rounds[-1][m][0] / rounds[-1]["idle"][0] for m in NEIGHBOUR_MODES]
-            prefill = [rounds[-1][m][1] / rounds[-1]["idle"][1] for m in NEIGHBOUR_MODES]
-            print(f"round {i + 1}: decode beside a neighbour decoding {decode[1]:.2f}x, "
-                  f"prefilling {decode[2]:.2f}x; prefill {prefill[1]:.2f}x, {prefill[2]:.2f}x")
+        rounds = contention_rounds(engine, config, args.rounds, args.steps, args.prefills)
     finally:
         engine.close()
     med = statistics.median
+    ratios: dict[tuple[str, int], list[float]] = {}
+    for i, r in enumerate(rounds):
+        for m in NEIGHBOUR_MODES[1:]:
+            for k in (0, 1):
+                ratios.setdefault((m, k), []).append(r[m][k] / r["idle"][k])
+        print(f"round {i + 1}: decode beside a neighbour decoding "
+              f"{ratios['decode', 0][-1]:.2f}x, prefilling {ratios['prefill', 0][-1]:.2f}x; "
+              f"prefill {ratios['decode', 1][-1]:.2f}x, {ratios['prefill', 1][-1]:.2f}x")
     for what, k in (("decode step, batch 1, context 256", 0), ("prefill of 512 tokens", 1)):
         alone = med(r["idle"][k] for r in rounds)
         beside = {m: med(r[m][k] for r in rounds) for m in NEIGHBOUR_MODES[1:]}
         print(f"{what}: alone {1e3 * alone:.1f} ms, beside decodes "
               f"{1e3 * beside['decode']:.1f} ({beside['decode'] / alone:.2f}x), beside "
               f"prefills {1e3 * beside['prefill']:.1f} ({beside['prefill'] / alone:.2f}x)")
+        print(f"  the median of the rounds' ratios (the profile's factors): beside decodes "
+              f"{med(ratios['decode', k]):.2f}x, beside prefills {med(ratios['prefill', k]):.2f}x")
 
 
 if __name__ == "__main__":

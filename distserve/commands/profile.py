@@ -36,7 +36,7 @@ def register(sub: Any) -> None:
     p.add_argument("--quick", action="store_true", help="a smaller grid (about a minute)")
     p.add_argument("--no-contention", action="store_true",
                    help="on a CPU, skip measuring how steps slow beside a second engine (the "
-                        "simulator's contention between devices of one host; about 1.5 minutes, "
+                        "simulator's contention between devices of one host; about a minute, "
                         "tp 1 only, where the host has cores for two engines)")
     p.add_argument("--output", "-o", type=Path, help="profile file to write "
                    "(default: profiles/<model>-<device>.json, -<dtype> before .json where "

@@ -244,31 +244,35 @@ def _neighbour(config: EngineConfig, mode: Any, ready: Any, steps: Any) -> None:
         engine.close()
 
 
-def measure_contention(engine: Engine, config: EngineConfig, decode_steps: int = 100,
-                       prefills: int = 4, progress: Callable[[str], None] = lambda _: None
-                       ) -> Contention:
+def measure_contention(engine: Engine, config: EngineConfig, rounds: int = 3,
+                       decode_steps: int = 40, prefills: int = 2,
+                       progress: Callable[[str], None] = lambda _: None) -> Contention:
     """How much longer `engine`'s steps take while a second engine of `config` in another
     process decodes or prefills beside it: a batch-1 decode step at a 256-token context and
-    a 512-token prefill (ContentionLengths), medians, each against the same with the
-    neighbour idle."""
-    medians = contention_medians(engine, config, decode_steps, prefills, progress)
-    alone_decode, alone_prefill = medians["idle"]
+    a 512-token prefill (ContentionLengths), each round's medians against the same round's
+    with the neighbour idle, the median of the rounds' ratios. One round alone drifted with
+    the host: on a 2-vCPU Zen 4, four of them measured a decode step beside a prefilling
+    neighbour at 0.95-1.27x and beside a decoding one at 1.05-1.49x, minutes apart."""
+    measured = contention_rounds(engine, config, rounds, decode_steps, prefills, progress)
 
-    def slowdown(got: float, alone: float) -> float:
-        return max(1.0, got / alone)  # a neighbour only ever adds time
+    def slowdown(beside: str, phase: int) -> float:
+        ratios = [r[beside][phase] / r["idle"][phase] for r in measured]
+        return max(1.0, statistics.median(ratios))  # a neighbour only ever adds time
 
-    return Contention(
-        decode_by_decode=slowdown(medians["decode"][0], alone_decode),
-        decode_by_prefill=slowdown(medians["prefill"][0], alone_decode),
-        prefill_by_decode=slowdown(medians["decode"][1], alone_prefill),
-        prefill_by_prefill=slowdown(medians["prefill"][1], alone_prefill))
+    return Contention(decode_by_decode=slowdown("decode", 0),
+                      decode_by_prefill=slowdown("prefill", 0),
+                      prefill_by_decode=slowdown("decode", 1),
+                      prefill_by_prefill=slowdown("prefill", 1))
 
 
-def contention_medians(engine: Engine, config: EngineConfig, decode_steps: int = 100,
-                       prefills: int = 4, progress: Callable[[str], None] = lambda _: None
-                       ) -> dict[str, tuple[float, float]]:
+def contention_rounds(engine: Engine, config: EngineConfig, rounds: int = 3,
+                      decode_steps: int = 40, prefills: int = 2,
+                      progress: Callable[[str], None] = lambda _: None
+                      ) -> list[dict[str, tuple[float, float]]]:
     """`engine`'s median decode step and prefill (seconds) beside a second engine of
-    `config` in another process, by what the neighbour does (NEIGHBOUR_MODES)."""
+    `config` in another process, by what the neighbour does (NEIGHBOUR_MODES), a dict a
+    round: the modes take turns within each round, so the host's drift over the minute
+    meets them alike."""
     context = multiprocessing.get_context("spawn")
     mode, ready, steps = context.Value("i", 0), context.Event(), context.Value("l", 0)
     neighbour = context.Process(target=_neighbour, args=(config, mode, ready, steps),
@@ -281,23 +285,28 @@ def contention_medians(engine: Engine, config: EngineConfig, decode_steps: int =
             if not neighbour.is_alive():
                 raise RuntimeError(f"the neighbour engine exited (code {neighbour.exitcode}) "
                                    "before it started")
-        medians: dict[str, tuple[float, float]] = {}
-        for i, phase in enumerate(NEIGHBOUR_MODES):
-            progress(f"contention: steps beside a neighbour {phase}")
-            mode.value = i
-            _settle(steps, 0 if phase == "idle" else 2)  # the neighbour is in its new loop
-            before = steps.value
-            medians[phase] = (_decode_median(profiler, lengths.context, decode_steps),
-                              _prefill_median(profiler, lengths.prompt, prefills))
-            if phase != "idle" and steps.value == before:
-                raise RuntimeError(f"the neighbour engine took no step while {phase}: "
-                                   "nothing was measured beside it")
+        profiler._first_tokens_ms(lengths.prompt, 1)  # warm-up
+        measured = []
+        for round_ in range(rounds):
+            medians: dict[str, tuple[float, float]] = {}
+            for i, phase in enumerate(NEIGHBOUR_MODES):
+                progress(f"contention, round {round_ + 1} of {rounds}: steps beside a "
+                         f"neighbour {phase}")
+                mode.value = i
+                _settle(steps, 0 if phase == "idle" else 2)  # the neighbour is in its new loop
+                before = steps.value
+                medians[phase] = (_decode_median(profiler, lengths.context, decode_steps),
+                                  _prefill_median(profiler, lengths.prompt, prefills))
+                if phase != "idle" and steps.value == before:
+                    raise RuntimeError(f"the neighbour engine took no step while {phase}: "
+                                       "nothing was measured beside it")
+            measured.append(medians)
     finally:
         mode.value = -1
         neighbour.join(60)
         if neighbour.is_alive():
             neighbour.kill()
-    return medians
+    return measured
 
 
 def _settle(steps: Any, more: int, timeout_s: float = 60.0) -> None:
@@ -323,7 +332,9 @@ def _decode_median(profiler: Profiler, context: int, steps: int) -> float:
 
 
 def _prefill_median(profiler: Profiler, prompt: int, prompts: int) -> float:
-    return statistics.median(profiler.prefill_point(prompt, 1).ms
+    """The median of `prompts` prefills, one after another (not the fastest, as a profile's
+    point takes: a neighbour's slowdown is what is measured)."""
+    return statistics.median(profiler._first_tokens_ms(prompt, 1)
                              for _ in range(prompts)) / 1e3
 
 

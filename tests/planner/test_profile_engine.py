@@ -73,8 +73,8 @@ def test_contention_is_measured_beside_a_real_second_engine() -> None:
     config = EngineConfig(kv_cache_bytes=256 << 20, threads=1)
     engine = Engine(config)
     try:
-        # one prefill point a phase (the fastest of 3 after a warm-up; 2 took 76 s here)
-        found = measure_contention(engine, config, decode_steps=30, prefills=1)
+        # two rounds, a prefill a phase
+        found = measure_contention(engine, config, rounds=2, decode_steps=20, prefills=1)
     finally:
         engine.close()
     print(f"\ncontention on this machine: {found}")
