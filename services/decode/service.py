@@ -95,10 +95,8 @@ class DecodeService(Worker):
         self.connecting: dict[str, asyncio.Task[None]] = {}  # listener -> opening ahead
         # the buffers pulls land in on the CPU, reused once imported (not one whose pull
         # failed: its endpoint was aborted, which cancels the receive, and still it is not
-        # lent again); a quarter of the KV pool's bytes idle at most. Rank 0's part only:
-        # each other rank stages its own (kv_serving.RankKv)
-        self.staging = Staging(max_idle_bytes=self.engine.runner.kv.data.nbytes // 4)
-        self.staged = self.engine.runner.device.type == "cpu"
+        # lent again). Rank 0's part only: each other rank stages its own (kv_serving.RankKv)
+        self.staging = Staging.for_pool(self.engine.runner.kv)
         self.block_bytes = block_bytes(self.engine.model_config, self.engine.blocks.block_size,
                                        self.engine.runner.kv.data.dtype)  # every rank's part
 
@@ -243,7 +241,7 @@ class DecodeService(Worker):
         started: one call for all (`_on_pool`: on the engine thread each call waits for
         the running step, and a pull used to make three)."""
         granted = []
-        alloc = self.staging.take if self.staged else None
+        alloc = None if self.staging is None else self.staging.take
         for ready in wanted:
             blocks = self.engine.allocate(ready.computed)
             if blocks is None:
@@ -283,7 +281,7 @@ class DecodeService(Worker):
     def _reuse(self, grant: Grant) -> None:
         """`grant`'s buffer for a later pull, once nothing writes it any more: its KV is in
         the pool, or no receive ever had it (a staging buffer: on the CPU)."""
-        if self.staged:
+        if self.staging is not None:
             self.staging.give(grant.buffer)
 
     async def _pull(self, ready: KvReady, grant: Grant) -> None:

@@ -53,9 +53,8 @@ class PrefillService(Worker):
         self.kv_server = KvServer(lookup=self._lookup, host=self.settings.host,
                                   port=self.settings.kv_port, on_served=self._served,
                                   sent=self._sent)
-        # the exports' buffers on the CPU, reused pull after pull; a quarter of the KV pool's
-        # bytes idle at most
-        self.staging = Staging(max_idle_bytes=self.engine.runner.kv.data.nbytes // 4)
+        # the exports' buffers on the CPU, reused pull after pull
+        self.staging = Staging.for_pool(self.engine.runner.kv)
         self.requests: dict[str, PrefillRequest] = {}
         self.parked_at: dict[str, float] = {}
         self.released_at: dict[str, float] = {}  # imported by a decode instance; retained
@@ -98,9 +97,8 @@ class PrefillService(Worker):
     def _export(self, request_id: str, part: KvSpan | None) -> Any:
         """The copy out of the pool: on the CPU into a staging buffer, taken back once sent
         (`_sent`); a GPU's caching allocator reuses its own."""
-        on_cpu = self.engine.runner.device.type == "cpu"
-        buffer = self.engine.export_part(request_id, part,
-                                         self.staging.take if on_cpu else None)
+        buffer = self.engine.export_part(
+            request_id, part, None if self.staging is None else self.staging.take)
         if buffer is None:
             return None
         if buffer.device.type == "cuda":
@@ -110,7 +108,7 @@ class PrefillService(Worker):
     def _sent(self, sent: Any) -> None:
         """An export UCX is done with: its staging buffer (the tensor a CPU buffer's bytes
         are a view of) serves the next one."""
-        if (lent := unwire(sent)) is not None:
+        if self.staging is not None and (lent := unwire(sent)) is not None:
             self.staging.give(lent)
 
     def subscriptions(self) -> dict[str, Callable[[Msg], Awaitable[None]]]:

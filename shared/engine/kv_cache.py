@@ -108,6 +108,13 @@ class Staging:
         self._lock = threading.Lock()
         self.fresh = 0  # buffers allocated (the rest of the takes reused one)
 
+    @classmethod
+    def for_pool(cls, kv: KVCache) -> Staging | None:
+        """The staging of transfers out of or into `kv`: on the CPU, with a quarter of its
+        bytes idle at most; None on a GPU (CUDA's caching allocator reuses its own)."""
+        return cls(max_idle_bytes=kv.data.nbytes // 4) if kv.data.device.type == "cpu" \
+            else None
+
     def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous host tensor of `shape` and `dtype` over a staging buffer: the
         smallest idle one that holds it, else a new one."""

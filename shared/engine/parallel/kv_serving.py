@@ -157,8 +157,7 @@ class RankKv:
     def __init__(self, kv: KVCache, span: KvSpan, store: Any, acks: Collective) -> None:
         self.kv, self.span, self.store, self.acks = kv, span, store, acks
         self.parked = ParkedBlocks()
-        self.staging = Staging(max_idle_bytes=kv.data.nbytes // 4) \
-            if kv.data.device.type == "cpu" else None
+        self.staging = Staging.for_pool(kv)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kv-transfers",
                                         daemon=True)
