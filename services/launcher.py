@@ -25,7 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from services.supervisor import Child, Env, Supervisor, free_port, incarnation, wait_for_port
+from services.supervisor import (
+    Child,
+    Env,
+    Supervisor,
+    free_port,
+    incarnation,
+    port_in_use,
+    wait_for_port,
+)
 from shared.engine.config import check_dtype, weight_bits
 
 BIN = Path(sys.executable).parent
@@ -210,6 +218,9 @@ class Stack:
         self.url = f"http://127.0.0.1:{config.port}"
 
     def start(self, timeout: float = 300.0) -> None:
+        if port_in_use(self.config.port):
+            raise RuntimeError(f"port {self.config.port} is in use: the gateway cannot listen "
+                               "there")
         try:
             self._start(timeout)
         except BaseException:
@@ -220,7 +231,7 @@ class Stack:
         """A nats-server on 127.0.0.1 that takes this run's user and password only. A client
         has 10 s (not the default 2 s) from connecting to logging in: a service starting on a
         busy host can take longer, and would be disconnected."""
-        port, password = free_port(), secrets.token_urlsafe(24)
+        port, password = free_port(avoid={self.config.port}), secrets.token_urlsafe(24)
         config = self.run_dir / "nats.conf"
         write_private(config, f'authorization {{\n  user: "{NATS_USER}"\n'
                               f'  password: "{password}"\n  timeout: 10\n}}\n')
@@ -231,7 +242,7 @@ class Stack:
 
     def _start_valkey(self) -> str:
         """A valkey-server on 127.0.0.1 that takes this run's password only."""
-        port, password = free_port(), secrets.token_urlsafe(24)
+        port, password = free_port(avoid={self.config.port}), secrets.token_urlsafe(24)
         config = self.run_dir / "valkey.conf"
         write_private(config, f"requirepass {password}\n")
         proc = self.supervisor.spawn("valkey", [
@@ -251,6 +262,12 @@ class Stack:
                "DS_CHUNKED_PREFILL": str(c.chunked_prefill).lower(),
                "DS_RUN_DIR": str(self.run_dir), **c.extra_env}
         write_private(self.run_dir / "env", "".join(f"{k}={v}\n" for k, v in env.items()))
+        # the gateway before the workers: their servers' ports (the kernel's picks) could
+        # otherwise take its port first
+        self.supervisor.spawn("gateway", module("gateway"), fixed(
+            # with a planner the mode may change: the gateway serves whatever is live
+            env | {"DS_PORT": str(c.port), "DS_MODE": "auto" if c.planner else c.mode,
+                   "DS_API_KEYS": ",".join(c.api_keys)}), restart=True)
         workers = ([("colocated", i) for i in range(c.replicas)] if c.mode == "colocated"
                    else [("prefill", i) for i in range(c.prefill)]
                    + [("decode", i) for i in range(c.decode)])
@@ -267,10 +284,6 @@ class Stack:
             self.supervisor.spawn("profiler", module("profiler"), fixed(env), restart=True)
             self.supervisor.spawn("planner", module("planner"), fixed(env | c.role_settings()),
                                   restart=True)
-        self.supervisor.spawn("gateway", module("gateway"), fixed(
-            # with a planner the mode may change: the gateway serves whatever is live
-            env | {"DS_PORT": str(c.port), "DS_MODE": "auto" if c.planner else c.mode,
-                   "DS_API_KEYS": ",".join(c.api_keys)}), restart=True)
         expected = ({"colocated": c.replicas} if c.mode == "colocated"
                     else {"prefill": c.prefill, "decode": c.decode})
         self.wait_healthy(timeout, expected, redis_url if c.planner else None)

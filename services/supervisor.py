@@ -16,7 +16,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -61,10 +61,26 @@ def incarnation(name: str, restarts: int) -> str:
     return name if restarts == 0 else f"{name}-r{restarts}"
 
 
-def free_port() -> int:
+def free_port(avoid: Collection[int] = ()) -> int:
+    """A port of 127.0.0.1 free now (the kernel's pick), none of `avoid`: a port picked for
+    another server but not yet bound may be handed out again."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in avoid:
+            return port
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could not listen on `host`:`port` now (bound as uvicorn binds)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 def wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str,

@@ -231,7 +231,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--ttft and --tpot must be positive, --devices at least 0, "
                      "--switch-margin at least 1")
     env = planner_env(args, parser)
+    from services.supervisor import port_in_use
     from shared.engine.meta import read_meta
+
+    if port_in_use(args.port):
+        parser.error(f"--port {args.port} is in use (another server listens there): give a "
+                     "free one")
 
     model = str(Path(args.model).resolve()) if os.path.exists(args.model) else args.model
     try:

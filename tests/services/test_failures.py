@@ -108,11 +108,14 @@ def test_up_then_sigterm_leaves_no_process(tmp_path: Path) -> None:
                              "--run-dir", str(tmp_path)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
-    deadline = time.monotonic() + 600
+    deadline, said = time.monotonic() + 600, []
     for line in proc.stdout:
-        if "ready:" in line:
+        said.append(line)
+        if line.startswith("ready:"):
             break
-        assert time.monotonic() < deadline and proc.poll() is None, line
+        assert time.monotonic() < deadline, "".join(said)
+    assert said and said[-1].startswith("ready:"), \
+        f"`up` exited ({proc.wait()}) before it was ready:\n{''.join(said)}{log_tails(tmp_path)}"
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                               text=True).stdout.split()
     assert len(children) == 5  # nats, valkey, prefill, decode, gateway
@@ -122,3 +125,10 @@ def test_up_then_sigterm_leaves_no_process(tmp_path: Path) -> None:
     alive = [pid for pid in children if Path(f"/proc/{pid}").exists()
              and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
     assert alive == []
+
+
+def log_tails(run_dir: Path, lines: int = 30) -> str:
+    """The last lines of every log under `run_dir`, for a failure's message."""
+    return "".join(f"\n--- {log}:\n" + "\n".join(log.read_text(errors="replace")
+                                                  .splitlines()[-lines:])
+                   for log in sorted(run_dir.rglob("*.log")))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -13,7 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from services.supervisor import Backoff, Supervisor, describe_exit, incarnation, restart_delay
+import services.supervisor
+from services.launcher import Stack, StackConfig
+from services.supervisor import (
+    Backoff,
+    Supervisor,
+    describe_exit,
+    free_port,
+    incarnation,
+    port_in_use,
+    restart_delay,
+)
 
 pytestmark = pytest.mark.timeout(120)
 FAST = Backoff(first_s=0.05, max_s=0.4, stable_s=60.0)
@@ -175,3 +187,46 @@ def test_torch_is_asked_for_gpus_only_where_a_gpu_driver_is_loaded(tmp_path: Pat
     (tmp_path / "dev" / "nvidia0").unlink()
     (tmp_path / "proc" / "driver" / "nvidia" / "gpus").mkdir(parents=True)
     assert gpu_driver_loaded(tmp_path)
+
+
+# --- ports ---
+
+def test_a_port_picked_for_one_server_is_not_picked_again_for_another(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel may hand out a port again once its picker closed it (CI saw valkey take the
+    port picked for the gateway): the launcher's picks skip the ports it has given out."""
+    handed = iter([41000, 41000, 41000, 41001])
+
+    class Kernel(socket.socket):
+        def getsockname(self) -> tuple[str, int]:
+            return "127.0.0.1", next(handed)
+
+    monkeypatch.setattr(services.supervisor.socket, "socket", Kernel)
+    assert free_port() == 41000
+    assert free_port(avoid={41000}) == 41001
+
+
+def test_a_port_someone_listens_on_is_in_use_until_they_close_it() -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert port_in_use(port)
+    assert not port_in_use(port)
+
+
+def test_a_stack_whose_gateway_port_is_taken_says_so_and_starts_nothing(
+        tmp_path: Path) -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        stack = Stack(StackConfig(port=port, run_dir=tmp_path))
+        with pytest.raises(RuntimeError, match=f"port {port} is in use"):
+            stack.start()
+        assert stack.children == []
+        up = subprocess.run([sys.executable, "-m", "distserve.cli", "up", "--port", str(port),
+                             "--run-dir", str(tmp_path)], capture_output=True, text=True,
+                            timeout=120)
+    assert up.returncode == 2 and f"--port {port} is in use" in up.stderr, up.stderr
+    assert list(tmp_path.iterdir()) == []  # no run directory: nothing was started
