@@ -17,6 +17,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -31,6 +32,7 @@ from services.supervisor import (
     Supervisor,
     free_port,
     incarnation,
+    log_tail,
     port_in_use,
     wait_for_port,
 )
@@ -205,6 +207,10 @@ class StackConfig:
         return settings
 
 
+class StartError(RuntimeError):
+    """The stack could not start; the message says why."""
+
+
 class Stack:
     """The stack's processes, run by one supervisor: workers, the gateway, the profiler and
     the planner are restarted when they crash (a worker under a new instance id, so the
@@ -217,15 +223,27 @@ class Stack:
         self.supervisor = Supervisor(self.run_dir)
         self.url = f"http://127.0.0.1:{config.port}"
 
-    def start(self, timeout: float = 300.0) -> None:
+    def start(self, timeout: float = 300.0, abort: threading.Event | None = None) -> None:
+        """Start every child and wait until the stack serves: StartError if it cannot (the
+        gateway's port is taken, a child exits, `abort` is set meanwhile), TimeoutError
+        after `timeout` s; either way nothing is left running."""
         if port_in_use(self.config.port):
-            raise RuntimeError(f"port {self.config.port} is in use: the gateway cannot listen "
-                               "there")
+            raise StartError(f"port {self.config.port} is in use: the gateway cannot listen "
+                             "there")
         try:
-            self._start(timeout)
+            self._start(timeout, abort)
         except BaseException:
             self.stop()
             raise
+
+    def _serving(self, name: str, port: int, proc: subprocess.Popen[bytes]) -> None:
+        """Until server `name` listens on `port`; StartError, with its log's end, if it
+        exits first."""
+        try:
+            wait_for_port(port, proc, name)
+        except RuntimeError as e:
+            log = self.supervisor.log_dir / f"{name}.log"
+            raise StartError(f"{e}; its log ({log}) ends:\n{log_tail(log)}") from None
 
     def _start_nats(self) -> str:
         """A nats-server on 127.0.0.1 that takes this run's user and password only. A client
@@ -237,7 +255,7 @@ class Stack:
                               f'  password: "{password}"\n  timeout: 10\n}}\n')
         proc = self.supervisor.spawn("nats", [nats_server_binary(), "-c", str(config), "-a",
                                               "127.0.0.1", "-p", str(port)], fixed({}))
-        wait_for_port(port, proc, "nats-server")
+        self._serving("nats", port, proc)
         return f"nats://{NATS_USER}:{password}@127.0.0.1:{port}"
 
     def _start_valkey(self) -> str:
@@ -248,10 +266,10 @@ class Stack:
         proc = self.supervisor.spawn("valkey", [
             valkey_server_binary(), str(config), "--port", str(port), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", str(self.run_dir)], fixed({}))
-        wait_for_port(port, proc, "valkey-server")
+        self._serving("valkey", port, proc)
         return f"redis://:{password}@127.0.0.1:{port}"
 
-    def _start(self, timeout: float) -> None:
+    def _start(self, timeout: float, abort: threading.Event | None) -> None:
         c = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         nats_url = self._start_nats() if c.nats_url is None else c.nats_url
@@ -286,19 +304,23 @@ class Stack:
                                   restart=True)
         expected = ({"colocated": c.replicas} if c.mode == "colocated"
                     else {"prefill": c.prefill, "decode": c.decode})
-        self.wait_healthy(timeout, expected, redis_url if c.planner else None)
+        self.wait_healthy(timeout, expected, redis_url if c.planner else None, abort)
 
     def wait_healthy(self, timeout: float, expected: dict[str, int] | None = None,
-                     redis_url: str | None = None) -> None:
+                     redis_url: str | None = None, abort: threading.Event | None = None
+                     ) -> None:
         """Until the gateway answers /health with every expected instance live (and, with
         `redis_url`, the profiler and planner have said they are ready). A child that exits
-        meanwhile fails it at once: while starting, a crash is a broken setup, not bad luck."""
+        meanwhile fails it at once, saying what its log ends with: while starting, a crash
+        is a broken setup, not bad luck."""
         deadline, before = time.monotonic() + timeout, self.restarts()
         while time.monotonic() < deadline:
+            if abort is not None and abort.is_set():
+                raise StartError("stopped before the stack was ready")
             for child in self.children:
                 if child.proc.poll() is not None or child.restarts > before.get(child.name, 0):
-                    raise RuntimeError(f"{child.name} exited while the stack was starting; "
-                                       f"see {child.log}")
+                    raise StartError(f"{child.name} exited while the stack was starting; its "
+                                     f"log ({child.log}) ends:\n{log_tail(child.log)}")
             with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError,
                                      http.client.HTTPException, ValueError), \
                     urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:

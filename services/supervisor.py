@@ -114,6 +114,18 @@ class Child:
     stopping: bool = False  # stop() has it; the monitor leaves it alone
 
 
+def log_tail(path: Path, lines: int = 12) -> str:
+    """The last `lines` lines `path` holds (the supervisor's notes and blank lines left out),
+    for an error message."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    said = [line for line in text.splitlines()
+            if line.strip() and not line.startswith("--- supervisor:")]
+    return "\n".join(said[-lines:])
+
+
 def launch(argv: list[str], env: Mapping[str, str] | None, log_path: Path,
            note: str) -> subprocess.Popen[bytes]:
     """`argv` with stdout and stderr appended to `log_path` (the child keeps its own handle)."""

@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from services.launcher import Stack, StackConfig
+from services.launcher import Stack, StackConfig, StartError
 from services.planner.modes import MODES, SWITCH_MARGIN, parse_modes
 from shared.engine.config import DTYPE_NAMES, WEIGHT_FORMATS
 
@@ -268,7 +268,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         signal.signal(sig, lambda *_: stop.set())
     print(f"starting {args.mode} stack (logs in {stack.run_dir}) ...", flush=True)
     try:
-        stack.start()
+        stack.start(abort=stop)  # Ctrl-C while starting stops it
+    except (StartError, TimeoutError) as e:
+        if stop.is_set():
+            print("stopped before the stack was ready", flush=True)
+            return 0
+        print(f"the stack did not start: {e}", file=sys.stderr, flush=True)
+        return 1
+    try:
         print(f"ready: {stack.url}/v1  (OpenAI API; Ctrl-C to stop)", flush=True)
         if config.api_keys:
             print(f"the API requires a key ({len(config.api_keys)} configured): send "

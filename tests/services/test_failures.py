@@ -4,6 +4,7 @@ instances: test_failover.py, test_supervision.py)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -125,6 +126,51 @@ def test_up_then_sigterm_leaves_no_process(tmp_path: Path) -> None:
     alive = [pid for pid in children if Path(f"/proc/{pid}").exists()
              and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
     assert alive == []
+
+
+def test_up_says_why_a_worker_could_not_start_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    env = {**os.environ, "DS_KV_RETENTION_S": "soon"}  # every worker refuses it
+    up = subprocess.run([sys.executable, "-m", "distserve.cli", "up", "--port", str(free_port()),
+                         "--run-dir", str(tmp_path)], env=env, capture_output=True, text=True,
+                        timeout=300)
+    assert up.returncode == 1, up.stdout + up.stderr
+    assert "the stack did not start: " in up.stderr and "exited while the stack was starting" \
+        in up.stderr, up.stderr
+    assert "kv_retention_s" in up.stderr and "Traceback" not in up.stderr, up.stderr  # its log
+    assert running(tmp_path) == []
+
+
+def test_ctrl_c_while_the_stack_starts_stops_it(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "distserve.cli", "up", "--port",
+                             str(free_port()), "--run-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith("starting")
+    deadline = time.monotonic() + 120
+    while not running(tmp_path, "services.prefill"):  # stopped while it starts
+        assert time.monotonic() < deadline and proc.poll() is None, "no server started"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    said = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0 and "stopped before the stack was ready" in said, said
+    assert "ready:" not in said and running(tmp_path) == []
+
+
+def running(run_dir: Path, what: str = "") -> list[int]:
+    """The processes of a stack run in `run_dir` (its path in their command line or their
+    environment) whose command line holds `what`; not `up` itself once it has exited."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv, env = (proc / "cmdline").read_bytes(), (proc / "environ").read_bytes()
+            if "zombie" in (proc / "status").read_text().lower():
+                continue
+        except OSError:  # gone meanwhile
+            continue
+        if str(run_dir).encode() in argv + env and what.encode() in argv \
+                and int(proc.name) != os.getpid():
+            found.append(int(proc.name))
+    return found
 
 
 def log_tails(run_dir: Path, lines: int = 30) -> str:

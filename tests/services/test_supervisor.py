@@ -23,6 +23,7 @@ from services.supervisor import (
     describe_exit,
     free_port,
     incarnation,
+    log_tail,
     port_in_use,
     restart_delay,
 )
@@ -230,3 +231,12 @@ def test_a_stack_whose_gateway_port_is_taken_says_so_and_starts_nothing(
                             timeout=120)
     assert up.returncode == 2 and f"--port {port} is in use" in up.stderr, up.stderr
     assert list(tmp_path.iterdir()) == []  # no run directory: nothing was started
+
+
+def test_a_logs_tail_leaves_out_the_supervisors_notes_and_blank_lines(tmp_path: Path) -> None:
+    log = tmp_path / "w.log"
+    log.write_text("--- supervisor: started at 1 ---\nold\n\n--- supervisor: restarted at 2 ---\n"
+                   "a\n\nb\nc\n")
+    assert log_tail(log, lines=3) == "a\nb\nc"
+    assert log_tail(log) == "old\na\nb\nc"
+    assert log_tail(tmp_path / "absent.log") == ""
