@@ -27,11 +27,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40, help="decode steps a phase")
     parser.add_argument("--prefills", type=int, default=2, help="prefills a phase")
+    parser.add_argument("--neighbour-batch", type=int, default=1,
+                        help="requests the neighbour decodes at once (the profile's: 1)")
     args = parser.parse_args()
     config = EngineConfig(threads=1)
     engine = Engine(config)
     try:
-        rounds = contention_rounds(engine, config, args.rounds, args.steps, args.prefills)
+        rounds = contention_rounds(engine, config, args.rounds, args.steps, args.prefills,
+                                   neighbour_batch=args.neighbour_batch)
     finally:
         engine.close()
     med = statistics.median

@@ -215,23 +215,25 @@ class ContentionLengths:
         return cls(context, prompt, min(4096, max_context - context - 1))
 
 
-def _neighbour(config: EngineConfig, mode: Any, ready: Any, steps: Any) -> None:
+def _neighbour(config: EngineConfig, mode: Any, ready: Any, steps: Any, batch: int = 1) -> None:
     """A second engine on the host, stepping as `mode` says (an index of NEIGHBOUR_MODES;
-    -1: exit): continuously decoding one request at the contention's context, or prefilling
-    its prompts one after another; `steps` counts its steps."""
+    -1: exit): continuously decoding `batch` requests at the contention's context, or
+    prefilling its prompts one after another; `steps` counts its steps."""
     engine = Engine(config)
     lengths = ContentionLengths.fitting(engine.model_config.max_context)
-    profiler, decoding = Profiler(engine, Grid()), ""
+    profiler, decoding = Profiler(engine, Grid()), list[str]()
     ready.set()
     try:
         while mode.value >= 0:
             phase = NEIGHBOUR_MODES[mode.value]
             if phase != "decode" and decoding:
-                engine.abort(decoding)
-                decoding = ""
+                for rid in decoding:
+                    engine.abort(rid)
+                decoding = []
             if phase == "decode":
-                if not decoding or engine.scheduler.get(decoding) is None:
-                    decoding = profiler._add(lengths.context, lengths.neighbour_tokens, 0)
+                decoding = [rid for rid in decoding if engine.scheduler.get(rid) is not None]
+                decoding += [profiler._add(lengths.context, lengths.neighbour_tokens, 0)
+                             for _ in range(batch - len(decoding))]
                 engine.step()
             elif phase == "prefill":
                 profiler._add(lengths.prompt, 1, 0)
@@ -267,16 +269,16 @@ def measure_contention(engine: Engine, config: EngineConfig, rounds: int = 3,
 
 def contention_rounds(engine: Engine, config: EngineConfig, rounds: int = 3,
                       decode_steps: int = 40, prefills: int = 2,
-                      progress: Callable[[str], None] = lambda _: None
-                      ) -> list[dict[str, tuple[float, float]]]:
+                      progress: Callable[[str], None] = lambda _: None,
+                      neighbour_batch: int = 1) -> list[dict[str, tuple[float, float]]]:
     """`engine`'s median decode step and prefill (seconds) beside a second engine of
-    `config` in another process, by what the neighbour does (NEIGHBOUR_MODES), a dict a
-    round: the modes take turns within each round, so the host's drift over the minute
-    meets them alike."""
+    `config` in another process, by what the neighbour does (NEIGHBOUR_MODES; decoding
+    `neighbour_batch` requests), a dict a round: the modes take turns within each round, so
+    the host's drift over the minute meets them alike."""
     context = multiprocessing.get_context("spawn")
     mode, ready, steps = context.Value("i", 0), context.Event(), context.Value("l", 0)
-    neighbour = context.Process(target=_neighbour, args=(config, mode, ready, steps),
-                                daemon=True)
+    neighbour = context.Process(target=_neighbour, daemon=True,
+                                args=(config, mode, ready, steps, neighbour_batch))
     neighbour.start()
     profiler = Profiler(engine, Grid())
     lengths = ContentionLengths.fitting(engine.model_config.max_context)
@@ -293,7 +295,8 @@ def contention_rounds(engine: Engine, config: EngineConfig, rounds: int = 3,
                 progress(f"contention, round {round_ + 1} of {rounds}: steps beside a "
                          f"neighbour {phase}")
                 mode.value = i
-                _settle(steps, 0 if phase == "idle" else 2)  # the neighbour is in its new loop
+                # the neighbour is in its new loop (decoding: past its requests' prefills)
+                _settle(steps, {"idle": 0, "decode": 1 + neighbour_batch}.get(phase, 2))
                 before = steps.value
                 medians[phase] = (_decode_median(profiler, lengths.context, decode_steps),
                                   _prefill_median(profiler, lengths.prompt, prefills))
