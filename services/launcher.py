@@ -33,7 +33,7 @@ from services.supervisor import (
     free_port,
     incarnation,
     log_tail,
-    port_in_use,
+    port_problem,
     wait_for_port,
 )
 from shared.engine.config import check_dtype, weight_bits
@@ -207,6 +207,11 @@ class StackConfig:
         return settings
 
 
+def gateway_host() -> str:
+    """The address the gateway listens on (it inherits DS_HOST: GatewaySettings.host)."""
+    return os.environ.get("DS_HOST") or "127.0.0.1"
+
+
 class StartError(RuntimeError):
     """The stack could not start; the message says why."""
 
@@ -225,23 +230,26 @@ class Stack:
 
     def start(self, timeout: float = 300.0, abort: threading.Event | None = None) -> None:
         """Start every child and wait until the stack serves: StartError if it cannot (the
-        gateway's port is taken, a child exits, `abort` is set meanwhile), TimeoutError
-        after `timeout` s; either way nothing is left running."""
-        if port_in_use(self.config.port):
-            raise StartError(f"port {self.config.port} is in use: the gateway cannot listen "
-                             "there")
+        gateway cannot listen on its port, a child exits or a server never listens, `abort`
+        is set once the servers and the gateway listen), TimeoutError after `timeout` s;
+        either way nothing is left running."""
+        if problem := port_problem(self.config.port, gateway_host()):
+            raise StartError(f"the gateway cannot listen on port {self.config.port}: {problem}")
         try:
             self._start(timeout, abort)
         except BaseException:
             self.stop()
             raise
 
-    def _serving(self, name: str, port: int, proc: subprocess.Popen[bytes]) -> None:
+    def _serving(self, name: str, port: int, proc: subprocess.Popen[bytes],
+                 timeout: float = 30.0) -> None:
         """Until server `name` listens on `port`; StartError, with its log's end, if it
-        exits first."""
+        exits first or does not listen within `timeout` s."""
+        host = gateway_host() if name == "gateway" else "127.0.0.1"
+        host = "127.0.0.1" if host == "0.0.0.0" else host
         try:
-            wait_for_port(port, proc, name)
-        except RuntimeError as e:
+            wait_for_port(port, proc, name, timeout, host)
+        except (RuntimeError, TimeoutError) as e:
             log = self.supervisor.log_dir / f"{name}.log"
             raise StartError(f"{e}; its log ({log}) ends:\n{log_tail(log)}") from None
 
@@ -280,17 +288,18 @@ class Stack:
                "DS_CHUNKED_PREFILL": str(c.chunked_prefill).lower(),
                "DS_RUN_DIR": str(self.run_dir), **c.extra_env}
         write_private(self.run_dir / "env", "".join(f"{k}={v}\n" for k, v in env.items()))
-        # the gateway before the workers: their servers' ports (the kernel's picks) could
-        # otherwise take its port first
-        self.supervisor.spawn("gateway", module("gateway"), fixed(
-            # with a planner the mode may change: the gateway serves whatever is live
-            env | {"DS_PORT": str(c.port), "DS_MODE": "auto" if c.planner else c.mode,
-                   "DS_API_KEYS": ",".join(c.api_keys)}), restart=True)
         workers = ([("colocated", i) for i in range(c.replicas)] if c.mode == "colocated"
                    else [("prefill", i) for i in range(c.prefill)]
                    + [("decode", i) for i in range(c.decode)])
         devices = assign_devices([c.tp_for(role) * c.pp_for(role) for role, _ in workers],
                                  gpu_count({**os.environ, **env}))
+        # the gateway listening before the workers start: their KV servers listen on ports
+        # the kernel picks, which could otherwise be the gateway's
+        gateway = self.supervisor.spawn("gateway", module("gateway"), fixed(
+            # with a planner the mode may change: the gateway serves whatever is live
+            env | {"DS_PORT": str(c.port), "DS_MODE": "auto" if c.planner else c.mode,
+                   "DS_API_KEYS": ",".join(c.api_keys)}), restart=True)
+        self._serving("gateway", c.port, gateway, timeout)
         for (role, i), device in zip(workers, devices, strict=True):
             own = env | {"DS_WEIGHTS": c.weights_for(role), "DS_DTYPE": c.dtype_for(role),
                          "DS_TP": str(c.tp_for(role)),

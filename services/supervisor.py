@@ -10,6 +10,7 @@ code 0 left on purpose (a drained worker) and is never restarted."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import signal
 import socket
@@ -61,36 +62,44 @@ def incarnation(name: str, restarts: int) -> str:
     return name if restarts == 0 else f"{name}-r{restarts}"
 
 
+def _kernel_port() -> int:
+    """A port of 127.0.0.1 the kernel deems free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def free_port(avoid: Collection[int] = ()) -> int:
     """A port of 127.0.0.1 free now (the kernel's pick), none of `avoid`: a port picked for
     another server but not yet bound may be handed out again."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in avoid:
-            return port
+    while (port := _kernel_port()) in avoid:
+        pass
+    return port
 
 
-def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether a server could not listen on `host`:`port` now (bound as uvicorn binds)."""
+def port_problem(port: int, host: str = "127.0.0.1") -> str | None:
+    """Why a server could not listen on `host`:`port` now (bound as uvicorn binds), None if
+    it could."""
+    if not 0 < port < 65536:
+        return "not a TCP port (1-65535)"
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError:
-            return True
-    return False
+        except OSError as e:
+            return "in use (another server listens there)" if e.errno == errno.EADDRINUSE \
+                else e.strerror or str(e)
+    return None
 
 
 def wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str,
-                  timeout: float = 30.0) -> None:
-    """Until something listens on 127.0.0.1:`port`; fail at once if `proc` exits."""
+                  timeout: float = 30.0, host: str = "127.0.0.1") -> None:
+    """Until something listens on `host`:`port`; fail at once if `proc` exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited {describe_exit(proc.returncode)}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+        with contextlib.suppress(OSError), socket.create_connection((host, port), 0.5):
             return
         time.sleep(0.05)
     raise TimeoutError(f"{what} did not listen on port {port} within {timeout:.0f}s")

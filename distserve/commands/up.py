@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from services.launcher import Stack, StackConfig, StartError
+from services.launcher import Stack, StackConfig, StartError, gateway_host
 from services.planner.modes import MODES, SWITCH_MARGIN, parse_modes
 from shared.engine.config import DTYPE_NAMES, WEIGHT_FORMATS
 
@@ -231,12 +231,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--ttft and --tpot must be positive, --devices at least 0, "
                      "--switch-margin at least 1")
     env = planner_env(args, parser)
-    from services.supervisor import port_in_use
+    from services.supervisor import port_problem
     from shared.engine.meta import read_meta
 
-    if port_in_use(args.port):
-        parser.error(f"--port {args.port} is in use (another server listens there): give a "
-                     "free one")
+    if problem := port_problem(args.port, gateway_host()):
+        parser.error(f"--port {args.port}: {problem}")
 
     model = str(Path(args.model).resolve()) if os.path.exists(args.model) else args.model
     try:

@@ -275,6 +275,8 @@ def contention_rounds(engine: Engine, config: EngineConfig, rounds: int = 3,
     `config` in another process, by what the neighbour does (NEIGHBOUR_MODES; decoding
     `neighbour_batch` requests), a dict a round: the modes take turns within each round, so
     the host's drift over the minute meets them alike."""
+    if neighbour_batch < 1:
+        raise ValueError(f"the neighbour decodes at least 1 request, not {neighbour_batch}")
     context = multiprocessing.get_context("spawn")
     mode, ready, steps = context.Value("i", 0), context.Event(), context.Value("l", 0)
     neighbour = context.Process(target=_neighbour, daemon=True,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import services.supervisor
-from services.launcher import Stack, StackConfig
+from services.launcher import Stack, StackConfig, StartError
 from services.supervisor import (
     Backoff,
     Supervisor,
@@ -24,7 +24,7 @@ from services.supervisor import (
     free_port,
     incarnation,
     log_tail,
-    port_in_use,
+    port_problem,
     restart_delay,
 )
 
@@ -193,18 +193,27 @@ def test_torch_is_asked_for_gpus_only_where_a_gpu_driver_is_loaded(tmp_path: Pat
 # --- ports ---
 
 def test_a_port_picked_for_one_server_is_not_picked_again_for_another(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The kernel may hand out a port again once its picker closed it (CI saw valkey take the
-    port picked for the gateway): the launcher's picks skip the ports it has given out."""
-    handed = iter([41000, 41000, 41000, 41001])
+    port picked for the gateway): the launcher's picks for nats and valkey skip the
+    gateway's, the kernel offering it first each time."""
+    gateway = free_port()
+    offers: list[int] = []
 
-    class Kernel(socket.socket):
-        def getsockname(self) -> tuple[str, int]:
-            return "127.0.0.1", next(handed)
+    def kernel() -> int:  # the gateway's port first, then the kernel's own picks
+        offers.append(gateway if len(offers) % 2 == 0 else real())
+        return offers[-1]
 
-    monkeypatch.setattr(services.supervisor.socket, "socket", Kernel)
-    assert free_port() == 41000
-    assert free_port(avoid={41000}) == 41001
+    real = services.supervisor._kernel_port
+    monkeypatch.setattr(services.supervisor, "_kernel_port", kernel)
+    stack = Stack(StackConfig(port=gateway, run_dir=tmp_path))
+    stack.run_dir.mkdir(parents=True)
+    try:
+        ports = [int(url.rsplit(":", 1)[1]) for url in (stack._start_nats(),
+                                                       stack._start_valkey())]
+    finally:
+        stack.stop(grace=5)
+    assert offers.count(gateway) == 2 and gateway not in ports
 
 
 def test_a_port_someone_listens_on_is_in_use_until_they_close_it() -> None:
@@ -212,8 +221,9 @@ def test_a_port_someone_listens_on_is_in_use_until_they_close_it() -> None:
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
-        assert port_in_use(port)
-    assert not port_in_use(port)
+        assert port_problem(port) == "in use (another server listens there)"
+    assert port_problem(port) is None
+    assert port_problem(70000) == port_problem(0) == "not a TCP port (1-65535)"
 
 
 def test_a_stack_whose_gateway_port_is_taken_says_so_and_starts_nothing(
@@ -223,13 +233,13 @@ def test_a_stack_whose_gateway_port_is_taken_says_so_and_starts_nothing(
         server.listen()
         port = server.getsockname()[1]
         stack = Stack(StackConfig(port=port, run_dir=tmp_path))
-        with pytest.raises(RuntimeError, match=f"port {port} is in use"):
+        with pytest.raises(StartError, match=f"cannot listen on port {port}: in use"):
             stack.start()
         assert stack.children == []
         up = subprocess.run([sys.executable, "-m", "distserve.cli", "up", "--port", str(port),
                              "--run-dir", str(tmp_path)], capture_output=True, text=True,
                             timeout=120)
-    assert up.returncode == 2 and f"--port {port} is in use" in up.stderr, up.stderr
+    assert up.returncode == 2 and f"--port {port}: in use" in up.stderr, up.stderr
     assert list(tmp_path.iterdir()) == []  # no run directory: nothing was started
 
 
