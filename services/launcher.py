@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -216,6 +217,22 @@ class StartError(RuntimeError):
     """The stack could not start; the message says why."""
 
 
+def listener(port: int) -> socket.socket:
+    """The gateway's listening socket on `port` of its host (bound as uvicorn binds), or
+    StartError saying why it cannot be."""
+    if problem := port_problem(port, gateway_host()):
+        raise StartError(f"the gateway cannot listen on port {port}: {problem}")
+    sock = socket.socket(socket.AF_INET6 if ":" in gateway_host() else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((gateway_host(), port))
+        sock.listen(2048)  # uvicorn's default backlog
+    except OSError as e:  # taken since port_problem looked
+        sock.close()
+        raise StartError(f"the gateway cannot listen on port {port}: {e.strerror}") from None
+    return sock
+
+
 class Stack:
     """The stack's processes, run by one supervisor: workers, the gateway, the profiler and
     the planner are restarted when they crash (a worker under a new instance id, so the
@@ -227,14 +244,14 @@ class Stack:
         self.run_dir = config.run_dir / f"{stamp}-{os.getpid()}"
         self.supervisor = Supervisor(self.run_dir)
         self.url = f"http://127.0.0.1:{config.port}"
+        self._listener: socket.socket | None = None  # the gateway's, while the stack runs
 
     def start(self, timeout: float = 300.0, abort: threading.Event | None = None) -> None:
         """Start every child and wait until the stack serves: StartError if it cannot (the
-        gateway cannot listen on its port, a child exits or a server never listens, `abort`
-        is set once the servers and the gateway listen), TimeoutError after `timeout` s;
-        either way nothing is left running."""
-        if problem := port_problem(self.config.port, gateway_host()):
-            raise StartError(f"the gateway cannot listen on port {self.config.port}: {problem}")
+        gateway's port cannot be bound, a child exits or a server never listens, `abort` is
+        set once nats and valkey listen), TimeoutError after `timeout` s; either way nothing
+        is left running."""
+        self._listener = listener(self.config.port)
         try:
             self._start(timeout, abort)
         except BaseException:
@@ -245,10 +262,8 @@ class Stack:
                  timeout: float = 30.0) -> None:
         """Until server `name` listens on `port`; StartError, with its log's end, if it
         exits first or does not listen within `timeout` s."""
-        host = gateway_host() if name == "gateway" else "127.0.0.1"
-        host = "127.0.0.1" if host == "0.0.0.0" else host
         try:
-            wait_for_port(port, proc, name, timeout, host)
+            wait_for_port(port, proc, name, timeout)
         except (RuntimeError, TimeoutError) as e:
             log = self.supervisor.log_dir / f"{name}.log"
             raise StartError(f"{e}; its log ({log}) ends:\n{log_tail(log)}") from None
@@ -293,13 +308,16 @@ class Stack:
                    + [("decode", i) for i in range(c.decode)])
         devices = assign_devices([c.tp_for(role) * c.pp_for(role) for role, _ in workers],
                                  gpu_count({**os.environ, **env}))
-        # the gateway listening before the workers start: their KV servers listen on ports
-        # the kernel picks, which could otherwise be the gateway's
-        gateway = self.supervisor.spawn("gateway", module("gateway"), fixed(
+        # the gateway serves on the socket bound in start(), which every incarnation
+        # inherits: no other process can take its port meanwhile, and connections made
+        # while it restarts wait in the socket's backlog instead of being refused
+        assert self._listener is not None, "start() binds it first"
+        fd = self._listener.fileno()
+        self.supervisor.spawn("gateway", module("gateway"), fixed(
             # with a planner the mode may change: the gateway serves whatever is live
-            env | {"DS_PORT": str(c.port), "DS_MODE": "auto" if c.planner else c.mode,
-                   "DS_API_KEYS": ",".join(c.api_keys)}), restart=True)
-        self._serving("gateway", c.port, gateway, timeout)
+            env | {"DS_PORT": str(c.port), "DS_LISTEN_FD": str(fd),
+                   "DS_MODE": "auto" if c.planner else c.mode,
+                   "DS_API_KEYS": ",".join(c.api_keys)}), restart=True, pass_fds=(fd,))
         for (role, i), device in zip(workers, devices, strict=True):
             own = env | {"DS_WEIGHTS": c.weights_for(role), "DS_DTYPE": c.dtype_for(role),
                          "DS_TP": str(c.tp_for(role)),
@@ -357,6 +375,9 @@ class Stack:
         services = [c.name for c in self.children if c.name not in SERVERS]
         self.supervisor.stop(services, grace)
         self.supervisor.stop(grace=grace)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     def restarts(self) -> dict[str, int]:
         """How often each child has been restarted after a crash."""

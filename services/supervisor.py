@@ -93,13 +93,13 @@ def port_problem(port: int, host: str = "127.0.0.1") -> str | None:
 
 
 def wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str,
-                  timeout: float = 30.0, host: str = "127.0.0.1") -> None:
-    """Until something listens on `host`:`port`; fail at once if `proc` exits."""
+                  timeout: float = 30.0) -> None:
+    """Until something listens on 127.0.0.1:`port`; fail at once if `proc` exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited {describe_exit(proc.returncode)}")
-        with contextlib.suppress(OSError), socket.create_connection((host, port), 0.5):
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
             return
         time.sleep(0.05)
     raise TimeoutError(f"{what} did not listen on port {port} within {timeout:.0f}s")
@@ -121,6 +121,7 @@ class Child:
     due: float | None = None  # when a crashed child is restarted (monotonic)
     done: bool = False  # exited and stays down; the supervisor leaves it alone
     stopping: bool = False  # stop() has it; the monitor leaves it alone
+    pass_fds: tuple[int, ...] = ()  # file descriptors each incarnation inherits
 
 
 def log_tail(path: Path, lines: int = 12) -> str:
@@ -136,15 +137,16 @@ def log_tail(path: Path, lines: int = 12) -> str:
 
 
 def launch(argv: list[str], env: Mapping[str, str] | None, log_path: Path,
-           note: str) -> subprocess.Popen[bytes]:
-    """`argv` with stdout and stderr appended to `log_path` (the child keeps its own handle)."""
+           note: str, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+    """`argv` with stdout and stderr appended to `log_path` (the child keeps its own handle),
+    inheriting `pass_fds`."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as out:
         out.write(f"--- supervisor: {note} at {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n"
                   .encode())
         out.flush()
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                env=None if env is None else dict(env))
+                                env=None if env is None else dict(env), pass_fds=pass_fds)
 
 
 class Supervisor:
@@ -158,16 +160,16 @@ class Supervisor:
         self._monitor: threading.Thread | None = None
 
     def spawn(self, name: str, argv: list[str], env: Env | None = None,
-              restart: bool = False) -> subprocess.Popen[bytes]:
-        """Start `argv` as child `name` (`env(0)` its environment); with `restart`, a crash
-        brings it back with `env(restarts)`."""
+              restart: bool = False, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+        """Start `argv` as child `name` (`env(0)` its environment, inheriting `pass_fds`);
+        with `restart`, a crash brings it back with `env(restarts)` and the same fds."""
         with self._lock:
             if name in self._children and not self._children[name].done:
                 raise ValueError(f"a child named {name} is already running")
             path = self.log_dir / f"{name}.log"
-            proc = launch(argv, None if env is None else env(0), path, "started")
+            proc = launch(argv, None if env is None else env(0), path, "started", pass_fds)
             self._children[name] = Child(name, argv, env, restart, path, proc,
-                                         time.monotonic())
+                                         time.monotonic(), pass_fds=pass_fds)
             if self._monitor is None:
                 self._monitor = threading.Thread(target=self._watch, name="supervisor",
                                                  daemon=True)
@@ -257,7 +259,8 @@ class Supervisor:
         restarts = child.restarts + 1
         env = None if child.env is None else child.env(restarts)
         try:
-            child.proc = launch(child.argv, env, child.log, f"restart {restarts}")
+            child.proc = launch(child.argv, env, child.log, f"restart {restarts}",
+                                child.pass_fds)
         except OSError as e:
             child.delay_s = min(2 * (child.delay_s or self.backoff.first_s), self.backoff.max_s)
             child.due = now + child.delay_s

@@ -64,6 +64,9 @@ class GatewaySettings(BaseSettings):
     mode: Literal["auto", "disaggregated", "colocated"] = "auto"
     host: str = "127.0.0.1"
     port: int = 8000
+    # a listening socket to serve on instead of binding host:port (the launcher's, bound
+    # before the gateway starts and inherited by each incarnation)
+    listen_fd: int | None = None
     # names its in-flight counts in Redis (default: random); the key's last field, so no ':'
     gateway_id: str = Field(default="", pattern=r"^[^:*?\[\]]*$")
     heartbeat_ttl_s: float = Field(default=2.0, gt=0)

@@ -149,6 +149,21 @@ def test_a_prefill_instance_killed_with_prompts_queued_loses_no_request(stack: S
     wait_until_whole(stack, prefill=2, decode=2)
 
 
+def test_a_request_sent_while_the_gateway_restarts_waits_for_it_instead_of_failing(
+        stack: Stack) -> None:
+    """The gateway serves on a socket the launcher bound and keeps: while a killed gateway is
+    restarted, a client's connection waits in that socket's backlog (not refused)."""
+    wait_until_whole(stack, prefill=2, decode=2)
+    killed = stack.child("gateway")
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=30)
+    reply = httpx.post(f"{stack.url}/v1/completions", timeout=300, json={
+        "model": MODEL, "prompt": "Once upon a time", "max_tokens": 4})
+    assert reply.status_code == 200, reply.text
+    assert stack.child("gateway").pid != killed.pid  # answered by the gateway's next life
+    assert stack.restarts()["gateway"] >= 1
+
+
 def test_a_gateway_killed_with_requests_in_flight_delays_no_drain(stack: Stack) -> None:
     """The dead gateway's in-flight counts expire with it: draining an instance it had
     requests on waits for those requests, not for the drain timeout (300 s here)."""
