@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from services.planner.profiling import NEIGHBOUR_MODES, contention_rounds
+from services.planner.profiling import NEIGHBOUR_MODES, contention_rounds, round_ratios
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 
@@ -38,14 +38,11 @@ def main() -> None:
     finally:
         engine.close()
     med = statistics.median
-    ratios: dict[tuple[str, int], list[float]] = {}
-    for i, r in enumerate(rounds):
-        for m in NEIGHBOUR_MODES[1:]:
-            for k in (0, 1):
-                ratios.setdefault((m, k), []).append(r[m][k] / r["idle"][k])
+    ratios = {(m, k): round_ratios(rounds, m, k) for m in NEIGHBOUR_MODES[1:] for k in (0, 1)}
+    for i in range(len(rounds)):
         print(f"round {i + 1}: decode beside a neighbour decoding "
-              f"{ratios['decode', 0][-1]:.2f}x, prefilling {ratios['prefill', 0][-1]:.2f}x; "
-              f"prefill {ratios['decode', 1][-1]:.2f}x, {ratios['prefill', 1][-1]:.2f}x")
+              f"{ratios['decode', 0][i]:.2f}x, prefilling {ratios['prefill', 0][i]:.2f}x; "
+              f"prefill {ratios['decode', 1][i]:.2f}x, {ratios['prefill', 1][i]:.2f}x")
     for what, k in (("decode step, batch 1, context 256", 0), ("prefill of 512 tokens", 1)):
         alone = med(r["idle"][k] for r in rounds)
         beside = {m: med(r[m][k] for r in rounds) for m in NEIGHBOUR_MODES[1:]}

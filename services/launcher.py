@@ -33,8 +33,8 @@ from services.supervisor import (
     Supervisor,
     free_port,
     incarnation,
+    listen,
     log_tail,
-    port_problem,
     wait_for_port,
 )
 from shared.engine.config import check_dtype, weight_bits
@@ -218,19 +218,12 @@ class StartError(RuntimeError):
 
 
 def listener(port: int) -> socket.socket:
-    """The gateway's listening socket on `port` of its host (bound as uvicorn binds), or
-    StartError saying why it cannot be."""
-    if problem := port_problem(port, gateway_host()):
-        raise StartError(f"the gateway cannot listen on port {port}: {problem}")
-    sock = socket.socket(socket.AF_INET6 if ":" in gateway_host() else socket.AF_INET)
+    """The gateway's listening socket on `port` of its host, or StartError saying why
+    there can be none."""
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((gateway_host(), port))
-        sock.listen(2048)  # uvicorn's default backlog
-    except OSError as e:  # taken since port_problem looked
-        sock.close()
-        raise StartError(f"the gateway cannot listen on port {port}: {e.strerror}") from None
-    return sock
+        return listen(port, gateway_host())
+    except ValueError as e:
+        raise StartError(f"the gateway cannot listen on port {port}: {e}") from None
 
 
 class Stack:

@@ -77,18 +77,29 @@ def free_port(avoid: Collection[int] = ()) -> int:
     return port
 
 
-def port_problem(port: int, host: str = "127.0.0.1") -> str | None:
-    """Why a server could not listen on `host`:`port` now (bound as uvicorn binds), None if
-    it could."""
+def listen(port: int, host: str = "127.0.0.1") -> socket.socket:
+    """A socket listening on `host`:`port`, bound as uvicorn binds; ValueError saying why
+    there can be none (not a port, in use, or the system's reason)."""
     if not 0 < port < 65536:
-        return "not a TCP port (1-65535)"
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            return "in use (another server listens there)" if e.errno == errno.EADDRINUSE \
-                else e.strerror or str(e)
+        raise ValueError("not a TCP port (1-65535)")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)  # uvicorn's default backlog
+    except OSError as e:
+        sock.close()
+        raise ValueError("in use (another server listens there)" if e.errno == errno.EADDRINUSE
+                         else e.strerror or str(e)) from None
+    return sock
+
+
+def port_problem(port: int, host: str = "127.0.0.1") -> str | None:
+    """Why a server could not listen on `host`:`port` now, None if it could."""
+    try:
+        listen(port, host).close()
+    except ValueError as e:
+        return str(e)
     return None
 
 

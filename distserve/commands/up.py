@@ -13,6 +13,7 @@ from typing import Any
 
 from services.launcher import Stack, StackConfig, StartError, gateway_host
 from services.planner.modes import MODES, SWITCH_MARGIN, parse_modes
+from services.supervisor import port_problem
 from shared.engine.config import DTYPE_NAMES, WEIGHT_FORMATS
 
 
@@ -231,7 +232,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--ttft and --tpot must be positive, --devices at least 0, "
                      "--switch-margin at least 1")
     env = planner_env(args, parser)
-    from services.supervisor import port_problem
     from shared.engine.meta import read_meta
 
     if problem := port_problem(args.port, gateway_host()):

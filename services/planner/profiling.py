@@ -9,7 +9,7 @@ import multiprocessing
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -257,14 +257,20 @@ def measure_contention(engine: Engine, config: EngineConfig, rounds: int = 3,
     neighbour at 0.95-1.27x and beside a decoding one at 1.05-1.49x, minutes apart."""
     measured = contention_rounds(engine, config, rounds, decode_steps, prefills, progress)
 
-    def slowdown(beside: str, phase: int) -> float:
-        ratios = [r[beside][phase] / r["idle"][phase] for r in measured]
-        return max(1.0, statistics.median(ratios))  # a neighbour only ever adds time
+    def slowdown(beside: str, phase: int) -> float:  # a neighbour only ever adds time
+        return max(1.0, statistics.median(round_ratios(measured, beside, phase)))
 
     return Contention(decode_by_decode=slowdown("decode", 0),
                       decode_by_prefill=slowdown("prefill", 0),
                       prefill_by_decode=slowdown("decode", 1),
                       prefill_by_prefill=slowdown("prefill", 1))
+
+
+def round_ratios(measured: Sequence[dict[str, tuple[float, float]]], beside: str,
+                 phase: int) -> list[float]:
+    """Each round's time of `phase` (0: the decode step, 1: the prefill) beside a neighbour
+    doing `beside`, over its own with the neighbour idle (`contention_rounds`' rounds)."""
+    return [r[beside][phase] / r["idle"][phase] for r in measured]
 
 
 def contention_rounds(engine: Engine, config: EngineConfig, rounds: int = 3,
