@@ -13,12 +13,18 @@ limit here (twice the decode batch of 64): the rate the stack completes when kep
 the gateway lets it be, without a 429. Above it, requests must queue or be refused.
 
 Overload: open-loop Poisson arrivals at each multiple of the capacity for `--duration`
-seconds (at most `--max-requests`), non-streaming, over loopback with httpx.AsyncClient; what
+seconds (at most `--max-requests`), non-streaming, over loopback with aiohttp; what
 is still unanswered `--drain` seconds after the last send is cancelled and counted as
 unfinished. Per level: sent, accepted (not 429), completed (200 with a finish_reason), 429
 (and how many lack Retry-After: must be 0), 5xx (must be 0), connection errors, p50/p99
-end-to-end latency of the accepted requests, the gateway's CPU seconds over the level and its
-peak RSS (VmHWM, reset before each level).
+end-to-end latency of the accepted requests; the same requests' p50/p99 as the gateway served
+them (their "request" spans, below), and from each one's send to the start of its span (its
+HTTP request sent, read, parsed, admitted and tokenized: where it is long, the request waited
+in the client, the listening socket's backlog or the gateway's event loop); how late the load
+generator sent its requests (p99 of the send time less the arrival time: where it is long,
+the generator, which shares the cores, could not keep up); the gateway's CPU seconds over the
+level and its peak RSS (VmHWM, reset before each level), and the load generator's own CPU
+seconds (what the cores had left for the stack).
 
 The gateway's ceiling: prefill-only requests (max_tokens 1), offered at `--ceiling-start`
 (default: the capacity) and 1.5x more each step, until the p99 of the gateway's added latency
@@ -47,17 +53,18 @@ import asyncio
 import json
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from distserve.bench.results import span_seconds
+from distserve.bench.results import span_bounds, span_seconds
 from distserve.bench.runner import read_spans
 from services.launcher import Stack, StackConfig
 from services.supervisor import free_port
@@ -78,6 +85,9 @@ class Outcome:
     latency_s: float
     completed: bool  # 200 with a finish_reason
     retry_after: bool
+    late_s: float = 0.0  # how long after its arrival time the request was sent
+    sent_epoch: float = 0.0  # when it was sent (seconds since the epoch)
+    request_id: str = ""  # the gateway's id (in its traces), of a request answered 200
 
 
 @dataclass
@@ -98,6 +108,12 @@ class Level:
     gateway_peak_rss_mb: float
     added_p50_s: float | None = None  # ceiling steps only: the gateway's added latency
     added_p99_s: float | None = None
+    late_p99_s: float = 0.0  # the load generator's lateness: sends after their arrival time
+    served_p50_s: float | None = None  # the accepted requests' "request" spans (gateway side)
+    served_p99_s: float | None = None
+    before_p50_s: float | None = None  # from the send to the gateway's "request" span
+    before_p99_s: float | None = None
+    generator_cpu_s: float = 0.0  # the load generator's (this process's) CPU over the level
 
 
 def body(i: int, max_tokens: int) -> dict[str, Any]:
@@ -105,19 +121,27 @@ def body(i: int, max_tokens: int) -> dict[str, Any]:
             "temperature": 0, "ignore_eos": True}
 
 
-def client(timeout_s: float) -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=2000))
+def client(timeout_s: float) -> aiohttp.ClientSession:
+    """aiohttp, not httpx: with thousands of requests in flight httpx's connection pool
+    costs CPU that grows faster than they do (the 10x level's 2,200-2,900 requests took it
+    25-58 s of CPU on the cores the stack shares, aiohttp 2.1-2.6 s), so the generator, not
+    the stack, set the latencies: requests waited up to 50 s to reach the gateway."""
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                 connector=aiohttp.TCPConnector(limit=0))
 
 
-async def send(c: httpx.AsyncClient, url: str, payload: dict[str, Any]) -> Outcome:
-    start = time.perf_counter()
+async def send(c: aiohttp.ClientSession, url: str, payload: dict[str, Any]) -> Outcome:
+    start, sent_epoch = time.perf_counter(), time.time()
     try:
-        r = await c.post(f"{url}/v1/completions", json=payload)
-    except httpx.HTTPError:
-        return Outcome(0, time.perf_counter() - start, False, False)
+        async with c.post(f"{url}/v1/completions", json=payload) as r:
+            status, retry_after = r.status, "Retry-After" in r.headers
+            answer = await r.json() if status == 200 else {}
+    except (aiohttp.ClientError, TimeoutError):
+        return Outcome(0, time.perf_counter() - start, False, False, sent_epoch=sent_epoch)
     latency = time.perf_counter() - start
-    completed = r.status_code == 200 and r.json()["choices"][0].get("finish_reason") is not None
-    return Outcome(r.status_code, latency, completed, "retry-after" in r.headers)
+    completed = bool(answer) and answer["choices"][0].get("finish_reason") is not None
+    return Outcome(status, latency, completed, retry_after, sent_epoch=sent_epoch,
+                   request_id=answer.get("id", "").removeprefix("cmpl-"))
 
 
 async def closed_loop(url: str, clients: int, duration_s: float, max_tokens: int) -> float:
@@ -164,7 +188,8 @@ async def open_loop(url: str, rate: float, duration_s: float, max_tokens: int,
 
         async def one(i: int, at: float) -> Outcome:
             await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
-            return await send(c, url, body(i, max_tokens))
+            late_s = time.perf_counter() - start - at
+            return replace(await send(c, url, body(i, max_tokens)), late_s=late_s)
 
         tasks = [asyncio.ensure_future(one(i, at)) for i, at in enumerate(arrivals)]
         done, pending = await asyncio.wait(tasks, timeout=duration_s + drain_s)
@@ -178,11 +203,12 @@ def summarize(name: str, rate: float, outcomes: list[Outcome], unfinished: int,
               cpu_s: float, rss_mb: float) -> Level:
     accepted = [o for o in outcomes if o.status and o.status != 429]
     figures = percentiles([o.latency_s for o in accepted], (50, 99))
+    late = percentiles([o.late_s for o in outcomes], (99,))["p99"] if outcomes else 0.0
     return Level(name, rate, len(outcomes) + unfinished, len(accepted) + unfinished,
                  sum(o.completed for o in outcomes), sum(o.status == 429 for o in outcomes),
                  sum(o.status == 429 and not o.retry_after for o in outcomes),
                  sum(o.status >= 500 for o in outcomes), sum(o.status == 0 for o in outcomes),
-                 unfinished, figures["p50"], figures["p99"], cpu_s, rss_mb)
+                 unfinished, figures["p50"], figures["p99"], cpu_s, rss_mb, late_p99_s=late)
 
 
 class Gateway:
@@ -224,15 +250,35 @@ def run_level(stack: Stack, gateway: Gateway, name: str, rate: float, max_tokens
               duration_s: float, args: argparse.Namespace) -> Level:
     settle(stack.url)
     gateway.reset_peak()
-    cpu = gateway.cpu_s()
+    cpu, since, own = gateway.cpu_s(), time.time(), time.process_time()
     outcomes, unfinished = asyncio.run(open_loop(stack.url, rate, duration_s, max_tokens,
                                                  args.max_requests, args.drain, args.seed))
+    own = time.process_time() - own
     settle(stack.url)
     level = summarize(name, rate, outcomes, unfinished, gateway.cpu_s() - cpu,
                       gateway.peak_rss_mb())
+    time.sleep(SPAN_FLUSH_S)
+    spans = {s["attributes"].get("request_id"): s
+             for s in completed_requests(read_spans(stack.run_dir), since)}
+    served = percentiles([span_seconds(s) for s in spans.values()], (50, 99))
+    level.served_p50_s, level.served_p99_s = served["p50"], served["p99"]
+    before = percentiles([span_bounds(spans[o.request_id])[0] - o.sent_epoch
+                          for o in outcomes if o.request_id in spans], (50, 99))
+    level.before_p50_s, level.before_p99_s = before["p50"], before["p99"]
+    level.generator_cpu_s = own
     print(f"{name}: {level.sent} sent, {level.completed} completed, {level.rejected} 429, "
-          f"p99 {ms(level.p99_s)} ms", flush=True)
+          f"p99 {ms(level.p99_s)} ms (served {ms(level.served_p99_s)} ms, before the gateway "
+          f"{ms(level.before_p99_s)} ms), sent up to "
+          f"{ms(level.late_p99_s)} ms late (p99)", flush=True)
     return level
+
+
+def completed_requests(spans: list[dict[str, Any]], since: float) -> list[dict[str, Any]]:
+    """The "request" spans (the gateway's, one a request) of the requests that started after
+    `since` (seconds since the epoch) and completed."""
+    after = datetime.fromtimestamp(since, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return [s for s in spans if s["name"] == "request" and s["start_time"] > after
+            and s["attributes"].get("outcome") in ("stop", "length")]
 
 
 def stretch_s(spans: list[dict[str, Any]]) -> float:
@@ -246,15 +292,12 @@ def gateway_added_s(spans: list[dict[str, Any]], since: float) -> list[float]:
     """Per request completed that started after `since` (seconds since the epoch), the
     seconds of its "request" span not covered by its workers' spans (see the module's
     docstring)."""
-    after = datetime.fromtimestamp(since, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     workers: dict[str, list[dict[str, Any]]] = {}
     for s in spans:
         if s["name"] in WORKER_SPANS:
             workers.setdefault(s["context"]["trace_id"], []).append(s)
-    return [span_seconds(s) - stretch_s(workers[s["context"]["trace_id"]]) for s in spans
-            if s["name"] == "request" and s["start_time"] > after
-            and s["attributes"].get("outcome") in ("stop", "length")
-            and s["context"]["trace_id"] in workers]
+    return [span_seconds(s) - stretch_s(workers[s["context"]["trace_id"]])
+            for s in completed_requests(spans, since) if s["context"]["trace_id"] in workers]
 
 
 def ceiling(stack: Stack, gateway: Gateway, start: float,
@@ -293,7 +336,9 @@ def ms(seconds: float | None) -> str:
 def table(title: str, levels: list[Level]) -> Table:
     t = Table(title=title)
     columns = ["level", "offered/s", "sent", "accepted", "completed", "429 (no Retry-After)",
-               "5xx", "conn err", "unfinished", "p50 ms", "p99 ms", "gw CPU s", "gw peak MB",
+               "5xx", "conn err", "unfinished", "p50 ms", "p99 ms", "served p50/p99 ms",
+               "before gw p50/p99 ms",
+               "sent late p99 ms", "load gen CPU s", "gw CPU s", "gw peak MB",
                "gw added p50/p99 ms"]
     for column in columns:
         t.add_column(column, justify="right")
@@ -301,7 +346,10 @@ def table(title: str, levels: list[Level]) -> Table:
         t.add_row(v.name, f"{v.rate:.1f}", str(v.sent), str(v.accepted), str(v.completed),
                   f"{v.rejected} ({v.rejected_without_retry_after})", str(v.server_errors),
                   str(v.connection_errors), str(v.unfinished), ms(v.p50_s), ms(v.p99_s),
-                  f"{v.gateway_cpu_s:.1f}", f"{v.gateway_peak_rss_mb:.0f}",
+                  f"{ms(v.served_p50_s)}/{ms(v.served_p99_s)}",
+                  f"{ms(v.before_p50_s)}/{ms(v.before_p99_s)}", ms(v.late_p99_s),
+                  f"{v.generator_cpu_s:.1f}", f"{v.gateway_cpu_s:.1f}",
+                  f"{v.gateway_peak_rss_mb:.0f}",
                   f"{ms(v.added_p50_s)}/{ms(v.added_p99_s)}")
     return t
 
