@@ -18,6 +18,7 @@ from services.planner.low_affinity import low_affinity
 from services.planner.models import UnknownModelError
 from services.planner.placement import NoFeasiblePlan, Problem, high_affinity
 from services.planner.plan import ModeCandidate, Plan
+from services.planner.plan_sim import served_rps
 from services.planner.profiles import (
     Profile,
     ProfileError,
@@ -124,14 +125,17 @@ def plan_table(plan: Plan, seconds: float) -> Table:
     table.caption = (f"{plan.devices_used} of {plan.nodes * plan.gpus_per_node} devices; "
                      f"per-device goodput {plan.per_device_goodput_rps:.3f} req/s (best "
                      f"searched {plan.best_per_device_goodput_rps:.3f}); "
-                     f"simulated attainment at the rate {plan.predicted_attainment:.1%}")
+                     + (f"simulated whole, the placement serves {plan.served_per_device_rps:.3f}"
+                        " req/s per device; " if plan.served_per_device_rps else "")
+                     + f"simulated attainment at the rate {plan.predicted_attainment:.1%}")
     return table
 
 
 def search_modes(problem: Problem, args: argparse.Namespace,
                  prefilled: tuple[Problem, Profile] | None = None) -> list[Plan | ModeCandidate]:
-    """The best plan of each mode asked for (or why it has none); the disaggregated mode also
-    on `prefilled`'s problem, its prefill instances priced by that profile."""
+    """The best plan of each mode asked for (or why it has none), with what its placement
+    serves simulated whole; the disaggregated mode also on `prefilled`'s problem, its prefill
+    instances priced by that profile."""
     modes = ["disaggregated", "colocated", "chunked"] if args.mode == "auto" else [args.mode]
     search = high_affinity if args.affinity == "high" else low_affinity
     out: list[Plan | ModeCandidate] = []
@@ -141,10 +145,11 @@ def search_modes(problem: Problem, args: argparse.Namespace,
             tries.append((prefilled[0], prefilled[1].dtype))
         for on, dtype in tries:
             try:
-                if mode == "disaggregated":
-                    out.append(search(on).model_copy(update={"prefill_dtype": dtype}))
-                else:
-                    out.append(colocated_plan(on, chunked=mode == "chunked"))
+                found = (search(on).model_copy(update={"prefill_dtype": dtype})
+                         if mode == "disaggregated"
+                         else colocated_plan(on, chunked=mode == "chunked"))
+                out.append(found.model_copy(update={
+                    "served_per_device_rps": served_rps(found, on) / found.devices_used}))
             except NoFeasiblePlan as e:
                 out.append(ModeCandidate(mode=mode, placement="", error=str(e),  # type: ignore[arg-type]
                                          prefill_dtype=dtype))
@@ -171,22 +176,26 @@ def prefill_problem(args: argparse.Namespace, parser: argparse.ArgumentParser,
 
 def modes_table(candidates: list[ModeCandidate], chosen: Plan) -> Table:
     table = Table(title=f"serving modes for {chosen.model} at {chosen.rate_rps} req/s")
-    for column in ("mode", "placement", "devices", "req/s/dev", "attained"):
+    for column in ("mode", "placement", "devices", "served/dev", "search/dev", "attained"):
         left = column in ("mode", "placement")  # a placement may wrap (a mode's error)
         table.add_column(column, justify="left" if left else "right", no_wrap=column == "mode")
     for c in candidates:
         if c.error:
-            table.add_row(c.label, f"none: {c.error}", "", "", "")
+            table.add_row(c.label, f"none: {c.error}", "", "", "", "")
         else:
             table.add_row(c.label, c.placement, str(c.devices_used),
+                          f"{c.served_per_device_rps:.3f}",
                           f"{c.best_per_device_goodput_rps:.3f}", f"{c.predicted_attainment:.1%}")
-    others = [c.best_per_device_goodput_rps for c in candidates
+    others = [c.served_per_device_rps for c in candidates
               if c.label != chosen.candidate().label and not c.error]
-    margin = (f", {chosen.best_per_device_goodput_rps / max(others):.2f}x the next best"
+    margin = (f", {chosen.served_per_device_rps / max(others):.2f}x the next best"
               if others and max(others) > 0 else "")
     table.caption = (f"recommended: {chosen.candidate().label}{margin}. placement: the "
-                     "instances that serve the rate; req/s/dev: the best per-device goodput of "
-                     "the mode's configurations (modes are ranked by it); attained: simulated "
+                     "instances that serve the rate; served/dev: the highest rate the placement "
+                     "serves, simulated whole (both objectives at once, KV handoffs, the host's "
+                     "contention), per device (modes are ranked by it); search/dev: the best "
+                     "per-device goodput of the mode's configurations as its search priced "
+                     "them (disaggregated: each phase alone, Algorithm 1); attained: simulated "
                      "attainment of the placement at the rate. Colocated modes run vLLM's "
                      "scheduler limits (2048 tokens a step, 256 requests).")
     return table
@@ -217,7 +226,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 print(f"distserve plan: no feasible plan: {failed.label}: {failed.error}",
                       file=sys.stderr)
         return 1
-    chosen = max(plans, key=lambda p: p.best_per_device_goodput_rps)
+    chosen = max(plans, key=lambda p: p.served_per_device_rps)
     candidates = [p.candidate() if isinstance(p, Plan) else p for p in searched]
     plan = chosen.model_copy(update={
         "profile": args.profile, "profile_model": args.model or "", "dtype": problem.profile.dtype,

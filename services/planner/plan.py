@@ -36,6 +36,9 @@ class ModeCandidate(BaseModel):
     devices_used: int = 0
     best_per_device_goodput_rps: float = 0.0
     predicted_attainment: float = 0.0
+    served_per_device_rps: float = Field(default=0.0, description="the placement simulated "
+                                         "whole: the highest rate it serves at the target, "
+                                         "per device (modes are ranked by it)")
     error: str = Field(default="", description="why the mode has no plan (then no figures)")
     prefill_dtype: str = Field(default="", description="disaggregated: the prefill instances' "
                                "compute dtype where it is not the profile's")
@@ -71,6 +74,10 @@ class Plan(BaseModel):
     max_running: int = Field(default=0, description="colocated: requests running at most; "
                              "0: vLLM's default, 256")
     predicted_attainment: float = Field(description="simulated attainment of the plan at rate")
+    served_per_device_rps: float = Field(
+        default=0.0, description="the placement simulated whole (both objectives at once, KV "
+        "handoffs, the host's contention): the highest rate it serves at the target, per "
+        "device; 0: not computed")
     candidates: list[ModeCandidate] = Field(
         default_factory=list, description="every mode searched (the plan is the best of them)")
     reason: str = ""
@@ -103,4 +110,5 @@ class Plan(BaseModel):
                              devices_used=self.devices_used,
                              best_per_device_goodput_rps=self.best_per_device_goodput_rps,
                              predicted_attainment=self.predicted_attainment,
+                             served_per_device_rps=self.served_per_device_rps,
                              prefill_dtype=self.prefill_dtype)

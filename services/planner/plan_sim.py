@@ -5,7 +5,16 @@ from __future__ import annotations
 import dataclasses
 
 from services.planner.baseline import VLLM_MAX_NUM_BATCHED_TOKENS, VLLM_MAX_NUM_SEQS
-from services.planner.placement import instance_spec, layout_cluster
+from services.planner.budget import Shape
+from services.planner.goodput import max_rate
+from services.planner.modes import chunked_bound
+from services.planner.placement import (
+    Problem,
+    decode_bound,
+    instance_spec,
+    layout_cluster,
+    prefill_bound,
+)
 from services.planner.plan import InstancePlacement, Plan
 from services.planner.profiles import Profile
 from services.planner.simulator import (
@@ -31,6 +40,34 @@ def simulate_plan(plan: Plan, profile: Profile,
                 plan.inter_node_gbps * 1e9)
     return simulate_disaggregated(
         layout_cluster(profile, plan.instances, link, plan.devices_used), workload)
+
+
+def served_rps(plan: Plan, problem: Problem) -> float:
+    """The highest rate at which `plan`'s whole placement meets `problem`'s objectives for its
+    target share of requests, simulated as one cluster (both objectives at once, the KV
+    handoffs, the host's contention): what the placement serves, however its search priced
+    it (Algorithm 1 prices each phase alone, against its own objective)."""
+    plan = plan.model_copy(update={"intra_node_gbps": problem.intra_node_gbps,
+                                   "inter_node_gbps": problem.inter_node_gbps})
+    at = problem.attainment_at(lambda w: simulate_plan(plan, problem.profile, w),
+                               lambda r: r.attainment(problem.slo))
+    return max_rate(at, problem.target, guess=plan.rate_rps, upper=bound_rps(plan, problem))
+
+
+def bound_rps(plan: Plan, problem: Problem) -> float:
+    """Requests/s `plan`'s instances sustain at best (each one's throughput bound)."""
+    def bound(i: InstancePlacement) -> float:
+        if plan.mode == "chunked":
+            return chunked_bound(problem, Shape(i.tp, i.pp))
+        prefill, decode = prefill_bound(problem, i.tp, i.pp), decode_bound(problem, i.tp, i.pp)
+        if i.role == "colocated":  # a colocated device spends both phases' time itself
+            return 1 / (1 / prefill + 1 / decode)
+        return prefill if i.role == "prefill" else decode
+
+    if plan.mode != "disaggregated":
+        return sum(bound(i) for i in plan.instances)
+    return min(sum(bound(i) for i in plan.instances if i.role == role)
+               for role in ("prefill", "decode"))
 
 
 def colocated_on_same_devices(plan: Plan, baseline: Plan) -> Plan:
