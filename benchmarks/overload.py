@@ -19,12 +19,13 @@ unfinished. Per level: sent, accepted (not 429), completed (200 with a finish_re
 (and how many lack Retry-After: must be 0), 5xx (must be 0), connection errors, p50/p99
 end-to-end latency of the accepted requests; the same requests' p50/p99 as the gateway served
 them (their "request" spans, below), and from each one's send to the start of its span (its
-HTTP request sent, read, parsed, admitted and tokenized: where it is long, the request waited
-in the client, the listening socket's backlog or the gateway's event loop); how late the load
-generator sent its requests (p99 of the send time less the arrival time: where it is long,
-the generator, which shares the cores, could not keep up); the gateway's CPU seconds over the
-level and its peak RSS (VmHWM, reset before each level), and the load generator's own CPU
-seconds (what the cores had left for the stack).
+HTTP request sent, read, parsed, admitted, tokenized and dispatched, its token subject
+subscribed: where it is long, the request waited in the client, the listening socket's
+backlog or the gateway's event loop); how late the load generator sent its requests (p99 of
+the send time less the arrival time, of the requests answered before the drain ended: where
+it is long, the generator, which shares the cores, could not keep up); the gateway's CPU
+seconds over the level and its peak RSS (VmHWM, reset before each level), and the load
+generator's own CPU seconds (what the cores had left for the stack).
 
 The gateway's ceiling: prefill-only requests (max_tokens 1), offered at `--ceiling-start`
 (default: the capacity) and 1.5x more each step, until the p99 of the gateway's added latency
@@ -260,10 +261,10 @@ def run_level(stack: Stack, gateway: Gateway, name: str, rate: float, max_tokens
     time.sleep(SPAN_FLUSH_S)
     spans = {s["attributes"].get("request_id"): s
              for s in completed_requests(read_spans(stack.run_dir), since)}
-    served = percentiles([span_seconds(s) for s in spans.values()], (50, 99))
+    answered = [(o, spans[o.request_id]) for o in outcomes if o.request_id in spans]
+    served = percentiles([span_seconds(s) for _, s in answered], (50, 99))
     level.served_p50_s, level.served_p99_s = served["p50"], served["p99"]
-    before = percentiles([span_bounds(spans[o.request_id])[0] - o.sent_epoch
-                          for o in outcomes if o.request_id in spans], (50, 99))
+    before = percentiles([span_bounds(s)[0] - o.sent_epoch for o, s in answered], (50, 99))
     level.before_p50_s, level.before_p99_s = before["p50"], before["p99"]
     level.generator_cpu_s = own
     print(f"{name}: {level.sent} sent, {level.completed} completed, {level.rejected} 429, "

@@ -59,8 +59,8 @@ def register(sub: Any) -> None:
     p.add_argument("--gpus-per-node", type=int)
     p.add_argument("--mode", choices=["auto", "disaggregated", "colocated", "chunked"],
                    default="auto", help="auto (default): search disaggregated, colocated and "
-                   "chunked-prefill colocated serving and recommend the best per-device "
-                   "goodput; otherwise search that mode only")
+                   "chunked-prefill colocated serving and recommend the placement that "
+                   "serves most per device, simulated whole; otherwise search that mode only")
     p.add_argument("--affinity", choices=["high", "low"], default="high",
                    help="high: fast links between nodes (Algorithm 1); low: KV must stay in a "
                         "node (Algorithm 2)")
@@ -226,7 +226,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 print(f"distserve plan: no feasible plan: {failed.label}: {failed.error}",
                       file=sys.stderr)
         return 1
-    chosen = max(plans, key=lambda p: p.served_per_device_rps)
+    chosen = max(plans, key=lambda p: (p.served_per_device_rps, p.best_per_device_goodput_rps))
     candidates = [p.candidate() if isinstance(p, Plan) else p for p in searched]
     plan = chosen.model_copy(update={
         "profile": args.profile, "profile_model": args.model or "", "dtype": problem.profile.dtype,

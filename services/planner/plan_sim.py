@@ -55,7 +55,13 @@ def served_rps(plan: Plan, problem: Problem) -> float:
 
 
 def bound_rps(plan: Plan, problem: Problem) -> float:
-    """Requests/s `plan`'s instances sustain at best (each one's throughput bound)."""
+    """Requests/s `plan`'s instances sustain at best (each one's throughput bound, under the
+    scheduler limits the plan records)."""
+    if plan.algorithm == "colocated":
+        problem = dataclasses.replace(
+            problem, batch_tokens=plan.max_batch_tokens or VLLM_MAX_NUM_BATCHED_TOKENS,
+            max_batch=plan.max_running or VLLM_MAX_NUM_SEQS)
+
     def bound(i: InstancePlacement) -> float:
         if plan.mode == "chunked":
             return chunked_bound(problem, Shape(i.tp, i.pp))
