@@ -59,8 +59,9 @@ def register(sub: Any) -> None:
     p.add_argument("--gpus-per-node", type=int)
     p.add_argument("--mode", choices=["auto", "disaggregated", "colocated", "chunked"],
                    default="auto", help="auto (default): search disaggregated, colocated and "
-                   "chunked-prefill colocated serving and recommend the placement that "
-                   "serves most per device, simulated whole; otherwise search that mode only")
+                   "chunked-prefill colocated serving and recommend, of the placements that "
+                   "serve the rate, the one on the fewest devices, then the one that serves "
+                   "most per device simulated whole; otherwise search that mode only")
     p.add_argument("--affinity", choices=["high", "low"], default="high",
                    help="high: fast links between nodes (Algorithm 1); low: KV must stay in a "
                         "node (Algorithm 2)")
@@ -174,6 +175,14 @@ def prefill_problem(args: argparse.Namespace, parser: argparse.ArgumentParser,
     return dataclasses.replace(problem, profile=mixed), prefiller
 
 
+def rank(plan: Plan) -> tuple[bool, int, float, float]:
+    """How plans of different modes compare, best highest: one that serves the rate (the
+    searches can return one that misses it), then the fewest devices, then the most served
+    per device simulated whole, then the search's own figure."""
+    return (plan.predicted_attainment >= plan.attainment_target, -plan.devices_used,
+            plan.served_per_device_rps, plan.best_per_device_goodput_rps)
+
+
 def modes_table(candidates: list[ModeCandidate], chosen: Plan) -> Table:
     table = Table(title=f"serving modes for {chosen.model} at {chosen.rate_rps} req/s")
     for column in ("mode", "placement", "devices", "served/dev", "search/dev", "attained"):
@@ -186,14 +195,11 @@ def modes_table(candidates: list[ModeCandidate], chosen: Plan) -> Table:
             table.add_row(c.label, c.placement, str(c.devices_used),
                           f"{c.served_per_device_rps:.3f}",
                           f"{c.best_per_device_goodput_rps:.3f}", f"{c.predicted_attainment:.1%}")
-    others = [c.served_per_device_rps for c in candidates
-              if c.label != chosen.candidate().label and not c.error]
-    margin = (f", {chosen.served_per_device_rps / max(others):.2f}x the next best"
-              if others and max(others) > 0 else "")
-    table.caption = (f"recommended: {chosen.candidate().label}{margin}. placement: the "
-                     "instances that serve the rate; served/dev: the highest rate the placement "
-                     "serves, simulated whole (both objectives at once, KV handoffs, the host's "
-                     "contention), per device (modes are ranked by it); search/dev: the best "
+    table.caption = (f"recommended: {chosen.candidate().label} (of the placements that meet "
+                     "the target at the rate, the fewest devices, then the most served per "
+                     "device). placement: the instances that serve the rate; served/dev: the "
+                     "highest rate the placement serves, simulated whole (both objectives at "
+                     "once, KV handoffs, the host's contention), per device; search/dev: the best "
                      "per-device goodput of the mode's configurations as its search priced "
                      "them (disaggregated: each phase alone, Algorithm 1); attained: simulated "
                      "attainment of the placement at the rate. Colocated modes run vLLM's "
@@ -226,7 +232,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 print(f"distserve plan: no feasible plan: {failed.label}: {failed.error}",
                       file=sys.stderr)
         return 1
-    chosen = max(plans, key=lambda p: (p.served_per_device_rps, p.best_per_device_goodput_rps))
+    chosen = max(plans, key=rank)
     candidates = [p.candidate() if isinstance(p, Plan) else p for p in searched]
     plan = chosen.model_copy(update={
         "profile": args.profile, "profile_model": args.model or "", "dtype": problem.profile.dtype,

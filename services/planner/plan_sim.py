@@ -45,12 +45,15 @@ def simulate_plan(plan: Plan, profile: Profile,
 def served_rps(plan: Plan, problem: Problem) -> float:
     """The highest rate at which `plan`'s whole placement meets `problem`'s objectives for its
     target share of requests, simulated as one cluster (both objectives at once, the KV
-    handoffs, the host's contention): what the placement serves, however its search priced
-    it (Algorithm 1 prices each phase alone, against its own objective)."""
+    handoffs, the host's contention) on runs as long as `predicted_attainment`'s: what the
+    placement serves, however its search priced it (Algorithm 1 prices each phase alone,
+    against its own objective; the searches' short runs flatter a system near capacity)."""
     plan = plan.model_copy(update={"intra_node_gbps": problem.intra_node_gbps,
                                    "inter_node_gbps": problem.inter_node_gbps})
-    at = problem.attainment_at(lambda w: simulate_plan(plan, problem.profile, w),
-                               lambda r: r.attainment(problem.slo))
+    def at(rate: float) -> float:  # the long runs a finished plan is checked with
+        requests = problem.validation_requests(rate)
+        return simulate_plan(plan, problem.profile, requests).attainment(problem.slo)
+
     return max_rate(at, problem.target, guess=plan.rate_rps, upper=bound_rps(plan, problem))
 
 
