@@ -248,7 +248,8 @@ def settle(url: str, timeout_s: float = 120) -> None:
 
 
 def run_level(stack: Stack, gateway: Gateway, name: str, rate: float, max_tokens: int,
-              duration_s: float, args: argparse.Namespace) -> Level:
+              duration_s: float, args: argparse.Namespace, added: bool = False) -> Level:
+    """One level; with `added`, also the gateway's added latency (ceiling steps)."""
     settle(stack.url)
     gateway.reset_peak()
     cpu, since, own = gateway.cpu_s(), time.time(), time.process_time()
@@ -259,14 +260,17 @@ def run_level(stack: Stack, gateway: Gateway, name: str, rate: float, max_tokens
     level = summarize(name, rate, outcomes, unfinished, gateway.cpu_s() - cpu,
                       gateway.peak_rss_mb())
     time.sleep(SPAN_FLUSH_S)
-    spans = {s["attributes"].get("request_id"): s
-             for s in completed_requests(read_spans(stack.run_dir), since)}
+    traces = read_spans(stack.run_dir)
+    spans = {s["attributes"].get("request_id"): s for s in completed_requests(traces, since)}
     answered = [(o, spans[o.request_id]) for o in outcomes if o.request_id in spans]
     served = percentiles([span_seconds(s) for _, s in answered], (50, 99))
     level.served_p50_s, level.served_p99_s = served["p50"], served["p99"]
     before = percentiles([span_bounds(s)[0] - o.sent_epoch for o, s in answered], (50, 99))
     level.before_p50_s, level.before_p99_s = before["p50"], before["p99"]
     level.generator_cpu_s = own
+    if added:
+        gateway_s = percentiles(gateway_added_s(traces, since), (50, 99))
+        level.added_p50_s, level.added_p99_s = gateway_s["p50"], gateway_s["p99"]
     print(f"{name}: {level.sent} sent, {level.completed} completed, {level.rejected} 429, "
           f"p99 {ms(level.p99_s)} ms (served {ms(level.served_p99_s)} ms, before the gateway "
           f"{ms(level.before_p99_s)} ms), sent up to "
@@ -307,11 +311,8 @@ def ceiling(stack: Stack, gateway: Gateway, start: float,
     the steps, and why the search stopped."""
     best, steps, rate = None, [], start
     for _ in range(args.ceiling_steps):
-        since = time.time()  # the earlier steps' requests all started before
-        level = run_level(stack, gateway, f"{rate:.1f}/s", rate, 1, args.ceiling_duration, args)
-        time.sleep(SPAN_FLUSH_S)
-        added = percentiles(gateway_added_s(read_spans(stack.run_dir), since), (50, 99))
-        level.added_p50_s, level.added_p99_s = added["p50"], added["p99"]
+        level = run_level(stack, gateway, f"{rate:.1f}/s", rate, 1, args.ceiling_duration, args,
+                          added=True)
         steps.append(level)
         if (why := over(level)) is not None:
             return best, steps, why

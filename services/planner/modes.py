@@ -155,13 +155,16 @@ def candidates(problem: Problem, budget: int, modes: Sequence[Mode] = MODES,
 def _colocated(problem: Problem, mode: Mode, budget: int, shape: Shape) -> Candidate:
     """Colocated (or chunked) replicas of `shape`, as many as the budget holds."""
     n = budget // shape.devices
-    if mode == "colocated":
-        # a colocated device spends each request's prefill and decode time itself
-        upper = n / (1 / prefill_bound(problem, shape.tp, shape.pp)
-                     + 1 / decode_bound(problem, shape.tp, shape.pp))
-    else:
-        upper = n * chunked_bound(problem, shape)
+    upper = n * (colocated_bound(problem, shape) if mode == "colocated"
+                 else chunked_bound(problem, shape))
     return _candidate(problem, mode, (0, 0, n), upper, (ONE, ONE, shape))
+
+
+def colocated_bound(problem: Problem, shape: Shape = ONE) -> float:
+    """Requests/s one colocated instance sustains at best: it spends each request's prefill
+    and decode time itself."""
+    return 1 / (1 / prefill_bound(problem, shape.tp, shape.pp)
+                + 1 / decode_bound(problem, shape.tp, shape.pp))
 
 
 def chunked_bound(problem: Problem, shape: Shape = ONE) -> float:

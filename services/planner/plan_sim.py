@@ -7,7 +7,7 @@ import dataclasses
 from services.planner.baseline import VLLM_MAX_NUM_BATCHED_TOKENS, VLLM_MAX_NUM_SEQS
 from services.planner.budget import Shape
 from services.planner.goodput import max_rate
-from services.planner.modes import chunked_bound
+from services.planner.modes import chunked_bound, colocated_bound
 from services.planner.placement import (
     Problem,
     decode_bound,
@@ -68,10 +68,9 @@ def bound_rps(plan: Plan, problem: Problem) -> float:
     def bound(i: InstancePlacement) -> float:
         if plan.mode == "chunked":
             return chunked_bound(problem, Shape(i.tp, i.pp))
-        prefill, decode = prefill_bound(problem, i.tp, i.pp), decode_bound(problem, i.tp, i.pp)
-        if i.role == "colocated":  # a colocated device spends both phases' time itself
-            return 1 / (1 / prefill + 1 / decode)
-        return prefill if i.role == "prefill" else decode
+        if i.role == "colocated":
+            return colocated_bound(problem, Shape(i.tp, i.pp))
+        return (prefill_bound if i.role == "prefill" else decode_bound)(problem, i.tp, i.pp)
 
     if plan.mode != "disaggregated":
         return sum(bound(i) for i in plan.instances)
