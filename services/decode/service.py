@@ -96,7 +96,8 @@ class DecodeService(Worker):
         # the buffers pulls land in on the CPU, reused once imported (not one whose pull
         # failed: its endpoint was aborted, which cancels the receive, and still it is not
         # lent again). Rank 0's part only: each other rank stages its own (kv_serving.RankKv)
-        self.staging = Staging.for_pool(self.engine.runner.kv)
+        self.staging = Staging.for_pool(self.engine.runner.kv,
+                                        self.settings.max_batch_tokens)
         self.block_bytes = block_bytes(self.engine.model_config, self.engine.blocks.block_size,
                                        self.engine.runner.kv.data.dtype)  # every rank's part
 

@@ -53,8 +53,10 @@ class PrefillService(Worker):
         self.kv_server = KvServer(lookup=self._lookup, host=self.settings.host,
                                   port=self.settings.kv_port, on_served=self._served,
                                   sent=self._sent)
-        # the exports' buffers on the CPU, reused pull after pull
-        self.staging = Staging.for_pool(self.engine.runner.kv)
+        # the exports' buffers on the CPU, reused pull after pull, those of a
+        # prompt as long as a prefill step's tokens laid ready
+        self.staging = Staging.for_pool(self.engine.runner.kv,
+                                        self.settings.max_batch_tokens)
         self.requests: dict[str, PrefillRequest] = {}
         self.parked_at: dict[str, float] = {}
         self.released_at: dict[str, float] = {}  # imported by a decode instance; retained

@@ -59,3 +59,33 @@ def test_idle_buffers_are_held_to_their_byte_limit() -> None:
     staging.give(middle)
     staging.give(staging.take((MIB,), torch.uint8))  # the 1 MiB one, back again
     assert staging.idle_bytes == 3 * MIB
+
+
+def test_buffers_laid_ready_serve_the_first_transfers() -> None:
+    """`warm` lays `keep` buffers ready, every page touched, so the first transfers of up to
+    their size take no fresh one; within `max_idle_bytes` together."""
+    staging = Staging(keep=2, max_idle_bytes=16 * MIB)
+    assert staging.warm(3 * MIB + 1) == 2 * 4 * MIB  # rounded up to a MiB, `keep` of them
+    first, second = (staging.take((3 * MIB,), torch.uint8) for _ in range(2))
+    assert staging.fresh == 0 and first.data_ptr() != second.data_ptr()
+    assert staging.take((MIB,), torch.uint8) is not None and staging.fresh == 1  # both lent
+    staging.give(first)
+    staging.give(second)
+    # of two alike, the one given back last (its pages the likelier still cached)
+    assert staging.take((MIB,), torch.uint8).data_ptr() == second.data_ptr()
+    capped = Staging(keep=2, max_idle_bytes=6 * MIB)
+    assert capped.warm(100 * MIB) == 2 * 3 * MIB and capped.idle_bytes == 6 * MIB
+    assert Staging(keep=2, max_idle_bytes=MIB).warm(MIB) == 0  # under a MiB each: none
+
+
+def test_a_pools_staging_is_laid_ready_for_a_prompt_of_the_tokens_given() -> None:
+    kv = KVCache(LLAMA_SHAPES["tiny"], 4096, 16, torch.float32, torch.device("cpu"))  # 32 MiB
+    per_block = kv.data.nbytes // kv.num_blocks
+    staging = Staging.for_pool(kv, warm_tokens=16 * 40 + 1)  # 41 blocks
+    assert staging is not None and staging.keep == 2
+    size = -(-41 * per_block // MIB) * MIB
+    assert staging.idle_bytes == 2 * min(size, kv.data.nbytes // 4 // 2 // MIB * MIB)
+    ready = staging.take(kv.export_blocks(list(range(41))).shape, torch.float32)
+    assert staging.fresh == 0 and ready.numel() * 4 == 41 * per_block
+    cold = Staging.for_pool(kv)
+    assert cold is not None and cold.idle_bytes == 0
