@@ -300,6 +300,8 @@ def _report_compare(args: argparse.Namespace, console: Console, workload: BenchW
             report["simulated_attainment_live"] = [
                 x[1].attainment(slo) if x else None for x in live]
             report["live_calibration"] = [x[0].to_json() if x else None for x in live]
+            report["live_stages_s"] = [cmp.stages(run, x[1]) if x else None
+                                       for run, x in zip(c.runs, live, strict=True)]
     # the baseline: the better colocated system (one a weight format, with --decode-weights)
     baseline = max((i for i, m in enumerate(measured) if m.system.mode == "colocated"),
                    key=lambda i: reports[i]["per_device_goodput_rps"])
@@ -443,17 +445,19 @@ def _print_fidelity(console: Console, curves: Sequence[Curve],
     console.print("within 5 points: " + "; ".join(
         f"{name} {sum(abs(g) <= 0.05 + 1e-9 for g in found)} of {len(found)}"
         for name, found in gaps.items() if found))
-    staged = [(c.name, run.rate, f.stages_s) for c, found in zip(curves, fidelities, strict=False)
-              for run, f in zip(c.runs, found, strict=False) if f.stages_s]
+    staged = [(c.name, run.rate, f.stages_s, cmp.stages(run, x[1]) if x is not None else {})
+              for c, found, live in zip(curves, fidelities, lives, strict=False)
+              for run, f, x in zip(c.runs, found, live, strict=False) if f.stages_s]
     if not staged:
         return
     names = list(cmp.SIMULATED_STAGES)
     table = Table(title="where a request's time goes, measured (the services' spans) / "
-                        "simulated: mean ms a request")
+                        "simulated / live: mean ms a request")
     for column in ("system", "rate", *names):
         table.add_column(column, justify="right")
-    for name, rate, stages in staged:
-        table.add_row(name, f"{rate:g}", *(
-            f"{1e3 * stages[s][0]:.0f} / {1e3 * stages[s][1]:.0f}" if s in stages else "-"
+    for name, rate, stages, lived in staged:
+        table.add_row(name, f"{rate:g}", *(" / ".join(
+            [f"{1e3 * stages[s][0]:.0f}", f"{1e3 * stages[s][1]:.0f}"] +
+            ([f"{1e3 * lived[s][1]:.0f}"] if s in lived else [])) if s in stages else "-"
             for s in names))
     console.print(table)

@@ -161,7 +161,8 @@ def test_a_recorded_comparison_with_steps_is_simulated_on_them_again(tmp_path: P
              "decode-0": [decode(i, 1, 130) for i in range(1, 60)]}
     reports = []
     for system in systems(1, 256, chunked=True):
-        runs = [RunResult(rate, requests(rate, 6, 128, 8), 6 / rate,
+        spans = {"prefill run": 0.15, "decode run": 0.2} if system.mode == "disaggregated" else {}
+        runs = [RunResult(rate, requests(rate, 6, 128, 8), 6 / rate, breakdown_s=spans,
                           steps=steps if rate == 0.5 else {}) for rate in (0.5, 2.0)]
         reports.append(system_report(system.name, system.devices, runs, slo, 0.9) | {
             "cores_used": {}, "kv_link_bps": 6e8, "unloaded": unloaded.__dict__})
@@ -181,3 +182,11 @@ def test_a_recorded_comparison_with_steps_is_simulated_on_them_again(tmp_path: P
         # steps as profiled: the calibration is the profile's own
         assert system["live_calibration"][0]["decode"] == pytest.approx(1.0, rel=0.01)
         assert system["runs"][0]["steps"]["decode-0"][0][:4] == [1, [], 1, 130]
+        # where the live simulation's time went, beside the spans' (a disaggregated stack's)
+        staged = system["live_stages_s"]
+        assert staged[1] is None
+        if system["name"].startswith("disaggregated"):
+            assert list(staged[0]) == ["prefill run", "decode run"]
+            assert staged[0]["decode run"][0] == 0.2 and staged[0]["decode run"][1] > 0
+        else:
+            assert staged[0] == {}
