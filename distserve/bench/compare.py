@@ -303,7 +303,7 @@ class Fidelity:
     near: int  # of those, the ones where measured and simulated lie within `near_share` of
     # each objective they disagree on: flips of a few ms at the boundary, not of the model
     # mean seconds a request spends in each stage, (measured, simulated), for the stages the
-    # services' spans time (a disaggregated stack's; a colocated worker times none)
+    # services' spans time (a disaggregated stack's five; a colocated worker's three)
     stages_s: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:

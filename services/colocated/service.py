@@ -4,6 +4,7 @@ compare both designs."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 
 from nats.aio.msg import Msg
@@ -14,15 +15,25 @@ from shared.bus import parse
 from shared.engine.config import Role
 from shared.engine.engine import RequestOutput
 from shared.messages import PrefillRequest
+from shared.telemetry import context_from, record
 
 
 class ColocatedService(Worker):
+    """Traces each request's stages under the names a disaggregated pair's spans have:
+    "prefill queue" until the step that began computing its prompt, "prefill run" until its
+    first token (a chunked prompt's chunks and the decodes beside them in it), "decode run"
+    until its end; no KV moves, so there is no transfer or decode queue."""
+
     role = "colocated"
     engine_role = Role.COLOCATED
     known: dict[str, int]  # request -> the newest attempt that came here, until it ends
+    # request -> when it came, its trace headers and prompt tokens, until its first token
+    arrived: dict[str, tuple[float, dict[str, str], int]]
+    decoding: dict[str, tuple[float, dict[str, str]]]  # request -> its first token's time
 
     def subscriptions(self) -> dict[str, Callable[[Msg], Awaitable[None]]]:
-        self.known = {}
+        self.known, self.arrived, self.decoding = {}, {}, {}
+        self.host.track_began = True
         return {subjects.prefill(self.id): self._on_request, subjects.CANCEL_ALL: self._on_cancel}
 
     async def _on_request(self, msg: Msg) -> None:
@@ -30,17 +41,49 @@ class ColocatedService(Worker):
         if req.attempt < self.known.get(req.request_id, -1):
             return  # a newer attempt came first: this one is stale
         self.known[req.request_id] = req.attempt  # before the engine takes it in
+        self._untrace(req.request_id)  # an older attempt's, replaced
+        self.arrived[req.request_id] = (time.time(), dict(msg.headers or {}),
+                                        len(req.prompt_ids))
         self.take_in(self._admit(req))
 
     async def _admit(self, req: PrefillRequest) -> None:
         if await self.admit(req) is None and self.known.get(req.request_id) == req.attempt:
             del self.known[req.request_id]
+            self._untrace(req.request_id)
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        now = time.time()
         for out in outputs:
             await self.stream(out)
+            self._trace(out, now)
             if out.finished:
                 self.known.pop(out.request_id, None)
+
+    def _trace(self, out: RequestOutput, now: float) -> None:
+        request_id = out.request_id
+        if out.error is not None:  # failed: its stages say nothing
+            self._untrace(request_id)
+            return
+        if request_id in self.arrived and (out.new_token_ids or out.finished):
+            arrived, headers, prompt_tokens = self.arrived.pop(request_id)
+            began = min(max(arrived, self.host.began.pop(request_id, self.host.step_started)),
+                        now)
+            parent = context_from(headers)
+            record(self.tracer, "prefill queue", parent, arrived, began, instance=self.id)
+            record(self.tracer, "prefill run", parent, began, now, instance=self.id,
+                   prompt_tokens=prompt_tokens)
+            self.decoding[request_id] = (now, headers)
+        if out.finished and request_id in self.decoding:
+            first, headers = self.decoding.pop(request_id)
+            record(self.tracer, "decode run", context_from(headers), first, now,
+                   instance=self.id, finish_reason=out.finish_reason or "error")
+        if out.finished:  # a prompt computed again after a preemption began once more
+            self._untrace(request_id)
+
+    def _untrace(self, request_id: str) -> None:
+        self.arrived.pop(request_id, None)
+        self.decoding.pop(request_id, None)
+        self.host.began.pop(request_id, None)
 
     async def _on_cancel(self, msg: Msg) -> None:
         """Abort the request if the cancel covers the newest attempt that came here: a
@@ -52,4 +95,5 @@ class ColocatedService(Worker):
             return
         del self.known[request_id]
         self.attempts.pop(request_id, None)
+        self._untrace(request_id)
         self.abort(request_id)

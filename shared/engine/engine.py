@@ -51,6 +51,11 @@ class RequestOutput:
         return self.finish_reason is not None or self.error is not None
 
 
+def _began(out: SchedulerOutput | None) -> list[str]:
+    """The requests whose prompt `out` begins computing."""
+    return [] if out is None else [c.request.request_id for c in out.prefills if c.start == 0]
+
+
 class _TextState:
     """Per-request detokenization; holds back text that may be the start of a stop string."""
 
@@ -89,6 +94,9 @@ class Engine:
         self.blocks = BlockManager(self.runner.kv.num_blocks, config.scheduler.block_size)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.runner.depth)
         self.last_shape: StepShape | None = None  # of the last step (its timing's meaning)
+        # the requests whose prompt the last step began computing (a chunked prompt: its
+        # first chunk; a pipeline: the micro-batches it launched)
+        self.last_began: list[str] = []
         # the last step ran nothing: the requests waiting do not fit the pool (a prefill
         # instance's KV parked for pulls, or retained after them), and another step will not
         # either until blocks are freed or requests come or go
@@ -156,6 +164,7 @@ class Engine:
     def _step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         self.last_shape = out.shape() if out is not None else None
+        self.last_began = _began(out)
         self.stalled = out is None
         if out is None:
             return []
@@ -172,11 +181,12 @@ class Engine:
         request under way waits for its update), then finish the oldest: rank 0 runs its
         stage of the next micro-batch while the later stages run the earlier ones. A step's
         time then spans parts of several micro-batches, so it has no `last_shape`."""
-        self.last_shape = None
+        self.last_shape, self.last_began = None, []
         while len(self._under_way) < self.runner.depth:
             out = self.scheduler.schedule()
             if out is None:
                 break
+            self.last_began += _began(out)
             try:
                 self._under_way.append(self.runner.launch(out))
             except RankFailed:

@@ -144,3 +144,18 @@ def test_outputs_name_which_copy_of_a_request_they_come_from() -> None:
     assert [(o.request_id, o.arrival, o.index) for o in newer] == [("r", second.arrival, 1)]
     engine.release("r")
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_a_step_names_the_prompts_it_began() -> None:
+    """`last_began`: the requests whose prompt the step began computing, a chunked prompt at
+    its first chunk only (a colocated worker's "prefill queue" span ends there)."""
+    engine = tiny_engine(chunked_prefill=True, max_batch_tokens=16)
+    engine.add_request("long", list(range(40)), SamplingParams(max_tokens=2))
+    engine.step()
+    assert engine.last_began == ["long"]
+    engine.add_request("short", [5, 6, 7], SamplingParams(max_tokens=2))
+    began = []
+    while engine.has_work():  # long's later chunks, short's prompt, the decodes
+        engine.step()
+        began.append(engine.last_began)
+    assert [ids for ids in began if ids] == [["short"]] and began[-1] == []

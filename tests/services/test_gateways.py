@@ -5,6 +5,8 @@ worker the other has loaded least, not to the one its own counts alone would pic
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import time
 from collections.abc import Iterator
 
@@ -13,6 +15,7 @@ import openai
 import pytest
 from redis import Redis
 
+from distserve.bench.results import span_bounds
 from services.launcher import Stack, fixed, module
 from services.supervisor import free_port, wait_for_port
 from shared import subjects
@@ -97,3 +100,37 @@ def test_a_gateway_sends_a_request_where_the_other_gateway_has_fewest(
         assert time.monotonic() < deadline, f"still counted: {in_flight(redis)}"
         time.sleep(0.5)
     redis.close()
+
+
+def test_a_colocated_workers_trace_names_the_stages_a_disaggregated_pair_does(
+        two_gateways: tuple[Stack, str]) -> None:
+    """A colocated worker's spans: the wait for the step that began the prompt, the prompt's
+    run to its first token, the decoding to its end, one after another inside the
+    gateway's request span (what `bench compare` puts beside the simulator's stages)."""
+    stack, _ = two_gateways
+    answer = httpx.post(f"{stack.url}/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": "Trace a colocated worker", "max_tokens": 5,
+        "temperature": 0, "ignore_eos": True})
+    assert answer.status_code == 200
+    request_id = answer.json()["id"].removeprefix("cmpl-")
+    stages = ("prefill queue", "prefill run", "decode run")
+    found: dict[str, dict[str, object]] = {}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(found) < 1 + len(stages):
+        time.sleep(0.5)  # the services flush their spans every 0.5 s
+        spans = [json.loads(line) for path in stack.run_dir.glob("traces-*.jsonl")
+                 for line in path.read_text().splitlines() if line.strip()]
+        trace = next((s["context"]["trace_id"] for s in spans if s["name"] == "request"
+                      and s["attributes"].get("request_id") == request_id), None)
+        found = {s["name"]: s for s in spans if s["context"]["trace_id"] == trace
+                 and s["name"] in ("request", *stages)}
+    assert set(found) == {"request", *stages}, set(found)
+    (start, end), *parts = (span_bounds(found[name]) for name in ("request", *stages))
+    assert start <= parts[0][0] and parts[-1][1] <= end + 1e-3
+    for (_, before), (after, _) in itertools.pairwise(parts):
+        assert before == pytest.approx(after, abs=1e-3)  # each stage ends where the next begins
+    assert all(b >= a for a, b in parts)
+    worker = {found[name]["attributes"]["instance"] for name in stages}  # type: ignore[index]
+    assert len(worker) == 1 and worker.pop().startswith("colocated-")
+    assert found["prefill run"]["attributes"]["prompt_tokens"] > 0  # type: ignore[index,operator]
+    assert found["decode run"]["attributes"]["finish_reason"] == "length"  # type: ignore[index]
