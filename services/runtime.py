@@ -68,10 +68,9 @@ class EngineHost:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._wake = asyncio.Event()
         self.step_started = 0.0  # wall-clock start of the step whose outputs are delivered
-        # with `track_began`: request -> wall-clock start of the step that began computing
-        # its prompt, until the service takes it (a colocated worker's "prefill queue" span)
-        self.track_began = False
-        self.began: dict[str, float] = {}
+        # told after each step of the requests whose prompt it began computing (and which
+        # copy), with the step's wall-clock start (a colocated worker's "prefill queue" span)
+        self.on_began: Callable[[list[tuple[str, int]], float], None] | None = None
         self.busy_since = 0.0  # wall-clock start of the step not yet counted (0: none)
         # where the loop's time goes: engine steps, handling their outputs, requests per step
         self.steps = 0
@@ -137,8 +136,8 @@ class EngineHost:
                 self.busy_since = 0.0
                 continue
             self.step_started = started
-            for request_id in self.engine.last_began if self.track_began else ():
-                self.began.setdefault(request_id, started)  # not a recomputed prompt's again
+            if self.on_began is not None and self.engine.last_began:
+                self.on_began(self.engine.last_began, started)
             if outputs:
                 await on_outputs(outputs)
             self.steps += 1

@@ -51,9 +51,10 @@ class RequestOutput:
         return self.finish_reason is not None or self.error is not None
 
 
-def _began(out: SchedulerOutput | None) -> list[str]:
-    """The requests whose prompt `out` begins computing."""
-    return [] if out is None else [c.request.request_id for c in out.prefills if c.start == 0]
+def _began(out: SchedulerOutput | None) -> list[tuple[str, int]]:
+    """The requests whose prompt `out` begins computing, and which copy of each."""
+    return [] if out is None else [(c.request.request_id, c.request.arrival)
+                                   for c in out.prefills if c.start == 0]
 
 
 class _TextState:
@@ -94,9 +95,10 @@ class Engine:
         self.blocks = BlockManager(self.runner.kv.num_blocks, config.scheduler.block_size)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.runner.depth)
         self.last_shape: StepShape | None = None  # of the last step (its timing's meaning)
-        # the requests whose prompt the last step began computing (a chunked prompt: its
-        # first chunk; a pipeline: the micro-batches it launched)
-        self.last_began: list[str] = []
+        # the requests whose prompt the last step began computing, each with its copy's
+        # admission number (a chunked prompt: at its first chunk; a pipeline: the
+        # micro-batches the step launched)
+        self.last_began: list[tuple[str, int]] = []
         # the last step ran nothing: the requests waiting do not fit the pool (a prefill
         # instance's KV parked for pulls, or retained after them), and another step will not
         # either until blocks are freed or requests come or go

@@ -18,6 +18,7 @@ import torch
 from shared.engine.config import ModelConfig
 
 MIB = 1 << 20
+MAX_WARM_BYTES = 256 * MIB  # what `Staging.warm` lays ready at most, in all
 # room for a tensor of a shape and dtype: torch.empty's, or a staging buffer's (`Staging.take`)
 Alloc = Callable[[Sequence[int], torch.dtype], torch.Tensor]
 
@@ -126,8 +127,11 @@ class Staging:
         `keep` of them would pass `max_idle_bytes`), so that the first transfers find theirs
         paged in: a fresh buffer pays for each page at its first touch, on a VM whose
         balloon takes back freed pages about 12 us a page (a first pull of 41 MB took
-        239-277 ms against 20-55 ms for the next ones; Zen 4). The bytes laid ready."""
-        size = min(-(-max(nbytes, 1) // MIB), self.max_idle_bytes // self.keep // MIB) * MIB
+        239-277 ms against 20-55 ms for the next ones; Zen 4). At most `MAX_WARM_BYTES` in
+        all: a large model's buffers are still taken as pulls need them. The bytes laid
+        ready."""
+        size = min(-(-max(nbytes, 1) // MIB), self.max_idle_bytes // self.keep // MIB,
+                   MAX_WARM_BYTES // self.keep // MIB) * MIB
         if size <= 0:
             return 0
         buffers = [torch.zeros(size, dtype=torch.uint8) for _ in range(self.keep)]
@@ -139,9 +143,12 @@ class Staging:
         """A contiguous host tensor of `shape` and `dtype` over a staging buffer: the
         smallest idle one that holds it, else a new one."""
         nbytes = math.prod(shape) * dtype.itemsize
-        with self._lock:  # idle buffers are kept smallest first
-            fits = next((i for i, b in enumerate(self._idle) if b.numel() >= nbytes), None)
-            base = None if fits is None else self._idle.pop(fits)
+        with self._lock:  # idle buffers are kept smallest first, of one size oldest first
+            fits = [i for i, b in enumerate(self._idle) if b.numel() >= nbytes]
+            if fits:  # the smallest that holds it, the one given back last of that size
+                size = self._idle[fits[0]].numel()
+                fits = [i for i in fits if self._idle[i].numel() == size]
+            base = self._idle.pop(fits[-1]) if fits else None
             self.fresh += base is None
         if base is None:
             base = torch.empty(-(-max(nbytes, 1) // MIB) * MIB, dtype=torch.uint8)
@@ -157,10 +164,10 @@ class Staging:
         with self._lock:
             if any(b.data_ptr() == storage.data_ptr() for b in self._idle):
                 return
-            # first of its size: the next take of that size gets the one used last
-            self._idle.insert(0, torch.empty(0, dtype=torch.uint8).set_(storage))
-            self._idle.sort(key=torch.Tensor.numel)
-            del self._idle[:max(0, len(self._idle) - self.keep)]  # the smallest beyond `keep`
+            self._idle.append(torch.empty(0, dtype=torch.uint8).set_(storage))
+            self._idle.sort(key=torch.Tensor.numel)  # stable: of one size, oldest first
+            # the smallest beyond `keep` (of one size, the oldest)
+            del self._idle[:max(0, len(self._idle) - self.keep)]
             while sum(b.numel() for b in self._idle) > self.max_idle_bytes:
                 self._idle.pop()  # the largest
 

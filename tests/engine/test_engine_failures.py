@@ -152,10 +152,10 @@ def test_a_step_names_the_prompts_it_began() -> None:
     engine = tiny_engine(chunked_prefill=True, max_batch_tokens=16)
     engine.add_request("long", list(range(40)), SamplingParams(max_tokens=2))
     engine.step()
-    assert engine.last_began == ["long"]
+    assert [request_id for request_id, _ in engine.last_began] == ["long"]
     engine.add_request("short", [5, 6, 7], SamplingParams(max_tokens=2))
     began = []
     while engine.has_work():  # long's later chunks, short's prompt, the decodes
         engine.step()
-        began.append(engine.last_began)
+        began.append([request_id for request_id, _ in engine.last_began])
     assert [ids for ids in began if ids] == [["short"]] and began[-1] == []

@@ -73,6 +73,14 @@ def test_buffers_laid_ready_serve_the_first_transfers() -> None:
     staging.give(second)
     # of two alike, the one given back last (its pages the likelier still cached)
     assert staging.take((MIB,), torch.uint8).data_ptr() == second.data_ptr()
+    alike = Staging(keep=2)
+    a, b, c = (alike.take((MIB,), torch.uint8) for _ in range(3))
+    for lent in (a, b, c):
+        alike.give(lent)
+    # past `keep`, the oldest of one size goes; the newest is lent first
+    assert alike.idle_bytes == 2 * MIB
+    assert [alike.take((MIB,), torch.uint8).data_ptr() for _ in range(2)] == \
+        [c.data_ptr(), b.data_ptr()]
     capped = Staging(keep=2, max_idle_bytes=6 * MIB)
     assert capped.warm(100 * MIB) == 2 * 3 * MIB and capped.idle_bytes == 6 * MIB
     assert Staging(keep=2, max_idle_bytes=MIB).warm(MIB) == 0  # under a MiB each: none

@@ -837,3 +837,33 @@ def test_a_full_prefill_instance_frees_the_kv_it_retained_longest() -> None:
         assert set(engine.scheduler.parked) == {"parked-0", "parked-3"}
 
     asyncio.run(main())
+
+
+def test_a_colocated_worker_traces_the_copy_it_serves_and_keeps_nothing_after(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spans of a colocated worker's request come from the engine copy of its newest
+    attempt (an older copy's outputs, while a newer attempt waits to be taken in, are not
+    its); a step that began a request cancelled meanwhile leaves nothing behind."""
+    from services.colocated import service as colocated
+
+    spans: list[tuple[str, float, float]] = []
+    monkeypatch.setattr(colocated, "record", lambda _tracer, name, _parent, start, end,
+                        **_: spans.append((name, start, end)))
+    worker = tiny(ColocatedService, "colocated-r", "nats://unused", "redis://unused")
+    worker.subscriptions()
+    assert worker.host.on_began == worker._began
+    # a cancel read while the step that began the request ran: the step's news comes after
+    worker.arrived["gone"], worker.copies["gone"] = (10.0, {}, 3), 1
+    worker._untrace("gone")
+    worker.host.on_began([("gone", 1)], 10.5)
+    # a newer attempt waiting to be taken in: the older copy's first token is not its
+    worker.arrived["r"], worker.copies["r"] = (20.0, {}, 3), colocated.PENDING
+    worker._trace(RequestOutput("r", [5], "x", arrival=1), 20.2)
+    assert "r" in worker.arrived and not spans
+    worker.copies["r"] = 2  # taken in
+    worker.host.on_began([("r", 1), ("r", 2)], 20.3)
+    worker._trace(RequestOutput("r", [6], "y", arrival=2), 20.6)
+    worker._trace(RequestOutput("r", [7], "z", finish_reason="length", arrival=2), 20.9)
+    assert spans == [("prefill queue", 20.0, 20.3), ("prefill run", 20.3, 20.6),
+                     ("decode run", 20.6, 20.9)]
+    assert not (worker.arrived or worker.began or worker.copies or worker.decoding)

@@ -149,6 +149,8 @@ class ChunkedInstance(ColocatedInstance):
             take = min(left, p.request.prompt - p.done)
             if take <= 0:
                 break
+            if p.done == 0:  # its queue ends at its first chunk, as the worker's span does
+                p.request.prefill_start = self.loop.now
             chunks.append((p, take))
             left -= take
         lat = self.spec.latency
