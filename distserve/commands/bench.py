@@ -321,7 +321,8 @@ def _report_compare(args: argparse.Namespace, console: Console, workload: BenchW
     out = _out(args)
     _finish(console, out, report, curves, slo, args.attainment, workload.name)
     if profile is not None:
-        _print_fidelity(console, curves, fidelities, lives, slo)
+        _print_fidelity(console, curves, fidelities, lives, slo,
+                        [r.get("live_stages_s") or [] for r in reports])
         _print_recommendation(console, report["recommendation"])
     ratio = report["ratio_disaggregated_to_colocated"]
     if ratio is not None:
@@ -412,7 +413,7 @@ def _print_table(console: Console, curve: Curve, slo: SLO, target: float) -> Non
 def _print_fidelity(console: Console, curves: Sequence[Curve],
                     fidelities: Sequence[Sequence[cmp.Fidelity]],
                     lives: Sequence[Sequence[tuple[Live, SimResult] | None]],
-                    slo: SLO) -> None:
+                    slo: SLO, live_stages: Sequence[Sequence[dict[str, Any] | None]]) -> None:
     table = Table(title="measured vs simulated attainment (simulated: profile calibrated to "
                         "the measured unloaded latencies; raw: the profile as fitted; live: "
                         "calibrated to the engine steps the stack ran at that rate, as the "
@@ -445,9 +446,9 @@ def _print_fidelity(console: Console, curves: Sequence[Curve],
     console.print("within 5 points: " + "; ".join(
         f"{name} {sum(abs(g) <= 0.05 + 1e-9 for g in found)} of {len(found)}"
         for name, found in gaps.items() if found))
-    staged = [(c.name, run.rate, f.stages_s, cmp.stages(run, x[1]) if x is not None else {})
-              for c, found, live in zip(curves, fidelities, lives, strict=False)
-              for run, f, x in zip(c.runs, found, live, strict=False) if f.stages_s]
+    staged = [(c.name, run.rate, f.stages_s, lived or {})
+              for c, found, lived_runs in zip(curves, fidelities, live_stages, strict=False)
+              for run, f, lived in zip(c.runs, found, lived_runs, strict=False) if f.stages_s]
     if not staged:
         return
     names = list(cmp.SIMULATED_STAGES)
