@@ -93,6 +93,11 @@ class KVCache:
         self.data.index_copy_(2, index, buffer.to(self.data.device, self.data.dtype))
 
 
+def _mib_ceil(nbytes: int) -> int:
+    """`nbytes` rounded up to a whole MiB, at least one."""
+    return -(-max(nbytes, 1) // MIB) * MIB
+
+
 class Staging:
     """Host buffers KV blocks are staged in on their way out of a pool or into one, kept for
     the next transfer: a fresh buffer pays for its first touch, page by page (the prefill
@@ -130,8 +135,8 @@ class Staging:
         239-277 ms against 20-55 ms for the next ones; Zen 4). At most `MAX_WARM_BYTES` in
         all: a large model's buffers are still taken as pulls need them. The bytes laid
         ready."""
-        size = min(-(-max(nbytes, 1) // MIB), self.max_idle_bytes // self.keep // MIB,
-                   MAX_WARM_BYTES // self.keep // MIB) * MIB
+        size = min(_mib_ceil(nbytes), self.max_idle_bytes // self.keep // MIB * MIB,
+                   MAX_WARM_BYTES // self.keep // MIB * MIB)
         if size <= 0:
             return 0
         buffers = [torch.zeros(size, dtype=torch.uint8) for _ in range(self.keep)]
@@ -151,7 +156,7 @@ class Staging:
             base = self._idle.pop(fits[-1]) if fits else None
             self.fresh += base is None
         if base is None:
-            base = torch.empty(-(-max(nbytes, 1) // MIB) * MIB, dtype=torch.uint8)
+            base = torch.empty(_mib_ceil(nbytes), dtype=torch.uint8)
         return base[:nbytes].view(dtype).view(tuple(shape))
 
     def give(self, lent: torch.Tensor) -> None:
