@@ -33,6 +33,7 @@ from distserve.bench.runner import Unloaded, calibrate, sweep, system_report
 from distserve.bench.steps import Live
 from distserve.bench.workload import BenchWorkload, Limits, parse_bench_workload
 from distserve.commands import bench_engine
+from distserve.commands.common import non_negative_int
 from services.planner.modes import Candidate, best
 from services.planner.profiles import (
     Profile,
@@ -72,7 +73,7 @@ def register(sub: Any) -> None:
     bench_engine.register(subs)
     c = subs.add_parser("compare", help="disaggregated vs colocated on this machine",
                         description=cmp.__doc__)
-    c.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    c.add_argument("--threads", type=non_negative_int, default=1, help="torch threads per worker")
     c.add_argument("--kv-cache-mb", type=int, default=256, help="KV pool per worker (MiB)")
     c.add_argument("--chunked", action="store_true",
                    help="also run colocated replicas with chunked prefill")

@@ -14,6 +14,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser, tp: bool = True) -> None:
     """The engine's flags; `tp`: with --tp (a command taking several tps defines its own)."""
     group = parser.add_argument_group("engine")
@@ -31,7 +38,7 @@ def add_engine_args(parser: argparse.ArgumentParser, tp: bool = True) -> None:
                        help="weight format: auto (floats in --dtype), or int8 / int4 blocks "
                             "of 32 (CPU; a GGUF's own Q8_0 / Q4_0 / Q4_1 blocks as stored): "
                             "fewer bytes a decode step reads")
-    group.add_argument("--threads", type=int, default=0,
+    group.add_argument("--threads", type=non_negative_int, default=0,
                        help="torch threads, shared by the ranks with --tp (0: torch's default; "
                             "with --tp, the cores this process may use)")
     if tp:

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from distserve.commands.common import non_negative_int
 from services.launcher import Stack, StackConfig, StartError, gateway_host
 from services.planner.modes import MODES, SWITCH_MARGIN, parse_modes
 from services.supervisor import port_problem
@@ -38,7 +39,7 @@ def register(sub: Any) -> None:
     p.add_argument("--served-model-name", default="",
                    help="the model name clients send (default: the directory's name, or the "
                         "model as given)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--threads", type=non_negative_int, default=1, help="torch threads per worker")
     p.add_argument("--weights", default="auto", choices=list(WEIGHT_FORMATS),
                    help="every worker's weight format: auto (floats), int8 or int4 (CPU "
                         "quantized matmuls; default: %(default)s)")

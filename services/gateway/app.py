@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -103,6 +104,15 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
+# what a body that is not a JSON object is told (FastAPI's error types at loc ("body",))
+WHOLE_BODY = {
+    "missing": "the request body is empty: send a JSON object (content-type: "
+               "application/json)",
+    "model_attributes_type": "the request body must be a JSON object, sent with "
+                             "content-type: application/json",
+}
+
+
 def _named(part: object) -> bool:
     """A field name or list index of the request, not a pydantic union branch's tag
     ("str", "function-after[...]")."""
@@ -142,19 +152,30 @@ def add_error_handlers(app: FastAPI, gateway: Gateway) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())[1:] if _named(p)) or None
+        loc = tuple(first.get("loc", ()))
+        where = ".".join(str(p) for p in loc[1:] if _named(p)) or None
         message = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            message = "the request body is not valid JSON"
+        if first.get("type") == "json_invalid":  # its loc: ("body", character position)
+            where, message = None, "the request body is not valid JSON"
+            if isinstance(loc[-1], int):
+                message += f" (at character {loc[-1]})"
+        elif loc == ("body",):  # the body as a whole: empty, or not a JSON object
+            message = WHOLE_BODY.get(first.get("type", ""), message)
         gateway.metrics.rejected(400)
         return JSONResponse(APIError(400, f"{message}" + (f" ({where})" if where else ""),
                                      where).body(), status_code=400)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, e: HTTPException) -> JSONResponse:
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
         gateway.metrics.rejected(e.status_code)
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code,
+        message = str(e.detail)
+        if e.status_code == 404 and message == "Not Found":  # no such route
+            served = [f"{method} {route.path}" for route in request.app.routes
+                      if isinstance(route, APIRoute) for method in sorted(route.methods or ())]
+            message = f"This server does not serve {request.url.path[:200]}; it serves " \
+                      f"{', '.join(served)}."
+        return JSONResponse(error_body(message, kind), status_code=e.status_code,
                             headers=e.headers)
 
     @app.exception_handler(Exception)

@@ -240,7 +240,7 @@ class Gateway:
 
     def check_model(self, model: str) -> None:
         if model != self.served_model:
-            raise APIError(400, f"The model `{model}` does not exist; this server serves "
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
                                 f"`{self.served_model}`.", "model", "model_not_found")
 
     def inflight_limit(self) -> int:

@@ -7,6 +7,7 @@ import contextlib
 import json
 import re
 import time
+import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -60,6 +61,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _takes_null(annotation: Any) -> bool:
+    return type(None) in typing.get_args(annotation)
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -83,6 +88,36 @@ class _Common(BaseModel):
     # accepted where they ask for nothing this server cannot do (see _served)
     response_format: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """An explicit null is the parameter's default, as OpenAI reads it (the openai client
+        sends null for a None, and wrappers pass None for what they leave out); a field
+        that takes null keeps it (`max_tokens: null`: as many as fit)."""
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items() if value is not None
+                or key not in cls.model_fields or _takes_null(cls.model_fields[key].annotation)}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_served(cls, data: Any) -> Any:
+        """Fields a client would be misled by if they were ignored, refused by name."""
+        if not isinstance(data, dict):
+            return data
+        if data.get("functions") is not None or data.get("function_call") is not None:
+            raise ValueError("functions and function_call (deprecated by OpenAI) are not "
+                             "served: send tools and tool_choice")
+        if data.get("suffix"):
+            raise ValueError("suffix (the text after an insertion) is not served")
+        best_of, n = data.get("best_of"), data.get("n")
+        if best_of is not None and best_of != (1 if n is None else n):
+            raise ValueError("best_of is not served: each of the n choices is sampled once; "
+                             "leave best_of out (or equal to n)")
+        if data.get("stream_options") is not None and not data.get("stream"):
+            raise ValueError("stream_options goes with stream: true")
+        return data
 
     @model_validator(mode="after")
     def _served(self) -> _Common:
@@ -373,11 +408,18 @@ class TokenLogprob:
 def completion_logprobs(tokens: list[TokenLogprob],
                         tops: list[list[TokenLogprob] | None] | None, offsets: list[int]
                         ) -> dict[str, Any]:
-    """The legacy block: each position's top tokens as {text: logprob} (where asked for;
-    None at an echoed prompt's first token), and where each token starts in the text."""
+    """The legacy block: each position's top tokens as {text: logprob}, the chosen one
+    among them where it is not one of the likeliest (as OpenAI shows it: k + 1 entries),
+    where asked for (None at an echoed prompt's first token), and where each token starts
+    in the text."""
+    def top_of(token: TokenLogprob, top: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if top is None:
+            return None
+        return {c.text: c.logprob for c in top} | {token.text: token.logprob}
+
     return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [None if top is None else {c.text: c.logprob for c in top}
-                             for top in tops] if tops is not None else None,
+            "top_logprobs": [top_of(t, top) for t, top in zip(tokens, tops, strict=True)]
+            if tops is not None else None,
             "text_offset": offsets}
 
 
@@ -393,7 +435,8 @@ def chat_logprobs(tokens: list[TokenLogprob], tops: list[list[TokenLogprob]] | N
 def envelope(response_id: str, model: str, chat: bool, stream: bool) -> dict[str, Any]:
     kind = ("chat.completion.chunk" if stream else "chat.completion") if chat \
         else "text_completion"
-    return {"id": response_id, "object": kind, "created": int(time.time()), "model": model}
+    return {"id": response_id, "object": kind, "created": int(time.time()), "model": model,
+            "system_fingerprint": None}
 
 
 def choice(chat: bool, text: str | None, finish: str | None, logprobs: dict[str, Any] | None,

@@ -80,9 +80,15 @@ class Call:
         text, echoed, tokens = chunk.text, [], chunk.token_ids
         if not self.generates:
             text, tokens = "", []
+        if self.chat and self.ended_by_eos(chunk):
+            tokens = tokens[:-1]  # a chat's end of turn is not part of its message
         if self.echo is not None and (chunk.token_ids or chunk.finish_reason):
             text, echoed, self.echo = self.echo + text, self.prompt_ids, None
         return text, self.logprob_block(echoed, tokens, chunk.logprobs, chunk.top_logprobs)
+
+    def ended_by_eos(self, chunk: TokenChunk) -> bool:
+        return chunk.finish_reason == "stop" and bool(chunk.token_ids) and \
+            not self.sampling.ignore_eos and chunk.token_ids[-1] in self.gateway.tokenizer.eos_ids
 
     def work(self, chunk: TokenChunk) -> int:
         """How many tokens showing the chunk dresses (the echoed prompt's too)."""

@@ -180,6 +180,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1:
             raise ValueError(f"tp and pp must be at least 1, not {self.tp} and {self.pp}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be 0 (torch's default) or more, not {self.threads}")
 
     @property
     def ranks(self) -> int:

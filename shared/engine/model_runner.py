@@ -48,9 +48,22 @@ SCORED_ROWS = 256  # prompt rows whose logits are held at once (each a vocabular
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device `name` (cpu, cuda, cuda:N or auto) names here; a ValueError saying why
+    where it names none."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {name!r}: choose cpu, cuda, cuda:N or auto")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: no CUDA device is visible to this torch")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} "
+                         f"CUDA devices")
+    return device
 
 
 def bf16_native(device: torch.device) -> bool:

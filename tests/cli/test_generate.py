@@ -25,6 +25,10 @@ def test_generate_prints_the_greedy_completion() -> None:
     (["hi", "--max-tokens", "9000"], "exceeds the model's context of 8192"),
     (["hi", "--temperature", "-1"], "temperature must be >= 0"),
     (["hi", "--model", "nope"], "unknown model 'nope'"),
+    (["hi", "--device", "tpu"], "unknown device 'tpu': choose cpu, cuda, cuda:N or auto"),
+    (["hi", "--device", "cuda:99"], "device 'cuda:99': "),  # no CUDA, or not 100 devices
+    (["hi", "--stop", ""], "a stop string must not be empty"),
+    (["hi", "--threads", "-1"], "must be 0 or more"),
 ])
 def test_bad_arguments_exit_2_with_a_clear_message(args: list[str], message: str) -> None:
     result = distserve("generate", *args)

@@ -139,19 +139,20 @@ def test_cancel_mid_stream_frees_kv_everywhere(stack: Stack) -> None:
         time.sleep(0.5)
 
 
-@pytest.mark.parametrize(("body", "message"), [
-    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ({"model": "gpt-9", "prompt": "hi"}, "does not exist"),
-    ({"model": MODEL, "prompt": "hi", "n": 129}, "less than or equal to 128"),
-    ({"model": MODEL, "prompt": "hi", "temperature": 7}, "temperature"),
-    ({"model": MODEL, "prompt": "hi " * 9000, "max_tokens": 5}, "maximum context length"),
-    ({"model": MODEL, "prompt": ""}, "empty"),
-    ({"prompt": "hi"}, "model"),
+@pytest.mark.parametrize(("body", "status", "message"), [
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "gpt-9", "prompt": "hi"}, 404, "does not exist"),
+    ({"model": MODEL, "prompt": "hi", "n": 129}, 400, "less than or equal to 128"),
+    ({"model": MODEL, "prompt": "hi", "temperature": 7}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "hi " * 9000, "max_tokens": 5}, 400, "maximum context length"),
+    ({"model": MODEL, "prompt": ""}, 400, "empty"),
+    ({"prompt": "hi"}, 400, "model"),
+    ({"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of"),
 ])
-def test_bad_inputs_get_openai_shaped_400(stack: Stack, body: dict[str, object],
+def test_bad_inputs_get_openai_shaped_4xx(stack: Stack, body: dict[str, object], status: int,
                                           message: str) -> None:
     r = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30)
-    assert r.status_code == 400
+    assert r.status_code == status
     error = r.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error"
 

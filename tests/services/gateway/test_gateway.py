@@ -63,6 +63,41 @@ def test_openai_client_defaults_without_max_tokens(stack: Stack) -> None:
     assert completion.choices[0].finish_reason in ("stop", "length")
 
 
+def test_what_openai_clients_send_is_read_as_openai_reads_it(stack: Stack) -> None:
+    """Nulls (the openai client's None) are the defaults; a chat's end of turn is not in its
+    logprobs, whose bytes spell the message; the legacy top logprobs hold the chosen token;
+    an unknown model is 404, as OpenAI answers."""
+    c = client(stack)
+    said = [{"role": "user", "content": "Say hi."}]
+    nulls = c.chat.completions.create(
+        model=MODEL, messages=said, max_tokens=2, temperature=None,  # type: ignore[arg-type]
+        top_p=None, n=None, presence_penalty=None, frequency_penalty=None, seed=None,
+        stop=None, stream=None, logprobs=None, top_logprobs=None, user=None)
+    assert len(nulls.choices) == 1 and nulls.usage and nulls.usage.completion_tokens == 2
+    chat = c.chat.completions.create(model=MODEL, messages=said,  # type: ignore[arg-type]
+                                     max_tokens=64, temperature=0, logprobs=True)
+    answer = chat.choices[0]
+    assert answer.finish_reason == "stop", answer  # greedy, the model ends its turn
+    assert answer.logprobs is not None and answer.logprobs.content
+    spelled = b"".join(bytes(t.bytes or []) for t in answer.logprobs.content)
+    assert spelled.decode() == answer.message.content
+    assert all("<|im_end|>" not in t.token for t in answer.logprobs.content)
+
+    r = httpx.post(f"{stack.url}/v1/completions", headers=AUTH, timeout=120, json={
+        "model": MODEL, "prompt": "Once upon a time", "max_tokens": 16, "logprobs": 1,
+        "temperature": 2.0, "seed": 5, "ignore_eos": True})
+    block = r.json()["choices"][0]["logprobs"]
+    assert all(token in top for token, top in zip(block["tokens"], block["top_logprobs"],
+                                                   strict=True))
+    assert any(len(top) == 2 for top in block["top_logprobs"])  # some not the likeliest
+
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        c.completions.create(model="gpt-4o", prompt="hi", max_tokens=1)
+    r = httpx.post(f"{stack.url}/v1/embeddings", headers=AUTH, timeout=30,
+                   json={"model": MODEL, "input": "hi"})
+    assert r.status_code == 404 and "POST /v1/completions" in r.json()["error"]["message"]
+
+
 def test_n_choices_each_sampled_the_first_as_a_single_request(stack: Stack) -> None:
     c = client(stack)
     messages = [{"role": "user", "content": "Name a colour."}]
@@ -319,7 +354,9 @@ def test_tiny_temperature_is_greedy(stack: Stack) -> None:
      "larger than"),
     (json.dumps({"model": MODEL, "prompt": "hi", "stop": "x" * 2_000}).encode(), 400,
      "stop"),
-    (b"[1, 2, 3]", 400, ""),
+    (b"[1, 2, 3]", 400, "must be a JSON object"),
+    (b'{"model": "smollm2-135m", "prompt": "hi",', 400, "not valid JSON (at character"),
+    (b"", 400, "the request body is empty"),
     (b'{"model": "smollm2-135m", "prompt": [1, 2, 99999999]}', 400, "token ids"),
 ])
 def test_bad_input_gets_openai_shaped_json(stack: Stack, body: bytes, status: int,
@@ -329,6 +366,7 @@ def test_bad_input_gets_openai_shaped_json(stack: Stack, body: bytes, status: in
                    headers=AUTH | {"content-type": "application/json"})
     assert r.status_code == status, r.text
     assert message in r.json()["error"]["message"]
+    assert not str(r.json()["error"]["param"]).isdigit()  # a field, not a JSON position
 
 
 def test_unknown_paths_and_methods_answer_json(stack: Stack) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -127,8 +128,9 @@ class ScriptedCall(Call):
     """A chat choice whose model wrote `pieces` and stopped."""
 
     def __init__(self, pieces: list[str], calls: str | None = "hermes") -> None:
-        super().__init__(None, True, None, None, [1], Sampling(max_tokens=64), "r1",  # type: ignore[arg-type]
-                         calls=calls)
+        gateway = SimpleNamespace(tokenizer=SimpleNamespace(eos_ids=frozenset({10**6})))
+        super().__init__(gateway, True, None, None, [1], Sampling(max_tokens=64),  # type: ignore[arg-type]
+                         "r1", calls=calls)
         self.pieces = pieces
 
     async def chunks(self) -> AsyncIterator[TokenChunk]:  # type: ignore[override]

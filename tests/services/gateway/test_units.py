@@ -16,7 +16,13 @@ from starlette.types import Receive, Scope, Send
 from services.gateway.app import Door
 from services.gateway.gateway import Gateway, GatewaySettings
 from services.gateway.ledger import Ledger, Overloaded
-from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
+from services.gateway.openai_api import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    TokenLogprob,
+    completion_logprobs,
+)
 from services.gateway.routes import choice_ids, choice_seeds, interleaved
 from services.gateway.stream import GaveUp, Lost, Relay
 from services.gateway.timing import RequestTiming
@@ -137,6 +143,54 @@ def test_what_would_mislead_if_ignored_is_refused(extra: dict[str, object],
                  {"tools": [{"type": "function", "function": {"name": "f"}}]}):
         ChatRequest.model_validate({"model": "m", "messages": [
             {"role": "user", "content": "hi"}], **fine})
+
+
+@pytest.mark.parametrize(("extra", "refused"), [
+    ({"functions": [{"name": "f"}]}, "send tools"),
+    ({"function_call": "auto"}, "send tools"),
+    ({"stream_options": {"include_usage": True}}, "goes with stream: true"),
+    ({"stream": False, "stream_options": {}}, "goes with stream: true"),
+    ({"best_of": 3}, "best_of is not served"),
+    ({"best_of": 3, "n": 2}, "best_of is not served"),
+    ({"suffix": "}"}, "suffix"),
+])
+def test_fields_of_what_is_not_served_are_refused(extra: dict[str, object],
+                                                  refused: str) -> None:
+    with pytest.raises(ValidationError, match=refused):
+        CompletionRequest.model_validate({"model": "m", "prompt": "hi", **extra})
+    for fine in ({"best_of": 1}, {"best_of": 2, "n": 2}, {"suffix": ""}, {"functions": None},
+                 {"stream": True, "stream_options": {"include_usage": True}}):
+        CompletionRequest.model_validate({"model": "m", "prompt": "hi", **fine})
+
+
+def test_an_explicit_null_is_the_default() -> None:
+    """The openai client sends null for a None: every optional parameter reads it as left
+    out; one that takes null keeps it (max_tokens null: as many as fit)."""
+    nulls = {name: None for name in ChatRequest.model_fields if name not in ("model",
+                                                                             "messages")}
+    said = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert ChatRequest.model_validate(said | nulls) == ChatRequest.model_validate(said)
+    nulls = {name: None for name in CompletionRequest.model_fields if name not in ("model",
+                                                                                   "prompt")}
+    completion = CompletionRequest.model_validate({"model": "m", "prompt": "hi"} | nulls)
+    assert completion.max_tokens is None and completion.temperature == 1.0
+    assert completion.logprobs is None and completion.echo is False and completion.n == 1
+    with pytest.raises(ValidationError, match="Field required"):  # what has no default
+        ChatRequest.model_validate(said | {"model": None})
+
+
+def test_the_legacy_top_logprobs_hold_the_chosen_token() -> None:
+    """OpenAI's legacy block shows the chosen token among each position's likeliest, k + 1
+    of them where it is not one of the k."""
+    def t(text: str, logprob: float | None) -> TokenLogprob:
+        return TokenLogprob(text, text.encode(), logprob)
+
+    block = completion_logprobs([t("The", None), t(" cat", -3.0), t(" sat", -0.5)],
+                                [None, [t(" dog", -0.2)], [t(" sat", -0.5)]], [0, 3, 7])
+    assert block["top_logprobs"] == [None, {" dog": -0.2, " cat": -3.0}, {" sat": -0.5}]
+    assert block["tokens"] == ["The", " cat", " sat"]
+    assert block["token_logprobs"] == [None, -3.0, -0.5]
+    assert completion_logprobs([t("a", -1.0)], None, [0])["top_logprobs"] is None
 
 
 def test_a_tool_call_names_its_function_by_a_string() -> None:
