@@ -25,7 +25,8 @@ VARIABLE = re.compile(r"\$\{(\w+)(?:(:?)([-?])([^}]*))?\}")
 SECRETS = {"DS_NATS_PASSWORD": "nats-pw", "DS_REDIS_PASSWORD": "redis-pw", "DS_API_KEYS": "k1,k2"}
 OPTIONS = {"DS_MODEL", "DS_SERVED_MODEL_NAME", "DS_MODELS_DIR", "DS_PREFILL_WEIGHTS",
            "DS_DECODE_WEIGHTS", "DS_PREFILL_DTYPE", "DS_DECODE_DTYPE", "DS_PREFILL_TP",
-           "DS_DECODE_TP", "DS_PREFILL_PP", "DS_DECODE_PP"}  # empty in .env: defaults
+           "DS_DECODE_TP", "DS_PREFILL_PP", "DS_DECODE_PP",
+           "DS_CORS_ORIGINS"}  # empty in .env: defaults
 
 
 def interpolate(text: str, env: dict[str, str]) -> str:

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
@@ -140,6 +141,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.add_middleware(Door, keys=settings.keys(),
                        protect_metrics=settings.protect_metrics,
                        max_body_bytes=settings.max_body_bytes)
+    if origins := settings.origins():  # outside the door: a preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
+                           allow_headers=["*"], max_age=600)
     return app
 
 

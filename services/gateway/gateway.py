@@ -81,11 +81,16 @@ class GatewaySettings(BaseSettings):
     api_keys: str = ""  # comma-separated; when set (or api_key_file), /v1/* need one
     api_key_file: str | None = None  # one key per line; '#' starts a comment
     protect_metrics: bool = False  # /metrics needs a key too
+    # comma-separated origins whose web pages may call the API ("*": any); none: no CORS
+    cors_origins: str = ""
     run_dir: str | None = None  # traces go here as JSON lines (unless OTLP is configured)
 
     @property
     def served_model(self) -> str:
         return self.served_model_name or served_name(self.model)
+
+    def origins(self) -> list[str]:
+        return [o.strip() for o in self.cors_origins.split(",") if o.strip()]
 
     def keys(self) -> frozenset[str]:
         keys = [k.strip() for k in self.api_keys.split(",")]

@@ -7,13 +7,14 @@ import asyncio
 import functools
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
-from services.gateway.app import Door
+from services.gateway.app import Door, create_app
 from services.gateway.gateway import Gateway, GatewaySettings
 from services.gateway.ledger import Ledger, Overloaded
 from services.gateway.openai_api import (
@@ -365,6 +366,34 @@ def test_door_wants_a_key_on_the_api_only() -> None:
     assert call(door, "/metrics").status_code == 200
     guarded = Door(echo, frozenset({"k1"}), protect_metrics=True, max_body_bytes=100)
     assert call(guarded, "/metrics").status_code == 401
+
+
+def test_web_pages_of_the_origins_given_may_call_the_api() -> None:
+    """DS_CORS_ORIGINS: a browser's preflight is answered before the key check (it carries
+    no key), and the answer names the origin; other origins, and a gateway without the
+    setting, get no CORS header."""
+    async def ask(app: Any, origin: str) -> tuple[httpx.Response, httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            preflight = await client.options("/v1/chat/completions", headers={
+                "origin": origin, "access-control-request-method": "POST",
+                "access-control-request-headers": "authorization, content-type"})
+            models = await client.get("/v1/models", headers={"origin": origin})
+            return preflight, models
+
+    app = create_app(GatewaySettings(cors_origins="https://chat.example, https://b.example",
+                                     api_keys="k1"))
+    preflight, models = asyncio.run(ask(app, "https://chat.example"))
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "https://chat.example"
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    assert models.status_code == 401  # the key is still wanted, and the page may read why
+    assert models.headers["access-control-allow-origin"] == "https://chat.example"
+    preflight, _ = asyncio.run(ask(app, "https://evil.example"))
+    assert "access-control-allow-origin" not in preflight.headers
+    preflight, models = asyncio.run(ask(create_app(GatewaySettings()), "https://chat.example"))
+    assert preflight.status_code == 405 and preflight.json()["error"]["message"]
+    assert "access-control-allow-origin" not in models.headers
 
 
 def test_door_bounds_the_body() -> None:
