@@ -112,6 +112,7 @@ WHOLE_BODY = {
     "model_attributes_type": "the request body must be a JSON object, sent with "
                              "content-type: application/json",
 }
+WHOLE_BODY["model_type"] = WHOLE_BODY["model_attributes_type"]
 
 
 def _named(part: object) -> bool:
@@ -175,7 +176,7 @@ def add_error_handlers(app: FastAPI, gateway: Gateway) -> None:
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
         message = str(e.detail)
         if e.status_code == 404 and message == "Not Found":  # no such route
-            served = [f"{method} {route.path}" for route in request.app.routes
+            served = [f"{method} {route.path_format}" for route in request.app.routes
                       if isinstance(route, APIRoute) for method in sorted(route.methods or ())]
             message = f"This server does not serve {request.url.path[:200]}; it serves " \
                       f"{', '.join(served)}."

@@ -100,25 +100,6 @@ class _Common(BaseModel):
         return {key: value for key, value in data.items() if value is not None
                 or key not in cls.model_fields or _takes_null(cls.model_fields[key].annotation)}
 
-    @model_validator(mode="before")
-    @classmethod
-    def _not_served(cls, data: Any) -> Any:
-        """Fields a client would be misled by if they were ignored, refused by name."""
-        if not isinstance(data, dict):
-            return data
-        if data.get("functions") is not None or data.get("function_call") is not None:
-            raise ValueError("functions and function_call (deprecated by OpenAI) are not "
-                             "served: send tools and tool_choice")
-        if data.get("suffix"):
-            raise ValueError("suffix (the text after an insertion) is not served")
-        best_of, n = data.get("best_of"), data.get("n")
-        if best_of is not None and best_of != (1 if n is None else n):
-            raise ValueError("best_of is not served: each of the n choices is sampled once; "
-                             "leave best_of out (or equal to n)")
-        if data.get("stream_options") is not None and not data.get("stream"):
-            raise ValueError("stream_options goes with stream: true")
-        return data
-
     @model_validator(mode="after")
     def _served(self) -> _Common:
         """What a client would be misled by if it were ignored: an answer held to JSON or a
@@ -131,6 +112,8 @@ class _Common(BaseModel):
         if self.tool_choice not in (None, "auto", "none"):
             raise ValueError("tool_choice that requires a tool call is not served: the "
                              "model's calls are not held to a format; send auto or none")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options goes with stream: true")
         return self
 
     @field_validator("logit_bias")
@@ -170,6 +153,8 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
     max_tokens: int | None = Field(default=16, ge=0)  # 0: the echoed prompt scored only
+    best_of: int | None = Field(default=None, ge=1)  # served only as n (each choice once)
+    suffix: Text | None = None  # not served (text after an insertion)
 
     @field_validator("prompt")
     @classmethod
@@ -185,6 +170,11 @@ class CompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _choices(self) -> CompletionRequest:
+        if self.best_of not in (None, 1, self.n):
+            raise ValueError("best_of is not served: each of the n choices is sampled once; "
+                             "leave best_of out (or equal to n)")
+        if self.suffix:
+            raise ValueError("suffix (the text after an insertion) is not served")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens 0 generates nothing: it goes with echo (the prompt "
                              "and, with logprobs, its scores)")
@@ -341,6 +331,9 @@ class ChatRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    # OpenAI's deprecated form of tools: not served (refused where given)
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True  # several calls in one answer (as the model makes them)
 
     @property
@@ -355,6 +348,9 @@ class ChatRequest(_Common):
     def _top_with_logprobs(self) -> ChatRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.functions or self.function_call not in (None, "none"):
+            raise ValueError("functions and function_call (deprecated by OpenAI) are not "
+                             "served: send tools and tool_choice")
         return self
 
     @property

@@ -147,21 +147,27 @@ def test_what_would_mislead_if_ignored_is_refused(extra: dict[str, object],
 
 
 @pytest.mark.parametrize(("extra", "refused"), [
-    ({"functions": [{"name": "f"}]}, "send tools"),
-    ({"function_call": "auto"}, "send tools"),
     ({"stream_options": {"include_usage": True}}, "goes with stream: true"),
     ({"stream": False, "stream_options": {}}, "goes with stream: true"),
     ({"best_of": 3}, "best_of is not served"),
-    ({"best_of": 3, "n": 2}, "best_of is not served"),
+    ({"best_of": "3", "n": 2}, "best_of is not served"),
+    ({"best_of": 0}, "greater than or equal to 1"),
     ({"suffix": "}"}, "suffix"),
 ])
 def test_fields_of_what_is_not_served_are_refused(extra: dict[str, object],
                                                   refused: str) -> None:
     with pytest.raises(ValidationError, match=refused):
         CompletionRequest.model_validate({"model": "m", "prompt": "hi", **extra})
-    for fine in ({"best_of": 1}, {"best_of": 2, "n": 2}, {"suffix": ""}, {"functions": None},
+    for fine in ({"best_of": 1}, {"best_of": 2, "n": "2"}, {"suffix": ""},
                  {"stream": True, "stream_options": {"include_usage": True}}):
         CompletionRequest.model_validate({"model": "m", "prompt": "hi", **fine})
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for deprecated in ({"functions": [{"name": "f"}]}, {"function_call": "auto"},
+                       {"function_call": {"name": "f"}}):
+        with pytest.raises(ValidationError, match="send tools"):
+            ChatRequest.model_validate(chat | deprecated)
+    for fine in ({"functions": []}, {"function_call": "none"}):
+        ChatRequest.model_validate(chat | fine)
 
 
 def test_an_explicit_null_is_the_default() -> None:
