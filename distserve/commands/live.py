@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import nats
+import nats.errors
+from redis.exceptions import RedisError
 from rich.console import Console
 from rich.table import Table
 
@@ -18,9 +21,11 @@ from services.planner.budget import Shape
 from services.planner.calibration import Calibration
 from services.planner.modes import SWITCH_MARGIN, Candidate
 from shared import subjects
-from shared.bus import connect, publish
+from shared.bus import publish
 from shared.messages import ReplanRequest
 from shared.state import redis_client
+
+REACH_TIMEOUT_S = 5.0  # for the stack's NATS or Redis to answer
 
 
 def stack_env(run_dir: Path) -> dict[str, str]:
@@ -31,7 +36,7 @@ def stack_env(run_dir: Path) -> dict[str, str]:
 
 async def _read(redis_url: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None,
                                         list[dict[str, Any]]]:
-    redis = redis_client(redis_url)
+    redis = redis_client(redis_url, timeout_s=REACH_TIMEOUT_S)
     try:
         plan, view = await redis.mget([subjects.PLAN_KEY, subjects.PROFILER_KEY])
         history = await redis.lrange(subjects.PLAN_HISTORY_KEY, 0, 9)
@@ -42,9 +47,25 @@ async def _read(redis_url: str) -> tuple[dict[str, Any] | None, dict[str, Any] |
 
 
 async def _replan(nats_url: str) -> None:
-    nc = await connect(nats_url, "distserve-cli")
+    """Publish a replan request; an error (nats' own) where the server cannot be reached
+    within a few seconds."""
+    async def quiet(_: Exception) -> None:  # a failed connection is raised, not logged
+        pass
+
+    nc = await asyncio.wait_for(nats.connect(  # one attempt (0 would be: for ever)
+        nats_url, name="distserve-cli", allow_reconnect=False, max_reconnect_attempts=1,
+        connect_timeout=REACH_TIMEOUT_S, error_cb=quiet), 2 * REACH_TIMEOUT_S)
     await publish(nc, subjects.REPLAN, ReplanRequest(reasons=["requested from the CLI"]))
     await nc.drain()
+
+
+def stale(given: str | None, run_dir: Path) -> str:
+    """Where a URL was not `given` but read from the newest run's settings: that its stack
+    may be gone."""
+    runs = sorted(run_dir.glob("*/env"))
+    if given or not runs:
+        return ""
+    return f" (the URL is the newest run's, {runs[-1].parent}: is its stack still running?)"
 
 
 def _ago(stamp: float) -> str:
@@ -61,12 +82,18 @@ def show_live(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         nats_url = args.nats_url or env.get("DS_NATS_URL")
         if not nats_url:
             parser.error("--replan needs the stack's NATS: give --nats-url")
-        asyncio.run(_replan(nats_url))
-        console.print("asked the planner to plan again")
+        try:
+            asyncio.run(_replan(nats_url))
+        except (OSError, TimeoutError, ValueError, nats.errors.Error) as e:
+            parser.error(f"cannot reach NATS at {without_password(nats_url)}: "
+                         f"{str(e) or type(e).__name__}{stale(args.nats_url, args.run_dir)}")
+        console.print(f"sent a replan request on {subjects.REPLAN} (the planner of a stack "
+                      "started with --planner auto plans again)")
     try:
         plan, view, history = asyncio.run(_read(redis_url))
-    except OSError as e:
-        parser.error(f"cannot reach Redis at {without_password(redis_url)}: {e}")
+    except (OSError, RedisError, ValueError) as e:
+        parser.error(f"cannot reach Redis at {without_password(redis_url)}: "
+                     f"{e}{stale(args.redis_url, args.run_dir)}")
     if plan is None:
         console.print("no plan yet: the planner plans once the profiler has seen a full "
                       "window of requests (is the stack running with --planner auto?)")

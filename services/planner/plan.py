@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 
 class InstancePlacement(BaseModel):
@@ -15,9 +15,9 @@ class InstancePlacement(BaseModel):
 
 
 class PhasePlan(BaseModel):
-    tp: int
-    pp: int
-    count: int
+    tp: int = Field(ge=1)
+    pp: int = Field(ge=1)
+    count: int = Field(ge=1)
     goodput_rps: float = Field(description="simulated goodput of one instance (or segment)")
 
     @property
@@ -53,10 +53,10 @@ class Plan(BaseModel):
     model: str
     algorithm: Literal["high-affinity", "low-affinity", "colocated"]
     mode: Mode = "disaggregated"
-    rate_rps: float
-    ttft_s: float
-    tpot_s: float
-    attainment_target: float
+    rate_rps: float = Field(gt=0)
+    ttft_s: float = Field(gt=0)
+    tpot_s: float = Field(gt=0)
+    attainment_target: float = Field(gt=0, le=1)
     nodes: int
     gpus_per_node: int
     prefill: PhasePlan | None = None
@@ -92,6 +92,14 @@ class Plan(BaseModel):
     intra_node_gbps: float = 600.0
     inter_node_gbps: float = 25.0
 
+    @model_validator(mode="after")
+    def _phases_of_its_mode(self) -> Plan:
+        """A plan a user edited by hand is refused where its mode lacks its instances."""
+        if self.mode == "disaggregated" and (self.prefill is None or self.decode is None):
+            raise ValueError("a disaggregated plan has prefill and decode instances")
+        if self.mode != "disaggregated" and self.colocated is None:
+            raise ValueError(f"a {self.mode} plan has colocated instances")
+        return self
 
     @property
     def placement(self) -> str:

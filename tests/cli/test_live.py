@@ -1,6 +1,39 @@
-"""`distserve plan --live`: a recorded plan as printed, and never a run's Redis password."""
+"""`distserve plan --live`: a recorded plan as printed, and never a run's Redis password; a
+stack that is gone is said to be, at once."""
 
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from distserve.cli import main
 from distserve.commands.live import layout, without_password
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("replan", [False, True])
+def test_a_run_whose_stack_is_gone_is_named_not_waited_for(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], replan: bool) -> None:
+    run = tmp_path / "20260101-000000-1"
+    run.mkdir()
+    port = closed_port()
+    (run / "env").write_text(f"DS_REDIS_URL=redis://:pw@127.0.0.1:{port}\n"
+                             f"DS_NATS_URL=nats://127.0.0.1:{port}\n")
+    began = time.monotonic()
+    with pytest.raises(SystemExit) as stopped:
+        main(["plan", "--live", "--run-dir", str(tmp_path), *(["--replan"] if replan else [])])
+    assert stopped.value.code == 2
+    assert time.monotonic() - began < 60  # it used to retry NATS for ever
+    error = capsys.readouterr().err
+    assert f"cannot reach {'NATS' if replan else 'Redis'} at" in error
+    assert "is its stack still running?" in error and str(run) in error
+    assert "pw" not in error and "Traceback" not in error
 
 
 def test_a_redis_url_is_printed_without_its_password() -> None:
