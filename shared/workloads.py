@@ -9,6 +9,7 @@ attainment-versus-rate curve of a system is smooth and comparable between system
 from __future__ import annotations
 
 import csv
+import io
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -146,31 +147,52 @@ class Trace:
     lengths: Lengths
 
 
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length")
+
+
 def read_azure_trace(path: str | Path) -> Trace:
     """Azure LLM inference trace CSV: TIMESTAMP, ContextTokens, GeneratedTokens."""
-    with _open(path) as f:
-        rows = list(csv.DictReader(f))
-    if not rows or "ContextTokens" not in rows[0]:
+    reader = csv.DictReader(io.StringIO(_read_text(path)))
+    if not set(AZURE_COLUMNS) <= set(reader.fieldnames or ()):
         raise WorkloadError(f"{path}: not an Azure trace (needs TIMESTAMP, ContextTokens, "
                             "GeneratedTokens columns)")
-    stamps = [datetime.fromisoformat(r["TIMESTAMP"][:26]).timestamp() for r in rows]
-    times = np.array(stamps) - stamps[0]
-    lengths = Lengths(np.array([int(r["ContextTokens"]) for r in rows]),
-                      np.array([int(r["GeneratedTokens"]) for r in rows]))
-    return Trace(times, lengths)
+    rows = []
+    for row in reader:
+        try:
+            rows.append((datetime.fromisoformat(row["TIMESTAMP"][:26]).timestamp(),
+                         int(row["ContextTokens"]), int(row["GeneratedTokens"])))
+        except (TypeError, ValueError):
+            raise WorkloadError(f"{path} line {reader.line_num} is not an Azure trace row "
+                                "(an ISO time and two token counts)") from None
+    if not rows:
+        raise WorkloadError(f"{path}: an Azure trace without requests")
+    stamps, prompts, outputs = (np.array(column) for column in zip(*rows, strict=True))
+    return Trace(stamps - stamps[0], Lengths(prompts, outputs))
 
 
 def read_mooncake_trace(path: str | Path) -> Trace:
     """Mooncake JSONL: timestamp (ms), input_length, output_length per line."""
-    with _open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    if not rows or "input_length" not in rows[0]:
-        raise WorkloadError(f"{path}: not a Mooncake trace (needs timestamp, input_length, "
-                            "output_length)")
-    times = np.array([r["timestamp"] for r in rows], dtype=float) / 1e3
-    lengths = Lengths(np.array([r["input_length"] for r in rows]),
-                      np.array([r["output_length"] for r in rows]))
-    return Trace(times - times[0], lengths)
+    rows = [_mooncake_row(path, n, line)
+            for n, line in enumerate(_read_text(path).splitlines(), 1) if line.strip()]
+    if not rows:
+        raise WorkloadError(f"{path}: a Mooncake trace without requests")
+    times, prompts, outputs = (np.array(column) for column in zip(*rows, strict=True))
+    times = times.astype(float) / 1e3
+    return Trace(times - times[0], Lengths(prompts, outputs))
+
+
+def _mooncake_row(path: str | Path, n: int, line: str) -> tuple[float, int, int]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise WorkloadError(f"{path} line {n} is not JSON ({e.msg}): not a Mooncake trace "
+                            "(JSON lines)") from None
+    if not (isinstance(row, dict) and all(isinstance(row.get(k), int | float)
+                                          for k in MOONCAKE_FIELDS)):
+        raise WorkloadError(f"{path} line {n} is not a Mooncake request (needs timestamp, "
+                            "input_length, output_length)")
+    return row["timestamp"], row["input_length"], row["output_length"]
 
 
 def read_trace(kind: str, path: str | Path) -> Trace:
@@ -181,17 +203,24 @@ def read_trace(kind: str, path: str | Path) -> Trace:
 def read_sharegpt_prompts(path: str | Path) -> list[str]:
     """ShareGPT JSON: a list of {"conversations": [{"from": "human", "value": ...}, ...]};
     the first human turn of each conversation."""
-    with _open(path) as f:
-        data = json.load(f)
-    prompts = []
-    for item in data if isinstance(data, list) else []:
-        turns = item.get("conversations", []) if isinstance(item, dict) else []
-        human = [t["value"] for t in turns if t.get("from") == "human" and t.get("value")]
-        if human:
-            prompts.append(human[0])
+    try:
+        data = json.loads(_read_text(path))
+    except json.JSONDecodeError as e:
+        raise WorkloadError(f"{path} is not JSON (line {e.lineno} column {e.colno}: "
+                            f"{e.msg}): not a ShareGPT file") from None
+    prompts = [p for p in map(_first_human_turn, data if isinstance(data, list) else []) if p]
     if not prompts:
         raise WorkloadError(f"{path}: no ShareGPT conversations with a human turn")
     return prompts
+
+
+def _first_human_turn(item: object) -> str:
+    turns = item.get("conversations") if isinstance(item, dict) else None
+    for turn in turns if isinstance(turns, list) else []:
+        value = turn.get("value") if isinstance(turn, dict) else None
+        if isinstance(value, str) and value and turn.get("from") == "human":
+            return value
+    return ""
 
 
 def sharegpt_lengths(path: str | Path, count_tokens: Callable[[str], int],
@@ -202,8 +231,15 @@ def sharegpt_lengths(path: str | Path, count_tokens: Callable[[str], int],
     return Lengths(prompts, lognormal_outputs(len(prompts), seed))
 
 
-def _open(path: str | Path):  # type: ignore[no-untyped-def]
+def _read_text(path: str | Path) -> str:
     p = Path(path)
+    if p.is_dir():
+        raise WorkloadError(f"{p} is a directory, not a workload file")
     if not p.is_file():
         raise WorkloadError(f"workload file {p} does not exist")
-    return p.open()
+    try:
+        return p.read_text()
+    except UnicodeDecodeError:
+        raise WorkloadError(f"{p} is not a text file") from None
+    except OSError as e:
+        raise WorkloadError(f"{p}: cannot read it ({e.strerror})") from None

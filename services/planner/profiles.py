@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from services.planner.latency import Contention, LatencyModel, PhaseCoefficients
-from services.planner.models import ModelSpec, model_spec
+from services.planner.models import ModelSpec, UnknownModelError, model_spec
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +73,35 @@ def saturation_length(co: PhaseCoefficients, share: float = 0.9, limit: int = 16
     return next(n for n, r in zip(lengths, rates, strict=True) if r >= share * best)
 
 
-def _coefficients(entry: dict[str, Any]) -> PhaseCoefficients:
+def _coefficients(entry: Any, where: str) -> PhaseCoefficients:
+    """The coefficients of one entry of a file (`where` names it in an error)."""
+    if not isinstance(entry, dict):
+        raise ProfileError(f"{where} is not an object of coefficients")
+    for key in ("prefill", "decoding_smallbs", "decoding_largebs"):
+        value = entry.get(key)
+        if not (isinstance(value, list) and len(value) == 3
+                and all(isinstance(x, int | float) for x in value)):
+            raise ProfileError(f"{where}: {key} must be a list of 3 numbers, got {value!r}")
+    threshold = entry.get("decoding_large_small_bs_threshold", 1 << 30)
+    share = entry.get("prefill_stage_share", 0.0)
+    if not (isinstance(threshold, int | float) and isinstance(share, int | float)):
+        raise ProfileError(f"{where}: decoding_large_small_bs_threshold and "
+                           "prefill_stage_share must be numbers")
     return PhaseCoefficients(
         prefill=tuple(entry["prefill"]),
         decode_small=tuple(entry["decoding_smallbs"]),
         decode_large=tuple(entry["decoding_largebs"]),
-        decode_threshold=int(entry.get("decoding_large_small_bs_threshold", 1 << 30)),
-        prefill_stage=float(entry.get("prefill_stage_share", 0.0)),
+        decode_threshold=int(threshold),
+        prefill_stage=float(share),
     )
+
+
+def _by_tp(configs: Any, where: str) -> dict[int, PhaseCoefficients]:
+    if not isinstance(configs, dict) or not configs:
+        raise ProfileError(f"{where} must be a non-empty object {{tp: coefficients}}")
+    if not all(isinstance(tp, str) and tp.isdigit() for tp in configs):
+        raise ProfileError(f"{where} has keys {sorted(configs)}: expected tp numbers")
+    return {int(tp): _coefficients(entry, f"{where} tp {tp}") for tp, entry in configs.items()}
 
 
 def _entry(co: PhaseCoefficients) -> dict[str, Any]:
@@ -94,19 +115,53 @@ def _read_capacity(path: Path, model: str) -> dict[tuple[int, int], int]:
     if not path.exists():
         return {}
     with path.open() as f:
-        return {(int(r["tp"]), int(r["pp"])): int(r["max_num_tokens"])
-                for r in csv.DictReader(f) if r["model"] == model}
+        try:
+            return {(int(r["tp"]), int(r["pp"])): int(r["max_num_tokens"])
+                    for r in csv.DictReader(f) if r["model"] == model}
+        except (KeyError, TypeError, ValueError):
+            raise ProfileError(f"{path}: not a capacity table (columns model, tp, pp, "
+                               "max_num_tokens, numbers in the last three)") from None
+
+
+NOT_A_PROFILE = ("not a latency profile: expected an object with \"format\": "
+                 f"\"{FORMAT}\" (as distserve profile writes) or the DistServe artifact's "
+                 "{model: {tp: {\"prefill\": [...], \"decoding_smallbs\": [...], ...}}}")
+OURS_REQUIRED = ("device", "device_memory_bytes", "l_m", "configs")
+
+
+def _read_json(path: Path) -> Any:
+    if path.is_dir():
+        raise ProfileError(f"{path} is a directory, not a profile file")
+    if not path.exists():
+        raise ProfileError(f"profile {path} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise ProfileError(f"{path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise ProfileError(f"{path}: not JSON (not UTF-8 text)") from None
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{path}: not JSON (line {e.lineno} column {e.colno}: "
+                           f"{e.msg})") from None
+
+
+def _is_artifact(data: Any) -> bool:
+    """Whether `data` has the shape {model: {tp: ...}} of the DistServe artifact's files."""
+    return isinstance(data, dict) and bool(data) and all(
+        isinstance(tps, dict) and tps and all(tp.isdigit() for tp in tps)
+        for tps in data.values())
 
 
 def load_profile(path: str | Path, model: str | None = None,
                  device_memory_gb: float = 80.0) -> Profile:
-    """Read a profile file; `model` picks one model out of an artifact file."""
+    """Read a profile file; `model` picks one model out of an artifact file. ProfileError
+    where the file is missing or is not a profile of either format."""
     path = Path(path)
-    if not path.is_file():
-        raise ProfileError(f"profile {path} does not exist")
-    data = json.loads(path.read_text())
-    if data.get("format") == FORMAT:
-        return _load_ours(data)
+    data = _read_json(path)
+    if isinstance(data, dict) and data.get("format") == FORMAT:
+        return _load_ours(path, data)
+    if not _is_artifact(data):
+        raise ProfileError(f"{path}: {NOT_A_PROFILE}")
     if model is None:
         if len(data) != 1:
             raise ProfileError(f"{path} holds several models {sorted(data)}: pick one with "
@@ -114,30 +169,65 @@ def load_profile(path: str | Path, model: str | None = None,
         model = next(iter(data))
     if model not in data:
         raise ProfileError(f"{path} has no profile for model {model!r}: it has {sorted(data)}")
-    by_tp = {int(tp): _coefficients(entry) for tp, entry in data[model].items()}
+    by_tp = _by_tp(data[model], f"{path}: model {model}")
     smallest = by_tp[min(by_tp)]
     return Profile(
-        model=model_spec(model), device=path.stem, device_memory_bytes=int(
+        model=_known_model(path, model), device=path.stem, device_memory_bytes=int(
             device_memory_gb * 2**30), by_tp=by_tp, l_m=saturation_length(smallest),
         stage_overhead_ms=ARTIFACT_STAGE_OVERHEAD_MS,
         kv_capacity=_read_capacity(path.with_name("max_num_tokens.csv"), model))
 
 
-def _load_ours(data: dict[str, Any]) -> Profile:
-    # the model's shape, where the file carries it: any model profiled here (a Hugging Face
-    # directory too), not only the ones the planner knows by name
-    spec = ModelSpec(**data["model_spec"]) if "model_spec" in data else model_spec(data["model"])
-    return Profile(
-        model=spec, device=data["device"],
-        device_memory_bytes=int(data["device_memory_bytes"]),
-        by_tp={int(tp): _coefficients(e) for tp, e in data["configs"].items()},
-        l_m=int(data["l_m"]), max_decode_batch=int(data.get("max_decode_batch", 256)),
-        stage_overhead_ms=float(data.get("stage_overhead_ms", 0.0)),
-        fit={k: float(v) for k, v in data.get("fit", {}).items()},
-        host=str(data.get("host", "")), dtype=str(data.get("dtype", "")),
-        contention=Contention(**{k: float(v) for k, v in data.get("contention", {}).items()}),
-        pipelines={(int(e["tp"]), int(e["pp"])): _coefficients(e)
-                   for e in data.get("pipelines", [])})
+def _known_model(path: Path, name: str) -> ModelSpec:
+    try:
+        return model_spec(name)
+    except UnknownModelError as e:
+        raise ProfileError(f"{path}: {e}") from None
+
+
+def _load_ours(path: Path, data: dict[str, Any]) -> Profile:
+    missing = [k for k in OURS_REQUIRED if k not in data]
+    if "model" not in data and "model_spec" not in data:
+        missing.insert(0, "model")
+    if missing:
+        raise ProfileError(f"{path}: a {FORMAT} profile without {', '.join(missing)}")
+    by_tp = _by_tp(data["configs"], f"{path}: configs")
+    pipelines = _pipelines(path, data.get("pipelines", []))
+    spec = _model_of(path, data)
+    try:
+        return Profile(
+            model=spec, device=str(data["device"]),
+            device_memory_bytes=int(data["device_memory_bytes"]), by_tp=by_tp,
+            l_m=int(data["l_m"]), max_decode_batch=int(data.get("max_decode_batch", 256)),
+            stage_overhead_ms=float(data.get("stage_overhead_ms", 0.0)),
+            fit={k: float(v) for k, v in data.get("fit", {}).items()},
+            host=str(data.get("host", "")), dtype=str(data.get("dtype", "")),
+            contention=Contention(**{k: float(v)
+                                     for k, v in data.get("contention", {}).items()}),
+            pipelines=pipelines)
+    except (AttributeError, TypeError, ValueError) as e:  # a field of the wrong type
+        raise ProfileError(f"{path}: a field of the wrong type: {e}") from None
+
+
+def _model_of(path: Path, data: dict[str, Any]) -> ModelSpec:
+    """The model's shape, where the file carries it: any model profiled here (a Hugging Face
+    directory too), not only the ones the planner knows by name."""
+    if "model_spec" not in data:
+        return _known_model(path, data["model"])
+    try:
+        return ModelSpec(**data["model_spec"])
+    except TypeError as e:
+        raise ProfileError(f"{path}: model_spec is not a model's shape: {e}") from None
+
+
+def _pipelines(path: Path, entries: Any) -> dict[tuple[int, int], PhaseCoefficients]:
+    if not (isinstance(entries, list) and all(
+            isinstance(e, dict) and isinstance(e.get("tp"), int)
+            and isinstance(e.get("pp"), int) for e in entries)):
+        raise ProfileError(f"{path}: pipelines must be a list of objects with numbers tp and "
+                           "pp and their coefficients")
+    return {(e["tp"], e["pp"]): _coefficients(e, f"{path}: pipeline tp {e['tp']} pp {e['pp']}")
+            for e in entries}
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:

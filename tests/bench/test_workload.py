@@ -86,3 +86,37 @@ def test_plan_and_simulate_read_humaneval_as_bench_sends_it() -> None:
     assert planned.outputs.tolist() == [i.output_tokens for i in sent]
     with pytest.raises(WorkloadError, match="use humaneval, sharegpt:PATH"):
         parse_workload("humaneval:extra")
+
+
+def test_a_workload_file_that_is_not_its_format_is_named(tmp_path: Path) -> None:
+    from shared.workloads import read_azure_trace, read_mooncake_trace, read_sharegpt_prompts
+
+    text = tmp_path / "trace.csv"
+    text.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50,many,44\n")
+    with pytest.raises(WorkloadError, match=f"{text} is not JSON \\(line 1 column 1"):
+        read_sharegpt_prompts(text)
+    with pytest.raises(WorkloadError, match=f"{text} line 1 is not JSON"):
+        read_mooncake_trace(text)
+    with pytest.raises(WorkloadError, match=f"{text} line 3 is not an Azure trace row"):
+        read_azure_trace(text)
+    jsonl = tmp_path / "trace.jsonl"
+    jsonl.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2}\n\n'
+                     '{"timestamp": 1, "input_length": 5}\n')
+    with pytest.raises(WorkloadError, match=f"{jsonl} line 3 is not a Mooncake request"):
+        read_mooncake_trace(jsonl)
+    with pytest.raises(WorkloadError, match=f"{jsonl}: not an Azure trace"):
+        read_azure_trace(jsonl)
+    jsonl.write_text('[{"conversations": 5}, {"conversations": [3, {"from": "human"}]}, 1]')
+    with pytest.raises(WorkloadError, match="no ShareGPT conversations with a human turn"):
+        read_sharegpt_prompts(jsonl)
+    binary = tmp_path / "trace.bin"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(WorkloadError, match="is not a text file"):
+        read_mooncake_trace(binary)
+
+
+def test_a_directory_is_said_to_be_one(tmp_path: Path) -> None:
+    for spec in ("sharegpt", "azure", "mooncake"):
+        with pytest.raises(WorkloadError, match=f"{tmp_path} is a directory"):
+            parse_bench_workload(f"{spec}:{tmp_path}", Limits())
