@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import time
 from collections.abc import Sequence
@@ -33,7 +34,7 @@ from distserve.bench.runner import Unloaded, calibrate, sweep, system_report
 from distserve.bench.steps import Live
 from distserve.bench.workload import BenchWorkload, Limits, parse_bench_workload
 from distserve.commands import bench_engine
-from distserve.commands.common import non_negative_int
+from distserve.commands.common import non_negative_int, positive_int
 from services.planner.modes import Candidate, best
 from services.planner.profiles import (
     Profile,
@@ -74,7 +75,8 @@ def register(sub: Any) -> None:
     c = subs.add_parser("compare", help="disaggregated vs colocated on this machine",
                         description=cmp.__doc__)
     c.add_argument("--threads", type=non_negative_int, default=1, help="torch threads per worker")
-    c.add_argument("--kv-cache-mb", type=int, default=256, help="KV pool per worker (MiB)")
+    c.add_argument("--kv-cache-mb", type=positive_int, default=256,
+                   help="KV pool per worker (MiB)")
     c.add_argument("--chunked", action="store_true",
                    help="also run colocated replicas with chunked prefill")
     c.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="auto",
@@ -392,6 +394,9 @@ def _finish(console: Console, out: Path, report: dict[str, Any], curves: Sequenc
     console.print(f"wrote {out}/results.json and plots")
 
 
+MAX_ERRORS_SHOWN = 3  # distinct reasons printed under a system's table
+
+
 def _print_table(console: Console, curve: Curve, slo: SLO, target: float) -> None:
     best = goodput(curve.runs, slo, target)
     at_least = "at least " if met_everywhere(curve.runs, slo, target) else ""
@@ -409,6 +414,13 @@ def _print_table(console: Console, curve: Curve, slo: SLO, target: float) -> Non
                       f"{s['tpot_s']['p90']:.4f}", f"{s['output_tokens_per_s']:.1f}",
                       f"{s['tightest_slo_scale']:.2f}")
     console.print(table)
+    errors = collections.Counter(r.error for run in curve.runs for r in run.records if r.error)
+    for error, times in errors.most_common(MAX_ERRORS_SHOWN):  # why requests failed
+        console.print(f"[red]{curve.name}: {times} request{'s' * (times > 1)} failed: "
+                      f"{error}[/red]")
+    if len(errors) > MAX_ERRORS_SHOWN:
+        console.print(f"[red]{curve.name}: {len(errors) - MAX_ERRORS_SHOWN} other errors "
+                      "(results.json has every request's)[/red]")
 
 
 def _print_fidelity(console: Console, curves: Sequence[Curve],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from shared.engine.config import DTYPE_NAMES, LLAMA_SHAPES, WEIGHT_FORMATS, EngineConfig
 
@@ -19,6 +20,23 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number above 0: rates, objectives, bandwidths (inf and nan are rejected)."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def positive_floats(text: str) -> list[float]:
+    """Comma-separated positive numbers, e.g. request rates."""
+    try:
+        return [positive_float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"takes comma-separated positive numbers, got {text!r}") from None
 
 
 def add_engine_args(parser: argparse.ArgumentParser, tp: bool = True) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -12,6 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from distserve.commands.common import non_negative_int, positive_float, positive_int
 from distserve.commands.workload_arg import WORKLOAD_HELP, add_context_args, parse_workload
 from services.planner.baseline import colocated_plan
 from services.planner.low_affinity import low_affinity
@@ -36,16 +39,17 @@ def add_problem_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="which model of a multi-model profile file")
     p.add_argument("--workload",
                    help=WORKLOAD_HELP)
-    p.add_argument("--cv", type=float, default=1.0, help="arrival CV (1 = Poisson; gamma else)")
+    p.add_argument("--cv", type=positive_float, default=1.0,
+                   help="arrival CV (1 = Poisson; gamma else)")
     add_context_args(p)
-    p.add_argument("--ttft", type=float, help="TTFT objective, seconds")
-    p.add_argument("--tpot", type=float, help="TPOT objective, seconds")
+    p.add_argument("--ttft", type=positive_float, help="TTFT objective, seconds")
+    p.add_argument("--tpot", type=positive_float, help="TPOT objective, seconds")
     p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must "
                    "meet both objectives (default: %(default)s)")
-    p.add_argument("--requests", type=int, default=2000,
+    p.add_argument("--requests", type=positive_int, default=2000,
                    help="requests per simulation (fewer: faster, noisier goodput; default: "
                         "%(default)s)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
 
 
 def register(sub: Any) -> None:
@@ -54,19 +58,20 @@ def register(sub: Any) -> None:
                                    "pipeline parallelism, devices) with the highest per-device "
                                    "goodput that serves --rate (DistServe Algorithms 1 and 2).")
     add_problem_args(p)
-    p.add_argument("--rate", type=float, help="target request rate (req/s)")
+    p.add_argument("--rate", type=positive_float, help="target request rate (req/s)")
     p.add_argument("--nodes", type=int)
     p.add_argument("--gpus-per-node", type=int)
     p.add_argument("--mode", choices=["auto", "disaggregated", "colocated", "chunked"],
                    default="auto", help="auto (default): search disaggregated, colocated and "
                    "chunked-prefill colocated serving and recommend, of the placements that "
-                   "serve the rate, the one on the fewest devices, then the one that serves "
-                   "most per device simulated whole; otherwise search that mode only")
+                   "meet the target at the rate, the one on the fewest devices, then the one "
+                   "that serves most per device simulated whole; otherwise search that mode "
+                   "only")
     p.add_argument("--affinity", choices=["high", "low"], default="high",
                    help="high: fast links between nodes (Algorithm 1); low: KV must stay in a "
                         "node (Algorithm 2)")
-    p.add_argument("--intra-bw", type=float, default=600.0, help="intra-node GB/s")
-    p.add_argument("--inter-bw", type=float, default=25.0, help="inter-node GB/s")
+    p.add_argument("--intra-bw", type=positive_float, default=600.0, help="intra-node GB/s")
+    p.add_argument("--inter-bw", type=positive_float, default=25.0, help="inter-node GB/s")
     p.add_argument("--prefill-profile", metavar="PROFILE",
                    help="a second profile to price the disaggregated prefill instances with, "
                    "measured in another compute dtype (distserve profile --dtype bfloat16): "
@@ -74,7 +79,7 @@ def register(sub: Any) -> None:
                    "prefill dtype it chose (distserve up --plan starts it so)")
     p.add_argument("--baseline-profile", help="also plan a colocated baseline with this "
                    "profile (e.g. the artifact's vLLM profile) and print the goodput ratio")
-    p.add_argument("--workers", type=int, default=0, help="processes (0: one per CPU)")
+    p.add_argument("--workers", type=non_negative_int, default=0, help="processes (0: one per CPU)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON, last line")
     p.add_argument("--output", "-o", help="also write the plan JSON to this file")
     live = p.add_argument_group("a running stack (distserve up --planner auto)")
@@ -95,9 +100,6 @@ SEARCH_ARGS = ("profile", "workload", "ttft", "tpot", "rate", "nodes", "gpus_per
 
 def build_problem(args: argparse.Namespace, parser: argparse.ArgumentParser,
                   profile_path: str, rate: float) -> Problem:
-    for name in ("rate", "ttft", "tpot"):
-        if getattr(args, name, 1.0) <= 0:
-            parser.error(f"--{name} must be positive")
     if not 0 < args.attainment <= 1:
         parser.error("--attainment must be in (0, 1]")
     try:
@@ -128,7 +130,9 @@ def plan_table(plan: Plan, seconds: float) -> Table:
                      f"searched {plan.best_per_device_goodput_rps:.3f}); "
                      + (f"simulated whole, the placement serves {plan.served_per_device_rps:.3f}"
                         " req/s per device; " if plan.served_per_device_rps else "")
-                     + f"simulated attainment at the rate {plan.predicted_attainment:.1%}")
+                     + f"simulated attainment at the rate {plan.predicted_attainment:.1%}"
+                     + ("" if meets_target(plan) else
+                        f" (below the {plan.attainment_target:.0%} target)"))
     return table
 
 
@@ -175,11 +179,21 @@ def prefill_problem(args: argparse.Namespace, parser: argparse.ArgumentParser,
     return dataclasses.replace(problem, profile=mixed), prefiller
 
 
+def meets_target(plan: Plan) -> bool:
+    return plan.predicted_attainment >= plan.attainment_target
+
+
+def no_placement_meets(plan: Plan) -> str:
+    devices = plan.nodes * plan.gpus_per_node
+    return (f"no placement meets the {plan.attainment_target:.0%} attainment target at "
+            f"{plan.rate_rps} req/s on {devices} device{'s' if devices > 1 else ''}")
+
+
 def rank(plan: Plan) -> tuple[bool, int, float, float]:
-    """How plans of different modes compare, best highest: one that serves the rate (the
-    searches can return one that misses it), then the fewest devices, then the most served
-    per device simulated whole, then the search's own figure."""
-    return (plan.predicted_attainment >= plan.attainment_target, -plan.devices_used,
+    """How plans of different modes compare, best highest: one that meets the target at the
+    rate (the searches can return one that misses it), then the fewest devices, then the most
+    served per device simulated whole, then the search's own figure."""
+    return (meets_target(plan), -plan.devices_used,
             plan.served_per_device_rps, plan.best_per_device_goodput_rps)
 
 
@@ -195,9 +209,11 @@ def modes_table(candidates: list[ModeCandidate], chosen: Plan) -> Table:
             table.add_row(c.label, c.placement, str(c.devices_used),
                           f"{c.served_per_device_rps:.3f}",
                           f"{c.best_per_device_goodput_rps:.3f}", f"{c.predicted_attainment:.1%}")
-    table.caption = (f"recommended: {chosen.candidate().label} (of the placements that meet "
-                     "the target at the rate, the fewest devices, then the most served per "
-                     "device). placement: the instances that serve the rate; served/dev: the "
+    why = ("of the placements that meet the target at the rate" if meets_target(chosen)
+           else f"{no_placement_meets(chosen)}; of the best found")
+    table.caption = (f"recommended: {chosen.candidate().label} ({why}, the fewest devices, "
+                     "then the most served per device). placement: its instances; served/dev: "
+                     "the "
                      "highest rate the placement serves, simulated whole (both objectives at "
                      "once, KV handoffs, the host's contention), per device; search/dev: the best "
                      "per-device goodput of the mode's configurations as its search priced "
@@ -220,6 +236,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      ", ".join("--" + m.replace("_", "-") for m in missing))
     if args.nodes < 1 or args.gpus_per_node < 1:
         parser.error("--nodes and --gpus-per-node must be at least 1")
+    if args.output:
+        check_output(Path(args.output), parser)
     problem = build_problem(args, parser, args.profile, args.rate)
     console = Console(stderr=args.json)
     start = time.perf_counter()
@@ -227,11 +245,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     searched = search_modes(problem, args, prefilled)
     plans = [p for p in searched if isinstance(p, Plan)]
     if not plans:
-        for failed in searched:
-            if isinstance(failed, ModeCandidate):
-                print(f"distserve plan: no feasible plan: {failed.label}: {failed.error}",
-                      file=sys.stderr)
-        return 1
+        return report_infeasible([p for p in searched if isinstance(p, ModeCandidate)],
+                                 args.json)
     chosen = max(plans, key=rank)
     candidates = [p.candidate() if isinstance(p, Plan) else p for p in searched]
     plan = chosen.model_copy(update={
@@ -255,9 +270,36 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             console.print(f"best per-device goodput: {plan.candidate().label} "
                           f"{plan.best_per_device_goodput_rps:.3f} req/s, colocated baseline "
                           f"{base.best_per_device_goodput_rps:.3f} req/s: {ratio:.2f}x")
+    if not meets_target(plan):
+        print(f"distserve plan: warning: {no_placement_meets(plan)}; the plan "
+              f"{'written ' if args.output else ''}is the best found, simulated attainment "
+              f"{plan.predicted_attainment:.1%}: lower the rate, relax the objectives or add "
+              "devices", file=sys.stderr)
     if args.output:
-        with open(args.output, "w") as f:
-            f.write(plan.model_dump_json(indent=2) + "\n")
+        try:
+            Path(args.output).write_text(plan.model_dump_json(indent=2) + "\n")
+        except OSError as e:
+            parser.error(f"--output {args.output}: {e.strerror}")
     if args.json:
         print(plan.model_dump_json())
     return 0
+
+
+def check_output(path: Path, parser: argparse.ArgumentParser) -> None:
+    """Fail before the search, not after it, on a plan file that cannot be written."""
+    if path.is_dir():
+        parser.error(f"--output {path} is a directory: give a file path")
+    if not path.parent.is_dir():
+        parser.error(f"--output {path}: no such directory {path.parent}")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        parser.error(f"--output {path}: not writable")
+
+
+def report_infeasible(failed: list[ModeCandidate], as_json: bool) -> int:
+    """Why no mode has a plan: on stderr, and with --json as the last line of stdout."""
+    for mode in failed:
+        print(f"distserve plan: no feasible plan: {mode.label}: {mode.error}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"feasible": False, "modes": [
+            {"mode": m.label, "error": m.error} for m in failed]}))
+    return 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,13 +14,25 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
+from distserve.commands.common import (
+    non_negative_int,
+    positive_float,
+    positive_floats,
+    positive_int,
+)
 from distserve.commands.workload_arg import WORKLOAD_HELP, add_context_args, parse_workload
 from services.planner.baseline import colocated_plan
 from services.planner.models import UnknownModelError
 from services.planner.placement import NoFeasiblePlan, Problem
 from services.planner.plan import Plan
 from services.planner.plan_sim import colocated_on_same_devices, simulate_plan
-from services.planner.profiles import Profile, ProfileError, load_profile, with_prefill_of
+from services.planner.profiles import (
+    Profile,
+    ProfileError,
+    kv_capacity_tokens,
+    load_profile,
+    with_prefill_of,
+)
 from services.planner.simulator import SimResult
 from shared.metrics import SLO, goodput_from_curve, percentiles
 from shared.workloads import Workload, WorkloadError
@@ -31,15 +44,17 @@ def register(sub: Any) -> None:
     p.add_argument("--plan", required=True, type=Path, help="plan JSON from distserve plan -o")
     p.add_argument("--workload", required=True,
                    help=WORKLOAD_HELP)
-    p.add_argument("--rate", type=float, help="request rate (req/s); default: the plan's")
-    p.add_argument("--cv", type=float, default=1.0, help="arrival CV (1 = Poisson)")
+    p.add_argument("--rate", type=positive_float,
+                   help="request rate (req/s); default: the plan's")
+    p.add_argument("--cv", type=positive_float, default=1.0, help="arrival CV (1 = Poisson)")
     add_context_args(p)
-    p.add_argument("--requests", type=int, default=2000, help="requests per simulation")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--requests", type=positive_int, default=2000,
+                   help="requests per simulation")
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--sweep", action="store_true",
                    help="attainment versus rate, with the colocated baseline")
-    p.add_argument("--rates", help="comma-separated rates for --sweep (default: 0.25x..2x the "
-                   "plan's rate)")
+    p.add_argument("--rates", type=positive_floats, help="comma-separated rates for --sweep "
+                   "(default: 0.25x..2x the plan's rate)")
     p.add_argument("--baseline-profile", help="profile of the colocated baseline (default: "
                    "the plan's profile)")
     p.add_argument("--out", type=Path, default=Path("runs/sweep"), help="--sweep output folder")
@@ -62,11 +77,52 @@ def _load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Pl
                                   fit=args.fit)
     except FileNotFoundError as e:
         parser.error(f"no such file: {e.filename}")
+    except OSError as e:
+        parser.error(f"cannot read {e.filename}: {e.strerror}")
     except ValidationError as e:
-        parser.error(f"{args.plan} is not a plan: {e.errors()[0]['msg']}")
+        error = e.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        parser.error(f"{args.plan} is not a plan: {where + ': ' if where else ''}{error['msg']}")
     except (ProfileError, UnknownModelError, WorkloadError) as e:
         parser.error(str(e))
+    problem = plan_error(plan) or instance_error(plan, profile)
+    if problem:
+        parser.error(f"{args.plan}: {problem}")
     return plan, profile, workload
+
+
+def plan_error(plan: Plan) -> str:
+    """What in a (hand-edited) plan's objectives or size the simulator cannot run, or ''."""
+    if not all(math.isfinite(v) and v > 0 for v in (plan.ttft_s, plan.tpot_s)):
+        return f"ttft_s and tpot_s must be positive, got {plan.ttft_s} and {plan.tpot_s}"
+    if not 0 < plan.attainment_target <= 1:
+        return f"attainment_target must be in (0, 1], got {plan.attainment_target}"
+    if not plan.devices_used > 0:
+        return f"devices_used must be positive, got {plan.devices_used}"
+    if not min(plan.intra_node_gbps, plan.inter_node_gbps) > 0:
+        return "intra_node_gbps and inter_node_gbps must be positive"
+    if not plan.instances:
+        return "it has no instances"
+    roles = {i.role for i in plan.instances}
+    needed = {"colocated"} if plan.algorithm == "colocated" else {"prefill", "decode"}
+    if roles != needed:
+        return (f"a {plan.algorithm} plan has instances of role {' and '.join(sorted(needed))}"
+                f", this one {' and '.join(sorted(roles))}")
+    return ""
+
+
+def instance_error(plan: Plan, profile: Profile) -> str:
+    """Which instance of the plan its profile cannot price, or ''."""
+    for n, i in enumerate(plan.instances):
+        if i.tp not in profile.by_tp or i.pp < 1:
+            return (f"instances[{n}] ({i.role} tp {i.tp} pp {i.pp}) is not a configuration "
+                    f"of its profile (tp {profile.tps}, pp 1 or more)")
+        if not i.devices:
+            return f"instances[{n}] ({i.role}) has no devices"
+        if kv_capacity_tokens(profile, i.tp, i.pp) <= 0:
+            return (f"instances[{n}] ({i.role} tp {i.tp} pp {i.pp}): the profile has no KV "
+                    "capacity for it")
+    return ""
 
 
 def summary(result: SimResult, slo: SLO) -> dict[str, Any]:
@@ -82,9 +138,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     slo = SLO(plan.ttft_s, plan.tpot_s)
     if args.sweep:
         return sweep(args, parser, plan, profile, workload, slo)
-    rate = args.rate or plan.rate_rps
-    if rate <= 0:
-        parser.error("--rate must be positive")
+    rate = args.rate if args.rate is not None else plan.rate_rps
+    if not (math.isfinite(rate) and rate > 0):
+        parser.error(f"{args.plan}: the plan's rate_rps {rate} is not positive: give --rate")
     stats = summary(simulate_plan(plan, profile, workload.requests(rate, args.requests,
                                                                     args.seed)), slo)
     table = Table(title=f"{plan.mode} plan at {rate} req/s: attainment "
@@ -101,8 +157,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def sweep(args: argparse.Namespace, parser: argparse.ArgumentParser, plan: Plan,
           profile: Profile, workload: Workload, slo: SLO) -> int:
-    rates = ([float(r) for r in args.rates.split(",")] if args.rates
-             else [plan.rate_rps * f for f in (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)])
+    if not (math.isfinite(plan.rate_rps) and plan.rate_rps > 0):
+        parser.error(f"{args.plan}: the plan's rate_rps {plan.rate_rps} is not positive")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} is a file: give a folder")
+    rates = args.rates or [plan.rate_rps * f for f in (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)]
     try:
         base_profile = load_profile(args.baseline_profile or plan.profile,
                                     plan.profile_model or None)
@@ -118,17 +177,31 @@ def sweep(args: argparse.Namespace, parser: argparse.ArgumentParser, plan: Plan,
         attained = [simulate_plan(p, prof, workload.requests(r, args.requests, args.seed))
                     .attainment(slo) for r in rates]
         goodput = goodput_from_curve(rates, attained, plan.attainment_target)
+        lower_bound = min(attained) >= plan.attainment_target
         curves[name] = {"rates": rates, "attainment": attained, "devices": p.devices_used,
                         "goodput_rps": goodput, "per_device_goodput_rps":
-                            goodput / p.devices_used}
-        print(f"{name:>13} ({p.devices_used} devices): goodput {goodput:.2f} req/s, "
-              f"{goodput / p.devices_used:.3f} per device")
-    args.out.mkdir(parents=True, exist_ok=True)
+                            goodput / p.devices_used, "goodput_lower_bound": lower_bound}
+        print(f"{name:>13} ({p.devices_used} devices): "
+              + goodput_text(goodput, p.devices_used, lower_bound, min(rates)))
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out {args.out}: {e.strerror}")
     (args.out / "sweep.json").write_text(json.dumps(curves, indent=2) + "\n")
     plot_sweep(curves, plan.attainment_target, args.out / "sweep.png",
                f"{plan.model}: TTFT {slo.ttft_s}s, TPOT {slo.tpot_s}s")
     print(f"wrote {args.out / 'sweep.json'} and {args.out / 'sweep.png'}")
     return 0
+
+
+def goodput_text(goodput: float, devices: int, lower_bound: bool, lowest: float) -> str:
+    """The goodput of a swept curve as far as the rates swept tell it."""
+    if lower_bound:
+        return (f"goodput at least {goodput:.2f} req/s (the highest rate swept), "
+                f"{goodput / devices:.3f} per device: sweep higher --rates")
+    if goodput == 0:
+        return f"goodput below {lowest:g} req/s (the lowest rate swept misses the target)"
+    return f"goodput {goodput:.2f} req/s, {goodput / devices:.3f} per device"
 
 
 def plot_sweep(curves: dict[str, Any], target: float, path: Path, title: str) -> None:

@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from distserve.commands.common import non_negative_int
+from distserve.commands.common import non_negative_int, positive_int
 from services.launcher import Stack, StackConfig, StartError, gateway_host
 from services.planner.modes import MODES, SWITCH_MARGIN, parse_modes
 from services.supervisor import port_problem
@@ -82,7 +82,7 @@ def register(sub: Any) -> None:
                         "its mode and each phase's instance count, tp and pp (these override "
                         "--mode, --prefill, --decode, --replicas, --chunked-prefill and the tp "
                         "and pp flags)")
-    p.add_argument("--kv-cache-mb", type=int, default=256,
+    p.add_argument("--kv-cache-mb", type=positive_int, default=256,
                    help="KV pool per worker, per rank with --tp (MiB)")
     p.add_argument("--run-dir", type=Path, default=Path("runs"), help="logs and traces")
     p.add_argument("--planner", choices=["off", "auto"], default="off",

@@ -16,6 +16,7 @@ import sys
 
 import numpy as np
 
+from distserve.commands.common import positive_int
 from shared.workloads import (
     Lengths,
     Workload,
@@ -38,7 +39,7 @@ def _count_tokens() -> object:
 
 
 def add_context_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-context", type=int, default=2048,
+    p.add_argument("--max-context", type=positive_int, default=2048,
                    help="the model's context in tokens (default: %(default)s)")
     p.add_argument("--fit", choices=("drop", "clip"), default="drop",
                    help="requests longer than --max-context: drop them, as the DistServe "

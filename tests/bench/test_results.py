@@ -119,3 +119,22 @@ def test_handoff_runs_from_the_first_token_to_the_decode_batch() -> None:
     assert handoff_s(spans, ["a", "b", "c", "d"]) == pytest.approx(0.04, abs=1e-6)  # 40, 100, 20 ms
     assert handoff_s(spans, ["d"]) is None
     assert handoff_s([], ["a"]) is None
+
+
+def test_the_table_of_a_run_says_why_its_requests_failed() -> None:
+    """The reasons come under the table, most frequent first, a few at most (a bench whose
+    every request got a 404 printed only "failed 2" and NaNs)."""
+    from rich.console import Console
+
+    from distserve.bench.plots import Curve
+    from distserve.commands.bench import MAX_ERRORS_SHOWN, _print_table
+
+    errors = [f"HTTP 400: reason {i}" for i in range(MAX_ERRORS_SHOWN + 2)]
+    records = [failed("HTTP 404: The model `x` does not exist")] * 3 + \
+        [failed(e) for e in errors] + [done(0.1, 0.01)]
+    console = Console(record=True, width=200)
+    _print_table(console, Curve("s", 1, [RunResult(1.0, records, 10.0)]), SLO(1.0, 0.1), 0.9)
+    text = console.export_text()
+    assert "s: 3 requests failed: HTTP 404: The model `x` does not exist" in text
+    assert text.count("request failed: HTTP 400") == MAX_ERRORS_SHOWN - 1
+    assert f"s: {len(errors) - MAX_ERRORS_SHOWN + 1} other errors" in text

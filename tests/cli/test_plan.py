@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from distserve.cli import COMMANDS, build_parser
+from distserve.cli import COMMANDS, build_parser, main
 from services.planner.plan import Plan
 
 REFERENCE = Path(__file__).parents[3] / "shared"
@@ -82,7 +82,7 @@ def test_a_colocated_mode_plan_simulates_as_planned(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("args", "code", "message"), [
     (["--rate", "4", "--nodes", "1", "--gpus-per-node", "8", "--ttft", "-1"], 2,
-     "--ttft must be positive"),
+     "argument --ttft: must be a positive number"),
     (["--rate", "1", "--nodes", "1", "--gpus-per-node", "8", "--model", "nope"], 2,
      "no profile for model 'nope'"),
     (["--rate", "1", "--nodes", "1", "--gpus-per-node", "8", "--ttft", "0.0001"], 1,
@@ -165,3 +165,137 @@ def test_the_services_beside_the_workers_start_without_torch(module: str) -> Non
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+CPU_PROFILE = Path(__file__).parents[2] / "profiles" / "smollm2-135m-cpu-1thread.json"
+CPU_PLAN = ["plan", "--profile", str(CPU_PROFILE), "--workload", "humaneval", "--ttft", "3.5",
+            "--tpot", "0.1", "--nodes", "1", "--gpus-per-node", "1", "--requests", "300"]
+
+
+def exits_with_usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """`distserve argv` in this process: it stops as argparse does, exit 2; its message."""
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--rate", "1", "--requests", "-5"], "argument --requests: must be a positive integer"),
+    (["--rate", "1", "--requests", "0"], "argument --requests: must be a positive integer"),
+    (["--rate", "1", "--cv", "0"], "argument --cv: must be a positive number"),
+    (["--rate", "1", "--workers", "-1"], "argument --workers: must be 0 or more"),
+    (["--rate", "1", "--intra-bw", "0"], "argument --intra-bw: must be a positive number"),
+    (["--rate", "1", "--inter-bw", "-1"], "argument --inter-bw: must be a positive number"),
+    (["--rate", "inf"], "argument --rate: must be a positive number, got inf"),
+    (["--rate", "nan"], "argument --rate: must be a positive number, got nan"),
+    (["--rate", "1", "--ttft", "nan"], "argument --ttft: must be a positive number, got nan"),
+    (["--rate", "1", "--seed", "-1"], "argument --seed: must be 0 or more"),
+    (["--rate", "1", "--max-context", "0"], "argument --max-context: must be a positive"),
+])
+def test_plan_rejects_bad_numbers_as_it_parses(args: list[str], message: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert message in exits_with_usage_error([*CPU_PLAN, *args], capsys)
+
+
+def test_plan_checks_its_output_path_before_searching(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = exits_with_usage_error([*CPU_PLAN, "--rate", "1", "-o", str(tmp_path)], capsys)
+    assert f"--output {tmp_path} is a directory" in err
+    missing = tmp_path / "nodir" / "plan.json"
+    err = exits_with_usage_error([*CPU_PLAN, "--rate", "1", "-o", str(missing)], capsys)
+    assert f"no such directory {missing.parent}" in err
+
+
+def test_plan_says_when_no_placement_meets_the_target_at_the_rate(tmp_path: Path) -> None:
+    """It still writes the best placement found, and says plainly that it misses."""
+    plan_file = tmp_path / "plan.json"
+    result = distserve(*CPU_PLAN, "--rate", "0.38", "--json", "-o", str(plan_file))
+    assert result.returncode == 0, result.stderr
+    plan = Plan.model_validate_json(result.stdout.strip().splitlines()[-1])
+    assert plan.predicted_attainment < plan.attainment_target
+    assert Plan.model_validate_json(plan_file.read_text()) == plan
+    text = " ".join(result.stderr.split())  # the tables wrap
+    assert (f"recommended: {plan.mode} (no placement meets the 90% attainment target at "
+            "0.38 req/s on 1 device; of the best found") in text
+    assert "warning: no placement meets the 90% attainment target" in text
+    assert "the plan written is the best found" in text
+    assert "instances that serve the rate" not in text
+
+
+def test_plan_json_says_when_there_is_no_plan() -> None:
+    result = distserve(*CPU_PLAN, "--rate", "1", "--ttft", "0.0001", "--json")
+    assert result.returncode == 1 and "no feasible plan" in result.stderr
+    verdict = json.loads(result.stdout.strip().splitlines()[-1])
+    assert verdict["feasible"] is False
+    assert {m["mode"] for m in verdict["modes"]} == {"disaggregated", "colocated", "chunked"}
+
+
+def cpu_plan(tmp_path: Path, **edits: object) -> Path:
+    """A chunked colocated plan on one CPU device, as `distserve plan` writes one, edited."""
+    plan = {"model": "smollm2-135m", "algorithm": "colocated", "mode": "chunked",
+            "rate_rps": 0.2, "ttft_s": 3.5, "tpot_s": 0.1, "attainment_target": 0.9,
+            "nodes": 1, "gpus_per_node": 1,
+            "colocated": {"tp": 1, "pp": 1, "count": 1, "goodput_rps": 0.44},
+            "instances": [{"role": "colocated", "tp": 1, "pp": 1, "devices": [[0, 0]]}],
+            "devices_used": 1, "per_device_goodput_rps": 0.44, "predicted_attainment": 0.95,
+            "profile": str(CPU_PROFILE), **edits}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    return path
+
+
+@pytest.mark.parametrize(("edits", "message"), [
+    ({"instances": [{"role": "colocated", "tp": -2, "pp": 1, "devices": [[0, 0]]}]},
+     "instances[0] (colocated tp -2 pp 1) is not a configuration of its profile"),
+    ({"instances": [{"role": "colocated", "tp": 64, "pp": 1, "devices": [[0, 0]]}]},
+     "instances[0] (colocated tp 64 pp 1) is not a configuration of its profile"),
+    ({"instances": []}, "it has no instances"),
+    ({"ttft_s": 0}, "ttft_s"),
+    ({"rate_rps": -3}, "rate_rps"),
+])
+def test_simulate_names_what_is_wrong_in_a_hand_edited_plan(
+        edits: dict[str, object], message: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    plan = cpu_plan(tmp_path, **edits)
+    err = exits_with_usage_error(["simulate", "--plan", str(plan), "--workload", "humaneval",
+                                  "--requests", "20"], capsys)
+    assert str(plan) in err and message in err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--sweep", "--rates", "abc"], "argument --rates: takes comma-separated positive numbers"),
+    (["--sweep", "--rates", "0.1,,0.2"], "takes comma-separated positive numbers"),
+    (["--sweep", "--rates=-1,0"], "argument --rates: must be a positive number, got -1"),
+    (["--requests", "-3"], "argument --requests: must be a positive integer"),
+    (["--requests", "0"], "argument --requests: must be a positive integer"),
+    (["--rate", "0"], "argument --rate: must be a positive number, got 0"),
+])
+def test_simulate_rejects_bad_arguments(args: list[str], message: str, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--plan", str(cpu_plan(tmp_path)), "--workload", "humaneval", *args]
+    assert message in exits_with_usage_error(argv, capsys)
+
+
+def test_simulate_rejects_a_folder_for_a_plan_and_a_file_for_a_sweep(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = exits_with_usage_error(["simulate", "--plan", str(tmp_path), "--workload",
+                                  "humaneval"], capsys)
+    assert f"cannot read {tmp_path}: Is a directory" in err
+    plan = cpu_plan(tmp_path)
+    err = exits_with_usage_error(["simulate", "--sweep", "--plan", str(plan), "--workload",
+                                  "humaneval", "--rates", "0.1", "--out", str(plan)], capsys)
+    assert f"--out {plan} is a file" in err
+
+
+def test_a_sweep_that_always_meets_the_target_gives_a_lower_bound(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    result = distserve("simulate", "--sweep", "--plan", str(cpu_plan(tmp_path)), "--workload",
+                       "humaneval", "--rates", "0.05,0.1", "--requests", "50", "--out",
+                       str(out))
+    assert result.returncode == 0, result.stderr
+    assert "goodput at least 0.10 req/s (the highest rate swept)" in result.stdout
+    curves = json.loads((out / "sweep.json").read_text())
+    assert curves["chunked"]["goodput_lower_bound"] is True
