@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from distserve.bench import compare as cmp
@@ -34,7 +35,7 @@ from distserve.bench.runner import Unloaded, calibrate, sweep, system_report
 from distserve.bench.steps import Live
 from distserve.bench.workload import BenchWorkload, Limits, parse_bench_workload
 from distserve.commands import bench_engine
-from distserve.commands.common import non_negative_int, positive_int
+from distserve.commands.common import non_negative_int, positive_float, positive_int
 from services.planner.modes import Candidate, best
 from services.planner.profiles import (
     Profile,
@@ -129,8 +130,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     w.add_argument("--length-scale", type=float, default=1.0,
                    help="multiply trace/synthetic lengths first (fit a trace to a small model)")
     s = p.add_argument_group("objectives")
-    s.add_argument("--ttft", type=float, help="TTFT objective, seconds")
-    s.add_argument("--tpot", type=float, help="TPOT objective, seconds")
+    s.add_argument("--ttft", type=positive_float, help="TTFT objective, seconds")
+    s.add_argument("--tpot", type=positive_float, help="TPOT objective, seconds")
     s.add_argument("--ttft-factor", type=float, default=TTFT_FACTOR,
                    help="default TTFT = this x unloaded TTFT (default: %(default)s)")
     s.add_argument("--tpot-factor", type=float, default=TPOT_FACTOR,
@@ -417,7 +418,7 @@ def _print_table(console: Console, curve: Curve, slo: SLO, target: float) -> Non
     errors = collections.Counter(r.error for run in curve.runs for r in run.records if r.error)
     for error, times in errors.most_common(MAX_ERRORS_SHOWN):  # why requests failed
         console.print(f"[red]{curve.name}: {times} request{'s' * (times > 1)} failed: "
-                      f"{error}[/red]")
+                      f"{escape(error)}[/red]")
     if len(errors) > MAX_ERRORS_SHOWN:
         console.print(f"[red]{curve.name}: {len(errors) - MAX_ERRORS_SHOWN} other errors "
                       "(results.json has every request's)[/red]")

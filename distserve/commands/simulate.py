@@ -79,6 +79,8 @@ def _load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Pl
         parser.error(f"no such file: {e.filename}")
     except OSError as e:
         parser.error(f"cannot read {e.filename}: {e.strerror}")
+    except UnicodeDecodeError:
+        parser.error(f"{args.plan} is not a plan: not UTF-8 text")
     except ValidationError as e:
         error = e.errors()[0]
         where = ".".join(str(part) for part in error["loc"])

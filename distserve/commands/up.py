@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from distserve.commands.common import non_negative_int, positive_int
+from distserve.commands.common import non_negative_int, positive_float, positive_int
 from services.launcher import Stack, StackConfig, StartError, gateway_host
 from services.planner.modes import MODES, SWITCH_MARGIN, parse_modes
 from services.supervisor import port_problem
@@ -102,8 +102,10 @@ def register(sub: Any) -> None:
                         "profile --dtype`) that prices the disaggregated prefill instances; "
                         "--plan gives its own (DS_PLANNER_PREFILL_PROFILE)")
     p.set_defaults(plan_prefill_profile=None)  # the plan's, with --plan (apply_plan)
-    p.add_argument("--ttft", type=float, default=5.0, help="the planner's TTFT objective (s)")
-    p.add_argument("--tpot", type=float, default=0.2, help="the planner's TPOT objective (s)")
+    p.add_argument("--ttft", type=positive_float, default=5.0,
+                   help="the planner's TTFT objective (s)")
+    p.add_argument("--tpot", type=positive_float, default=0.2,
+                   help="the planner's TPOT objective (s)")
     p.add_argument("--api-key", action="append", metavar="KEY",
                    help="the API requires this key (Authorization: Bearer KEY); repeat it for "
                         "several keys. A key on the command line shows in `ps`: prefer "
@@ -144,8 +146,13 @@ def apply_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
 
     try:
         plan = Plan.model_validate_json(args.plan.read_text())
-    except (OSError, ValidationError) as e:
-        parser.error(f"--plan {args.plan}: not a plan from `distserve plan -o`: {e}")
+    except (OSError, UnicodeDecodeError) as e:
+        parser.error(f"--plan {args.plan}: cannot read it: {e}")
+    except ValidationError as e:
+        error = e.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        parser.error(f"--plan {args.plan}: not a plan from `distserve plan -o`: "
+                     f"{where + ': ' if where else ''}{error['msg']}")
     if plan.dtype and args.dtype not in ("auto", plan.dtype):
         print(f"the plan priced its workers in {plan.dtype}; starting them in {args.dtype} as "
               "--dtype says", file=sys.stderr)
@@ -203,6 +210,14 @@ def planner_env(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
         modes = parse_modes(args.planner_modes)
     except ValueError as e:
         parser.error(f"--planner-modes: {e}")
+    if args.planner == "auto":  # the planner reads it at start, and stops on a bad one
+        from services.planner.profiles import ProfileError, planner_profile
+        from shared.host import cpu_description
+        try:
+            planner_profile(os.environ.get("DS_PLANNER_PROFILE", ""), args.threads,
+                            cpu_description())
+        except ProfileError as e:
+            parser.error(f"the planner's profile (DS_PLANNER_PROFILE): {e}")
     env = {"DS_PLANNER_DEVICES": str(args.devices), "DS_PLANNER_TTFT_S": str(args.ttft),
            "DS_PLANNER_TPOT_S": str(args.tpot), "DS_PLANNER_MODES": ",".join(modes),
            "DS_PLANNER_SWITCH_MARGIN": str(args.switch_margin)}

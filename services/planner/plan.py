@@ -53,9 +53,9 @@ class Plan(BaseModel):
     model: str
     algorithm: Literal["high-affinity", "low-affinity", "colocated"]
     mode: Mode = "disaggregated"
-    rate_rps: float = Field(gt=0)
-    ttft_s: float = Field(gt=0)
-    tpot_s: float = Field(gt=0)
+    rate_rps: float = Field(gt=0, allow_inf_nan=False)
+    ttft_s: float = Field(gt=0, allow_inf_nan=False)
+    tpot_s: float = Field(gt=0, allow_inf_nan=False)
     attainment_target: float = Field(gt=0, le=1)
     nodes: int
     gpus_per_node: int
@@ -96,9 +96,9 @@ class Plan(BaseModel):
     def _phases_of_its_mode(self) -> Plan:
         """A plan a user edited by hand is refused where its mode lacks its instances."""
         if self.mode == "disaggregated" and (self.prefill is None or self.decode is None):
-            raise ValueError("a disaggregated plan has prefill and decode instances")
+            raise ValueError("a disaggregated plan needs both prefill and decode")
         if self.mode != "disaggregated" and self.colocated is None:
-            raise ValueError(f"a {self.mode} plan has colocated instances")
+            raise ValueError(f"a {self.mode} plan needs colocated (its replicas)")
         return self
 
     @property

@@ -170,10 +170,14 @@ def load_profile(path: str | Path, model: str | None = None,
     if model not in data:
         raise ProfileError(f"{path} has no profile for model {model!r}: it has {sorted(data)}")
     by_tp = _by_tp(data[model], f"{path}: model {model}")
-    smallest = by_tp[min(by_tp)]
+    try:
+        l_m = saturation_length(by_tp[min(by_tp)])
+    except (ArithmeticError, StopIteration, ValueError):  # zero, negative or NaN times
+        raise ProfileError(f"{path}: model {model}: its prefill coefficients give no "
+                           "positive prefill time") from None
     return Profile(
         model=_known_model(path, model), device=path.stem, device_memory_bytes=int(
-            device_memory_gb * 2**30), by_tp=by_tp, l_m=saturation_length(smallest),
+            device_memory_gb * 2**30), by_tp=by_tp, l_m=l_m,
         stage_overhead_ms=ARTIFACT_STAGE_OVERHEAD_MS,
         kv_capacity=_read_capacity(path.with_name("max_num_tokens.csv"), model))
 

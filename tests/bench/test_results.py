@@ -131,10 +131,12 @@ def test_the_table_of_a_run_says_why_its_requests_failed() -> None:
 
     errors = [f"HTTP 400: reason {i}" for i in range(MAX_ERRORS_SHOWN + 2)]
     records = [failed("HTTP 404: The model `x` does not exist")] * 3 + \
-        [failed(e) for e in errors] + [done(0.1, 0.01)]
+        [failed("HTTP 404: no route [/v1/x]")] * 2 + [failed(e) for e in errors] + \
+        [done(0.1, 0.01)]
     console = Console(record=True, width=200)
     _print_table(console, Curve("s", 1, [RunResult(1.0, records, 10.0)]), SLO(1.0, 0.1), 0.9)
     text = console.export_text()
     assert "s: 3 requests failed: HTTP 404: The model `x` does not exist" in text
-    assert text.count("request failed: HTTP 400") == MAX_ERRORS_SHOWN - 1
-    assert f"s: {len(errors) - MAX_ERRORS_SHOWN + 1} other errors" in text
+    assert "s: 2 requests failed: HTTP 404: no route [/v1/x]" in text  # the server's text
+    assert text.count("request failed: HTTP 400") == MAX_ERRORS_SHOWN - 2
+    assert f"s: {len(errors) - MAX_ERRORS_SHOWN + 2} other errors" in text

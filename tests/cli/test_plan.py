@@ -255,6 +255,9 @@ def cpu_plan(tmp_path: Path, **edits: object) -> Path:
     ({"instances": []}, "it has no instances"),
     ({"ttft_s": 0}, "ttft_s"),
     ({"rate_rps": -3}, "rate_rps"),
+    ({"rate_rps": float("inf")}, "rate_rps"),
+    ({"colocated": None}, "a chunked plan needs colocated"),
+    ({"mode": "disaggregated"}, "a disaggregated plan needs both prefill and decode"),
 ])
 def test_simulate_names_what_is_wrong_in_a_hand_edited_plan(
         edits: dict[str, object], message: str, tmp_path: Path,
@@ -277,6 +280,17 @@ def test_simulate_rejects_bad_arguments(args: list[str], message: str, tmp_path:
                                         capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["simulate", "--plan", str(cpu_plan(tmp_path)), "--workload", "humaneval", *args]
     assert message in exits_with_usage_error(argv, capsys)
+
+
+def test_a_plan_file_that_is_not_text_is_refused_by_simulate_and_up(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_bytes(b"\xff\xfe\x00")
+    err = exits_with_usage_error(["simulate", "--plan", str(plan), "--workload", "humaneval"],
+                                 capsys)
+    assert "is not a plan: not UTF-8 text" in err
+    err = exits_with_usage_error(["up", "--plan", str(plan)], capsys)
+    assert f"--plan {plan}: cannot read it" in err
 
 
 def test_simulate_rejects_a_folder_for_a_plan_and_a_file_for_a_sweep(

@@ -80,3 +80,13 @@ def test_a_directory_or_a_missing_file_is_said_to_be_one(tmp_path: Path) -> None
         load_profile(tmp_path)
     with pytest.raises(ProfileError, match="does not exist"):
         load_profile(tmp_path / "gone.json")
+
+
+@pytest.mark.parametrize("prefill", [[0, 0, 0], [-1, -1, -1], [float("nan"), 1, 1]])
+def test_coefficients_that_give_no_prefill_time_are_refused(tmp_path: Path,
+                                                             prefill: list[float]) -> None:
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"opt-13b": {"1": {"prefill": prefill, "decoding_smallbs":
+                                                  [1, 1, 1], "decoding_largebs": [1, 1, 1]}}}))
+    with pytest.raises(ProfileError, match="give no positive prefill time"):
+        load_profile(path)
