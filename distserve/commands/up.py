@@ -147,7 +147,8 @@ def apply_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     try:
         plan = Plan.model_validate_json(args.plan.read_text())
     except (OSError, UnicodeDecodeError) as e:
-        parser.error(f"--plan {args.plan}: cannot read it: {e}")
+        parser.error(f"--plan {args.plan}: not a plan from `distserve plan -o`: cannot read "
+                     f"it: {e}")
     except ValidationError as e:
         error = e.errors()[0]
         where = ".".join(str(part) for part in error["loc"])

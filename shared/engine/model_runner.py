@@ -134,7 +134,9 @@ def load_model(config: EngineConfig, rank: int = 0) -> LoadedModel:
 
 def check_parallel(config: EngineConfig) -> None:
     """ValueError, before any rank starts, where the config's ranks cannot run its model."""
-    if resolve_device(config.device).type != "cpu":
+    kind = resolve_device("auto").type if config.device == "auto" else \
+        config.device.split(":")[0]  # as named: a GPU this machine lacks is refused so too
+    if kind != "cpu":
         raise ValueError("instances of several ranks (--tp, --pp) run on the CPU (gloo) in "
                          "this build; on GPUs (NCCL) they are not built yet")
     model = meta.read_config(config.model)

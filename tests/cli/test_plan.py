@@ -290,7 +290,7 @@ def test_a_plan_file_that_is_not_text_is_refused_by_simulate_and_up(
                                  capsys)
     assert "is not a plan: not UTF-8 text" in err
     err = exits_with_usage_error(["up", "--plan", str(plan)], capsys)
-    assert f"--plan {plan}: cannot read it" in err
+    assert f"--plan {plan}: not a plan" in err and "cannot read it" in err
 
 
 def test_simulate_rejects_a_folder_for_a_plan_and_a_file_for_a_sweep(
