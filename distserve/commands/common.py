@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from pydantic import ValidationError
+
 from shared.engine.config import DTYPE_NAMES, LLAMA_SHAPES, WEIGHT_FORMATS, EngineConfig
 
 
@@ -13,6 +15,13 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def first_error(e: ValidationError) -> str:
+    """Pydantic's first complaint on one line: 'field.path: message'."""
+    error = e.errors()[0]
+    where = ".".join(str(part) for part in error["loc"])
+    return f"{where + ': ' if where else ''}{error['msg']}"
 
 
 def non_negative_int(text: str) -> int:

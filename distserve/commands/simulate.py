@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from distserve.commands.common import (
+    first_error,
     non_negative_int,
     positive_float,
     positive_floats,
@@ -82,9 +83,7 @@ def _load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Pl
     except UnicodeDecodeError:
         parser.error(f"{args.plan} is not a plan: not UTF-8 text")
     except ValidationError as e:
-        error = e.errors()[0]
-        where = ".".join(str(part) for part in error["loc"])
-        parser.error(f"{args.plan} is not a plan: {where + ': ' if where else ''}{error['msg']}")
+        parser.error(f"{args.plan} is not a plan: {first_error(e)}")
     except (ProfileError, UnknownModelError, WorkloadError) as e:
         parser.error(str(e))
     problem = plan_error(plan) or instance_error(plan, profile)

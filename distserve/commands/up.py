@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from distserve.commands.common import non_negative_int, positive_float, positive_int
+from distserve.commands.common import first_error, non_negative_int, positive_float, positive_int
 from services.launcher import Stack, StackConfig, StartError, gateway_host
 from services.planner.modes import MODES, SWITCH_MARGIN, parse_modes
 from services.supervisor import port_problem
@@ -150,10 +150,8 @@ def apply_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         parser.error(f"--plan {args.plan}: not a plan from `distserve plan -o`: cannot read "
                      f"it: {e}")
     except ValidationError as e:
-        error = e.errors()[0]
-        where = ".".join(str(part) for part in error["loc"])
         parser.error(f"--plan {args.plan}: not a plan from `distserve plan -o`: "
-                     f"{where + ': ' if where else ''}{error['msg']}")
+                     f"{first_error(e)}")
     if plan.dtype and args.dtype not in ("auto", plan.dtype):
         print(f"the plan priced its workers in {plan.dtype}; starting them in {args.dtype} as "
               "--dtype says", file=sys.stderr)

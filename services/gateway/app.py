@@ -105,14 +105,14 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
+NOT_AN_OBJECT = "the request body must be a JSON object, sent with content-type: " \
+    "application/json"
 # what a body that is not a JSON object is told (FastAPI's error types at loc ("body",))
 WHOLE_BODY = {
     "missing": "the request body is empty: send a JSON object (content-type: "
                "application/json)",
-    "model_attributes_type": "the request body must be a JSON object, sent with "
-                             "content-type: application/json",
+    "model_attributes_type": NOT_AN_OBJECT, "model_type": NOT_AN_OBJECT,
 }
-WHOLE_BODY["model_type"] = WHOLE_BODY["model_attributes_type"]
 
 
 def _named(part: object) -> bool:
