@@ -40,7 +40,7 @@ def attainments(report: dict[str, Any]) -> dict[tuple[str, float], tuple[float, 
                              strict=True):
             met = 100 * statistics.fmean(attains(r.ttft, r.tpot, slo) for r in run.records)
             out[(measured.system.name, round(run.rate, 3))] = (
-                met, None if live is None else 100 * live[1].attainment(slo))
+                met, None if live is None else 100 * live.result.attainment(slo))
     return out
 
 

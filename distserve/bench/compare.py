@@ -236,23 +236,52 @@ def simulate(measured: Measured, profile: Profile, workload: BenchWorkload, slo:
     return [_simulate_run(measured, problem, run) for run in measured.runs]
 
 
-def simulate_live(measured: Measured, profile: Profile, workload: BenchWorkload, slo: SLO
-                  ) -> list[tuple[Live, SimResult] | None]:
+DRAWS = 40  # simulations a rate with the steps' times drawn as the stack's scattered
+
+
+@dataclass(frozen=True)
+class LiveRun:
+    """One rate simulated on the steps the stack ran at it: the fit (`live`), the
+    simulation with every step at its fit (`result`), and the attainments of `DRAWS`
+    simulations of the same requests with the steps' times drawn as they scattered
+    (`live.noise`; none where too few steps were recorded)."""
+
+    live: Live
+    result: SimResult
+    draws: tuple[float, ...] = ()
+
+    def band(self) -> tuple[float, float, float] | None:
+        """The draws' (10th percentile, mean, 90th percentile) attainment; None without."""
+        if len(self.draws) < 2:
+            return None
+        deciles = statistics.quantiles(self.draws, n=10, method="inclusive")
+        return deciles[0], statistics.fmean(self.draws), deciles[-1]
+
+
+def simulate_live(measured: Measured, profile: Profile, workload: BenchWorkload, slo: SLO,
+                  draws: int = DRAWS) -> list[LiveRun | None]:
     """Each rate simulated on the profile fitted to the engine steps the stack's workers
     ran at that rate (`steps.live_profile`: calibrated as the online planner calibrates,
     on the steps that ran alone, and the contention of those that ran beside another
     instance's), with the fit; None for a run recorded without its steps. Its step times
     are the stack's own, so what is left between this and the measurement is the
-    simulator's (queues, batches, dispatch) and the run's chance."""
-    out: list[tuple[Live, SimResult] | None] = []
+    simulator's (queues, batches, dispatch) and the run's chance: which the `draws`
+    simulations with the steps' times scattered as the stack's were tell (near an
+    instance's capacity a run's attainment spreads by tens of points on them)."""
+    out: list[LiveRun | None] = []
     for run in measured.runs:
         if not run.steps:
             out.append(None)
             continue
         live = live_profile(run.steps, profile)
-        problem = stack_problem(measured, live.profile, workload, slo, 0.9, 1.0,
-                                calibrate=False)
-        out.append((live, _simulate_run(measured, problem, run)))
+
+        def simulated(p: Profile, run: RunResult = run) -> SimResult:
+            return _simulate_run(measured, stack_problem(measured, p, workload, slo, 0.9,
+                                                         1.0, calibrate=False), run)
+
+        scattered = () if live.noise.none else tuple(
+            simulated(live.noisy(seed)).attainment(slo) for seed in range(draws))
+        out.append(LiveRun(live, simulated(live.profile), scattered))
     return out
 
 

@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 
 from services.planner.calibration import Calibration, Calibrator
 from services.planner.latency import LatencyModel
+from services.planner.noise import Noise
 from services.planner.profiles import Profile
 from shared import subjects
 from shared.state import InstanceInfo, StepSample
@@ -73,10 +74,18 @@ def calibration_of(steps: Steps, latency: LatencyModel) -> Calibration:
 
 @dataclasses.dataclass(frozen=True)
 class Live:
-    """A profile fitted to the steps a stack ran, and the calibration that fitted it."""
+    """A profile fitted to the steps a stack ran, the calibration that fitted it, and how
+    the steps scattered around it (`noise.Noise`; the profile itself prices every step at
+    its fit)."""
 
     calibration: Calibration
     profile: Profile
+    noise: Noise = dataclasses.field(default_factory=Noise)
+
+    def noisy(self, seed: int) -> Profile:
+        """The profile whose simulated steps scatter as the stack's did, drawn from `seed`."""
+        return dataclasses.replace(self.profile,
+                                   noise=dataclasses.replace(self.noise, seed=seed))
 
     def to_json(self) -> dict[str, Any]:
         return self.calibration.model_dump()
@@ -88,14 +97,21 @@ class Live:
             f", {name.replace('_by_', ' beside a ')} {factor:.2f}"
             for name, factor in sorted(c.contention.items()))
 
+    def describe_noise(self) -> str:
+        """'prefill x0.97-1.06 (p10-p90), mean 1.01, lag-1 0.51; decode ...' ('-': none)."""
+        return "; ".join(f"{phase} {found.describe()}" for phase in ("prefill", "decode")
+                         if (found := self.noise.of(phase)) is not None) or "-"
+
 
 def live_profile(steps: Steps, profile: Profile, min_steps: int = 10) -> Live:
     """`profile` as the steps in `steps` ran, calibrated as the online planner calibrates
     (services/planner/calibration.py): each phase on its steps that ran alone, with the
     contention measured on those that ran beside one other instance's step; without the
-    steps' end times, on all of them, which already hold whatever contention they met."""
-    found = calibrator_of(steps, profile.latency(1, 1), min_steps).calibration()
-    return Live(found, found.apply(profile))
+    steps' end times, on all of them, which already hold whatever contention they met. With
+    the spread and order of the steps' times around that fit (`Calibrator.noise`)."""
+    calibrator = calibrator_of(steps, profile.latency(1, 1), min_steps)
+    found = calibrator.calibration()
+    return Live(found, found.apply(profile), calibrator.noise(found))
 
 
 def steps_to_json(steps: Steps) -> dict[str, list[list[Any]]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -32,7 +33,6 @@ from distserve.bench.plots import (
 )
 from distserve.bench.results import RunResult, goodput, met_everywhere
 from distserve.bench.runner import Unloaded, calibrate, sweep, system_report
-from distserve.bench.steps import Live
 from distserve.bench.workload import BenchWorkload, Limits, parse_bench_workload
 from distserve.commands import bench_engine
 from distserve.commands.common import non_negative_int, positive_float, positive_int
@@ -44,7 +44,6 @@ from services.planner.profiles import (
     measured_elsewhere,
     shipped_cpu_profile,
 )
-from services.planner.simulator.core import SimResult
 from shared.engine.config import WEIGHT_FORMATS
 from shared.host import cpu_description
 from shared.metrics import SLO, goodput_from_curve
@@ -302,9 +301,15 @@ def _report_compare(args: argparse.Namespace, console: Console, workload: BenchW
             report["fidelity"] = [f.to_json() for f in fits]
             # each rate simulated on the steps the stack ran at it (None: not recorded)
             report["simulated_attainment_live"] = [
-                x[1].attainment(slo) if x else None for x in live]
-            report["live_calibration"] = [x[0].to_json() if x else None for x in live]
-            report["live_stages_s"] = [cmp.stages(run, x[1]) if x else None
+                x.result.attainment(slo) if x else None for x in live]
+            report["live_calibration"] = [x.live.to_json() if x else None for x in live]
+            # the same with the steps' times drawn as they scattered: how they did, and
+            # each draw's attainment (cmp.DRAWS of them; empty: too few steps to tell)
+            report["live_noise"] = [dataclasses.asdict(x.live.noise) if x else None
+                                    for x in live]
+            report["simulated_attainment_live_draws"] = [list(x.draws) if x else None
+                                                         for x in live]
+            report["live_stages_s"] = [cmp.stages(run, x.result) if x else None
                                        for run, x in zip(c.runs, live, strict=True)]
     # the baseline: the better colocated system (one a weight format, with --decode-weights)
     baseline = max((i for i, m in enumerate(measured) if m.system.mode == "colocated"),
@@ -426,32 +431,42 @@ def _print_table(console: Console, curve: Curve, slo: SLO, target: float) -> Non
 
 def _print_fidelity(console: Console, curves: Sequence[Curve],
                     fidelities: Sequence[Sequence[cmp.Fidelity]],
-                    lives: Sequence[Sequence[tuple[Live, SimResult] | None]],
+                    lives: Sequence[Sequence[cmp.LiveRun | None]],
                     slo: SLO, live_stages: Sequence[Sequence[dict[str, Any] | None]]) -> None:
     table = Table(title="measured vs simulated attainment (simulated: profile calibrated to "
                         "the measured unloaded latencies; raw: the profile as fitted; live: "
                         "calibrated to the engine steps the stack ran at that rate, as the "
                         "online planner calibrates, on the steps that ran alone, with the "
-                        "contention of those beside another instance's), and request by "
-                        "request: median measured "
+                        "contention of those beside another instance's; scattered: the same, "
+                        f"{cmp.DRAWS} times with the steps' times drawn as the stack's "
+                        "scattered around that fit, mean and 10th-90th percentile), and "
+                        "request by request: median measured "
                         "- simulated TTFT and TPOT, requests whose outcome differs (near: "
                         "within 5% of both objectives)")
     for column in ("system", "rate", "measured", "simulated", "difference", "raw",
-                   "raw difference", "live", "live difference", "live steps x profile",
+                   "raw difference", "live", "live difference", "scattered",
+                   "live steps x profile",
                    "TTFT diff", "TPOT diff", "differ (near)"):
         table.add_column(column, justify="right")
-    gaps: dict[str, list[float]] = {"simulated": [], "live": []}
+    gaps: dict[str, list[float]] = {"simulated": [], "live": [], "scattered": []}
+    inside = []  # whether the measured attainment lies within the draws' p10-p90
     for c, found, live in zip(curves, fidelities, lives, strict=False):
         for run, sim, raw, f, x in zip(c.runs, c.simulated or [], c.simulated_raw or [], found,
                                        live, strict=False):
             got = run.attainment(slo)
             gaps["simulated"].append(sim - got)
-            cells = ["-", "-", "-"]
+            cells = ["-", "-", "-", "-"]
             if x is not None:
-                fit, sim_live = x
-                gaps["live"].append(sim_live.attainment(slo) - got)
-                cells = [f"{sim_live.attainment(slo):.0%}", f"{100 * gaps['live'][-1]:+.1f}",
-                         fit.describe()]
+                gaps["live"].append(x.result.attainment(slo) - got)
+                band = x.band()
+                scattered = "-"
+                if band is not None:
+                    low, mean, high = band
+                    gaps["scattered"].append(mean - got)
+                    inside.append(low - 1e-9 <= got <= high + 1e-9)
+                    scattered = f"{mean:.0%} ({low:.0%}-{high:.0%})"
+                cells = [f"{x.result.attainment(slo):.0%}", f"{100 * gaps['live'][-1]:+.1f}",
+                         scattered, x.live.describe()]
             table.add_row(c.name, f"{run.rate:g}", f"{got:.0%}", f"{sim:.0%}",
                           f"{100 * (sim - got):+.1f}", f"{raw:.0%}", f"{100 * (raw - got):+.1f}",
                           *cells, f"{f.ttft_s:+.3f} s", f"{1e3 * f.tpot_s:+.1f} ms",
@@ -459,7 +474,9 @@ def _print_fidelity(console: Console, curves: Sequence[Curve],
     console.print(table)
     console.print("within 5 points: " + "; ".join(
         f"{name} {sum(abs(g) <= 0.05 + 1e-9 for g in found)} of {len(found)}"
-        for name, found in gaps.items() if found))
+        for name, found in gaps.items() if found) + (
+        f"; measured within the scattered 10th-90th percentiles {sum(inside)} of "
+        f"{len(inside)}" if inside else ""))
     staged = [(c.name, run.rate, f.stages_s, lived or {})
               for c, found, lived_runs in zip(curves, fidelities, live_stages, strict=False)
               for run, f, lived in zip(c.runs, found, lived_runs, strict=False) if f.stages_s]

@@ -29,7 +29,7 @@ import bisect
 import dataclasses
 import math
 import statistics
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -38,6 +38,7 @@ from pydantic import BaseModel, model_validator
 from scipy.optimize import least_squares
 
 from services.planner.latency import PHASES, Contention, LatencyModel, Phase
+from services.planner.noise import Noise, fit_noise
 from services.planner.profiles import Profile
 from shared.state import StepSample
 
@@ -447,6 +448,11 @@ class Calibrator:
                                                                       co.decode_large[0]]
         return min(constants) / 1e3
 
+    def _own(self, phase: Phase) -> list[tuple[Timed, Moments | None]]:
+        """The phase's steps that say something of it (`OWN_SHARE`), placed (`placed`)."""
+        return [(t, moments) for t, moments in self.placed(phase)
+                if t.predicted_s - t.riding_s >= OWN_SHARE * t.predicted_s]
+
     def placed(self, phase: Phase) -> list[tuple[Timed, Moments | None]]:
         """The phase's steps, each with what its machine's other instances ran beside it."""
         settled = self._settled
@@ -481,8 +487,7 @@ class Calibrator:
         for phase in ("decode", "prefill"):  # decode first: a chunked step's decodes are priced
             fields |= {f"{phase}_steps": len(self.steps[phase]), f"{phase}_basis": "profile"}
             # at that phase's correction, and the step's own part is what is left of it
-            placed = [(t, moments) for t, moments in self.placed(phase)
-                      if t.predicted_s - t.riding_s >= OWN_SHARE * t.predicted_s]
+            placed = self._own(phase)
             alone = [t for t, moments in placed if moments == ALONE]
             basis: Basis = "alone" if self._enough_for_level(alone) else "all"
             fitted_on = alone if basis == "alone" else [t for t, _ in placed]
@@ -502,6 +507,38 @@ class Calibrator:
                 for other, factor in self._factors(beside, scale, plus_s, riding).items():
                     contention[f"{phase}_by_{other}"] = factor
         return Calibration.model_validate(fields | {"contention": contention})
+
+    def noise(self, found: Calibration, min_steps: int = 20) -> Noise:
+        """How each phase's steps scatter around `found` (this calibrator's calibration):
+        the ratios of their times to what the corrected profile prices them at, each
+        instance's in the order they ran (`noise.fit_noise`); none for a phase fitted on no
+        steps or on fewer than `min_steps`. A phase fitted on its steps alone prices each
+        step with the contention of the steps beside it, as the simulator does (`core.Host`:
+        its time alone over its mean pace through its moments; a step whose neighbours are
+        not known is left out); one fitted on all of them prices none (its level has it)."""
+        riding = found.correction("decode")[0]
+        contention = found.contention_over(self.latency.contention)
+        fitted: dict[str, Any] = {}
+        for phase in PHASES:
+            basis = getattr(found, f"{phase}_basis")
+            if basis == "profile":
+                continue
+            scale, plus_ms = found.correction(phase)
+            added = {q: contention.factor(phase, [q]) - 1.0 for q in PHASES}
+            runs: defaultdict[str, list[float]] = defaultdict(list)
+            for t, moments in sorted(self._own(phase), key=lambda placed: placed[0].ended):
+                corrected, reads = t.corrected_s(scale, plus_ms / 1e3, riding)
+                if corrected <= 0 or (basis == "alone" and moments is None):
+                    continue
+                priced = corrected
+                if basis == "alone" and moments is not None:
+                    share = reads / corrected
+                    pace = statistics.fmean(1.0 / (1.0 + share * sum(added[q] for q in beside))
+                                            for beside in moments)
+                    priced = corrected / pace
+                runs[t.instance].append(t.seconds / priced)
+            fitted[phase] = fit_noise(list(runs.values()), min_steps)
+        return Noise(**fitted)
 
     def _factors(self, steps: list[tuple[Timed, Moments]], scale: float, plus_s: float,
                  riding: float = 1.0) -> dict[Phase, float]:

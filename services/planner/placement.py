@@ -36,7 +36,8 @@ def instance_spec(profile: Profile, tp: int, pp: int, node: int = 0) -> Instance
     instance of one CPU device takes a pull's blocks beside its step under way)."""
     return InstanceSpec(profile.latency(tp, pp), kv_capacity_tokens(profile, tp, pp),
                         profile.l_m, profile.max_decode_batch, node,
-                        pulls_mid_step=profile.device.startswith("cpu") and tp * pp == 1)
+                        pulls_mid_step=profile.device.startswith("cpu") and tp * pp == 1,
+                        noise=profile.noise)
 
 
 def layout_cluster(profile: Profile, layout: Sequence[InstancePlacement], link: Link,

@@ -19,6 +19,7 @@ from typing import Any
 
 from services.planner.latency import Contention, LatencyModel, PhaseCoefficients
 from services.planner.models import ModelSpec, UnknownModelError, model_spec
+from services.planner.noise import Noise
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,9 @@ class Profile:
     # (tp, pp > 1) -> coefficients measured on that pipeline as the engine runs it: a
     # prompt batch's latency through every stage, a decode round (LatencyModel.rounds)
     pipelines: dict[tuple[int, int], PhaseCoefficients] = field(default_factory=dict)
+    # how its steps' times scatter around the model's (measured on a stack's steps: a
+    # profile fitted to them, `bench compare`'s live one; a file's: none, each step as fitted)
+    noise: Noise = field(default_factory=Noise)
 
     def latency(self, tp: int, pp: int) -> LatencyModel:
         """The model of an instance of `tp` x `pp`: measured on that pipeline where the

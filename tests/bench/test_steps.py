@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from distserve.bench.compare import Measured, recorded, simulate, simulate_live, systems
+from distserve.bench.compare import (
+    DRAWS,
+    Measured,
+    recorded,
+    simulate,
+    simulate_live,
+    systems,
+)
 from distserve.bench.results import RequestRecord, RunResult
 from distserve.bench.runner import Unloaded, system_report
 from distserve.bench.steps import (
@@ -114,6 +121,33 @@ def test_steps_beside_another_instances_give_the_contention_the_rest_the_level()
     # steps never beside a prefill: the profile's own factor stays
     assert contention.decode_by_prefill == CONTENDED.contention.decode_by_prefill == 1.2
     assert "decode beside a decode 1." in live.describe()
+    # every step ran as the fit and its contention price it (but the two half beside a
+    # neighbour, taking a whole step's time beside it): its noise is none to speak of
+    # (the steps beside a neighbour priced at their contention, not read as 1.5x slower)
+    noise = live.noise.decode
+    assert noise is not None and live.noise.prefill is None
+    assert noise.ratio_at(0.05) == pytest.approx(1.0, abs=0.01)
+    assert noise.ratio_at(0.95) == pytest.approx(1.0, abs=0.01)
+
+
+def test_the_live_noise_is_the_steps_spread_and_spells_around_the_fit() -> None:
+    """One decode instance alone whose steps alternate spells of ten at 1.0x and ten at
+    1.25x the profile: the noise around the fit spans those 25%, with half the steps at
+    each level, and a step follows the one before (lag-1 near 1: spells)."""
+    step_s = LATENCY.decode_step_s(1, 200)
+    slower = [1.0 + 0.25 * (k // 10 % 2) for k in range(200)]
+    ends = [sum(slower[:k + 1]) * step_s for k in range(200)]
+    steps = {"decode-0": [StepSample(step=k + 1, batch=1, context=200,
+                                     seconds=slower[k] * step_s, ended=ends[k])
+                          for k in range(200)]}
+    live = live_profile(steps, PROFILE)
+    noise = live.noise.decode
+    assert noise is not None
+    assert noise.ratio_at(0.9) / noise.ratio_at(0.1) == pytest.approx(1.25, rel=0.01)
+    assert noise.ratio_at(0.25) == noise.ratio_at(0.1) and noise.ratio_at(0.75) == \
+        noise.ratio_at(0.9)
+    assert noise.lag1 > 0.8
+    assert "decode x" in live.describe_noise() and "lag-1 0.80" in live.describe_noise()
 
 
 def requests(rate: float, n: int, prompt: int, output: int) -> list[RequestRecord]:
@@ -139,7 +173,10 @@ def test_each_rate_is_simulated_on_the_steps_the_stack_ran_at_it() -> None:
     live = simulate_live(measured, CONTENDED, workload, slo)
     assert live[1] is None
     assert live[0] is not None
-    fit, sim = live[0]
+    fit, sim = live[0].live, live[0].result
+    # the steps all ran as the fit prices them: every draw of their noise simulates the same
+    assert len(live[0].draws) == DRAWS and set(live[0].draws) == {sim.attainment(slo)}
+    assert live[0].band() == (sim.attainment(slo),) * 3
     # the steps do not say when they ran: fitted on all of them, which carry their
     # contention (none on top)
     assert fit.calibration.decode_basis == "all" and fit.profile.contention.none

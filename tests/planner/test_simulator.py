@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from services.planner.latency import Contention, LatencyModel, PhaseCoefficients
+from services.planner.noise import Noise, StepNoise
 from services.planner.placement import instance_spec
 from services.planner.profiles import load_profile, shipped_cpu_profile
 from services.planner.simulator import (
@@ -288,21 +289,27 @@ def edge_runs(spec: InstanceSpec) -> list[list[tuple[float, ...]]]:
                 WorkloadRequest(0.05, 10, 50), WorkloadRequest(0.0, 10, 2)]))]
 
 
-@pytest.mark.parametrize("contention", [Contention(), Contention(1.4, 1.1, 1.2, 1.3)])
+SCATTERED = Noise(StepNoise((0.8, 1.0, 1.4), 0.6), StepNoise((0.9, 1.0, 1.2), 0.7), seed=1)
+
+
+@pytest.mark.parametrize(("contention", "noise"), [(Contention(), Noise()),
+                                                   (Contention(1.4, 1.1, 1.2, 1.3), Noise()),
+                                                   (Contention(), SCATTERED)])
 def test_quiet_decode_steps_taken_at_once_change_no_result(
-        monkeypatch: pytest.MonkeyPatch, contention: Contention) -> None:
+        monkeypatch: pytest.MonkeyPatch, contention: Contention, noise: Noise) -> None:
     """Decode steps in which nothing happens but the clock are run at once
     (`run_quiet_steps`); every request's every timestamp is the same, to the bit, as when
     each step is an event of its own: both modes, their instances on one host (the steps
     slowed by their neighbours') and apart, a small decode pool, at a low rate (long quiet
-    spells) and a high one, and the edges of `edge_runs`."""
+    spells) and a high one, and the edges of `edge_runs`; with the steps' times drawn
+    (`noise`), each draw goes to the same step either way."""
     mixed = Workload(Lengths(np.array([200, 600, 50, 400]), np.array([120, 240, 2, 30])))
     workloads = [Workload(fixed_lengths(200, 120)).requests(rate, 120, seed=5)
                  for rate in (0.5, 20.0)] + [mixed.requests(8.0, 120, seed=6)]
 
     def on(node: int, capacity: int = 10**6) -> InstanceSpec:
         return InstanceSpec(LatencyModel(COEFFS, contention=contention), capacity,
-                            max_batch_tokens=1024, node=node)
+                            max_batch_tokens=1024, node=node, noise=noise)
 
     def runs() -> list[list[tuple[float, ...]]]:
         out = []

@@ -15,6 +15,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from services.planner.latency import Phase
+from services.planner.noise import Jitters, jitters
 from services.planner.simulator.core import (
     DecodeBatch,
     EventLoop,
@@ -52,6 +54,7 @@ class ColocatedInstance:
     batch: DecodeBatch = field(default_factory=DecodeBatch)
     reserved: int = 0
     busy: bool = False
+    jitter: Jitters | None = None  # its steps' draws by phase (None: each as its model says)
 
     @property
     def load(self) -> int:
@@ -93,12 +96,16 @@ class ColocatedInstance:
             lat = self.spec.latency
             # with no prompt in hand (none admitted, the next not fitting), a decode step is
             # planned again and again until an arrival or a finish
+            phase: Phase = "prefill" if chunks else "decode"
+            jitter = self.jitter.get(phase) if self.jitter else None
             if not chunks and not self.prefilling and \
-                    run_quiet_steps(self.loop, self.host, self.batch, lat):
+                    run_quiet_steps(self.loop, self.host, self.batch, lat, jitter):
                 seconds = lat.decode_step_s(self.batch.size, self.batch.sum_ctx)
+            if jitter is not None:
+                seconds *= jitter.take()
             share = 1.0 if chunks else lat.reading_share(self.batch.size, self.batch.sum_ctx)
-            self.host.run(self, "prefill" if chunks else "decode", lat, seconds,
-                        lambda _: self._step_done(chunks, decoding), share)
+            self.host.run(self, phase, lat, seconds,
+                          lambda _: self._step_done(chunks, decoding), share)
 
     def _step_done(self, chunks: list[Chunk], decoding: bool) -> None:
         if decoding:
@@ -175,7 +182,8 @@ def simulate_colocated(cluster: ColocatedCluster,
     loop = EventLoop()
     on = hosts(loop)
     kind = ChunkedInstance if cluster.chunked else PrefillFirstInstance
-    instances = [kind(loop, spec, on[spec.node]) for spec in cluster.instances]
+    instances = [kind(loop, spec, on[spec.node], jitter=jitters(spec.noise, i))
+                 for i, spec in enumerate(cluster.instances)]
     requests = sim_requests(workload)
 
     def dispatch(r: SimRequest) -> None:  # as the gateway does (shared.state.pick_colocated)

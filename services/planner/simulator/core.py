@@ -10,10 +10,11 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.planner.latency import PHASES, Contention, LatencyModel, Phase
+from services.planner.noise import Jitter, Noise
 from shared.metrics import SLO, attainment, tpot
 from shared.workloads import WorkloadRequest
 
@@ -57,6 +58,8 @@ class InstanceSpec:
     # decode: a pull's blocks are taken at once, beside a step under way (one rank on the
     # CPU), not when that step ends (`Engine.blocks_off_thread`)
     pulls_mid_step: bool = False
+    # how its steps' times scatter around its model's (none: each takes the model's time)
+    noise: Noise = field(default_factory=Noise)
 
 
 @dataclass(frozen=True)
@@ -239,7 +242,7 @@ class DecodeBatch:
 
 
 def run_quiet_steps(loop: EventLoop, host: Host, batch: DecodeBatch,
-                    latency: LatencyModel) -> int:
+                    latency: LatencyModel, jitter: Jitter | None = None) -> int:
     """Run at once the decode steps about to start that change nothing but the clock and
     the contexts, and return how many: those before the next one in which a request
     finishes that end before the next event (an arrival, a pull, a neighbour's step), where
@@ -247,14 +250,20 @@ def run_quiet_steps(loop: EventLoop, host: Host, batch: DecodeBatch,
     last one. Each is timed as the step-by-step simulation times it (the same sums in the
     same order), so the results are the same to the bit; where requests decode for hundreds
     of steps between arrivals (the low rates a goodput search probes) it skips nearly all
-    the events."""
+    the events. With `jitter`, each step takes its model's time times its draw, drawn only
+    for the steps run here."""
     if not host.paced_alone(latency.contention):
         return 0
     until, now, context, steps = loop.next_event, loop.now, batch.sum_ctx, 0
     for _ in range(batch.quiet_steps):
-        ends = now + latency.decode_step_s(batch.size, context)
+        seconds = latency.decode_step_s(batch.size, context)
+        if jitter is not None:
+            seconds *= jitter.peek()
+        ends = now + seconds
         if ends >= until:  # an event at the same time ran first in the step-by-step run
             break
+        if jitter is not None:
+            jitter.take()
         now, context, steps = ends, context + batch.size, steps + 1
     if steps:
         batch.skip(steps)

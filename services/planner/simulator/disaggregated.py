@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from services.planner.noise import jitters
 from services.planner.simulator.core import (
     DecodeBatch,
     EventLoop,
@@ -33,9 +34,11 @@ from shared.workloads import WorkloadRequest
 class PrefillInstance:
     def __init__(self, loop: EventLoop, spec: InstanceSpec,
                  on_prefilled: Callable[[SimRequest, PrefillInstance], None],
-                 host: Host | None = None) -> None:
+                 host: Host | None = None, index: int = 0) -> None:
         self.loop, self.spec, self.on_prefilled = loop, spec, on_prefilled
         self.host = host or Host(loop)
+        draws = jitters(spec.noise, index)
+        self.jitter = draws.get("prefill") if draws else None
         self.queue: deque[SimRequest] = deque()
         self.busy = False
         self.held = 0  # KV tokens of prefilled requests not yet pulled, plus the running batch
@@ -74,6 +77,9 @@ class PrefillInstance:
         self.busy = True
         stage_s, latency_s = lat.prefill_stage_s(total, squares), \
             lat.prefill_latency_s(total, squares)
+        if self.jitter is not None:
+            factor = self.jitter.take()
+            stage_s, latency_s = stage_s * factor, latency_s * factor
 
         def stage_free(stretch: float) -> None:  # the later stages run at its pace
             self.loop.at(self.loop.now + (latency_s - stage_s) * stretch, self._done, batch)
@@ -90,9 +96,11 @@ class PrefillInstance:
 
 class DecodeInstance:
     def __init__(self, loop: EventLoop, spec: InstanceSpec, link: Link | None,
-                 host: Host | None = None) -> None:
+                 host: Host | None = None, index: int = 0) -> None:
         self.loop, self.spec, self.link = loop, spec, link
         self.host = host or Host(loop)
+        draws = jitters(spec.noise, index)
+        self.jitter = draws.get("decode") if draws else None
         self.pending: deque[tuple[SimRequest, PrefillInstance | None]] = deque()
         self.joining: list[SimRequest] = []
         self.batch = DecodeBatch()
@@ -142,8 +150,10 @@ class DecodeInstance:
         self.stepping = self.batch.size > 0
         if self.stepping:
             lat = self.spec.latency
-            run_quiet_steps(self.loop, self.host, self.batch, lat)
+            run_quiet_steps(self.loop, self.host, self.batch, lat, self.jitter)
             step = lat.decode_step_s(self.batch.size, self.batch.sum_ctx)
+            if self.jitter is not None:
+                step *= self.jitter.take()
             self.host.run(self, "decode", lat, step, self._step_done,
                           lat.reading_share(self.batch.size, self.batch.sum_ctx))
 
@@ -166,8 +176,9 @@ def simulate_disaggregated(cluster: DisaggregatedCluster,
                            workload: Sequence[WorkloadRequest]) -> SimResult:
     loop = EventLoop()
     on = hosts(loop)
-    decodes = [DecodeInstance(loop, spec, cluster.link, on[spec.node])
-               for spec in cluster.decode]
+    # each instance's step noise its own (the n-th prefill's, decode's: 2n, 2n + 1)
+    decodes = [DecodeInstance(loop, spec, cluster.link, on[spec.node], 2 * i + 1)
+               for i, spec in enumerate(cluster.decode)]
 
     def prefilled(r: SimRequest, src: PrefillInstance) -> None:
         if r.output <= 1 or not decodes:  # done at the first token (or prefill-only study)
@@ -176,8 +187,8 @@ def simulate_disaggregated(cluster: DisaggregatedCluster,
             return
         min(decodes, key=lambda d: d.load).enqueue(r, src)
 
-    prefills = [PrefillInstance(loop, spec, prefilled, on[spec.node])
-                for spec in cluster.prefill]
+    prefills = [PrefillInstance(loop, spec, prefilled, on[spec.node], 2 * i)
+                for i, spec in enumerate(cluster.prefill)]
     requests = sim_requests(workload)
     for r in requests:
         loop.at(r.arrival, lambda r: min(prefills, key=lambda p: p.load).arrive(r), r)
