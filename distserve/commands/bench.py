@@ -35,7 +35,12 @@ from distserve.bench.results import RunResult, goodput, met_everywhere
 from distserve.bench.runner import Unloaded, calibrate, sweep, system_report
 from distserve.bench.workload import BenchWorkload, Limits, parse_bench_workload
 from distserve.commands import bench_engine
-from distserve.commands.common import non_negative_int, positive_float, positive_int
+from distserve.commands.common import (
+    existing_dir,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from services.planner.modes import Candidate, best
 from services.planner.profiles import (
     Profile,
@@ -64,9 +69,9 @@ def register(sub: Any) -> None:
     p.add_argument("--api-key", help="bearer token, if the server wants one")
     p.add_argument("--devices", type=int, default=1,
                    help="devices the server uses, for per-device goodput (default: 1)")
-    p.add_argument("--traces", type=Path, help="a distserve run folder: latency breakdown "
+    p.add_argument("--traces", type=existing_dir, help="a distserve run folder: latency breakdown "
                    "from its traces-*.jsonl")
-    p.add_argument("--timeout", type=float, default=300.0,
+    p.add_argument("--timeout", type=positive_float, default=300.0,
                    help="seconds before a request counts as failed (default: %(default)s)")
     _add_common(p)
     p.set_defaults(parser=p, run=run_bench)
@@ -126,7 +131,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--max-prompt", type=int, default=1024, help="prompts cut to this")
     w.add_argument("--max-output", type=int, default=512, help="outputs cut to this")
-    w.add_argument("--length-scale", type=float, default=1.0,
+    w.add_argument("--length-scale", type=positive_float, default=1.0,
                    help="multiply trace/synthetic lengths first (fit a trace to a small model)")
     s = p.add_argument_group("objectives")
     s.add_argument("--ttft", type=positive_float, help="TTFT objective, seconds")

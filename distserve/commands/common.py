@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import ValidationError
 
@@ -37,6 +39,15 @@ def positive_float(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
+
+
+def existing_dir(text: str) -> Path:
+    """A folder that exists now (a run folder to read)."""
+    path = Path(text)
+    if not path.is_dir():
+        why = "not a folder" if path.exists() else "no such folder"
+        raise argparse.ArgumentTypeError(f"{why}: {text}")
+    return path
 
 
 def positive_floats(text: str) -> list[float]:
@@ -89,3 +100,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           tp=getattr(args, "tp", 1), pp=getattr(args, "pp", 1),
                           kv_cache_bytes=args.kv_cache_mb << 20)
     return config.with_scheduler(block_size=args.block_size)
+
+
+def without_password(url: str) -> str:
+    """The URL as it may be printed: a run's Redis URL carries its password."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    return urlunsplit(parts._replace(netloc=f"{host}:{parts.port}" if parts.port else host))

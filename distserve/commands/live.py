@@ -8,7 +8,6 @@ import json
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import nats
 import nats.errors
@@ -16,6 +15,7 @@ from redis.exceptions import RedisError
 from rich.console import Console
 from rich.table import Table
 
+from distserve.commands.common import without_password
 from services.launcher import read_run_env
 from services.planner.budget import Shape
 from services.planner.calibration import Calibration
@@ -162,12 +162,3 @@ def layout(plan: dict[str, Any], short: bool = False) -> str:
         return (f"{candidate.prefill}{candidate.prefill_shape.label('P')}+"
                 f"{candidate.decode}{candidate.decode_shape.label('D')}")
     return candidate.layout
-
-
-def without_password(url: str) -> str:
-    """The URL as it may be printed: a run's Redis URL carries its password."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    return urlunsplit(parts._replace(netloc=f"{host}:{parts.port}" if parts.port else host))

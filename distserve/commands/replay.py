@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from distserve.bench.loadgen import Target, run_requests, served_model
 from distserve.bench.workload import SYNTHETIC_TOKEN_RANGE, BenchRequest, Limits
+from distserve.commands.common import positive_float, positive_int
 from shared.metrics import percentiles
 from shared.workloads import Trace, WorkloadError, read_trace
 
@@ -24,16 +25,16 @@ def register(sub: Any) -> None:
                        description=__doc__)
     p.add_argument("trace", help="an Azure LLM inference CSV or a Mooncake JSONL trace "
                    "(by extension, or prefixed azure: / mooncake:)")
-    p.add_argument("--speed", type=float, default=1.0,
+    p.add_argument("--speed", type=positive_float, default=1.0,
                    help="time compression: 2 sends the trace twice as fast (default: 1)")
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", help="model name (default: the server's first)")
-    p.add_argument("--limit", type=int, help="only the first N requests")
-    p.add_argument("--length-scale", type=float, default=1.0,
+    p.add_argument("--limit", type=positive_int, help="only the first N requests")
+    p.add_argument("--length-scale", type=positive_float, default=1.0,
                    help="multiply the trace's lengths (fit them to a small model)")
     p.add_argument("--max-prompt", type=int, default=1024)
     p.add_argument("--max-output", type=int, default=512)
-    p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    p.add_argument("--timeout", type=positive_float, default=600.0, help="per request, seconds")
     p.add_argument("--out", type=Path, help="write every request's record here (JSON)")
     p.set_defaults(parser=p, run=run)
 
@@ -61,8 +62,6 @@ def trace_requests(trace: Trace, speed: float, limits: Limits,
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if args.speed <= 0 or (args.limit is not None and args.limit < 1):
-        parser.error("--speed must be positive and --limit at least 1")
     try:
         trace = trace_from_spec(args.trace)
         requests = trace_requests(trace, args.speed, Limits(args.max_prompt, args.max_output,

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from distserve.cli import main
-from distserve.commands.live import layout, without_password
+from distserve.commands.common import without_password
+from distserve.commands.live import layout
 
 
 def closed_port() -> int:
