@@ -249,9 +249,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                  args.json)
     chosen = max(plans, key=rank)
     candidates = [p.candidate() if isinstance(p, Plan) else p for p in searched]
-    plan = chosen.model_copy(update={
-        "profile": args.profile, "profile_model": args.model or "", "dtype": problem.profile.dtype,
-        "prefill_profile": (args.prefill_profile or "") if chosen.prefill_dtype else "",
+    plan = chosen.model_copy(update={  # the profiles by whole path: read from anywhere
+        "profile": str(Path(args.profile).resolve()), "profile_model": args.model or "",
+        "dtype": problem.profile.dtype,
+        "prefill_profile": str(Path(args.prefill_profile).resolve())
+        if chosen.prefill_dtype else "",
         "intra_node_gbps": args.intra_bw, "inter_node_gbps": args.inter_bw,
         "candidates": candidates,
         "reason": f"distserve plan --mode {args.mode} --affinity {args.affinity}"})

@@ -25,7 +25,7 @@ from distserve.commands.workload_arg import WORKLOAD_HELP, add_context_args, par
 from services.planner.baseline import colocated_plan
 from services.planner.models import UnknownModelError
 from services.planner.placement import NoFeasiblePlan, Problem
-from services.planner.plan import Plan
+from services.planner.plan import Plan, named_file
 from services.planner.plan_sim import colocated_on_same_devices, simulate_plan
 from services.planner.profiles import (
     Profile,
@@ -66,13 +66,14 @@ def _load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Pl
                                                                              Workload]:
     try:
         plan = Plan.model_validate_json(args.plan.read_text())
-        profile = load_profile(plan.profile, plan.profile_model or None)
+        profile = load_profile(named_file(args.plan, plan.profile), plan.profile_model or None)
         if plan.prefill_profile:  # its prefill instances priced as they were planned
             try:
-                prefiller = load_profile(plan.prefill_profile, plan.profile_model or None)
+                prefiller = load_profile(named_file(args.plan, plan.prefill_profile),
+                                         plan.profile_model or None)
             except ProfileError as e:
-                raise ProfileError(f"the plan's prefill_profile: {e} (a path is read from "
-                                   "the directory you run in)") from e
+                raise ProfileError(f"the plan's prefill_profile: {e} (a relative path is "
+                                   "read from the working folder, else beside the plan)") from e
             profile = with_prefill_of(profile, prefiller)
         workload = parse_workload(args.workload, args.cv, max_context=args.max_context,
                                   fit=args.fit)
@@ -105,9 +106,9 @@ def plan_error(plan: Plan) -> str:
     if not plan.instances:
         return "it has no instances"
     roles = {i.role for i in plan.instances}
-    needed = {"colocated"} if plan.algorithm == "colocated" else {"prefill", "decode"}
+    needed = {"prefill", "decode"} if plan.mode == "disaggregated" else {"colocated"}
     if roles != needed:
-        return (f"a {plan.algorithm} plan has instances of role {' and '.join(sorted(needed))}"
+        return (f"a {plan.mode} plan has instances of role {' and '.join(sorted(needed))}"
                 f", this one {' and '.join(sorted(roles))}")
     return ""
 
@@ -164,7 +165,7 @@ def sweep(args: argparse.Namespace, parser: argparse.ArgumentParser, plan: Plan,
         parser.error(f"--out {args.out} is a file: give a folder")
     rates = args.rates or [plan.rate_rps * f for f in (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)]
     try:
-        base_profile = load_profile(args.baseline_profile or plan.profile,
+        base_profile = load_profile(args.baseline_profile or named_file(args.plan, plan.profile),
                                     plan.profile_model or None)
         problem = Problem(base_profile, workload, slo, plan.rate_rps, plan.nodes,
                           plan.gpus_per_node, plan.attainment_target, seed=args.seed)

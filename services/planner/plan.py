@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
@@ -26,6 +27,11 @@ class PhasePlan(BaseModel):
 
 
 Mode = Literal["disaggregated", "colocated", "chunked"]
+
+
+ALGORITHMS: dict[str, tuple[str, ...]] = {  # the placement searches that plan each mode
+    "disaggregated": ("high-affinity", "low-affinity"), "colocated": ("colocated",),
+    "chunked": ("colocated",)}
 
 
 class ModeCandidate(BaseModel):
@@ -94,11 +100,15 @@ class Plan(BaseModel):
 
     @model_validator(mode="after")
     def _phases_of_its_mode(self) -> Plan:
-        """A plan a user edited by hand is refused where its mode lacks its instances."""
+        """A plan a user edited by hand is refused where its algorithm is not one of its
+        mode's, or its mode lacks its instances."""
         if self.mode == "disaggregated" and (self.prefill is None or self.decode is None):
             raise ValueError("a disaggregated plan needs both prefill and decode")
         if self.mode != "disaggregated" and self.colocated is None:
             raise ValueError(f"a {self.mode} plan needs colocated (its replicas)")
+        if self.algorithm not in ALGORITHMS[self.mode]:
+            raise ValueError(f"a {self.mode} plan is made by algorithm "
+                             f"{' or '.join(ALGORITHMS[self.mode])}, not {self.algorithm}")
         return self
 
     @property
@@ -120,3 +130,12 @@ class Plan(BaseModel):
                              predicted_attainment=self.predicted_attainment,
                              served_per_device_rps=self.served_per_device_rps,
                              prefill_dtype=self.prefill_dtype)
+
+
+def named_file(plan_file: Path, named: str) -> Path:
+    """A file the plan in `plan_file` names (its profile, its prefill profile): `distserve
+    plan` records it whole; a relative path (an older or a hand-edited plan) is read from the
+    working folder where it is there, else beside the plan file (a plan moved with its
+    profile)."""
+    path = Path(named)
+    return path if path.is_absolute() or path.exists() else plan_file.parent / path

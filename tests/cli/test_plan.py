@@ -258,6 +258,8 @@ def cpu_plan(tmp_path: Path, **edits: object) -> Path:
     ({"rate_rps": float("inf")}, "rate_rps"),
     ({"colocated": None}, "a chunked plan needs colocated"),
     ({"mode": "disaggregated"}, "a disaggregated plan needs both prefill and decode"),
+    ({"algorithm": "high-affinity"},
+     "a chunked plan is made by algorithm colocated, not high-affinity"),
 ])
 def test_simulate_names_what_is_wrong_in_a_hand_edited_plan(
         edits: dict[str, object], message: str, tmp_path: Path,
@@ -313,3 +315,25 @@ def test_a_sweep_that_always_meets_the_target_gives_a_lower_bound(tmp_path: Path
     assert "goodput at least 0.10 req/s (the highest rate swept)" in result.stdout
     curves = json.loads((out / "sweep.json").read_text())
     assert curves["chunked"]["goodput_lower_bound"] is True
+
+
+def test_a_plan_made_with_a_relative_profile_simulates_from_any_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`plan` records the profile's whole path; a plan naming it relatively (an older or a
+    hand-edited one) finds it beside the plan file."""
+    made, moved, elsewhere = tmp_path / "made", tmp_path / "moved", tmp_path / "elsewhere"
+    for folder in (made, moved, elsewhere):
+        folder.mkdir()
+    for folder in (made, moved):
+        (folder / "profile.json").write_text(CPU_PROFILE.read_text())
+    monkeypatch.chdir(made)
+    assert main(["plan", "--profile", "profile.json", "--workload", "fixed:64:8", "--ttft", "3.5",
+                 "--tpot", "0.1", "--nodes", "1", "--gpus-per-node", "1", "--rate", "0.2",
+                 "--mode", "colocated", "--requests", "20", "--workers", "1", "-o",
+                 "plan.json"]) == 0
+    plan = Plan.model_validate_json((made / "plan.json").read_text())
+    assert plan.profile == str((made / "profile.json").resolve())
+    monkeypatch.chdir(elsewhere)
+    for plan_file in (made / "plan.json", cpu_plan(moved, profile="profile.json")):
+        assert main(["simulate", "--plan", str(plan_file), "--workload", "fixed:64:8",
+                     "--requests", "20"]) == 0

@@ -85,6 +85,31 @@ def test_a_plan_file_is_read_or_refused_with_the_reason(tmp_path: Path,
         assert reason in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("edits", "reason"), [
+    ({"algorithm": "colocated"},
+     "a disaggregated plan is made by algorithm high-affinity or low-affinity, not colocated"),
+    ({"mode": "chunked", "algorithm": "low-affinity",
+      "colocated": {"tp": 1, "pp": 1, "count": 2, "goodput_rps": 1}},
+     "a chunked plan is made by algorithm colocated, not low-affinity"),
+])
+def test_a_plan_whose_algorithm_does_not_make_its_mode_is_refused_as_simulate_refuses_it(
+        tmp_path: Path, edits: dict[str, object], reason: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    plan = {"model": "smollm2-135m", "algorithm": "high-affinity", "rate_rps": 1.0,
+            "ttft_s": 1.0, "tpot_s": 0.1, "attainment_target": 0.9, "nodes": 1,
+            "gpus_per_node": 4, "prefill": {"tp": 1, "pp": 1, "count": 1, "goodput_rps": 1},
+            "decode": {"tp": 1, "pp": 1, "count": 1, "goodput_rps": 1}, "instances": [],
+            "devices_used": 2, "per_device_goodput_rps": 1, "predicted_attainment": 1, **edits}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    args, parser = parsed("--plan", str(tmp_path / "plan.json"))
+    with pytest.raises(SystemExit) as exit_:
+        apply_plan(args, parser)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--plan {tmp_path / 'plan.json'}: not a plan from `distserve plan -o`: " in err
+    assert reason in err and "Traceback" not in err
+
+
 def test_profile_measures_each_tp_into_one_profile(tmp_path: Path) -> None:
     model = write_random(tmp_path / "llama", "llama", num_attention_heads=8,
                          num_key_value_heads=8, head_dim=8)
