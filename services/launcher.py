@@ -37,11 +37,13 @@ from services.supervisor import (
     log_tail,
     wait_for_port,
 )
-from shared.engine.config import check_dtype, weight_bits
+from shared.engine.config import ModelConfig, check_dtype, kv_element_bytes, weight_bits
+from shared.engine.parallel.layout import kv_block_bytes, kv_budget_problem
 
 BIN = Path(sys.executable).parent
 NATS_USER = "distserve"
 SERVERS = ("nats", "valkey")  # not restarted: tests stop them on purpose
+REACH_TIMEOUT_S = 3.0  # a server given by URL answers within this, or no stack starts
 
 
 def services_ready(redis_url: str) -> bool:
@@ -53,6 +55,46 @@ def services_ready(redis_url: str) -> bool:
     with Redis.from_url(redis_url) as redis:
         return bool(redis.exists(subjects.ready_key("profiler"))) and \
             bool(redis.exists(subjects.ready_key("planner")))
+
+
+def redis_problem(url: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
+    """Why the Redis at `url` does not answer a PING within `timeout_s`, None if it does."""
+    from redis import Redis
+    from redis.exceptions import RedisError
+
+    try:
+        with Redis.from_url(url, socket_timeout=timeout_s,
+                            socket_connect_timeout=timeout_s) as redis:
+            redis.ping()
+    except (RedisError, OSError, ValueError) as e:
+        return str(e) or type(e).__name__
+    return None
+
+
+def nats_problem(url: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
+    """Why the NATS server at `url` does not take a connection within `timeout_s`, None if
+    it does."""
+    import asyncio
+
+    import nats
+
+    errors: list[Exception] = []
+
+    async def noted(e: Exception) -> None:  # the reason; nats-py raises NoServersError
+        errors.append(e)
+
+    async def connect() -> None:  # tries each server twice (at most 1 reconnect), then gives up
+        nc = await nats.connect(url, connect_timeout=timeout_s, allow_reconnect=False,
+                                max_reconnect_attempts=1, reconnect_time_wait=0.1,
+                                error_cb=noted)
+        await nc.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(connect(), timeout_s))
+    except (OSError, TimeoutError, ValueError, nats.errors.Error) as e:
+        why = errors[-1] if errors else e
+        return str(why) or type(why).__name__
+    return None
 
 
 def write_private(path: Path, text: str) -> None:
@@ -115,6 +157,13 @@ def gpu_driver_loaded(root: Path = Path("/")) -> bool:
         any(dev.glob("nvidia[0-9]*"))
 
 
+def workers_on_gpu(env: Mapping[str, str]) -> bool:
+    """Whether the workers a stack starts with `env` run on GPUs: DS_DEVICE's, else
+    `assign_devices` gives each a GPU where there are any."""
+    device = env.get("DS_DEVICE", "auto")
+    return device.startswith("cuda") or (device == "auto" and gpu_count({}) > 0)
+
+
 def assign_devices(ranks: Sequence[int], gpus: int) -> list[str]:
     """The first device of each worker, whose `ranks[i]` ranks take that GPU and the next
     ones: round robin over the GPUs (each rank its own while there are enough; an instance's
@@ -174,6 +223,20 @@ class StackConfig:
         for key in self.api_keys:
             if not key or "," in key or any(ch.isspace() for ch in key):
                 raise ValueError("an API key must be non-empty, without commas or whitespace")
+
+    def roles(self) -> tuple[str, ...]:
+        return ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
+
+    def kv_problem(self, model: ModelConfig, block_size: int, on_gpu: bool) -> str | None:
+        """Why a worker's KV budget cannot hold a block of `model` (None: every one's can);
+        ValueError where a role's tp or pp cannot split it."""
+        for role in self.roles():
+            block = kv_block_bytes(model, self.tp_for(role), self.pp_for(role), block_size,
+                                   kv_element_bytes(self.dtype_for(role), on_gpu))
+            problem = kv_budget_problem(self.kv_cache_mb << 20, block, block_size, model.name)
+            if problem is not None:
+                return f"{role} workers: {problem}"
+        return None
 
     def weights_for(self, role: str) -> str:
         own = {"prefill": self.prefill_weights, "decode": self.decode_weights}.get(role, "")
@@ -361,6 +424,11 @@ class Stack:
     @property
     def children(self) -> list[Child]:
         return self.supervisor.children
+
+    def begin_stop(self) -> None:
+        """A signal stops the stack: its children's exits from now on are part of it
+        (Supervisor.begin_stop). Safe in a signal handler."""
+        self.supervisor.begin_stop()
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM the services (workers drain, the planner stops the workers it started),

@@ -169,6 +169,7 @@ class Supervisor:
         self._children: dict[str, Child] = {}
         self._lock = threading.Lock()  # the monitor and the caller both change children
         self._monitor: threading.Thread | None = None
+        self._closing = False  # every child is about to be stopped: none is restarted
 
     def spawn(self, name: str, argv: list[str], env: Env | None = None,
               restart: bool = False, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
@@ -200,6 +201,12 @@ class Supervisor:
     def restarts(self) -> dict[str, int]:
         with self._lock:
             return {c.name: c.restarts for c in self._children.values()}
+
+    def begin_stop(self) -> None:
+        """Every child is about to be stopped (a Ctrl-C reaches the children too, before
+        `stop` marks them): a child that exits from now on is stopped, not restarted. Safe in
+        a signal handler (takes no lock)."""
+        self._closing = True
 
     def stop(self, names: Iterable[str] | None = None, grace: float = 10.0) -> None:
         """Stop the named children (default: all), the last started first: SIGTERM, then
@@ -249,14 +256,21 @@ class Supervisor:
     def _check(self, child: Child, now: float) -> None:
         """Restart `child` if its backoff is over; else notice whether it exited."""
         if child.due is not None:
-            if now >= child.due:
+            if self._closing:
+                child.done, child.due = True, None
+                log.info("%s is not restarted: stopping", child.name)
+            elif now >= child.due:
                 self._restart(child, now)
             return
         code = child.proc.poll()
         if code is None:
             return
-        delay = restart_delay(code, now - child.started, child.delay_s, self.backoff)
         how = f"{child.name} exited {describe_exit(code)}"
+        if self._closing:
+            child.done = True
+            log.info("%s; stopping, not restarted", how)
+            return
+        delay = restart_delay(code, now - child.started, child.delay_s, self.backoff)
         if delay is None or not child.restart:
             child.done = True
             level = logging.INFO if code == 0 else logging.WARNING

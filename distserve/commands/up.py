@@ -11,11 +11,25 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from distserve.commands.common import first_error, non_negative_int, positive_float, positive_int
-from services.launcher import Stack, StackConfig, StartError, gateway_host
+from distserve.commands.common import (
+    first_error,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    without_password,
+)
+from services.launcher import (
+    Stack,
+    StackConfig,
+    StartError,
+    gateway_host,
+    nats_problem,
+    redis_problem,
+    workers_on_gpu,
+)
 from services.planner.modes import MODES, SWITCH_MARGIN, parse_modes
 from services.supervisor import port_problem
-from shared.engine.config import DTYPE_NAMES, WEIGHT_FORMATS
+from shared.engine.config import DTYPE_NAMES, WEIGHT_FORMATS, ModelConfig
 
 
 def register(sub: Any) -> None:
@@ -24,9 +38,12 @@ def register(sub: Any) -> None:
                                    "given), the prefill and decode instances (or colocated "
                                    "workers) and the gateway, each its own process.")
     p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
-    p.add_argument("--prefill", type=int, default=1, help="prefill instances")
-    p.add_argument("--decode", type=int, default=1, help="decode instances")
-    p.add_argument("--replicas", type=int, default=1, help="colocated workers")
+    p.add_argument("--prefill", type=positive_int,
+                   help="prefill instances (--mode disaggregated; default: 1)")
+    p.add_argument("--decode", type=positive_int,
+                   help="decode instances (--mode disaggregated; default: 1)")
+    p.add_argument("--replicas", type=positive_int,
+                   help="colocated workers (--mode colocated; default: 1)")
     p.add_argument("--chunked-prefill", action="store_true",
                    help="colocated workers use chunked prefill (Sarathi-style)")
     p.add_argument("--port", type=int, default=8000, help="gateway port")
@@ -142,7 +159,7 @@ def apply_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     """The instances of the plan file `args.plan`, as if given by flags."""
     from pydantic import ValidationError
 
-    from services.planner.plan import Plan
+    from services.planner.plan import Plan, named_file
 
     try:
         plan = Plan.model_validate_json(args.plan.read_text())
@@ -169,10 +186,7 @@ def apply_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         args.prefill_dtype = args.prefill_dtype or plan.prefill_dtype or None  # as priced
         if plan.prefill_profile and args.planner == "auto" and args.prefill_profile is None \
                 and args.prefill_dtype == plan.prefill_dtype:  # priced online as planned
-            # a path as `plan` was given it: from here, else beside the plan file
-            named = Path(plan.prefill_profile)
-            args.plan_prefill_profile = named if named.is_absolute() or named.exists() \
-                else args.plan.parent / named
+            args.plan_prefill_profile = named_file(args.plan, plan.prefill_profile)
     else:
         assert plan.colocated is not None
         args.mode, args.replicas = "colocated", plan.colocated.count
@@ -234,11 +248,27 @@ def planner_env(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
     return env
 
 
+COUNTS = {"disaggregated": ("prefill", "decode"), "colocated": ("replicas",)}
+
+
+def instance_counts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse an instance count `args.mode` does not start (a plan's replace them all); the
+    counts not given: 1 each."""
+    unused = [f"--{name}" for mode, names in COUNTS.items() if mode != args.mode
+              for name in names if getattr(args, name) is not None]
+    if unused and args.plan is None:
+        takes = " and ".join(f"--{name}" for name in COUNTS[args.mode])
+        parser.error(f"--mode {args.mode} does not take {' or '.join(unused)}: it takes "
+                     f"{takes}")
+    for names in COUNTS.values():
+        for name in names:
+            setattr(args, name, getattr(args, name) or 1)
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.plan is not None:
         apply_plan(args, parser)
-    if min(args.prefill, args.decode, args.replicas) < 1:
-        parser.error("--prefill, --decode and --replicas must be at least 1")
+    instance_counts(args, parser)
     if min(args.tp, args.pp) < 1 or min(args.prefill_tp, args.decode_tp, args.prefill_pp,
                                          args.decode_pp) < 0:
         parser.error("--tp and --pp must be at least 1, the per-phase ones at least 1 when "
@@ -253,8 +283,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--port {args.port}: {problem}")
 
     model = str(Path(args.model).resolve()) if os.path.exists(args.model) else args.model
-    try:
-        read_meta(model)  # an unknown model or a checkpoint the workers cannot read: say so now
+    try:  # an unknown model or a checkpoint the workers cannot read: say so now
+        shape, _ = read_meta(model)
     except ValueError as e:
         parser.error(str(e))
     try:
@@ -274,12 +304,19 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                              extra_env=env if args.planner == "auto" else {})
     except ValueError as e:
         parser.error(str(e))
+    check_kv_budget(config, shape, parser)
+    check_servers(args, parser)
     # the supervisor says here which child crashed and when it is restarted
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     stack = Stack(config)
     stop = threading.Event()
+
+    def stopping(*_: object) -> None:  # a Ctrl-C reaches the children too: they exit now
+        stack.begin_stop()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, stopping)
     print(f"starting {args.mode} stack (logs in {stack.run_dir}) ...", flush=True)
     try:
         stack.start(abort=stop)  # Ctrl-C while starting stops it
@@ -299,6 +336,35 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"stopping ...{restarted(stack)}", flush=True)
         stack.stop()
     return 0
+
+
+def check_kv_budget(config: StackConfig, model: ModelConfig,
+                    parser: argparse.ArgumentParser) -> None:
+    """Every worker's --kv-cache-mb holds a KV block of `model` (else the worker would stop
+    at start), in blocks of the workers' size and the dtype of their device."""
+    from pydantic import ValidationError
+
+    from services.process import WorkerSettings
+
+    try:
+        block_size = WorkerSettings().block_size  # as the workers read it: DS_BLOCK_SIZE
+    except ValidationError:
+        return  # a DS_* setting the workers refuse: each says which, as it starts
+    try:
+        problem = config.kv_problem(model, block_size, workers_on_gpu(os.environ))
+    except ValueError as e:  # a tp or pp that cannot split the model
+        parser.error(str(e))
+    if problem is not None:
+        parser.error(problem)
+
+
+def check_servers(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The NATS and Redis given by URL answer now: else nothing starts (the workers would
+    retry them forever, and the stack would never serve)."""
+    for name, url, problem in (("NATS", args.nats_url, nats_problem),
+                               ("Redis", args.redis_url, redis_problem)):
+        if url is not None and (why := problem(url)) is not None:
+            parser.error(f"cannot reach {name} at {without_password(url)}: {why}")
 
 
 def restarted(stack: Stack) -> str:

@@ -24,6 +24,13 @@ QUANT_BLOCK = 32  # weights a quantization block has, with its scale (and minimu
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 
 
+def kv_element_bytes(dtype: str, on_gpu: bool) -> int:
+    """Bytes of an element of the KV pool of an instance computing in `dtype`, without torch
+    (model_runner.kv_dtype): float32 on a CPU whatever it computes in; on a GPU its compute
+    dtype ("auto": a 16-bit one)."""
+    return 2 if on_gpu and dtype != "float32" else 4
+
+
 def check_dtype(name: str) -> None:
     """ValueError for a dtype name the engine does not know."""
     if name not in DTYPE_NAMES:

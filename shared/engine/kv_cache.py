@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from shared.engine.config import ModelConfig
+from shared.engine.parallel.layout import kv_budget_problem
 
 MIB = 1 << 20
 MAX_WARM_BYTES = 256 * MIB  # what `Staging.warm` lays ready at most, in all
@@ -32,7 +33,7 @@ class KVCache:
         self, config: ModelConfig, num_blocks: int, block_size: int,
         dtype: torch.dtype, device: torch.device,
     ) -> None:
-        assert num_blocks > 0, "the KV budget does not hold a single block"
+        assert num_blocks > 0, "a budget is checked first (kv_budget_problem)"
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads,
@@ -46,8 +47,11 @@ class KVCache:
         cls, config: ModelConfig, budget_bytes: int, block_size: int,
         dtype: torch.dtype, device: torch.device,
     ) -> KVCache:
-        return cls(config, budget_bytes // block_bytes(config, block_size, dtype), block_size,
-                   dtype, device)
+        block = block_bytes(config, block_size, dtype)
+        problem = kv_budget_problem(budget_bytes, block, block_size, config.name)
+        if problem is not None:
+            raise ValueError(problem)
+        return cls(config, budget_bytes // block, block_size, dtype, device)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store K/V of new tokens ([T, kv_heads, head_dim]) at token slots

@@ -4,7 +4,6 @@ SchedulerOutput into tensors, runs the forward pass and samples."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import math
@@ -23,12 +22,19 @@ from shared.engine.attention import (
     pick_decode_attention,
 )
 from shared.engine.config import EngineConfig, ModelConfig, weight_bits
-from shared.engine.kv_cache import Alloc, KVCache, block_bytes
+from shared.engine.kv_cache import Alloc, KVCache
 from shared.engine.loader import LoadedModel
 from shared.engine.model import LlamaModel
 from shared.engine.parallel.group import Command, RankFailed, Ranks, rank_threads
 from shared.engine.parallel.kv_serving import export_part
-from shared.engine.parallel.layout import KvSpan, RankPlace, check_tp, stage_layers
+from shared.engine.parallel.layout import (
+    KvSpan,
+    RankPlace,
+    check_tp,
+    kv_block_bytes,
+    kv_budget_problem,
+    stage_layers,
+)
 from shared.engine.parallel.packet import pack
 from shared.engine.parallel.pipeline import hidden_states, last_stage, run_stage
 from shared.engine.request import Draw, TopLogprobs
@@ -147,11 +153,12 @@ def check_parallel(config: EngineConfig) -> None:
 def kv_pool(model: LlamaModel, config: EngineConfig) -> KVCache:
     """The model's KV pool from the config's budget: the same number of blocks on every rank
     of an instance (sized for its largest stage), so rank 0's block ids hold everywhere."""
-    stages = stage_layers(model.config.num_layers, config.pp)
-    widest = dataclasses.replace(model.shard, num_layers=max(len(s) for s in stages))
-    dtype = kv_dtype(model.device, model.dtype)
-    blocks = config.kv_cache_bytes // block_bytes(widest, config.scheduler.block_size, dtype)
-    return KVCache(model.shard, blocks, config.scheduler.block_size, dtype, model.device)
+    dtype, block_size = kv_dtype(model.device, model.dtype), config.scheduler.block_size
+    block = kv_block_bytes(model.config, config.tp, config.pp, block_size, dtype.itemsize)
+    problem = kv_budget_problem(config.kv_cache_bytes, block, block_size, model.config.name)
+    if problem is not None:
+        raise ValueError(problem)
+    return KVCache(model.shard, config.kv_cache_bytes // block, block_size, dtype, model.device)
 
 
 @dataclass
@@ -179,6 +186,7 @@ class ModelRunner:
             self.ranks = Ranks(config)
         try:
             self.model, self.tokenizer = loaded if loaded is not None else load_model(config)
+            self.kv = kv_pool(self.model, config)
         except BaseException:
             self.close()
             raise
@@ -186,7 +194,6 @@ class ModelRunner:
         self.model.decode_attention = pick_decode_attention(self.device)
         if self.ranks is not None and config.tp > 1:
             self.model.all_reduce = self.ranks.all_reduce
-        self.kv = kv_pool(self.model, config)
 
     @property
     def kv_dtype_name(self) -> str:

@@ -136,6 +136,27 @@ def test_a_crash_loop_backs_off_longer_each_time(tmp_path: Path,
     assert (tmp_path / "bad.log").read_text().count("--- supervisor: restart") >= 5
 
 
+def test_children_that_exit_once_a_stop_has_begun_are_stopped_not_restarted(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A Ctrl-C reaches `up`'s children as it reaches `up`: their exits, before `stop` has
+    marked them, are the stop's, not crashes to restart (nor is one whose restart was due)."""
+    caplog.set_level(logging.INFO, logger="services.supervisor")
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    with Supervisor(tmp_path, Backoff(first_s=30.0), poll_s=0.02) as supervisor:
+        crashed = supervisor.spawn("crashed", sleep, restart=True)
+        crashed.kill()
+        wait_until(lambda: supervisor.children[0].due is not None, "the restart to be due")
+        worker = supervisor.spawn("worker", sleep, restart=True)
+        supervisor.begin_stop()
+        os.kill(worker.pid, signal.SIGINT)
+        wait_until(lambda: all(c.done for c in supervisor.children), "both to stay down")
+        assert supervisor.restarts() == {"crashed": 0, "worker": 0}
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0].startswith("crashed exited by SIGKILL; restarting in 30.0 s")
+    assert sorted(said[1:]) == ["crashed is not restarted: stopping",
+                                "worker exited by SIGINT; stopping, not restarted"]
+
+
 def test_stop_kills_a_child_that_ignores_sigterm_after_the_grace(tmp_path: Path) -> None:
     ready = tmp_path / "ready"
     stubborn = ("import signal, sys, time\n"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass
 
 from shared.engine.config import QUANT_BLOCK, ModelConfig
@@ -144,3 +145,27 @@ def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
     return dataclasses.replace(config, num_heads=config.num_heads // tp,
                                num_kv_heads=config.num_kv_heads // tp,
                                intermediate_size=config.intermediate_size // tp)
+
+
+def kv_block_bytes(config: ModelConfig, tp: int, pp: int, block_size: int,
+                   element_bytes: int) -> int:
+    """Bytes of one KV block on a rank of an instance of `tp` ranks by `pp` stages: its share
+    of the KV heads over the widest stage's layers (every rank of an instance holds as many
+    blocks, so that rank 0's block ids hold everywhere)."""
+    layers = max(len(stage) for stage in stage_layers(config.num_layers, pp))
+    shard = dataclasses.replace(shard_config(config, tp) if tp > 1 else config,
+                                num_layers=layers)
+    return block_size * shard.kv_bytes_per_token(element_bytes)
+
+
+def kv_budget_problem(budget_bytes: int, block_bytes: int, block_size: int,
+                      model: str) -> str | None:
+    """Why a rank's KV budget of `budget_bytes` cannot serve `model` (blocks of `block_size`
+    tokens, `block_bytes` each), None if it can: it holds no block. A user's mistake (too
+    small a --kv-cache-mb), said with the smallest budget that holds one."""
+    if budget_bytes >= block_bytes:
+        return None
+    mib = 1 << 20
+    return (f"a KV cache of {budget_bytes / mib:g} MiB holds no block of {model} (a block of "
+            f"{block_size} tokens takes {block_bytes / mib:.3g} MiB a rank): give "
+            f"--kv-cache-mb {math.ceil(block_bytes / mib)} or more")
