@@ -36,7 +36,8 @@ def attainments(report: dict[str, Any]) -> dict[tuple[str, float], tuple[float, 
     out: dict[tuple[str, float], tuple[float, float | None]] = {}
     systems: list[Measured] = recorded(report)
     for measured in systems:
-        for run, live in zip(measured.runs, simulate_live(measured, profile, workload, slo),
+        for run, live in zip(measured.runs, simulate_live(measured, profile, workload, slo,
+                                                           draws=0),
                              strict=True):
             met = 100 * statistics.fmean(attains(r.ttft, r.tpot, slo) for r in run.records)
             out[(measured.system.name, round(run.rate, 3))] = (

@@ -455,6 +455,7 @@ def _print_fidelity(console: Console, curves: Sequence[Curve],
         table.add_column(column, justify="right")
     gaps: dict[str, list[float]] = {"simulated": [], "live": [], "scattered": []}
     inside = []  # whether the measured attainment lies within the draws' p10-p90
+    outside = []  # the rates where it does not, said with their steps' noise
     for c, found, live in zip(curves, fidelities, lives, strict=False):
         for run, sim, raw, f, x in zip(c.runs, c.simulated or [], c.simulated_raw or [], found,
                                        live, strict=False):
@@ -470,6 +471,10 @@ def _print_fidelity(console: Console, curves: Sequence[Curve],
                     gaps["scattered"].append(mean - got)
                     inside.append(low - 1e-9 <= got <= high + 1e-9)
                     scattered = f"{mean:.0%} ({low:.0%}-{high:.0%})"
+                    if not inside[-1]:
+                        outside.append(f"{c.name} at {run.rate:g} req/s: measured {got:.0%}, "
+                                       f"band {low:.0%}-{high:.0%}; its steps against their "
+                                       f"fit: {x.live.describe_noise()}")
                 cells = [f"{x.result.attainment(slo):.0%}", f"{100 * gaps['live'][-1]:+.1f}",
                          scattered, x.live.describe()]
             table.add_row(c.name, f"{run.rate:g}", f"{got:.0%}", f"{sim:.0%}",
@@ -482,6 +487,8 @@ def _print_fidelity(console: Console, curves: Sequence[Curve],
         for name, found in gaps.items() if found) + (
         f"; measured within the scattered 10th-90th percentiles {sum(inside)} of "
         f"{len(inside)}" if inside else ""))
+    for line in outside:
+        console.print(f"  outside the band: {escape(line)}")
     staged = [(c.name, run.rate, f.stages_s, lived or {})
               for c, found, lived_runs in zip(curves, fidelities, live_stages, strict=False)
               for run, f, lived in zip(c.runs, found, lived_runs, strict=False) if f.stages_s]

@@ -40,6 +40,7 @@ from scipy.optimize import least_squares
 from services.planner.latency import PHASES, Contention, LatencyModel, Phase
 from services.planner.noise import Noise, fit_noise
 from services.planner.profiles import Profile
+from services.planner.simulator.core import added_by
 from shared.state import StepSample
 
 Fit = Literal["scale", "offset"]
@@ -524,19 +525,19 @@ class Calibrator:
             if basis == "profile":
                 continue
             scale, plus_ms = found.correction(phase)
-            added = {q: contention.factor(phase, [q]) - 1.0 for q in PHASES}
+            added = added_by(contention, phase)
             runs: defaultdict[str, list[float]] = defaultdict(list)
             for t, moments in sorted(self._own(phase), key=lambda placed: placed[0].ended):
                 corrected, reads = t.corrected_s(scale, plus_ms / 1e3, riding)
-                if corrected <= 0 or (basis == "alone" and moments is None):
+                if corrected <= 0:
                     continue
-                priced = corrected
-                if basis == "alone" and moments is not None:
+                if basis == "alone":  # at its pace beside its neighbours, as `Host` runs it
+                    if moments is None:
+                        continue
                     share = reads / corrected
-                    pace = statistics.fmean(1.0 / (1.0 + share * sum(added[q] for q in beside))
-                                            for beside in moments)
-                    priced = corrected / pace
-                runs[t.instance].append(t.seconds / priced)
+                    corrected /= statistics.fmean(
+                        1.0 / (1.0 + share * sum(added[q] for q in beside)) for beside in moments)
+                runs[t.instance].append(t.seconds / corrected)
             fitted[phase] = fit_noise(list(runs.values()), min_steps)
         return Noise(**fitted)
 

@@ -20,12 +20,12 @@ import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+
+from services.planner.latency import PHASES, Phase
 
 QUANTILES = 41  # of a phase's ratios kept: every 2.5%
 MOST_LAG1 = 0.95  # a process that follows itself closer than this is a level, not noise
 NORMAL = statistics.NormalDist()
-Phase = Literal["prefill", "decode"]  # as services.planner.latency names them
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,8 @@ class Noise:
 
 def fit_noise(runs: Sequence[Sequence[float]], min_steps: int = 20) -> StepNoise | None:
     """One phase's noise from `runs`: each instance's measured/predicted ratios, in the order
-    its steps ran; None under `min_steps` ratios in all."""
+    its steps ran; None under `min_steps` ratios in all. The lag-1 is of each run's normal
+    scores about the run's own mean, pooled over the runs."""
     ratios = sorted(r for run in runs for r in run)
     if len(ratios) < min_steps or ratios[0] <= 0:
         return None
@@ -91,7 +92,13 @@ def fit_noise(runs: Sequence[Sequence[float]], min_steps: int = 20) -> StepNoise
         low, high = bisect.bisect_left(ratios, r), bisect.bisect_right(ratios, r)
         return NORMAL.inv_cdf((low + high) / 2 / n)
 
-    scores = [[score(r) for r in run] for run in runs]
+    # each run's scores about its own mean: an instance steadily above the fit and another
+    # below are levels, not spells (pooled raw, every pair of either would read as one)
+    scores = []
+    for run in runs:
+        zs = [score(r) for r in run]
+        level = statistics.fmean(zs) if zs else 0.0
+        scores.append([z - level for z in zs])
     spread = sum(z * z for run in scores for z in run)
     follows = sum(a * b for run in scores for a, b in itertools.pairwise(run))
     lag1 = follows / spread if spread > 0 else 0.0
@@ -132,8 +139,7 @@ def jitters(noise: Noise, instance: int) -> Jitters | None:
     if noise.none:
         return None
     out: Jitters = {}
-    phases: tuple[Phase, Phase] = ("prefill", "decode")
-    for k, phase in enumerate(phases):
+    for k, phase in enumerate(PHASES):
         found = noise.of(phase)
         if found is not None:
             out[phase] = Jitter(found, random.Random(f"{noise.seed}/{instance}/{k}"))

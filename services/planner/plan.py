@@ -135,7 +135,11 @@ class Plan(BaseModel):
 def named_file(plan_file: Path, named: str) -> Path:
     """A file the plan in `plan_file` names (its profile, its prefill profile): `distserve
     plan` records it whole; a relative path (an older or a hand-edited plan) is read from the
-    working folder where it is there, else beside the plan file (a plan moved with its
-    profile)."""
+    working folder where it is there, else beside the plan file. A whole path that is not
+    there (a plan moved, or copied to another host, with its profile) is looked for beside
+    the plan file by its name."""
     path = Path(named)
-    return path if path.is_absolute() or path.exists() else plan_file.parent / path
+    if path.exists():
+        return path
+    beside = plan_file.parent / (path.name if path.is_absolute() else path)
+    return beside if beside.exists() or not path.is_absolute() else path

@@ -216,8 +216,14 @@ def test_a_recorded_comparison_with_steps_is_simulated_on_them_again(tmp_path: P
     for system in json.loads((out / "results.json").read_text())["systems"]:
         live = system["simulated_attainment_live"]
         assert live[1] is None and 0.0 <= live[0] <= 1.0
-        # steps as profiled: the calibration is the profile's own
+        # steps as profiled: the calibration is the profile's own, and they scatter not at
+        # all around it (59 decode steps: their noise, all 1.0; too few prefills for one)
         assert system["live_calibration"][0]["decode"] == pytest.approx(1.0, rel=0.01)
+        noise = system["live_noise"][0]
+        assert noise["prefill"] is None and noise["decode"]["ratios"] == pytest.approx(
+            [1.0] * 41, rel=1e-3)
+        draws = system["simulated_attainment_live_draws"]
+        assert len(draws[0]) == DRAWS and set(draws[0]) == {live[0]} and draws[1] is None
         assert system["runs"][0]["steps"]["decode-0"][0][:4] == [1, [], 1, 130]
         # where the live simulation's time went, beside the spans' (a disaggregated stack's)
         staged = system["live_stages_s"]

@@ -320,7 +320,8 @@ def test_a_sweep_that_always_meets_the_target_gives_a_lower_bound(tmp_path: Path
 def test_a_plan_made_with_a_relative_profile_simulates_from_any_folder(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`plan` records the profile's whole path; a plan naming it relatively (an older or a
-    hand-edited one) finds it beside the plan file."""
+    hand-edited one), or by a whole path that is gone (the folder moved), finds it beside the
+    plan file."""
     made, moved, elsewhere = tmp_path / "made", tmp_path / "moved", tmp_path / "elsewhere"
     for folder in (made, moved, elsewhere):
         folder.mkdir()
@@ -337,3 +338,8 @@ def test_a_plan_made_with_a_relative_profile_simulates_from_any_folder(
     for plan_file in (made / "plan.json", cpu_plan(moved, profile="profile.json")):
         assert main(["simulate", "--plan", str(plan_file), "--workload", "fixed:64:8",
                      "--requests", "20"]) == 0
+    # the folder moved (or copied to another host) with its plan and profile: the whole path
+    # recorded is gone, and the profile beside the plan is read
+    made.rename(tmp_path / "carried")
+    assert main(["simulate", "--plan", str(tmp_path / "carried" / "plan.json"), "--workload",
+                 "fixed:64:8", "--requests", "20"]) == 0

@@ -159,3 +159,30 @@ def test_spells_near_capacity_spread_a_runs_outcome() -> None:
     assert statistics.pstdev(fitted) == 0.0
     assert statistics.pstdev(spells) > 2 * statistics.pstdev(apart) > 0
     assert fitted[0] < statistics.fmean(apart) < statistics.fmean(spells)
+
+
+def test_instances_steadily_above_and_below_the_fit_are_levels_not_spells() -> None:
+    """Two instances whose ratios are independent draws, one 4% above the fit and one 4%
+    below: their lag-1 is that of independent steps, not of spells."""
+    rng = random.Random(9)
+    runs = [[level * math.exp(rng.gauss(0.0, 0.05)) for _ in range(500)]
+            for level in (1.04, 0.96)]
+    noise = fit_noise(runs)
+    assert noise is not None and noise.lag1 < 0.1
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_each_simulated_instance_draws_its_own_steps(mode: str) -> None:
+    """Two like instances given a prompt each at once: their steps draw from their own
+    streams, so the prompts finish at different times (one stream would time them alike)."""
+    spec = InstanceSpec(LatencyModel(COEFFS), 10**6, 512, noise=Noise(
+        StepNoise((0.5, 1.0, 1.5)), StepNoise((0.5, 1.0, 1.5)), seed=1))
+    requests = Workload(fixed_lengths(200, 1)).requests(1.0, 2, seed=0)
+    requests = [dataclasses.replace(r, arrival_s=0.0) for r in requests]
+    if mode == "disaggregated":
+        result = simulate_disaggregated(DisaggregatedCluster([spec, spec], [], Link(1)),
+                                        requests)
+    else:
+        result = simulate_colocated(ColocatedCluster([spec, spec]), requests)
+    first, second = (r.first_token for r in result.requests)
+    assert first != second
