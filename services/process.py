@@ -17,6 +17,7 @@ from typing import TypeVar
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.asyncio import Redis
 
@@ -58,6 +59,8 @@ class WorkerSettings(BaseSettings):
     kv_retention_s: float = 5.0  # prefill keeps imported KV this long more, for a failover
     kv_pull_timeout_s: float = 10.0  # decode abandons a pull that takes longer
     drain_timeout_s: float = 120.0  # a drain that has not finished by then exits anyway
+    # a gateway whose lease key is read absent this long is gone: its requests are cancelled
+    gateway_lease_s: float = Field(default=10.0, gt=0)
     run_dir: str | None = None  # traces go here as JSON lines (unless OTLP is configured)
 
     def engine_config(self, role: Role) -> EngineConfig:

@@ -1,5 +1,5 @@
 """What every worker process shares beyond services/process.py: the engine host, heartbeats,
-admission and cancels, draining and shutdown."""
+admission and cancels (the gateways' and those of gateways gone), draining and shutdown."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from services.cancelled import Cancelled
+from services.leases import GatewayLeases, read_leases
 from services.process import WorkerSettings
 from shared import subjects
 from shared.bus import connect, parse, publish
@@ -234,6 +235,9 @@ class Worker:
         self.draining = False
         self.attempts: dict[str, int] = {}  # request -> the gateway's attempt served here
         self.cancelled = Cancelled()  # a cancel may overtake its request: never start those
+        # request -> the gateway it came from (PrefillRequest.gateway), set as it arrives;
+        # the requests no longer held are dropped each time the gateways' leases are read
+        self.gateways: dict[str, str] = {}
         self.in_hand: set[asyncio.Task[Any]] = set()  # admissions and aborts under way (detach)
         self.nc: Client
 
@@ -270,6 +274,11 @@ class Worker:
     def holding(self) -> int:
         """Requests the service holds outside the engine (decode: announced, not pulled)."""
         return 0
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the request is here in any form: queued, being taken in or pulled,
+        running, or its KV parked."""
+        raise NotImplementedError
 
     def idle(self) -> bool:
         """Nothing queued, running, parked or being pulled: every KV block is free."""
@@ -311,6 +320,7 @@ class Worker:
         heartbeats.start()
         named = {"engine loop": self.host.run(self.on_outputs, self.on_stalled)}
         named |= {f"background {i}": c for i, c in enumerate(self.background())}
+        named["gateway leases"] = self._cancel_orphans(redis)
         tasks = [asyncio.create_task(c, name=n) for n, c in named.items()]
         config = self.engine.config
         runner = self.engine.runner
@@ -433,13 +443,39 @@ class Worker:
         self.attempts[req.request_id] = req.attempt
         return request
 
-    def cancel_for_me(self, msg: Msg) -> str | None:
+    async def _on_cancel(self, msg: Msg) -> None:
+        self.cancel(parse(msg, Cancel))
+
+    def cancel(self, cancel: Cancel) -> None:
+        """Drop each copy of the request the cancel covers here (`cancel_for_me`): a
+        gateway's, or one for a request whose gateway is gone (`_cancel_orphans`)."""
+        raise NotImplementedError
+
+    async def _cancel_orphans(self, redis: Redis) -> None:
+        """Every ~2 s, read the leases of the gateways whose requests are held here, and
+        cancel the requests of each gateway gone (GatewayLeases) as its clients' cancels
+        would: killed, it cancels nothing, and they ran to max_tokens with nobody listening,
+        their KV taken from new traffic."""
+        leases = GatewayLeases(self.settings.gateway_lease_s)
+        while True:
+            await asyncio.sleep(min(2.0, self.settings.gateway_lease_s / 2))
+            self.gateways = {r: g for r, g in self.gateways.items() if self.holds(r)}
+            present = await read_leases(redis, set(self.gateways.values()) - {""})
+            for gateway, absent_s in leases.observe(present, time.monotonic()).items():
+                orphans = [r for r, g in self.gateways.items()
+                           if g == gateway and self.holds(r)]  # as they are after the read
+                for request_id in orphans:
+                    self.cancel(Cancel(request_id=request_id))
+                if orphans:  # else they all ended during the read
+                    log.warning("%s: gateway %s is gone (no heartbeat for %.0f s): cancelled "
+                                "%d requests", self.id, gateway, absent_s, len(orphans))
+
+    def cancel_for_me(self, cancel: Cancel) -> str | None:
         """The id of the request a cancel drops here (it names every instance, or this one),
         remembered: for every attempt when it names every instance (the client went away:
         nothing of it may start later), for the attempts up to the one it names when it
         names this instance (the request moved away; a later attempt may come back). None
         if the cancel is for another instance."""
-        cancel = parse(msg, Cancel)
         if cancel.instance not in ("", self.id):
             return None
         if not cancel.instance:

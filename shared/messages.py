@@ -38,7 +38,7 @@ class PrefillRequest(BaseModel):
     with the prompt and the next token is sampled at its own output index, so the text goes
     on exactly as it would have."""
 
-    version: Literal[2] = 2  # 2: output_ids, attempt
+    version: Literal[2] = 2  # 2: output_ids, attempt (then gateway, defaulted: still 2)
     request_id: str
     prompt_ids: list[int]
     sampling: Sampling
@@ -46,6 +46,9 @@ class PrefillRequest(BaseModel):
     arrival_ts: float
     output_ids: list[int] = Field(default_factory=list)
     attempt: int = 0  # how many times the gateway has moved the request
+    # the gateway that sent it (its lease, subjects.gateway_key): a worker cancels the
+    # request once that gateway is gone; "": not said (a gateway before it), never
+    gateway: str = ""
 
 
 class Resume(BaseModel):
@@ -101,6 +104,7 @@ class KvReady(BaseModel):
     first_token_ts: float
     attempt: int = 0
     kv_dtype: str = ""  # the blocks' dtype ("float32"); "": not said (a sender before it)
+    gateway: str = ""  # PrefillRequest.gateway, so the decode instance watches its lease too
 
 
 class ReleaseKv(BaseModel):

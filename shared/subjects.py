@@ -66,15 +66,23 @@ def inflight_key(instance: str, gateway: str) -> str:
     return f"{PREFIX}:inflight:{instance}:{gateway}"
 
 
-def inflight_keys(instance: str = "*") -> str:
-    """Pattern of every gateway's inflight_key for an instance (for every instance)."""
-    return f"{PREFIX}:inflight:{instance}:*"
+def inflight_keys(instance: str = "*", gateway: str = "*") -> str:
+    """Pattern of every gateway's inflight_key for an instance (for every instance; of one
+    gateway)."""
+    return f"{PREFIX}:inflight:{instance}:{gateway}"
 
 
 def inflight_of(key: str) -> tuple[str, str]:
     """(instance, gateway) of an inflight_key."""
     instance, gateway = key.removeprefix(f"{PREFIX}:inflight:").rsplit(":", 1)
     return instance, gateway
+
+
+def gateway_key(gateway: str) -> str:
+    """A gateway's lease: it rewrites the key every 0.5 s with a 5 s expiry and deletes it
+    when it stops. A worker holding requests of a gateway whose key has been absent for
+    DS_GATEWAY_LEASE_S cancels them (nobody is left to read their tokens)."""
+    return f"{PREFIX}:gateway:{gateway}"
 
 
 HEARTBEATS = f"{PREFIX}.heartbeats"  # instances -> gateways: InstanceInfo, every heartbeat

@@ -14,7 +14,7 @@ from shared import subjects
 from shared.bus import parse
 from shared.engine.config import Role
 from shared.engine.engine import RequestOutput
-from shared.messages import PrefillRequest
+from shared.messages import Cancel, PrefillRequest
 from shared.telemetry import context_from, record
 
 PENDING = -1  # the copy of an attempt the engine has not yet taken in: no output is its
@@ -47,6 +47,7 @@ class ColocatedService(Worker):
         if req.attempt < self.known.get(req.request_id, -1):
             return  # a newer attempt came first: this one is stale
         self.known[req.request_id] = req.attempt  # before the engine takes it in
+        self.gateways[req.request_id] = req.gateway
         self._untrace(req.request_id)  # an older attempt's, replaced
         self.arrived[req.request_id] = (time.time(), dict(msg.headers or {}),
                                         len(req.prompt_ids))
@@ -103,11 +104,14 @@ class ColocatedService(Worker):
         for traced in (self.arrived, self.began, self.copies, self.decoding):
             traced.pop(request_id, None)
 
-    async def _on_cancel(self, msg: Msg) -> None:
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.known
+
+    def cancel(self, cancel: Cancel) -> None:
         """Abort the request if the cancel covers the newest attempt that came here: a
         cancel naming an older attempt (the gateway moved it away, then back here) leaves
         the newer one be; the engine replaces the older copy with it."""
-        request_id = self.cancel_for_me(msg)
+        request_id = self.cancel_for_me(cancel)
         if request_id is None or request_id not in self.known or \
                 not self.cancelled.covers(request_id, self.known[request_id]):
             return

@@ -38,6 +38,7 @@ from shared.engine.parallel.layout import KvSpan
 from shared.engine.request import Request
 from shared.kv_transfer import KvClient, TransferError, pull_pieces, stop_notifier_thread
 from shared.messages import (
+    Cancel,
     KvReady,
     KvWanted,
     KvWantedReply,
@@ -188,6 +189,7 @@ class DecodeService(Worker):
             pull.cancel()  # its blocks are freed and its KV released as it ends
         self.traces[ready.request_id] = (dict(msg.headers or {}), time.time())
         self.pending.append(ready)
+        self.gateways[ready.request_id] = ready.gateway
         self.room.set()
 
     async def _on_wanted(self, msg: Msg) -> None:
@@ -405,12 +407,12 @@ class DecodeService(Worker):
     def aborted(self) -> None:
         self.room.set()  # its blocks are free: a pull waiting for room may fit now
 
-    async def _on_cancel(self, msg: Msg) -> None:
+    def cancel(self, cancel: Cancel) -> None:
         """Drop each copy of the request the cancel covers, wherever it is (queued, being
         pulled, decoding): all of them when the client left; when the gateway moved the
         request away, those of the attempts up to the one it names, not a later attempt that
         came back here meanwhile (the cancel and the new announcement travel apart)."""
-        request_id = self.cancel_for_me(msg)
+        request_id = self.cancel_for_me(cancel)
         if request_id is None:
             return
         stale = functools.partial(self.cancelled.covers, request_id)
@@ -425,7 +427,7 @@ class DecodeService(Worker):
         if request_id in self.attempts and stale(self.attempts[request_id]):
             del self.attempts[request_id]
             self.abort(request_id)
-        if not self._holds(request_id):
+        if not self.holds(request_id):
             self.traces.pop(request_id, None)
 
     def _newest(self, request_id: str) -> int:
@@ -436,6 +438,6 @@ class DecodeService(Worker):
             attempts.append(self.pulling[request_id][0])
         return max([*attempts, self.attempts.get(request_id, -1)])
 
-    def _holds(self, request_id: str) -> bool:
+    def holds(self, request_id: str) -> bool:
         return request_id in self.pulling or request_id in self.attempts or any(
             r.request_id == request_id for r in self.pending)

@@ -51,6 +51,7 @@ from shared.telemetry import headers_for, setup_tracing
 from shared.telemetry import shutdown as shutdown_tracing
 
 log = logging.getLogger(__name__)
+EXPIRY_MS = 5000  # the gateway's Redis keys (rewritten every 0.5 s) outlive it by this much
 
 
 class GatewaySettings(BaseSettings):
@@ -152,6 +153,9 @@ class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.id = settings.gateway_id or f"gateway-{uuid.uuid4().hex[:6]}"
+        # this incarnation's lease (subjects.gateway_key), named in each request it sends: a
+        # gateway restarted under a fixed id is another one, which cancels nothing it sent
+        self.lease = f"{self.id}.{uuid.uuid4().hex[:6]}" if settings.gateway_id else self.id
         config, self.tokenizer = read_meta(settings.model)
         self.served_model = settings.served_model  # once: it looks at the file system
         self.max_context = config.max_context
@@ -181,11 +185,26 @@ class Gateway:
 
     async def stop(self) -> None:
         self.listener.stop()
-        for task in list(self._tasks):
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # none writes its keys again
+        await self._delete_keys()
         shutdown_tracing()
         await self.nc.drain()
         await self.redis.aclose()
+
+    async def _delete_keys(self) -> None:
+        """This gateway's lease and in-flight counts, deleted as it stops: a worker then
+        cancels what it may still hold of this gateway's, and a draining one does not wait
+        for the counts to expire. Where Redis fails they expire by themselves."""
+        try:
+            counts = [k async for k in self.redis.scan_iter(
+                match=subjects.inflight_keys(gateway=self.id), count=1000)]
+            await self.redis.delete(subjects.gateway_key(self.lease), *counts)
+        except (RedisError, OSError) as e:
+            log.warning("cannot delete this gateway's keys in Redis (they expire in %d s): %s",
+                        EXPIRY_MS // 1000, e)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -218,17 +237,19 @@ class Gateway:
         return self.view.instances(role, now) or self.view.recent(role, now)
 
     async def _publish_inflight(self, every_s: float = 0.5) -> None:
-        """This gateway's in-flight counts per instance, in Redis with an expiry: a draining
-        instance waits for them, and a gateway that dies leaves none behind; and the other
-        gateways', which colocated and prefill dispatch count (`elsewhere`; none while Redis
-        fails)."""
+        """This gateway's lease and its in-flight counts per instance, in Redis with an
+        expiry: a draining instance waits for the counts, a gateway that dies leaves none
+        behind, and the workers cancel its requests once its lease is gone a while; and the
+        other gateways' counts, which colocated and prefill dispatch count (`elsewhere`;
+        none while Redis fails)."""
         failing = False
         while True:
             counts = self.ledger.per_instance()
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.set(subjects.gateway_key(self.lease), time.time(), px=EXPIRY_MS)
                     for instance, n in counts.items():
-                        pipe.set(subjects.inflight_key(instance, self.id), n, px=5000)
+                        pipe.set(subjects.inflight_key(instance, self.id), n, px=EXPIRY_MS)
                     await pipe.execute()
                 if {"colocated", "prefill"} & set(self.roles):  # what dispatch counts
                     self.elsewhere = await others_in_flight(self.redis, self.id)
@@ -407,7 +428,8 @@ class Gateway:
         await publish(self.nc, subjects.prefill(relay.worker), PrefillRequest(
             request_id=relay.request_id, prompt_ids=prompt_ids, sampling=sampling,
             decode_instance=relay.decode, arrival_ts=timing.arrival_ts,
-            output_ids=relay.output_ids, attempt=relay.attempt), headers=headers)
+            output_ids=relay.output_ids, attempt=relay.attempt, gateway=self.lease),
+            headers=headers)
 
     async def _move(self, relay: Relay, lost: Lost, prompt_ids: list[int],
                     sampling: Sampling, timing: RequestTiming) -> None:

@@ -183,8 +183,10 @@ async def collect(call: Call) -> dict[str, Any]:
                 whole.top_logprobs += chunk.top_logprobs
                 whole.finish_reason = chunk.finish_reason or whole.finish_reason
                 call.take(chunk)
-    except GaveUp as e:
-        raise APIError(503, f"the request failed: {e}", kind="server_error") from None
+    except GaveUp as e:  # nothing live to move it to, or moved too often: a later try may do
+        retry_after = str(call.gateway.settings.retry_after_s)
+        raise APIError(503, f"the request failed: {e}", kind="server_error",
+                       headers={"Retry-After": retry_after}) from None
     text, logprobs = await shown(call, whole)
     finish = call.finish(whole.finish_reason)
     if call.splitter is not None:

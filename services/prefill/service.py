@@ -29,6 +29,7 @@ from shared.engine.parallel.layout import KvSpan
 from shared.engine.request import Request
 from shared.kv_transfer import KvServer, Served, stop_notifier_thread, unwire, wire
 from shared.messages import (
+    Cancel,
     KvReady,
     KvSource,
     KvWanted,
@@ -142,6 +143,7 @@ class PrefillService(Worker):
         if held is not None:  # an older attempt of it is still here
             self._forget(req.request_id)
         self.requests[req.request_id] = req
+        self.gateways[req.request_id] = req.gateway
         self.arrived[req.request_id] = (time.time(), dict(msg.headers or {}))
         # until the engine has this attempt, its outputs are an older attempt's
         self.admitting[req.request_id] = req.attempt
@@ -200,8 +202,8 @@ class PrefillService(Worker):
                 output_ids=output_ids, last_logprob=last_logprob,
                 computed=parked.num_computed, sampling=req.sampling,
                 arrival_ts=req.arrival_ts, first_token_ts=first_token_ts,
-                attempt=req.attempt, kv_dtype=self.engine.runner.kv_dtype_name),
-                headers=headers)
+                attempt=req.attempt, kv_dtype=self.engine.runner.kv_dtype_name,
+                gateway=req.gateway), headers=headers)
 
     def _current(self, request_id: str, arrival: int) -> bool:
         """Whether an engine copy of the request (by its admission number) is the attempt
@@ -265,8 +267,11 @@ class PrefillService(Worker):
         if msg.reply:  # the decode instance asks until it hears this
             await msg.respond(b"")
 
-    async def _on_cancel(self, msg: Msg) -> None:
-        request_id = self.cancel_for_me(msg)
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def cancel(self, cancel: Cancel) -> None:
+        request_id = self.cancel_for_me(cancel)
         if request_id is None:
             return
         req = self.requests.get(request_id)

@@ -7,6 +7,7 @@ import asyncio
 import functools
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -24,7 +25,7 @@ from services.gateway.openai_api import (
     TokenLogprob,
     completion_logprobs,
 )
-from services.gateway.routes import choice_ids, choice_seeds, interleaved
+from services.gateway.routes import choice_ids, choice_seeds, collect, interleaved
 from services.gateway.stream import GaveUp, Lost, Relay
 from services.gateway.timing import RequestTiming
 from services.gateway.view import InstanceView
@@ -325,6 +326,18 @@ def test_one_choice_that_gives_up_ends_the_stream_and_closes_the_others() -> Non
     choices = [FakeChoice(0, [0.0, 0.01], gives_up=True), FakeChoice(1, [0.005] + [1.0] * 9)]
     seen, closed = read(choices)
     assert seen[-1] == (-1, "gave up") and closed == [True, True]
+
+
+def test_a_request_that_gave_up_gets_503_with_retry_after() -> None:
+    """Nothing live was left to move it to (or it moved too often): like the 503 before
+    dispatch, the answer says when to try again."""
+    choice = FakeChoice(0, [0.0], gives_up=True)
+    call = SimpleNamespace(request_id="r1", chunks=choice.chunks, take=lambda chunk: None,
+                           gateway=SimpleNamespace(settings=GatewaySettings(retry_after_s=3)))
+    with pytest.raises(APIError) as refused:
+        asyncio.run(collect(call))  # type: ignore[arg-type]
+    assert refused.value.status == 503 and "no instance left" in refused.value.message
+    assert refused.value.headers == {"Retry-After": "3"} and choice.closed
 
 
 def test_completion_prompt_forms() -> None:
