@@ -78,7 +78,7 @@ from distserve.bench.runner import read_spans
 from distserve.bench.workload import Tokenizer, humaneval_prompts
 from services.launcher import Stack, StackConfig
 from services.process import WorkerSettings
-from services.supervisor import free_port, wait_for_port
+from services.supervisor import Restart, free_port, wait_for_port
 from shared.engine.kv_cache import block_bytes
 from shared.engine.meta import read_meta
 from shared.engine.model_runner import kv_dtype, resolve_device, resolve_dtype
@@ -243,15 +243,13 @@ async def freeze(stack: Stack, name: str, seconds: float) -> None:
 
 
 async def restart_server(stack: Stack, name: str, down_s: float) -> None:
-    """SIGKILL a server the supervisor leaves down, then start it again with the same argv
-    and environment (its port, password and config)."""
+    """Take a server down for `down_s` (the supervisor, which would bring it back within a
+    second, told to leave it: a kill at once), then start it again with the same argv and
+    environment (its port, password and config)."""
     (child,) = [c for c in stack.children if c.name == name]
-    child.proc.kill()
-    await asyncio.to_thread(child.proc.wait)
+    await asyncio.to_thread(stack.supervisor.stop, [name], 0.0)
     await asyncio.sleep(down_s)
-    while not child.done:  # the supervisor has seen it exit (and leaves it down)
-        await asyncio.sleep(0.05)
-    proc = stack.supervisor.spawn(name, child.argv, child.env)
+    proc = stack.supervisor.spawn(name, child.argv, child.env, restart=Restart.ALWAYS)
     flag = "-p" if "-p" in child.argv else "--port"
     await asyncio.to_thread(wait_for_port, int(child.argv[child.argv.index(flag) + 1]), proc,
                             name)

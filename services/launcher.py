@@ -1,6 +1,7 @@
 """Start a whole stack on this host: nats-server and valkey-server (from their PyPI packages)
 unless URLs are given, then the workers and the gateway, each its own process. Stopping it
-stops every child; nothing is left behind.
+drains it (the gateway finishes its streams, then the workers, then the servers stop) and
+stops every child; nothing is left behind, even when the launcher is killed.
 
 The servers it starts listen on 127.0.0.1 and require a password made for the run; the
 passwords sit in files readable by their owner only (the servers' config files and the run's
@@ -22,7 +23,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -30,6 +31,7 @@ from typing import Literal
 from services.supervisor import (
     Child,
     Env,
+    Restart,
     Supervisor,
     free_port,
     incarnation,
@@ -42,8 +44,9 @@ from shared.engine.parallel.layout import kv_block_bytes, kv_budget_problem
 
 BIN = Path(sys.executable).parent
 NATS_USER = "distserve"
-SERVERS = ("nats", "valkey")  # not restarted: tests stop them on purpose
+SERVERS = ("nats", "valkey")  # stopped last: every other child talks through them
 REACH_TIMEOUT_S = 3.0  # a server given by URL answers within this, or no stack starts
+SETTLE_S = 10.0  # what a child gets to exit once those it serves have stopped
 
 
 def services_ready(redis_url: str) -> bool:
@@ -140,6 +143,30 @@ def worker_env(env: Mapping[str, str], name: str) -> Env:
     return lambda restarts: {**base(restarts), "DS_INSTANCE_ID": incarnation(name, restarts)}
 
 
+def drain_timeout(env: Mapping[str, str]) -> float:
+    """How long a worker started with `env` drains at most (DS_DRAIN_TIMEOUT_S, read as its
+    settings read it; one they refuse, the default: the workers say why as they start)."""
+    from services.process import WorkerSettings  # here: it imports the NATS and Redis clients
+
+    default = float(WorkerSettings.model_fields["drain_timeout_s"].default)
+    try:
+        value = float(env.get("DS_DRAIN_TIMEOUT_S", default))
+    except ValueError:
+        return default
+    return value if 0 <= value < float("inf") else default
+
+
+def shutdown_order(names: Iterable[str]) -> tuple[list[str], list[str], list[str]]:
+    """A stack's children in the order they are stopped: the gateways (they take no more
+    requests and finish the streams under way), then the workers and the other services
+    (the workers drain what is left; the planner stops those it started), then the servers
+    they all talk through."""
+    names = list(names)
+    gateways = [n for n in names if n.startswith("gateway")]
+    servers = [n for n in names if n in SERVERS]
+    return gateways, [n for n in names if n not in gateways and n not in servers], servers
+
+
 def gpu_count(env: Mapping[str, str]) -> int:
     """GPUs the workers may use: none when the run names a device (DS_DEVICE) itself, or
     where no GPU driver is loaded (then torch would find none: not loaded to be told so)."""
@@ -227,6 +254,12 @@ class StackConfig:
     def roles(self) -> tuple[str, ...]:
         return ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
 
+    def worker_restart(self) -> Restart:
+        """A worker that exits unasked comes back (stopped from outside, it drains and exits
+        0, and the stack would serve without it), but where a planner runs: the planner
+        drains workers on purpose (they exit 0) and owns their count."""
+        return Restart.ON_CRASH if self.planner else Restart.ALWAYS
+
     def kv_problem(self, model: ModelConfig, block_size: int, on_gpu: bool) -> str | None:
         """Why a worker's KV budget cannot hold a block of `model` (None: every one's can);
         ValueError where a role's tp or pp cannot split it."""
@@ -290,9 +323,9 @@ def listener(port: int) -> socket.socket:
 
 
 class Stack:
-    """The stack's processes, run by one supervisor: workers, the gateway, the profiler and
-    the planner are restarted when they crash (a worker under a new instance id, so the
-    gateway sees the old one die); nats and valkey are not."""
+    """The stack's processes, run by one supervisor: each child that exits unasked is
+    restarted (a worker under a new instance id, so the gateway sees the old one die; nats
+    and valkey on their port, with their config and password; see `worker_restart`)."""
 
     def __init__(self, config: StackConfig) -> None:
         self.config = config
@@ -300,6 +333,8 @@ class Stack:
         self.run_dir = config.run_dir / f"{stamp}-{os.getpid()}"
         self.supervisor = Supervisor(self.run_dir)
         self.url = f"http://127.0.0.1:{config.port}"
+        # how long stopping waits for the streams under way: as long as a worker drains
+        self.drain_s = drain_timeout(os.environ | config.extra_env)
         self._listener: socket.socket | None = None  # the gateway's, while the stack runs
 
     def start(self, timeout: float = 300.0, abort: threading.Event | None = None) -> None:
@@ -333,7 +368,8 @@ class Stack:
         write_private(config, f'authorization {{\n  user: "{NATS_USER}"\n'
                               f'  password: "{password}"\n  timeout: 10\n}}\n')
         proc = self.supervisor.spawn("nats", [nats_server_binary(), "-c", str(config), "-a",
-                                              "127.0.0.1", "-p", str(port)], fixed({}))
+                                              "127.0.0.1", "-p", str(port)], fixed({}),
+                                     restart=Restart.ALWAYS)
         self._serving("nats", port, proc)
         return f"nats://{NATS_USER}:{password}@127.0.0.1:{port}"
 
@@ -344,7 +380,8 @@ class Stack:
         write_private(config, f"requirepass {password}\n")
         proc = self.supervisor.spawn("valkey", [
             valkey_server_binary(), str(config), "--port", str(port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", str(self.run_dir)], fixed({}))
+            "--save", "", "--appendonly", "no", "--dir", str(self.run_dir)], fixed({}),
+            restart=Restart.ALWAYS)
         self._serving("valkey", port, proc)
         return f"redis://:{password}@127.0.0.1:{port}"
 
@@ -373,18 +410,20 @@ class Stack:
             # with a planner the mode may change: the gateway serves whatever is live
             env | {"DS_PORT": str(c.port), "DS_LISTEN_FD": str(fd),
                    "DS_MODE": "auto" if c.planner else c.mode,
-                   "DS_API_KEYS": ",".join(c.api_keys)}), restart=True, pass_fds=(fd,))
+                   "DS_API_KEYS": ",".join(c.api_keys)}), restart=Restart.ALWAYS,
+            pass_fds=(fd,))
         for (role, i), device in zip(workers, devices, strict=True):
             own = env | {"DS_WEIGHTS": c.weights_for(role), "DS_DTYPE": c.dtype_for(role),
                          "DS_TP": str(c.tp_for(role)),
                          "DS_PP": str(c.pp_for(role))} | \
                 ({"DS_DEVICE": device} if device else {})
             self.supervisor.spawn(f"{role}-{i}", module(role), worker_env(own, f"{role}-{i}"),
-                                  restart=True)
+                                  restart=c.worker_restart())
         if c.planner:
-            self.supervisor.spawn("profiler", module("profiler"), fixed(env), restart=True)
+            self.supervisor.spawn("profiler", module("profiler"), fixed(env),
+                                  restart=Restart.ALWAYS)
             self.supervisor.spawn("planner", module("planner"), fixed(env | c.role_settings()),
-                                  restart=True)
+                                  restart=Restart.ALWAYS)
         expected = ({"colocated": c.replicas} if c.mode == "colocated"
                     else {"prefill": c.prefill, "decode": c.decode})
         self.wait_healthy(timeout, expected, redis_url if c.planner else None, abort)
@@ -430,18 +469,32 @@ class Stack:
         (Supervisor.begin_stop). Safe in a signal handler."""
         self.supervisor.begin_stop()
 
-    def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM the services (workers drain, the planner stops the workers it started),
-        then the servers they talk through; SIGKILL whatever outlives `grace`."""
-        services = [c.name for c in self.children if c.name not in SERVERS]
-        self.supervisor.stop(services, grace)
-        self.supervisor.stop(grace=grace)
+    def stop_now(self) -> None:
+        """Stop without waiting for the drain (a second signal): what `stop` waits for is
+        killed. Safe in a signal handler."""
+        self.supervisor.stop_now()
+
+    def stop(self, drain_s: float | None = None) -> None:
+        """Stop every child in `shutdown_order`, none restarted meanwhile: SIGTERM the
+        gateway, which takes no more connections and finishes its streams, and wait up to
+        `drain_s` (default: the workers' drain timeout) for it and then the other services
+        together (at least SETTLE_S for those), then the servers (SETTLE_S); SIGKILL what
+        outlives its time, and everything once `stop_now` is called."""
+        self.supervisor.end_restarts()  # no gateway is started again on the socket closed next
         if self._listener is not None:
+            # the gateway closes its own copy as it stops: from then on a connection is
+            # refused, instead of waiting in a backlog nobody accepts from
             self._listener.close()
             self._listener = None
+        drain_s = self.drain_s if drain_s is None else drain_s
+        deadline = time.monotonic() + drain_s
+        gateways, services, _ = shutdown_order(c.name for c in self.children)
+        self.supervisor.stop(gateways, drain_s)
+        self.supervisor.stop(services, max(deadline - time.monotonic(), SETTLE_S))
+        self.supervisor.stop(grace=SETTLE_S)  # the servers
 
     def restarts(self) -> dict[str, int]:
-        """How often each child has been restarted after a crash."""
+        """How often each child has been restarted after exiting unasked."""
         return self.supervisor.restarts()
 
     def cpu_seconds(self) -> dict[str, float]:

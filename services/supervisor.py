@@ -1,20 +1,31 @@
 """One way to run child processes: spawn them by name with their output in a log, restart
-the ones that crash, and stop them without leaving any behind. The launcher's stack, the
-planner's local deployer and the test fixtures all run their processes through it.
+the ones that exit unasked, and stop them without leaving any behind. The launcher's stack,
+the planner's local deployer and the test fixtures all run their processes through it.
 
-Whether a child is restarted is the caller's choice per child: a worker or a service that
-crashes comes back after a backoff; a server other processes depend on (nats, valkey) does
-not, so that a test that kills one on purpose sees it stay down. A child that exits with
-code 0 left on purpose (a drained worker) and is never restarted."""
+Whether a child is restarted is the caller's choice per child (`Restart`): a server or a
+service never exits on its own while healthy, so any exit the supervisor did not ask for
+brings it back after a backoff; a worker that a planner drains exits 0 on purpose, and
+only its crashes bring it back.
+
+Each child runs in a process group of its own (a Ctrl-C at the terminal reaches the
+supervisor, which stops the children in its order) and is SIGKILLed by the kernel when the
+thread that spawned it exits (Linux: PR_SET_PDEATHSIG), so a supervisor killed with SIGKILL
+leaves nothing serving. Restarts are spawned by the monitor thread, which lives while any
+child does; spawn the others from a thread that lives as long as the supervisor (the main
+thread, or an event loop's)."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import enum
 import errno
 import logging
+import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -37,11 +48,27 @@ class Backoff:
     stable_s: float = 60.0
 
 
-def restart_delay(returncode: int, uptime_s: float, previous_s: float | None,
-                  backoff: Backoff) -> float | None:
-    """How long to wait before restarting a child that exited, or None: leave it down."""
-    if returncode == 0:
-        return None
+class Restart(enum.Enum):
+    """Which exits the supervisor did not ask for bring a child back."""
+
+    NEVER = "never"
+    ON_CRASH = "on crash"  # a non-zero code or a signal; code 0 is leaving on purpose (drained)
+    ALWAYS = "always"  # any exit: a server or a service never leaves on its own
+
+    @classmethod
+    def of(cls, restart: Restart | bool) -> Restart:
+        """`restart` as a policy; True: ON_CRASH (the planner's deployer asks so)."""
+        if isinstance(restart, Restart):
+            return restart
+        return cls.ON_CRASH if restart else cls.NEVER
+
+    def wants(self, returncode: int) -> bool:
+        """Whether a child that exited with `returncode`, unasked, is started again."""
+        return self is Restart.ALWAYS or (self is Restart.ON_CRASH and returncode != 0)
+
+
+def restart_delay(uptime_s: float, previous_s: float | None, backoff: Backoff) -> float:
+    """How long to wait before restarting a child that exited after `uptime_s`."""
     if previous_s is None or uptime_s >= backoff.stable_s:
         return backoff.first_s
     return min(2 * previous_s, backoff.max_s)
@@ -123,7 +150,7 @@ class Child:
     name: str
     argv: list[str]
     env: Env | None  # None: this process's environment
-    restart: bool
+    restart: Restart
     log: Path
     proc: subprocess.Popen[bytes]
     started: float  # monotonic, of the current incarnation
@@ -147,22 +174,43 @@ def log_tail(path: Path, lines: int = 12) -> str:
     return "\n".join(said[-lines:])
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def dying_with_spawner() -> Callable[[], None] | None:
+    """A `preexec_fn` that has the child SIGKILLed when the thread spawning it exits (its
+    supervisor killed included); None where there is no prctl (not Linux). libc is looked up
+    here, before the fork: the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def die_with_parent() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        if os.getppid() != parent:  # the supervisor died before the line above
+            os._exit(1)
+
+    return die_with_parent
+
+
 def launch(argv: list[str], env: Mapping[str, str] | None, log_path: Path,
            note: str, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
     """`argv` with stdout and stderr appended to `log_path` (the child keeps its own handle),
-    inheriting `pass_fds`."""
+    inheriting `pass_fds`, in a process group of its own, dying with the calling thread."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as out:
         out.write(f"--- supervisor: {note} at {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n"
                   .encode())
         out.flush()
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                env=None if env is None else dict(env), pass_fds=pass_fds)
+                                env=None if env is None else dict(env), pass_fds=pass_fds,
+                                process_group=0, preexec_fn=dying_with_spawner())
 
 
 class Supervisor:
     """Children by name, each logged to `<log_dir>/<name>.log`. A daemon thread polls them
-    every `poll_s` while any is running, and restarts the crashed ones that allow it."""
+    every `poll_s` while any is alive, and restarts those whose policy asks for it."""
 
     def __init__(self, log_dir: Path, backoff: Backoff = Backoff(), poll_s: float = 0.25) -> None:
         self.log_dir, self.backoff, self.poll_s = log_dir, backoff, poll_s
@@ -170,17 +218,20 @@ class Supervisor:
         self._lock = threading.Lock()  # the monitor and the caller both change children
         self._monitor: threading.Thread | None = None
         self._closing = False  # every child is about to be stopped: none is restarted
+        self._now = False  # stop at once: kill what is left, wait for no drain
 
     def spawn(self, name: str, argv: list[str], env: Env | None = None,
-              restart: bool = False, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+              restart: Restart | bool = Restart.NEVER,
+              pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
         """Start `argv` as child `name` (`env(0)` its environment, inheriting `pass_fds`);
-        with `restart`, a crash brings it back with `env(restarts)` and the same fds."""
+        an exit `restart` wants brings it back with `env(restarts)` and the same fds. The
+        child dies with the calling thread (see the module's docstring)."""
         with self._lock:
             if name in self._children and not self._children[name].done:
                 raise ValueError(f"a child named {name} is already running")
             path = self.log_dir / f"{name}.log"
             proc = launch(argv, None if env is None else env(0), path, "started", pass_fds)
-            self._children[name] = Child(name, argv, env, restart, path, proc,
+            self._children[name] = Child(name, argv, env, Restart.of(restart), path, proc,
                                          time.monotonic(), pass_fds=pass_fds)
             if self._monitor is None:
                 self._monitor = threading.Thread(target=self._watch, name="supervisor",
@@ -203,14 +254,27 @@ class Supervisor:
             return {c.name: c.restarts for c in self._children.values()}
 
     def begin_stop(self) -> None:
-        """Every child is about to be stopped (a Ctrl-C reaches the children too, before
-        `stop` marks them): a child that exits from now on is stopped, not restarted. Safe in
-        a signal handler (takes no lock)."""
+        """Every child is about to be stopped (a SIGTERM sent to the whole process group
+        reaches the children too, before `stop` marks them): a child that exits from now on
+        is stopped, not restarted. Safe in a signal handler (takes no lock)."""
         self._closing = True
+
+    def end_restarts(self) -> None:
+        """`begin_stop`, and return once no restart is under way: none starts after this
+        (so the fds the children inherit may be closed)."""
+        self._closing = True
+        with self._lock:  # a restart happens under the lock, after reading _closing
+            pass
+
+    def stop_now(self) -> None:
+        """Stop at once (a second Ctrl-C): what `stop` waits for is killed now, and later
+        stops kill without waiting. Safe in a signal handler (takes no lock)."""
+        self._closing = self._now = True
 
     def stop(self, names: Iterable[str] | None = None, grace: float = 10.0) -> None:
         """Stop the named children (default: all), the last started first: SIGTERM, then
-        SIGKILL whatever outlives `grace`. They are forgotten and never restarted."""
+        SIGKILL whatever outlives `grace` (at once after `stop_now`). They are forgotten and
+        never restarted."""
         wanted = None if names is None else set(names)
         with self._lock:
             chosen = [c for c in reversed(self._children.values())
@@ -219,19 +283,28 @@ class Supervisor:
                 child.stopping = True
         for child in chosen:
             if child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for child in chosen:
-            try:
-                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s outlived %.0f s after SIGTERM; killing it", child.name, grace)
-                child.proc.kill()
-                child.proc.wait()
+                child.proc.send_signal(signal.SIGKILL if self._now else signal.SIGTERM)
+        self._reap(chosen, grace)
         with self._lock:
             for child in chosen:
                 if self._children.get(child.name) is child:
                     del self._children[child.name]
+
+    def _reap(self, chosen: list[Child], grace: float) -> None:
+        """Until every child in `chosen` has exited; SIGKILL those left after `grace` or
+        once `stop_now` is called."""
+        deadline = time.monotonic() + grace
+        while left := [c for c in chosen if c.proc.poll() is None]:
+            if self._now or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        for child in left:
+            if self._now:
+                log.warning("stopping now: killing %s", child.name)
+            else:
+                log.warning("%s outlived %.0f s after SIGTERM; killing it", child.name, grace)
+            child.proc.kill()
+            child.proc.wait()
 
     def __enter__(self) -> Supervisor:
         return self
@@ -241,7 +314,8 @@ class Supervisor:
         self.stop()
 
     def _watch(self) -> None:
-        """Poll until no child is left to watch (the next spawn starts a new monitor)."""
+        """Poll until no child is alive or due to restart (the next spawn starts a new
+        monitor). Not before: a child this thread restarted dies when it exits."""
         while True:
             time.sleep(self.poll_s)
             with self._lock:
@@ -249,7 +323,8 @@ class Supervisor:
                 watched = [c for c in self._children.values() if not (c.done or c.stopping)]
                 for child in watched:
                     self._check(child, now)
-                if not watched:
+                if not any(not (c.done or c.stopping) or c.proc.poll() is None
+                           for c in self._children.values()):
                     self._monitor = None
                     return
 
@@ -270,12 +345,12 @@ class Supervisor:
             child.done = True
             log.info("%s; stopping, not restarted", how)
             return
-        delay = restart_delay(code, now - child.started, child.delay_s, self.backoff)
-        if delay is None or not child.restart:
+        if not child.restart.wants(code):
             child.done = True
             level = logging.INFO if code == 0 else logging.WARNING
             log.log(level, "%s; not restarted; log: %s", how, child.log)
             return
+        delay = restart_delay(now - child.started, child.delay_s, self.backoff)
         child.delay_s, child.due = delay, now + delay
         log.warning("%s; restarting in %.1f s (restart %d); log: %s", how, delay,
                     child.restarts + 1, child.log)

@@ -1,20 +1,61 @@
-"""NATS helpers: publish and parse typed messages."""
+"""NATS helpers: connect (saying what happens to the connection in one line each, not a
+traceback per reconnect attempt), publish and parse typed messages."""
 
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import dataclass, field
 from typing import TypeVar
 
-import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from pydantic import BaseModel
 
 M = TypeVar("M", bound=BaseModel)
+log = logging.getLogger(__name__)
+REPEAT_S = 30.0  # an error said again within this is not logged again
+
+
+@dataclass
+class Repeats:
+    """Which messages to say: each distinct one at most once every `every_s` (a server that
+    is down fails every reconnect attempt, a few times a second, the same way)."""
+
+    every_s: float = REPEAT_S
+    said: dict[str, float] = field(default_factory=dict)  # message -> when it was last said
+
+    def fresh(self, message: str, now: float) -> bool:
+        """Whether to say `message` at `now` (if so, it counts as said then)."""
+        if now - self.said.get(message, -self.every_s) < self.every_s:
+            return False
+        self.said = {m: t for m, t in self.said.items() if now - t < self.every_s}
+        self.said[message] = now
+        return True
 
 
 async def connect(url: str, name: str) -> Client:
-    return await nats.connect(url, name=name, max_reconnect_attempts=-1,
-                              reconnect_time_wait=0.5)
+    """A connection to NATS that reconnects for ever (every 0.5 s); errors are logged in one
+    line each, an error repeated within REPEAT_S once."""
+    nc, repeats = Client(), Repeats()
+
+    async def on_error(e: Exception) -> None:
+        said = f"{type(e).__name__}: {e}"
+        if repeats.fresh(said, time.monotonic()):
+            log.warning("nats (%s): %s", name, said)
+
+    async def on_disconnect() -> None:
+        if not nc.is_closed:  # a close calls it too
+            log.warning("nats (%s): disconnected; reconnecting", name)
+
+    async def on_reconnect() -> None:
+        log.info("nats (%s): reconnected", name)
+
+    await nc.connect(url, name=name, max_reconnect_attempts=-1,
+                     reconnect_time_wait=0.5,  # type: ignore[arg-type]  # typed int: seconds
+                     error_cb=on_error, disconnected_cb=on_disconnect,
+                     reconnected_cb=on_reconnect)
+    return nc
 
 
 async def publish(nc: Client, subject: str, message: BaseModel,

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import http.client
 import logging
 import os
 import signal
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -311,7 +313,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     stack = Stack(config)
     stop = threading.Event()
 
-    def stopping(*_: object) -> None:  # a Ctrl-C reaches the children too: they exit now
+    def stopping(*_: object) -> None:  # the stack drains; a second signal stops it now
+        if stop.is_set():
+            stack.stop_now()
         stack.begin_stop()
         stop.set()
 
@@ -333,9 +337,35 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                   f"'Authorization: Bearer <key>'", flush=True)
         stop.wait()
     finally:
-        print(f"stopping ...{restarted(stack)}", flush=True)
+        print(stopping_message(in_flight(stack), stack.drain_s) + restarted(stack), flush=True)
         stack.stop()
     return 0
+
+
+def stopping_message(requests: int | None, drain_s: float) -> str:
+    """What `up` says as it starts to stop: the requests the gateway has in flight (None: it
+    did not say), how long their drain may take, and how not to wait for it."""
+    what = "requests" if requests is None else \
+        f"{requests} request{'' if requests == 1 else 's'}"
+    return f"stopping: draining {what} in flight (up to {drain_s:.0f} s); Ctrl-C again to " \
+           "stop now"
+
+
+def in_flight(stack: Stack, timeout_s: float = 1.0) -> int | None:
+    """The requests the gateway has admitted and not yet answered (its /metrics), or None
+    where it does not say within `timeout_s`."""
+    from distserve.bench import scrape
+
+    keys = stack.config.api_keys
+    request = urllib.request.Request(f"{stack.url}/metrics", headers={
+        "Authorization": f"Bearer {keys[0]}"} if keys else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            text = response.read().decode()
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    found = scrape.samples(text, "ds_gateway_inflight")
+    return int(found[0][1]) if found else None
 
 
 def check_kv_budget(config: StackConfig, model: ModelConfig,
@@ -368,6 +398,6 @@ def check_servers(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 
 def restarted(stack: Stack) -> str:
-    """` (restarted after a crash: decode-0 2x)`, or nothing when no child crashed."""
+    """` (restarted after exiting: decode-0 2x)`, or nothing when no child was."""
     counts = [f"{name} {n}x" for name, n in stack.restarts().items() if n]
-    return f" (restarted after a crash: {', '.join(counts)})" if counts else ""
+    return f" (restarted after exiting: {', '.join(counts)})" if counts else ""

@@ -1,6 +1,7 @@
 """`distserve up` refuses, before it starts anything, what it cannot run: an instance count
 its mode does not start, a NATS or Redis given by URL that does not answer, a KV budget
-that holds no block of the model. No stack is started here."""
+that holds no block of the model; and what it says as it stops. No stack is started here
+(stopping one: tests/services/test_shutdown.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import pytest
 from tokenizers import Tokenizer, models
 
 from distserve.cli import build_parser
-from distserve.commands.up import check_servers, instance_counts
+from distserve.commands.up import check_servers, in_flight, instance_counts, stopping_message
+from services.launcher import Stack, StackConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -127,3 +129,16 @@ def test_a_kv_budget_under_one_block_of_the_model_is_refused_with_the_minimum(
         "llama-7b-shape (a block of 16 tokens takes 16 MiB a rank): give --kv-cache-mb 16 "
         "or more")
     assert not (tmp_path / "runs").exists()
+
+
+def test_up_says_what_it_drains_as_it_stops_and_how_not_to_wait() -> None:
+    assert stopping_message(3, 120.0) == ("stopping: draining 3 requests in flight (up to "
+                                          "120 s); Ctrl-C again to stop now")
+    assert stopping_message(1, 300.0).startswith("stopping: draining 1 request in flight (up "
+                                                  "to 300 s)")
+    assert stopping_message(None, 120.0).startswith("stopping: draining requests in flight")
+
+
+def test_the_requests_in_flight_are_not_known_where_no_gateway_answers(
+        tmp_path: Path, closed_port: int) -> None:
+    assert in_flight(Stack(StackConfig(port=closed_port, run_dir=tmp_path))) is None

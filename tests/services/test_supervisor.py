@@ -1,5 +1,6 @@
-"""The supervisor: its restart policy as a pure function, and real children that crash, leave
-on purpose, keep crashing or ignore SIGTERM."""
+"""The supervisor: its restart policy as pure functions, and real children that crash, leave
+on purpose or unasked, keep crashing or ignore SIGTERM. How children stop with it and how a
+stack shuts down: test_shutdown.py."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import services.supervisor
 from services.launcher import Stack, StackConfig, StartError
 from services.supervisor import (
     Backoff,
+    Restart,
     Supervisor,
     describe_exit,
     free_port,
@@ -49,24 +51,27 @@ def lines(path: Path) -> list[str]:
 
 # --- the policy ---
 
-def test_a_clean_exit_is_never_restarted() -> None:
-    assert restart_delay(0, 1.0, None, Backoff()) is None
-    assert restart_delay(0, 1.0, 8.0, Backoff()) is None
+def test_a_clean_exit_is_restarted_only_where_any_exit_is() -> None:
+    """A server or a service never exits on its own while healthy (ALWAYS: a clean exit is
+    someone else's SIGTERM); a worker a planner drains leaves with code 0 (ON_CRASH)."""
+    assert [policy.wants(0) for policy in Restart] == [False, False, True]
+    assert [policy.wants(1) for policy in Restart] == [False, True, True]
+    assert [policy.wants(-signal.SIGKILL) for policy in Restart] == [False, True, True]
+    assert (Restart.of(True), Restart.of(False)) == (Restart.ON_CRASH, Restart.NEVER)
 
 
-def test_crashes_back_off_doubling_up_to_the_cap() -> None:
+def test_restarts_back_off_doubling_up_to_the_cap() -> None:
     policy, delays, previous = Backoff(), [], None
     for _ in range(7):
-        previous = restart_delay(1, 0.5, previous, policy)
+        previous = restart_delay(0.5, previous, policy)
         delays.append(previous)
     assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
-    assert restart_delay(-9, 0.5, None, policy) == 1.0  # a signal is a crash too
 
 
 def test_a_child_that_stayed_up_starts_again_from_the_first_delay() -> None:
     policy = Backoff()
-    assert restart_delay(1, 59.9, 16.0, policy) == 30.0
-    assert restart_delay(1, 60.0, 16.0, policy) == 1.0
+    assert restart_delay(59.9, 16.0, policy) == 30.0
+    assert restart_delay(60.0, 16.0, policy) == 1.0
 
 
 def test_exits_are_described_by_code_or_signal_name() -> None:
@@ -105,11 +110,11 @@ def test_a_killed_child_comes_back_with_its_next_incarnations_env(
     assert "--- supervisor: started at " in log and "--- supervisor: restart 1 at " in log
 
 
-def test_a_child_that_exits_0_stays_down(tmp_path: Path,
-                                         caplog: pytest.LogCaptureFixture) -> None:
+def test_a_child_that_exits_0_stays_down_where_only_crashes_restart(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="services.supervisor")
     with Supervisor(tmp_path, FAST, poll_s=0.05) as supervisor:
-        supervisor.spawn("drained", [sys.executable, "-c", "pass"], restart=True)
+        supervisor.spawn("drained", [sys.executable, "-c", "pass"], restart=Restart.ON_CRASH)
         wait_until(lambda: supervisor.children[0].done, "the supervisor to see the exit")
         assert supervisor.proc("drained").returncode == 0
         assert supervisor.restarts() == {"drained": 0}
@@ -117,11 +122,31 @@ def test_a_child_that_exits_0_stays_down(tmp_path: Path,
     assert "drained exited with code 0; not restarted" in caplog.records[0].getMessage()
 
 
+def test_a_child_stopped_from_outside_comes_back_where_any_exit_restarts(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker SIGTERMed by someone else drains and exits 0: the stack would serve without
+    it for ever (it did: 503s while `up` ran on)."""
+    caplog.set_level(logging.INFO, logger="services.supervisor")
+    ids = tmp_path / "ids"
+    with Supervisor(tmp_path, FAST, poll_s=0.05) as supervisor:
+        drains = "import signal, sys\nsignal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+        first = supervisor.spawn("w", [sys.executable, "-c", drains + RECORD_AND_SLEEP, str(ids)],
+                                 lambda n: {**os.environ, "ID": incarnation("w", n)},
+                                 restart=Restart.ALWAYS)
+        wait_until(lambda: lines(ids) == ["w"], "the first incarnation to run")
+        first.terminate()
+        wait_until(lambda: lines(ids) == ["w", "w-r1"], "the restarted child to run")
+        assert first.returncode == 0 and supervisor.restarts() == {"w": 1}
+    assert any(r.getMessage().startswith("w exited with code 0; restarting in 0.1 s")
+               for r in caplog.records)
+
+
 def test_a_child_without_restart_stays_down_after_a_crash(tmp_path: Path) -> None:
     with Supervisor(tmp_path, FAST, poll_s=0.05) as supervisor:
-        supervisor.spawn("nats", [sys.executable, "-c", "raise SystemExit(3)"])
+        supervisor.spawn("fixture", [sys.executable, "-c", "raise SystemExit(3)"])
         wait_until(lambda: supervisor.children[0].done, "the supervisor to see the exit")
-        assert supervisor.proc("nats").returncode == 3 and supervisor.restarts() == {"nats": 0}
+        assert supervisor.proc("fixture").returncode == 3
+        assert supervisor.restarts() == {"fixture": 0}
 
 
 def test_a_crash_loop_backs_off_longer_each_time(tmp_path: Path,
@@ -233,7 +258,7 @@ def test_a_port_picked_for_one_server_is_not_picked_again_for_another(
         ports = [int(url.rsplit(":", 1)[1]) for url in (stack._start_nats(),
                                                        stack._start_valkey())]
     finally:
-        stack.stop(grace=5)
+        stack.stop(drain_s=5)
     assert offers.count(gateway) == 2 and gateway not in ports
 
 
