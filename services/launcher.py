@@ -23,7 +23,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -60,18 +60,32 @@ def services_ready(redis_url: str) -> bool:
             bool(redis.exists(subjects.ready_key("planner")))
 
 
+def within(timeout_s: float, probe: Callable[[], str | None]) -> str | None:
+    """`probe()`'s answer, or that it gave none within `timeout_s`: it runs on a daemon
+    thread, so a name lookup (which no socket timeout bounds) cannot hold the caller."""
+    answer: list[str | None] = []
+    thread = threading.Thread(target=lambda: answer.append(probe()), daemon=True,
+                              name="reach")
+    thread.start()
+    thread.join(timeout_s + 1.0)
+    return answer[0] if answer else f"no answer within {timeout_s:g} s"
+
+
 def redis_problem(url: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
     """Why the Redis at `url` does not answer a PING within `timeout_s`, None if it does."""
     from redis import Redis
     from redis.exceptions import RedisError
 
-    try:
-        with Redis.from_url(url, socket_timeout=timeout_s,
-                            socket_connect_timeout=timeout_s) as redis:
-            redis.ping()
-    except (RedisError, OSError, ValueError) as e:
-        return str(e) or type(e).__name__
-    return None
+    def ping() -> str | None:
+        try:
+            with Redis.from_url(url, socket_timeout=timeout_s,
+                                socket_connect_timeout=timeout_s) as redis:
+                redis.ping()
+        except (RedisError, OSError, ValueError) as e:
+            return str(e) or type(e).__name__
+        return None
+
+    return within(timeout_s, ping)
 
 
 def nats_problem(url: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
@@ -92,12 +106,17 @@ def nats_problem(url: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
                                 error_cb=noted)
         await nc.close()
 
-    try:
-        asyncio.run(asyncio.wait_for(connect(), timeout_s))
-    except (OSError, TimeoutError, ValueError, nats.errors.Error) as e:
-        why = errors[-1] if errors else e
-        return str(why) or type(why).__name__
-    return None
+    def probe() -> str | None:
+        try:
+            asyncio.run(asyncio.wait_for(connect(), timeout_s))
+        except TimeoutError:
+            return str(errors[-1]) if errors else f"no answer within {timeout_s:g} s"
+        except (OSError, ValueError, nats.errors.Error) as e:
+            why = errors[-1] if errors else e
+            return str(why) or type(why).__name__
+        return None
+
+    return within(timeout_s, probe)
 
 
 def write_private(path: Path, text: str) -> None:

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from tokenizers import Tokenizer, models
 
 from distserve.cli import build_parser
 from distserve.commands.up import check_servers, in_flight, instance_counts, stopping_message
-from services.launcher import Stack, StackConfig
+from services.launcher import Stack, StackConfig, nats_problem, redis_problem, within
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -90,6 +91,20 @@ def test_a_nats_or_redis_that_does_not_answer_is_refused_by_its_url_without_pass
         assert f"cannot reach {name} at {scheme}://127.0.0.1:{closed_port}: " in err
         assert "secret" not in err and "Traceback" not in err
     check_servers(*parsed())  # none given: the stack starts its own
+
+
+def test_a_server_that_takes_the_connection_and_never_answers_is_refused_in_time() -> None:
+    """A port that accepts and says nothing (a server hung, a firewall's black hole): each
+    check gives up within its time, saying so, however the client library waits."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        for problem, scheme in ((nats_problem, "nats"), (redis_problem, "redis")):
+            began = time.monotonic()
+            why = problem(f"{scheme}://127.0.0.1:{port}", timeout_s=0.5)
+            assert why is not None and time.monotonic() - began < 5.0
+        assert within(0.2, lambda: time.sleep(3) or None) == "no answer within 0.2 s"
 
 
 def test_up_starts_nothing_where_its_redis_does_not_answer(
