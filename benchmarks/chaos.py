@@ -15,8 +15,9 @@ Faults (`--faults`, in that order, `--gap` seconds apart):
   decode-kill     SIGKILL decode-0's current process (the supervisor restarts it as -rN)
   prefill-kill    SIGKILL prefill-0's current process
   valkey-freeze   SIGSTOP valkey for `--freeze` seconds, then SIGCONT
-  valkey-restart  SIGKILL valkey, `--down` seconds later start it again (same argv: port,
-                  password, config) through the stack's supervisor
+  valkey-restart  take valkey down through the stack's supervisor (which would restart it
+                  within a second: told not to, it kills it at once), `--down` seconds
+                  later start it again (same argv: port, password, config)
   nats-restart    the same for nats-server
   prefill-freeze  SIGSTOP prefill-1 for `--prefill-freeze` seconds, then SIGCONT
 

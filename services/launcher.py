@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from services.supervisor import (
     Child,
@@ -108,6 +109,10 @@ def nats_problem(url: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
 
     def probe() -> str | None:
         try:
+            # resolved here first: nats-py resolves on asyncio's executor, whose thread the
+            # interpreter waits for as it exits (a resolver that hangs would hold `up` there)
+            parts = urlsplit(url)
+            socket.getaddrinfo(parts.hostname or "localhost", parts.port or 4222)
             asyncio.run(asyncio.wait_for(connect(), timeout_s))
         except TimeoutError:
             return str(errors[-1]) if errors else f"no answer within {timeout_s:g} s"

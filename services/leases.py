@@ -16,6 +16,8 @@ from redis.exceptions import RedisError
 
 from shared import subjects
 
+PROBE_MS = 5000  # the expiry of a reader's probe key
+
 
 class GatewayLeases:
     """Gateways whose lease key every reading for `lease_s` found absent. A reading that
@@ -42,12 +44,20 @@ class GatewayLeases:
         return gone
 
 
-async def read_leases(redis: Redis, gateways: Collection[str]) -> dict[str, bool | None]:
+async def read_leases(redis: Redis, gateways: Collection[str],
+                      reader: str = "") -> dict[str, bool | None]:
     """Whether each gateway's lease key is in Redis (one round trip); None for every one
-    where Redis did not answer."""
+    where Redis did not answer, or would not take a write: a Redis that refuses writes but
+    serves reads (out of memory, a failed save, too few replicas, a read-only replica) lets
+    every lease lapse while the gateways live. `reader` names the probe key written so."""
     names = sorted(gateways)
+    if not names:
+        return {}
     try:
-        values = await redis.mget([subjects.gateway_key(g) for g in names]) if names else []
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.set(subjects.lease_probe_key(reader), 1, px=PROBE_MS)
+            pipe.mget([subjects.gateway_key(g) for g in names])
+            _, values = await pipe.execute()
     except (RedisError, OSError):
         return dict.fromkeys(names)
     return {gateway: value is not None for gateway, value in zip(names, values, strict=True)}

@@ -460,7 +460,7 @@ class Worker:
         while True:
             await asyncio.sleep(min(2.0, self.settings.gateway_lease_s / 2))
             self.gateways = {r: g for r, g in self.gateways.items() if self.holds(r)}
-            present = await read_leases(redis, set(self.gateways.values()) - {""})
+            present = await read_leases(redis, set(self.gateways.values()) - {""}, self.id)
             for gateway, absent_s in leases.observe(present, time.monotonic()).items():
                 orphans = [r for r, g in self.gateways.items()
                            if g == gateway and self.holds(r)]  # as they are after the read

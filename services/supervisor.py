@@ -322,7 +322,10 @@ class Supervisor:
                 now = time.monotonic()
                 watched = [c for c in self._children.values() if not (c.done or c.stopping)]
                 for child in watched:
-                    self._check(child, now)
+                    try:
+                        self._check(child, now)
+                    except Exception:  # this thread's end would kill what it restarted
+                        log.exception("restarting %s failed; trying again", child.name)
                 if not any(not (c.done or c.stopping) or c.proc.poll() is None
                            for c in self._children.values()):
                     self._monitor = None

@@ -85,6 +85,12 @@ def gateway_key(gateway: str) -> str:
     return f"{PREFIX}:gateway:{gateway}"
 
 
+def lease_probe_key(reader: str) -> str:
+    """What a worker writes as it reads the leases: a reading counts only where Redis takes
+    writes (else no gateway could renew its lease)."""
+    return f"{PREFIX}:lease-probe:{reader}"
+
+
 HEARTBEATS = f"{PREFIX}.heartbeats"  # instances -> gateways: InstanceInfo, every heartbeat
 
 

@@ -319,7 +319,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         stack.begin_stop()
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: its terminal closed
         signal.signal(sig, stopping)
     print(f"starting {args.mode} stack (logs in {stack.run_dir}) ...", flush=True)
     try:
@@ -337,8 +337,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                   f"'Authorization: Bearer <key>'", flush=True)
         stop.wait()
     finally:
-        print(stopping_message(in_flight(stack), stack.drain_s) + restarted(stack), flush=True)
-        stack.stop()
+        try:  # a closed stdout (`up | tee`, tee gone) must not skip the drain
+            print(stopping_message(in_flight(stack), stack.drain_s) + restarted(stack),
+                  flush=True)
+        except Exception:
+            logging.exception("cannot say how the stack stops")
+        finally:
+            stack.stop()
     return 0
 
 

@@ -258,6 +258,9 @@ class Gateway:
                 if not failing:
                     log.warning("cannot write in-flight counts to Redis: %s", e)
                 failing, self.elsewhere = True, {}
+            except Exception:  # the lease must outlive any one round's fault
+                log.exception("writing this gateway's lease and counts failed; going on")
+                self.elsewhere = {}
             self.ledger.forget_idle(counts)
             self.view.prune(time.monotonic())
             await asyncio.sleep(every_s)

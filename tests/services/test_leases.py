@@ -66,13 +66,24 @@ def test_a_gateway_no_longer_held_is_forgotten() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_leases_are_read_in_redis_and_unknown_where_it_does_not_answer(redis_url: str) -> None:
+def test_leases_are_read_in_redis_and_unknown_where_it_does_not_answer_or_take_writes(
+        redis_url: str) -> None:
     async def main() -> None:
         redis = Redis.from_url(redis_url)
         await redis.set(subjects.gateway_key("gw-here"), 1)
         assert await read_leases(redis, {"gw-here", "gw-gone"}) == {"gw-here": True,
                                                                    "gw-gone": False}
         assert await read_leases(redis, set()) == {}
+        # a Redis that serves reads but refuses writes (here: too few replicas) lets every
+        # lease lapse while its gateway lives: its readings say nothing
+        await redis.config_set("min-replicas-to-write", 1)
+        try:
+            assert await redis.get(subjects.gateway_key("gw-here")) is not None
+            assert await read_leases(redis, {"gw-here", "gw-gone"}, "decode-0") == {
+                "gw-here": None, "gw-gone": None}
+        finally:
+            await redis.config_set("min-replicas-to-write", 0)
+        assert (await read_leases(redis, {"gw-gone"}, "decode-0")) == {"gw-gone": False}
         await redis.aclose()
         nobody = Redis.from_url(f"redis://127.0.0.1:{free_port()}", socket_connect_timeout=1)
         assert await read_leases(nobody, {"gw-here"}) == {"gw-here": None}

@@ -296,3 +296,26 @@ def test_a_logs_tail_leaves_out_the_supervisors_notes_and_blank_lines(tmp_path: 
     assert log_tail(log, lines=3) == "a\nb\nc"
     assert log_tail(log) == "old\na\nb\nc"
     assert log_tail(tmp_path / "absent.log") == ""
+
+
+def test_a_restart_that_fails_is_tried_again_and_the_monitor_lives_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A child whose environment cannot be made for its first restart: the monitor logs it
+    and tries again (its thread ending would kill, by PR_SET_PDEATHSIG, every child it
+    restarted, and no monitor would start again), and the restart after that runs."""
+    record = tmp_path / "ids"
+    asked = []
+
+    def env(restarts: int) -> dict[str, str]:
+        asked.append(restarts)
+        if asked.count(1) == 1 and restarts == 1:
+            raise ValueError("no environment this time")
+        return {**os.environ, "ID": str(restarts)}
+
+    with Supervisor(tmp_path / "logs", FAST) as supervisor, caplog.at_level(logging.ERROR):
+        proc = supervisor.spawn("w", [sys.executable, "-c", RECORD_AND_SLEEP, str(record)],
+                                env, restart=Restart.ALWAYS)
+        wait_until(lambda: lines(record) == ["0"], "the first incarnation")
+        proc.kill()
+        wait_until(lambda: lines(record) == ["0", "1"], "the restart after the failed one")
+        assert "restarting w failed; trying again" in caplog.text
