@@ -1,13 +1,17 @@
 """NATS helpers: connect (saying what happens to the connection in one line each, not a
-traceback per reconnect attempt), publish and parse typed messages."""
+traceback per reconnect attempt), publish and parse typed messages, and deliver one that
+must arrive (acknowledged by its subscriber, tried again where it was not)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from pydantic import BaseModel
@@ -61,6 +65,34 @@ async def connect(url: str, name: str) -> Client:
 async def publish(nc: Client, subject: str, message: BaseModel,
                   headers: dict[str, str] | None = None) -> None:
     await nc.publish(subject, message.model_dump_json().encode(), headers=headers)
+
+
+async def deliver(nc: Client, subject: str, message: BaseModel,
+                  headers: dict[str, str] | None = None, tries: int = 3,
+                  try_s: float = 2.0) -> str | None:
+    """Send `message` to a subscriber that acknowledges it (`acknowledge`), trying `tries`
+    times, waiting `try_s` for the answer each: NATS delivers at most once, and a message
+    published as the connection drops is lost without a word (a fault trial: requests sent
+    as nats-server was killed waited for ever). None once acknowledged, else why not. The
+    subscriber may get it twice (its answer lost): it takes the second for the first."""
+    data, why = message.model_dump_json().encode(), ""
+    for _ in range(tries):
+        try:
+            await nc.request(subject, data, timeout=try_s, headers=headers)
+            return None
+        except nats.errors.NoRespondersError:  # nobody subscribes now: restarting, perhaps
+            why = "no subscriber"
+            await asyncio.sleep(min(try_s, 0.5))
+        except (nats.errors.Error, OSError) as e:  # no answer in time, or no connection
+            why = str(e) or type(e).__name__
+    return why
+
+
+async def acknowledge(msg: Msg) -> None:
+    """Tell the sender of `msg` it arrived, where it asked (`deliver`)."""
+    if msg.reply:
+        with contextlib.suppress(nats.errors.Error, OSError):
+            await msg.respond(b"")
 
 
 def parse(msg: Msg, model: type[M]) -> M:

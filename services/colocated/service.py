@@ -11,7 +11,7 @@ from nats.aio.msg import Msg
 
 from services.runtime import Worker
 from shared import subjects
-from shared.bus import parse
+from shared.bus import acknowledge, parse
 from shared.engine.config import Role
 from shared.engine.engine import RequestOutput
 from shared.messages import Cancel, PrefillRequest
@@ -44,8 +44,9 @@ class ColocatedService(Worker):
 
     async def _on_request(self, msg: Msg) -> None:
         req = parse(msg, PrefillRequest)
-        if req.attempt < self.known.get(req.request_id, -1):
-            return  # a newer attempt came first: this one is stale
+        await acknowledge(msg)
+        if req.attempt <= self.known.get(req.request_id, -1):
+            return  # a newer attempt came first, or this one again (its answer was lost)
         self.known[req.request_id] = req.attempt  # before the engine takes it in
         self.gateways[req.request_id] = req.gateway
         self._untrace(req.request_id)  # an older attempt's, replaced

@@ -33,7 +33,7 @@ from services.gateway.stream import GaveUp, Lost, Relay
 from services.gateway.timing import RequestTiming
 from services.gateway.view import InstanceView
 from shared import subjects
-from shared.bus import connect, parse, publish
+from shared.bus import connect, deliver, parse, publish
 from shared.engine.config import served_name
 from shared.engine.meta import read_meta
 from shared.messages import Cancel, PrefillRequest, Resume, ResumeReply, Sampling, TokenChunk
@@ -74,6 +74,9 @@ class GatewaySettings(BaseSettings):
     stall_timeout_s: float = Field(default=60.0, gt=0)  # no token nor engine step this long
     max_moves: int = Field(default=3, ge=0)  # failovers of one request before it fails
     resume_timeout_s: float = Field(default=2.0, gt=0)  # a prefill instance asked for its KV
+    # a request sent to a worker is acknowledged within this, or sent again (these times)
+    dispatch_ack_s: float = Field(default=2.0, gt=0)
+    dispatch_tries: int = Field(default=3, ge=1)
     failover_wait_s: float = Field(default=30.0, ge=0)  # for a live instance to move to
     # requests in flight at once; beyond it 429. 0: twice what the decoding instances batch
     max_inflight: int = Field(default=0, ge=0)
@@ -427,12 +430,18 @@ class Gateway:
     async def _prefill(self, relay: Relay, prompt_ids: list[int], sampling: Sampling,
                        timing: RequestTiming, headers: dict[str, str] | None = None) -> None:
         """Send the relay's attempt to its worker: the prompt, and the tokens relayed so
-        far (a resumed request continues after them)."""
-        await publish(self.nc, subjects.prefill(relay.worker), PrefillRequest(
+        far (a resumed request continues after them). One the worker never acknowledged
+        (`deliver`: lost as NATS reconnected, or the worker gone) moves at the relay's next
+        read."""
+        why = await deliver(self.nc, subjects.prefill(relay.worker), PrefillRequest(
             request_id=relay.request_id, prompt_ids=prompt_ids, sampling=sampling,
             decode_instance=relay.decode, arrival_ts=timing.arrival_ts,
             output_ids=relay.output_ids, attempt=relay.attempt, gateway=self.lease),
-            headers=headers)
+            headers, self.settings.dispatch_tries, self.settings.dispatch_ack_s)
+        if why is not None:
+            relay.undelivered(f"{relay.worker} never acknowledged attempt {relay.attempt} of "
+                              f"{relay.request_id} ({self.settings.dispatch_tries} tries: "
+                              f"{why})")
 
     async def _move(self, relay: Relay, lost: Lost, prompt_ids: list[int],
                     sampling: Sampling, timing: RequestTiming) -> None:

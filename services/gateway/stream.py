@@ -59,6 +59,7 @@ class Relay:
         self._scored = 0  # the prompt positions whose scores this attempt relayed
         self._queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._sub: Any = None
+        self._undelivered = ""  # why the current attempt never reached its worker
         self.retarget(worker, decode, prefilled=not decode)
 
     def new_attempt(self) -> int:
@@ -95,8 +96,15 @@ class Relay:
     async def _on_chunk(self, msg: Msg) -> None:
         self._queue.put_nowait(parse(msg, TokenChunk))
 
+    def undelivered(self, detail: str) -> None:
+        """The current attempt never reached its worker: the next `next` is Lost."""
+        self._undelivered = detail
+
     async def next(self) -> TokenChunk:
         """The next chunk of the current attempt; Lost if the request cannot go on here."""
+        if self._undelivered:
+            detail, self._undelivered = self._undelivered, ""
+            raise Lost("undelivered", detail)
         while True:
             try:
                 chunk = await asyncio.wait_for(self._queue.get(), timeout=self.poll_s)

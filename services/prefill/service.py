@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from services.process import WorkerSettings
 from services.runtime import Worker
 from shared import subjects
-from shared.bus import parse, publish
+from shared.bus import acknowledge, parse, publish
 from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.kv_cache import Staging
@@ -137,9 +137,10 @@ class PrefillService(Worker):
 
     async def _on_request(self, msg: Msg) -> None:
         req = parse(msg, PrefillRequest)
+        await acknowledge(msg)
         held = self.requests.get(req.request_id)
-        if held is not None and req.attempt < held.attempt:
-            return  # a newer attempt came first: this one is stale
+        if held is not None and req.attempt <= held.attempt:
+            return  # a newer attempt came first, or this one again (its answer was lost)
         if held is not None:  # an older attempt of it is still here
             self._forget(req.request_id)
         self.requests[req.request_id] = req

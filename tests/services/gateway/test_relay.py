@@ -3,6 +3,7 @@ moves, and when a request is lost where it is (for the gateway to move it)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -167,3 +168,22 @@ def test_a_request_on_a_decode_instance_that_preempted_some_is_not_lost() -> Non
                                   preempted=2), float(t))
         beat(view, float(t), ("p0", "prefill", 1))
         r._check(float(t))
+
+
+def test_an_attempt_its_worker_never_acknowledged_is_lost_at_the_next_read() -> None:
+    """The gateway's `deliver` got no acknowledgement (the request lost as NATS
+    reconnected): the relay's next read says so at once, for the gateway to move the
+    request, and the attempt after that reads as any other."""
+    r = relay(Clock())
+    r.undelivered("p0 never acknowledged attempt 0 of r (3 tries: nats: timeout)")
+
+    async def read() -> Lost:
+        with pytest.raises(Lost) as lost:
+            await r.next()
+        return lost.value
+
+    lost = asyncio.run(read())
+    assert lost.cause == "undelivered" and "never acknowledged" in str(lost)
+    r.retarget("p1", "d0", prefilled=False)
+    r._queue.put_nowait(chunk(0, 7, source="p1", attempt=r.attempt))
+    assert asyncio.run(r.next()).token_ids == [7]
