@@ -274,14 +274,12 @@ def simulate_live(measured: Measured, profile: Profile, workload: BenchWorkload,
             out.append(None)
             continue
         live = live_profile(run.steps, profile)
-
-        def simulated(p: Profile, run: RunResult = run) -> SimResult:
-            return _simulate_run(measured, stack_problem(measured, p, workload, slo, 0.9,
-                                                         1.0, calibrate=False), run)
-
-        scattered = () if live.noise.none else tuple(
-            simulated(live.noisy(seed)).attainment(slo) for seed in range(draws))
-        out.append(LiveRun(live, simulated(live.profile), scattered))
+        problem = stack_problem(measured, live.profile, workload, slo, 0.9, 1.0,
+                                calibrate=False)
+        scattered = () if live.noise.none else tuple(_simulate_run(
+            measured, dataclasses.replace(problem, profile=live.noisy(seed)), run
+        ).attainment(slo) for seed in range(draws))
+        out.append(LiveRun(live, _simulate_run(measured, problem, run), scattered))
     return out
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from shared.engine.config import ModelConfig
-from shared.engine.parallel.layout import kv_budget_problem
+from shared.engine.parallel.layout import kv_block_bytes, kv_budget_problem
 
 MIB = 1 << 20
 MAX_WARM_BYTES = 256 * MIB  # what `Staging.warm` lays ready at most, in all
@@ -25,7 +25,9 @@ Alloc = Callable[[Sequence[int], torch.dtype], torch.Tensor]
 
 
 def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return block_size * config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+    """A block's bytes over the whole of `config` (one rank holding every layer and head)."""
+    return kv_block_bytes(config, 1, 1, block_size,
+                          torch.empty((), dtype=dtype).element_size())
 
 
 class KVCache:
