@@ -35,6 +35,7 @@ from services.supervisor import (
     Restart,
     Supervisor,
     free_port,
+    hang_timeout,
     incarnation,
     listen,
     log_tail,
@@ -280,8 +281,8 @@ class StackConfig:
 
     def worker_restart(self) -> Restart:
         """A worker that exits unasked comes back (stopped from outside, it drains and exits
-        0, and the stack would serve without it), but where a planner runs: the planner
-        drains workers on purpose (they exit 0) and owns their count."""
+        0, and the stack would serve without it), but where a planner runs, which owns their
+        count; one drained by a Drain message exits DRAINED and stays down under both."""
         return Restart.ON_CRASH if self.planner else Restart.ALWAYS
 
     def kv_problem(self, model: ModelConfig, block_size: int, on_gpu: bool) -> str | None:
@@ -359,6 +360,8 @@ class Stack:
         self.url = f"http://127.0.0.1:{config.port}"
         # how long stopping waits for the streams under way: as long as a worker drains
         self.drain_s = drain_timeout(os.environ | config.extra_env)
+        # a gateway or worker that stops showing it is alive this long is killed (restarted)
+        self.hang_s = hang_timeout(os.environ | config.extra_env)
         self._listener: socket.socket | None = None  # the gateway's, while the stack runs
 
     def start(self, timeout: float = 300.0, abort: threading.Event | None = None) -> None:
@@ -435,14 +438,14 @@ class Stack:
             env | {"DS_PORT": str(c.port), "DS_LISTEN_FD": str(fd),
                    "DS_MODE": "auto" if c.planner else c.mode,
                    "DS_API_KEYS": ",".join(c.api_keys)}), restart=Restart.ALWAYS,
-            pass_fds=(fd,))
+            pass_fds=(fd,), hang_s=self.hang_s)
         for (role, i), device in zip(workers, devices, strict=True):
             own = env | {"DS_WEIGHTS": c.weights_for(role), "DS_DTYPE": c.dtype_for(role),
                          "DS_TP": str(c.tp_for(role)),
                          "DS_PP": str(c.pp_for(role))} | \
                 ({"DS_DEVICE": device} if device else {})
             self.supervisor.spawn(f"{role}-{i}", module(role), worker_env(own, f"{role}-{i}"),
-                                  restart=c.worker_restart())
+                                  restart=c.worker_restart(), hang_s=self.hang_s)
         if c.planner:
             self.supervisor.spawn("profiler", module("profiler"), fixed(env),
                                   restart=Restart.ALWAYS)

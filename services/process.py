@@ -6,6 +6,7 @@ of services/; the workers' runtime (services/runtime.py) adds the engine."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -13,6 +14,7 @@ import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 from nats.aio.client import Client
@@ -36,6 +38,7 @@ class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DS_")
 
     instance_id: str = ""
+    alive_file: str = ""  # touched every second while alive (the supervisor sets it)
     nats_url: str = "nats://127.0.0.1:4222"
     redis_url: str = "redis://127.0.0.1:6379"
     host: str = "127.0.0.1"  # address others reach this instance's KV listener on
@@ -61,6 +64,10 @@ class WorkerSettings(BaseSettings):
     drain_timeout_s: float = 120.0  # a drain that has not finished by then exits anyway
     # a gateway whose lease key is read absent this long is gone: its requests are cancelled
     gateway_lease_s: float = Field(default=10.0, gt=0)
+    # a KV announcement is acknowledged by its decode instance within this, or sent again
+    # (these times; the same settings as the gateway's dispatch)
+    dispatch_ack_s: float = Field(default=2.0, gt=0)
+    dispatch_tries: int = Field(default=3, ge=1)
     run_dir: str | None = None  # traces go here as JSON lines (unless OTLP is configured)
 
     def engine_config(self, role: Role) -> EngineConfig:
@@ -109,6 +116,22 @@ class ControlService:
             await self.redis.delete(subjects.ready_key(self.name))
             await self.nc.drain()
             await self.redis.aclose()
+
+
+async def show_alive(path: str, every_s: float = 1.0) -> None:
+    """Touch `path` (where one is given) every `every_s` for as long as this event loop runs,
+    and remove it when cancelled: the supervisor kills a process that leaves it untouched for
+    its hang timeout (stopped, or wedged with the GIL or this loop held)."""
+    if not path:
+        return
+    file = Path(path)
+    try:
+        while True:
+            with contextlib.suppress(OSError):
+                file.touch()
+            await asyncio.sleep(every_s)
+    finally:
+        file.unlink(missing_ok=True)  # stopping: not judged by a file it no longer touches
 
 
 async def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -22,7 +23,14 @@ from redis.exceptions import RedisError
 
 from services.cancelled import Cancelled
 from services.leases import GatewayLeases, read_leases
-from services.process import WorkerSettings
+from services.process import (
+    WorkerSettings,
+    built_or_exit,
+    run_until_signalled,
+    setup_logging,
+    show_alive,
+)
+from services.supervisor import DRAINED
 from shared import subjects
 from shared.bus import connect, parse, publish
 from shared.engine.config import Role
@@ -189,6 +197,7 @@ class Heartbeats:
         redis = redis_client(self.settings.redis_url)
         registry = Registry(redis, self.settings.heartbeat_ttl_s)
         writing: asyncio.Task[None] | None = None
+        alive = asyncio.create_task(show_alive(self.settings.alive_file))
         while not self._stop.is_set():
             beat = self.info().model_copy(update={"heartbeat_at": time.time()})
             with contextlib.suppress(nats.errors.Error, OSError):  # NATS down: next beat
@@ -198,6 +207,8 @@ class Heartbeats:
             await asyncio.sleep(self.settings.heartbeat_s)
         if writing is not None:
             writing.cancel()
+        alive.cancel()
+        await asyncio.gather(alive, return_exceptions=True)
         await nc.close()
         await redis.aclose()
 
@@ -212,6 +223,15 @@ class Heartbeats:
                 log.warning("%s: Redis heartbeat failed (%s); retrying every %.1fs",
                             beat.instance_id, e, self.settings.heartbeat_s)
             self._failing = True
+
+
+def serve(role: str, build: Callable[[], Worker]) -> None:
+    """A worker process's life: build it (a message and code 2 where it cannot start), run it
+    until a signal or a Drain message, and exit 0, or DRAINED where it was asked to leave."""
+    setup_logging(role)
+    worker = built_or_exit(role, build)
+    asyncio.run(run_until_signalled(worker.run))
+    sys.exit(DRAINED if worker.asked_to_leave else 0)
 
 
 class WorkerFailed(RuntimeError):
@@ -233,6 +253,7 @@ class Worker:
         self.host = EngineHost(self.engine)
         self.tracer = setup_tracing(self.id, self.settings.run_dir)
         self.draining = False
+        self.asked_to_leave = False  # a Drain message came: exit DRAINED, not to be restarted
         self.attempts: dict[str, int] = {}  # request -> the gateway's attempt served here
         self.cancelled = Cancelled()  # a cancel may overtake its request: never start those
         # request -> the gateway it came from (PrefillRequest.gateway), set as it arrives;
@@ -311,6 +332,7 @@ class Worker:
         registry = Registry(redis, self.settings.heartbeat_ttl_s)
 
         async def on_drain(_: Msg) -> None:
+            self.asked_to_leave = True
             stop.set()
 
         for subject, callback in (self.subscriptions() | {subjects.drain(self.id): on_drain}

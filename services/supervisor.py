@@ -4,8 +4,15 @@ the planner's local deployer and the test fixtures all run their processes throu
 
 Whether a child is restarted is the caller's choice per child (`Restart`): a server or a
 service never exits on its own while healthy, so any exit the supervisor did not ask for
-brings it back after a backoff; a worker that a planner drains exits 0 on purpose, and
-only its crashes bring it back.
+brings it back after a backoff; a worker asked to leave (a Drain message: the planner's or
+an operator's) exits with `DRAINED`, which no policy restarts, and one SIGTERMed from outside
+exits 0, which only ALWAYS restarts.
+
+A child spawned with a hang timeout is handed a file to touch (`DS_ALIVE_FILE`, every second
+from a thread or loop that only lives while the process does: `show_alive`); once it has
+touched it, a child that leaves it untouched for the timeout (stopped, or wedged with the
+GIL or its loop held) is SIGKILLed, and its policy decides whether it comes back. A child
+that has not touched it yet (starting) or has removed it (stopping) is left alone.
 
 Each child runs in a process group of its own (a Ctrl-C at the terminal reaches the
 supervisor, which stops the children in its order) and is SIGKILLed by the kernel when the
@@ -36,6 +43,7 @@ from types import TracebackType
 log = logging.getLogger(__name__)
 
 Env = Callable[[int], Mapping[str, str]]  # restarts so far -> that incarnation's environment
+DRAINED = 3  # the exit code of a worker that left because it was asked to: it stays down
 
 
 @dataclass(frozen=True)
@@ -52,8 +60,8 @@ class Restart(enum.Enum):
     """Which exits the supervisor did not ask for bring a child back."""
 
     NEVER = "never"
-    ON_CRASH = "on crash"  # a non-zero code or a signal; code 0 is leaving on purpose (drained)
-    ALWAYS = "always"  # any exit: a server or a service never leaves on its own
+    ON_CRASH = "on crash"  # a code but 0 or DRAINED, or a signal
+    ALWAYS = "always"  # any exit but DRAINED: a server or a service never leaves on its own
 
     @classmethod
     def of(cls, restart: Restart | bool) -> Restart:
@@ -64,7 +72,23 @@ class Restart(enum.Enum):
 
     def wants(self, returncode: int) -> bool:
         """Whether a child that exited with `returncode`, unasked, is started again."""
+        if returncode == DRAINED:
+            return False
         return self is Restart.ALWAYS or (self is Restart.ON_CRASH and returncode != 0)
+
+
+def hang_timeout(env: Mapping[str, str]) -> float | None:
+    """How long a watched child may leave its alive file untouched: DS_HANG_TIMEOUT_S in
+    `env`, default 60 s; 0 (or a value that is not a positive number): never killed as hung.
+    The heartbeats beat every 0.5 s, and a step, however long, holds neither them nor the
+    loop (torch releases the GIL)."""
+    try:
+        value = float(env.get("DS_HANG_TIMEOUT_S", 60.0))
+    except ValueError:
+        log.warning("DS_HANG_TIMEOUT_S=%r is not a number: hung children are not killed",
+                    env["DS_HANG_TIMEOUT_S"])
+        return None
+    return value if 0 < value < float("inf") else None
 
 
 def restart_delay(uptime_s: float, previous_s: float | None, backoff: Backoff) -> float:
@@ -75,6 +99,8 @@ def restart_delay(uptime_s: float, previous_s: float | None, backoff: Backoff) -
 
 
 def describe_exit(returncode: int) -> str:
+    if returncode == DRAINED:
+        return f"with code {DRAINED} (drained on request)"
     if returncode >= 0:
         return f"with code {returncode}"
     try:
@@ -160,6 +186,26 @@ class Child:
     done: bool = False  # exited and stays down; the supervisor leaves it alone
     stopping: bool = False  # stop() has it; the monitor leaves it alone
     pass_fds: tuple[int, ...] = ()  # file descriptors each incarnation inherits
+    hang_s: float | None = None  # killed once its alive file is this long untouched
+    touched: tuple[float, float] | None = None  # the file's mtime, and when it was first seen
+
+    @property
+    def alive(self) -> Path:
+        """The file the child touches to show it is not hung (where `hang_s` is set)."""
+        return alive_file(self.log)
+
+
+def alive_file(log_path: Path) -> Path:
+    return log_path.with_suffix(".alive")
+
+
+def watched(env: Mapping[str, str] | None, alive: Path | None) -> Mapping[str, str] | None:
+    """`env` (None: this process's) naming the alive file, where the child is watched; the
+    last incarnation's file is removed, so a new one is not judged by it."""
+    if alive is None:
+        return env
+    alive.unlink(missing_ok=True)
+    return {**(os.environ if env is None else env), "DS_ALIVE_FILE": str(alive)}
 
 
 def log_tail(path: Path, lines: int = 12) -> str:
@@ -222,17 +268,21 @@ class Supervisor:
 
     def spawn(self, name: str, argv: list[str], env: Env | None = None,
               restart: Restart | bool = Restart.NEVER,
-              pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+              pass_fds: tuple[int, ...] = (), hang_s: float | None = None
+              ) -> subprocess.Popen[bytes]:
         """Start `argv` as child `name` (`env(0)` its environment, inheriting `pass_fds`);
-        an exit `restart` wants brings it back with `env(restarts)` and the same fds. The
-        child dies with the calling thread (see the module's docstring)."""
+        an exit `restart` wants brings it back with `env(restarts)` and the same fds. With
+        `hang_s`, it is killed once it leaves its alive file untouched that long. The child
+        dies with the calling thread (see the module's docstring)."""
         with self._lock:
             if name in self._children and not self._children[name].done:
                 raise ValueError(f"a child named {name} is already running")
             path = self.log_dir / f"{name}.log"
-            proc = launch(argv, None if env is None else env(0), path, "started", pass_fds)
+            alive = None if hang_s is None else alive_file(path)
+            proc = launch(argv, watched(None if env is None else env(0), alive), path,
+                          "started", pass_fds)
             self._children[name] = Child(name, argv, env, Restart.of(restart), path, proc,
-                                         time.monotonic(), pass_fds=pass_fds)
+                                         time.monotonic(), pass_fds=pass_fds, hang_s=hang_s)
             if self._monitor is None:
                 self._monitor = threading.Thread(target=self._watch, name="supervisor",
                                                  daemon=True)
@@ -342,6 +392,8 @@ class Supervisor:
             return
         code = child.proc.poll()
         if code is None:
+            if child.hang_s is not None and not self._closing:
+                self._kill_if_hung(child, now)
             return
         how = f"{child.name} exited {describe_exit(code)}"
         if self._closing:
@@ -350,7 +402,7 @@ class Supervisor:
             return
         if not child.restart.wants(code):
             child.done = True
-            level = logging.INFO if code == 0 else logging.WARNING
+            level = logging.INFO if code in (0, DRAINED) else logging.WARNING
             log.log(level, "%s; not restarted; log: %s", how, child.log)
             return
         delay = restart_delay(now - child.started, child.delay_s, self.backoff)
@@ -358,9 +410,30 @@ class Supervisor:
         log.warning("%s; restarting in %.1f s (restart %d); log: %s", how, delay,
                     child.restarts + 1, child.log)
 
+    def _kill_if_hung(self, child: Child, now: float) -> None:
+        """SIGKILL `child` if its alive file has not changed for its `hang_s` (timed by this
+        clock: the wall clock may jump)."""
+        assert child.hang_s is not None
+        try:
+            mtime = child.alive.stat().st_mtime
+        except OSError:  # not touched yet (starting), or removed (stopping)
+            child.touched = None
+            return
+        if child.touched is None or child.touched[0] != mtime:
+            child.touched = (mtime, now)
+        elif now - child.touched[1] > child.hang_s:
+            log.warning("%s has not shown it is alive for %.0f s (stopped, or hung): killing "
+                        "it", child.name, now - child.touched[1])
+            child.alive.unlink(missing_ok=True)
+            child.touched = None
+            with contextlib.suppress(ProcessLookupError):
+                child.proc.kill()
+
     def _restart(self, child: Child, now: float) -> None:
         restarts = child.restarts + 1
-        env = None if child.env is None else child.env(restarts)
+        env = watched(None if child.env is None else child.env(restarts),
+                      None if child.hang_s is None else child.alive)
+        child.touched = None
         try:
             child.proc = launch(child.argv, env, child.log, f"restart {restarts}",
                                 child.pass_fds)

@@ -32,6 +32,7 @@ from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
 from services.gateway.stream import GaveUp, Lost, Relay
 from services.gateway.timing import RequestTiming
 from services.gateway.view import InstanceView
+from services.process import show_alive
 from shared import subjects
 from shared.bus import connect, deliver, parse, publish
 from shared.engine.config import served_name
@@ -59,6 +60,7 @@ class GatewaySettings(BaseSettings):
 
     nats_url: str = "nats://127.0.0.1:4222"
     redis_url: str = "redis://127.0.0.1:6379"
+    alive_file: str = ""  # touched every second while the event loop runs (the supervisor's)
     model: str = "smollm2-135m"  # a built-in name, a .gguf, or a Hugging Face model directory
     served_model_name: str = ""  # what clients ask for (default: the directory's name)
     # what it dispatches to; auto: whatever is live (the online planner may switch modes)
@@ -185,6 +187,7 @@ class Gateway:
         self.listener.start()
         await self._seed_view()
         self._spawn(self._publish_inflight())
+        self._spawn(show_alive(self.settings.alive_file))
 
     async def stop(self) -> None:
         self.listener.stop()

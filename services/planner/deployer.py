@@ -25,7 +25,7 @@ from services.launcher import assign_devices, gpu_count
 from services.planner.budget import Shape
 from services.planner.modes import KINDS, Kind, role_of
 from services.planner.profiles import Profile
-from services.supervisor import Supervisor, incarnation
+from services.supervisor import Supervisor, hang_timeout, incarnation
 from shared import subjects
 from shared.bus import publish
 from shared.engine.config import ModelConfig
@@ -210,7 +210,7 @@ class LogOnlyDeployer:
 
 class LocalDeployer:
     """Starts workers as children of the planner: one that crashes comes back under a new
-    instance id; one that was drained exits 0 and stays down."""
+    instance id; one that was drained exits DRAINED and stays down."""
 
     def __init__(self, nc: Client, registry: Registry, run_dir: str | None,
                  health_timeout_s: float = 300.0, fixed: Set[Role] = frozenset()) -> None:
@@ -261,7 +261,7 @@ class LocalDeployer:
         self.supervisor.spawn(instance, [sys.executable, "-m", f"services.{role_of(kind)}"],
                               lambda restarts: {**env,
                                                 "DS_INSTANCE_ID": incarnation(instance, restarts)},
-                              restart=True)
+                              restart=True, hang_s=hang_timeout(env))
         log.info("started %s (%s)%s", instance, shape or "tp and pp as `up` set them",
                  f" on {device}" if device else "")
         return instance

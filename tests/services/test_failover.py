@@ -1,15 +1,18 @@
 """Failover with real processes killed for real: a decode instance killed mid-stream under
 30 concurrent streams, a prefill instance killed with prompts queued on it. Every request
 completes with the text an undisturbed run gives; the moves show on /metrics; afterwards
-every pool is back to its free count. And a gateway killed with requests in flight holds
-up no later drain."""
+every pool is back to its free count. A decode instance frozen mid-stream (SIGSTOP) is
+killed once it has shown no life for the hang timeout, and comes back. And a gateway killed
+with requests in flight holds up no later drain."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 
@@ -20,6 +23,7 @@ from redis import Redis
 
 from distserve.bench import scrape
 from services.launcher import Stack
+from services.supervisor import DRAINED
 from shared import subjects
 from shared.bus import connect, publish
 from shared.messages import Drain
@@ -27,6 +31,7 @@ from tests.services.conftest import metric, start_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 MODEL = "smollm2-135m"
+HANG_S = 20  # a child whose alive file is this long untouched is killed
 THINGS = ["a fox", "the sea", "a robot", "winter", "a lighthouse", "bread", "a violin",
           "the moon", "a garden", "trains", "a cat", "rain", "a castle", "coffee", "a river",
           "mountains", "a library", "snow", "a bicycle", "the desert", "a clock", "bees",
@@ -37,7 +42,8 @@ THINGS = ["a fox", "the sea", "a robot", "winter", "a lighthouse", "bread", "a v
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # imported KV is retained 20 s: a decode instance killed within that resumes from it
     s = start_stack(tmp_path_factory.mktemp("failover"), prefill=2, decode=2,
-                    extra_env={"DS_KV_RETENTION_S": "20", "DS_DRAIN_TIMEOUT_S": "300"})
+                    extra_env={"DS_KV_RETENTION_S": "20", "DS_DRAIN_TIMEOUT_S": "300",
+                               "DS_HANG_TIMEOUT_S": str(HANG_S)})
     yield s
     s.stop()
 
@@ -149,6 +155,43 @@ def test_a_prefill_instance_killed_with_prompts_queued_loses_no_request(stack: S
     wait_until_whole(stack, prefill=2, decode=2)
 
 
+def test_a_decode_instance_frozen_mid_stream_is_killed_and_replaced(
+        stack: Stack, caplog: pytest.LogCaptureFixture) -> None:
+    """SIGSTOP neither ends a process nor lets it answer: its streams move on once its
+    heartbeats stop, and the supervisor kills it once it has left its alive file untouched
+    for HANG_S, so its memory is not held for ever; it comes back under a new id."""
+    caplog.set_level(logging.WARNING, logger="services.supervisor")
+    wait_until_whole(stack, prefill=2, decode=2)
+    prompts = [f"Write a short story about {thing}." for thing in THINGS[:8]]
+    undisturbed = asyncio.run(run_all(stack.url, prompts, max_tokens=40))
+    frozen: list[tuple[str, subprocess.Popen[bytes], float]] = []
+
+    def freeze_once(received: int) -> None:
+        if received >= 4 * len(prompts) and not frozen:
+            victim = busiest(stack, "decode")
+            proc = stack.child(victim)
+            proc.send_signal(signal.SIGSTOP)
+            frozen.append((victim, proc, time.monotonic()))
+
+    try:
+        texts = asyncio.run(run_all(stack.url, prompts, max_tokens=40,
+                                    on_progress=freeze_once))
+        assert frozen, "no decode instance was frozen"
+        assert texts == undisturbed  # moved off the frozen instance, with the same text
+        victim, proc, at = frozen[0]
+        assert proc.wait(timeout=HANG_S + 60) == -signal.SIGKILL
+        # not before its timeout (counted from its last touch, up to a second before)
+        assert time.monotonic() - at >= HANG_S - 1.5
+    finally:
+        for _, proc, _ in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGCONT)
+    wait_until_whole(stack, prefill=2, decode=2)  # restarted; its KV went with the process
+    assert stack.child(victim).pid != proc.pid
+    assert any(r.getMessage().startswith(f"{victim} has not shown it is alive for ")
+               for r in caplog.records)
+
+
 def test_a_request_sent_while_the_gateway_restarts_waits_for_it_instead_of_failing(
         stack: Stack) -> None:
     """The gateway serves on a socket the launcher bound and keeps: while a killed gateway is
@@ -190,7 +233,7 @@ def test_a_gateway_killed_with_requests_in_flight_delays_no_drain(stack: Stack) 
     instance = counted[0]  # the dead gateway's counts for it are still there, or expiring
     drained = time.monotonic()
     asyncio.run(drain(instance, stack.env["DS_NATS_URL"]))
-    assert stack.child(re.sub(r"-r\d+$", "", instance)).wait(timeout=120) == 0
+    assert stack.child(re.sub(r"-r\d+$", "", instance)).wait(timeout=120) == DRAINED
     assert time.monotonic() - drained < 100  # not the drain timeout
     assert redis.keys(subjects.inflight_keys(instance)) == []
     redis.close()

@@ -30,6 +30,7 @@ from services.planner.calibration import Calibration
 from services.planner.decide import decide
 from services.planner.profiles import load_profile, save_profile, shipped_cpu_profile
 from services.planner.service import PlannerSettings
+from services.supervisor import DRAINED
 from shared import subjects
 from shared.bus import connect, publish
 from shared.host import machine_id
@@ -112,7 +113,7 @@ def test_draining_a_decode_instance_loses_none_of_its_requests(tmp_path: Path) -
         assert [r.error for r in records] == [None] * 9
         assert [r.tokens for r in records] == [48] * 6 + [8] * 3
         # decode-0 exits on its own once it holds nothing, and leaves the registry
-        assert stack.child("decode-0").wait(timeout=60) == 0
+        assert stack.child("decode-0").wait(timeout=60) == DRAINED
         assert set(live(redis, "decode")) == {"decode-1"}
         log = (stack.run_dir / "decode-0.log").read_text()
         assert "draining" in log and "drained in" in log
@@ -232,8 +233,8 @@ def test_the_planner_switches_a_disaggregated_stack_to_colocated_workers(
         served_across(target, requests(40, 16, 24, 0.4), switched,
                       "two colocated workers to replace the prefill/decode pair",
                       requests(6, 16, 24, 0.2), tokens=24)
-        assert stack.child("prefill-0").wait(timeout=60) == 0  # drained, not killed
-        assert stack.child("decode-0").wait(timeout=60) == 0
+        assert stack.child("prefill-0").wait(timeout=60) == DRAINED  # not killed
+        assert stack.child("decode-0").wait(timeout=60) == DRAINED
         history = plan_history(redis)
         first = history[-1]
         assert first["reasons"] == ["first full window"] and first["colocated"] == 2
@@ -277,7 +278,7 @@ def test_the_planner_gives_prefill_the_tensor_parallel_shape_that_serves_more(
         served_across(target, requests(16, 384, 4, 0.5), reshaped,
                       "a tp 3 prefill worker to replace the one-rank one",
                       requests(4, 384, 4, 0.2), tokens=4)
-        assert stack.child("prefill-0").wait(timeout=60) == 0  # drained, not killed
+        assert stack.child("prefill-0").wait(timeout=60) == DRAINED  # not killed
         assert "decode-0" in live(redis, "decode")
         history = plan_history(redis)
         first = history[-1]

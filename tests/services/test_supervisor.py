@@ -19,6 +19,7 @@ import pytest
 import services.supervisor
 from services.launcher import Stack, StackConfig, StartError
 from services.supervisor import (
+    DRAINED,
     Backoff,
     Restart,
     Supervisor,
@@ -53,8 +54,11 @@ def lines(path: Path) -> list[str]:
 
 def test_a_clean_exit_is_restarted_only_where_any_exit_is() -> None:
     """A server or a service never exits on its own while healthy (ALWAYS: a clean exit is
-    someone else's SIGTERM); a worker a planner drains leaves with code 0 (ON_CRASH)."""
+    someone else's SIGTERM); a worker SIGTERMed where a planner runs leaves with code 0
+    (ON_CRASH); one asked to leave by a Drain message (DRAINED) stays down under every
+    policy."""
     assert [policy.wants(0) for policy in Restart] == [False, False, True]
+    assert [policy.wants(DRAINED) for policy in Restart] == [False, False, False]
     assert [policy.wants(1) for policy in Restart] == [False, True, True]
     assert [policy.wants(-signal.SIGKILL) for policy in Restart] == [False, True, True]
     assert (Restart.of(True), Restart.of(False)) == (Restart.ON_CRASH, Restart.NEVER)
@@ -122,6 +126,22 @@ def test_a_child_that_exits_0_stays_down_where_only_crashes_restart(
     assert "drained exited with code 0; not restarted" in caplog.records[0].getMessage()
 
 
+def test_a_child_drained_on_request_stays_down_where_any_exit_restarts(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker drained by a Drain message was asked to leave: coming back would undo the
+    drain (and load a model to serve nothing)."""
+    caplog.set_level(logging.INFO, logger="services.supervisor")
+    with Supervisor(tmp_path, FAST, poll_s=0.05) as supervisor:
+        supervisor.spawn("w", [sys.executable, "-c", f"raise SystemExit({DRAINED})"],
+                         restart=Restart.ALWAYS)
+        wait_until(lambda: supervisor.children[0].done, "the supervisor to see the exit")
+        time.sleep(0.3)  # three restart delays
+        assert supervisor.restarts() == {"w": 0}
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert caplog.records[0].getMessage().startswith(
+        "w exited with code 3 (drained on request); not restarted")
+
+
 def test_a_child_stopped_from_outside_comes_back_where_any_exit_restarts(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A worker SIGTERMed by someone else drains and exits 0: the stack would serve without
@@ -141,11 +161,62 @@ def test_a_child_stopped_from_outside_comes_back_where_any_exit_restarts(
                for r in caplog.records)
 
 
+# shows it is alive as a worker does (services.process.show_alive), every 0.1 s, after
+# recording its ID; with a second argument, only for that many seconds, then stays up silent
+SHOW_ALIVE = ("import asyncio, os, sys, time\n"
+              "from services.process import show_alive\n"
+              "with open(sys.argv[1], 'a') as f: f.write(os.environ['ID'] + '\\n')\n"
+              "async def main():\n"
+              "    alive = asyncio.create_task(show_alive(os.environ['DS_ALIVE_FILE'], 0.1))\n"
+              "    await asyncio.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 60)\n"
+              "    alive.cancel()\n"
+              "    await asyncio.sleep(60)\n"
+              "asyncio.run(main())\n")
+
+
+def test_a_child_frozen_past_its_hang_timeout_is_killed_and_restarted(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """SIGSTOP stops a process without ending it: nothing but its silence tells."""
+    caplog.set_level(logging.INFO, logger="services.supervisor")
+    ids = tmp_path / "ids"
+    with Supervisor(tmp_path, FAST, poll_s=0.05) as supervisor:
+        first = supervisor.spawn("w", [sys.executable, "-c", SHOW_ALIVE, str(ids)],
+                                 lambda n: {**os.environ, "ID": incarnation("w", n)},
+                                 restart=Restart.ALWAYS, hang_s=1.0)
+        wait_until((tmp_path / "w.alive").exists, "the child to show it is alive")
+        time.sleep(2.0)  # alive for twice the timeout: not killed
+        assert first.poll() is None
+        first.send_signal(signal.SIGSTOP)
+        wait_until(lambda: lines(ids) == ["w", "w-r1"], "the frozen child to be replaced")
+        assert first.wait(timeout=10) == -signal.SIGKILL
+        assert supervisor.restarts() == {"w": 1}
+    assert any(r.getMessage().startswith("w has not shown it is alive for ") and
+               r.getMessage().endswith(" s (stopped, or hung): killing it")
+               for r in caplog.records)
+
+
+def test_a_child_that_has_not_shown_life_yet_or_no_longer_is_not_taken_for_hung(
+        tmp_path: Path) -> None:
+    """Starting (loading a model) or stopping (its heartbeats ended), a worker touches no
+    file: only a file left untouched counts."""
+    with Supervisor(tmp_path, FAST, poll_s=0.05) as supervisor:
+        silent = supervisor.spawn("silent", [sys.executable, "-c", RECORD_AND_SLEEP,
+                                             str(tmp_path / "a")],
+                                  lambda n: {**os.environ, "ID": "silent"}, hang_s=0.3)
+        ending = supervisor.spawn("ending", [sys.executable, "-c", SHOW_ALIVE,
+                                             str(tmp_path / "b"), "1.0"],
+                                  lambda n: {**os.environ, "ID": "ending"}, hang_s=0.3)
+        wait_until((tmp_path / "ending.alive").exists, "the child to show it is alive")
+        wait_until(lambda: not (tmp_path / "ending.alive").exists(), "it to remove its file")
+        time.sleep(1.0)
+        assert silent.poll() is None and ending.poll() is None
+
+
 def test_a_child_without_restart_stays_down_after_a_crash(tmp_path: Path) -> None:
     with Supervisor(tmp_path, FAST, poll_s=0.05) as supervisor:
-        supervisor.spawn("fixture", [sys.executable, "-c", "raise SystemExit(3)"])
+        supervisor.spawn("fixture", [sys.executable, "-c", "raise SystemExit(4)"])
         wait_until(lambda: supervisor.children[0].done, "the supervisor to see the exit")
-        assert supervisor.proc("fixture").returncode == 3
+        assert supervisor.proc("fixture").returncode == 4
         assert supervisor.restarts() == {"fixture": 0}
 
 
