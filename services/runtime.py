@@ -510,6 +510,8 @@ class Worker:
         """New tokens and text, the end, or the error that failed the request's step."""
         attempt = self.attempts.pop(out.request_id, 0) if out.finished else \
             self.attempts.get(out.request_id, 0)
+        if out.finished:  # a copy of this attempt coming late (its acknowledgement was
+            self.cancelled.add(out.request_id, attempt)  # lost) must not run it again
         # a long prompt's scores in parts (each well under NATS's 1 MiB message), all but the
         # last ahead of the token: chunks of one subject arrive in order
         scores = out.prompt_logprobs

@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 from services.process import WorkerSettings
 from services.runtime import Worker
 from shared import subjects
-from shared.bus import parse
+from shared.bus import acknowledge, parse
 from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.kv_cache import Staging, block_bytes
@@ -173,6 +173,7 @@ class DecodeService(Worker):
 
     async def _on_kv_ready(self, msg: Msg) -> None:
         ready = parse(msg, KvReady)
+        await acknowledge(msg)  # a second copy (its answer lost) is dropped below
         newest = self._newest(ready.request_id)
         if ready.attempt < newest or self.cancelled.covers(ready.request_id, ready.attempt):
             self._release(ready)  # a stale announcement (moved on, or cancelled): drop it

@@ -7,7 +7,6 @@ another), or until a lease expires."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import defaultdict
@@ -21,7 +20,7 @@ from nats.aio.msg import Msg
 from services.process import WorkerSettings
 from services.runtime import Worker
 from shared import subjects
-from shared.bus import acknowledge, parse, publish
+from shared.bus import acknowledge, deliver, parse
 from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.kv_cache import Staging
@@ -38,6 +37,7 @@ from shared.messages import (
     ReleaseKv,
     Resume,
     ResumeReply,
+    TokenChunk,
 )
 from shared.state import InstanceInfo
 from shared.telemetry import context_from, record
@@ -192,19 +192,35 @@ class PrefillService(Worker):
     async def _announce(self, req: PrefillRequest, parked: Request, output_ids: list[int],
                         last_logprob: float | None, first_token_ts: float,
                         headers: dict[str, str] | None = None) -> None:
-        """Tell the request's decode instance its KV (`parked`) waits here (NATS down: the
-        decode instance never hears, the gateway moves the request when its stream stalls,
-        and the KV is freed when that decode instance says it does not want it)."""
-        with contextlib.suppress(nats.errors.Error, OSError):
-            await publish(self.nc, subjects.decode(req.decode_instance), KvReady(
-                request_id=req.request_id, prefill_instance=self.id,
-                sources=self.sources, token=self.kv_server.token(req.request_id),
-                num_blocks=len(parked.block_table), prompt_ids=req.prompt_ids,
-                output_ids=output_ids, last_logprob=last_logprob,
-                computed=parked.num_computed, sampling=req.sampling,
-                arrival_ts=req.arrival_ts, first_token_ts=first_token_ts,
-                attempt=req.attempt, kv_dtype=self.engine.runner.kv_dtype_name,
-                gateway=req.gateway), headers=headers)
+        """Tell the request's decode instance its KV (`parked`) waits here, in a task of its
+        own (`detach`): the engine loop goes on while it is acknowledged."""
+        ready = KvReady(request_id=req.request_id, prefill_instance=self.id,
+                        sources=self.sources, token=self.kv_server.token(req.request_id),
+                        num_blocks=len(parked.block_table), prompt_ids=req.prompt_ids,
+                        output_ids=output_ids, last_logprob=last_logprob,
+                        computed=parked.num_computed, sampling=req.sampling,
+                        arrival_ts=req.arrival_ts, first_token_ts=first_token_ts,
+                        attempt=req.attempt, kv_dtype=self.engine.runner.kv_dtype_name,
+                        gateway=req.gateway)
+        self.detach(self._deliver(req.decode_instance, ready, headers), "a KV announcement")
+
+    async def _deliver(self, decode: str, ready: KvReady,
+                       headers: dict[str, str] | None) -> None:
+        """Send `ready` until `decode` acknowledges it (NATS delivers at most once: one sent
+        as the connection dropped was lost without a word, and the request waited, its
+        decode instance busy with others, for the client's timeout). One never acknowledged
+        asks the gateway to move the request, as a failed pull does; the KV stays here for
+        the move to resume from, and is freed when no decode instance wants it."""
+        why = await deliver(self.nc, subjects.decode(decode), ready, headers,
+                            self.settings.dispatch_tries, self.settings.dispatch_ack_s)
+        if why is None:
+            return
+        log.warning("%s: %s never acknowledged the KV of %s (attempt %d): %s; moving it",
+                    self.id, decode, ready.request_id, ready.attempt, why)
+        await self.send(TokenChunk(request_id=ready.request_id, source=self.id,
+                                   seq=len(ready.output_ids), attempt=ready.attempt,
+                                   retry=True, error=f"{decode} never acknowledged its KV "
+                                                     f"announcement: {why}"))
 
     def _current(self, request_id: str, arrival: int) -> bool:
         """Whether an engine copy of the request (by its admission number) is the attempt

@@ -351,7 +351,9 @@ def test_a_late_cancel_of_an_older_attempt_leaves_the_newer_one_running(
             assert seen and seen[-1].finish_reason == "length"  # not aborted
             assert {c.attempt for c in seen} == {1}  # attempt 0 never ran
             assert sum(len(c.token_ids) for c in seen) == 48
-            assert not worker.cancelled.covers("back", 1) and worker.known == {}
+            # ended: a late copy of attempt 1 would not run again, a later attempt would
+            assert worker.cancelled.covers("back", 1) and not worker.cancelled.covers("back", 2)
+            assert worker.known == {}
 
     asyncio.run(main())
 
@@ -493,6 +495,67 @@ def test_a_newer_attempt_announced_during_an_older_ones_pull_supersedes_it(
             assert sum(len(c.token_ids) for c in seen) == 15  # all but the first, sampled before
             assert not worker.pulling and not worker.freeing
             assert worker.engine.blocks.num_free == free  # neither pull's blocks leaked
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_an_announcement_heard_twice_is_acknowledged_each_time_and_pulled_once(
+        nats_url: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill instance sends its announcement again where no acknowledgement came (it
+    was lost, or only its answer was): the copy is acknowledged too, and neither a copy
+    heard while the request decodes nor one heard after it ended runs it again."""
+    worker = tiny(DecodeService, "decode-a", nats_url, redis_url)
+    pulls: list[str] = []
+
+    async def pull(client: object, request_id: str, token: str, *rest: object) -> None:
+        pulls.append(token)
+
+    monkeypatch.setattr("services.decode.service.pull_pieces", pull)
+
+    async def main() -> None:
+        async with decode_serving(worker, nats_url, redis_url, "prefill-twice",
+                                  ["twice"]) as (nc, released, seen):
+            data = announcement("twice", "prefill-twice", "t").model_dump_json().encode()
+            for _ in range(2):  # both answered: nats-py raises where none comes
+                await nc.request(subjects.decode("decode-a"), data, timeout=10)
+            await until(lambda: bool(seen) and seen[-1].finish_reason is not None)
+            await nc.request(subjects.decode("decode-a"), data, timeout=10)  # after its end
+            release = await asyncio.wait_for(released.get(), 30)
+            assert (release.request_id, release.attempt) == ("twice", 0)
+            await until_idle(worker)
+            assert pulls == ["t"]
+            assert sum(len(c.token_ids) for c in seen) == 15  # decoded once
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_an_announcement_no_decode_instance_acknowledges_asks_the_gateway_to_move_it(
+        nats_url: str, redis_url: str) -> None:
+    """NATS delivers at most once: an announcement lost as the connection dropped left its
+    request waiting, the decode instance busy with others, for the client's timeout. Never
+    acknowledged, it is a failed handoff the gateway moves (the KV stays for the move)."""
+    worker = tiny(PrefillService, "prefill-u", nats_url, redis_url)
+    worker.settings = worker.settings.model_copy(update={"dispatch_ack_s": 0.2,
+                                                         "dispatch_tries": 2})
+
+    async def main() -> None:
+        worker.nc = await connect(nats_url, "prefill-u")
+        nc = await connect(nats_url, "test")
+        seen, subs = await chunks_of(nc, ["unheard"])
+        started = time.monotonic()
+        await worker._deliver("decode-nobody", announcement("unheard", "prefill-u", "t", 2),
+                              None)
+        await until(lambda: bool(seen))
+        (chunk,) = seen
+        assert (chunk.retry, chunk.attempt, chunk.seq) == (True, 2, 1)
+        assert chunk.error is not None and "decode-nobody never acknowledged" in chunk.error
+        assert time.monotonic() - started >= 0.2  # tried again before giving up
+        for sub in subs:
+            await sub.unsubscribe()
+        await nc.close()
+        await worker.nc.close()
 
     asyncio.run(main())
 
