@@ -30,6 +30,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from services.supervisor import (
+    SERVER_BACKOFF,
     Child,
     Env,
     Restart,
@@ -396,7 +397,7 @@ class Stack:
                               f'  password: "{password}"\n  timeout: 10\n}}\n')
         proc = self.supervisor.spawn("nats", [nats_server_binary(), "-c", str(config), "-a",
                                               "127.0.0.1", "-p", str(port)], fixed({}),
-                                     restart=Restart.ALWAYS)
+                                     restart=Restart.ALWAYS, backoff=SERVER_BACKOFF)
         self._serving("nats", port, proc)
         return f"nats://{NATS_USER}:{password}@127.0.0.1:{port}"
 
@@ -408,7 +409,7 @@ class Stack:
         proc = self.supervisor.spawn("valkey", [
             valkey_server_binary(), str(config), "--port", str(port), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", str(self.run_dir)], fixed({}),
-            restart=Restart.ALWAYS)
+            restart=Restart.ALWAYS, backoff=SERVER_BACKOFF)
         self._serving("valkey", port, proc)
         return f"redis://:{password}@127.0.0.1:{port}"
 

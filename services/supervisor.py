@@ -56,6 +56,11 @@ class Backoff:
     stable_s: float = 60.0
 
 
+# nats-server and valkey-server start in milliseconds and every service waits on them: a
+# server killed twice in a minute is not left down 30 s (the chaos trial's nats was)
+SERVER_BACKOFF = Backoff(first_s=0.5, max_s=4.0)
+
+
 class Restart(enum.Enum):
     """Which exits the supervisor did not ask for bring a child back."""
 
@@ -187,6 +192,7 @@ class Child:
     stopping: bool = False  # stop() has it; the monitor leaves it alone
     pass_fds: tuple[int, ...] = ()  # file descriptors each incarnation inherits
     hang_s: float | None = None  # killed once its alive file is this long untouched
+    backoff: Backoff | None = None  # None: the supervisor's
     touched: tuple[float, float] | None = None  # the file's mtime, and when it was first seen
 
     @property
@@ -268,12 +274,13 @@ class Supervisor:
 
     def spawn(self, name: str, argv: list[str], env: Env | None = None,
               restart: Restart | bool = Restart.NEVER,
-              pass_fds: tuple[int, ...] = (), hang_s: float | None = None
-              ) -> subprocess.Popen[bytes]:
+              pass_fds: tuple[int, ...] = (), hang_s: float | None = None,
+              backoff: Backoff | None = None) -> subprocess.Popen[bytes]:
         """Start `argv` as child `name` (`env(0)` its environment, inheriting `pass_fds`);
-        an exit `restart` wants brings it back with `env(restarts)` and the same fds. With
-        `hang_s`, it is killed once it leaves its alive file untouched that long. The child
-        dies with the calling thread (see the module's docstring)."""
+        an exit `restart` wants brings it back with `env(restarts)` and the same fds, after
+        `backoff` (default: the supervisor's). With `hang_s`, it is killed once it leaves
+        its alive file untouched that long. The child dies with the calling thread (see the
+        module's docstring)."""
         with self._lock:
             if name in self._children and not self._children[name].done:
                 raise ValueError(f"a child named {name} is already running")
@@ -282,7 +289,8 @@ class Supervisor:
             proc = launch(argv, watched(None if env is None else env(0), alive), path,
                           "started", pass_fds)
             self._children[name] = Child(name, argv, env, Restart.of(restart), path, proc,
-                                         time.monotonic(), pass_fds=pass_fds, hang_s=hang_s)
+                                         time.monotonic(), pass_fds=pass_fds, hang_s=hang_s,
+                                         backoff=backoff)
             if self._monitor is None:
                 self._monitor = threading.Thread(target=self._watch, name="supervisor",
                                                  daemon=True)
@@ -405,7 +413,8 @@ class Supervisor:
             level = logging.INFO if code in (0, DRAINED) else logging.WARNING
             log.log(level, "%s; not restarted; log: %s", how, child.log)
             return
-        delay = restart_delay(now - child.started, child.delay_s, self.backoff)
+        delay = restart_delay(now - child.started, child.delay_s,
+                              child.backoff or self.backoff)
         child.delay_s, child.due = delay, now + delay
         log.warning("%s; restarting in %.1f s (restart %d); log: %s", how, delay,
                     child.restarts + 1, child.log)
@@ -438,7 +447,8 @@ class Supervisor:
             child.proc = launch(child.argv, env, child.log, f"restart {restarts}",
                                 child.pass_fds)
         except OSError as e:
-            child.delay_s = min(2 * (child.delay_s or self.backoff.first_s), self.backoff.max_s)
+            backoff = child.backoff or self.backoff
+            child.delay_s = min(2 * (child.delay_s or backoff.first_s), backoff.max_s)
             child.due = now + child.delay_s
             log.error("%s could not be restarted (%s); trying again in %.1f s", child.name, e,
                       child.delay_s)

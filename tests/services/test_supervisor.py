@@ -212,6 +212,25 @@ def test_a_child_that_has_not_shown_life_yet_or_no_longer_is_not_taken_for_hung(
         assert silent.poll() is None and ending.poll() is None
 
 
+def test_a_child_with_a_backoff_of_its_own_is_restarted_by_it(tmp_path: Path) -> None:
+    """nats-server and valkey-server come back within SERVER_BACKOFF's 4 s however often they
+    died, not the workers' 30 s."""
+    ids = tmp_path / "ids"
+    own = Backoff(first_s=0.05, max_s=0.05)
+    with Supervisor(tmp_path, Backoff(first_s=30.0, max_s=30.0), poll_s=0.05) as supervisor:
+        supervisor.spawn("server", [sys.executable, "-c", RECORD_AND_SLEEP, str(ids)],
+                         lambda n: {**os.environ, "ID": incarnation("server", n)},
+                         restart=Restart.ALWAYS, backoff=own)
+        def ran(n: int) -> Callable[[], bool]:
+            return lambda: len(lines(ids)) == n
+
+        for n in range(1, 4):
+            wait_until(ran(n), f"incarnation {n} to run")
+            supervisor.proc("server").kill()
+        wait_until(ran(4), "the third restart", timeout=10)
+    assert services.supervisor.SERVER_BACKOFF.max_s <= 5.0
+
+
 def test_a_child_without_restart_stays_down_after_a_crash(tmp_path: Path) -> None:
     with Supervisor(tmp_path, FAST, poll_s=0.05) as supervisor:
         supervisor.spawn("fixture", [sys.executable, "-c", "raise SystemExit(4)"])
