@@ -164,6 +164,7 @@ class PlannerService(ControlService):
         log.info("planner ready: budget %d devices, SLO TTFT %.3gs TPOT %.3gs, %s deployer",
                  self.config.budget, self.config.slo.ttft_s, self.config.slo.tpot_s,
                  self.settings.planner_deployer)
+        await self._resume_last_plan()
         worker = asyncio.create_task(self._plan_forever())
         try:
             await asyncio.wait([worker, asyncio.create_task(stop.wait())],
@@ -171,6 +172,29 @@ class PlannerService(ControlService):
         finally:
             worker.cancel()
             await asyncio.get_running_loop().run_in_executor(None, self.deployer.stop)
+
+    async def _resume_last_plan(self) -> None:
+        """A planner restarted (it crashed, or was killed) lost the workers it had deployed,
+        which die with it, and the workload it planned for: plan again at once for the
+        workload of the last plan in Redis, which starts what is missing (before, nothing was
+        started until the profiler saw the workload shift, and a stack whose first workers
+        the planner had drained served nothing meanwhile)."""
+        try:
+            text = await self.redis.get(subjects.PLAN_KEY)
+        except (RedisError, OSError) as e:
+            log.warning("cannot read the last plan from Redis (%s)", e)
+            return
+        if not text:
+            return  # a new stack: the first plan waits for a workload
+        try:
+            self.last_workload = WorkloadSummary.model_validate(json.loads(text)["inputs"])
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("the last plan in Redis cannot be read (%s): waiting for a workload", e)
+            return
+        log.info("planning again for the last plan's workload (%d requests at %.2f req/s)",
+                 len(self.last_workload.prompt_tokens), self.last_workload.rate_rps)
+        self.latest = ReplanRequest(reasons=["the planner restarted"])
+        self.wake.set()
 
     async def on_message(self, msg: Msg) -> None:
         self.latest = parse(msg, ReplanRequest)
