@@ -32,8 +32,10 @@ PULL_TIMEOUT_S = 3
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    # a frozen worker resumed is the point of one test here: none is killed as hung
     s = start_stack(tmp_path_factory.mktemp("outages"), prefill=2, decode=2, extra_env={
-        "DS_STALL_TIMEOUT_S": str(STALL_S), "DS_KV_PULL_TIMEOUT_S": str(PULL_TIMEOUT_S)})
+        "DS_STALL_TIMEOUT_S": str(STALL_S), "DS_KV_PULL_TIMEOUT_S": str(PULL_TIMEOUT_S),
+        "DS_HANG_TIMEOUT_S": "0"})
     yield s
     s.stop()
 
