@@ -1,4 +1,6 @@
-"""The requests a gateway cancelled lately, which a worker must not start.
+"""The requests a gateway cancelled lately, which a worker must not start; and the attempts
+that ended on a worker, which it must not start again (a copy of a message sent again where
+its acknowledgement was lost: `shared.bus.deliver`).
 
 A cancel can overtake its request: NATS hands each subscription's messages to a task of its
 own, so a worker may read the gateway's cancel before the prompt (or the decode instance's

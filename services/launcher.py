@@ -446,11 +446,14 @@ class Stack:
                          "DS_PP": str(c.pp_for(role))} | \
                 ({"DS_DEVICE": device} if device else {})
             self.supervisor.spawn(f"{role}-{i}", module(role), worker_env(own, f"{role}-{i}"),
-                                  restart=c.worker_restart(), hang_s=self.hang_s)
+                                  restart=c.worker_restart(), hang_s=self.hang_s, drains=True)
         if c.planner:
             self.supervisor.spawn("profiler", module("profiler"), fixed(env),
                                   restart=Restart.ALWAYS)
-            self.supervisor.spawn("planner", module("planner"), fixed(env | c.role_settings()),
+            # a restarted planner knows it is one (DS_RESTARTS): it plans again at once
+            planner_env = fixed(env | c.role_settings())
+            self.supervisor.spawn("planner", module("planner"),
+                                  lambda n: {**planner_env(n), "DS_RESTARTS": str(n)},
                                   restart=Restart.ALWAYS)
         expected = ({"colocated": c.replicas} if c.mode == "colocated"
                     else {"prefill": c.prefill, "decode": c.decode})

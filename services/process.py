@@ -118,20 +118,28 @@ class ControlService:
             await self.redis.aclose()
 
 
-async def show_alive(path: str, every_s: float = 1.0) -> None:
-    """Touch `path` (where one is given) every `every_s` for as long as this event loop runs,
-    and remove it when cancelled: the supervisor kills a process that leaves it untouched for
-    its hang timeout (stopped, or wedged with the GIL or this loop held)."""
+async def show_alive(path: str, every_s: float = 1.0,
+                     turning: Callable[[], bool] | None = None) -> None:
+    """Touch `path` (where one is given) every `every_s` while this event loop runs and
+    `turning()` says the process's main loop does too (it ticked since the last call): the
+    supervisor kills a process that leaves it untouched for its hang timeout (stopped, or
+    wedged with the GIL or its main loop held). The file stays when this ends: the process
+    removes it as it stops in order (`forget_alive`), so one whose loop died of an error is
+    judged by its silence."""
     if not path:
         return
     file = Path(path)
-    try:
-        while True:
+    while True:
+        if turning is None or turning():
             with contextlib.suppress(OSError):
                 file.touch()
-            await asyncio.sleep(every_s)
-    finally:
-        file.unlink(missing_ok=True)  # stopping: not judged by a file it no longer touches
+        await asyncio.sleep(every_s)
+
+
+def forget_alive(path: str) -> None:
+    """Stopping in order: not to be judged by a file no longer touched."""
+    if path:
+        Path(path).unlink(missing_ok=True)
 
 
 async def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:

@@ -26,6 +26,7 @@ from services.leases import GatewayLeases, read_leases
 from services.process import (
     WorkerSettings,
     built_or_exit,
+    forget_alive,
     run_until_signalled,
     setup_logging,
     show_alive,
@@ -178,8 +179,9 @@ class Heartbeats:
     still shows, since its engine steps stop advancing. A Redis that fails is logged and
     tried again next beat, never fatal."""
 
-    def __init__(self, settings: WorkerSettings, info: Callable[[], InstanceInfo]) -> None:
-        self.settings, self.info = settings, info
+    def __init__(self, settings: WorkerSettings, info: Callable[[], InstanceInfo],
+                 turning: Callable[[], bool] | None = None) -> None:
+        self.settings, self.info, self.turning = settings, info, turning
         self._thread = threading.Thread(target=lambda: asyncio.run(self._forever()),
                                         name="heartbeats", daemon=True)
         self._stop = threading.Event()
@@ -191,13 +193,15 @@ class Heartbeats:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        forget_alive(self.settings.alive_file)
 
     async def _forever(self) -> None:
         nc = await connect(self.settings.nats_url, f"{self.settings.instance_id}-heartbeats")
         redis = redis_client(self.settings.redis_url)
         registry = Registry(redis, self.settings.heartbeat_ttl_s)
         writing: asyncio.Task[None] | None = None
-        alive = asyncio.create_task(show_alive(self.settings.alive_file))
+        alive = asyncio.create_task(show_alive(self.settings.alive_file,
+                                               turning=self.turning))
         while not self._stop.is_set():
             beat = self.info().model_copy(update={"heartbeat_at": time.time()})
             with contextlib.suppress(nats.errors.Error, OSError):  # NATS down: next beat
@@ -254,6 +258,7 @@ class Worker:
         self.tracer = setup_tracing(self.id, self.settings.run_dir)
         self.draining = False
         self.asked_to_leave = False  # a Drain message came: exit DRAINED, not to be restarted
+        self.ticks = 0  # turns of the event loop (`_tick`)
         self.attempts: dict[str, int] = {}  # request -> the gateway's attempt served here
         self.cancelled = Cancelled()  # a cancel may overtake its request: never start those
         # request -> the gateway it came from (PrefillRequest.gateway), set as it arrives;
@@ -338,9 +343,10 @@ class Worker:
         for subject, callback in (self.subscriptions() | {subjects.drain(self.id): on_drain}
                                   ).items():
             await self.nc.subscribe(subject, cb=callback)
-        heartbeats = Heartbeats(self.settings, self.info)
+        heartbeats = Heartbeats(self.settings, self.info, self._turning())
         heartbeats.start()
-        named = {"engine loop": self.host.run(self.on_outputs, self.on_stalled)}
+        named = {"engine loop": self.host.run(self.on_outputs, self.on_stalled),
+                 "ticks": self._tick()}
         named |= {f"background {i}": c for i, c in enumerate(self.background())}
         named["gateway leases"] = self._cancel_orphans(redis)
         tasks = [asyncio.create_task(c, name=n) for n, c in named.items()]
@@ -366,6 +372,24 @@ class Worker:
             # a worker whose engine loop died must not linger: leave dispatch and exit, so
             # the gateway fails the requests it held instead of waiting for them
             raise WorkerFailed(f"{self.id}: {failed.get_name()} stopped") from failed.exception()
+
+    async def _tick(self, every_s: float = 0.5) -> None:
+        """Count this loop's turns: the heartbeat thread shows the worker alive only while
+        they go on (a loop held by a call that never returns, while the heartbeats beat on
+        their own thread, is a hung worker too)."""
+        while True:
+            self.ticks += 1
+            await asyncio.sleep(every_s)
+
+    def _turning(self) -> Callable[[], bool]:
+        """Whether this loop has ticked since the last call (from any thread)."""
+        seen = -1
+
+        def turned() -> bool:
+            nonlocal seen
+            moved, seen = self.ticks != seen, self.ticks
+            return moved
+        return turned
 
     async def _drain_after(self, stop: asyncio.Event, registry: Registry, redis: Redis) -> None:
         """Leave dispatch, then wait until the instance holds nothing and no gateway has a

@@ -5,8 +5,9 @@ the planner's local deployer and the test fixtures all run their processes throu
 Whether a child is restarted is the caller's choice per child (`Restart`): a server or a
 service never exits on its own while healthy, so any exit the supervisor did not ask for
 brings it back after a backoff; a worker asked to leave (a Drain message: the planner's or
-an operator's) exits with `DRAINED`, which no policy restarts, and one SIGTERMed from outside
-exits 0, which only ALWAYS restarts.
+an operator's) exits with `DRAINED`, which no policy restarts in a child spawned as one that
+`drains` (only there: 3 is also uvicorn's code for a failed start), and one SIGTERMed from
+outside exits 0, which only ALWAYS restarts.
 
 A child spawned with a hang timeout is handed a file to touch (`DS_ALIVE_FILE`, every second
 from a thread or loop that only lives while the process does: `show_alive`); once it has
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 Env = Callable[[int], Mapping[str, str]]  # restarts so far -> that incarnation's environment
 DRAINED = 3  # the exit code of a worker that left because it was asked to: it stays down
+PAUSED_S = 2.0  # a monitor's poll this late means the supervisor itself was held up
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,8 @@ class Restart(enum.Enum):
     """Which exits the supervisor did not ask for bring a child back."""
 
     NEVER = "never"
-    ON_CRASH = "on crash"  # a code but 0 or DRAINED, or a signal
-    ALWAYS = "always"  # any exit but DRAINED: a server or a service never leaves on its own
+    ON_CRASH = "on crash"  # a code but 0 (or DRAINED, from a child that drains), or a signal
+    ALWAYS = "always"  # any exit (but DRAINED's): a server or service never leaves on its own
 
     @classmethod
     def of(cls, restart: Restart | bool) -> Restart:
@@ -75,9 +77,10 @@ class Restart(enum.Enum):
             return restart
         return cls.ON_CRASH if restart else cls.NEVER
 
-    def wants(self, returncode: int) -> bool:
-        """Whether a child that exited with `returncode`, unasked, is started again."""
-        if returncode == DRAINED:
+    def wants(self, returncode: int, drains: bool = False) -> bool:
+        """Whether a child that exited with `returncode`, unasked, is started again (one that
+        `drains` and exited DRAINED: never)."""
+        if drains and returncode == DRAINED:
             return False
         return self is Restart.ALWAYS or (self is Restart.ON_CRASH and returncode != 0)
 
@@ -103,8 +106,8 @@ def restart_delay(uptime_s: float, previous_s: float | None, backoff: Backoff) -
     return min(2 * previous_s, backoff.max_s)
 
 
-def describe_exit(returncode: int) -> str:
-    if returncode == DRAINED:
+def describe_exit(returncode: int, drains: bool = False) -> str:
+    if drains and returncode == DRAINED:
         return f"with code {DRAINED} (drained on request)"
     if returncode >= 0:
         return f"with code {returncode}"
@@ -193,6 +196,7 @@ class Child:
     pass_fds: tuple[int, ...] = ()  # file descriptors each incarnation inherits
     hang_s: float | None = None  # killed once its alive file is this long untouched
     backoff: Backoff | None = None  # None: the supervisor's
+    drains: bool = False  # a worker: its exit DRAINED means it was asked to leave
     touched: tuple[float, float] | None = None  # the file's mtime, and when it was first seen
 
     @property
@@ -275,11 +279,13 @@ class Supervisor:
     def spawn(self, name: str, argv: list[str], env: Env | None = None,
               restart: Restart | bool = Restart.NEVER,
               pass_fds: tuple[int, ...] = (), hang_s: float | None = None,
-              backoff: Backoff | None = None) -> subprocess.Popen[bytes]:
+              backoff: Backoff | None = None, drains: bool = False
+              ) -> subprocess.Popen[bytes]:
         """Start `argv` as child `name` (`env(0)` its environment, inheriting `pass_fds`);
         an exit `restart` wants brings it back with `env(restarts)` and the same fds, after
-        `backoff` (default: the supervisor's). With `hang_s`, it is killed once it leaves
-        its alive file untouched that long. The child dies with the calling thread (see the
+        `backoff` (default: the supervisor's); one that `drains` (a worker) and exits
+        DRAINED stays down. With `hang_s`, it is killed once it leaves its alive file
+        untouched that long. The child dies with the calling thread (see the
         module's docstring)."""
         with self._lock:
             if name in self._children and not self._children[name].done:
@@ -290,7 +296,7 @@ class Supervisor:
                           "started", pass_fds)
             self._children[name] = Child(name, argv, env, Restart.of(restart), path, proc,
                                          time.monotonic(), pass_fds=pass_fds, hang_s=hang_s,
-                                         backoff=backoff)
+                                         backoff=backoff, drains=drains)
             if self._monitor is None:
                 self._monitor = threading.Thread(target=self._watch, name="supervisor",
                                                  daemon=True)
@@ -374,11 +380,18 @@ class Supervisor:
     def _watch(self) -> None:
         """Poll until no child is alive or due to restart (the next spawn starts a new
         monitor). Not before: a child this thread restarted dies when it exits."""
+        polled = time.monotonic()
         while True:
             time.sleep(self.poll_s)
             with self._lock:
                 now = time.monotonic()
                 watched = [c for c in self._children.values() if not (c.done or c.stopping)]
+                if now - polled > max(PAUSED_S, 4 * self.poll_s):
+                    # this thread was stopped too (the whole tree frozen: a paused container
+                    # or VM, heavy swapping): no child had its chance to show it is alive
+                    for child in watched:
+                        child.touched = None
+                polled = now
                 for child in watched:
                     try:
                         self._check(child, now)
@@ -403,14 +416,15 @@ class Supervisor:
             if child.hang_s is not None and not self._closing:
                 self._kill_if_hung(child, now)
             return
-        how = f"{child.name} exited {describe_exit(code)}"
+        how = f"{child.name} exited {describe_exit(code, child.drains)}"
         if self._closing:
             child.done = True
             log.info("%s; stopping, not restarted", how)
             return
-        if not child.restart.wants(code):
+        if not child.restart.wants(code, child.drains):
             child.done = True
-            level = logging.INFO if code in (0, DRAINED) else logging.WARNING
+            level = logging.INFO if code == 0 or (child.drains and code == DRAINED) \
+                else logging.WARNING
             log.log(level, "%s; not restarted; log: %s", how, child.log)
             return
         delay = restart_delay(now - child.started, child.delay_s,

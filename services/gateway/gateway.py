@@ -32,7 +32,7 @@ from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
 from services.gateway.stream import GaveUp, Lost, Relay
 from services.gateway.timing import RequestTiming
 from services.gateway.view import InstanceView
-from services.process import show_alive
+from services.process import forget_alive, show_alive
 from shared import subjects
 from shared.bus import connect, deliver, parse, publish
 from shared.engine.config import served_name
@@ -195,6 +195,7 @@ class Gateway:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)  # none writes its keys again
+        forget_alive(self.settings.alive_file)
         await self._delete_keys()
         shutdown_tracing()
         await self.nc.drain()

@@ -261,7 +261,7 @@ class LocalDeployer:
         self.supervisor.spawn(instance, [sys.executable, "-m", f"services.{role_of(kind)}"],
                               lambda restarts: {**env,
                                                 "DS_INSTANCE_ID": incarnation(instance, restarts)},
-                              restart=True, hang_s=hang_timeout(env))
+                              restart=True, hang_s=hang_timeout(env), drains=True)
         log.info("started %s (%s)%s", instance, shape or "tp and pp as `up` set them",
                  f" on {device}" if device else "")
         return instance

@@ -77,6 +77,7 @@ class PlannerSettings(BaseSettings):
     planner_modes: str = ",".join(MODES)  # the modes it may deploy (all are weighed)
     planner_switch_margin: float = Field(default=SWITCH_MARGIN, ge=1.0)  # a new mode's gain
     planner_interval_s: float = 0.0  # also plan again this often (0: only when asked)
+    restarts: int = 0  # how often the supervisor restarted this planner (DS_RESTARTS)
     planner_calibrate: bool = True  # plan on the profile as the workers' step times correct it
     # the workers' scheduler limits (the same DS_ variables the workers read)
     max_batch_tokens: int = 512
@@ -178,7 +179,10 @@ class PlannerService(ControlService):
         which die with it, and the workload it planned for: plan again at once for the
         workload of the last plan in Redis, which starts what is missing (before, nothing was
         started until the profiler saw the workload shift, and a stack whose first workers
-        the planner had drained served nothing meanwhile)."""
+        the planner had drained served nothing meanwhile). Only a restarted one: a planner
+        starting with its stack does not replay what a Redis kept from another stack."""
+        if self.settings.restarts == 0:
+            return
         try:
             text = await self.redis.get(subjects.PLAN_KEY)
         except (RedisError, OSError) as e:
@@ -187,12 +191,15 @@ class PlannerService(ControlService):
         if not text:
             return  # a new stack: the first plan waits for a workload
         try:
-            self.last_workload = WorkloadSummary.model_validate(json.loads(text)["inputs"])
+            stored = WorkloadSummary.model_validate(json.loads(text)["inputs"])
         except (ValueError, KeyError, TypeError) as e:
             log.warning("the last plan in Redis cannot be read (%s): waiting for a workload", e)
             return
-        log.info("planning again for the last plan's workload (%d requests at %.2f req/s)",
-                 len(self.last_workload.prompt_tokens), self.last_workload.rate_rps)
+        if self.latest is not None or self.last_workload is not None:
+            return  # a replan request came meanwhile, with the workload as it is now
+        log.info("restarted: planning again for the last plan's workload (%d requests at "
+                 "%.2f req/s)", len(stored.prompt_tokens), stored.rate_rps)
+        self.last_workload = stored
         self.latest = ReplanRequest(reasons=["the planner restarted"])
         self.wake.set()
 

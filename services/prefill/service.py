@@ -213,8 +213,9 @@ class PrefillService(Worker):
         the move to resume from, and is freed when no decode instance wants it."""
         why = await deliver(self.nc, subjects.decode(decode), ready, headers,
                             self.settings.dispatch_tries, self.settings.dispatch_ack_s)
-        if why is None:
-            return
+        held = self.requests.get(ready.request_id)
+        if why is None or held is None or held.attempt != ready.attempt:
+            return  # heard; or the request ended here meanwhile (cancelled, moved on)
         log.warning("%s: %s never acknowledged the KV of %s (attempt %d): %s; moving it",
                     self.id, decode, ready.request_id, ready.attempt, why)
         await self.send(TokenChunk(request_id=ready.request_id, source=self.id,
@@ -249,7 +250,12 @@ class PrefillService(Worker):
         return True
 
     def _forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+        """Drop what is kept of the request; its attempt is over here (replaced, failed,
+        cancelled, its KV freed), and a late copy of it (its acknowledgement lost) is not
+        prefilled again."""
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.cancelled.add(request_id, req.attempt)
         self.arrived.pop(request_id, None)
         self.traced.pop(request_id, None)
         self.parked_at.pop(request_id, None)

@@ -4,6 +4,7 @@ stack shuts down: test_shutdown.py."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -56,9 +57,10 @@ def test_a_clean_exit_is_restarted_only_where_any_exit_is() -> None:
     """A server or a service never exits on its own while healthy (ALWAYS: a clean exit is
     someone else's SIGTERM); a worker SIGTERMed where a planner runs leaves with code 0
     (ON_CRASH); one asked to leave by a Drain message (DRAINED) stays down under every
-    policy."""
+    policy. Code 3 from a child that does not drain (uvicorn's failed start) is a crash."""
     assert [policy.wants(0) for policy in Restart] == [False, False, True]
-    assert [policy.wants(DRAINED) for policy in Restart] == [False, False, False]
+    assert [policy.wants(DRAINED, drains=True) for policy in Restart] == [False, False, False]
+    assert [policy.wants(DRAINED) for policy in Restart] == [False, True, True]
     assert [policy.wants(1) for policy in Restart] == [False, True, True]
     assert [policy.wants(-signal.SIGKILL) for policy in Restart] == [False, True, True]
     assert (Restart.of(True), Restart.of(False)) == (Restart.ON_CRASH, Restart.NEVER)
@@ -133,7 +135,7 @@ def test_a_child_drained_on_request_stays_down_where_any_exit_restarts(
     caplog.set_level(logging.INFO, logger="services.supervisor")
     with Supervisor(tmp_path, FAST, poll_s=0.05) as supervisor:
         supervisor.spawn("w", [sys.executable, "-c", f"raise SystemExit({DRAINED})"],
-                         restart=Restart.ALWAYS)
+                         restart=Restart.ALWAYS, drains=True)
         wait_until(lambda: supervisor.children[0].done, "the supervisor to see the exit")
         time.sleep(0.3)  # three restart delays
         assert supervisor.restarts() == {"w": 0}
@@ -162,14 +164,16 @@ def test_a_child_stopped_from_outside_comes_back_where_any_exit_restarts(
 
 
 # shows it is alive as a worker does (services.process.show_alive), every 0.1 s, after
-# recording its ID; with a second argument, only for that many seconds, then stays up silent
+# recording its ID; with a second argument, only for that many seconds, then stops showing
+# it in order (forget_alive) and stays up silent
 SHOW_ALIVE = ("import asyncio, os, sys, time\n"
-              "from services.process import show_alive\n"
+              "from services.process import forget_alive, show_alive\n"
               "with open(sys.argv[1], 'a') as f: f.write(os.environ['ID'] + '\\n')\n"
               "async def main():\n"
               "    alive = asyncio.create_task(show_alive(os.environ['DS_ALIVE_FILE'], 0.1))\n"
               "    await asyncio.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 60)\n"
               "    alive.cancel()\n"
+              "    forget_alive(os.environ['DS_ALIVE_FILE'])\n"
               "    await asyncio.sleep(60)\n"
               "asyncio.run(main())\n")
 
@@ -182,9 +186,9 @@ def test_a_child_frozen_past_its_hang_timeout_is_killed_and_restarted(
     with Supervisor(tmp_path, FAST, poll_s=0.05) as supervisor:
         first = supervisor.spawn("w", [sys.executable, "-c", SHOW_ALIVE, str(ids)],
                                  lambda n: {**os.environ, "ID": incarnation("w", n)},
-                                 restart=Restart.ALWAYS, hang_s=1.0)
+                                 restart=Restart.ALWAYS, hang_s=2.0)
         wait_until((tmp_path / "w.alive").exists, "the child to show it is alive")
-        time.sleep(2.0)  # alive for twice the timeout: not killed
+        time.sleep(3.0)  # alive for longer than the timeout: not killed
         assert first.poll() is None
         first.send_signal(signal.SIGSTOP)
         wait_until(lambda: lines(ids) == ["w", "w-r1"], "the frozen child to be replaced")
@@ -202,13 +206,13 @@ def test_a_child_that_has_not_shown_life_yet_or_no_longer_is_not_taken_for_hung(
     with Supervisor(tmp_path, FAST, poll_s=0.05) as supervisor:
         silent = supervisor.spawn("silent", [sys.executable, "-c", RECORD_AND_SLEEP,
                                              str(tmp_path / "a")],
-                                  lambda n: {**os.environ, "ID": "silent"}, hang_s=0.3)
+                                  lambda n: {**os.environ, "ID": "silent"}, hang_s=1.0)
         ending = supervisor.spawn("ending", [sys.executable, "-c", SHOW_ALIVE,
-                                             str(tmp_path / "b"), "1.0"],
-                                  lambda n: {**os.environ, "ID": "ending"}, hang_s=0.3)
+                                             str(tmp_path / "b"), "0.5"],
+                                  lambda n: {**os.environ, "ID": "ending"}, hang_s=2.0)
         wait_until((tmp_path / "ending.alive").exists, "the child to show it is alive")
         wait_until(lambda: not (tmp_path / "ending.alive").exists(), "it to remove its file")
-        time.sleep(1.0)
+        time.sleep(3.0)
         assert silent.poll() is None and ending.poll() is None
 
 
@@ -229,6 +233,45 @@ def test_a_child_with_a_backoff_of_its_own_is_restarted_by_it(tmp_path: Path) ->
             supervisor.proc("server").kill()
         wait_until(ran(4), "the third restart", timeout=10)
     assert services.supervisor.SERVER_BACKOFF.max_s <= 5.0
+
+
+def test_a_child_is_shown_alive_only_while_its_main_loop_turns(tmp_path: Path) -> None:
+    """A worker's heartbeats beat on a thread of their own: they show it alive only while its
+    main loop ticks, so a loop held for good is a hang too; the file is left for the
+    supervisor to judge when the showing ends by an error."""
+    from services.process import show_alive
+
+    turns = iter([True, False, False, False, False, False])
+
+    async def main() -> None:
+        path = tmp_path / "x.alive"
+        task = asyncio.create_task(show_alive(str(path), 0.05, lambda: next(turns, False)))
+        await asyncio.sleep(0.02)
+        assert path.exists()
+        touched = path.stat().st_mtime_ns
+        await asyncio.sleep(0.3)
+        assert path.stat().st_mtime_ns == touched  # the loop stopped turning: untouched
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert path.exists()  # not removed but in order (forget_alive)
+
+    asyncio.run(main())
+
+
+def test_the_supervisor_held_up_itself_takes_no_child_for_hung(tmp_path: Path) -> None:
+    """The whole tree frozen (a paused container): on waking, the monitor saw no touch for
+    as long as it slept, through no child's fault."""
+    with Supervisor(tmp_path, FAST, poll_s=0.05) as supervisor:
+        child = supervisor.spawn("w", [sys.executable, "-c", SHOW_ALIVE, str(tmp_path / "i")],
+                                 lambda n: {**os.environ, "ID": "w"}, hang_s=1.0)
+        wait_until((tmp_path / "w.alive").exists, "the child to show it is alive")
+        time.sleep(0.3)
+        with supervisor._lock:  # the monitor is held 3 s, and the child with it
+            child.send_signal(signal.SIGSTOP)
+            time.sleep(3.0)
+            child.send_signal(signal.SIGCONT)
+        time.sleep(0.5)
+        assert child.poll() is None and supervisor.restarts() == {"w": 0}
 
 
 def test_a_child_without_restart_stays_down_after_a_crash(tmp_path: Path) -> None:

@@ -544,9 +544,15 @@ def test_an_announcement_no_decode_instance_acknowledges_asks_the_gateway_to_mov
         worker.nc = await connect(nats_url, "prefill-u")
         nc = await connect(nats_url, "test")
         seen, subs = await chunks_of(nc, ["unheard"])
+        ready = announcement("unheard", "prefill-u", "t", 2)
+        await worker._deliver("decode-nobody", ready, None)  # not held here (any more)
+        await asyncio.sleep(0.3)
+        assert seen == []  # ended here meanwhile: nobody to move
+        worker.requests["unheard"] = PrefillRequest(request_id="unheard", prompt_ids=[1, 2, 3],
+                                                    attempt=2, arrival_ts=time.time(),
+                                                    sampling=Sampling(max_tokens=4))
         started = time.monotonic()
-        await worker._deliver("decode-nobody", announcement("unheard", "prefill-u", "t", 2),
-                              None)
+        await worker._deliver("decode-nobody", ready, None)
         await until(lambda: bool(seen))
         (chunk,) = seen
         assert (chunk.retry, chunk.attempt, chunk.seq) == (True, 2, 1)
