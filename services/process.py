@@ -136,6 +136,15 @@ async def show_alive(path: str, every_s: float = 1.0,
         await asyncio.sleep(every_s)
 
 
+def mark_leaving(path: str) -> None:
+    """Asked to leave (a Drain message): beside the alive file, a mark that tells the
+    supervisor not to bring this worker back whatever its end (hung or failed while
+    draining, it would undo the drain)."""
+    if path:
+        with contextlib.suppress(OSError):
+            Path(path).with_suffix(".leaving").touch()
+
+
 def forget_alive(path: str) -> None:
     """Stopping in order: not to be judged by a file no longer touched."""
     if path:

@@ -27,6 +27,7 @@ from services.process import (
     WorkerSettings,
     built_or_exit,
     forget_alive,
+    mark_leaving,
     run_until_signalled,
     setup_logging,
     show_alive,
@@ -285,7 +286,13 @@ class Worker:
                             step_seconds=self.host.step_s, step_cpu_seconds=self.host.step_cpu_s,
                             step_queued_seconds=self.host.step_queued_s,
                             outputs_seconds=self.host.outputs_s,
-                            batched=self.host.batched, recent_steps=self.recent_steps())
+                            batched=self.host.batched, recent_steps=self.recent_steps(),
+                            held=self.held())
+
+    def held(self) -> dict[str, int]:
+        """Each request held here, with its attempt (from the heartbeat's thread: copies
+        made in one C call each, which no other thread interleaves)."""
+        return dict(self.attempts)
 
     def recent_steps(self) -> list[StepSample]:
         """The engine's last steps, for the heartbeat (its thread, not the loop's); not a
@@ -338,6 +345,7 @@ class Worker:
 
         async def on_drain(_: Msg) -> None:
             self.asked_to_leave = True
+            mark_leaving(self.settings.alive_file)
             stop.set()
 
         for subject, callback in (self.subscriptions() | {subjects.drain(self.id): on_drain}

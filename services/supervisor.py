@@ -211,10 +211,12 @@ def alive_file(log_path: Path) -> Path:
 
 def watched(env: Mapping[str, str] | None, alive: Path | None) -> Mapping[str, str] | None:
     """`env` (None: this process's) naming the alive file, where the child is watched; the
-    last incarnation's file is removed, so a new one is not judged by it."""
+    last incarnation's file and leaving mark are removed, so a new one is not judged by
+    them."""
     if alive is None:
         return env
     alive.unlink(missing_ok=True)
+    alive.with_suffix(".leaving").unlink(missing_ok=True)
     return {**(os.environ if env is None else env), "DS_ALIVE_FILE": str(alive)}
 
 
@@ -420,6 +422,11 @@ class Supervisor:
         if self._closing:
             child.done = True
             log.info("%s; stopping, not restarted", how)
+            return
+        if child.drains and code != DRAINED and child.hang_s is not None and \
+                child.alive.with_suffix(".leaving").exists():
+            child.done = True  # asked to leave, it ended otherwise (hung, failed): not back
+            log.warning("%s while draining on request; not restarted; log: %s", how, child.log)
             return
         if not child.restart.wants(code, child.drains):
             child.done = True

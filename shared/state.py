@@ -65,6 +65,10 @@ class InstanceInfo(BaseModel):
     outputs_seconds: float = 0.0  # spent handling their outputs before the next step
     batched: int = 0  # requests that got a token, summed over steps
     recent_steps: list[StepSample] = []  # the last steps the latency model can price
+    # request -> the attempt of it held here in any form (queued, taken in, pulled, running,
+    # parked): a request a gateway waits on that its instance no longer holds has ended
+    # there, or never arrived, with its chunks lost (NATS delivers at most once)
+    held: dict[str, int] = {}
     heartbeat_at: float = 0.0
 
 

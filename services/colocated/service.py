@@ -108,6 +108,9 @@ class ColocatedService(Worker):
     def holds(self, request_id: str) -> bool:
         return request_id in self.known
 
+    def held(self) -> dict[str, int]:
+        return dict(self.known)
+
     def cancel(self, cancel: Cancel) -> None:
         """Abort the request if the cancel covers the newest attempt that came here: a
         cancel naming an older attempt (the gateway moved it away, then back here) leaves

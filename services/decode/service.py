@@ -439,6 +439,11 @@ class DecodeService(Worker):
             attempts.append(self.pulling[request_id][0])
         return max([*attempts, self.attempts.get(request_id, -1)])
 
+    def held(self) -> dict[str, int]:
+        held = {ready.request_id: ready.attempt for ready in list(self.pending)}
+        held |= {request_id: attempt for request_id, (attempt, _) in list(self.pulling.items())}
+        return held | dict(self.attempts)
+
     def holds(self, request_id: str) -> bool:
         return request_id in self.pulling or request_id in self.attempts or any(
             r.request_id == request_id for r in self.pending)

@@ -385,8 +385,10 @@ class Gateway:
         """The request's token chunks until it finishes, moved to other instances (up to
         `max_moves` times) when the ones serving it fail; GaveUp if it cannot finish.
         `booked`: the target's count in the ledger (from dispatch), settled here."""
+        # an attempt is held where it was sent once acknowledged there, within the retries
+        absent_s = self.settings.dispatch_ack_s * self.settings.dispatch_tries + 2.0
         relay = Relay(self.nc, self.view, request_id, target.worker, target.decode,
-                      self.settings.stall_timeout_s)
+                      self.settings.stall_timeout_s, absent_s=absent_s)
         await relay.open()
         span = self.tracer.start_span("request", attributes={
             "request_id": request_id, "prompt_tokens": len(prompt_ids),

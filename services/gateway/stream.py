@@ -7,8 +7,10 @@ never lost); a chunk went missing (its `seq` skips ahead); a decode instance cou
 its KV; the decode instance never started it and the prefill instance holding its KV died;
 or the decode instance running it, with none preempted, made `silent_steps` steps without a
 chunk for it (a running request gets a token every step: its chunks, the last one included,
-went missing). (A prompt that waits on its prefill instance gives no such sign: its
-queue length says how many wait, not which.)
+went missing); or the instance serving it has said for `absent_s` that it does not hold this
+attempt (its heartbeats list what each instance holds): it ended there, or never arrived,
+with every chunk lost (a NATS outage as a short request ran: an instance busy with others
+never stalls, and a request never heard from has no gap to see).
 
 Each move is a new attempt: chunks of older attempts (an instance moved away from that
 still speaks) are dropped, as are chunks repeating tokens already relayed."""
@@ -46,10 +48,11 @@ class Lost(Exception):
 class Relay:
     def __init__(self, nc: Client, view: InstanceView, request_id: str, worker: str,
                  decode: str, stall_s: float, poll_s: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic, silent_steps: int = 64) -> None:
+                 clock: Callable[[], float] = time.monotonic, silent_steps: int = 64,
+                 absent_s: float = 8.0) -> None:
         self.nc, self.view, self.request_id = nc, view, request_id
         self.stall_s, self.poll_s, self.clock = stall_s, poll_s, clock
-        self.silent_steps = silent_steps
+        self.silent_steps, self.absent_s = silent_steps, absent_s
         self.output_ids: list[int] = []  # every token relayed so far, in order
         self._attempts = itertools.count()
         self.attempt = 0
@@ -83,6 +86,7 @@ class Relay:
         self._heard_decode = False  # a chunk of this attempt came from the decode instance
         self._steps_at_chunk: int | None = None  # the decode instance's steps at the last one
         self._worker_gone_at: float | None = None
+        self._absent_since: float | None = None  # the serving instance says it lacks this
 
     async def open(self) -> None:
         """Listen before the request is sent, so no chunk can be missed."""
@@ -136,11 +140,13 @@ class Relay:
                               f"{self.request_id} never arrived")
         self.output_ids += chunk.token_ids
         self._progress_at = self.clock()
+        self._absent_since = None
         if self.decode and chunk.source == self.decode:
             self._heard_decode = True
             self._steps_at_chunk = None  # taken at the next check
         if not self.prefilled and (chunk.source == self.worker or chunk.error):
             self.prefilled, self.serving = True, self.decode or self.worker
+            self._absent_since = None  # the decode instance hears of it from here on
         self.finished = chunk.finish_reason is not None or chunk.error is not None
         self.failed = chunk.error is not None
         return True
@@ -170,6 +176,13 @@ class Relay:
             elif info.steps - self._steps_at_chunk > self.silent_steps:
                 raise Lost("gap", f"{self.serving} made {self.silent_steps} steps without a "
                                   f"token of {self.request_id}")
+        if info.held.get(self.request_id) == self.attempt:
+            self._absent_since = None
+        elif self._absent_since is None:
+            self._absent_since = now
+        elif now - self._absent_since > self.absent_s:
+            raise Lost("gap", f"{self.serving} does not hold attempt {self.attempt} of "
+                              f"{self.request_id} (its chunks were lost)")
         tried = info.steps + info.stalled_steps  # a full pool waits on the pulls: still live
         if tried != self._steps:  # the instance is working through its queue
             self._steps, self._progress_at = tried, now

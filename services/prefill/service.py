@@ -293,6 +293,9 @@ class PrefillService(Worker):
     def holds(self, request_id: str) -> bool:
         return request_id in self.requests
 
+    def held(self) -> dict[str, int]:
+        return {request_id: req.attempt for request_id, req in list(self.requests.items())}
+
     def cancel(self, cancel: Cancel) -> None:
         request_id = self.cancel_for_me(cancel)
         if request_id is None:

@@ -144,6 +144,25 @@ def test_a_child_drained_on_request_stays_down_where_any_exit_restarts(
         "w exited with code 3 (drained on request); not restarted")
 
 
+def test_a_worker_asked_to_leave_that_then_hangs_stays_down(tmp_path: Path) -> None:
+    """Drained, then frozen (or failed) before its orderly exit: killed as hung, it is not
+    brought back, which would undo the drain (the planner counts on it gone)."""
+    leaving = SHOW_ALIVE.replace("asyncio.run(main())", (
+        "from services.process import mark_leaving\n"
+        "mark_leaving(os.environ['DS_ALIVE_FILE'])\n"
+        "asyncio.run(main())"))
+    with Supervisor(tmp_path, FAST, poll_s=0.05) as supervisor:
+        child = supervisor.spawn("w", [sys.executable, "-c", leaving, str(tmp_path / "i")],
+                                 lambda n: {**os.environ, "ID": incarnation("w", n)},
+                                 restart=Restart.ALWAYS, hang_s=1.0, drains=True)
+        wait_until((tmp_path / "w.alive").exists, "the child to show it is alive")
+        child.send_signal(signal.SIGSTOP)
+        assert child.wait(timeout=30) == -signal.SIGKILL
+        wait_until(lambda: supervisor.children[0].done, "the supervisor to see the exit")
+        time.sleep(0.3)
+        assert supervisor.restarts() == {"w": 0}
+
+
 def test_a_child_stopped_from_outside_comes_back_where_any_exit_restarts(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A worker SIGTERMed by someone else drains and exits 0: the stack would serve without

@@ -499,6 +499,26 @@ def test_a_newer_attempt_announced_during_an_older_ones_pull_supersedes_it(
     asyncio.run(main())
 
 
+def test_a_worker_heartbeats_each_request_it_holds_with_its_attempt(
+        nats_url: str, redis_url: str) -> None:
+    """A gateway moves a request its instance no longer holds (its chunks were lost): the
+    heartbeat lists every request held, in any form, as the attempt held."""
+    decode = tiny(DecodeService, "decode-h", nats_url, redis_url)
+    decode.pending.append(announcement("queued", "p", "t", attempt=2))
+    decode.pulling["pulled"] = (1, cast(asyncio.Task[None], None))
+    decode.attempts["running"] = 0
+    assert decode.info().held == {"queued": 2, "pulled": 1, "running": 0}
+    prefill = tiny(PrefillService, "prefill-h", nats_url, redis_url)
+    prefill.requests["parked"] = PrefillRequest(request_id="parked", prompt_ids=[1], attempt=3,
+                                                sampling=Sampling(max_tokens=2),
+                                                arrival_ts=time.time())
+    assert prefill.info().held == {"parked": 3}
+    colocated = tiny(ColocatedService, "colocated-h", nats_url, redis_url)
+    colocated.subscriptions()  # sets up what it keeps of its requests
+    colocated.known["taken"] = 4
+    assert colocated.info().held == {"taken": 4}
+
+
 @pytest.mark.timeout(120)
 def test_an_announcement_heard_twice_is_acknowledged_each_time_and_pulled_once(
         nats_url: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,10 +23,13 @@ class Clock:
 
 
 def beat(view: InstanceView, at: float, *instances: tuple[str, str, int],
-         queued: int = 0) -> None:
+         queued: int = 0, held: dict[str, int] | None = None) -> None:
+    """Heartbeats of `instances` seen at `at`; each holds attempt 0 of request "r" unless
+    `held` says what they hold."""
     for instance_id, role, steps in instances:
         view.observe(InstanceInfo(instance_id=instance_id, role=role,  # type: ignore[arg-type]
-                                  steps=steps, queue_len=queued), at)
+                                  steps=steps, queue_len=queued,
+                                  held={"r": 0} if held is None else held), at)
 
 
 def relay(clock: Clock, view: InstanceView | None = None) -> Relay:
@@ -115,7 +118,7 @@ def test_a_prefill_instance_whose_pool_waits_on_pulls_is_not_stalled() -> None:
     r = relay(clock, view)
     for t in range(0, 30):
         view.observe(InstanceInfo(instance_id="p0", role="prefill", steps=5, stalled_steps=t,
-                                  queue_len=3), float(t))
+                                  queue_len=3, held={"r": 0}), float(t))
         beat(view, float(t), ("d0", "decode", t))
         clock.now = float(t)
         r._check(clock.now)  # 30 s without a step, never Lost
@@ -158,6 +161,35 @@ def test_a_running_request_whose_chunks_stop_while_its_instance_steps_is_lost() 
     assert lost.value.cause == "gap"
 
 
+@pytest.mark.parametrize("heard", [False, True])
+def test_a_request_its_instance_no_longer_holds_is_lost(heard: bool) -> None:
+    """Every chunk a decode instance sent went missing (a NATS outage as it ran a short
+    request to its end): d0 steps on for others, so the request never stalls, and nothing
+    came of it to show a gap. d0's heartbeats no longer list it: once they have not for
+    `absent_s`, it is lost. Listed (queued there, pulled, running) it waits; an older
+    attempt listed is not this one."""
+    clock, view = Clock(), InstanceView(2.0)
+    beat(view, 0.0, ("p0", "prefill", 1), ("d0", "decode", 10))
+    r = relay(clock, view)
+    r.accept(chunk(0, 7, source="p0"))
+    if heard:
+        r.accept(chunk(1, 8))
+    for t in range(1, 20):  # held, though silent, for 19 s: not lost
+        beat(view, float(t), ("p0", "prefill", 1), ("d0", "decode", 10 + t))
+        r._check(float(t))
+    lost_at = None
+    for t in range(20, 40):  # d0 holds only an older attempt of it, then nothing
+        beat(view, float(t), ("p0", "prefill", 1), ("d0", "decode", 10 + t),
+              held={"r": -1} if t < 25 else {})
+        try:
+            r._check(float(t))
+        except Lost as lost:
+            assert lost.cause == "gap" and "does not hold attempt 0 of r" in str(lost)
+            lost_at = t
+            break
+    assert lost_at is not None and 20 + r.absent_s < lost_at <= 20 + r.absent_s + 1
+
+
 def test_a_request_on_a_decode_instance_that_preempted_some_is_not_lost() -> None:
     clock, view = Clock(), InstanceView(2.0)
     r = relay(clock, view)
@@ -165,7 +197,7 @@ def test_a_request_on_a_decode_instance_that_preempted_some_is_not_lost() -> Non
     r.accept(chunk(1, 8))
     for t in range(1, 6):  # d0 steps on with requests preempted: ours may be one of them
         view.observe(InstanceInfo(instance_id="d0", role="decode", steps=100 * t,
-                                  preempted=2), float(t))
+                                  preempted=2, held={"r": 0}), float(t))
         beat(view, float(t), ("p0", "prefill", 1))
         r._check(float(t))
 
