@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
+from services.liveness import hang_timeout
 from services.supervisor import (
     SERVER_BACKOFF,
     Child,
@@ -36,7 +37,6 @@ from services.supervisor import (
     Restart,
     Supervisor,
     free_port,
-    hang_timeout,
     incarnation,
     listen,
     log_tail,

@@ -6,7 +6,6 @@ of services/; the workers' runtime (services/runtime.py) adds the engine."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -14,7 +13,6 @@ import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import TypeVar
 
 from nats.aio.client import Client
@@ -116,39 +114,6 @@ class ControlService:
             await self.redis.delete(subjects.ready_key(self.name))
             await self.nc.drain()
             await self.redis.aclose()
-
-
-async def show_alive(path: str, every_s: float = 1.0,
-                     turning: Callable[[], bool] | None = None) -> None:
-    """Touch `path` (where one is given) every `every_s` while this event loop runs and
-    `turning()` says the process's main loop does too (it ticked since the last call): the
-    supervisor kills a process that leaves it untouched for its hang timeout (stopped, or
-    wedged with the GIL or its main loop held). The file stays when this ends: the process
-    removes it as it stops in order (`forget_alive`), so one whose loop died of an error is
-    judged by its silence."""
-    if not path:
-        return
-    file = Path(path)
-    while True:
-        if turning is None or turning():
-            with contextlib.suppress(OSError):
-                file.touch()
-        await asyncio.sleep(every_s)
-
-
-def mark_leaving(path: str) -> None:
-    """Asked to leave (a Drain message): beside the alive file, a mark that tells the
-    supervisor not to bring this worker back whatever its end (hung or failed while
-    draining, it would undo the drain)."""
-    if path:
-        with contextlib.suppress(OSError):
-            Path(path).with_suffix(".leaving").touch()
-
-
-def forget_alive(path: str) -> None:
-    """Stopping in order: not to be judged by a file no longer touched."""
-    if path:
-        Path(path).unlink(missing_ok=True)
 
 
 async def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:

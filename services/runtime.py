@@ -23,15 +23,8 @@ from redis.exceptions import RedisError
 
 from services.cancelled import Cancelled
 from services.leases import GatewayLeases, read_leases
-from services.process import (
-    WorkerSettings,
-    built_or_exit,
-    forget_alive,
-    mark_leaving,
-    run_until_signalled,
-    setup_logging,
-    show_alive,
-)
+from services.liveness import forget_alive, mark_leaving, show_alive
+from services.process import WorkerSettings, built_or_exit, run_until_signalled, setup_logging
 from services.supervisor import DRAINED
 from shared import subjects
 from shared.bus import connect, parse, publish

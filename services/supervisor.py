@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from services.liveness import alive_file, leaving_mark, watched
+
 log = logging.getLogger(__name__)
 
 Env = Callable[[int], Mapping[str, str]]  # restarts so far -> that incarnation's environment
@@ -83,20 +85,6 @@ class Restart(enum.Enum):
         if drains and returncode == DRAINED:
             return False
         return self is Restart.ALWAYS or (self is Restart.ON_CRASH and returncode != 0)
-
-
-def hang_timeout(env: Mapping[str, str]) -> float | None:
-    """How long a watched child may leave its alive file untouched: DS_HANG_TIMEOUT_S in
-    `env`, default 60 s; 0 (or a value that is not a positive number): never killed as hung.
-    The heartbeats beat every 0.5 s, and a step, however long, holds neither them nor the
-    loop (torch releases the GIL)."""
-    try:
-        value = float(env.get("DS_HANG_TIMEOUT_S", 60.0))
-    except ValueError:
-        log.warning("DS_HANG_TIMEOUT_S=%r is not a number: hung children are not killed",
-                    env["DS_HANG_TIMEOUT_S"])
-        return None
-    return value if 0 < value < float("inf") else None
 
 
 def restart_delay(uptime_s: float, previous_s: float | None, backoff: Backoff) -> float:
@@ -203,21 +191,6 @@ class Child:
     def alive(self) -> Path:
         """The file the child touches to show it is not hung (where `hang_s` is set)."""
         return alive_file(self.log)
-
-
-def alive_file(log_path: Path) -> Path:
-    return log_path.with_suffix(".alive")
-
-
-def watched(env: Mapping[str, str] | None, alive: Path | None) -> Mapping[str, str] | None:
-    """`env` (None: this process's) naming the alive file, where the child is watched; the
-    last incarnation's file and leaving mark are removed, so a new one is not judged by
-    them."""
-    if alive is None:
-        return env
-    alive.unlink(missing_ok=True)
-    alive.with_suffix(".leaving").unlink(missing_ok=True)
-    return {**(os.environ if env is None else env), "DS_ALIVE_FILE": str(alive)}
 
 
 def log_tail(path: Path, lines: int = 12) -> str:
@@ -424,7 +397,7 @@ class Supervisor:
             log.info("%s; stopping, not restarted", how)
             return
         if child.drains and code != DRAINED and child.hang_s is not None and \
-                child.alive.with_suffix(".leaving").exists():
+                leaving_mark(child.alive).exists():
             child.done = True  # asked to leave, it ended otherwise (hung, failed): not back
             log.warning("%s while draining on request; not restarted; log: %s", how, child.log)
             return

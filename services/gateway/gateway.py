@@ -32,7 +32,7 @@ from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
 from services.gateway.stream import GaveUp, Lost, Relay
 from services.gateway.timing import RequestTiming
 from services.gateway.view import InstanceView
-from services.process import forget_alive, show_alive
+from services.liveness import forget_alive, show_alive
 from shared import subjects
 from shared.bus import connect, deliver, parse, publish
 from shared.engine.config import served_name

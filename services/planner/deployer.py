@@ -22,10 +22,11 @@ from typing import Protocol
 from nats.aio.client import Client
 
 from services.launcher import assign_devices, gpu_count
+from services.liveness import hang_timeout
 from services.planner.budget import Shape
 from services.planner.modes import KINDS, Kind, role_of
 from services.planner.profiles import Profile
-from services.supervisor import Supervisor, hang_timeout, incarnation
+from services.supervisor import Supervisor, incarnation
 from shared import subjects
 from shared.bus import publish
 from shared.engine.config import ModelConfig

@@ -148,7 +148,7 @@ def test_a_worker_asked_to_leave_that_then_hangs_stays_down(tmp_path: Path) -> N
     """Drained, then frozen (or failed) before its orderly exit: killed as hung, it is not
     brought back, which would undo the drain (the planner counts on it gone)."""
     leaving = SHOW_ALIVE.replace("asyncio.run(main())", (
-        "from services.process import mark_leaving\n"
+        "from services.liveness import mark_leaving\n"
         "mark_leaving(os.environ['DS_ALIVE_FILE'])\n"
         "asyncio.run(main())"))
     with Supervisor(tmp_path, FAST, poll_s=0.05) as supervisor:
@@ -186,7 +186,7 @@ def test_a_child_stopped_from_outside_comes_back_where_any_exit_restarts(
 # recording its ID; with a second argument, only for that many seconds, then stops showing
 # it in order (forget_alive) and stays up silent
 SHOW_ALIVE = ("import asyncio, os, sys, time\n"
-              "from services.process import forget_alive, show_alive\n"
+              "from services.liveness import forget_alive, show_alive\n"
               "with open(sys.argv[1], 'a') as f: f.write(os.environ['ID'] + '\\n')\n"
               "async def main():\n"
               "    alive = asyncio.create_task(show_alive(os.environ['DS_ALIVE_FILE'], 0.1))\n"
@@ -258,7 +258,7 @@ def test_a_child_is_shown_alive_only_while_its_main_loop_turns(tmp_path: Path) -
     """A worker's heartbeats beat on a thread of their own: they show it alive only while its
     main loop ticks, so a loop held for good is a hang too; the file is left for the
     supervisor to judge when the showing ends by an error."""
-    from services.process import show_alive
+    from services.liveness import show_alive
 
     turns = iter([True, False, False, False, False, False])
 

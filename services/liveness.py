@@ -1,0 +1,88 @@
+"""The alive file: how a child shows its supervisor it is not hung, both sides.
+
+The supervisor names a file per watched child (`DS_ALIVE_FILE`: `<name>.alive` beside its
+log). The child touches it every second while it turns (`show_alive`), removes it as it
+stops in order (`forget_alive`), and marks `<name>.leaving` beside it when asked to leave
+(`mark_leaving`). The supervisor kills a child that has touched the file but left it
+untouched for the hang timeout (`hang_timeout`), and brings back no child that was leaving.
+A child not watched gets no file, and every call here does nothing for it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HANG_S = 60.0
+
+
+def hang_timeout(env: Mapping[str, str]) -> float | None:
+    """How long a watched child may leave its alive file untouched: DS_HANG_TIMEOUT_S in
+    `env`, default 60 s; 0 (or a value that is not a positive number): never killed as hung.
+    The heartbeats beat every 0.5 s, and a step, however long, holds neither them nor the
+    loop (torch releases the GIL)."""
+    try:
+        value = float(env.get("DS_HANG_TIMEOUT_S", DEFAULT_HANG_S))
+    except ValueError:
+        log.warning("DS_HANG_TIMEOUT_S=%r is not a number: hung children are not killed",
+                    env["DS_HANG_TIMEOUT_S"])
+        return None
+    return value if 0 < value < float("inf") else None
+
+
+def alive_file(log_path: Path) -> Path:
+    """The alive file of the child logging to `log_path`."""
+    return log_path.with_suffix(".alive")
+
+
+def leaving_mark(alive: Path | str) -> Path:
+    return Path(alive).with_suffix(".leaving")
+
+
+def watched(env: Mapping[str, str] | None, alive: Path | None) -> Mapping[str, str] | None:
+    """`env` (None: this process's) naming the alive file, where the child is watched; the
+    last incarnation's file and leaving mark are removed, so a new one is not judged by
+    them."""
+    if alive is None:
+        return env
+    alive.unlink(missing_ok=True)
+    leaving_mark(alive).unlink(missing_ok=True)
+    return {**(os.environ if env is None else env), "DS_ALIVE_FILE": str(alive)}
+
+
+async def show_alive(path: str, every_s: float = 1.0,
+                     turning: Callable[[], bool] | None = None) -> None:
+    """Touch `path` (where one is given) every `every_s` while this event loop runs and
+    `turning()` says the process's main loop does too (it ticked since the last call): the
+    supervisor kills a process that leaves it untouched for its hang timeout (stopped, or
+    wedged with the GIL or its main loop held). The file stays when this ends: the process
+    removes it as it stops in order (`forget_alive`), so one whose loop died of an error is
+    judged by its silence."""
+    if not path:
+        return
+    file = Path(path)
+    while True:
+        if turning is None or turning():
+            with contextlib.suppress(OSError):
+                file.touch()
+        await asyncio.sleep(every_s)
+
+
+def mark_leaving(path: str) -> None:
+    """Asked to leave (a Drain message): beside the alive file, a mark that tells the
+    supervisor not to bring this worker back whatever its end (hung or failed while
+    draining, it would undo the drain)."""
+    if path:
+        with contextlib.suppress(OSError):
+            leaving_mark(path).touch()
+
+
+def forget_alive(path: str) -> None:
+    """Stopping in order: not to be judged by a file no longer touched."""
+    if path:
+        Path(path).unlink(missing_ok=True)
