@@ -4,7 +4,10 @@ simulator's prices for the same steps (engine alone, one process):
 - prefill steps of short prompts and one long one (the calibration's question: is the
   host's difference from the profile a scale or a fixed time a step?);
 - chunked-prefill steps: `b` decodes alone, and `b` decodes beside one prompt chunk (how
-  `ChunkedInstance` prices them, and how it used to: one prompt token per decode).
+  `ChunkedInstance` prices them, and how it used to: one prompt token per decode);
+- a long prompt's chunks, each continuing it over the KV already cached (attention through a
+  gather and an explicit mask, `model._prefill_attention`), against a whole prompt of the
+  chunk's length (issue 13: the chunked replicas' prompt steps scatter 0.83-1.63x their fit).
 
     .venv/bin/python benchmarks/step_shapes.py [--threads 1] [--context 200] [--profile P]
 """
@@ -92,6 +95,39 @@ def chunked_steps(threads: int, lat: LatencyModel, context: int, repeats: int) -
             engine.abort(request_id)
 
 
+def continued_chunks(threads: int, lat: LatencyModel, repeats: int,
+                     prompt: int = 1024) -> None:
+    print(f"a {prompt}-token prompt in chunks: measured / simulated / a whole prompt of the "
+          "chunk's length measured (ms)")
+    for budget in (128, 256, 512):
+        config = EngineConfig(threads=threads, kv_cache_bytes=256 << 20).with_scheduler(
+            role=Role.COLOCATED, max_batch_tokens=budget, chunked_prefill=True)
+        engine = Engine(config)
+        by_done: dict[int, list[float]] = {}
+        for _ in range(repeats + 1):
+            request = engine.scheduler.get(add(engine, prompt, 1))
+            done = 0
+            while request is not None and not request.status.finished:
+                seconds = timed(engine)
+                by_done.setdefault(done, []).append(seconds)
+                done = request.num_computed
+        whole = []
+        for _ in range(repeats + 1):
+            add(engine, budget, 1)
+            whole.append(timed(engine))
+            while engine.has_work():
+                engine.step()
+        alone = statistics.median(whole[1:]) * 1e3
+        row = []
+        for done, times in sorted(by_done.items()):
+            n = min(budget, prompt - done)
+            simulated = lat.prefill_ms(n, n * (done + n))
+            row.append(f"+{n}@{done} {statistics.median(times[1:]) * 1e3:5.0f} / "
+                       f"{simulated:5.0f}")
+        print(f"  budget {budget:>3} (whole {budget}: {alone:5.0f}): " + ";  ".join(row),
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -103,6 +139,7 @@ def main() -> None:
     lat = planner_profile(args.profile, args.threads).latency(1, 1)
     prefill_steps(args.threads, lat, args.repeats)
     chunked_steps(args.threads, lat, args.context, args.repeats)
+    continued_chunks(args.threads, lat, args.repeats)
 
 
 if __name__ == "__main__":
