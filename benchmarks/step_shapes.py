@@ -26,6 +26,7 @@ from services.planner.profiles import planner_profile
 from shared.engine.config import EngineConfig, Role
 from shared.engine.engine import Engine
 from shared.engine.request import SamplingParams
+from shared.host import cpu_description
 
 ids = itertools.count()
 
@@ -133,10 +134,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--context", type=int, default=200, help="the decodes' context")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--profile", default="", help="default: the shipped CPU profile")
+    parser.add_argument("--profile", default="",
+                        help="default: the shipped CPU profile of a CPU like this one")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    lat = planner_profile(args.profile, args.threads).latency(1, 1)
+    # the profile measured on a CPU like this one where the project has one (as the planner)
+    lat = planner_profile(args.profile, args.threads, cpu_description()).latency(1, 1)
     prefill_steps(args.threads, lat, args.repeats)
     chunked_steps(args.threads, lat, args.context, args.repeats)
     continued_chunks(args.threads, lat, args.repeats)
