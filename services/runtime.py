@@ -303,8 +303,8 @@ class Worker:
 
     def holds(self, request_id: str) -> bool:
         """Whether the request is here in any form: queued, being taken in or pulled,
-        running, or its KV parked."""
-        raise NotImplementedError
+        running, or its KV parked (`held`)."""
+        return request_id in self.held()
 
     def idle(self) -> bool:
         """Nothing queued, running, parked or being pulled: every KV block is free."""
@@ -506,11 +506,12 @@ class Worker:
         leases = GatewayLeases(self.settings.gateway_lease_s)
         while True:
             await asyncio.sleep(min(2.0, self.settings.gateway_lease_s / 2))
-            self.gateways = {r: g for r, g in self.gateways.items() if self.holds(r)}
+            held = self.held()
+            self.gateways = {r: g for r, g in self.gateways.items() if r in held}
             present = await read_leases(redis, set(self.gateways.values()) - {""}, self.id)
             for gateway, absent_s in leases.observe(present, time.monotonic()).items():
-                orphans = [r for r, g in self.gateways.items()
-                           if g == gateway and self.holds(r)]  # as they are after the read
+                held = self.held()  # as they are after the read
+                orphans = [r for r, g in self.gateways.items() if g == gateway and r in held]
                 for request_id in orphans:
                     self.cancel(Cancel(request_id=request_id))
                 if orphans:  # else they all ended during the read

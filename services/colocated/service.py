@@ -105,9 +105,6 @@ class ColocatedService(Worker):
         for traced in (self.arrived, self.began, self.copies, self.decoding):
             traced.pop(request_id, None)
 
-    def holds(self, request_id: str) -> bool:
-        return request_id in self.known
-
     def held(self) -> dict[str, int]:
         return dict(self.known)
 

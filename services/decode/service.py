@@ -444,6 +444,3 @@ class DecodeService(Worker):
         held |= {request_id: attempt for request_id, (attempt, _) in list(self.pulling.items())}
         return held | dict(self.attempts)
 
-    def holds(self, request_id: str) -> bool:
-        return request_id in self.pulling or request_id in self.attempts or any(
-            r.request_id == request_id for r in self.pending)

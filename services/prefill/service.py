@@ -290,9 +290,6 @@ class PrefillService(Worker):
         if msg.reply:  # the decode instance asks until it hears this
             await msg.respond(b"")
 
-    def holds(self, request_id: str) -> bool:
-        return request_id in self.requests
-
     def held(self) -> dict[str, int]:
         return {request_id: req.attempt for request_id, req in list(self.requests.items())}
 
