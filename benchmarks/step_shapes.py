@@ -122,7 +122,7 @@ def continued_chunks(threads: int, lat: LatencyModel, repeats: int,
         row = []
         for done, times in sorted(by_done.items()):
             n = min(budget, prompt - done)
-            simulated = lat.prefill_ms(n, n * (done + n))
+            simulated = lat.prefill_ms(n, n * n, n * done)
             row.append(f"+{n}@{done} {statistics.median(times[1:]) * 1e3:5.0f} / "
                        f"{simulated:5.0f}")
         print(f"  budget {budget:>3} (whole {budget}: {alone:5.0f}): " + ";  ".join(row),

@@ -596,8 +596,9 @@ def predicted_s(latency: LatencyModel, step: StepSample) -> float:
     decodes alone."""
     if step.prompts:
         done = step.done or [0] * len(step.prompts)
-        squares = sum(n * (d + n) for n, d in zip(step.prompts, done, strict=True))
-        return latency.prefill_latency_s(sum(step.prompts), squares) + riding_s(latency, step)
+        cached = sum(n * d for n, d in zip(step.prompts, done, strict=True))
+        return latency.prefill_latency_s(sum(step.prompts), sum(n * n for n in step.prompts),
+                                         cached) + riding_s(latency, step)
     return latency.decode_step_s(step.batch, step.context)
 
 

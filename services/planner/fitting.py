@@ -34,6 +34,22 @@ class DecodePoint:
         return [1.0, float(self.sum_ctx), float(self.batch)]
 
 
+@dataclass(frozen=True)
+class CachedPoint:
+    """A step computing the last `length` tokens of a prompt whose first `cached` tokens an
+    earlier step computed (`ms`), and a whole prompt of `length` in a step (`whole_ms`)."""
+
+    length: int
+    cached: int
+    ms: float
+    whole_ms: float
+
+    @property
+    def pairs(self) -> float:
+        """New tokens times cached ones: what attention to the cached keys grows with."""
+        return float(self.length * self.cached)
+
+
 Point = PrefillPoint | DecodePoint
 
 
@@ -120,3 +136,32 @@ def fit_phase(prefill: Sequence[PrefillPoint],
     report["prefill_points"], report["decode_points"] = float(len(prefill)), float(len(decode))
     small, large, threshold = fit_decode(decode)
     return PhaseCoefficients(fit(prefill), small, large, threshold), report
+
+
+def fit_cached(points: Sequence[CachedPoint]) -> float:
+    """d of the latency model (`PhaseCoefficients.prefill_cached`): ms per new token and
+    token cached before it, fitted on what each chunk took beyond a whole prompt of its
+    length (so the whole-prompt fit's own error at that length stays out of it), through the
+    origin, minimising relative error; never below 0."""
+    x = np.array([p.pairs for p in points])
+    y = np.array([p.ms - p.whole_ms for p in points])
+    w = 1.0 / np.array([p.ms for p in points]) ** 2
+    return max(0.0, float((w * x * y).sum() / (w * x * x).sum()))
+
+
+def cached_report(co: PhaseCoefficients, points: Sequence[CachedPoint]) -> dict[str, float]:
+    """How the whole model (a, b, c and d) prices the chunks measured: their median and
+    largest relative error, and the same for pricing them as before d was measured (their
+    cached tokens at the quadratic term c)."""
+    a, b, c = co.prefill
+    d = co.cached_ms
+
+    def errors(per_pair: float) -> list[float]:
+        return [abs(a + b * p.length + c * p.length ** 2 + per_pair * p.pairs - p.ms) / p.ms
+                for p in points]
+    with_d, at_c = errors(d), errors(c)
+    return {"prefill_cached_points": float(len(points)),
+            "prefill_cached_median_rel_err": float(np.median(with_d)),
+            "prefill_cached_max_rel_err": float(np.max(with_d)),
+            "prefill_cached_at_c_median_rel_err": float(np.median(at_c)),
+            "prefill_cached_at_c_max_rel_err": float(np.max(at_c))}

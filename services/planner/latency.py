@@ -4,9 +4,13 @@
     decode step, B requests, contexts c_i:    a + b * sum(c_i) + c * B
 
 the sum of squares being prefill attention and the constant the weight-reading GEMMs of
-decode. Coefficients are measured per (model, device, dtype, tensor parallelism). Pipeline
-parallelism, as the paper models it, splits a batch's time over `pp` stages: a stage is busy
-time/pp, and a request still takes the full time plus a per-stage overhead. Where a pipeline
+decode. A chunk of n tokens continuing a prompt whose first k tokens are cached (chunked
+prefill) adds d * n * k, its attention to the cached keys (`prefill_cached`): fitted on whole
+prompts alone, c takes only part of attention's cost (the GEMMs' cost a token falls with
+the prompt's length too, and the two trade off). Coefficients are measured per (model,
+device, dtype, tensor parallelism). Pipeline parallelism, as the paper models it, splits a
+batch's time over `pp` stages: a stage is busy time/pp, and a request still takes the full
+time plus a per-stage overhead. Where a pipeline
 was measured as the engine runs it (`rounds`: `distserve profile --pp`), its coefficients
 price a prompt batch's whole latency and a decode round (a token for every request) as they
 are: the engine runs a round as `pp` micro-batches, each stage reading its weights once a
@@ -32,6 +36,14 @@ class PhaseCoefficients:
     # a pipeline measured as it runs: how long its slowest stage is busy with a prompt, as a
     # share of the prompt's latency (0: not measured, the paper's 1 / pp)
     prefill_stage: float = 0.0
+    # d: ms per new prompt token and token cached before it in the same prompt (a chunk
+    # continuing a prompt); None: not measured, priced at the quadratic term c
+    prefill_cached: float | None = None
+
+    @property
+    def cached_ms(self) -> float:
+        """d, or c where it was not measured."""
+        return self.prefill[2] if self.prefill_cached is None else self.prefill_cached
 
     def scaled(self, speedup: float) -> PhaseCoefficients:
         """All times divided by `speedup` (e.g. an intra-op speedup K)."""
@@ -41,7 +53,8 @@ class PhaseCoefficients:
 
         return dataclasses.replace(self, prefill=div(self.prefill),
                                    decode_small=div(self.decode_small),
-                                   decode_large=div(self.decode_large))
+                                   decode_large=div(self.decode_large),
+                                   prefill_cached=_times(self.prefill_cached, 1 / speedup))
 
     def slowed(self, prefill: float, decode: float, prefill_ms: float = 0.0,
                decode_ms: float = 0.0) -> PhaseCoefficients:
@@ -53,7 +66,12 @@ class PhaseCoefficients:
 
         return dataclasses.replace(self, prefill=mul(self.prefill, prefill, prefill_ms),
                                    decode_small=mul(self.decode_small, decode, decode_ms),
-                                   decode_large=mul(self.decode_large, decode, decode_ms))
+                                   decode_large=mul(self.decode_large, decode, decode_ms),
+                                   prefill_cached=_times(self.prefill_cached, prefill))
+
+
+def _times(value: float | None, k: float) -> float | None:
+    return None if value is None else value * k
 
 
 Phase = Literal["prefill", "decode"]
@@ -96,9 +114,13 @@ class LatencyModel:
     contention: Contention = field(default_factory=Contention)
     rounds: bool = False  # coefficients measured on this pipeline: whole latencies and rounds
 
-    def prefill_ms(self, sum_len: float, sum_sq: float) -> float:
-        a, b, c = self.coefficients.prefill
-        return a + b * sum_len + c * sum_sq
+    def prefill_ms(self, sum_len: float, sum_sq: float, cached: float = 0.0) -> float:
+        """A prompt step: `sum_len` new tokens, `sum_sq` the sum of each prompt's (or chunk's)
+        new tokens squared, `cached` the sum of each chunk's new tokens times the tokens of
+        its prompt cached before it."""
+        co = self.coefficients
+        a, b, c = co.prefill
+        return a + b * sum_len + c * sum_sq + co.cached_ms * cached
 
     def decode_ms(self, batch: int, sum_ctx: float) -> float:
         co = self.coefficients
@@ -127,17 +149,17 @@ class LatencyModel:
 
     # Times for the simulator: seconds, with pipeline stages.
 
-    def prefill_stage_s(self, sum_len: float, sum_sq: float) -> float:
+    def prefill_stage_s(self, sum_len: float, sum_sq: float, cached: float = 0.0) -> float:
         """How long a stage is busy with a prompt batch: the next batch may start after this.
         A pipeline measured as it runs says its own share of the latency (`prefill_stage`:
         its slowest stage, with the hand-offs); otherwise `pp` even stages (a chunked step
         too)."""
         measured = self.coefficients.prefill_stage if self.rounds else 0.0
-        return self.prefill_ms(sum_len, sum_sq) * (measured or 1 / self.pp) / 1e3
+        return self.prefill_ms(sum_len, sum_sq, cached) * (measured or 1 / self.pp) / 1e3
 
-    def prefill_latency_s(self, sum_len: float, sum_sq: float) -> float:
+    def prefill_latency_s(self, sum_len: float, sum_sq: float, cached: float = 0.0) -> float:
         overhead = 0.0 if self.rounds else self.stage_overhead_ms * (self.pp - 1)
-        return (self.prefill_ms(sum_len, sum_sq) + overhead) / 1e3
+        return (self.prefill_ms(sum_len, sum_sq, cached) + overhead) / 1e3
 
     def decode_step_s(self, batch: int, sum_ctx: float) -> float:
         """One token for every running request; `pp` micro-batches keep all stages busy (a

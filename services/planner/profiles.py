@@ -88,15 +88,18 @@ def _coefficients(entry: Any, where: str) -> PhaseCoefficients:
             raise ProfileError(f"{where}: {key} must be a list of 3 numbers, got {value!r}")
     threshold = entry.get("decoding_large_small_bs_threshold", 1 << 30)
     share = entry.get("prefill_stage_share", 0.0)
-    if not (isinstance(threshold, int | float) and isinstance(share, int | float)):
+    cached = entry.get("prefill_cached")
+    if not (isinstance(threshold, int | float) and isinstance(share, int | float)
+            and (cached is None or (isinstance(cached, int | float) and cached >= 0))):
         raise ProfileError(f"{where}: decoding_large_small_bs_threshold and "
-                           "prefill_stage_share must be numbers")
+                           "prefill_stage_share must be numbers, prefill_cached one >= 0")
     return PhaseCoefficients(
         prefill=tuple(entry["prefill"]),
         decode_small=tuple(entry["decoding_smallbs"]),
         decode_large=tuple(entry["decoding_largebs"]),
         decode_threshold=int(threshold),
         prefill_stage=float(share),
+        prefill_cached=None if cached is None else float(cached),
     )
 
 
@@ -112,7 +115,8 @@ def _entry(co: PhaseCoefficients) -> dict[str, Any]:
     return {"prefill": list(co.prefill), "decoding_smallbs": list(co.decode_small),
             "decoding_largebs": list(co.decode_large),
             "decoding_large_small_bs_threshold": co.decode_threshold,
-            **({"prefill_stage_share": co.prefill_stage} if co.prefill_stage else {})}
+            **({"prefill_stage_share": co.prefill_stage} if co.prefill_stage else {}),
+            **({} if co.prefill_cached is None else {"prefill_cached": co.prefill_cached})}
 
 
 def _read_capacity(path: Path, model: str) -> dict[tuple[int, int], int]:
@@ -314,7 +318,8 @@ def with_prefill_of(decoder: Profile, prefiller: Profile) -> Profile:
         if prefill is None:
             return decode
         return dataclasses.replace(decode, prefill=prefill.prefill,
-                                   prefill_stage=prefill.prefill_stage)
+                                   prefill_stage=prefill.prefill_stage,
+                                   prefill_cached=prefill.prefill_cached)
 
     contention = dataclasses.replace(
         decoder.contention, prefill_by_decode=prefiller.contention.prefill_by_decode,

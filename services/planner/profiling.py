@@ -1,5 +1,6 @@
-"""`distserve profile`: run the engine over a grid of prefill batches and decode steps, fit
-the latency model and find L_m. The only planner module that touches a device."""
+"""`distserve profile`: run the engine over a grid of prefill batches, chunks continuing a
+prompt and decode steps, fit the latency model and find L_m. The only planner module that
+touches a device."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ from typing import Any
 
 import torch
 
-from services.planner.fitting import DecodePoint, PrefillPoint, fit_phase
+from services.planner.fitting import (
+    CachedPoint,
+    DecodePoint,
+    PrefillPoint,
+    cached_report,
+    fit_cached,
+    fit_phase,
+)
 from services.planner.latency import Contention
 from services.planner.models import MODELS, from_config
 from services.planner.profiles import Profile, saturation_length
@@ -35,6 +43,9 @@ class Grid:
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48)
     decode_contexts: tuple[int, ...] = (64, 256, 512)
     repeats: int = 3
+    # (new tokens, tokens cached before them) of chunks continuing a prompt (chunked prefill)
+    cached_chunks: tuple[tuple[int, int], ...] = ((128, 256), (128, 512), (128, 896),
+                                                   (256, 256), (256, 768))
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """(length, batch) of every prefill point, at most `max_prefill_tokens` a batch."""
@@ -43,7 +54,8 @@ class Grid:
 
     @property
     def points(self) -> int:
-        return len(self.prefill_shapes()) + len(self.decode_batches) * len(self.decode_contexts)
+        return len(self.prefill_shapes()) + len(self.decode_batches) * len(
+            self.decode_contexts) + len(self.cached_chunks)
 
     @property
     def decode_tokens(self) -> int:
@@ -57,11 +69,14 @@ class Grid:
         contexts = tuple(c for c in self.decode_contexts if c + self.decode_tokens <= context)
         if not lengths or not contexts:
             raise ValueError(f"a context of {context} tokens is too short to profile")
-        return dataclasses.replace(self, prefill_lengths=lengths, decode_contexts=contexts)
+        chunks = tuple((n, k) for n, k in self.cached_chunks if n + k < context)
+        return dataclasses.replace(self, prefill_lengths=lengths, decode_contexts=contexts,
+                                   cached_chunks=chunks)
 
     @classmethod
     def quick(cls) -> Grid:
-        return cls((32, 64, 128, 256, 512), (1, 2), 1024, (1, 2, 4, 8, 16, 32), (64, 256), 5)
+        return cls((32, 64, 128, 256, 512), (1, 2), 1024, (1, 2, 4, 8, 16, 32), (64, 256), 5,
+                   ((128, 128), (128, 384)))
 
 
 def _prompt(length: int, vocab: int, salt: int) -> list[int]:
@@ -142,6 +157,44 @@ class Profiler:
         together = min(through(count) for _ in range(self.grid.repeats))
         return min(1.0, max(1 / depth, (together - alone) / (count - 1) / alone))
 
+    @contextlib.contextmanager
+    def _chunks_of(self, tokens: int) -> Iterator[None]:
+        """The scheduler computes prompts in chunks of `tokens` for a while."""
+        scheduler = self.engine.scheduler
+        config = scheduler.config
+        scheduler.config = dataclasses.replace(config, max_batch_tokens=tokens,
+                                               chunked_prefill=True)
+        try:
+            yield
+        finally:
+            scheduler.config = config
+
+    def _chunk_ms(self, length: int, cached: int, salt: int) -> float:
+        """ms of one step computing the last `length` tokens of a prompt whose first `cached`
+        tokens an earlier step computed (0: a whole prompt of `length`)."""
+        rid = self._add(cached + length, 1, salt)
+        if cached:
+            with self._chunks_of(cached):
+                self.engine.step()
+        with self._chunks_of(length):
+            start = time.perf_counter()
+            self.engine.step()
+            elapsed = (time.perf_counter() - start) * 1e3
+        request = self.engine.scheduler.get(rid)
+        assert request is None or request.output_ids, "the chunk was not the prompt's last"
+        self._drain()
+        return elapsed
+
+    def cached_point(self, length: int, cached: int) -> CachedPoint:
+        """A chunk of `length` tokens over `cached` ones and a whole prompt of `length`, each
+        the fastest of the repeats after a warm-up (one engine, not a pipeline)."""
+        assert not self.pipelined, "a pipeline runs a step as one of several micro-batches"
+
+        def fastest(over: int) -> float:
+            self._chunk_ms(length, over, 0)  # warm-up
+            return min(self._chunk_ms(length, over, i) for i in range(self.grid.repeats))
+        return CachedPoint(length, cached, fastest(cached), fastest(0))
+
     def decode_point(self, batch: int, context: int) -> DecodePoint:
         if self.pipelined:
             return self._decode_rounds(batch, context)
@@ -181,19 +234,25 @@ class Profiler:
         return max([n for n in self.grid.prefill_lengths if n <= 512] or
                    [min(self.grid.prefill_lengths)])
 
-    def run(self, progress: Callable[[str], None]) -> tuple[list[PrefillPoint],
-                                                              list[DecodePoint]]:
+    def run(self, progress: Callable[[str], None]
+            ) -> tuple[list[PrefillPoint], list[DecodePoint], list[CachedPoint]]:
+        """The grid's points: whole prompts, decode steps, and (not on a pipeline) chunks
+        continuing a prompt."""
         g = self.grid
         prefill = []
         for length, batch in g.prefill_shapes():
             progress(f"prefill {batch} x {length} tokens")
             prefill.append(self.prefill_point(length, batch))
+        cached = []
+        for length, over in () if self.pipelined else g.cached_chunks:
+            progress(f"a chunk of {length} tokens over {over} cached")
+            cached.append(self.cached_point(length, over))
         decode = []
         for context in g.decode_contexts:
             for batch in g.decode_batches:
                 progress(f"decode batch {batch} at context {context}")
                 decode.append(self.decode_point(batch, context))
-        return prefill, decode
+        return prefill, decode, cached
 
 
 NEIGHBOUR_MODES = ("idle", "decode", "prefill")
@@ -392,7 +451,7 @@ def profile_engine(config: EngineConfig, grid: Grid,
             raise ValueError(f"the profiling grid needs a KV pool of {needed / 2**20:.0f} MiB, "
                              f"the budget holds {have / 2**20:.0f} MiB: raise --kv-cache-mb")
         profiler = Profiler(engine, grid)
-        prefill, decode = profiler.run(progress)
+        prefill, decode, chunks = profiler.run(progress)
         stage = 0.0
         if profiler.pipelined:
             progress(f"pipeline stages at {profiler.stage_length()} tokens")
@@ -404,6 +463,9 @@ def profile_engine(config: EngineConfig, grid: Grid,
         engine.close()
     coefficients, report = fit_phase(prefill, decode)
     coefficients = dataclasses.replace(coefficients, prefill_stage=stage)
+    if chunks:
+        coefficients = dataclasses.replace(coefficients, prefill_cached=fit_cached(chunks))
+        report |= cached_report(coefficients, chunks)
     pipeline = config.pp > 1  # measured as latencies and rounds: kept apart from by_tp
     return Profile(model=spec, device=device_name(engine.runner.device),
                    device_memory_bytes=device_memory_bytes(engine.runner.device),

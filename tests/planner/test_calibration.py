@@ -15,6 +15,7 @@ from services.planner.calibration import (
     Calibrator,
     Timeline,
     fit_steps,
+    predicted_s,
     replan_reason,
 )
 from services.planner.decide import PlannerConfig, decide
@@ -166,7 +167,7 @@ def chunked_steps(chunk_slower: float, decode_slower: float, n: int = 90,
         noise = rng.uniform(0.95, 1.05)
         if step % 3:
             length, done = rng.randint(32, 480), rng.choice([0, 0, rng.randint(64, 512)])
-            own = LATENCY.prefill_latency_s(length, length * (done + length))
+            own = LATENCY.prefill_latency_s(length, length**2, length * done)
             seconds = chunk_slower * own + decode_slower * LATENCY.riding_ms(batch, context) / 1e3
             out.append(StepSample(step=step, prompts=[length], done=[done] if done else [],
                                   batch=batch, context=context, seconds=seconds * noise))
@@ -190,7 +191,7 @@ def test_chunked_steps_are_calibrated_with_their_decodes_priced_by_the_decode_ph
     # profiled, the chunks' scale would have carried their slowdown
     mixed = [s for s in chunked_steps(1.1, 1.6) if s.prompts]
     blended = float(np.median([s.seconds / (LATENCY.prefill_latency_s(
-        s.prompts[0], s.prompts[0] * ((s.done or [0])[0] + s.prompts[0]))
+        s.prompts[0], s.prompts[0]**2, s.prompts[0] * (s.done or [0])[0])
         + LATENCY.riding_ms(s.batch, s.context) / 1e3) for s in mixed]))
     assert blended > 1.16
     # and the simulator prices such a step as measured: the chunk corrected, the decodes too
@@ -209,7 +210,7 @@ def test_chunks_the_decodes_riding_along_outweigh_say_nothing_of_the_prefill_pha
     steps = []
     for step in range(1, 25):
         n = rng.randint(1, 16)
-        own = LATENCY.prefill_latency_s(n, n * (600 + n))
+        own = LATENCY.prefill_latency_s(n, n * n, n * 600)
         riding = LATENCY.riding_ms(32, 32 * 1000) / 1e3
         steps.append(StepSample(step=step, prompts=[n], done=[600], batch=32, context=32_000,
                                 seconds=(own + 1.3 * riding) * rng.uniform(0.9, 1.1)))
@@ -712,3 +713,15 @@ def test_a_fixed_time_a_step_suits_every_model_the_correction_prices() -> None:
         calibrator.observe("prefill-0", steps)
         fitted.append(calibrator.calibration().prefill_fit)
     assert fitted == ["offset", "scale"]
+
+
+def test_a_chunk_is_predicted_with_its_cached_tokens_at_their_own_cost() -> None:
+    """A step of 128 new tokens over 512 cached is priced with d where the profile measured
+    it (what the calibrator compares the step's time with), at c where it did not."""
+    co = PROFILE.by_tp[1]
+    step = StepSample(step=1, prompts=[128], done=[512], seconds=0.5)
+    for d in (None, 1.2e-3):
+        latency = LatencyModel(dataclasses.replace(co, prefill_cached=d))
+        a, b, c = co.prefill
+        expected = a + b * 128 + c * 128**2 + (c if d is None else d) * 128 * 512
+        assert predicted_s(latency, step) == pytest.approx(expected / 1e3)

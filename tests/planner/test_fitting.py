@@ -4,15 +4,18 @@ from pathlib import Path
 import pytest
 
 from services.planner.fitting import (
+    CachedPoint,
     DecodePoint,
     PrefillPoint,
+    cached_report,
     fit,
+    fit_cached,
     fit_decode,
     fit_phase,
     interior_held_out,
     relative_errors,
 )
-from services.planner.latency import PhaseCoefficients
+from services.planner.latency import LatencyModel, PhaseCoefficients
 from services.planner.profiles import (
     load_profile,
     measured_elsewhere,
@@ -130,3 +133,43 @@ def test_the_shipped_profile_is_the_one_measured_on_this_cpu_where_one_ships() -
     assert shipped_cpu_profile(1, zen1).name == "smollm2-135m-cpu-1thread-amd-epyc-zen1.json"
     assert shipped_cpu_profile(1, "Some CPU (family 1 model 1, baseline)") == generic
     assert shipped_cpu_profile(1, "") == generic
+
+
+def test_the_cost_of_cached_tokens_is_fitted_on_what_chunks_add_to_a_whole_prompt() -> None:
+    """d comes from each chunk's time beyond a whole prompt of its length, so a whole-prompt
+    fit that misprices that length (here by +20 ms) leaves it alone; the model priced with d
+    fits the chunks, priced at c (as before d was measured) it does not."""
+    d, whole = 1.2e-3, {128: 320.0, 256: 640.0}
+    points = [CachedPoint(n, k, whole[n] + d * n * k, whole[n])
+              for n, k in ((128, 256), (128, 896), (256, 768))]
+    assert fit_cached(points) == pytest.approx(d, rel=1e-9)
+    co = PhaseCoefficients((20.0, 2.5, 2.4e-4), (1, 0, 0), (1, 0, 0), prefill_cached=d)
+    report = cached_report(co, points)
+    assert report["prefill_cached_points"] == 3
+    assert report["prefill_cached_max_rel_err"] < 0.1
+    assert report["prefill_cached_at_c_max_rel_err"] > 0.15
+    # a chunk that costs less than a whole prompt (noise) never gives a negative cost
+    assert fit_cached([CachedPoint(128, 256, 300.0, 320.0)]) == 0.0
+
+
+def test_cached_tokens_are_priced_at_d_where_measured_at_c_where_not(tmp_path: Path) -> None:
+    old = PhaseCoefficients((10.0, 2.0, 1e-4), (1, 0, 0), (1, 0, 0))
+    new = dataclasses.replace(old, prefill_cached=1e-3)
+    # 128 new tokens over 512 cached: 10 + 256 + 1.64 + d * 65,536
+    assert LatencyModel(old).prefill_ms(128, 128**2, 128 * 512) == pytest.approx(
+        10 + 256 + 1.6384 + 6.5536)
+    assert LatencyModel(new).prefill_ms(128, 128**2, 128 * 512) == pytest.approx(
+        10 + 256 + 1.6384 + 65.536)
+    assert LatencyModel(new).prefill_ms(128, 128**2) == LatencyModel(old).prefill_ms(
+        128, 128**2)  # a whole prompt is what it was
+    assert new.scaled(2.0).prefill_cached == pytest.approx(5e-4)
+    assert new.slowed(1.5, 1.0).prefill_cached == pytest.approx(1.5e-3)
+    assert old.scaled(2.0).prefill_cached is None
+    # a profile keeps d, and one without it reads as before
+    profile = load_profile(shipped_cpu_profile(1))
+    path = tmp_path / "p.json"
+    save_profile(dataclasses.replace(profile, by_tp={1: new}), path)
+    assert load_profile(path).by_tp[1].prefill_cached == 1e-3
+    save_profile(dataclasses.replace(profile, by_tp={1: old}), path)
+    assert "prefill_cached" not in path.read_text()
+    assert load_profile(path).by_tp[1].prefill_cached is None

@@ -38,7 +38,8 @@ def test_fitted_model_predicts_held_out_points(tmp_path: Path) -> None:
     # so this bound only catches a broken fit, whose errors are of order 100% every time: a
     # second profile is taken where the first one's errors are out of bounds.
     # a smaller grid than Grid.quick: 6 prefill and 8 decode points, 2 and 2 of them held out
-    grid = Grid((32, 128, 512), (1, 2), 1024, (1, 4, 16, 32), (64, 256), 3)
+    # and a chunk of 128 tokens continuing a prompt over 768 cached ones
+    grid = Grid((32, 128, 512), (1, 2), 1024, (1, 4, 16, 32), (64, 256), 3, ((128, 768),))
     for _ in range(2):
         profile = profile_engine(EngineConfig(kv_cache_bytes=1024 << 20), grid)
         print(f"\nfit on this machine: {profile.fit}")
@@ -48,6 +49,10 @@ def test_fitted_model_predicts_held_out_points(tmp_path: Path) -> None:
     assert profile.fit["prefill_heldout_median_rel_err"] < 0.5
     assert profile.fit["decode_heldout_median_rel_err"] < 0.5
     assert 16 <= profile.l_m <= 16384
+    # attention to 768 cached keys costs the chunk something (~30% of a whole 128-token
+    # prompt on a quiet 2-core machine), which d prices
+    assert profile.by_tp[1].prefill_cached is not None and profile.by_tp[1].prefill_cached > 0
+    assert profile.fit["prefill_cached_points"] == 1
     path = tmp_path / "p.json"
     save_profile(profile, path)
     again = load_profile(path)

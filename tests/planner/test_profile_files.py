@@ -90,3 +90,10 @@ def test_coefficients_that_give_no_prefill_time_are_refused(tmp_path: Path,
                                                   [1, 1, 1], "decoding_largebs": [1, 1, 1]}}}))
     with pytest.raises(ProfileError, match="give no positive prefill time"):
         load_profile(path)
+
+
+def test_a_negative_cost_of_cached_tokens_is_refused(tmp_path: Path) -> None:
+    ours = json.loads(OURS.read_text())
+    ours["configs"]["1"]["prefill_cached"] = -1e-3
+    with pytest.raises(ProfileError, match="prefill_cached one >= 0"):
+        load_profile(_write(tmp_path, json.dumps(ours)))

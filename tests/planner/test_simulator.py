@@ -337,3 +337,21 @@ def test_quiet_decode_steps_taken_at_once_change_no_result(
     for module in (disaggregated, colocated):
         monkeypatch.setattr(module, "run_quiet_steps", lambda *_: 0)
     assert runs() == at_once
+
+
+def test_a_chunk_continuing_a_prompt_is_priced_with_its_cached_tokens() -> None:
+    """A 1,024-token prompt on a chunked replica with a 256-token budget runs as four
+    chunks over 0, 256, 512 and 768 cached tokens, each priced with d (`prefill_cached`)."""
+    co = dataclasses.replace(COEFFS, prefill=(10.0, 0.1, 1e-5), prefill_cached=1e-3)
+    replica = InstanceSpec(LatencyModel(co), 10**6, max_batch_tokens=256, max_batch=8)
+    request = WorkloadRequest(0.0, 1024, 1)
+    result = simulate_colocated(ColocatedCluster([replica], chunked=True), [request])
+    chunks = [10.0 + 0.1 * 256 + 1e-5 * 256**2 + 1e-3 * 256 * done
+              for done in (0, 256, 512, 768)]
+    assert result.requests[0].ttft == pytest.approx(sum(chunks) / 1e3)
+    unmeasured = dataclasses.replace(co, prefill_cached=None)  # priced at c, as before
+    before = simulate_colocated(ColocatedCluster(
+        [dataclasses.replace(replica, latency=LatencyModel(unmeasured))], chunked=True),
+        [request])
+    assert before.requests[0].ttft == pytest.approx(
+        sum(10.0 + 0.1 * 256 + 1e-5 * 256 * (done + 256) for done in (0, 256, 512, 768)) / 1e3)

@@ -5,8 +5,9 @@ output when it is admitted, so the simulated engines never preempt. Two schedule
 - `PrefillFirstInstance` (vLLM's default): a prefill-only step whenever prompts can be
   admitted (up to L_m tokens together), else a decode step of the running batch;
 - `ChunkedInstance` (chunked prefill): every step runs the running decodes plus chunks of
-  the admitted prompts, within a token budget: priced as the prompt chunks' prefill plus
-  what the decodes add to it (`LatencyModel.riding_ms`), or as a decode step when no prompt
+  the admitted prompts, within a token budget: priced as the prompt chunks' prefill (a
+  chunk continuing a prompt attending to its cached tokens too) plus what the decodes add
+  to it (`LatencyModel.riding_ms`), or as a decode step when no prompt
   is in it."""
 
 from __future__ import annotations
@@ -164,9 +165,10 @@ class ChunkedInstance(ColocatedInstance):
         if not chunks:  # the engine runs it as any decode step
             return lat.decode_step_s(self.batch.size, self.batch.sum_ctx), [], True
         tokens = sum(n for _, n in chunks)
-        squares = sum(n * (p.done + n) for p, n in chunks)
+        squares = sum(n * n for _, n in chunks)
+        cached = sum(n * p.done for p, n in chunks)
         riding = lat.riding_ms(self.batch.size, self.batch.sum_ctx)
-        seconds = (lat.prefill_ms(tokens, squares) + riding) / lat.pp / 1e3
+        seconds = (lat.prefill_ms(tokens, squares, cached) + riding) / lat.pp / 1e3
         return seconds, chunks, self.batch.size > 0
 
 
