@@ -53,6 +53,14 @@ FEWEST = 3  # steps a phase's level is fitted on at least, however long they ran
 # a chunked step says something of its prompt tokens where they are this much of it at least
 # (as predicted; the rest the decodes riding along)
 OWN_SHARE = 0.3
+# ... and where it computes this many of them at least: the profile measures prompts from 16
+# tokens, and a step of a few (a chunked prompt's tail: 2 tokens left by 510 beside 2
+# decodes) reads the weights as a decode step does, which the prefill model's constant and
+# cost a token do not price (on the Zen 4 a 2-token prompt took 28 ms, priced 16). Near
+# capacity such short steps are the ones that ran while the other replica's did not, so
+# a level fitted on the steps alone took their misfit for a slowdown of every prompt step
+# (a fixed:512:32 run's chunked replicas at 0.861 req/s: 1.50x, their long steps 1.11x).
+FEWEST_PROMPT_TOKENS = 16
 # the phases of the steps a step's machine's other instances ran at each of its moments
 Moments = tuple[tuple[Phase, ...], ...]
 ALONE: Moments = ((),) * MOMENTS
@@ -156,6 +164,7 @@ class Timed:
     machine: str
     at: float  # what it ages by: its end, else the newest end its machine had told of then
     riding_s: float = 0.0  # of `predicted_s`, what decodes beside its prompt chunks add
+    prompt_tokens: int = 0  # the prompt tokens it computed
 
     def corrected_s(self, scale: float, plus_s: float, riding: float) -> tuple[float, float]:
         """(its time, its time reading memory) on the profile corrected: its phase's part by
@@ -386,7 +395,7 @@ class Calibrator:
             reads = predicted if s.prompts else \
                 predicted * model.reading_share(s.batch, s.context)
             timed = Timed(instance, phase, predicted, reads, s.seconds, s.ended, machine,
-                          s.ended if s.ended > 0 else newest, riding)
+                          s.ended if s.ended > 0 else newest, riding, sum(s.prompts))
             self.steps[phase].append(timed)
             if s.ended > 0 and not self.whole:
                 self._unsettled.append(timed)
@@ -450,9 +459,11 @@ class Calibrator:
         return min(constants) / 1e3
 
     def _own(self, phase: Phase) -> list[tuple[Timed, Moments | None]]:
-        """The phase's steps that say something of it (`OWN_SHARE`), placed (`placed`)."""
+        """The phase's steps that say something of it (`OWN_SHARE`, `FEWEST_PROMPT_TOKENS`),
+        placed (`placed`)."""
         return [(t, moments) for t, moments in self.placed(phase)
-                if t.predicted_s - t.riding_s >= OWN_SHARE * t.predicted_s]
+                if t.predicted_s - t.riding_s >= OWN_SHARE * t.predicted_s
+                and (phase == "decode" or t.prompt_tokens >= FEWEST_PROMPT_TOKENS)]
 
     def placed(self, phase: Phase) -> list[tuple[Timed, Moments | None]]:
         """The phase's steps, each with what its machine's other instances ran beside it."""

@@ -725,3 +725,24 @@ def test_a_chunk_is_predicted_with_its_cached_tokens_at_their_own_cost() -> None
         a, b, c = co.prefill
         expected = a + b * 128 + c * 128**2 + (c if d is None else d) * 128 * 512
         assert predicted_s(latency, step) == pytest.approx(expected / 1e3)
+
+
+def test_a_prompt_step_of_a_few_tokens_says_nothing_of_the_prefill_level() -> None:
+    """A chunked prompt's tail (2 tokens left by a 510-token chunk beside 2 decodes) reads
+    the weights as a decode step does, which the prefill model underprices (~2x on the Zen
+    4). However many such steps there are, the level comes from the prompt steps the
+    profile measured the like of (16 tokens and more)."""
+    steps = []
+    for step in range(1, 41):
+        if step % 4 == 0:  # a whole prompt, 10% slower than profiled
+            seconds = 1.1 * LATENCY.prefill_latency_s(512, 512**2)
+            steps.append(StepSample(step=step, prompts=[512], seconds=seconds))
+        else:  # a tail, twice its price
+            tail = StepSample(step=step, prompts=[2], done=[510], batch=2, context=1028,
+                              seconds=0.0)
+            steps.append(tail.model_copy(update={"seconds": 2.0 * predicted_s(LATENCY, tail)}))
+    calibrator = Calibrator(LATENCY)
+    calibrator.observe("colocated-0", steps)
+    found = calibrator.calibration()
+    assert found.prefill_steps == 40  # all heard, ten fitted on
+    assert found.prefill == pytest.approx(1.1, rel=0.01)
