@@ -57,9 +57,9 @@ OWN_SHARE = 0.3
 # tokens, and a step of a few (a chunked prompt's tail: 2 tokens left by 510 beside 2
 # decodes) reads the weights as a decode step does, which the prefill model's constant and
 # cost a token do not price (on the Zen 4 a 2-token prompt took 28 ms, priced 16). Near
-# capacity such short steps are the ones that ran while the other replica's did not, so
-# a level fitted on the steps alone took their misfit for a slowdown of every prompt step
-# (a fixed:512:32 run's chunked replicas at 0.861 req/s: 1.50x, their long steps 1.11x).
+# capacity few steps run alone, and a short one is likelier to: a fixed:512:32 run's chunked
+# replicas at 0.861 req/s ran 4 of 39 prompt steps alone, 2 of them tails, and the level
+# fitted on those 4 read 1.50x where the long steps ran 1.11x.
 FEWEST_PROMPT_TOKENS = 16
 # the phases of the steps a step's machine's other instances ran at each of its moments
 Moments = tuple[tuple[Phase, ...], ...]
