@@ -58,8 +58,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console,
                   transient=True) as bar:
         shapes = [(tp, pp) for tp in args.tps for pp in sorted({1, *args.pps})]
-        # a pipeline measures no chunks continuing a prompt
-        total = sum(grid.points - len(grid.cached_chunks) * (pp > 1) for _, pp in shapes)
+        total = sum(grid.points_for(pipelined=pp > 1) for _, pp in shapes)
         task = bar.add_task("profiling", total=total + 3 * contention)
         done = itertools.count()
         for tp, pp in shapes:
@@ -114,10 +113,10 @@ def print_coefficients(console: Console, co: PhaseCoefficients) -> None:
     console.print(f"prefill ms = {co.prefill[0]:.3f} + {co.prefill[1]:.4g}*sum(l) + "
                   f"{co.prefill[2]:.3g}*sum(l^2)")
     if co.prefill_cached is not None:
-        console.print(f"  a chunk continuing a prompt: + {co.prefill_cached:.3g}*sum(l*cached)"
-                      f" ({co.prefill_cached / co.prefill[2]:.1f}x the quadratic term)"
-                      if co.prefill[2] > 0 else
-                      f"  a chunk continuing a prompt: + {co.prefill_cached:.3g}*sum(l*cached)")
+        times_c = (f" ({co.prefill_cached / co.prefill[2]:.1f}x the quadratic term)"
+                   if co.prefill[2] > 0 else "")
+        console.print(f"  a chunk continuing a prompt: + {co.prefill_cached:.3g}"
+                      f"*sum(l*cached){times_c}")
     for label, (a, b, c) in (("decode ms (B small)", co.decode_small),
                              ("decode ms (B large)", co.decode_large)):
         console.print(f"{label} = {a:.3f} + {b:.4g}*sum(ctx) + {c:.4g}*B")

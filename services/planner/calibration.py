@@ -163,8 +163,8 @@ class Timed:
     ended: float  # wall clock; 0: not said (it is then never placed beside another step)
     machine: str
     at: float  # what it ages by: its end, else the newest end its machine had told of then
-    riding_s: float = 0.0  # of `predicted_s`, what decodes beside its prompt chunks add
-    prompt_tokens: int = 0  # the prompt tokens it computed
+    riding_s: float  # of `predicted_s`, what decodes beside its prompt chunks add
+    prompt_tokens: int  # the prompt tokens it computed
 
     def corrected_s(self, scale: float, plus_s: float, riding: float) -> tuple[float, float]:
         """(its time, its time reading memory) on the profile corrected: its phase's part by
@@ -459,11 +459,14 @@ class Calibrator:
         return min(constants) / 1e3
 
     def _own(self, phase: Phase) -> list[tuple[Timed, Moments | None]]:
-        """The phase's steps that say something of it (`OWN_SHARE`, `FEWEST_PROMPT_TOKENS`),
-        placed (`placed`)."""
-        return [(t, moments) for t, moments in self.placed(phase)
-                if t.predicted_s - t.riding_s >= OWN_SHARE * t.predicted_s
-                and (phase == "decode" or t.prompt_tokens >= FEWEST_PROMPT_TOKENS)]
+        """The phase's steps that say something of it (`OWN_SHARE`), placed (`placed`);
+        of prompt steps those of `FEWEST_PROMPT_TOKENS` at least, where enough for a level
+        are (a workload of short prompts is calibrated on the steps it runs)."""
+        own = [(t, moments) for t, moments in self.placed(phase)
+               if t.predicted_s - t.riding_s >= OWN_SHARE * t.predicted_s]
+        long = [(t, moments) for t, moments in own
+                if phase == "decode" or t.prompt_tokens >= FEWEST_PROMPT_TOKENS]
+        return long if self._enough_for_level([t for t, _ in long]) else own
 
     def placed(self, phase: Phase) -> list[tuple[Timed, Moments | None]]:
         """The phase's steps, each with what its machine's other instances ran beside it."""

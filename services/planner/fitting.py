@@ -138,15 +138,17 @@ def fit_phase(prefill: Sequence[PrefillPoint],
     return PhaseCoefficients(fit(prefill), small, large, threshold), report
 
 
-def fit_cached(points: Sequence[CachedPoint]) -> float:
+def fit_cached(points: Sequence[CachedPoint]) -> float | None:
     """d of the latency model (`PhaseCoefficients.prefill_cached`): ms per new token and
     token cached before it, fitted on what each chunk took beyond a whole prompt of its
     length (so the whole-prompt fit's own error at that length stays out of it), through the
-    origin, minimising relative error; never below 0."""
+    origin, minimising relative error. None where it comes out at 0 or below (chunks no
+    slower than whole prompts: noise, not free attention; the model then prices them at c)."""
     x = np.array([p.pairs for p in points])
     y = np.array([p.ms - p.whole_ms for p in points])
     w = 1.0 / np.array([p.ms for p in points]) ** 2
-    return max(0.0, float((w * x * y).sum() / (w * x * x).sum()))
+    d = float((w * x * y).sum() / (w * x * x).sum())
+    return d if d > 0 else None
 
 
 def cached_report(co: PhaseCoefficients, points: Sequence[CachedPoint]) -> dict[str, float]:

@@ -58,6 +58,11 @@ class Profile:
         profile has it, else the paper's division of the tp coefficients over the stages."""
         measured = self.pipelines.get((tp, pp)) if pp > 1 else None
         if measured is not None:
+            if measured.prefill_cached is None and tp in self.by_tp:
+                # a pipeline measures no chunks over cached tokens (a step of it is one of
+                # several micro-batches): their attention is the same work, over its stages
+                measured = dataclasses.replace(measured,
+                                               prefill_cached=self.by_tp[tp].prefill_cached)
             return LatencyModel(measured, pp, self.stage_overhead_ms, self.contention,
                                 rounds=True)
         return LatencyModel(self.by_tp[tp], pp, self.stage_overhead_ms, self.contention)

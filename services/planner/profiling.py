@@ -32,6 +32,7 @@ from shared.engine.engine import Engine
 from shared.engine.meta import read_config
 from shared.engine.model_runner import dtype_name
 from shared.engine.request import Request, SamplingParams
+from shared.engine.scheduler import StepShape
 from shared.host import cpu_description
 
 
@@ -54,8 +55,13 @@ class Grid:
 
     @property
     def points(self) -> int:
+        return self.points_for(pipelined=False)
+
+    def points_for(self, pipelined: bool) -> int:
+        """The points profiled: a pipeline measures no chunks over cached tokens (a step of
+        it runs as one of several micro-batches)."""
         return len(self.prefill_shapes()) + len(self.decode_batches) * len(
-            self.decode_contexts) + len(self.cached_chunks)
+            self.decode_contexts) + (0 if pipelined else len(self.cached_chunks))
 
     @property
     def decode_tokens(self) -> int:
@@ -130,11 +136,12 @@ class Profiler:
                                                    for _ in range(self.grid.repeats)))
 
     @contextlib.contextmanager
-    def _prompt_a_step(self, length: int) -> Iterator[None]:
-        """The scheduler takes one prompt of `length` a step for a while."""
+    def _scheduling(self, **changes: Any) -> Iterator[None]:
+        """The scheduler runs with `changes` to its config for a while: a step's token budget
+        (one prompt of that length a step), with `chunked_prefill` prompts in chunks of it."""
         scheduler = self.engine.scheduler
         config = scheduler.config
-        scheduler.config = dataclasses.replace(config, max_batch_tokens=length)
+        scheduler.config = dataclasses.replace(config, **changes)
         try:
             yield
         finally:
@@ -150,38 +157,28 @@ class Profiler:
         count = 2 * depth + 2
 
         def through(prompts: int) -> float:
-            with self._prompt_a_step(length):
+            with self._scheduling(max_batch_tokens=length):
                 return self._first_tokens_ms(length, prompts)
         through(count)  # warm-up
         alone = min(through(1) for _ in range(self.grid.repeats))
         together = min(through(count) for _ in range(self.grid.repeats))
         return min(1.0, max(1 / depth, (together - alone) / (count - 1) / alone))
 
-    @contextlib.contextmanager
-    def _chunks_of(self, tokens: int) -> Iterator[None]:
-        """The scheduler computes prompts in chunks of `tokens` for a while."""
-        scheduler = self.engine.scheduler
-        config = scheduler.config
-        scheduler.config = dataclasses.replace(config, max_batch_tokens=tokens,
-                                               chunked_prefill=True)
-        try:
-            yield
-        finally:
-            scheduler.config = config
-
     def _chunk_ms(self, length: int, cached: int, salt: int) -> float:
         """ms of one step computing the last `length` tokens of a prompt whose first `cached`
         tokens an earlier step computed (0: a whole prompt of `length`)."""
-        rid = self._add(cached + length, 1, salt)
+        self._add(cached + length, 1, salt)
         if cached:
-            with self._chunks_of(cached):
+            with self._scheduling(max_batch_tokens=cached, chunked_prefill=True):
                 self.engine.step()
-        with self._chunks_of(length):
+            assert self.engine.last_shape == StepShape((cached,), 0, 0), \
+                f"the first chunk ran as {self.engine.last_shape}"
+        with self._scheduling(max_batch_tokens=length, chunked_prefill=True):
             start = time.perf_counter()
             self.engine.step()
             elapsed = (time.perf_counter() - start) * 1e3
-        request = self.engine.scheduler.get(rid)
-        assert request is None or request.output_ids, "the chunk was not the prompt's last"
+        chunk = StepShape((length,), 0, 0, (cached,) if cached else ())
+        assert self.engine.last_shape == chunk, f"the chunk ran as {self.engine.last_shape}"
         self._drain()
         return elapsed
 
@@ -435,7 +432,8 @@ def profile_engine(config: EngineConfig, grid: Grid,
     (measure_contention)."""
     grid = grid.within(read_config(config.model).max_context)
     biggest = max(grid.max_prefill_tokens,
-                  max(grid.decode_batches) * (max(grid.decode_contexts) + grid.repeats + 8))
+                  max(grid.decode_batches) * (max(grid.decode_contexts) + grid.repeats + 8),
+                  max((n + k for n, k in grid.cached_chunks), default=0))
     config = config.with_scheduler(max_batch_tokens=grid.max_prefill_tokens,
                                    max_running=max(max(grid.decode_batches),
                                                    max(grid.prefill_batches)))

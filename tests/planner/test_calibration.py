@@ -746,3 +746,15 @@ def test_a_prompt_step_of_a_few_tokens_says_nothing_of_the_prefill_level() -> No
     found = calibrator.calibration()
     assert found.prefill_steps == 40  # all heard, ten fitted on
     assert found.prefill == pytest.approx(1.1, rel=0.01)
+
+
+def test_a_workload_of_short_prompts_is_calibrated_on_them() -> None:
+    """Where the prompt steps of 16 tokens or more are too few for a level, the short ones
+    are fitted on: a workload of 8-token prompts 1.5x as slow as profiled reads 1.5x."""
+    steps = [StepSample(step=i, prompts=[8], seconds=1.5 * LATENCY.prefill_latency_s(8, 64))
+             for i in range(1, 31)]
+    calibrator = Calibrator(LATENCY)
+    calibrator.observe("prefill-0", steps)
+    found = calibrator.calibration()
+    assert found.prefill_basis != "profile"
+    assert found.prefill == pytest.approx(1.5, rel=0.01)

@@ -22,7 +22,9 @@ from services.planner.profiles import (
     saturation_length,
     save_profile,
     shipped_cpu_profile,
+    with_prefill_of,
 )
+from services.planner.profiling import Grid
 
 
 def test_fit_recovers_known_coefficients() -> None:
@@ -148,8 +150,8 @@ def test_the_cost_of_cached_tokens_is_fitted_on_what_chunks_add_to_a_whole_promp
     assert report["prefill_cached_points"] == 3
     assert report["prefill_cached_max_rel_err"] < 0.1
     assert report["prefill_cached_at_c_max_rel_err"] > 0.15
-    # a chunk that costs less than a whole prompt (noise) never gives a negative cost
-    assert fit_cached([CachedPoint(128, 256, 300.0, 320.0)]) == 0.0
+    # chunks no slower than whole prompts (noise) leave d unmeasured, priced at c
+    assert fit_cached([CachedPoint(128, 256, 300.0, 320.0)]) is None
 
 
 def test_cached_tokens_are_priced_at_d_where_measured_at_c_where_not(tmp_path: Path) -> None:
@@ -173,3 +175,17 @@ def test_cached_tokens_are_priced_at_d_where_measured_at_c_where_not(tmp_path: P
     save_profile(dataclasses.replace(profile, by_tp={1: old}), path)
     assert "prefill_cached" not in path.read_text()
     assert load_profile(path).by_tp[1].prefill_cached is None
+    # a measured pipeline (which times no chunks) takes its tp's d; a prefill profile's d
+    # prices the prefill instances
+    piped = dataclasses.replace(profile, by_tp={1: new}, pipelines={(1, 2): old})
+    assert piped.latency(1, 2).coefficients.prefill_cached == 1e-3
+    assert piped.latency(1, 2).coefficients.prefill == old.prefill
+    mixed = with_prefill_of(dataclasses.replace(profile, by_tp={1: old}),
+                            dataclasses.replace(profile, by_tp={1: new}))
+    assert mixed.by_tp[1].prefill_cached == 1e-3
+
+
+def test_the_grid_keeps_the_chunks_a_models_context_holds() -> None:
+    assert Grid.quick().within(512).cached_chunks == ((128, 128),)
+    assert Grid().within(1024).cached_chunks == ((128, 256), (128, 512), (256, 256))
+    assert Grid().points_for(pipelined=True) == Grid().points - 5

@@ -44,7 +44,8 @@ def test_fitted_model_predicts_held_out_points(tmp_path: Path) -> None:
         profile = profile_engine(EngineConfig(kv_cache_bytes=1024 << 20), grid)
         print(f"\nfit on this machine: {profile.fit}")
         if max(profile.fit["prefill_heldout_median_rel_err"],
-               profile.fit["decode_heldout_median_rel_err"]) < 0.5:
+               profile.fit["decode_heldout_median_rel_err"]) < 0.5 and \
+                profile.by_tp[1].prefill_cached is not None:
             break
     assert profile.fit["prefill_heldout_median_rel_err"] < 0.5
     assert profile.fit["decode_heldout_median_rel_err"] < 0.5
