@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from services.planner.latency import LatencyModel
+from services.planner.latency import LatencyModel, chunk_terms
 from services.planner.profiles import planner_profile
 from shared.engine.config import EngineConfig, Role
 from shared.engine.engine import Engine
@@ -122,7 +122,7 @@ def continued_chunks(threads: int, lat: LatencyModel, repeats: int,
         row = []
         for done, times in sorted(by_done.items()):
             n = min(budget, prompt - done)
-            simulated = lat.prefill_ms(n, n * n, n * done)
+            simulated = lat.prefill_ms(*chunk_terms([(n, done)]))
             row.append(f"+{n}@{done} {statistics.median(times[1:]) * 1e3:5.0f} / "
                        f"{simulated:5.0f}")
         print(f"  budget {budget:>3} (whole {budget}: {alone:5.0f}): " + ";  ".join(row),

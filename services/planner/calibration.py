@@ -37,7 +37,7 @@ import numpy as np
 from pydantic import BaseModel, model_validator
 from scipy.optimize import least_squares
 
-from services.planner.latency import PHASES, Contention, LatencyModel, Phase
+from services.planner.latency import PHASES, Contention, LatencyModel, Phase, chunk_terms
 from services.planner.noise import Noise, fit_noise
 from services.planner.profiles import Profile
 from services.planner.simulator.core import added_by
@@ -610,9 +610,8 @@ def predicted_s(latency: LatencyModel, step: StepSample) -> float:
     decodes alone."""
     if step.prompts:
         done = step.done or [0] * len(step.prompts)
-        cached = sum(n * d for n, d in zip(step.prompts, done, strict=True))
-        return latency.prefill_latency_s(sum(step.prompts), sum(n * n for n in step.prompts),
-                                         cached) + riding_s(latency, step)
+        terms = chunk_terms(zip(step.prompts, done, strict=True))
+        return latency.prefill_latency_s(*terms) + riding_s(latency, step)
     return latency.decode_step_s(step.batch, step.context)
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -10,7 +11,7 @@ from typing import TypeVar
 import numpy as np
 from scipy.optimize import nnls
 
-from services.planner.latency import PhaseCoefficients, Triple
+from services.planner.latency import LatencyModel, PhaseCoefficients, Triple, chunk_terms
 
 
 @dataclass(frozen=True)
@@ -155,13 +156,11 @@ def cached_report(co: PhaseCoefficients, points: Sequence[CachedPoint]) -> dict[
     """How the whole model (a, b, c and d) prices the chunks measured: their median and
     largest relative error, and the same for pricing them as before d was measured (their
     cached tokens at the quadratic term c)."""
-    a, b, c = co.prefill
-    d = co.cached_ms
-
-    def errors(per_pair: float) -> list[float]:
-        return [abs(a + b * p.length + c * p.length ** 2 + per_pair * p.pairs - p.ms) / p.ms
+    def errors(model: LatencyModel) -> list[float]:
+        return [abs(model.prefill_ms(*chunk_terms([(p.length, p.cached)])) - p.ms) / p.ms
                 for p in points]
-    with_d, at_c = errors(d), errors(c)
+    with_d = errors(LatencyModel(co))
+    at_c = errors(LatencyModel(dataclasses.replace(co, prefill_cached=None)))
     return {"prefill_cached_points": float(len(points)),
             "prefill_cached_median_rel_err": float(np.median(with_d)),
             "prefill_cached_max_rel_err": float(np.max(with_d)),

@@ -74,6 +74,15 @@ def _times(value: float | None, k: float) -> float | None:
     return None if value is None else value * k
 
 
+def chunk_terms(chunks: Iterable[tuple[int, int]]) -> tuple[int, int, int]:
+    """The prefill model's terms of a prompt step's chunks, each (new tokens, tokens of its
+    prompt cached before them): (sum of new tokens, sum of their squares, sum of new tokens
+    times cached ones), as `LatencyModel.prefill_ms` takes them."""
+    pairs = list(chunks)
+    return (sum(n for n, _ in pairs), sum(n * n for n, _ in pairs),
+            sum(n * k for n, k in pairs))
+
+
 Phase = Literal["prefill", "decode"]
 PHASES: tuple[Phase, Phase] = ("prefill", "decode")
 

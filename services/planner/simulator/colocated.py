@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.planner.latency import Phase
+from services.planner.latency import Phase, chunk_terms
 from services.planner.noise import Jitters, jitters
 from services.planner.simulator.core import (
     DecodeBatch,
@@ -164,11 +164,9 @@ class ChunkedInstance(ColocatedInstance):
         lat = self.spec.latency
         if not chunks:  # the engine runs it as any decode step
             return lat.decode_step_s(self.batch.size, self.batch.sum_ctx), [], True
-        tokens = sum(n for _, n in chunks)
-        squares = sum(n * n for _, n in chunks)
-        cached = sum(n * p.done for p, n in chunks)
         riding = lat.riding_ms(self.batch.size, self.batch.sum_ctx)
-        seconds = (lat.prefill_ms(tokens, squares, cached) + riding) / lat.pp / 1e3
+        terms = chunk_terms((n, p.done) for p, n in chunks)
+        seconds = (lat.prefill_ms(*terms) + riding) / lat.pp / 1e3
         return seconds, chunks, self.batch.size > 0
 
 
