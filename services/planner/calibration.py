@@ -68,7 +68,7 @@ NO_CONTENTION = Contention()
 
 
 class Calibration(BaseModel):
-    """Per phase: measured / predicted step time at the live steps (the median; 1.0: as
+    """Per phase: measured / predicted step time at the live steps (the mean; 1.0: as
     profiled), the correction that fits them best, the steps it was fitted on, and the
     contention measured beside a neighbour's step of each phase (`Contention`'s factors,
     which a step slows by on the share of it that reads memory; measured ones only, e.g.
@@ -622,16 +622,21 @@ def riding_s(latency: LatencyModel, step: StepSample) -> float:
 
 def fit_steps(steps: list[tuple[float, float]], constant_s: float = float("inf"),
               spread: float = 1.5) -> tuple[float, Fit, float]:
-    """(median measured / predicted, the better fit, its time a step) for (predicted,
-    measured) pairs: a scale or a fixed time a step, each the median over the steps, the one
-    whose median relative error is smaller. Steps of about one size (their predicted times'
-    10th and 90th percentiles within `spread`) cannot tell the two apart: the fixed time
-    then, which adds what was measured where it was measured and scales nothing beyond.
-    Either way a fixed time is only taken within `constant_s` (the model's fixed part of a
-    step) of zero: a per-step cost beyond a whole step's fixed part is a slowdown (the cores
-    shared with other work: a few long steps among many short ones do not outvote the
-    short ones' medians), and one below -`constant_s` (a host much faster than the profiled
-    one) would price small steps below zero: the scale then."""
+    """(mean measured / predicted, the better fit, its time a step) for (predicted, measured)
+    pairs: a scale or a fixed time a step, the one whose median relative error is smaller
+    (each taken at its median over the steps to choose). Steps of about one size (their
+    predicted times' 10th and 90th percentiles within `spread`) cannot tell the two apart:
+    the fixed time then, which adds what was measured where it was measured and scales
+    nothing beyond. Either way a fixed time is only taken within `constant_s` (the model's
+    fixed part of a step) of zero: a per-step cost beyond a whole step's fixed part is a
+    slowdown (the cores shared with other work: a few long steps among many short ones do
+    not outvote the short ones' medians), and one below -`constant_s` (a host much faster
+    than the profiled one) would price small steps below zero: the scale then.
+
+    The fit chosen is set at its mean over the steps, not its median: a request's time is
+    its steps' sum, which a level at the median leaves short wherever the steps' spread
+    has a tail (on the Zen 4 the stack's decode steps averaged up to 5% above their median, and
+    a bench compare run's simulated decode runs were short by as much)."""
     ratio = statistics.median(m / p for p, m in steps)
     offset_s = statistics.median(m - p for p, m in steps)
 
@@ -642,7 +647,10 @@ def fit_steps(steps: list[tuple[float, float]], constant_s: float = float("inf")
     alike = deciles[-1] <= spread * deciles[0]
     offset = abs(offset_s) <= constant_s and (
         alike or error(lambda p: p + offset_s) < error(lambda p: p * ratio))
-    return ratio, "offset" if offset else "scale", offset_s if offset else 0.0
+    mean_ratio = statistics.fmean(m / p for p, m in steps)
+    if offset:
+        return mean_ratio, "offset", statistics.fmean(m - p for p, m in steps)
+    return mean_ratio, "scale", 0.0
 
 
 def replan_reason(found: Calibration, planned_on: Calibration, ratio: float,

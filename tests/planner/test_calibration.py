@@ -66,7 +66,9 @@ def test_decode_steps_20_percent_slower_move_the_decode_coefficients_by_as_much(
         for before, after in zip(co.decode_small + co.decode_large, fitted.decode_small +
                                  fitted.decode_large, strict=True):
             assert after == pytest.approx(before * 1.2, rel=0.03)
-        assert fitted.prefill == pytest.approx(co.prefill, rel=0.03)
+        for tokens in (64, 256, 512):  # a prompt step priced as before (a + b.n + c.n^2)
+            assert sum(k * tokens ** i for i, k in enumerate(fitted.prefill)) == \
+                pytest.approx(sum(k * tokens ** i for i, k in enumerate(co.prefill)), rel=0.03)
 
 
 def test_each_workers_steps_are_compared_with_its_own_shapes_prediction() -> None:
@@ -254,6 +256,22 @@ def test_steps_of_one_size_cannot_tell_a_scale_from_a_fixed_time() -> None:
     # the same slowdown over steps of 50-400 ms is a scale
     spread = [(p, 1.5 * p * rng.uniform(0.98, 1.02)) for p in np.linspace(0.05, 0.4, 30)]
     assert fit_steps(spread)[1:] == ("scale", 0.0)
+
+
+def test_a_fit_is_set_at_its_mean_so_steps_add_up_to_what_they_took() -> None:
+    """Steps at 1.0x their prediction but one in ten at 2.0x (a spell beside other work): the
+    median says 1.0x, but a request's time is its steps' sum; the level is their mean,
+    1.1x, either fit (a scale over steps of many sizes, a fixed time over steps of one)."""
+    rng = random.Random(5)
+    sizes = rng.choices([0.03, 0.05, 0.1, 0.2], k=200)
+    spread = [(p, p * (2.0 if k % 10 == 0 else 1.0)) for k, p in enumerate(sizes)]
+    ratio, fit, _ = fit_steps(spread)
+    assert (fit, ratio) == ("scale", pytest.approx(1.1, rel=0.01))
+    alike = [(0.03, 0.03 * (2.0 if k % 10 == 0 else 1.0)) for k in range(200)]
+    ratio, fit, offset_s = fit_steps(alike, constant_s=0.02)
+    assert fit == "offset" and offset_s == pytest.approx(0.003, rel=0.01)
+    total = sum(m for _, m in alike)
+    assert sum(p + offset_s for p, _ in alike) == pytest.approx(total, rel=1e-6)
 
 
 def test_a_host_much_faster_than_the_profile_is_fitted_as_a_scale() -> None:
