@@ -6,7 +6,14 @@ An instance is live while it is not silent next to its peers: its last heartbeat
 `ttl_s` older than the newest heartbeat the gateway has handled from anyone, and at most
 `hard_ttl_s` old in any case (when every instance, or NATS itself, went quiet). Judging by
 peers rather than by the clock alone keeps a gateway whose event loop was busy for a while
-(a burst of clients) from taking its queued, not yet handled heartbeats for deaths."""
+(a burst of clients) from taking its queued, not yet handled heartbeats for deaths.
+
+A silence of everyone longer than `ttl_s` (NATS restarting, or this gateway cut off) ends
+with the first instance to reconnect, which the others may follow by a second or more:
+each instance heard up to that silence is given `ttl_s` from its end to be heard again
+before its peers judge it (a 2.5 s nats-server restart had the gateway take a prefill
+instance for dead as the decode instance's heartbeat came first, and prefill three
+requests again)."""
 
 from __future__ import annotations
 
@@ -28,15 +35,25 @@ class InstanceView:
         self.hard_ttl_s = hard_ttl_s if hard_ttl_s is not None else 5 * ttl_s
         self._seen: dict[str, Seen] = {}
         self._newest = float("-inf")
+        # the last silence of everyone longer than the TTL: when it began (the newest
+        # heartbeat before it) and when it ended (the first one after)
+        self._quiet_from = self._resumed_at = float("-inf")
         self._lock = threading.Lock()
 
     def observe(self, info: InstanceInfo, now: float) -> None:
         with self._lock:
+            if self._newest > float("-inf") and now - self._newest > self.ttl_s:
+                self._quiet_from, self._resumed_at = self._newest, now
             self._seen[info.instance_id] = Seen(info, now)
             self._newest = max(self._newest, now)
 
     def _live(self, seen: Seen, now: float) -> bool:
-        return self._newest - seen.at <= self.ttl_s and now - seen.at <= self.hard_ttl_s
+        if now - seen.at > self.hard_ttl_s:
+            return False
+        if self._newest - seen.at <= self.ttl_s:
+            return True
+        # silent next to its peers, but heard up to a silence of everyone that just ended
+        return seen.at >= self._quiet_from - self.ttl_s and now - self._resumed_at <= self.ttl_s
 
     def get(self, instance_id: str, now: float) -> InstanceInfo | None:
         """The instance's last heartbeat, or None once it is no longer live."""

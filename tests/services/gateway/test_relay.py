@@ -93,6 +93,40 @@ def test_an_instance_that_stops_heartbeating_loses_its_requests() -> None:
     assert lost.value.cause == "decode_died"
 
 
+def test_a_nats_outage_takes_no_instance_for_dead_as_its_peers_come_back_first() -> None:
+    """Every heartbeat stops for 2.5 s (nats-server restarting); the decode instance is heard
+    again first, the prefill instance a second later: the request prefilling there is not
+    lost (it was, `prefill_died`, and prefilled again). One silent for a TTL after the
+    silence ended is dead; one that had stopped before it stays dead."""
+    clock, view = Clock(), InstanceView(2.0)
+    r = relay(clock, view)
+    for t in (0.0, 0.5, 1.0):
+        beat(view, t, ("p1", "prefill", 0))  # p1 stopped at 1.0: dead by 3.0
+    for t in (0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5):
+        beat(view, t, ("p0", "prefill", int(2 * t)), ("d0", "decode", 0))
+    for t in (6.0, 6.5, 7.0):  # silent 3.5-6.0; d0 back first
+        beat(view, t, ("d0", "decode", 0))
+        clock.now = t + 0.1
+        r._check(clock.now)
+        assert view.get("p0", clock.now) is not None
+        assert view.get("p1", clock.now) is None  # silent next to p0 before the outage
+    beat(view, 7.2, ("p0", "prefill", 8), ("d0", "decode", 0))
+    clock.now = 7.3
+    r._check(clock.now)
+    # the same silence, and p0 never heard again: dead a TTL after the silence ended
+    view = InstanceView(2.0)
+    for t in (0.0, 0.5, 1.0):
+        beat(view, t, ("p0", "prefill", 0), ("d0", "decode", 0))
+    for t in (4.0, 4.5, 5.0, 5.5, 6.0, 6.5):
+        beat(view, t, ("d0", "decode", 0))
+    assert view.get("p0", 5.9) is not None and view.get("p0", 6.1) is None
+    r = relay(clock, view)
+    clock.now = 6.5
+    with pytest.raises(Lost) as lost:
+        r._check(clock.now)
+    assert lost.value.cause == "prefill_died"
+
+
 def test_a_request_queued_on_a_busy_instance_is_not_lost_but_a_stalled_one_is() -> None:
     clock, view = Clock(), InstanceView(2.0)
     r = relay(clock, view)
