@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -71,6 +72,33 @@ async def show_alive(path: str, every_s: float = 1.0,
             with contextlib.suppress(OSError):
                 file.touch()
         await asyncio.sleep(every_s)
+
+
+def turning(ticks: Callable[[], int], busy_since: Callable[[], float], step_timeout_s: float,
+            name: str = "", clock: Callable[[], float] = time.time) -> Callable[[], bool]:
+    """What `show_alive` asks of a worker (from any thread): whether its main loop has ticked
+    since the last call (`ticks()`: its count of turns), and no engine step has been running
+    longer than `step_timeout_s` (`busy_since()`: the wall-clock start of the step under
+    way, 0: none; a step ends once its outputs are handled). A loop held by a call that never
+    returns is hung; so is one that turns while its engine step never ends (a kernel or a
+    handoff wedged on the engine thread, an output that is never handled): the supervisor
+    kills it and brings it back, the gateway having moved its requests. 0: steps are never
+    timed out."""
+    seen, told = -1, False
+
+    def turned() -> bool:
+        nonlocal seen, told
+        now = ticks()
+        moved, seen = now != seen, now
+        started = busy_since()
+        stuck = step_timeout_s > 0 and started > 0 and clock() - started > step_timeout_s
+        if stuck and not told:
+            log.error("%s: an engine step has run for %.0f s (DS_STEP_TIMEOUT_S=%g): hung, "
+                      "no longer shown alive", name or "worker", clock() - started,
+                      step_timeout_s)
+        told = stuck
+        return moved and not stuck
+    return turned
 
 
 def mark_leaving(path: str) -> None:

@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 
 from services.cancelled import Cancelled
 from services.leases import GatewayLeases, read_leases
-from services.liveness import forget_alive, mark_leaving, show_alive
+from services.liveness import forget_alive, mark_leaving, show_alive, turning
 from services.process import WorkerSettings, built_or_exit, run_until_signalled, setup_logging
 from services.supervisor import DRAINED
 from shared import subjects
@@ -383,14 +383,10 @@ class Worker:
             await asyncio.sleep(every_s)
 
     def _turning(self) -> Callable[[], bool]:
-        """Whether this loop has ticked since the last call (from any thread)."""
-        seen = -1
-
-        def turned() -> bool:
-            nonlocal seen
-            moved, seen = self.ticks != seen, self.ticks
-            return moved
-        return turned
+        """Whether this loop has ticked since the last call, and its engine step (if one
+        runs) has not run past `step_timeout_s` (`liveness.turning`; from any thread)."""
+        return turning(lambda: self.ticks, lambda: self.host.busy_since,
+                       self.settings.step_timeout_s, self.id)
 
     async def _drain_after(self, stop: asyncio.Event, registry: Registry, redis: Redis) -> None:
         """Leave dispatch, then wait until the instance holds nothing and no gateway has a

@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import TypeVar, cast
 
@@ -148,6 +149,56 @@ def test_a_failed_step_fails_its_request_and_the_worker_serves_on(
         assert sum(len(c.token_ids) for c in good) == 4
         assert not running.done() and worker.known == {}
         assert engine.blocks.num_free == engine.blocks.num_blocks
+        await stop_serving(running, stop, registry, nc, [])
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_whose_engine_step_never_ends_stops_showing_alive(
+        nats_url: str, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step wedged on the engine thread (the model call blocks) while the event loop and
+    the heartbeats turn on: past `step_timeout_s` the worker no longer touches its alive
+    file (its supervisor then kills it as hung), and touches it again once the step ends.
+    Before, a wedged step kept it shown alive for ever, holding its KV memory."""
+    alive = tmp_path / "colocated-w.alive"
+    settings = WorkerSettings(instance_id="colocated-w", nats_url=nats_url, redis_url=redis_url,
+                              model="tiny", heartbeat_s=0.1, alive_file=str(alive),
+                              step_timeout_s=1.0)
+    engine = Engine(EngineConfig(model="tiny", device="cpu", kv_cache_bytes=1 << 20))
+    execute, release = engine.runner.execute, threading.Event()
+
+    def wedged(out: SchedulerOutput) -> dict[str, tuple[int, float | None]]:
+        if any(c.request.request_id == "wedged" for c in out.chunks):
+            release.wait(60)
+        return execute(out)
+
+    monkeypatch.setattr(engine.runner, "execute", wedged)
+    worker = ColocatedService(settings, engine)
+
+    def touched() -> int:
+        return alive.stat().st_mtime_ns if alive.exists() else 0
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        running, registry = await serving(worker, stop, redis_url)
+        nc = await connect(nats_url, "test")
+        while not touched():
+            await asyncio.sleep(0.05)
+        waiting = asyncio.create_task(send_and_wait(nc, "colocated-w", "wedged"))
+        while worker.host.busy_since == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(2.5)  # past the step timeout and a touch (every second)
+        before, ticks = touched(), worker.ticks
+        await asyncio.sleep(2.5)
+        assert worker.ticks > ticks  # the loop turns ...
+        assert touched() == before  # ... but the step does not end: not shown alive
+        assert await registry.instances("colocated")  # (its heartbeats go on)
+        release.set()
+        chunks = await waiting
+        assert chunks[-1].finish_reason == "length"
+        await asyncio.sleep(2.5)
+        assert touched() > before  # the step ended: alive again
         await stop_serving(running, stop, registry, nc, [])
 
     asyncio.run(main())
