@@ -426,7 +426,8 @@ def test_door_bounds_the_body() -> None:
 def test_view_offers_recently_heard_instances_when_none_is_strictly_live() -> None:
     view = InstanceView(ttl_s=2.0)
     view.observe(info("p0"), 0.0)
-    view.observe(info("d0", "decode"), 3.0)  # p0 starved: silent next to d0
+    for t in (0.0, 1.0, 2.0, 3.0):  # p0 starved: silent next to d0
+        view.observe(info("d0", "decode"), t)
     assert view.instances("prefill", 3.0) == []
     assert [i.instance_id for i in view.recent("prefill", 3.0)] == ["p0"]
     assert view.recent("prefill", 11.0) == []  # beyond the hard TTL: gone
