@@ -61,6 +61,10 @@ OWN_SHARE = 0.3
 # replicas at 0.861 req/s ran 4 of 39 prompt steps alone, 2 of them tails, and the level
 # fitted on those 4 read 1.50x where the long steps ran 1.11x.
 FEWEST_PROMPT_TOKENS = 16
+# a phase's fit is set at its mean over this many steps at least, else at its median: over
+# a few steps one stalled one (a collection, a neighbour's burst) would move the mean by
+# what the online planner replans on, and again as it leaves the window
+MEAN_FROM = 20
 # the phases of the steps a step's machine's other instances ran at each of its moments
 Moments = tuple[tuple[Phase, ...], ...]
 ALONE: Moments = ((),) * MOMENTS
@@ -633,10 +637,12 @@ def fit_steps(steps: list[tuple[float, float]], constant_s: float = float("inf")
     not outvote the short ones' medians), and one below -`constant_s` (a host much faster
     than the profiled one) would price small steps below zero: the scale then.
 
-    The fit chosen is set at its mean over the steps, not its median: a request's time is
-    its steps' sum, which a level at the median leaves short wherever the steps' spread
-    has a tail (on the Zen 4, over 58 runs' fits, the stack's decode steps averaged 2.4% above
-    their median, up to 7%, and bench compare's simulated decode runs were short by as much)."""
+    The fit chosen is set at its mean over the steps (`MEAN_FROM` of them at least), not its
+    median: a request's time is its steps' sum, which a level at the median leaves short
+    wherever the steps' spread has a tail (on the Zen 4, over 58 runs' fits, the stack's
+    decode steps averaged 2.4% above their median, up to 7%, and bench compare's simulated
+    decode runs were short by as much). A fixed time a step whose mean is beyond
+    `constant_s` is a slowdown as above: the scale then."""
     ratio = statistics.median(m / p for p, m in steps)
     offset_s = statistics.median(m - p for p, m in steps)
 
@@ -647,10 +653,11 @@ def fit_steps(steps: list[tuple[float, float]], constant_s: float = float("inf")
     alike = deciles[-1] <= spread * deciles[0]
     offset = abs(offset_s) <= constant_s and (
         alike or error(lambda p: p + offset_s) < error(lambda p: p * ratio))
-    mean_ratio = statistics.fmean(m / p for p, m in steps)
-    if offset:
-        return mean_ratio, "offset", statistics.fmean(m - p for p, m in steps)
-    return mean_ratio, "scale", 0.0
+    if len(steps) >= MEAN_FROM:
+        ratio = statistics.fmean(m / p for p, m in steps)
+        offset_s = statistics.fmean(m - p for p, m in steps)
+        offset = offset and abs(offset_s) <= constant_s
+    return ratio, "offset" if offset else "scale", offset_s if offset else 0.0
 
 
 def replan_reason(found: Calibration, planned_on: Calibration, ratio: float,

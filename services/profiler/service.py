@@ -143,7 +143,7 @@ class ProfilerService(ControlService):
                                       info.heartbeat_at, info.steps, info.busy_since)
         # fitted at most once a second (every worker heartbeats twice a second; a fit takes
         # 4-20 ms), and saved when it moved (no Redis write for every heartbeat that moves
-        # the medians a little) or every 10 s
+        # the levels a little) or every 10 s
         if observed and self.clock() - self.fitted_at >= self.settings.profiler_calibrate_every_s:
             self.fitted_at = self.clock()
             found = calibrator.calibration()

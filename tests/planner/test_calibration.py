@@ -10,6 +10,7 @@ import pytest
 from distserve.bench.steps import calibrator_of
 from services.planner.calibration import (
     ALONE,
+    MEAN_FROM,
     MOMENTS,
     Calibration,
     Calibrator,
@@ -66,6 +67,7 @@ def test_decode_steps_20_percent_slower_move_the_decode_coefficients_by_as_much(
         for before, after in zip(co.decode_small + co.decode_large, fitted.decode_small +
                                  fitted.decode_large, strict=True):
             assert after == pytest.approx(before * 1.2, rel=0.03)
+        assert fitted.prefill[1:] == pytest.approx(co.prefill[1:], rel=0.03)
         for tokens in (64, 256, 512):  # a prompt step priced as before (a + b.n + c.n^2)
             assert sum(k * tokens ** i for i, k in enumerate(fitted.prefill)) == \
                 pytest.approx(sum(k * tokens ** i for i, k in enumerate(co.prefill)), rel=0.03)
@@ -272,6 +274,12 @@ def test_a_fit_is_set_at_its_mean_so_steps_add_up_to_what_they_took() -> None:
     assert fit == "offset" and offset_s == pytest.approx(0.003, rel=0.01)
     total = sum(m for _, m in alike)
     assert sum(p + offset_s for p, _ in alike) == pytest.approx(total, rel=1e-6)
+    # over a few steps one stalled one would move the mean by a replan's worth: the median
+    few = [(p, p * (3.0 if k == 0 else 1.0)) for k, p in enumerate(sizes[:MEAN_FROM - 1])]
+    assert fit_steps(few)[0] == pytest.approx(1.0)
+    # a fixed time whose mean is beyond the model's constant is a slowdown: a scale
+    stalled = [(0.03, 0.03 + (0.2 if k % 10 == 0 else 0.0)) for k in range(200)]
+    assert fit_steps(stalled, constant_s=0.01)[1] == "scale"
 
 
 def test_a_host_much_faster_than_the_profile_is_fitted_as_a_scale() -> None:
