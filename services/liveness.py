@@ -77,13 +77,13 @@ async def show_alive(path: str, every_s: float = 1.0,
 def turning(ticks: Callable[[], int], busy_since: Callable[[], float], step_timeout_s: float,
             name: str = "", clock: Callable[[], float] = time.time) -> Callable[[], bool]:
     """What `show_alive` asks of a worker (from any thread): whether its main loop has ticked
-    since the last call (`ticks()`: its count of turns), and no engine step has been running
-    longer than `step_timeout_s` (`busy_since()`: the wall-clock start of the step under
-    way, 0: none; a step ends once its outputs are handled). A loop held by a call that never
-    returns is hung; so is one that turns while its engine step never ends (a kernel or a
-    handoff wedged on the engine thread, an output that is never handled): the supervisor
-    kills it and brings it back, the gateway having moved its requests. 0: steps are never
-    timed out."""
+    since the last call (`ticks()`: its count of turns), and its engine has not been at one
+    thing longer than `step_timeout_s` (`busy_since()`: the wall-clock start of the step
+    under way, its outputs not handled yet, or of the engine thread's call; 0: none). A loop
+    held by a call that never returns is hung; so is one that turns while its engine never
+    gets on (a kernel, an export or import of KV wedged on the engine thread, an output that
+    is never handled): the supervisor kills it and brings it back, the gateway having moved
+    its requests. 0: the engine is never timed out."""
     seen, told = -1, False
 
     def turned() -> bool:

@@ -76,6 +76,7 @@ class EngineHost:
         # copy), with the step's wall-clock start (a colocated worker's "prefill queue" span)
         self.on_began: Callable[[list[tuple[str, int]], float], None] | None = None
         self.busy_since = 0.0  # wall-clock start of the step not yet counted (0: none)
+        self.calling_since = 0.0  # wall-clock start of the engine thread's call (0: none)
         # where the loop's time goes: engine steps, handling their outputs, requests per step
         self.steps = 0
         self.step_s = 0.0
@@ -99,12 +100,29 @@ class EngineHost:
         """`fn(*args)` queued on the engine thread now, in order with every call before and
         after it, its result awaited later (or not): a subscription's callback queues its
         engine call without waiting for the step under way. Wakes the loop when done."""
-        future = asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        future = asyncio.get_running_loop().run_in_executor(self._thread, self._timed, fn,
+                                                             *args)
         future.add_done_callback(lambda _: self._wake.set())
         return future
 
     async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self._timed, fn,
+                                                                *args)
+
+    def _timed(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the engine thread, saying since when it runs (`calling_since`)."""
+        self.calling_since = time.time()
+        try:
+            return fn(*args)
+        finally:
+            self.calling_since = 0.0
+
+    def stuck_since(self) -> float:
+        """Since when the engine has been at one thing (0: nothing): the step whose outputs
+        are not handled yet, or whatever the engine thread runs (a step, an export or import
+        of KV, a request taken in)."""
+        started = [t for t in (self.busy_since, self.calling_since) if t > 0]
+        return min(started, default=0.0)
 
     def wake(self) -> None:
         self._wake.set()
@@ -365,7 +383,14 @@ class Worker:
         with contextlib.suppress(RedisError, OSError):  # it expires by itself otherwise
             await registry.remove(self.id, self.role)
         await self.closing()
-        await self.host.call(self.engine.close)  # after the step in progress: its ranks stop
+        # after the step in progress (its ranks stop), but not for ever behind a wedged one
+        # (no longer shown alive, nothing would kill it)
+        try:
+            await asyncio.wait_for(self.host.call(self.engine.close),
+                                   self.settings.step_timeout_s or None)
+        except TimeoutError:
+            log.error("%s: the engine did not close within %.0f s (a step wedged): exiting "
+                      "without it", self.id, self.settings.step_timeout_s)
         shutdown_tracing()
         await self.nc.drain()
         await redis.aclose()
@@ -383,9 +408,10 @@ class Worker:
             await asyncio.sleep(every_s)
 
     def _turning(self) -> Callable[[], bool]:
-        """Whether this loop has ticked since the last call, and its engine step (if one
-        runs) has not run past `step_timeout_s` (`liveness.turning`; from any thread)."""
-        return turning(lambda: self.ticks, lambda: self.host.busy_since,
+        """Whether this loop has ticked since the last call, and its engine (a step, or a
+        call on its thread) has not been at one thing past `step_timeout_s`
+        (`liveness.turning`; from any thread)."""
+        return turning(lambda: self.ticks, self.host.stuck_since,
                        self.settings.step_timeout_s, self.id)
 
     async def _drain_after(self, stop: asyncio.Event, registry: Registry, redis: Redis) -> None:

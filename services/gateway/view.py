@@ -8,12 +8,13 @@ An instance is live while it is not silent next to its peers: its last heartbeat
 peers rather than by the clock alone keeps a gateway whose event loop was busy for a while
 (a burst of clients) from taking its queued, not yet handled heartbeats for deaths.
 
-A silence of everyone longer than `ttl_s` (NATS restarting, or this gateway cut off) ends
-with the first instance to reconnect, which the others may follow by a second or more:
-each instance heard up to that silence is given `ttl_s` from its end to be heard again
-before its peers judge it (likely how a 2.5 s nats-server restart in a fault trial had
-the gateway take a prefill instance for dead and prefill three requests again; 8 restarts
-under load since moved none as `prefill_died`, with or without this)."""
+A silence of everyone longer than half `ttl_s` (NATS restarting, or this gateway cut off;
+instances beat every 0.5 s) ends with the first instance to reconnect, which the others
+may follow by a second or more: each instance heard up to that silence is given `ttl_s`
+from its end to be heard again before its peers judge it (likely how a 2.5 s nats-server
+restart in a fault trial had the gateway take a prefill instance for dead and prefill
+three requests again; 8 restarts under load since moved none as `prefill_died`, with or
+without this)."""
 
 from __future__ import annotations
 
@@ -35,15 +36,16 @@ class InstanceView:
         self.hard_ttl_s = hard_ttl_s if hard_ttl_s is not None else 5 * ttl_s
         self._seen: dict[str, Seen] = {}
         self._newest = float("-inf")
-        # the last silence of everyone longer than the TTL: when it began (the newest
-        # heartbeat before it) and when it ended (the first one after)
-        self._quiet_from = self._resumed_at = float("-inf")
+        # the last silence of everyone longer than half the TTL: when it began (the newest
+        # heartbeat before it) and when it ended (the first one after); one tuple, read
+        # whole from the other thread
+        self._silence = (float("-inf"), float("-inf"))
         self._lock = threading.Lock()
 
     def observe(self, info: InstanceInfo, now: float) -> None:
         with self._lock:
-            if self._newest > float("-inf") and now - self._newest > self.ttl_s:
-                self._quiet_from, self._resumed_at = self._newest, now
+            if self._newest > float("-inf") and now - self._newest > self.ttl_s / 2:
+                self._silence = (self._newest, now)
             self._seen[info.instance_id] = Seen(info, now)
             self._newest = max(self._newest, now)
 
@@ -53,7 +55,8 @@ class InstanceView:
         if self._newest - seen.at <= self.ttl_s:
             return True
         # silent next to its peers, but heard up to a silence of everyone that just ended
-        return seen.at >= self._quiet_from - self.ttl_s and now - self._resumed_at <= self.ttl_s
+        began, ended = self._silence
+        return seen.at >= began - self.ttl_s and now - ended <= self.ttl_s
 
     def get(self, instance_id: str, now: float) -> InstanceInfo | None:
         """The instance's last heartbeat, or None once it is no longer live."""

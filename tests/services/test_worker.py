@@ -186,20 +186,43 @@ def test_a_worker_whose_engine_step_never_ends_stops_showing_alive(
         while not touched():
             await asyncio.sleep(0.05)
         waiting = asyncio.create_task(send_and_wait(nc, "colocated-w", "wedged"))
-        while worker.host.busy_since == 0:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(2.5)  # past the step timeout and a touch (every second)
-        before, ticks = touched(), worker.ticks
-        await asyncio.sleep(2.5)
-        assert worker.ticks > ticks  # the loop turns ...
-        assert touched() == before  # ... but the step does not end: not shown alive
-        assert await registry.instances("colocated")  # (its heartbeats go on)
-        release.set()
+        try:
+            while worker.host.busy_since == 0:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(2.5)  # past the step timeout and a touch (every second)
+            before, ticks = touched(), worker.ticks
+            await asyncio.sleep(2.5)
+            assert worker.ticks > ticks  # the loop turns ...
+            assert touched() == before  # ... but the step does not end: not shown alive
+            assert await registry.instances("colocated")  # (its heartbeats go on)
+        finally:
+            release.set()
         chunks = await waiting
         assert chunks[-1].finish_reason == "length"
         await asyncio.sleep(2.5)
         assert touched() > before  # the step ended: alive again
         await stop_serving(running, stop, registry, nc, [])
+
+    asyncio.run(main())
+
+
+def test_a_call_wedged_on_the_engine_thread_is_what_the_engine_is_stuck_at() -> None:
+    """Not only a step: a call on the engine thread (a KV export or import, a request taken
+    in) that never returns counts from when it began; nothing running counts as 0."""
+    host = EngineHost(Engine(EngineConfig(model="tiny", device="cpu", kv_cache_bytes=1 << 20)))
+    release = threading.Event()
+
+    async def main() -> None:
+        assert host.stuck_since() == 0.0
+        began = time.time()
+        call = asyncio.ensure_future(host.call(release.wait, 30))
+        try:
+            await asyncio.sleep(0.3)
+            assert began <= host.stuck_since() <= began + 0.3
+        finally:
+            release.set()
+        await call
+        assert host.stuck_since() == 0.0
 
     asyncio.run(main())
 

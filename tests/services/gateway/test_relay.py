@@ -125,6 +125,15 @@ def test_a_nats_outage_takes_no_instance_for_dead_as_its_peers_come_back_first()
     with pytest.raises(Lost) as lost:
         r._check(clock.now)
     assert lost.value.cause == "prefill_died"
+    # a silence shorter than the TTL (1.5 s), p0 back a second after d0: not dead either
+    view = InstanceView(2.0)
+    for t in (0.0, 0.5, 1.0):
+        beat(view, t, ("p0", "prefill", 0), ("d0", "decode", 0))
+    for t in (2.5, 3.0, 3.5):
+        beat(view, t, ("d0", "decode", 0))
+    assert view.get("p0", 3.6) is not None
+    beat(view, 3.6, ("p0", "prefill", 0))
+    assert view.get("p0", 4.0) is not None
 
 
 def test_a_request_queued_on_a_busy_instance_is_not_lost_but_a_stalled_one_is() -> None:
