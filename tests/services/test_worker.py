@@ -26,9 +26,10 @@ from redis.asyncio import Redis
 
 from services.colocated.service import ColocatedService
 from services.decode.service import DecodeService
+from services.engine_host import EngineHost, thread_clock
 from services.prefill.service import PrefillService
 from services.process import WorkerSettings
-from services.runtime import EngineHost, WorkerFailed, thread_clock
+from services.runtime import WorkerFailed
 from shared import subjects
 from shared.bus import connect, parse, publish
 from shared.engine.config import EngineConfig, Role
