@@ -14,7 +14,6 @@ from services.planner.calibration import (
     MOMENTS,
     Calibration,
     Calibrator,
-    Timeline,
     fit_steps,
     predicted_s,
     replan_reason,
@@ -22,6 +21,7 @@ from services.planner.calibration import (
 from services.planner.decide import PlannerConfig, decide
 from services.planner.latency import Contention, LatencyModel
 from services.planner.profiles import load_profile, shipped_cpu_profile
+from services.planner.timeline import Timeline
 from shared.engine.request import Request, SamplingParams
 from shared.engine.scheduler import ScheduledChunk, SchedulerOutput, StepShape
 from shared.messages import ReplanRequest, WorkloadSummary
