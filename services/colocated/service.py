@@ -117,6 +117,6 @@ class ColocatedService(Worker):
                 not self.cancelled.covers(request_id, self.known[request_id]):
             return
         del self.known[request_id]
-        self.attempts.pop(request_id, None)
+        self.forget_attempt(request_id)
         self._untrace(request_id)
         self.abort(request_id)

@@ -574,6 +574,55 @@ def test_a_newer_attempt_announced_during_an_older_ones_pull_supersedes_it(
     asyncio.run(main())
 
 
+@pytest.mark.timeout(120)
+def test_a_request_taken_back_while_its_older_copy_decodes_streams_only_the_new_copy(
+        nats_url: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Attempt 0 decodes here; the gateway moves the request and it comes back (attempt 1,
+    resuming after its first token) while a step of attempt 0 is under way. That step's
+    output is attempt 0's (labelled by request id, it went out as attempt 1 at attempt 0's
+    index: a gap to the gateway, a move for nothing); attempt 1's tokens follow on from
+    its own first one."""
+    worker = tiny(DecodeService, "decode-b", nats_url, redis_url)
+    execute, gate, blocked = worker.engine.runner.execute, threading.Event(), threading.Event()
+    hold = [False]
+
+    async def pull(*_: object) -> None:
+        pass
+
+    def held(out: SchedulerOutput) -> dict[str, tuple[int, float | None]]:
+        if hold[0]:
+            hold[0] = False
+            blocked.set()
+            gate.wait(60)
+        return execute(out)
+
+    monkeypatch.setattr("services.decode.service.pull_pieces", pull)
+    monkeypatch.setattr(worker.engine.runner, "execute", held)
+    longer = Sampling(max_tokens=40, ignore_eos=True)
+
+    async def main() -> None:
+        async with decode_serving(worker, nats_url, redis_url, "prefill-b",
+                                  ["back"]) as (nc, _, seen):
+            try:
+                await publish(nc, subjects.decode("decode-b"), announcement(
+                    "back", "prefill-b", "t0", 0).model_copy(update={"sampling": longer}))
+                await until(lambda: sum(c.attempt == 0 and bool(c.token_ids) for c in seen) >= 4)
+                hold[0] = True  # the next step of attempt 0 is under way when attempt 1 lands
+                await until(blocked.is_set)
+                await publish(nc, subjects.decode("decode-b"), announcement(
+                    "back", "prefill-b", "t1", 1).model_copy(update={"sampling": longer}))
+                await until(lambda: worker.attempts.get("back") == 1)  # pulled, not in yet
+            finally:
+                gate.set()
+            await until(lambda: any(c.attempt == 1 and c.finish_reason for c in seen))
+            await until_idle(worker)
+            resumed = [c.seq for c in seen if c.attempt == 1 and c.token_ids]
+            assert resumed == list(range(1, 40))  # from its own first token, no gap
+            assert sum(len(c.token_ids) for c in seen if c.attempt == 1) == 39
+
+    asyncio.run(main())
+
+
 def test_a_worker_heartbeats_each_request_it_holds_with_its_attempt(
         nats_url: str, redis_url: str) -> None:
     """A gateway moves a request its instance no longer holds (its chunks were lost): the
