@@ -81,9 +81,6 @@ class Worker:
         self.asked_to_leave = False  # a Drain message came: exit DRAINED, not to be restarted
         self.ticks = 0  # turns of the event loop (`_tick`)
         self.attempts: dict[str, int] = {}  # request -> the gateway's attempt served here
-        # request -> the engine's newest copy of it (its arrival number) and the attempt its
-        # outputs carry, set on the engine thread as the copy is taken in (`label`)
-        self.labels: dict[str, tuple[int, int]] = {}
         self.cancelled = Cancelled()  # a cancel may overtake its request: never start those
         # request -> the gateway it came from (PrefillRequest.gateway), set as it arrives;
         # the requests no longer held are dropped each time the gateways' leases are read
@@ -310,38 +307,20 @@ class Worker:
         if self.cancelled.covers(req.request_id, req.attempt):
             log.info("%s: %s was cancelled before it arrived", self.id, req.request_id)
             return None
-        try:
-            request = await self.host.call(self._add, req)
+        try:  # its outputs carry its attempt (`stream`)
+            request = await self.host.call(self.engine.add_request, req.request_id,
+                                           req.prompt_ids, req.sampling.params(), req.output_ids,
+                                           req.attempt)
         except (RequestRejected, ValueError) as e:
             await self.send(TokenChunk(request_id=req.request_id, error=str(e), source=self.id,
                                        seq=len(req.output_ids), attempt=req.attempt))
             return None
         if self.cancelled.covers(req.request_id, req.attempt):  # read while taken in
             # this copy only: a newer attempt taken in since (after the cancel) stays
-            if await self.host.call(self.engine.abort, req.request_id, request):
-                self.labels.pop(req.request_id, None)
+            await self.host.call(self.engine.abort, req.request_id, request)
             return None
         self.attempts[req.request_id] = req.attempt
         return request
-
-    def _add(self, req: PrefillRequest) -> Request:
-        """On the engine thread: the prompt queued, labelled with its attempt."""
-        request = self.engine.add_request(req.request_id, req.prompt_ids,
-                                          req.sampling.params(), req.output_ids)
-        return self.label(request, req.attempt)
-
-    def label(self, request: Request, attempt: int) -> Request:
-        """On the engine thread, as `request` is taken in (before any step runs it): the
-        attempt its outputs carry. An older copy of the id, which it replaces, sends nothing
-        from then on: labelled by request id, an old copy's output from the step under way
-        went out as the new attempt (a token at its own index, a gap to the gateway)."""
-        self.labels[request.request_id] = (request.arrival, attempt)
-        return request
-
-    def forget_attempt(self, request_id: str) -> None:
-        """The request is no longer served here (cancelled, moved, or ended)."""
-        self.attempts.pop(request_id, None)
-        self.labels.pop(request_id, None)
 
     async def _on_cancel(self, msg: Msg) -> None:
         self.cancel(parse(msg, Cancel))
@@ -387,14 +366,12 @@ class Worker:
 
     async def stream(self, out: RequestOutput) -> None:
         """New tokens and text, the end, or the error that failed the request's step, as the
-        attempt of the copy that produced them (`label`); nothing of a replaced copy."""
-        label = self.labels.get(out.request_id)
-        if label is not None and label[0] != out.arrival:
-            return  # an older copy's, replaced by a newer attempt taken in here
-        attempt = label[1] if label is not None else self.attempts.get(out.request_id, 0)
+        attempt of the copy that produced them (its tag: labelled by request id, an older
+        copy's output from the step under way as a newer attempt was taken in here went out
+        as the newer attempt, at the older copy's index: a gap to the gateway)."""
+        attempt = out.tag
         if out.finished:
-            self.labels.pop(out.request_id, None)
-            if self.attempts.get(out.request_id) == attempt:
+            if self.attempts.get(out.request_id) == attempt:  # not a newer attempt's
                 del self.attempts[out.request_id]
             # a copy of this attempt coming late (its acknowledgement was lost) must not run
             self.cancelled.add(out.request_id, attempt)  # it again

@@ -75,8 +75,8 @@ class ColocatedService(Worker):
         for out in outputs:
             await self.stream(out)
             self._trace(out, now)
-            if out.finished:
-                self.known.pop(out.request_id, None)
+            if out.finished and self.known.get(out.request_id) == out.tag:
+                del self.known[out.request_id]  # (an older copy's end: the newer one runs on)
 
     def _trace(self, out: RequestOutput, now: float) -> None:
         request_id = out.request_id
@@ -117,6 +117,6 @@ class ColocatedService(Worker):
                 not self.cancelled.covers(request_id, self.known[request_id]):
             return
         del self.known[request_id]
-        self.forget_attempt(request_id)
+        self.attempts.pop(request_id, None)
         self._untrace(request_id)
         self.abort(request_id)

@@ -319,9 +319,10 @@ class DecodeService(Worker):
             request = Request(ready.request_id, ready.prompt_ids, ready.sampling.params(),
                               eos_ids=self.engine.eos_ids, output_ids=list(ready.output_ids),
                               output_logprobs=[] if ready.last_logprob is None
-                              else [ready.last_logprob])
+                              else [ready.last_logprob], tag=ready.attempt)
             self.attempts[ready.request_id] = ready.attempt
-            await self.host.call(self._admit_imported, request, blocks, buffer, ready)
+            await self.host.call(self.engine.admit_imported, request, blocks, buffer,
+                                 ready.computed)
             self._reuse(grant)  # copied into the pool: the next pull may land in it
         except TransferError as e:
             log.warning("pull of %s failed: %s", ready.request_id, e)
@@ -336,13 +337,6 @@ class DecodeService(Worker):
         finally:
             self._pulled(ready.request_id)
             self._release(ready)  # imported, or given up
-
-    def _admit_imported(self, request: Request, blocks: list[int],
-                        buffer: torch.Tensor | None, ready: KvReady) -> None:
-        """On the engine thread: the pulled request taken in, labelled with its attempt (an
-        older copy decoding here, which it replaces, sends nothing from then on)."""
-        self.engine.admit_imported(request, blocks, buffer, ready.computed)
-        self.label(request, ready.attempt)
 
     def _free_later(self, grant: Grant) -> None:
         freeing = asyncio.create_task(self._free(grant))
@@ -404,6 +398,8 @@ class DecodeService(Worker):
             await self.stream(out)
             if out.finished:  # its blocks are free: at the end, or after an error
                 self.room.set()
+                if out.tag < self._newest(out.request_id):
+                    continue  # an older copy's end: the newer attempt's trace goes on
                 traced = self.traces.pop(out.request_id, None)  # None: cancelled meanwhile
                 if traced is not None:
                     headers, joined = traced
@@ -432,7 +428,7 @@ class DecodeService(Worker):
             del self.pulling[request_id]
             pull.cancel()  # its blocks are freed as it ends
         if request_id in self.attempts and stale(self.attempts[request_id]):
-            self.forget_attempt(request_id)
+            del self.attempts[request_id]
             self.abort(request_id)
         if not self.holds(request_id):
             self.traces.pop(request_id, None)

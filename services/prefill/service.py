@@ -262,7 +262,7 @@ class PrefillService(Worker):
         self.released_at.pop(request_id, None)
         self.asked_at.pop(request_id, None)
         self.copies.pop(request_id, None)
-        self.forget_attempt(request_id)
+        self.attempts.pop(request_id, None)
 
     async def on_stalled(self) -> bool:
         """No waiting prompt fits the pool: free the KV retained longest (its decode

@@ -45,6 +45,7 @@ class RequestOutput:
     error: str | None = None  # the step failed: the request was aborted, its blocks freed
     index: int = 0  # output index of the first new token (without tokens: outputs so far)
     arrival: int = -1  # the request's admission number here: which copy of a request id
+    tag: int = 0  # the copy's `Request.tag` (a worker's attempt: what the output belongs to)
 
     @property
     def finished(self) -> bool:
@@ -134,17 +135,19 @@ class Engine:
                 f"request needs {needed} KV blocks but the pool holds {self.blocks.num_blocks}")
 
     def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     output_ids: list[int] | None = None) -> Request:
+                     output_ids: list[int] | None = None, tag: int = 0) -> Request:
         self.check_fits(len(prompt_ids), params.max_tokens)
         return Request(request_id, list(prompt_ids), params, eos_ids=self.eos_ids,
-                       arrival=next(self._arrivals), output_ids=list(output_ids or []))
+                       arrival=next(self._arrivals), output_ids=list(output_ids or []),
+                       tag=tag)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    output_ids: list[int] | None = None) -> Request:
+                    output_ids: list[int] | None = None, tag: int = 0) -> Request:
         """Queue a prompt. `output_ids`: tokens already sampled (and streamed) elsewhere, for
         a request resumed after a failure: they are computed with the prompt, the next token
-        is sampled at its own output index, and only new text is emitted."""
-        request = self.make_request(request_id, prompt_ids, params, output_ids)
+        is sampled at its own output index, and only new text is emitted. `tag`: what its
+        outputs carry (a worker's attempt), whatever copy of the id comes after it."""
+        request = self.make_request(request_id, prompt_ids, params, output_ids, tag)
         self._replace(request)
         self.scheduler.add(request)
         return request
@@ -220,12 +223,12 @@ class Engine:
         error = f"the engine step failed: {type(e).__name__}: {e}"
         # not those aborted while it was under way (an older copy of an id taken in again
         # since among them): they were answered then
-        failed = [(c.request.request_id, len(c.request.output_ids), c.request.arrival)
-                  for c in out.chunks if c.request.status is not RequestStatus.FINISHED_ABORTED]
-        for request_id, _, _ in failed:
-            self.abort(request_id)
-        return [RequestOutput(request_id, [], "", error=error, index=produced, arrival=arrival)
-                for request_id, produced, arrival in failed]
+        failed = [c.request for c in out.chunks
+                  if c.request.status is not RequestStatus.FINISHED_ABORTED]
+        for request in failed:
+            self.abort(request.request_id)
+        return [RequestOutput(r.request_id, [], "", error=error, index=len(r.output_ids),
+                              arrival=r.arrival, tag=r.tag) for r in failed]
 
     def close(self) -> None:
         """Stop the instance's other ranks (tp > 1); the engine takes no step after."""
@@ -394,4 +397,5 @@ class Engine:
                              request.finish_reason, request.status is RequestStatus.PARKED,
                              logprobs, request.output_top[-1:],
                              request.prompt_scores if first else [],
-                             index=len(request.output_ids) - 1, arrival=request.arrival)
+                             index=len(request.output_ids) - 1, arrival=request.arrival,
+                             tag=request.tag)

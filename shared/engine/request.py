@@ -97,6 +97,7 @@ class Request:
     eos_ids: frozenset[int] = frozenset()  # ids that end the generation
     arrival: int = 0  # order of arrival; the newest running request is preempted first
     output_ids: list[int] = field(default_factory=list)
+    tag: int = 0  # the caller's label for this copy, carried by its outputs (an attempt)
     output_logprobs: list[float] = field(default_factory=list)
     output_top: list[TopLogprobs] = field(default_factory=list)
     # with params.prompt_logprobs: prompt token p + 1 scored given tokens 0..p, p from 0 on

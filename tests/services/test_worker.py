@@ -584,14 +584,14 @@ def test_a_request_taken_back_while_its_older_copy_decodes_streams_only_the_new_
     its own first one."""
     worker = tiny(DecodeService, "decode-b", nats_url, redis_url)
     execute, gate, blocked = worker.engine.runner.execute, threading.Event(), threading.Event()
-    hold = [False]
+    steps = [0]
 
     async def pull(*_: object) -> None:
         pass
 
     def held(out: SchedulerOutput) -> dict[str, tuple[int, float | None]]:
-        if hold[0]:
-            hold[0] = False
+        steps[0] += 1
+        if steps[0] == 6:  # attempt 0's sixth step is under way when attempt 1 lands
             blocked.set()
             gate.wait(60)
         return execute(out)
@@ -606,8 +606,6 @@ def test_a_request_taken_back_while_its_older_copy_decodes_streams_only_the_new_
             try:
                 await publish(nc, subjects.decode("decode-b"), announcement(
                     "back", "prefill-b", "t0", 0).model_copy(update={"sampling": longer}))
-                await until(lambda: sum(c.attempt == 0 and bool(c.token_ids) for c in seen) >= 4)
-                hold[0] = True  # the next step of attempt 0 is under way when attempt 1 lands
                 await until(blocked.is_set)
                 await publish(nc, subjects.decode("decode-b"), announcement(
                     "back", "prefill-b", "t1", 1).model_copy(update={"sampling": longer}))
@@ -619,6 +617,48 @@ def test_a_request_taken_back_while_its_older_copy_decodes_streams_only_the_new_
             resumed = [c.seq for c in seen if c.attempt == 1 and c.token_ids]
             assert resumed == list(range(1, 40))  # from its own first token, no gap
             assert sum(len(c.token_ids) for c in seen if c.attempt == 1) == 39
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_colocated_worker_keeps_a_newer_attempt_when_the_older_copy_ends(
+        nats_url: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Attempt 1 of a request arrives while the step that ends attempt 0 is under way: that
+    end is attempt 0's, and the worker still knows attempt 1 as the one it serves (it
+    forgot it: a cancel of attempt 1 was then ignored, and it ran on unheard)."""
+    worker = tiny(ColocatedService, "colocated-k", nats_url, redis_url)
+    execute, gate, blocked = worker.engine.runner.execute, threading.Event(), threading.Event()
+    steps = [0]
+
+    def held(out: SchedulerOutput) -> dict[str, tuple[int, float | None]]:
+        steps[0] += 1
+        if steps[0] == 4:  # the step of attempt 0's fourth and last token
+            blocked.set()
+            gate.wait(60)
+        return execute(out)
+
+    monkeypatch.setattr(worker.engine.runner, "execute", held)
+
+    def request(attempt: int, max_tokens: int) -> PrefillRequest:
+        return PrefillRequest(request_id="k", prompt_ids=[1, 2, 3], attempt=attempt,
+                              sampling=Sampling(max_tokens=max_tokens, ignore_eos=True),
+                              arrival_ts=time.time())
+
+    async def main() -> None:
+        async with worker_serving(worker, nats_url, redis_url, ["k"]) as (nc, seen):
+            try:
+                await publish(nc, subjects.prefill("colocated-k"), request(0, 4))
+                await until(blocked.is_set)
+                await publish(nc, subjects.prefill("colocated-k"), request(1, 200))
+                await until(lambda: worker.known.get("k") == 1)
+            finally:
+                gate.set()
+            await until(lambda: any(c.attempt == 0 and c.finish_reason for c in seen))
+            assert worker.known.get("k") == 1  # attempt 1 runs on, known
+            await publish(nc, subjects.CANCEL_ALL, Cancel(request_id="k"))
+            await until(lambda: "k" not in worker.known)
+            await until_idle(worker)
 
     asyncio.run(main())
 
