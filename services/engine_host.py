@@ -67,14 +67,13 @@ class EngineHost:
         """`fn(*args)` queued on the engine thread now, in order with every call before and
         after it, its result awaited later (or not): a subscription's callback queues its
         engine call without waiting for the step under way. Wakes the loop when done."""
-        future = asyncio.get_running_loop().run_in_executor(self._thread, self._timed, fn,
-                                                             *args)
+        future = self._on_thread(fn, *args)
         future.add_done_callback(lambda _: self._wake.set())
         return future
 
-    async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, self._timed, fn,
-                                                                *args)
+    def _on_thread(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """`fn(*args)` queued on the engine thread (no wake: the step loop's own)."""
+        return asyncio.get_running_loop().run_in_executor(self._thread, self._timed, fn, *args)
 
     def _timed(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the engine thread, saying since when it runs (`calling_since`)."""

@@ -91,11 +91,11 @@ def turning(ticks: Callable[[], int], busy_since: Callable[[], float], step_time
         now = ticks()
         moved, seen = now != seen, now
         started = busy_since()
-        stuck = step_timeout_s > 0 and started > 0 and clock() - started > step_timeout_s
+        running_s = clock() - started if started > 0 else 0.0
+        stuck = step_timeout_s > 0 and running_s > step_timeout_s
         if stuck and not told:
             log.error("%s: an engine step has run for %.0f s (DS_STEP_TIMEOUT_S=%g): hung, "
-                      "no longer shown alive", name or "worker", clock() - started,
-                      step_timeout_s)
+                      "no longer shown alive", name or "worker", running_s, step_timeout_s)
         told = stuck
         return moved and not stuck
     return turned
