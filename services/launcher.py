@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import itertools
 import json
 import os
 import secrets
@@ -23,12 +22,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit
 
+from services.devices import assign_devices, gpu_count
 from services.liveness import hang_timeout
 from services.supervisor import (
     SERVER_BACKOFF,
@@ -44,6 +44,9 @@ from services.supervisor import (
 )
 from shared.engine.config import ModelConfig, check_dtype, kv_element_bytes, weight_bits
 from shared.engine.parallel.layout import kv_block_bytes, kv_budget_problem
+
+if TYPE_CHECKING:
+    from services.spawner import Spawner
 
 BIN = Path(sys.executable).parent
 NATS_USER = "distserve"
@@ -185,45 +188,12 @@ def drain_timeout(env: Mapping[str, str]) -> float:
 def shutdown_order(names: Iterable[str]) -> tuple[list[str], list[str], list[str]]:
     """A stack's children in the order they are stopped: the gateways (they take no more
     requests and finish the streams under way), then the workers and the other services
-    (the workers drain what is left; the planner stops those it started), then the servers
+    (the workers drain what is left, those the planner deployed too), then the servers
     they all talk through."""
     names = list(names)
     gateways = [n for n in names if n.startswith("gateway")]
     servers = [n for n in names if n in SERVERS]
     return gateways, [n for n in names if n not in gateways and n not in servers], servers
-
-
-def gpu_count(env: Mapping[str, str]) -> int:
-    """GPUs the workers may use: none when the run names a device (DS_DEVICE) itself, or
-    where no GPU driver is loaded (then torch would find none: not loaded to be told so)."""
-    if "DS_DEVICE" in env or not gpu_driver_loaded():
-        return 0
-    import torch  # only here: the launcher and the planner start without it on a CPU host
-
-    return int(torch.cuda.device_count())
-
-
-def gpu_driver_loaded(root: Path = Path("/")) -> bool:
-    """An NVIDIA driver (its /proc entry or a device node) or ROCm's (/dev/kfd) is here."""
-    dev = root / "dev"
-    return (root / "proc/driver/nvidia/gpus").is_dir() or (dev / "kfd").exists() or \
-        any(dev.glob("nvidia[0-9]*"))
-
-
-def workers_on_gpu(env: Mapping[str, str]) -> bool:
-    """Whether the workers a stack starts with `env` run on GPUs: DS_DEVICE's, else
-    `assign_devices` gives each a GPU where there are any."""
-    device = env.get("DS_DEVICE", "auto")
-    return device.startswith("cuda") or (device == "auto" and gpu_count({}) > 0)
-
-
-def assign_devices(ranks: Sequence[int], gpus: int) -> list[str]:
-    """The first device of each worker, whose `ranks[i]` ranks take that GPU and the next
-    ones: round robin over the GPUs (each rank its own while there are enough; an instance's
-    KV pool is sized from its budget, so several may share one); "" on a host without GPUs
-    (the worker's default device)."""
-    starts = list(itertools.accumulate(ranks, initial=0))[:-1]
-    return [f"cuda:{start % gpus}" if gpus else "" for start in starts]
 
 
 @dataclass
@@ -364,6 +334,7 @@ class Stack:
         # a gateway or worker that stops showing it is alive this long is killed (restarted)
         self.hang_s = hang_timeout(os.environ | config.extra_env)
         self._listener: socket.socket | None = None  # the gateway's, while the stack runs
+        self._spawner: Spawner | None = None  # starts the planner's workers (with a planner)
 
     def start(self, timeout: float = 300.0, abort: threading.Event | None = None) -> None:
         """Start every child and wait until the stack serves: StartError if it cannot (the
@@ -450,14 +421,34 @@ class Stack:
         if c.planner:
             self.supervisor.spawn("profiler", module("profiler"), fixed(env),
                                   restart=Restart.ALWAYS)
-            # a restarted planner knows it is one (DS_RESTARTS): it plans again at once
             planner_env = fixed(env | c.role_settings())
+            deployer = planner_env(0).get("DS_PLANNER_DEPLOYER", "launcher")
+            if deployer == "launcher":  # the workers it deploys are started here
+                self._take_deployments(planner_env(0), nats_url, [
+                    c.tp_for(role) * c.pp_for(role) for role, _ in workers])
+            # a restarted planner knows it is one (DS_RESTARTS): it plans again at once
+            planner_env = fixed(env | c.role_settings() | {"DS_PLANNER_DEPLOYER": deployer})
             self.supervisor.spawn("planner", module("planner"),
                                   lambda n: {**planner_env(n), "DS_RESTARTS": str(n)},
                                   restart=Restart.ALWAYS)
         expected = ({"colocated": c.replicas} if c.mode == "colocated"
                     else {"prefill": c.prefill, "decode": c.decode})
         self.wait_healthy(timeout, expected, redis_url if c.planner else None, abort)
+
+    def _take_deployments(self, base: Mapping[str, str], nats_url: str, ranks: list[int]) -> None:
+        """Start the workers the planner deploys as children of this launcher (they then
+        outlive the planner: services.spawner), in the planner's environment, on the GPUs
+        after those of the workers started here."""
+        from services.planner.deployer import WorkerStarter  # the planner's modules: only here
+        from services.spawner import Spawner
+
+        budget = int(base.get("DS_PLANNER_DEVICES") or 0) or os.cpu_count() or 2
+        starter = WorkerStarter(self.supervisor, base, gpu_count(base), ranks)
+        self._spawner = Spawner(starter, nats_url, most=2 * budget)
+        try:
+            self._spawner.start()
+        except RuntimeError as e:
+            raise StartError(str(e)) from None
 
     def wait_healthy(self, timeout: float, expected: dict[str, int] | None = None,
                      redis_url: str | None = None, abort: threading.Event | None = None
@@ -511,6 +502,8 @@ class Stack:
         `drain_s` (default: the workers' drain timeout) for it and then the other services
         together (at least SETTLE_S for those), then the servers (SETTLE_S); SIGKILL what
         outlives its time, and everything once `stop_now` is called."""
+        if self._spawner is not None:
+            self._spawner.close()  # the planner starts no more workers
         self.supervisor.end_restarts()  # no gateway is started again on the socket closed next
         if self._listener is not None:
             # the gateway closes its own copy as it stops: from then on a connection is
@@ -523,6 +516,9 @@ class Stack:
         self.supervisor.stop(gateways, drain_s)
         self.supervisor.stop(services, max(deadline - time.monotonic(), SETTLE_S))
         self.supervisor.stop(grace=SETTLE_S)  # the servers
+        if self._spawner is not None:  # its thread outlives the workers it started
+            self._spawner.join()
+            self._spawner = None
 
     def restarts(self) -> dict[str, int]:
         """How often each child has been restarted after exiting unasked."""

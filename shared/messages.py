@@ -202,3 +202,29 @@ class Drain(BaseModel):
 
     version: Literal[1] = 1
     reason: str = ""
+
+
+class StartWorker(BaseModel):
+    """planner -> ds.launcher.start (a NATS request): start a worker of `kind` with `tp`
+    ranks and `pp` stages (0: as `distserve up` set its role's). The reply is a
+    StartedWorker."""
+
+    version: Literal[1] = 1
+    kind: Literal["prefill", "decode", "colocated", "chunked"]
+    tp: int = Field(default=0, ge=0, le=64)
+    pp: int = Field(default=0, ge=0, le=64)
+
+
+class StartedWorker(BaseModel):
+    version: Literal[1] = 1
+    instance: str = ""  # its name, which is its first instance id
+    error: str = ""  # why none was started
+
+
+class Workers(BaseModel):
+    """planner -> ds.launcher.exited or ds.launcher.stop (NATS requests), of workers the
+    launcher started for it: which have exited (crashed, whether restarted since or not), or
+    stop them. The reply is a Workers too: the exited ones, or those stopped."""
+
+    version: Literal[1] = 1
+    instances: list[str] = []

@@ -58,6 +58,11 @@ def drain(instance: str) -> str:
 
 REQUEST_EVENTS = f"{PREFIX}.events.requests"  # gateway -> profiler: one per finished request
 REPLAN = f"{PREFIX}.planner.replan"  # profiler (or CLI) -> planner
+# planner -> `distserve up`'s launcher (NATS requests): start a worker, which of those it
+# started have exited, stop some (services.spawner)
+LAUNCHER_START = f"{PREFIX}.launcher.start"
+LAUNCHER_EXITED = f"{PREFIX}.launcher.exited"
+LAUNCHER_STOP = f"{PREFIX}.launcher.stop"
 
 
 def inflight_key(instance: str, gateway: str) -> str:

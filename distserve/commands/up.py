@@ -20,6 +20,7 @@ from distserve.commands.common import (
     positive_int,
     without_password,
 )
+from services.devices import workers_on_gpu
 from services.launcher import (
     Stack,
     StackConfig,
@@ -27,7 +28,6 @@ from services.launcher import (
     gateway_host,
     nats_problem,
     redis_problem,
-    workers_on_gpu,
 )
 from services.planner.modes import MODES, SWITCH_MARGIN, parse_modes
 from services.supervisor import port_problem

@@ -3,7 +3,9 @@ and colocated (plain or chunked-prefill) worker processes on this host with the 
 and pp, and drains the ones no longer needed (beyond a kind's count, or of another shape);
 scaling up completes (the new workers heartbeat, so the gateway dispatches to them) before
 anything is drained. A change of mode or shape is one such step: the new workers start, then
-the old ones drain, finishing what they hold."""
+the old ones drain, finishing what they hold. Under `distserve up` the launcher starts them
+at the planner's request, as its own children, so they outlive a planner that crashes
+(LauncherWorkers); a planner run on its own starts them as its children (OwnWorkers)."""
 
 from __future__ import annotations
 
@@ -15,23 +17,25 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Mapping, Set
+from collections.abc import Iterable, Mapping, Sequence, Set
 from pathlib import Path
 from typing import Protocol
 
+import nats.errors
 from nats.aio.client import Client
+from pydantic import BaseModel
 
-from services.launcher import assign_devices, gpu_count
+from services.devices import assign_devices, gpu_count
 from services.liveness import hang_timeout
 from services.planner.budget import Shape
 from services.planner.modes import KINDS, Kind, role_of
 from services.planner.profiles import Profile
-from services.supervisor import Supervisor, incarnation
+from services.supervisor import Restart, Supervisor, incarnation
 from shared import subjects
 from shared.bus import publish
 from shared.engine.config import ModelConfig
 from shared.engine.parallel.layout import check_tp
-from shared.messages import Drain
+from shared.messages import Drain, StartedWorker, StartWorker, Workers
 from shared.state import InstanceInfo, Registry, Role
 
 log = logging.getLogger(__name__)
@@ -209,17 +213,147 @@ class LogOnlyDeployer:
         pass
 
 
-class LocalDeployer:
-    """Starts workers as children of the planner: one that crashes comes back under a new
-    instance id; one that was drained exits DRAINED and stays down."""
+def worker_env(base: Mapping[str, str], kind: Kind, shape: Shape | None) -> dict[str, str]:
+    """A new `kind` worker's environment over `base` (the planner's: what `up` gave every
+    worker and each role): its role's weights, dtype, tp and pp (`role_env`), or the plan's
+    `shape`; a colocated one prefills in chunks or not as its kind says."""
+    env = {**base, **role_env(base, role_of(kind))}
+    for unset in ("DS_TP", "DS_PP"):  # `up` leaves them empty where it set none
+        if not env.get(unset):
+            env.pop(unset, None)
+    if shape is not None:
+        env.update(DS_TP=str(shape.tp), DS_PP=str(shape.pp))
+    if role_of(kind) == "colocated":
+        env["DS_CHUNKED_PREFILL"] = str(kind == "chunked").lower()
+    return env
 
-    def __init__(self, nc: Client, registry: Registry, run_dir: str | None,
+
+class WorkerStarter:
+    """Starts the planner's workers as children of `supervisor` with `worker_env` over
+    `base`, on a GPU host on the next GPUs in turn after the `ranks` of the workers started
+    before (the planner's own starter knows none: its workers may share a GPU with the
+    launcher's). One that crashes comes back under a new instance id; one drained exits
+    DRAINED and stays down. Only the workers it started can be asked about or stopped."""
+
+    def __init__(self, supervisor: Supervisor, base: Mapping[str, str], gpus: int = 0,
+                 ranks: Sequence[int] = ()) -> None:
+        self.supervisor, self.base, self.gpus = supervisor, dict(base), gpus
+        self.ranks = list(ranks)
+        self.started: list[str] = []
+
+    def start(self, kind: Kind, shape: Shape | None) -> str:
+        instance = f"{kind}-{uuid.uuid4().hex[:6]}"
+        env = worker_env(self.base, kind, shape)
+        self.ranks.append(ranks_of(env))
+        device = assign_devices(self.ranks, self.gpus)[-1]
+        if device:
+            env["DS_DEVICE"] = device
+        self.supervisor.spawn(instance, [sys.executable, "-m", f"services.{role_of(kind)}"],
+                              lambda restarts: {**env,
+                                                "DS_INSTANCE_ID": incarnation(instance, restarts)},
+                              restart=Restart.ON_CRASH, hang_s=hang_timeout(env), drains=True)
+        self.started.append(instance)
+        log.info("started %s (%s)%s", instance, shape or "tp and pp as `up` set them",
+                 f" on {device}" if device else "")
+        return instance
+
+    def exited(self, instances: Iterable[str]) -> list[str]:
+        """Those of `instances` it started that have exited since (crashed: restarted or
+        not, or stopped)."""
+        restarts = self.supervisor.restarts()
+        return [i for i in instances if i in self.started and (
+            i not in restarts or restarts[i] > 0 or self.supervisor.proc(i).poll() is not None)]
+
+    def stop(self, instances: Iterable[str], grace: float = 15.0) -> list[str]:
+        """Stop those of `instances` it started (SIGTERM: a worker drains); the ones stopped."""
+        mine = [i for i in instances if i in self.started]
+        self.supervisor.stop(mine, grace=grace)
+        return mine
+
+    def running(self) -> int:
+        """How many of the workers it started run now."""
+        return len(set(self.started) - set(self.exited(self.started)))
+
+
+class WorkerHands(Protocol):
+    """What starts the planner's workers: its own supervisor (`OwnWorkers`), or the
+    launcher of `distserve up` (`LauncherWorkers`)."""
+
+    async def start(self, kind: Kind, shape: Shape | None) -> str: ...
+
+    async def exited(self, instances: list[str]) -> list[str]: ...
+
+    async def stop(self, instances: list[str]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class OwnWorkers:
+    """Workers started as children of the planner (a planner run on its own): they die
+    with it."""
+
+    def __init__(self, run_dir: str | None) -> None:
+        self.starter = WorkerStarter(Supervisor(Path(run_dir or ".")), os.environ,
+                                     gpu_count(os.environ))
+
+    async def start(self, kind: Kind, shape: Shape | None) -> str:
+        return self.starter.start(kind, shape)
+
+    async def exited(self, instances: list[str]) -> list[str]:
+        return self.starter.exited(instances)
+
+    async def stop(self, instances: list[str]) -> None:
+        await asyncio.to_thread(self.starter.stop, instances)
+
+    def close(self) -> None:
+        """Stop (drain) the workers it started."""
+        self.starter.supervisor.stop(grace=15.0)
+
+
+class LauncherWorkers:
+    """Workers the launcher of `distserve up` starts at the planner's request, as its own
+    children (services.spawner): they outlive a planner that crashes or is killed, and stop
+    with the stack."""
+
+    def __init__(self, nc: Client, timeout_s: float = 30.0) -> None:
+        self.nc, self.timeout_s = nc, timeout_s
+
+    async def start(self, kind: Kind, shape: Shape | None) -> str:
+        asked = StartWorker(kind=kind, tp=shape.tp if shape else 0, pp=shape.pp if shape else 0)
+        reply = StartedWorker.model_validate_json(await self._ask(subjects.LAUNCHER_START,
+                                                                  asked))
+        if reply.error:
+            raise DeployError(f"the launcher started no {kind} worker: {reply.error}")
+        return reply.instance
+
+    async def exited(self, instances: list[str]) -> list[str]:
+        reply = await self._ask(subjects.LAUNCHER_EXITED, Workers(instances=instances))
+        return Workers.model_validate_json(reply).instances
+
+    async def stop(self, instances: list[str]) -> None:
+        await self._ask(subjects.LAUNCHER_STOP, Workers(instances=instances), 60.0)
+
+    def close(self) -> None:
+        pass  # the launcher stops them with the stack, in its order
+
+    async def _ask(self, subject: str, message: BaseModel, timeout_s: float = 0.0) -> bytes:
+        try:
+            reply = await self.nc.request(subject, message.model_dump_json().encode(),
+                                          timeout=timeout_s or self.timeout_s)
+        except (nats.errors.Error, OSError) as e:
+            raise DeployError(f"the launcher did not answer {subject}: "
+                              f"{str(e) or type(e).__name__}") from None
+        return reply.data
+
+
+class LocalDeployer:
+    """Starts workers on this host through its `hands` and drains the ones a plan no
+    longer needs."""
+
+    def __init__(self, nc: Client, registry: Registry, hands: WorkerHands,
                  health_timeout_s: float = 300.0, fixed: Set[Role] = frozenset()) -> None:
-        self.nc, self.registry = nc, registry
+        self.nc, self.registry, self.hands = nc, registry, hands
         self.health_timeout_s = health_timeout_s
-        self.supervisor = Supervisor(Path(run_dir or "."))
-        self.gpus = gpu_count(os.environ)
-        self.ranks: list[int] = []  # of each worker started, in turn
         self.drained: set[str] = set()
         self.fixed = fixed  # roles whose tp and pp `up` set (fixed_shapes): kept
 
@@ -230,7 +364,7 @@ class LocalDeployer:
         shapes = {k: s for k, s in (shapes or {}).items() if role_of(k) not in self.fixed}
         live = await live_workers(self.registry, self.drained)
         start, draining = changes(live, counts, shapes)
-        started = [self._spawn(kind, shapes.get(kind)) for kind in KINDS
+        started = [await self.hands.start(kind, shapes.get(kind)) for kind in KINDS
                    for _ in range(start[kind])]
         if started:
             await self._wait_healthy(started)
@@ -242,39 +376,14 @@ class LocalDeployer:
             log.info("applied %s: started %s, draining %s", dict(counts), started, drained)
         return {"started": started, "drained": drained}
 
-    def _spawn(self, kind: Kind, shape: Shape | None) -> str:
-        """A new worker with its role's weights, tp and pp (`role_env`), or the plan's
-        `shape`; on a GPU host on the next GPUs in turn (the planner does not know which GPUs
-        the workers it did not start use: they may share one)."""
-        instance = f"{kind}-{uuid.uuid4().hex[:6]}"
-        env = {**os.environ, **role_env(os.environ, role_of(kind))}
-        for unset in ("DS_TP", "DS_PP"):  # `up` leaves them empty where it set none
-            if not env.get(unset):
-                env.pop(unset, None)
-        if shape is not None:
-            env.update(DS_TP=str(shape.tp), DS_PP=str(shape.pp))
-        self.ranks.append(ranks_of(env))
-        device = assign_devices(self.ranks, self.gpus)[-1]
-        if device:
-            env["DS_DEVICE"] = device
-        if role_of(kind) == "colocated":
-            env["DS_CHUNKED_PREFILL"] = str(kind == "chunked").lower()
-        self.supervisor.spawn(instance, [sys.executable, "-m", f"services.{role_of(kind)}"],
-                              lambda restarts: {**env,
-                                                "DS_INSTANCE_ID": incarnation(instance, restarts)},
-                              restart=True, hang_s=hang_timeout(env), drains=True)
-        log.info("started %s (%s)%s", instance, shape or "tp and pp as `up` set them",
-                 f" on {device}" if device else "")
-        return instance
-
     async def _wait_healthy(self, instances: list[str]) -> None:
         """Until every new instance heartbeats; one that crashes while starting fails the
         deployment and is stopped (restarting it would only crash again)."""
         deadline = time.monotonic() + self.health_timeout_s
         while time.monotonic() < deadline:
-            crashed = [i for i in instances if self._crashed(i)]
+            crashed = await self.hands.exited(instances)
             if crashed:
-                await asyncio.to_thread(self.supervisor.stop, crashed)
+                await self.hands.stop(crashed)
                 raise DeployError(f"{crashed} exited while starting; see their logs")
             ready = {i.instance_id for role in ROLES for i in await self.registry.instances(role)}
             if ready.issuperset(instances):
@@ -282,10 +391,6 @@ class LocalDeployer:
             await asyncio.sleep(0.5)
         raise DeployError(f"{instances} not healthy within {self.health_timeout_s:.0f}s")
 
-    def _crashed(self, instance: str) -> bool:
-        return self.supervisor.restarts()[instance] > 0 or \
-            self.supervisor.proc(instance).poll() is not None
-
-    def stop(self, grace: float = 15.0) -> None:
-        """Stop (drain) the workers this deployer started."""
-        self.supervisor.stop(grace=grace)
+    def stop(self) -> None:
+        """The planner stops: so do the workers it started itself (not the launcher's)."""
+        self.hands.close()

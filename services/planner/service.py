@@ -18,14 +18,17 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.exceptions import RedisError
 
-from services.launcher import gpu_count
+from services.devices import gpu_count
 from services.planner.budget import Shape
 from services.planner.calibration import Calibration
 from services.planner.decide import PlannerConfig, decide
 from services.planner.deployer import (
     Deployer,
+    LauncherWorkers,
     LocalDeployer,
     LogOnlyDeployer,
+    OwnWorkers,
+    WorkerHands,
     fixed_shapes,
     live_shapes,
     live_workers,
@@ -73,7 +76,9 @@ class PlannerSettings(BaseSettings):
     planner_tpot_s: float = 0.2
     planner_attainment: float = 0.9
     planner_devices: int = 0  # device budget; 0 = the number of CPU cores
-    planner_deployer: Literal["local", "none"] = "local"
+    # who starts the workers: the planner (local: they die with it), `distserve up`'s launcher
+    # (launcher: they outlive the planner; `up` sets it), or nobody (none: plans are logged)
+    planner_deployer: Literal["local", "launcher", "none"] = "local"
     planner_modes: str = ",".join(MODES)  # the modes it may deploy (all are weighed)
     planner_switch_margin: float = Field(default=SWITCH_MARGIN, ge=1.0)  # a new mode's gain
     planner_interval_s: float = 0.0  # also plan again this often (0: only when asked)
@@ -159,9 +164,12 @@ class PlannerService(ControlService):
 
     async def serve(self, stop: asyncio.Event) -> None:
         registry = self.registry = Registry(self.redis, self.settings.heartbeat_ttl_s)
-        self.deployer = (LocalDeployer(self.nc, registry, self.settings.run_dir,
-                                       fixed=set(self.config.fixed))
-                         if self.settings.planner_deployer == "local" else LogOnlyDeployer())
+        how = self.settings.planner_deployer
+        hands: WorkerHands | None = (LauncherWorkers(self.nc) if how == "launcher" else
+                                     OwnWorkers(self.settings.run_dir) if how == "local" else
+                                     None)
+        self.deployer = (LogOnlyDeployer() if hands is None else
+                         LocalDeployer(self.nc, registry, hands, fixed=set(self.config.fixed)))
         log.info("planner ready: budget %d devices, SLO TTFT %.3gs TPOT %.3gs, %s deployer",
                  self.config.budget, self.config.slo.ttft_s, self.config.slo.tpot_s,
                  self.settings.planner_deployer)
@@ -175,8 +183,9 @@ class PlannerService(ControlService):
             await asyncio.get_running_loop().run_in_executor(None, self.deployer.stop)
 
     async def _resume_last_plan(self) -> None:
-        """A planner restarted (it crashed, or was killed) lost the workers it had deployed,
-        which die with it, and the workload it planned for: plan again at once for the
+        """A planner restarted (it crashed, or was killed) lost the workload it planned for,
+        and, where it started its workers itself (not the launcher's), those workers, which
+        die with it: plan again at once for the
         workload of the last plan in Redis, which starts what is missing (before, nothing was
         started until the profiler saw the workload shift, and a stack whose first workers
         the planner had drained served nothing meanwhile). Only a restarted one: a planner

@@ -218,7 +218,8 @@ def test_the_planner_switches_a_disaggregated_stack_to_colocated_workers(
     (which of plain and chunked colocated wins is the simulator's call, tested on its own in
     tests/planner): on the first full window of chat-like requests the planner switches
     modes. Two colocated workers start, then the prefill and decode instances drain and
-    exit; the gateway (auto mode) follows, and no request is lost on the way."""
+    exit; the gateway (auto mode) follows, and no request is lost on the way. The planner,
+    killed then, takes none of them down: the launcher started them."""
     env = planner_env(devices=2, modes="colocated,chunked", window=16, tpot_s=0.2)
     stack = start_stack(tmp_path, prefill=1, decode=1, planner=True, extra_env=env)
     try:
@@ -248,6 +249,28 @@ def test_the_planner_switches_a_disaggregated_stack_to_colocated_workers(
         assert main(["plan", "--live", "--redis-url", stack.env["DS_REDIS_URL"]]) == 0
         shown = capsys.readouterr().out
         assert "colocated of 2 devices" in shown
+
+        # the planner is killed: the workers it deployed are the launcher's, and serve on
+        serving = set(live(redis, "colocated"))
+        deployed = {c.name: c.proc for c in stack.children
+                    if c.name.startswith(("colocated-", "chunked-"))}
+        stack.child("planner").kill()
+        late = asyncio.run(run_requests(target, requests(6, 16, 24, 0.2), 1.0)).records
+        assert [r.error for r in late] == [None] * 6 and {r.tokens for r in late} == {24}
+        # it comes back, plans again for the last workload, finds them live, starts none
+        children = {c.name for c in stack.children}
+
+        def replanned() -> bool:
+            applied = "applied_at" in json.loads(redis.get(subjects.PLAN_KEY) or "{}")
+            return applied and any(h["reasons"] == ["the planner restarted"]
+                                   for h in plan_history(redis))
+
+        wait_for(replanned, 180, "the restarted planner to plan again and apply it")
+        assert set(live(redis, "colocated")) == serving  # the same instances, none new
+        assert len(deployed) == 2 and {c.name for c in stack.children} == children
+        assert all(proc.poll() is None for proc in deployed.values())
+        assert {c.name: c.proc for c in stack.children if c.name in deployed} == deployed
+        assert stack.restarts()["planner"] == 1
     finally:
         stack.stop()
 

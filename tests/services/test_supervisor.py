@@ -365,7 +365,7 @@ def test_stop_some_children_leaves_the_others_running(tmp_path: Path) -> None:
 
 
 def test_each_worker_gets_its_own_gpu_while_there_are_enough() -> None:
-    from services.launcher import assign_devices, gpu_count
+    from services.devices import assign_devices, gpu_count
 
     assert assign_devices([1, 1, 1], 4) == ["cuda:0", "cuda:1", "cuda:2"]
     assert assign_devices([1, 1, 1], 2) == ["cuda:0", "cuda:1", "cuda:0"]
@@ -375,7 +375,7 @@ def test_each_worker_gets_its_own_gpu_while_there_are_enough() -> None:
 
 
 def test_torch_is_asked_for_gpus_only_where_a_gpu_driver_is_loaded(tmp_path: Path) -> None:
-    from services.launcher import gpu_driver_loaded
+    from services.devices import gpu_driver_loaded
 
     assert not gpu_driver_loaded(tmp_path)
     (tmp_path / "dev").mkdir()
