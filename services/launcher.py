@@ -444,7 +444,7 @@ class Stack:
 
         budget = int(base.get("DS_PLANNER_DEVICES") or 0) or os.cpu_count() or 2
         starter = WorkerStarter(self.supervisor, base, gpu_count(base), ranks)
-        self._spawner = Spawner(starter, nats_url, most=2 * budget)
+        self._spawner = Spawner(starter, nats_url, budget)
         try:
             self._spawner.start()
         except RuntimeError as e:

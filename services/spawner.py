@@ -6,13 +6,15 @@ with the stack, in its order. The planner also asks which of them have exited an
 those that crashed as they started (services.planner.deployer.LauncherWorkers).
 
 Only workers go this way, of the kinds the planner deploys, in the environment `up` gave
-the planner; only those started so can be asked about or stopped, and no more than
-`most` run at once (a plan never holds more than its device budget, and a switch starts
-the new workers before the old ones drain)."""
+the planner, in the shape `up` fixed for their role where it fixed one; only those started
+so can be asked about or stopped. One worker takes at most the planner's device budget, and
+all it started that still run (draining ones too) at most four budgets: a plan holds one,
+and a switch starts the new workers before the old ones drain."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 
@@ -21,7 +23,8 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from services.planner.budget import Shape
-from services.planner.deployer import WorkerStarter
+from services.planner.deployer import WorkerStarter, fixed_shapes
+from services.planner.modes import role_of
 from shared import subjects
 from shared.bus import connect, parse
 from shared.messages import StartedWorker, StartWorker, Workers
@@ -33,8 +36,10 @@ class Spawner:
     """Answers the planner's requests on NATS from a thread of its own, which lives until
     `join`: the workers it starts die with it (so the launcher stops them first)."""
 
-    def __init__(self, starter: WorkerStarter, nats_url: str, most: int) -> None:
-        self.starter, self.nats_url, self.most = starter, nats_url, most
+    def __init__(self, starter: WorkerStarter, nats_url: str, budget: int) -> None:
+        self.starter, self.nats_url, self.budget = starter, nats_url, budget
+        self.most = 4 * budget  # ranks of the workers it started that run
+        self.fixed = fixed_shapes(starter.base)  # roles whose shape `up` set
         self._lock = threading.Lock()  # a start against `close`
         self._closed = False
         self._ready = threading.Event()
@@ -58,10 +63,12 @@ class Spawner:
     def join(self, timeout: float = 10.0) -> None:
         """Stop answering and end its thread (after the workers it started have stopped)."""
         self.close()
+        if not self._thread.is_alive():
+            return
         if self._loop is not None and self._stopping is not None:
-            self._loop.call_soon_threadsafe(self._stopping.set)
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+            with contextlib.suppress(RuntimeError):  # its loop closed meanwhile
+                self._loop.call_soon_threadsafe(self._stopping.set)
+        self._thread.join(timeout)
 
     def _run(self) -> None:
         try:
@@ -78,6 +85,7 @@ class Spawner:
         try:
             await nc.subscribe(subjects.LAUNCHER_START, cb=self._on_start)
             await nc.subscribe(subjects.LAUNCHER_EXITED, cb=self._on_exited)
+            await nc.subscribe(subjects.LAUNCHER_STARTING, cb=self._on_starting)
             await nc.subscribe(subjects.LAUNCHER_STOP, cb=self._on_stop)
             await nc.flush()
             self._ready.set()
@@ -99,9 +107,16 @@ class Spawner:
         with self._lock:
             if self._closed:
                 return StartedWorker(error="the stack is stopping")
-            if self.starter.running() >= self.most:
-                return StartedWorker(error=f"{self.most} workers it started run already")
             shape = Shape(asked.tp, asked.pp) if asked.tp and asked.pp else None
+            if role_of(asked.kind) in self.fixed:
+                shape = None  # `up` set it: the planner cannot change it
+            ranks = shape.devices if shape else self.fixed.get(role_of(asked.kind), Shape()).devices
+            if ranks > self.budget:
+                return StartedWorker(error=f"{ranks} ranks: more than the planner's budget "
+                                           f"of {self.budget} devices")
+            if self.starter.running_ranks() + ranks > self.most:
+                return StartedWorker(error=f"the workers it started run {self.most} ranks "
+                                           f"at most (four device budgets)")
             try:
                 return StartedWorker(instance=self.starter.start(asked.kind, shape))
             except OSError as e:
@@ -110,6 +125,10 @@ class Spawner:
     async def _on_exited(self, msg: Msg) -> None:
         exited = self.starter.exited(self._asked(msg))
         await msg.respond(Workers(instances=exited).model_dump_json().encode())
+
+    async def _on_starting(self, msg: Msg) -> None:
+        starting = self.starter.starting()
+        await msg.respond(Workers(instances=starting).model_dump_json().encode())
 
     async def _on_stop(self, msg: Msg) -> None:
         stopped = await asyncio.to_thread(self.starter.stop, self._asked(msg))

@@ -222,9 +222,10 @@ class StartedWorker(BaseModel):
 
 
 class Workers(BaseModel):
-    """planner -> ds.launcher.exited or ds.launcher.stop (NATS requests), of workers the
-    launcher started for it: which have exited (crashed, whether restarted since or not), or
-    stop them. The reply is a Workers too: the exited ones, or those stopped."""
+    """planner -> ds.launcher.exited, .starting or .stop (NATS requests), of workers the
+    launcher started for it: which of these have exited (crashed, whether restarted since or
+    not), which run as first started (none asked), or stop these. The reply is a Workers
+    too: the exited ones, the running ones, or those stopped."""
 
     version: Literal[1] = 1
     instances: list[str] = []

@@ -59,9 +59,10 @@ def drain(instance: str) -> str:
 REQUEST_EVENTS = f"{PREFIX}.events.requests"  # gateway -> profiler: one per finished request
 REPLAN = f"{PREFIX}.planner.replan"  # profiler (or CLI) -> planner
 # planner -> `distserve up`'s launcher (NATS requests): start a worker, which of those it
-# started have exited, stop some (services.spawner)
+# started have exited, which run as first started, stop some (services.spawner)
 LAUNCHER_START = f"{PREFIX}.launcher.start"
 LAUNCHER_EXITED = f"{PREFIX}.launcher.exited"
+LAUNCHER_STARTING = f"{PREFIX}.launcher.starting"
 LAUNCHER_STOP = f"{PREFIX}.launcher.stop"
 
 

@@ -260,9 +260,16 @@ class WorkerStarter:
     def exited(self, instances: Iterable[str]) -> list[str]:
         """Those of `instances` it started that have exited since (crashed: restarted or
         not, or stopped)."""
-        restarts = self.supervisor.restarts()
+        now = {c.name: c for c in self.supervisor.children}
         return [i for i in instances if i in self.started and (
-            i not in restarts or restarts[i] > 0 or self.supervisor.proc(i).poll() is not None)]
+            i not in now or now[i].restarts > 0 or now[i].proc.poll() is not None)]
+
+    def starting(self) -> list[str]:
+        """The workers it started that run as first started (never crashed): those a
+        planner restarted while they were starting has to wait for."""
+        now = {c.name: c for c in self.supervisor.children}
+        return [i for i in self.started if i in now and now[i].restarts == 0
+                and now[i].proc.poll() is None]
 
     def stop(self, instances: Iterable[str], grace: float = 15.0) -> list[str]:
         """Stop those of `instances` it started (SIGTERM: a worker drains); the ones stopped."""
@@ -270,9 +277,15 @@ class WorkerStarter:
         self.supervisor.stop(mine, grace=grace)
         return mine
 
-    def running(self) -> int:
-        """How many of the workers it started run now."""
-        return len(set(self.started) - set(self.exited(self.started)))
+    def running_ranks(self) -> int:
+        """The ranks (processes, devices) of the workers it started that run now, draining
+        ones and restarted ones included."""
+        now, ranks = {c.name: c for c in self.supervisor.children}, 0
+        for instance in self.started:
+            child = now.get(instance)
+            if child is not None and child.proc.poll() is None:
+                ranks += ranks_of(child.env(child.restarts)) if child.env else 1
+        return ranks
 
 
 class WorkerHands(Protocol):
@@ -282,6 +295,8 @@ class WorkerHands(Protocol):
     async def start(self, kind: Kind, shape: Shape | None) -> str: ...
 
     async def exited(self, instances: list[str]) -> list[str]: ...
+
+    async def starting(self) -> list[str]: ...
 
     async def stop(self, instances: list[str]) -> None: ...
 
@@ -301,6 +316,9 @@ class OwnWorkers:
 
     async def exited(self, instances: list[str]) -> list[str]:
         return self.starter.exited(instances)
+
+    async def starting(self) -> list[str]:
+        return self.starter.starting()
 
     async def stop(self, instances: list[str]) -> None:
         await asyncio.to_thread(self.starter.stop, instances)
@@ -328,6 +346,10 @@ class LauncherWorkers:
 
     async def exited(self, instances: list[str]) -> list[str]:
         reply = await self._ask(subjects.LAUNCHER_EXITED, Workers(instances=instances))
+        return Workers.model_validate_json(reply).instances
+
+    async def starting(self) -> list[str]:
+        reply = await self._ask(subjects.LAUNCHER_STARTING, Workers())
         return Workers.model_validate_json(reply).instances
 
     async def stop(self, instances: list[str]) -> None:
@@ -362,6 +384,7 @@ class LocalDeployer:
         """Start and drain workers until each kind has its count, in its shape (a role's
         shape `up` fixed stays: `shapes` cannot change it)."""
         shapes = {k: s for k, s in (shapes or {}).items() if role_of(k) not in self.fixed}
+        await self._wait_for_starting()
         live = await live_workers(self.registry, self.drained)
         start, draining = changes(live, counts, shapes)
         started = [await self.hands.start(kind, shapes.get(kind)) for kind in KINDS
@@ -375,6 +398,17 @@ class LocalDeployer:
         if started or drained:
             log.info("applied %s: started %s, draining %s", dict(counts), started, drained)
         return {"started": started, "drained": drained}
+
+    async def _wait_for_starting(self) -> None:
+        """Workers started and not heartbeating yet (a planner killed while they started
+        left them; this one, restarted, never heard of them) count once they serve: wait
+        for them, or they would be started twice."""
+        starting = await self.hands.starting()
+        if starting:
+            heard = {i.instance_id for role in ROLES for i in await self.registry.instances(role)}
+            if unheard := [i for i in starting if i not in heard]:
+                log.info("waiting for %s, started before, to serve", unheard)
+                await self._wait_healthy(unheard)
 
     async def _wait_healthy(self, instances: list[str]) -> None:
         """Until every new instance heartbeats; one that crashes while starting fails the

@@ -1,7 +1,9 @@
 """The launcher starts the planner's workers (services.spawner): asked over a real
 nats-server by the planner's deployer, it starts them as its own children in their kind's
-environment, says which have exited, stops them; it refuses past its cap, once the stack
-stops, and a request that is not one, and touches no child it did not start. (That such a
+environment (a role's shape `up` fixed stays), says which are starting and which have
+exited, stops them; it refuses a worker larger than the budget, past its cap, once the
+stack stops, and a request that is not one, and touches no child it did not start. A
+deployer waits for workers started before it (by a planner since killed). (That such a
 worker outlives a killed planner: tests/services/test_replanning.py.)"""
 
 from __future__ import annotations
@@ -31,30 +33,32 @@ def test_the_launcher_starts_reports_and_stops_only_the_planners_workers(
     base = {**os.environ, "DS_KV_CACHE_MB": "nonsense", "DS_NATS_URL": nats_url,
             "DS_TP": "", "DS_COLOCATED_TP": "2"}
     gateway = supervisor.spawn("gateway", ["sleep", "120"])
-    spawner = Spawner(WorkerStarter(supervisor, base), nats_url, most=4)
+    spawner = Spawner(WorkerStarter(supervisor, base), nats_url, budget=2)
     spawner.start()
 
     async def scenario() -> None:
         nc = await connect(nats_url, "planner")
         hands = LauncherWorkers(nc)
-        name = await hands.start("chunked", Shape(tp=1, pp=2))
-        assert name.startswith("chunked-")
+        name = await hands.start("decode", Shape(tp=1, pp=2))
+        assert name.startswith("decode-")
         # the launcher's child, in its kind's environment and the plan's shape
         (child,) = [c for c in supervisor.children if c.name == name]
         assert child.env is not None
         env = child.env(0)
-        assert (env["DS_CHUNKED_PREFILL"], env["DS_TP"], env["DS_PP"]) == ("true", "1", "2")
-        assert env["DS_INSTANCE_ID"] == name and env["DS_KV_CACHE_MB"] == "nonsense"
-        # without a shape, its role's tp as `up` set it
-        plain = await hands.start("colocated", None)
+        assert (env["DS_TP"], env["DS_PP"], env["DS_INSTANCE_ID"]) == ("1", "2", name)
+        assert env["DS_KV_CACHE_MB"] == "nonsense" and "DS_CHUNKED_PREFILL" not in env
+        # a role whose tp `up` set keeps it, whatever shape is asked
+        plain = await hands.start("chunked", Shape(tp=1, pp=2))
         (second,) = [c for c in supervisor.children if c.name == plain]
         assert second.env is not None and second.env(0)["DS_TP"] == "2"
-        assert second.env(0)["DS_CHUNKED_PREFILL"] == "false"
+        assert "DS_PP" not in second.env(0) and second.env(0)["DS_CHUNKED_PREFILL"] == "true"
+        assert sorted(await hands.starting()) == sorted([name, plain])
         deadline = time.monotonic() + 120
         while len(await hands.exited([name, plain, "gateway"])) < 2:
             assert time.monotonic() < deadline, "the workers never exited"
             await asyncio.sleep(0.5)
         assert sorted(await hands.exited([name, plain, "gateway"])) == sorted([name, plain])
+        assert await hands.starting() == []  # restarted since: crashed
         await hands.stop([name, plain, "gateway"])
         assert {c.name for c in supervisor.children} == {"gateway"}
         assert gateway.poll() is None  # not one it started: untouched
@@ -66,14 +70,21 @@ def test_the_launcher_starts_reports_and_stops_only_the_planners_workers(
         with pytest.raises(DeployError, match="exited while starting"):
             await deployer.apply({"colocated": 1})
         assert {c.name for c in supervisor.children} == {"gateway"}
+        # a deployer of a planner restarted meanwhile waits for the worker started before it
+        await hands.start("prefill", None)
+        with pytest.raises(DeployError, match="exited while starting"):
+            await LocalDeployer(nc, Registry(redis), hands, health_timeout_s=120).apply({})
+        assert {c.name for c in supervisor.children} == {"gateway"}
 
+        with pytest.raises(DeployError, match="more than the planner's budget of 2"):
+            await hands.start("decode", Shape(tp=3, pp=1))
         spawner.most = 0
-        with pytest.raises(DeployError, match="0 workers it started run already"):
+        with pytest.raises(DeployError, match="run 0 ranks at most"):
             await hands.start("decode", None)
         reply = await nc.request(subjects.LAUNCHER_START, b'{"kind": "gateway"}', timeout=10)
         assert "not a StartWorker" in StartedWorker.model_validate_json(reply.data).error
         spawner.close()  # the stack stops
-        spawner.most = 4
+        spawner.most = 8
         with pytest.raises(DeployError, match="the stack is stopping"):
             await hands.start("decode", None)
         assert {c.name for c in supervisor.children} == {"gateway"}
