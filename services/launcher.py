@@ -421,11 +421,11 @@ class Stack:
         if c.planner:
             self.supervisor.spawn("profiler", module("profiler"), fixed(env),
                                   restart=Restart.ALWAYS)
-            planner_env = fixed(env | c.role_settings())
-            deployer = planner_env(0).get("DS_PLANNER_DEPLOYER", "launcher")
+            base = fixed(env | c.role_settings())(0)  # the planner's environment
+            deployer = base.get("DS_PLANNER_DEPLOYER", "launcher")
             if deployer == "launcher":  # the workers it deploys are started here
-                self._take_deployments(planner_env(0), nats_url, [
-                    c.tp_for(role) * c.pp_for(role) for role, _ in workers])
+                self._take_deployments(base, nats_url, [c.tp_for(role) * c.pp_for(role)
+                                                        for role, _ in workers])
             # a restarted planner knows it is one (DS_RESTARTS): it plans again at once
             planner_env = fixed(env | c.role_settings() | {"DS_PLANNER_DEPLOYER": deployer})
             self.supervisor.spawn("planner", module("planner"),

@@ -23,8 +23,7 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from services.planner.budget import Shape
-from services.planner.deployer import WorkerStarter, fixed_shapes
-from services.planner.modes import role_of
+from services.planner.deployer import WorkerStarter, ranks_of
 from shared import subjects
 from shared.bus import connect, parse
 from shared.messages import StartedWorker, StartWorker, Workers
@@ -39,7 +38,6 @@ class Spawner:
     def __init__(self, starter: WorkerStarter, nats_url: str, budget: int) -> None:
         self.starter, self.nats_url, self.budget = starter, nats_url, budget
         self.most = 4 * budget  # ranks of the workers it started that run
-        self.fixed = fixed_shapes(starter.base)  # roles whose shape `up` set
         self._lock = threading.Lock()  # a start against `close`
         self._closed = False
         self._ready = threading.Event()
@@ -108,9 +106,7 @@ class Spawner:
             if self._closed:
                 return StartedWorker(error="the stack is stopping")
             shape = Shape(asked.tp, asked.pp) if asked.tp and asked.pp else None
-            if role_of(asked.kind) in self.fixed:
-                shape = None  # `up` set it: the planner cannot change it
-            ranks = shape.devices if shape else self.fixed.get(role_of(asked.kind), Shape()).devices
+            ranks = ranks_of(self.starter.env(asked.kind, shape))
             if ranks > self.budget:
                 return StartedWorker(error=f"{ranks} ranks: more than the planner's budget "
                                            f"of {self.budget} devices")

@@ -30,7 +30,7 @@ from services.liveness import hang_timeout
 from services.planner.budget import Shape
 from services.planner.modes import KINDS, Kind, role_of
 from services.planner.profiles import Profile
-from services.supervisor import Restart, Supervisor, incarnation
+from services.supervisor import Child, Restart, Supervisor, incarnation
 from shared import subjects
 from shared.bus import publish
 from shared.engine.config import ModelConfig
@@ -230,20 +230,26 @@ def worker_env(base: Mapping[str, str], kind: Kind, shape: Shape | None) -> dict
 
 class WorkerStarter:
     """Starts the planner's workers as children of `supervisor` with `worker_env` over
-    `base`, on a GPU host on the next GPUs in turn after the `ranks` of the workers started
-    before (the planner's own starter knows none: its workers may share a GPU with the
-    launcher's). One that crashes comes back under a new instance id; one drained exits
-    DRAINED and stays down. Only the workers it started can be asked about or stopped."""
+    `base` (a role whose shape `up` fixed keeps it, whatever shape is asked), on a GPU host
+    on the next GPUs in turn after the `ranks` of the workers started before (the planner's
+    own starter knows none: its workers may share a GPU with the launcher's). One that
+    crashes comes back under a new instance id; one drained exits DRAINED and stays down.
+    Only the workers it started can be asked about or stopped."""
 
     def __init__(self, supervisor: Supervisor, base: Mapping[str, str], gpus: int = 0,
                  ranks: Sequence[int] = ()) -> None:
         self.supervisor, self.base, self.gpus = supervisor, dict(base), gpus
+        self.fixed = fixed_shapes(self.base)  # roles whose tp and pp `up` set
         self.ranks = list(ranks)
-        self.started: list[str] = []
+        self.started: dict[str, int] = {}  # the workers it started, with their ranks
+
+    def env(self, kind: Kind, shape: Shape | None) -> dict[str, str]:
+        """A new `kind` worker's environment, `shape` dropped where `up` fixed its role's."""
+        return worker_env(self.base, kind, None if role_of(kind) in self.fixed else shape)
 
     def start(self, kind: Kind, shape: Shape | None) -> str:
         instance = f"{kind}-{uuid.uuid4().hex[:6]}"
-        env = worker_env(self.base, kind, shape)
+        env = self.env(kind, shape)
         self.ranks.append(ranks_of(env))
         device = assign_devices(self.ranks, self.gpus)[-1]
         if device:
@@ -252,24 +258,27 @@ class WorkerStarter:
                               lambda restarts: {**env,
                                                 "DS_INSTANCE_ID": incarnation(instance, restarts)},
                               restart=Restart.ON_CRASH, hang_s=hang_timeout(env), drains=True)
-        self.started.append(instance)
+        self.started[instance] = self.ranks[-1]
         log.info("started %s (%s)%s", instance, shape or "tp and pp as `up` set them",
                  f" on {device}" if device else "")
         return instance
 
+    def _children(self) -> dict[str, Child]:
+        """The workers it started that the supervisor still has, by name (one snapshot)."""
+        return {c.name: c for c in self.supervisor.children if c.name in self.started}
+
     def exited(self, instances: Iterable[str]) -> list[str]:
         """Those of `instances` it started that have exited since (crashed: restarted or
         not, or stopped)."""
-        now = {c.name: c for c in self.supervisor.children}
+        now = self._children()
         return [i for i in instances if i in self.started and (
             i not in now or now[i].restarts > 0 or now[i].proc.poll() is not None)]
 
     def starting(self) -> list[str]:
         """The workers it started that run as first started (never crashed): those a
         planner restarted while they were starting has to wait for."""
-        now = {c.name: c for c in self.supervisor.children}
-        return [i for i in self.started if i in now and now[i].restarts == 0
-                and now[i].proc.poll() is None]
+        return [name for name, child in self._children().items()
+                if child.restarts == 0 and child.proc.poll() is None]
 
     def stop(self, instances: Iterable[str], grace: float = 15.0) -> list[str]:
         """Stop those of `instances` it started (SIGTERM: a worker drains); the ones stopped."""
@@ -280,12 +289,8 @@ class WorkerStarter:
     def running_ranks(self) -> int:
         """The ranks (processes, devices) of the workers it started that run now, draining
         ones and restarted ones included."""
-        now, ranks = {c.name: c for c in self.supervisor.children}, 0
-        for instance in self.started:
-            child = now.get(instance)
-            if child is not None and child.proc.poll() is None:
-                ranks += ranks_of(child.env(child.restarts)) if child.env else 1
-        return ranks
+        return sum(self.started[name] for name, child in self._children().items()
+                   if child.proc.poll() is None)
 
 
 class WorkerHands(Protocol):
@@ -404,11 +409,13 @@ class LocalDeployer:
         left them; this one, restarted, never heard of them) count once they serve: wait
         for them, or they would be started twice."""
         starting = await self.hands.starting()
-        if starting:
-            heard = {i.instance_id for role in ROLES for i in await self.registry.instances(role)}
-            if unheard := [i for i in starting if i not in heard]:
-                log.info("waiting for %s, started before, to serve", unheard)
-                await self._wait_healthy(unheard)
+        if starting and (unheard := sorted(set(starting) - await self._heard())):
+            log.info("waiting for %s, started before, to serve", unheard)
+            await self._wait_healthy(unheard)
+
+    async def _heard(self) -> set[str]:
+        """The instances that heartbeat now."""
+        return {i.instance_id for role in ROLES for i in await self.registry.instances(role)}
 
     async def _wait_healthy(self, instances: list[str]) -> None:
         """Until every new instance heartbeats; one that crashes while starting fails the
@@ -419,8 +426,7 @@ class LocalDeployer:
             if crashed:
                 await self.hands.stop(crashed)
                 raise DeployError(f"{crashed} exited while starting; see their logs")
-            ready = {i.instance_id for role in ROLES for i in await self.registry.instances(role)}
-            if ready.issuperset(instances):
+            if (await self._heard()).issuperset(instances):
                 return
             await asyncio.sleep(0.5)
         raise DeployError(f"{instances} not healthy within {self.health_timeout_s:.0f}s")
