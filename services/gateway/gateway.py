@@ -31,7 +31,7 @@ from services.gateway.metrics import Metrics
 from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
 from services.gateway.stream import GaveUp, Lost, Relay
 from services.gateway.timing import RequestTiming
-from services.gateway.view import InstanceView
+from services.gateway.view import InstanceView, stuck, stuck_for
 from services.liveness import forget_alive, show_alive
 from shared import subjects
 from shared.bus import connect, deliver, parse, publish
@@ -169,6 +169,8 @@ class Gateway:
         self.view = InstanceView(settings.heartbeat_ttl_s)
         self.ledger = Ledger()
         self.elsewhere: dict[str, int] = {}  # other gateways' requests in flight, by instance
+        # the live instances of each role left out of dispatch, their engine stuck
+        self.stuck: dict[Role, set[str]] = {}
         self.listener = HeartbeatListener(settings.nats_url, f"{self.id}-heartbeats", self.view)
         self._tasks: set[asyncio.Task[None]] = set()
         self.nc: Client
@@ -233,9 +235,26 @@ class Gateway:
     def live(self, role: Role) -> list[InstanceInfo]:
         return self.view.instances(role, time.monotonic())
 
+    def serving(self, role: Role) -> list[InstanceInfo]:
+        """The live instances whose engine is not stuck (`view.stuck`: at one step or call
+        past the stall timeout, as the streams on it are taken for stalled); the others
+        come back once it moves on."""
+        live, after_s = self.live(role), self.settings.stall_timeout_s
+        serving = [i for i in live if not stuck(i, after_s)]
+        was = self.stuck.get(role, set())
+        self.stuck[role] = {i.instance_id for i in live if stuck(i, after_s)}
+        for info in live:
+            if info.instance_id in self.stuck[role] - was:
+                log.warning("%s: its engine has been at one step or call for %.0f s "
+                            "(DS_STALL_TIMEOUT_S=%g); sending it nothing until it moves on",
+                            info.instance_id, stuck_for(info), after_s)
+            elif info.instance_id in was - self.stuck[role]:
+                log.info("%s: its engine moves on again; dispatching to it", info.instance_id)
+        return serving
+
     def live_pools(self) -> dict[Role, list[InstanceInfo]]:
-        """The live instances of each role this gateway dispatches to."""
-        return {role: self.live(role) for role in self.roles}
+        """The instances of each role this gateway dispatches to (`serving`)."""
+        return {role: self.serving(role) for role in self.roles}
 
     def dispatchable(self, role: Role) -> list[InstanceInfo]:
         """The live instances; if none, those heard from lately (a starved host delays
@@ -512,7 +531,7 @@ class Gateway:
         one until `deadline` (a supervisor restarting it), or None: at once where another
         route serves (in auto mode, colocated workers)."""
         while True:
-            decode = self._pick("decode", others(self.live("decode"), avoid))
+            decode = self._pick("decode", others(self.serving("decode"), avoid))
             if decode is not None or self._live_routes(avoid) or time.monotonic() >= deadline:
                 return decode
             await asyncio.sleep(0.25)

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.gateway.timing import RequestTiming
+from services.gateway.view import stuck_for
 from shared.state import InstanceInfo
 
 # InstanceInfo field -> (metric name, help)
@@ -50,6 +51,10 @@ class Metrics:
                               registry=self.registry)
         self.gauges = {field: Gauge(name, text, ["instance", "role"], registry=self.registry)
                        for field, (name, text) in INSTANCE_GAUGES.items()}
+        self.stuck = Gauge("ds_engine_stuck_seconds", "how long the engine has been at the "
+                           "step or call under way, as of its last heartbeat (0: idle); past "
+                           "the gateway's stall timeout it gets no requests",
+                           ["instance", "role"], registry=self.registry)
 
     def observe(self, timing: RequestTiming, outcome: str) -> None:
         self.requests.labels(outcome_label(outcome)).inc()
@@ -63,8 +68,9 @@ class Metrics:
                              "rejected" if status < 500 else "error").inc()
 
     def instances(self, live: Iterable[InstanceInfo]) -> None:
-        for gauge in self.gauges.values():
+        for gauge in [*self.gauges.values(), self.stuck]:
             gauge.clear()  # instances that stopped heartbeating leave the figures
         for info in live:
             for field, gauge in self.gauges.items():
                 gauge.labels(info.instance_id, info.role).set(getattr(info, field))
+            self.stuck.labels(info.instance_id, info.role).set(stuck_for(info))

@@ -498,7 +498,10 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
                              "mode": gateway.settings.mode,
                              "instances": {role: len(pool) for role, pool in pools.items()},
                              "instance_ids": sorted(i.instance_id for pool in pools.values()
-                                                    for i in pool)},
+                                                    for i in pool),
+                             # live, but left out of dispatch: their engine is stuck
+                             "stuck_ids": sorted(i for ids in gateway.stuck.values()
+                                                 for i in ids)},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -30,6 +30,21 @@ class Seen:
     at: float  # when the gateway handled the heartbeat (its monotonic clock)
 
 
+def stuck_for(info: InstanceInfo) -> float:
+    """How long the instance's engine had been at one step or call when it last beat (its
+    own clock's seconds on both sides: no skew between hosts)."""
+    return max(0.0, info.heartbeat_at - info.stuck_since) if info.stuck_since > 0 else 0.0
+
+
+def stuck(info: InstanceInfo, after_s: float) -> bool:
+    """Whether the instance's engine has been at one thing (a step, a KV export) for longer
+    than `after_s` while it heartbeats on: an engine thread wedged with the GIL released (a
+    kernel, a transfer that never returns) leaves its event loop and heartbeats going, so
+    it looks live, and every request sent there would wait `after_s` (the gateway's stall
+    timeout) before moving on; its supervisor kills it only after DS_STEP_TIMEOUT_S."""
+    return stuck_for(info) > after_s
+
+
 class InstanceView:
     def __init__(self, ttl_s: float, hard_ttl_s: float | None = None) -> None:
         self.ttl_s = ttl_s

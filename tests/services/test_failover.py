@@ -2,8 +2,9 @@
 30 concurrent streams, a prefill instance killed with prompts queued on it. Every request
 completes with the text an undisturbed run gives; the moves show on /metrics; afterwards
 every pool is back to its free count. A decode instance frozen mid-stream (SIGSTOP) is
-killed once it has shown no life for the hang timeout, and comes back. And a gateway killed
-with requests in flight holds up no later drain."""
+killed once it has shown no life for the hang timeout, and comes back; so does one whose
+engine thread wedges while its heartbeats go on (tests/services/wedge), which gets no new
+request meanwhile. And a gateway killed with requests in flight holds up no later drain."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -32,6 +34,9 @@ from tests.services.conftest import metric, start_stack
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 MODEL = "smollm2-135m"
 HANG_S = 20  # a child whose alive file is this long untouched is killed
+STEP_S = 60  # a worker whose engine is this long at one step stops touching it
+STALL_S = 30  # a stream this long without progress moves; a stuck instance gets no request
+WEDGE_DIR = Path(__file__).parent / "wedge"  # its sitecustomize wedges a worker on demand
 THINGS = ["a fox", "the sea", "a robot", "winter", "a lighthouse", "bread", "a violin",
           "the moon", "a garden", "trains", "a cat", "rain", "a castle", "coffee", "a river",
           "mountains", "a library", "snow", "a bicycle", "the desert", "a clock", "bees",
@@ -41,9 +46,13 @@ THINGS = ["a fox", "the sea", "a robot", "winter", "a lighthouse", "bread", "a v
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # imported KV is retained 20 s: a decode instance killed within that resumes from it
-    s = start_stack(tmp_path_factory.mktemp("failover"), prefill=2, decode=2,
+    tmp = tmp_path_factory.mktemp("failover")
+    s = start_stack(tmp, prefill=2, decode=2,
                     extra_env={"DS_KV_RETENTION_S": "20", "DS_DRAIN_TIMEOUT_S": "300",
-                               "DS_HANG_TIMEOUT_S": str(HANG_S)})
+                               "DS_HANG_TIMEOUT_S": str(HANG_S), "DS_STEP_TIMEOUT_S": str(STEP_S),
+                               "DS_STALL_TIMEOUT_S": str(STALL_S),
+                               "PYTHONPATH": str(WEDGE_DIR),
+                               "DS_TEST_WEDGE_FILE": str(tmp / "wedge")})
     yield s
     s.stop()
 
@@ -97,16 +106,21 @@ def wait_until_whole(stack: Stack, prefill: int, decode: int, within_s: float = 
 
 
 def busiest(stack: Stack, role: str) -> str:
-    """The child running the instance of `role` the gateway has the most requests on, by the
-    in-flight counts it writes to Redis (a burst spreads by the gateway's counts and the
-    instances' reported queues, so which one holds the most is not fixed)."""
+    """The child running the instance of `role` the gateway has the most requests on."""
+    return re.sub(r"-r\d+$", "", busiest_instance(stack, role))
+
+
+def busiest_instance(stack: Stack, role: str) -> str:
+    """The instance of `role` the gateway has the most requests on, by the in-flight counts
+    it writes to Redis (a burst spreads by the gateway's counts and the instances' reported
+    queues, so which one holds the most is not fixed)."""
     redis = Redis.from_url(stack.env["DS_REDIS_URL"], socket_timeout=5)
     try:
         counts = {k.decode().split(":")[2]: int(redis.get(k) or 0)
                   for k in redis.keys(f"ds:inflight:{role}-*")}
     finally:
         redis.close()
-    return re.sub(r"-r\d+$", "", max(sorted(counts), key=lambda i: counts[i]))
+    return max(sorted(counts), key=lambda i: counts[i])
 
 
 def test_a_decode_instance_killed_mid_stream_loses_no_request(stack: Stack) -> None:
@@ -190,6 +204,55 @@ def test_a_decode_instance_frozen_mid_stream_is_killed_and_replaced(
                  if r.getMessage().startswith(f"{victim} has not shown it is alive for ")]
     # not before its timeout (counted from its last touch, up to a second before the freeze)
     assert killed.created - at >= HANG_S - 1.5
+
+
+def test_a_decode_instance_whose_engine_wedges_is_left_then_killed_and_replaced(
+        stack: Stack, caplog: pytest.LogCaptureFixture) -> None:
+    """An engine step that never returns, the GIL released (a native kernel, a KV export that
+    hangs): the worker's event loop and heartbeats go on, so nothing looks dead. Its streams
+    move on once they make no progress (DS_STALL_TIMEOUT_S); requests sent while it stays
+    wedged go elsewhere at once; past DS_STEP_TIMEOUT_S it stops touching its alive file,
+    its supervisor kills it DS_HANG_TIMEOUT_S later, and it comes back."""
+    caplog.set_level(logging.WARNING, logger="services.supervisor")
+    wait_until_whole(stack, prefill=2, decode=2)
+    prompts = [f"Write a short story about {thing}." for thing in THINGS[8:16]]
+    undisturbed = asyncio.run(run_all(stack.url, prompts, max_tokens=40))
+    wedge = Path(stack.env["DS_TEST_WEDGE_FILE"])
+    assert stack.env["DS_STALL_TIMEOUT_S"] == str(STALL_S)
+    wedged: list[tuple[str, subprocess.Popen[bytes], float]] = []
+
+    def wedge_once(received: int) -> None:
+        if received >= 4 * len(prompts) and not wedged:
+            victim = busiest_instance(stack, "decode")
+            wedge.write_text(victim)
+            wedged.append((victim, stack.child(re.sub(r"-r\d+$", "", victim)), time.time()))
+
+    try:
+        texts = asyncio.run(run_all(stack.url, prompts, max_tokens=40, on_progress=wedge_once))
+        assert wedged, "no decode instance was wedged"
+        assert texts == undisturbed  # moved off the wedged instance, with the same text
+        victim, proc, at = wedged[0]
+        assert proc.poll() is None  # still wedged (killed STEP_S + HANG_S after the wedge)
+        health = httpx.get(f"{stack.url}/health", timeout=10).json()
+        assert health["stuck_ids"] == [victim] and victim not in health["instance_ids"]
+        assert metric(stack.url, "ds_engine_stuck_seconds")[victim] > STALL_S
+        before = moves(stack.url)
+        started = time.monotonic()
+        again = asyncio.run(run_all(stack.url, prompts, max_tokens=40))
+        took = time.monotonic() - started
+        assert again == undisturbed
+        assert proc.poll() is None, "the wedged instance was killed before the second round"
+        # none of them was sent to the wedged instance (to wait STALL_S there, then move)
+        assert moves(stack.url) == before, f"second round in {took:.0f} s"
+        assert proc.wait(timeout=STEP_S + HANG_S + 60) == -signal.SIGKILL
+    finally:
+        wedge.unlink(missing_ok=True)
+    wait_until_whole(stack, prefill=2, decode=2)  # restarted; its KV went with the process
+    child = re.sub(r"-r\d+$", "", victim)
+    assert stack.child(child).pid != proc.pid
+    (killed,) = [r for r in caplog.records
+                 if r.getMessage().startswith(f"{child} has not shown it is alive for ")]
+    assert killed.created - at >= STEP_S + HANG_S - 1.5  # by the step timeout, not sooner
 
 
 def test_a_request_sent_while_the_gateway_restarts_waits_for_it_instead_of_failing(

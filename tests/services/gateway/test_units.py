@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,7 +29,7 @@ from services.gateway.openai_api import (
 from services.gateway.routes import choice_ids, choice_seeds, collect, interleaved
 from services.gateway.stream import GaveUp, Lost, Relay
 from services.gateway.timing import RequestTiming
-from services.gateway.view import InstanceView
+from services.gateway.view import InstanceView, stuck_for
 from shared.messages import TokenChunk
 from shared.state import InstanceInfo
 
@@ -458,6 +459,7 @@ def gateway_seeing(mode: str, *instances: InstanceInfo) -> Gateway:
     gateway = built_gateway()
     gateway.settings = GatewaySettings(mode=mode)  # type: ignore[arg-type]
     gateway.view, gateway.ledger = InstanceView(gateway.settings.heartbeat_ttl_s), Ledger()
+    gateway.stuck = {}
     for instance in instances:
         gateway.view.observe(instance, time.monotonic())
     return gateway
@@ -546,6 +548,33 @@ def test_a_dead_worker_is_dispatched_to_only_when_nothing_is_live() -> None:
     quiet.view.observe(worker("c0", "colocated"), now - 5.0)
     quiet.view.observe(worker("p0", "prefill"), now)  # p0 alone serves nothing
     assert route(quiet)[0] == "c0"
+
+
+def test_an_instance_whose_engine_is_stuck_gets_requests_only_when_none_else_serves(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An engine thread wedged with the GIL released heartbeats on: at one step or call
+    past the stall timeout (60 s), by its own clock, the instance is left out of dispatch,
+    and back once it moves on; where it is the only one of its role it is still the
+    fallback (as a dead one is: better a request that may have to move than a 503)."""
+    beat = time.time() + 1000.0  # the worker's clock, not the gateway's
+    wedged = worker("d0", "decode", stuck_since=beat - 61, heartbeat_at=beat)
+    slow = worker("d1", "decode", stuck_since=beat - 59, heartbeat_at=beat)  # a long step
+    assert (stuck_for(wedged), stuck_for(worker("d2", "decode", heartbeat_at=beat))) == \
+        (pytest.approx(61), 0.0)
+    gateway = gateway_seeing("disaggregated", worker("p0", "prefill"), wedged, slow)
+    gateway.ledger.book("p0", "d1")  # d0 is the least loaded
+    with caplog.at_level(logging.INFO, logger="services.gateway.gateway"):
+        assert [route(gateway) for _ in range(2)] == [("p0", "d1")] * 2
+        assert gateway.stuck == {"prefill": set(), "decode": {"d0"}}
+        gateway.view.observe(wedged.model_copy(update={"stuck_since": 0.0}), time.monotonic())
+        assert route(gateway) == ("p0", "d0")  # its step ended
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["d0: its engine has been at one step or call for 61 s "
+                    "(DS_STALL_TIMEOUT_S=60); sending it nothing until it moves on",
+                    "d0: its engine moves on again; dispatching to it"]
+    alone = gateway_seeing("disaggregated", worker("p0", "prefill"), wedged)
+    assert alone.routes(alone.live_pools()) == []  # /health: degraded
+    assert route(alone) == ("p0", "d0")
 
 
 def test_kv_held_resumes_on_a_decode_instance_while_its_prefill_instance_drains() -> None:
