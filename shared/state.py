@@ -54,8 +54,8 @@ class InstanceInfo(BaseModel):
     machine: str = ""  # shared.host.machine_id(): instances of one machine share its cores
     busy_since: float = -1.0  # wall clock since which a step not yet counted has run (0: none)
     # wall clock since which the engine has been at one thing: that step, or a call on its
-    # thread (a KV export or import, a request taken in); 0: none. Past the gateways' stall
-    # timeout they send it nothing (services/gateway/view.py `stuck`)
+    # thread (a KV export or import, a request taken in); 0: none. Past the gateways'
+    # DS_STUCK_AFTER_S they send it nothing (services/gateway/view.py `stuck`)
     stuck_since: float = 0.0
     max_request_tokens: int = 0  # prompt + output one request can have here (context, pool)
     max_running: int = 0  # requests the engine batches at most

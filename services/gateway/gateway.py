@@ -74,6 +74,9 @@ class GatewaySettings(BaseSettings):
     gateway_id: str = Field(default="", pattern=r"^[^:*?\[\]]*$")
     heartbeat_ttl_s: float = Field(default=2.0, gt=0)
     stall_timeout_s: float = Field(default=60.0, gt=0)  # no token nor engine step this long
+    # an instance whose engine has been at one step or call this long gets no new request
+    # (a wedged engine heartbeats on; a long prompt's step only sends the next ones on)
+    stuck_after_s: float = Field(default=10.0, gt=0)
     max_moves: int = Field(default=3, ge=0)  # failovers of one request before it fails
     resume_timeout_s: float = Field(default=2.0, gt=0)  # a prefill instance asked for its KV
     # a request sent to a worker is acknowledged within this, or sent again (these times)
@@ -236,25 +239,37 @@ class Gateway:
         return self.view.instances(role, time.monotonic())
 
     def serving(self, role: Role) -> list[InstanceInfo]:
-        """The live instances whose engine is not stuck (`view.stuck`: at one step or call
-        past the stall timeout, as the streams on it are taken for stalled); the others
-        come back once it moves on."""
-        live, after_s = self.live(role), self.settings.stall_timeout_s
-        serving = [i for i in live if not stuck(i, after_s)]
+        """The live instances whose engine is not stuck (`stuck` in view.py: at one step or
+        call past `stuck_after_s`); the others come back once it moves on. The streams
+        already there move only after the stall timeout: a prompt whose step is long would
+        move from instance to instance."""
+        live, after_s = self.live(role), self.settings.stuck_after_s
         was = self.stuck.get(role, set())
-        self.stuck[role] = {i.instance_id for i in live if stuck(i, after_s)}
+        # a draining worker's last word carries no time (heartbeat_at 0): it says nothing
+        now = self.stuck[role] = {i.instance_id for i in live if stuck(i, after_s) or
+                                  (i.heartbeat_at <= 0 and i.instance_id in was)}
         for info in live:
-            if info.instance_id in self.stuck[role] - was:
-                log.warning("%s: its engine has been at one step or call for %.0f s "
-                            "(DS_STALL_TIMEOUT_S=%g); sending it nothing until it moves on",
-                            info.instance_id, stuck_for(info), after_s)
-            elif info.instance_id in was - self.stuck[role]:
+            if info.instance_id in now - was:
+                log.info("%s: its engine has been at one step or call for %.0f s "
+                         "(DS_STUCK_AFTER_S=%g); sending it nothing until it moves on",
+                         info.instance_id, stuck_for(info), after_s)
+            elif info.instance_id in was - now:
                 log.info("%s: its engine moves on again; dispatching to it", info.instance_id)
-        return serving
+        return [i for i in live if i.instance_id not in now]
+
+    def choosable(self, role: Role) -> list[InstanceInfo]:
+        """The instances of `role` a request may be dispatched or moved to: those `serving`,
+        or where the engine of every live one is stuck, those (better a request that may
+        have to move later than a 503 now)."""
+        return self.serving(role) or self.live(role)
 
     def live_pools(self) -> dict[Role, list[InstanceInfo]]:
-        """The instances of each role this gateway dispatches to (`serving`)."""
-        return {role: self.serving(role) for role in self.roles}
+        """The instances of each role this gateway dispatches to (`choosable`)."""
+        return {role: self.choosable(role) for role in self.roles}
+
+    def is_stuck(self, instance_id: str) -> bool:
+        info = self.view.get(instance_id, time.monotonic())
+        return info is not None and stuck(info, self.settings.stuck_after_s)
 
     def dispatchable(self, role: Role) -> list[InstanceInfo]:
         """The live instances; if none, those heard from lately (a starved host delays
@@ -483,7 +498,8 @@ class Gateway:
         failed = old_worker if prefill_died else relay.serving
         deadline = time.monotonic() + self.settings.failover_wait_s
         path = "re_prefill"
-        if old_decode and prefilled and not prefill_died:  # its prefill instance holds the KV
+        # its prefill instance holds the KV (and can hand it over: its engine is not stuck)
+        if old_decode and prefilled and not prefill_died and not self.is_stuck(old_worker):
             decode = await self._decode_to_resume(old_decode, deadline)
             if decode is not None:
                 attempt = relay.new_attempt()
@@ -531,7 +547,7 @@ class Gateway:
         one until `deadline` (a supervisor restarting it), or None: at once where another
         route serves (in auto mode, colocated workers)."""
         while True:
-            decode = self._pick("decode", others(self.serving("decode"), avoid))
+            decode = self._pick("decode", others(self.choosable("decode"), avoid))
             if decode is not None or self._live_routes(avoid) or time.monotonic() >= deadline:
                 return decode
             await asyncio.sleep(0.25)

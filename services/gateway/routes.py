@@ -492,14 +492,15 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        pools = gateway.live_pools()
-        ok = bool(gateway.routes(pools))  # a request can be served
+        ok = bool(gateway.routes(gateway.live_pools()))  # a request can be served
+        pools = {role: gateway.live(role) for role in gateway.roles}
         return JSONResponse({"status": "ok" if ok else "degraded",
                              "mode": gateway.settings.mode,
                              "instances": {role: len(pool) for role, pool in pools.items()},
                              "instance_ids": sorted(i.instance_id for pool in pools.values()
                                                     for i in pool),
-                             # live, but left out of dispatch: their engine is stuck
+                             # live, but sent nothing while others serve: their engine is
+                             # stuck at one step or call
                              "stuck_ids": sorted(i for ids in gateway.stuck.values()
                                                  for i in ids)},
                             status_code=200 if ok else 503)

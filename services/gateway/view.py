@@ -40,8 +40,8 @@ def stuck(info: InstanceInfo, after_s: float) -> bool:
     """Whether the instance's engine has been at one thing (a step, a KV export) for longer
     than `after_s` while it heartbeats on: an engine thread wedged with the GIL released (a
     kernel, a transfer that never returns) leaves its event loop and heartbeats going, so
-    it looks live, and every request sent there would wait `after_s` (the gateway's stall
-    timeout) before moving on; its supervisor kills it only after DS_STEP_TIMEOUT_S."""
+    it looks live, and every request sent there would wait out the gateway's stall timeout
+    before moving on; its supervisor kills it only after DS_STEP_TIMEOUT_S."""
     return stuck_for(info) > after_s
 
 

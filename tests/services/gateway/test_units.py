@@ -553,14 +553,14 @@ def test_a_dead_worker_is_dispatched_to_only_when_nothing_is_live() -> None:
 def test_an_instance_whose_engine_is_stuck_gets_requests_only_when_none_else_serves(
         caplog: pytest.LogCaptureFixture) -> None:
     """An engine thread wedged with the GIL released heartbeats on: at one step or call
-    past the stall timeout (60 s), by its own clock, the instance is left out of dispatch,
+    past DS_STUCK_AFTER_S (10 s), by its own clock, the instance is left out of dispatch,
     and back once it moves on; where it is the only one of its role it is still the
     fallback (as a dead one is: better a request that may have to move than a 503)."""
     beat = time.time() + 1000.0  # the worker's clock, not the gateway's
-    wedged = worker("d0", "decode", stuck_since=beat - 61, heartbeat_at=beat)
-    slow = worker("d1", "decode", stuck_since=beat - 59, heartbeat_at=beat)  # a long step
+    wedged = worker("d0", "decode", stuck_since=beat - 11, heartbeat_at=beat)
+    slow = worker("d1", "decode", stuck_since=beat - 9, heartbeat_at=beat)  # a long step
     assert (stuck_for(wedged), stuck_for(worker("d2", "decode", heartbeat_at=beat))) == \
-        (pytest.approx(61), 0.0)
+        (pytest.approx(11), 0.0)
     gateway = gateway_seeing("disaggregated", worker("p0", "prefill"), wedged, slow)
     gateway.ledger.book("p0", "d1")  # d0 is the least loaded
     with caplog.at_level(logging.INFO, logger="services.gateway.gateway"):
@@ -569,12 +569,22 @@ def test_an_instance_whose_engine_is_stuck_gets_requests_only_when_none_else_ser
         gateway.view.observe(wedged.model_copy(update={"stuck_since": 0.0}), time.monotonic())
         assert route(gateway) == ("p0", "d0")  # its step ended
     said = [r.getMessage() for r in caplog.records]
-    assert said == ["d0: its engine has been at one step or call for 61 s "
-                    "(DS_STALL_TIMEOUT_S=60); sending it nothing until it moves on",
+    assert said == ["d0: its engine has been at one step or call for 11 s "
+                    "(DS_STUCK_AFTER_S=10); sending it nothing until it moves on",
                     "d0: its engine moves on again; dispatching to it"]
-    alone = gateway_seeing("disaggregated", worker("p0", "prefill"), wedged)
-    assert alone.routes(alone.live_pools()) == []  # /health: degraded
-    assert route(alone) == ("p0", "d0")
+    # the fallback is per role: p0 stuck beside p1, every decode instance stuck
+    stuck_p0 = worker("p0", "prefill", stuck_since=beat - 11, heartbeat_at=beat)
+    alone = gateway_seeing("disaggregated", stuck_p0, worker("p1", "prefill"), wedged)
+    alone.ledger.book("p1", "d0")  # p0 is the least loaded
+    assert route(alone) == ("p1", "d0")
+    assert alone.is_stuck("p0") and not alone.is_stuck("p1")
+    resumed = asyncio.run(alone._decode_to_resume("d9", deadline=time.monotonic()))
+    assert resumed is not None and resumed.instance_id == "d0"
+    # a move resumes on a decode instance whose engine goes on, however loaded
+    both = gateway_seeing("disaggregated", worker("p0", "prefill"), wedged, slow)
+    both.ledger.book("p0", "d1")
+    resumed = asyncio.run(both._decode_to_resume("d9", deadline=time.monotonic()))
+    assert resumed is not None and resumed.instance_id == "d1"
 
 
 def test_kv_held_resumes_on_a_decode_instance_while_its_prefill_instance_drains() -> None:

@@ -6,6 +6,7 @@ or import of KV, that never returns): its event loop and heartbeats go on."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -13,6 +14,7 @@ _FILE = os.environ.get("DS_TEST_WEDGE_FILE")
 _ME = os.environ.get("DS_INSTANCE_ID")
 
 if _FILE and _ME:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the checkout
     from shared.engine.engine import Engine
 
     _step = Engine.step
