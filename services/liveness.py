@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 DEFAULT_HANG_S = 60.0
+HUNG = 70  # the exit code of a worker no supervisor watches whose engine stayed stuck
 
 
 def hang_timeout(env: Mapping[str, str]) -> float | None:
@@ -92,13 +94,41 @@ def turning(ticks: Callable[[], int], busy_since: Callable[[], float], step_time
         moved, seen = now != seen, now
         started = busy_since()
         running_s = clock() - started if started > 0 else 0.0
-        stuck = step_timeout_s > 0 and running_s > step_timeout_s
+        stuck = past_step_timeout(started, step_timeout_s, clock())
         if stuck and not told:
             log.error("%s: an engine step has run for %.0f s (DS_STEP_TIMEOUT_S=%g): hung, "
                       "no longer shown alive", name or "worker", running_s, step_timeout_s)
         told = stuck
         return moved and not stuck
     return turned
+
+
+def past_step_timeout(started: float, step_timeout_s: float, now: float) -> bool:
+    """Whether an engine at one thing since `started` (wall clock; 0: nothing) has been at
+    it longer than `step_timeout_s` (0: never timed out)."""
+    return step_timeout_s > 0 and started > 0 and now - started > step_timeout_s
+
+
+async def leave_when_stuck(stuck: Callable[[], bool], name: str, every_s: float = 1.0) -> None:
+    """For a worker no supervisor watches (docker-compose: no alive file): exit with `HUNG`
+    once `stuck()` says its engine has been at one step or call past the step timeout (a
+    kernel or a KV transfer wedged with the GIL released, its event loop and heartbeats
+    going on), for its container's restart policy to bring it back; the gateways have moved
+    its requests. Under a supervisor the alive file does this (`turning`)."""
+    while not stuck():
+        await asyncio.sleep(every_s)
+    log.error("%s: an engine step has run past DS_STEP_TIMEOUT_S and no supervisor watches "
+              "this process: exiting with code %d to be restarted", name, HUNG)
+    exit_now(HUNG)
+
+
+def exit_now(code: int) -> None:
+    """Leave at once, from any thread (the engine thread may be wedged in a call that never
+    returns, so no orderly stop can finish)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def mark_leaving(path: str) -> None:

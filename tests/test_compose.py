@@ -164,3 +164,10 @@ def test_service_modules_start() -> None:
     for module, process in started.items():
         _, err = process.communicate(timeout=300)
         assert process.returncode == 0, f"{module}: {err}"
+
+
+def test_every_container_comes_back_when_it_exits() -> None:
+    """As `distserve up`'s supervisor brings its children back: a crashed worker, or one that
+    left because its engine wedged (no supervisor watches its alive file here), restarts."""
+    for name, service in compose().items():
+        assert service.get("restart") == "unless-stopped", name

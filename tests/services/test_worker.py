@@ -24,6 +24,7 @@ from nats.aio.subscription import Subscription
 from pydantic import BaseModel
 from redis.asyncio import Redis
 
+from services import liveness
 from services.colocated.service import ColocatedService
 from services.decode.service import DecodeService
 from services.engine_host import EngineHost, thread_clock
@@ -202,6 +203,54 @@ def test_a_worker_whose_engine_step_never_ends_stops_showing_alive(
         assert chunks[-1].finish_reason == "length"
         await asyncio.sleep(2.5)
         assert touched() > before  # the step ended: alive again
+        await stop_serving(running, stop, registry, nc, [])
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_no_supervisor_watches_leaves_once_its_engine_step_never_ends(
+        nats_url: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under docker-compose no supervisor watches an alive file: a worker whose engine step
+    has run past `step_timeout_s` exits itself (code 70, from its heartbeat thread), for its
+    container's restart policy to bring it back; a step under the timeout does not. Before,
+    a wedged step there held the worker, its KV memory and its place for ever."""
+    settings = WorkerSettings(instance_id="colocated-u", nats_url=nats_url, redis_url=redis_url,
+                              model="tiny", heartbeat_s=0.1, step_timeout_s=2.0)
+    assert not settings.alive_file
+    engine = Engine(EngineConfig(model="tiny", device="cpu", kv_cache_bytes=1 << 20))
+    execute, release, left = engine.runner.execute, threading.Event(), threading.Event()
+    codes: list[int] = []
+
+    def wedged(out: SchedulerOutput) -> dict[str, tuple[int, float | None]]:
+        if any(c.request.request_id == "wedged" for c in out.chunks):
+            release.wait(60)
+        return execute(out)
+
+    def exit_now(code: int) -> None:  # instead of os._exit: the test runs in this process
+        codes.append(code)
+        left.set()
+
+    monkeypatch.setattr(engine.runner, "execute", wedged)
+    monkeypatch.setattr(liveness, "exit_now", exit_now)
+    worker = ColocatedService(settings, engine)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        running, registry = await serving(worker, stop, redis_url)
+        nc = await connect(nats_url, "test")
+        waiting = asyncio.create_task(send_and_wait(nc, "colocated-u", "wedged"))
+        try:
+            while worker.host.busy_since == 0:
+                await asyncio.sleep(0.01)
+            started = time.time()
+            await asyncio.sleep(1.0)
+            assert not codes  # under the timeout
+            assert await asyncio.to_thread(left.wait, 30), "the worker did not leave"
+            assert codes == [liveness.HUNG] and time.time() - started >= 1.9
+        finally:
+            release.set()
+        await waiting
         await stop_serving(running, stop, registry, nc, [])
 
     asyncio.run(main())
