@@ -14,7 +14,7 @@ from collections.abc import Callable
 import nats.errors
 from redis.exceptions import RedisError
 
-from services.liveness import forget_alive, leave_when_stuck, show_alive
+from services.liveness import HUNG, forget_alive, leave_when_stuck, show_alive
 from services.process import WorkerSettings
 from shared import subjects
 from shared.bus import connect, publish
@@ -33,11 +33,13 @@ class Heartbeats:
 
     def __init__(self, settings: WorkerSettings, info: Callable[[], InstanceInfo],
                  turning: Callable[[], bool] | None = None,
-                 stuck: Callable[[], bool] | None = None) -> None:
-        """`turning`: whether to touch the alive file (a supervisor watches it); `stuck`:
-        whether the engine is past its step timeout, for a worker no supervisor watches to
-        leave (`leave_when_stuck`)."""
-        self.settings, self.info, self.turning, self.stuck = settings, info, turning, stuck
+                 stuck_since: Callable[[], float] | None = None,
+                 exit_code: Callable[[], int] = lambda: HUNG) -> None:
+        """`turning`: whether to touch the alive file (a supervisor watches it);
+        `stuck_since`: since when the engine is at one thing, for a worker no supervisor
+        watches to leave with `exit_code()` past its step timeout (`leave_when_stuck`)."""
+        self.settings, self.info, self.turning = settings, info, turning
+        self.stuck_since, self.exit_code = stuck_since, exit_code
         self._thread = threading.Thread(target=lambda: asyncio.run(self._forever()),
                                         name="heartbeats", daemon=True)
         self._stop = threading.Event()
@@ -58,8 +60,9 @@ class Heartbeats:
         writing: asyncio.Task[None] | None = None
         alive = asyncio.create_task(
             show_alive(self.settings.alive_file, turning=self.turning)
-            if self.settings.alive_file or self.stuck is None
-            else leave_when_stuck(self.stuck, self.settings.instance_id))
+            if self.settings.alive_file or self.stuck_since is None
+            else leave_when_stuck(self.stuck_since, self.settings.step_timeout_s,
+                                  self.exit_code, self.settings.instance_id))
         while not self._stop.is_set():
             beat = self.info().model_copy(update={"heartbeat_at": time.time()})
             with contextlib.suppress(nats.errors.Error, OSError):  # NATS down: next beat

@@ -5,7 +5,8 @@ log). The child touches it every second while it turns (`show_alive`), removes i
 stops in order (`forget_alive`), and marks `<name>.leaving` beside it when asked to leave
 (`mark_leaving`). The supervisor kills a child that has touched the file but left it
 untouched for the hang timeout (`hang_timeout`), and brings back no child that was leaving.
-A child not watched gets no file, and every call here does nothing for it."""
+A child not watched gets no file, and every call here does nothing for it, but a worker's
+`leave_when_stuck`: with no one to kill it, it leaves itself past its step timeout."""
 
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ log = logging.getLogger(__name__)
 
 DEFAULT_HANG_S = 60.0
 HUNG = 70  # the exit code of a worker no supervisor watches whose engine stayed stuck
+PAUSED_S = 5.0  # a watchdog's round of a second that took this long: the process was paused
 
 
 def hang_timeout(env: Mapping[str, str]) -> float | None:
     """How long a watched child may leave its alive file untouched: DS_HANG_TIMEOUT_S in
-    `env`, default 60 s; 0 (or a value that is not a positive number): never killed as hung.
+    `env`, default 60 s; 0 (or a value that is not a positive number): never killed as hung
+    (a worker then leaves itself past DS_STEP_TIMEOUT_S, `leave_when_stuck`).
     The heartbeats beat every 0.5 s, and a step, however long, holds neither them nor the
     loop (torch releases the GIL)."""
     try:
@@ -109,17 +112,34 @@ def past_step_timeout(started: float, step_timeout_s: float, now: float) -> bool
     return step_timeout_s > 0 and started > 0 and now - started > step_timeout_s
 
 
-async def leave_when_stuck(stuck: Callable[[], bool], name: str, every_s: float = 1.0) -> None:
-    """For a worker no supervisor watches (docker-compose: no alive file): exit with `HUNG`
-    once `stuck()` says its engine has been at one step or call past the step timeout (a
-    kernel or a KV transfer wedged with the GIL released, its event loop and heartbeats
-    going on), for its container's restart policy to bring it back; the gateways have moved
+async def leave_when_stuck(stuck_since: Callable[[], float], step_timeout_s: float,
+                           code: Callable[[], int], name: str, every_s: float = 1.0,
+                           clock: Callable[[], float] = time.monotonic) -> None:
+    """For a worker no supervisor watches (docker-compose, or DS_HANG_TIMEOUT_S=0: no alive
+    file): exit with `code()` (`HUNG`; `DRAINED` once asked to leave) once its engine has
+    been at the same step or call (`stuck_since()`, its wall-clock start; 0: none) for
+    `step_timeout_s` (0: never) as this loop counts it on the monotonic clock, a round that
+    overslept (the process paused, the host suspended) counting for nothing: a kernel or KV
+    transfer wedged with the GIL released, its event loop and heartbeats going on. Its
+    container's restart policy (or the supervisor) brings it back; the gateways have moved
     its requests. Under a supervisor the alive file does this (`turning`)."""
-    while not stuck():
+    if step_timeout_s <= 0:
+        return
+    held, seen, last = 0.0, 0.0, clock()
+    while held <= step_timeout_s:
         await asyncio.sleep(every_s)
-    log.error("%s: an engine step has run past DS_STEP_TIMEOUT_S and no supervisor watches "
-              "this process: exiting with code %d to be restarted", name, HUNG)
-    exit_now(HUNG)
+        now = clock()
+        elapsed, last = now - last, now
+        since = stuck_since()
+        if since <= 0 or since != seen:
+            held = 0.0
+        elif elapsed < PAUSED_S:
+            held += elapsed
+        seen = since
+    log.error("%s: an engine step has run for %.0f s (DS_STEP_TIMEOUT_S=%g) and no "
+              "supervisor watches this process: exiting with code %d", name, held,
+              step_timeout_s, code())
+    exit_now(code())
 
 
 def exit_now(code: int) -> None:

@@ -60,10 +60,10 @@ class WorkerSettings(BaseSettings):
     kv_retention_s: float = 5.0  # prefill keeps imported KV this long more, for a failover
     kv_pull_timeout_s: float = 10.0  # decode abandons a pull that takes longer
     drain_timeout_s: float = 120.0  # a drain that has not finished by then exits anyway
-    # an engine step (or a call on the engine thread) running longer is hung: the worker
-    # stops showing alive, and its supervisor kills it DS_HANG_TIMEOUT_S later; one that no
-    # supervisor watches (no alive file: docker-compose) exits with code 70 (0: never; a
-    # 512-token prompt takes ~1.4 s on one core of the 2-vCPU hosts here). Keep it above
+    # an engine step (or a call on the engine thread) running longer is hung (0: never; a
+    # 512-token prompt takes ~1.4 s on one core of the 2-vCPU hosts here): the worker stops
+    # showing alive, and its supervisor kills it DS_HANG_TIMEOUT_S later; one that no
+    # supervisor watches (no alive file: docker-compose) exits with code 70. Keep it above
     # DS_COLLECTIVE_TIMEOUT_S (600 s), which a tp/pp instance's first step may wait out
     # for a rank still loading its weights.
     step_timeout_s: float = Field(default=900.0, ge=0)

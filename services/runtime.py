@@ -23,7 +23,7 @@ from services.cancelled import Cancelled
 from services.engine_host import EngineHost
 from services.heartbeats import Heartbeats
 from services.leases import GatewayLeases, read_leases
-from services.liveness import mark_leaving, past_step_timeout, turning
+from services.liveness import HUNG, mark_leaving, turning
 from services.process import WorkerSettings, built_or_exit, run_until_signalled, setup_logging
 from services.supervisor import DRAINED
 from shared import subjects
@@ -172,7 +172,9 @@ class Worker:
         for subject, callback in (self.subscriptions() | {subjects.drain(self.id): on_drain}
                                   ).items():
             await self.nc.subscribe(subject, cb=callback)
-        heartbeats = Heartbeats(self.settings, self.info, self._turning(), self._stuck)
+        heartbeats = Heartbeats(self.settings, self.info, self._turning(),
+                                self.host.stuck_since,
+                                lambda: DRAINED if self.asked_to_leave else HUNG)
         heartbeats.start()
         named = {"engine loop": self.host.run(self.on_outputs, self.on_stalled),
                  "ticks": self._tick()}
@@ -223,12 +225,6 @@ class Worker:
         (`liveness.turning`; from any thread)."""
         return turning(lambda: self.ticks, self.host.stuck_since,
                        self.settings.step_timeout_s, self.id)
-
-    def _stuck(self) -> bool:
-        """Whether the engine has been at one step or call past `step_timeout_s` (from any
-        thread)."""
-        return past_step_timeout(self.host.stuck_since(), self.settings.step_timeout_s,
-                                 time.time())
 
     async def _drain_after(self, stop: asyncio.Event, registry: Registry, redis: Redis) -> None:
         """Leave dispatch, then wait until the instance holds nothing and no gateway has a

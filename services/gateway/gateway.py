@@ -257,19 +257,16 @@ class Gateway:
                 log.info("%s: its engine moves on again; dispatching to it", info.instance_id)
         return [i for i in live if i.instance_id not in now]
 
-    def choosable(self, role: Role) -> list[InstanceInfo]:
-        """The instances of `role` a request may be dispatched or moved to: those `serving`,
-        or where the engine of every live one is stuck, those (better a request that may
-        have to move later than a 503 now)."""
-        return self.serving(role) or self.live(role)
-
     def live_pools(self) -> dict[Role, list[InstanceInfo]]:
-        """The instances of each role this gateway dispatches to (`choosable`)."""
-        return {role: self.choosable(role) for role in self.roles}
+        """The instances of each role this gateway dispatches to first (`serving`)."""
+        return {role: self.serving(role) for role in self.roles}
 
-    def is_stuck(self, instance_id: str) -> bool:
-        info = self.view.get(instance_id, time.monotonic())
-        return info is not None and stuck(info, self.settings.stuck_after_s)
+    def stuck_pools(self) -> dict[Role, list[InstanceInfo]]:
+        """The live instances of each role, those serving or, where the engine of every
+        live one of a role is stuck, those: where no route is served otherwise (in auto
+        mode a colocated worker serves beside a stuck prefill or decode instance), better a
+        request that may have to move later than a 503 now."""
+        return {role: self.serving(role) or self.live(role) for role in self.roles}
 
     def dispatchable(self, role: Role) -> list[InstanceInfo]:
         """The live instances; if none, those heard from lately (a starved host delays
@@ -377,7 +374,7 @@ class Gateway:
         heard from lately (a starved host delays heartbeats: better a request that may have
         to move than a 503). Booked on the ticket at once: the next request of a burst,
         dispatched before this one's stream opens, sees it."""
-        found = self.routes(self.live_pools()) or \
+        found = self.routes(self.live_pools()) or self.routes(self.stuck_pools()) or \
             self.routes({role: self.dispatchable(role) for role in self.roles})
         if not found:
             raise APIError(503, f"no {self.wanted} is available; retry after "
@@ -498,8 +495,7 @@ class Gateway:
         failed = old_worker if prefill_died else relay.serving
         deadline = time.monotonic() + self.settings.failover_wait_s
         path = "re_prefill"
-        # its prefill instance holds the KV (and can hand it over: its engine is not stuck)
-        if old_decode and prefilled and not prefill_died and not self.is_stuck(old_worker):
+        if old_decode and prefilled and not prefill_died:  # its prefill instance holds the KV
             decode = await self._decode_to_resume(old_decode, deadline)
             if decode is not None:
                 attempt = relay.new_attempt()
@@ -539,7 +535,7 @@ class Gateway:
             return False
 
     def _live_routes(self, avoid: str) -> list[Target]:
-        return self.routes(self.live_pools(), avoid)
+        return self.routes(self.live_pools(), avoid) or self.routes(self.stuck_pools(), avoid)
 
     async def _decode_to_resume(self, avoid: str, deadline: float) -> InstanceInfo | None:
         """A live decode instance (another than `avoid` if there is one) to resume a request
@@ -547,7 +543,9 @@ class Gateway:
         one until `deadline` (a supervisor restarting it), or None: at once where another
         route serves (in auto mode, colocated workers)."""
         while True:
-            decode = self._pick("decode", others(self.choosable("decode"), avoid))
+            decode = self._pick("decode", others(self.serving("decode"), avoid))
+            if decode is None and not self.routes(self.live_pools(), avoid):
+                decode = self._pick("decode", others(self.live("decode"), avoid))  # all stuck
             if decode is not None or self._live_routes(avoid) or time.monotonic() >= deadline:
                 return decode
             await asyncio.sleep(0.25)

@@ -492,7 +492,7 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = bool(gateway.routes(gateway.live_pools()))  # a request can be served
+        ok = bool(gateway.routes(gateway.stuck_pools()))  # a request can be served
         pools = {role: gateway.live(role) for role in gateway.roles}
         return JSONResponse({"status": "ok" if ok else "degraded",
                              "mode": gateway.settings.mode,

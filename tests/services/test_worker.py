@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import multiprocessing
 import os
 import threading
@@ -243,17 +244,43 @@ def test_a_worker_no_supervisor_watches_leaves_once_its_engine_step_never_ends(
         try:
             while worker.host.busy_since == 0:
                 await asyncio.sleep(0.01)
-            started = time.time()
             await asyncio.sleep(1.0)
             assert not codes  # under the timeout
             assert await asyncio.to_thread(left.wait, 30), "the worker did not leave"
-            assert codes == [liveness.HUNG] and time.time() - started >= 1.9
+            assert codes == [liveness.HUNG]
+            assert time.time() - worker.host.busy_since >= 2.0  # not before the timeout
         finally:
             release.set()
         await waiting
         await stop_serving(running, stop, registry, nc, [])
 
     asyncio.run(main())
+
+
+def test_the_watchdog_counts_one_steps_time_awake_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`leave_when_stuck` leaves once the engine has been at the same thing for the step
+    timeout by its own monotonic count: steps that keep ending never add up, and rounds that
+    overslept (the process paused, the host suspended) count for nothing."""
+    codes: list[int] = []
+    monkeypatch.setattr(liveness, "exit_now", codes.append)
+
+    def watch(stuck_since: Callable[[], float],
+              clock: Callable[[], float] = time.monotonic) -> None:
+        async def main() -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(liveness.leave_when_stuck(
+                    stuck_since, 0.05, lambda: 3, "w", every_s=0.01, clock=clock), 0.5)
+        asyncio.run(main())
+
+    watch(lambda: 100.0)
+    assert codes == [3]  # the code it is given (DRAINED: asked to leave)
+    steps = itertools.count(1)
+    watch(lambda: float(next(steps)))  # a new step each round
+    watch(lambda: 0.0)  # idle
+    rounds = itertools.count()
+    jumps = itertools.count(0.0, liveness.PAUSED_S)  # every round oversleeps
+    watch(lambda: next(rounds) and 100.0, clock=lambda: next(jumps))
+    assert codes == [3] and next(rounds) > 20  # it did go round
 
 
 def test_a_call_wedged_on_the_engine_thread_is_what_the_engine_is_stuck_at() -> None:

@@ -554,8 +554,9 @@ def test_an_instance_whose_engine_is_stuck_gets_requests_only_when_none_else_ser
         caplog: pytest.LogCaptureFixture) -> None:
     """An engine thread wedged with the GIL released heartbeats on: at one step or call
     past DS_STUCK_AFTER_S (10 s), by its own clock, the instance is left out of dispatch,
-    and back once it moves on; where it is the only one of its role it is still the
-    fallback (as a dead one is: better a request that may have to move than a 503)."""
+    and back once it moves on; where no route is served otherwise, routes through stuck
+    instances are the fallback (as dead ones are: better a request that may have to move
+    than a 503), each role's serving instances first."""
     beat = time.time() + 1000.0  # the worker's clock, not the gateway's
     wedged = worker("d0", "decode", stuck_since=beat - 11, heartbeat_at=beat)
     slow = worker("d1", "decode", stuck_since=beat - 9, heartbeat_at=beat)  # a long step
@@ -577,9 +578,17 @@ def test_an_instance_whose_engine_is_stuck_gets_requests_only_when_none_else_ser
     alone = gateway_seeing("disaggregated", stuck_p0, worker("p1", "prefill"), wedged)
     alone.ledger.book("p1", "d0")  # p0 is the least loaded
     assert route(alone) == ("p1", "d0")
-    assert alone.is_stuck("p0") and not alone.is_stuck("p1")
+    assert alone.routes(alone.stuck_pools())  # /health: a request can be served
     resumed = asyncio.run(alone._decode_to_resume("d9", deadline=time.monotonic()))
     assert resumed is not None and resumed.instance_id == "d0"
+    # auto mode: a colocated worker serves, so the stuck prefill instance gets nothing,
+    # however loaded the worker, and a move resumes on no stuck decode instance
+    auto = gateway_seeing("auto", stuck_p0, worker("d1", "decode"), worker("c0", "colocated"))
+    for _ in range(3):
+        auto.ledger.book("c0", "")
+    assert [route(auto) for _ in range(2)] == [("c0", "")] * 2
+    auto = gateway_seeing("auto", worker("p0", "prefill"), wedged, worker("c0", "colocated"))
+    assert asyncio.run(auto._decode_to_resume("d9", deadline=time.monotonic())) is None
     # a move resumes on a decode instance whose engine goes on, however loaded
     both = gateway_seeing("disaggregated", worker("p0", "prefill"), wedged, slow)
     both.ledger.book("p0", "d1")
