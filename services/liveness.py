@@ -151,6 +151,18 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+def step_timeout_problem(step_timeout_s: float, collective_timeout_s: float,
+                         ranks: int) -> str | None:
+    """What is wrong with a worker's step timeout, or None: a tp/pp instance's first step
+    may wait out the collective timeout for a rank still loading its weights, so a step
+    timeout not above it takes that wait for a hung engine."""
+    if ranks > 1 and 0 < step_timeout_s <= collective_timeout_s:
+        return (f"DS_STEP_TIMEOUT_S ({step_timeout_s:g} s) is not above "
+                f"DS_COLLECTIVE_TIMEOUT_S ({collective_timeout_s:g} s): a first step waiting "
+                "for a rank still loading its weights may be taken for a hung engine")
+    return None
+
+
 def mark_leaving(path: str) -> None:
     """Asked to leave (a Drain message): beside the alive file, a mark that tells the
     supervisor not to bring this worker back whatever its end (hung or failed while

@@ -23,7 +23,7 @@ from services.cancelled import Cancelled
 from services.engine_host import EngineHost
 from services.heartbeats import Heartbeats
 from services.leases import GatewayLeases, read_leases
-from services.liveness import HUNG, mark_leaving, turning
+from services.liveness import HUNG, mark_leaving, step_timeout_problem, turning
 from services.process import WorkerSettings, built_or_exit, run_until_signalled, setup_logging
 from services.supervisor import DRAINED
 from shared import subjects
@@ -31,6 +31,7 @@ from shared.bus import connect, parse, publish
 from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput, RequestRejected
 from shared.engine.model_runner import dtype_name
+from shared.engine.parallel.group import collective_timeout
 from shared.engine.request import Draw, Request
 from shared.host import machine_id
 from shared.messages import Cancel, PrefillRequest, TokenChunk
@@ -183,6 +184,10 @@ class Worker:
         tasks = [asyncio.create_task(c, name=n) for n, c in named.items()]
         config = self.engine.config
         runner = self.engine.runner
+        problem = config.ranks > 1 and step_timeout_problem(
+            self.settings.step_timeout_s, collective_timeout().total_seconds(), config.ranks)
+        if problem:
+            log.warning("%s: %s", self.id, problem)
         log.info("%s %s ready (%s weights, %s, KV in %s%s)", self.role, self.id, config.weights,
                  dtype_name(runner.dtype), runner.kv_dtype_name,
                  f", tp {config.tp} pp {config.pp}" if config.ranks > 1 else "")

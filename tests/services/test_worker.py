@@ -257,6 +257,14 @@ def test_a_worker_no_supervisor_watches_leaves_once_its_engine_step_never_ends(
     asyncio.run(main())
 
 
+def test_a_step_timeout_under_the_collective_timeout_is_named_for_a_parallel_instance() -> None:
+    assert liveness.step_timeout_problem(900, 600, ranks=2) is None
+    assert liveness.step_timeout_problem(300, 600, ranks=1) is None  # no collective to wait
+    assert liveness.step_timeout_problem(0, 600, ranks=4) is None  # never timed out
+    problem = liveness.step_timeout_problem(600, 600, ranks=2)
+    assert problem is not None and problem.startswith("DS_STEP_TIMEOUT_S (600 s) is not above")
+
+
 def test_the_watchdog_counts_one_steps_time_awake_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """`leave_when_stuck` leaves once the engine has been at the same thing for the step
     timeout by its own monotonic count: steps that keep ending never add up, and rounds that
