@@ -20,6 +20,11 @@ Faults (`--faults`, in that order, `--gap` seconds apart):
                   later start it again (same argv: port, password, config)
   nats-restart    the same for nats-server
   prefill-freeze  SIGSTOP prefill-1 for `--prefill-freeze` seconds, then SIGCONT
+  decode-wedge    wedge decode-0's engine thread in its next step, for good, the GIL released
+                  (as a kernel that never returns): its event loop and heartbeats go on. The
+                  stack then runs with DS_STEP_TIMEOUT_S `--step-timeout` (default 20) and
+                  tests/services/wedge on its workers' PYTHONPATH (a sitecustomize that wedges
+                  the worker a file names; nothing otherwise)
 
 Each request is counted exactly once, under the fault that hit it first: the fault in
 whose window it arrived if it arrived before the stack had recovered from it, else the first
@@ -79,7 +84,7 @@ from distserve.bench.runner import read_spans
 from distserve.bench.workload import Tokenizer, humaneval_prompts
 from services.launcher import Stack, StackConfig
 from services.process import WorkerSettings
-from services.supervisor import Restart, free_port, wait_for_port
+from services.supervisor import Restart, free_port, incarnation, wait_for_port
 from shared.engine.kv_cache import block_bytes
 from shared.engine.meta import read_meta
 from shared.engine.model_runner import kv_dtype, resolve_device, resolve_dtype
@@ -256,6 +261,25 @@ async def restart_server(stack: Stack, name: str, down_s: float) -> None:
                             name)
 
 
+async def wedge(stack: Stack, name: str) -> None:
+    """Wedge child `name`'s current incarnation (the next one is another instance)."""
+    instance = incarnation(name, stack.restarts()[name])
+    Path(stack.env["DS_TEST_WEDGE_FILE"]).write_text(instance)
+
+
+WEDGE_HOOK = Path(__file__).resolve().parents[1] / "tests" / "services" / "wedge"
+
+
+def fault_env(args: argparse.Namespace) -> dict[str, str]:
+    """What the chaos stack's children need for the faults asked: the wedge hook, and the
+    step timeout that ends a wedged worker."""
+    if "decode-wedge" not in args.faults:
+        return {}
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    return {"PYTHONPATH": str(WEDGE_HOOK), "DS_STEP_TIMEOUT_S": f"{args.step_timeout:g}",
+            "DS_TEST_WEDGE_FILE": str(args.run_dir.resolve() / f"wedge-{time.time_ns()}")}
+
+
 Inject = Callable[[Stack, argparse.Namespace], Awaitable[None]]
 FAULTS: dict[str, Inject] = {
     "decode-kill": lambda s, a: kill(s, "decode-0"),
@@ -264,6 +288,7 @@ FAULTS: dict[str, Inject] = {
     "valkey-restart": lambda s, a: restart_server(s, "valkey", a.down),
     "nats-restart": lambda s, a: restart_server(s, "nats", a.down),
     "prefill-freeze": lambda s, a: freeze(s, "prefill-1", a.prefill_freeze),
+    "decode-wedge": lambda s, a: wedge(s, "decode-0"),
 }
 
 
@@ -635,6 +660,8 @@ def parse_args() -> argparse.Namespace:
         help="seconds prefill-1 stays stopped (default 15)")
     add("--down", type=float, default=2,
         help="seconds a killed server stays down before it is started again (default 2)")
+    add("--step-timeout", type=float, default=20,
+        help="DS_STEP_TIMEOUT_S of a stack that runs decode-wedge (default 20)")
     add("--deadline", type=float, default=300,
         help="seconds after which a request without an end counts as lost (default 300: "
              "well over the gateway's worst case of moves, waits and stall timeouts)")
@@ -698,7 +725,7 @@ def measure(args: argparse.Namespace) -> Measured:
     schedule = [(args.baseline + k * args.gap, name) for k, name in enumerate(args.faults)]
     print(f"{len(jobs)} requests at {args.rate:g} req/s over {duration:.0f} s; faults at "
           + ", ".join(f"{at:.0f} s {name}" for at, name in schedule), flush=True)
-    run, run_dir = run_stack(args, jobs, schedule, duration, {})
+    run, run_dir = run_stack(args, jobs, schedule, duration, fault_env(args))
     bytes_per_block = kv_block_bytes(args.model)
     held, quiet = retention_cost(args, prompts, run, bytes_per_block)
     return Measured(run, quiet, held, bytes_per_block, run_dir)
