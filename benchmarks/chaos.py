@@ -67,6 +67,7 @@ import asyncio
 import collections
 import dataclasses
 import json
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -194,7 +195,7 @@ async def send(client: httpx.AsyncClient, url: str, job: Job, clock: Clock,
 @dataclass
 class Sample:
     t: float
-    live: dict[str, int] | None  # instances per role on /health; None: no answer
+    live: dict[str, int] | None  # instances per role on /health, not stuck; None: no answer
     held: dict[str, float]  # instance -> KV blocks in use (total - free)
     roles: dict[str, str]  # instance -> role
     inflight: float | None = None
@@ -203,7 +204,11 @@ class Sample:
 async def sample(client: httpx.AsyncClient, url: str, clock: Clock) -> Sample:
     t = clock()
     try:
-        health = (await client.get(f"{url}/health", timeout=5)).json()["instances"]
+        body = (await client.get(f"{url}/health", timeout=5)).json()
+        health = dict(body["instances"])  # live, less those whose engine is stuck
+        for stuck in body.get("stuck_ids", []):
+            role = stuck.split("-")[0]
+            health[role] = health.get(role, 0) - 1
         text = (await client.get(f"{url}/metrics", timeout=5)).text
     except httpx.HTTPError:
         return Sample(t, None, {}, {})
@@ -276,7 +281,9 @@ def fault_env(args: argparse.Namespace) -> dict[str, str]:
     if "decode-wedge" not in args.faults:
         return {}
     args.run_dir.mkdir(parents=True, exist_ok=True)
-    return {"PYTHONPATH": str(WEDGE_HOOK), "DS_STEP_TIMEOUT_S": f"{args.step_timeout:g}",
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"PYTHONPATH": os.pathsep.join([str(WEDGE_HOOK), *inherited]),
+            "DS_STEP_TIMEOUT_S": f"{args.step_timeout:g}",
             "DS_TEST_WEDGE_FILE": str(args.run_dir.resolve() / f"wedge-{time.time_ns()}")}
 
 

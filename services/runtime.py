@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from services import liveness
 from services.cancelled import Cancelled
 from services.engine_host import EngineHost
 from services.heartbeats import Heartbeats
@@ -200,17 +201,21 @@ class Worker:
         with contextlib.suppress(RedisError, OSError):  # it expires by itself otherwise
             await registry.remove(self.id, self.role)
         await self.closing()
-        # after the step in progress (its ranks stop), but not for ever behind a wedged one
-        # (no longer shown alive, nothing would kill it)
+        # after the step in progress (its ranks stop), but not for ever behind a wedged one:
+        # its alive file is gone (stopping in order), so nothing would kill it
+        wedged = False
         try:
             await asyncio.wait_for(self.host.call(self.engine.close),
                                    self.settings.step_timeout_s or None)
         except TimeoutError:
             log.error("%s: the engine did not close within %.0f s (a step wedged): exiting "
                       "without it", self.id, self.settings.step_timeout_s)
+            wedged = True
         shutdown_tracing()
         await self.nc.drain()
         await redis.aclose()
+        if wedged:  # an orderly exit joins the engine thread, which never returns
+            liveness.exit_now(DRAINED if self.asked_to_leave else HUNG)
         if failed is not None:
             # a worker whose engine loop died must not linger: leave dispatch and exit, so
             # the gateway fails the requests it held instead of waiting for them

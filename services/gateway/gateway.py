@@ -261,6 +261,18 @@ class Gateway:
         """The instances of each role this gateway dispatches to first (`serving`)."""
         return {role: self.serving(role) for role in self.roles}
 
+    def is_stuck(self, instance_id: str) -> bool:
+        info = self.view.get(instance_id, time.monotonic())
+        return info is not None and stuck(info, self.settings.stuck_after_s)
+
+    def resumable_from(self, prefill: str, cause: str) -> bool:
+        """Whether a request moved for `cause` resumes from the KV `prefill` holds (rather
+        than being prefilled again): yes unless that instance is stuck and either another
+        prefill instance serves or a pull from it just failed (a CPU's exports run off the
+        engine thread, a GPU's wait for it: a pull would time out there again and again)."""
+        return not (self.is_stuck(prefill) and
+                    (bool(self.serving("prefill")) or cause == "kv_transfer"))
+
     def stuck_pools(self) -> dict[Role, list[InstanceInfo]]:
         """The live instances of each role, those serving or, where the engine of every
         live one of a role is stuck, those: where no route is served otherwise (in auto
@@ -375,7 +387,8 @@ class Gateway:
         to move than a 503). Booked on the ticket at once: the next request of a burst,
         dispatched before this one's stream opens, sees it."""
         found = self.routes(self.live_pools()) or self.routes(self.stuck_pools()) or \
-            self.routes({role: self.dispatchable(role) for role in self.roles})
+            self.routes({role: self.serving(role) or self.dispatchable(role)
+                         for role in self.roles})
         if not found:
             raise APIError(503, f"no {self.wanted} is available; retry after "
                                 f"{self.settings.retry_after_s}s", kind="server_error",
@@ -495,7 +508,8 @@ class Gateway:
         failed = old_worker if prefill_died else relay.serving
         deadline = time.monotonic() + self.settings.failover_wait_s
         path = "re_prefill"
-        if old_decode and prefilled and not prefill_died:  # its prefill instance holds the KV
+        if old_decode and prefilled and not prefill_died and \
+                self.resumable_from(old_worker, lost.cause):  # its prefill instance holds the KV
             decode = await self._decode_to_resume(old_decode, deadline)
             if decode is not None:
                 attempt = relay.new_attempt()

@@ -215,9 +215,12 @@ def test_a_worker_no_supervisor_watches_leaves_once_its_engine_step_never_ends(
     """Under docker-compose no supervisor watches an alive file: a worker whose engine step
     has run past `step_timeout_s` exits itself (code 70, from its heartbeat thread), for its
     container's restart policy to bring it back; a step under the timeout does not. Before,
-    a wedged step there held the worker, its KV memory and its place for ever."""
+    a wedged step there held the worker, its KV memory and its place for ever. Stopped
+    while wedged, it leaves at once once its engine has not closed within the timeout
+    (before, its exit joined the wedged engine thread: it never ended)."""
     settings = WorkerSettings(instance_id="colocated-u", nats_url=nats_url, redis_url=redis_url,
-                              model="tiny", heartbeat_s=0.1, step_timeout_s=2.0)
+                              model="tiny", heartbeat_s=0.1, step_timeout_s=2.0,
+                              drain_timeout_s=1.0)
     assert not settings.alive_file
     engine = Engine(EngineConfig(model="tiny", device="cpu", kv_cache_bytes=1 << 20))
     execute, release, left = engine.runner.execute, threading.Event(), threading.Event()
@@ -249,10 +252,17 @@ def test_a_worker_no_supervisor_watches_leaves_once_its_engine_step_never_ends(
             assert await asyncio.to_thread(left.wait, 30), "the worker did not leave"
             assert codes == [liveness.HUNG]
             assert time.time() - worker.host.busy_since >= 2.0  # not before the timeout
+            left.clear()
+            stop.set()  # still wedged (the test's exit_now did not end it)
+            assert await asyncio.to_thread(left.wait, 30), "the stopped worker did not leave"
+            assert codes == [liveness.HUNG] * 2
         finally:
             release.set()
-        await waiting
-        await stop_serving(running, stop, registry, nc, [])
+        await asyncio.wait_for(running, 30)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await nc.close()
+        await registry.redis.aclose()
 
     asyncio.run(main())
 

@@ -581,6 +581,13 @@ def test_an_instance_whose_engine_is_stuck_gets_requests_only_when_none_else_ser
     assert alone.routes(alone.stuck_pools())  # /health: a request can be served
     resumed = asyncio.run(alone._decode_to_resume("d9", deadline=time.monotonic()))
     assert resumed is not None and resumed.instance_id == "d0"
+    # a moved request resumes from the KV a stuck prefill instance holds only where no other
+    # serves and no pull from it just failed
+    assert alone.resumable_from("p1", "decode_died")
+    assert not alone.resumable_from("p0", "decode_died")  # p1 serves: prefilled again there
+    lone = gateway_seeing("disaggregated", stuck_p0, wedged)
+    assert lone.resumable_from("p0", "decode_died")
+    assert not lone.resumable_from("p0", "kv_transfer")
     # auto mode: a colocated worker serves, so the stuck prefill instance gets nothing,
     # however loaded the worker, and a move resumes on no stuck decode instance
     auto = gateway_seeing("auto", stuck_p0, worker("d1", "decode"), worker("c0", "colocated"))
