@@ -63,7 +63,8 @@ class WorkerSettings(BaseSettings):
     # an engine step (or a call on the engine thread) running longer is hung (0: never; a
     # 512-token prompt takes ~1.4 s on one core of the 2-vCPU hosts here): the worker stops
     # showing alive, and its supervisor kills it DS_HANG_TIMEOUT_S later; one that no
-    # supervisor watches (no alive file: docker-compose) exits with code 70. Keep it above
+    # supervisor watches (no alive file: docker-compose, or DS_HANG_TIMEOUT_S=0) exits with
+    # code 70 (3, DRAINED, where it was asked to leave). Keep it above
     # DS_COLLECTIVE_TIMEOUT_S (600 s), which a tp/pp instance's first step may wait out
     # for a rank still loading its weights.
     step_timeout_s: float = Field(default=900.0, ge=0)
