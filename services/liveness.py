@@ -97,19 +97,13 @@ def turning(ticks: Callable[[], int], busy_since: Callable[[], float], step_time
         moved, seen = now != seen, now
         started = busy_since()
         running_s = clock() - started if started > 0 else 0.0
-        stuck = past_step_timeout(started, step_timeout_s, clock())
+        stuck = step_timeout_s > 0 and running_s > step_timeout_s
         if stuck and not told:
             log.error("%s: an engine step has run for %.0f s (DS_STEP_TIMEOUT_S=%g): hung, "
                       "no longer shown alive", name or "worker", running_s, step_timeout_s)
         told = stuck
         return moved and not stuck
     return turned
-
-
-def past_step_timeout(started: float, step_timeout_s: float, now: float) -> bool:
-    """Whether an engine at one thing since `started` (wall clock; 0: nothing) has been at
-    it longer than `step_timeout_s` (0: never timed out)."""
-    return step_timeout_s > 0 and started > 0 and now - started > step_timeout_s
 
 
 async def leave_when_stuck(stuck_since: Callable[[], float], step_timeout_s: float,

@@ -53,7 +53,7 @@ class Metrics:
                        for field, (name, text) in INSTANCE_GAUGES.items()}
         self.stuck = Gauge("ds_engine_stuck_seconds", "how long the engine has been at the "
                            "step or call under way, as of its last heartbeat (0: idle); past "
-                           "the gateway's stall timeout it gets no requests",
+                           "DS_STUCK_AFTER_S it gets no requests while others serve",
                            ["instance", "role"], registry=self.registry)
 
     def observe(self, timing: RequestTiming, outcome: str) -> None:
