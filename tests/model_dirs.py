@@ -5,6 +5,7 @@ random-weight models of each architecture the engine serves, saved by transforme
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +64,11 @@ def linked_with(source: Path, directory: Path, files: dict[str, str]) -> Path:
     return directory
 
 
-def write_random(directory: Path, arch: str, shard_kb: int = 0, **shape: Any) -> Path:
+def write_random(directory: Path, arch: str, shard_kb: int = 0, tokenizer: Path | None = None,
+                 **shape: Any) -> Path:
     """A small random-weight model of `arch`, saved by transformers (in shards of `shard_kb`
-    KB when given), with SmolLM2's tokenizer; `shape` overrides the config's sizes."""
+    KB when given), with SmolLM2's tokenizer (the GGUF's, or a copy of its `tokenizer.json`
+    where the GGUF is not at hand); `shape` overrides the config's sizes."""
     import transformers
 
     config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
@@ -82,7 +85,10 @@ def write_random(directory: Path, arch: str, shard_kb: int = 0, **shape: Any) ->
             for projection in (attention.q_proj, attention.k_proj, attention.v_proj):
                 projection.bias.data.uniform_(-1.0, 1.0)
     model.save_pretrained(directory, max_shard_size=f"{shard_kb}KB" if shard_kb else "5GB")
-    read_tokenizer("smollm2-135m")._tokenizer.save(str(directory / "tokenizer.json"))
+    if tokenizer is None:
+        read_tokenizer("smollm2-135m")._tokenizer.save(str(directory / "tokenizer.json"))
+    else:
+        shutil.copyfile(tokenizer, directory / "tokenizer.json")
     return directory
 
 

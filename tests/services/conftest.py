@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +20,11 @@ from shared.engine.request import SamplingParams
 
 
 def start_stack(tmp: Path, **config: object) -> Stack:
+    """A stack of `config`, over which DS_TEST_STACK (JSON: StackConfig's fields) wins: on a
+    GPU machine, where the GGUF does not travel, the tests serve a model directory under the
+    name they ask for, e.g. {"model": "/tmp/m", "served_model_name": "smollm2-135m",
+    "dtype": "float32"} (benchmarks/gpu_check.sh services)."""
+    config |= json.loads(os.environ.get("DS_TEST_STACK", "{}"))
     extra = {"DS_HEARTBEAT_TTL_S": "2", "DS_STALL_TIMEOUT_S": "30", "DS_KV_LEASE_S": "4",
              **config.pop("extra_env", {})}  # type: ignore[dict-item]
     stack = Stack(StackConfig(port=free_port(), run_dir=tmp, extra_env=extra,
