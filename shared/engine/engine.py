@@ -8,7 +8,7 @@ import itertools
 import json
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -58,17 +58,22 @@ def _began(out: SchedulerOutput | None) -> list[tuple[str, int]]:
                                    for c in out.prefills if c.start == 0]
 
 
-class _TextState:
-    """Per-request detokenization; holds back text that may be the start of a stop string."""
+class TextState:
+    """Per-request detokenization; holds back text that may be the start of a stop string.
+    `streamed`: the tokens a request resumed here had streamed elsewhere; their text, as
+    that stream showed it, is not shown again."""
 
-    def __init__(self, tokenizer: TextTokenizer, stop: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: TextTokenizer, stop: tuple[str, ...],
+                 streamed: Sequence[int] = ()) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.sent = 0
         self.searched = 0  # the text searched for stop strings so far (none was in it)
+        self.detok.streamed(streamed)
+        self.advance(streamed)  # nothing more to decode: what the stream held back for stops
 
-    def advance(self, ids: list[int]) -> tuple[str, bool]:
+    def advance(self, ids: Sequence[int]) -> tuple[str, bool]:
         """(new text to emit, whether a stop string was hit). Only the new text, and the
         stop strings' length before it, is searched: a token costs the same late in a long
         generation as early."""
@@ -105,7 +110,7 @@ class Engine:
         # either until blocks are freed or requests come or go
         self.stalled = False
         self._under_way: deque[Launched] = deque()  # a pipeline's micro-batches, oldest first
-        self._text: dict[str, _TextState] = {}
+        self._text: dict[str, TextState] = {}
         self._arrivals = itertools.count()
         # parked requests the other ranks serve the KV of, and their blocks (None: they
         # serve none; `serve_kv`)
@@ -376,8 +381,8 @@ class Engine:
 
     def _track(self, request: Request) -> None:
         if self.tokenizer is not None:
-            state = _TextState(self.tokenizer, request.params.stop)
-            state.advance(request.output_ids)  # streamed already, by whoever sampled them
+            # output ids streamed already, by whoever sampled them
+            state = TextState(self.tokenizer, request.params.stop, request.output_ids)
             self._text[request.request_id] = state
 
     def _output(self, request: Request) -> RequestOutput:

@@ -219,12 +219,23 @@ class IncrementalDetokenizer:
         self._read = 0  # the ids before this are in `text`
 
     def update(self, ids: Sequence[int]) -> str:
+        return self._take(ids, len(ids))
+
+    def streamed(self, ids: Sequence[int]) -> None:
+        """Take `ids` as a stream showed them, one token at a time: a request resumed from
+        the tokens another engine streamed, whose `text` must be what the client has. Taken
+        at once, ids that end inside a character would add nothing (the whole window is
+        held back), and the text the client already has would be shown again."""
+        for end in range(self._read + 1, len(ids) + 1):
+            self._take(ids, end)
+
+    def _take(self, ids: Sequence[int], end: int) -> str:
         context = self._tokenizer.decode(ids[self._start:self._read])
-        text = self._tokenizer.decode(ids[self._start:])
+        text = self._tokenizer.decode(ids[self._start:end])
         # a multi-byte character not complete yet, or ids that add no text (yet)
         if len(text) <= len(context) or text.endswith("\ufffd"):
             return ""
         delta = text[len(context):]
-        self._start, self._read = self._read, len(ids)
+        self._start, self._read = self._read, end
         self.text += delta
         return delta

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from shared.engine.engine import TextState
 from shared.engine.gguf_loader import read_gguf_tokenizer
 from shared.engine.meta import read_tokenizer
 from shared.engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, TextTokenizer
@@ -190,3 +191,23 @@ def test_each_tokens_bytes_join_into_the_texts(kind: str, tok: TextTokenizer) ->
     im_end = tokenizer.encode("<|im_end|>") if kind == "byte-level BPE" else [2]
     assert tokenizer.token_bytes(im_end[0]) == (b"<|im_end|>" if kind == "byte-level BPE"
                                                  else b"</s>")
+
+
+@pytest.mark.parametrize("stop", [(), ("<|never|>",)], ids=["no-stop", "stop-held-back"])
+def test_a_stream_resumed_elsewhere_shows_the_rest_of_its_text_once(
+        tok: TextTokenizer, stop: tuple[str, ...]) -> None:
+    """A request moved mid-stream goes on in an engine given the tokens it streamed: that
+    engine shows the rest of the text, once, wherever the cut falls; also inside a character
+    that several tokens spell (the whole text was shown again there, found on a GPU run of
+    the failover tests), and with text held back for a stop string."""
+    ids = tok.encode(" lowest gest aligned 🎉🙂 done é!")
+    whole = TextState(tok, stop)
+    shown = [whole.advance(ids[:n])[0] for n in range(1, len(ids) + 1)]
+    text = "".join(shown) + whole.flush()
+    assert text == " lowest gest aligned 🎉🙂 done é!"
+    inside = [cut for cut in range(1, len(ids)) if tok.decode(ids[:cut]).endswith("\ufffd")]
+    assert len(inside) >= 2  # cuts within a character are among those tried
+    for cut in range(1, len(ids)):
+        resumed = TextState(tok, stop, ids[:cut])
+        rest = [resumed.advance(ids[:n])[0] for n in range(cut + 1, len(ids) + 1)]
+        assert "".join(shown[:cut]) + "".join(rest) + resumed.flush() == text, cut
