@@ -157,7 +157,7 @@ DS_TEST_STACK=$stack UCX_PROTO_INFO=y timeout "${SERVICES_TIMEOUT:-480}" "$py" -
     ${SERVICES_TESTS:-tests/services/test_failover.py} 2>&1 | tee "$out/services.txt"
 echo "== UCX's transports in the workers' logs (lines naming each)"
 grep -rhoE "cuda_ipc|cuda_copy|tcp/lo|posix|sysv|cma" "$base" --include="*.log" | sort | uniq -c
-echo "== the first of UCX's protocol tables for GPU memory"
-grep -rh -A7 -E "ucp_context.* (from|to) cuda" "$base" --include="*.log" | head -24
+echo "== UCX's protocols for the KV a prefill worker sends from GPU memory (first table)"
+grep -rh -A6 -E "ucp_tag_send\* from cuda" "$base" --include="*.log" | head -7
 nvidia-smi --query-gpu=memory.used --format=csv
 fi
