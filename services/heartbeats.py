@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from collections.abc import Callable
 import nats.errors
 from redis.exceptions import RedisError
 
-from services.liveness import HUNG, forget_alive, leave_when_stuck, show_alive
+from services.liveness import HUNG, forget_alive, hang_timeout, leave_when_stuck, show_alive
 from services.process import WorkerSettings
 from shared import subjects
 from shared.bus import connect, publish
@@ -34,12 +35,14 @@ class Heartbeats:
     def __init__(self, settings: WorkerSettings, info: Callable[[], InstanceInfo],
                  turning: Callable[[], bool] | None = None,
                  stuck_since: Callable[[], float] | None = None,
-                 exit_code: Callable[[], int] = lambda: HUNG) -> None:
+                 exit_code: Callable[[], int] = lambda: HUNG,
+                 ticks: Callable[[], int] | None = None) -> None:
         """`turning`: whether to touch the alive file (a supervisor watches it);
-        `stuck_since`: since when the engine is at one thing, for a worker no supervisor
-        watches to leave with `exit_code()` past its step timeout (`leave_when_stuck`)."""
+        `stuck_since`: since when the engine is at one thing, and `ticks`: the main loop's
+        count of turns, for a worker no supervisor watches to leave with `exit_code()` past
+        its step timeout or, its loop held, past DS_HANG_TIMEOUT_S (`leave_when_stuck`)."""
         self.settings, self.info, self.turning = settings, info, turning
-        self.stuck_since, self.exit_code = stuck_since, exit_code
+        self.stuck_since, self.exit_code, self.ticks = stuck_since, exit_code, ticks
         self._thread = threading.Thread(target=lambda: asyncio.run(self._forever()),
                                         name="heartbeats", daemon=True)
         self._stop = threading.Event()
@@ -62,7 +65,8 @@ class Heartbeats:
             show_alive(self.settings.alive_file, turning=self.turning)
             if self.settings.alive_file or self.stuck_since is None
             else leave_when_stuck(self.stuck_since, self.settings.step_timeout_s,
-                                  self.exit_code, self.settings.instance_id))
+                                  self.exit_code, self.settings.instance_id, self.ticks,
+                                  hang_timeout(os.environ)))
         while not self._stop.is_set():
             beat = self.info().model_copy(update={"heartbeat_at": time.time()})
             with contextlib.suppress(nats.errors.Error, OSError):  # NATS down: next beat

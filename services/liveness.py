@@ -107,32 +107,46 @@ def turning(ticks: Callable[[], int], busy_since: Callable[[], float], step_time
 
 
 async def leave_when_stuck(stuck_since: Callable[[], float], step_timeout_s: float,
-                           code: Callable[[], int], name: str, every_s: float = 1.0,
+                           code: Callable[[], int], name: str,
+                           ticks: Callable[[], int] | None = None, hang_s: float | None = None,
+                           every_s: float = 1.0,
                            clock: Callable[[], float] = time.monotonic) -> None:
     """For a worker no supervisor watches (docker-compose, or DS_HANG_TIMEOUT_S=0: no alive
     file): exit with `code()` (`HUNG`; `DRAINED` once asked to leave) once its engine has
     been at the same step or call (`stuck_since()`, its wall-clock start; 0: none) for
-    `step_timeout_s` (0: never) as this loop counts it on the monotonic clock, a round that
-    overslept (the process paused, the host suspended) counting for nothing: a kernel or KV
-    transfer wedged with the GIL released, its event loop and heartbeats going on. Its
-    container's restart policy (or the supervisor) brings it back; the gateways have moved
-    its requests. Under a supervisor the alive file does this (`turning`)."""
-    if step_timeout_s <= 0:
+    `step_timeout_s` (0: never), a kernel or KV transfer wedged with the GIL released, its
+    event loop and heartbeats going on; or once its main loop has not turned (`ticks()`, its
+    count of turns) for `hang_s` (None: never), held by a call that never returns while this
+    thread beats on. Both are counted by this loop on the monotonic clock, a round that
+    overslept (the process paused, the host suspended) counting for nothing. Its container's
+    restart policy (or the supervisor) brings it back; the gateways have moved its requests.
+    Under a supervisor the alive file does this (`turning`)."""
+    if step_timeout_s <= 0 and hang_s is None:
         return
     held, seen, last = 0.0, 0.0, clock()
-    while held <= step_timeout_s:
+    quiet, turns = 0.0, ticks() if ticks is not None else 0
+    while True:
         await asyncio.sleep(every_s)
         now = clock()
-        elapsed, last = now - last, now
+        counted = now - last if now - last < PAUSED_S else 0.0
+        last = now
         since = stuck_since()
-        if since <= 0 or since != seen:
-            held = 0.0
-        elif elapsed < PAUSED_S:
-            held += elapsed
+        held = held + counted if since > 0 and since == seen else 0.0
         seen = since
-    log.error("%s: an engine step has run for %.0f s (DS_STEP_TIMEOUT_S=%g) and no "
-              "supervisor watches this process: exiting with code %d", name, held,
-              step_timeout_s, code())
+        if ticks is not None:
+            turned = ticks()
+            quiet = quiet + counted if turned == turns else 0.0
+            turns = turned
+        if step_timeout_s > 0 and held > step_timeout_s:
+            log.error("%s: an engine step has run for %.0f s (DS_STEP_TIMEOUT_S=%g) and no "
+                      "supervisor watches this process: exiting with code %d", name, held,
+                      step_timeout_s, code())
+            break
+        if hang_s is not None and quiet > hang_s:
+            log.error("%s: its event loop has not turned for %.0f s (DS_HANG_TIMEOUT_S=%g) and "
+                      "no supervisor watches this process: exiting with code %d", name, quiet,
+                      hang_s, code())
+            break
     exit_now(code())
 
 

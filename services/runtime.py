@@ -176,7 +176,8 @@ class Worker:
             await self.nc.subscribe(subject, cb=callback)
         heartbeats = Heartbeats(self.settings, self.info, self._turning(),
                                 self.host.stuck_since,
-                                lambda: DRAINED if self.asked_to_leave else HUNG)
+                                lambda: DRAINED if self.asked_to_leave else HUNG,
+                                lambda: self.ticks)
         heartbeats.start()
         named = {"engine loop": self.host.run(self.on_outputs, self.on_stalled),
                  "ticks": self._tick()}

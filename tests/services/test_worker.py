@@ -301,6 +301,75 @@ def test_the_watchdog_counts_one_steps_time_awake_only(monkeypatch: pytest.Monke
     assert codes == [3] and next(rounds) > 20  # it did go round
 
 
+def test_the_watchdog_counts_a_held_event_loop_apart_from_the_engine(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past `hang_s` without a turn of its main loop (`ticks`) a worker no supervisor watches
+    leaves too, its engine idle; a loop that turns never adds up, nor do rounds that
+    overslept; with neither timeout there is nothing to watch."""
+    codes: list[int] = []
+    monkeypatch.setattr(liveness, "exit_now", codes.append)
+
+    def watch(ticks: Callable[[], int], hang_s: float | None = 0.05, step_s: float = 0.0,
+              clock: Callable[[], float] = time.monotonic) -> float:
+        async def main() -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(liveness.leave_when_stuck(
+                    lambda: 0.0, step_s, lambda: liveness.HUNG, "w", ticks, hang_s,
+                    every_s=0.01, clock=clock), 0.5)
+        started = time.monotonic()
+        asyncio.run(main())
+        return time.monotonic() - started
+
+    assert watch(lambda: 7) < 0.4 and codes == [liveness.HUNG]  # held: no turn since
+    turns = itertools.count()
+    watch(lambda: next(turns))  # turning
+    rounds = itertools.count()
+    jumps = itertools.count(0.0, liveness.PAUSED_S)  # every round oversleeps
+    watch(lambda: 7 + 0 * next(rounds), clock=lambda: next(jumps))
+    assert codes == [liveness.HUNG] and next(rounds) > 20  # it did go round
+    assert watch(lambda: 7, hang_s=None) < 0.1  # nothing to watch: returns at once
+    assert codes == [liveness.HUNG]
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_no_supervisor_watches_leaves_once_its_event_loop_is_held(
+        nats_url: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under docker-compose: a worker whose event loop is held by a call that never returns
+    (the GIL released: its heartbeats beat on from their own thread, so it looks live) while
+    its engine idles exits itself past DS_HANG_TIMEOUT_S (code 70), as a supervisor would
+    have killed it; before, it stayed so for good, its requests going nowhere."""
+    monkeypatch.setenv("DS_HANG_TIMEOUT_S", "1.5")
+    settings = WorkerSettings(instance_id="colocated-h", nats_url=nats_url, redis_url=redis_url,
+                              model="tiny", heartbeat_s=0.1, drain_timeout_s=1.0)
+    assert not settings.alive_file
+    worker = ColocatedService(settings, Engine(EngineConfig(model="tiny", device="cpu",
+                                                            kv_cache_bytes=1 << 20)))
+    release, codes = threading.Event(), []
+
+    def exit_now(code: int) -> None:  # instead of os._exit: the test runs in this process
+        codes.append(code)
+        release.set()
+
+    monkeypatch.setattr(liveness, "exit_now", exit_now)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        running, registry = await serving(worker, stop, redis_url)
+        await asyncio.sleep(2.0)
+        assert not codes  # a loop that turns, an engine that idles: it stays
+        held = time.monotonic()
+        asyncio.get_running_loop().call_soon(release.wait, 60)  # holds this loop
+        await asyncio.sleep(0)
+        waited = time.monotonic() - held
+        assert codes == [liveness.HUNG], f"not left after {waited:.1f} s"
+        assert 1.5 <= waited < 30  # past the hang timeout, not before
+        stop.set()
+        await asyncio.wait_for(running, 30)
+        await registry.redis.aclose()
+
+    asyncio.run(main())
+
+
 def test_a_call_wedged_on_the_engine_thread_is_what_the_engine_is_stuck_at() -> None:
     """Not only a step: a call on the engine thread (a KV export or import, a request taken
     in) that never returns counts from when it began; nothing running counts as 0."""
