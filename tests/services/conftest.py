@@ -20,13 +20,17 @@ from shared.engine.request import SamplingParams
 
 
 def start_stack(tmp: Path, **config: object) -> Stack:
-    """A stack of `config`, over which DS_TEST_STACK (JSON: StackConfig's fields) wins: on a
-    GPU machine, where the GGUF does not travel, the tests serve a model directory under the
-    name they ask for, e.g. {"model": "/tmp/m", "served_model_name": "smollm2-135m",
-    "dtype": "float32"} (benchmarks/gpu_check.sh services)."""
-    config |= json.loads(os.environ.get("DS_TEST_STACK", "{}"))
+    """A stack of `config`, over which DS_TEST_STACK (JSON: StackConfig's fields; its
+    `extra_env` over the test's, key by key) wins: on a GPU machine, where the GGUF does not
+    travel, the tests that compare a stack with itself (test_failover.py) serve a model
+    directory under the name they ask for, e.g. {"model": "/tmp/m", "served_model_name":
+    "smollm2-135m", "dtype": "float32"} (benchmarks/gpu_check.sh services). Those that
+    compare it with the built-in GGUF's engine do not fit it."""
+    given = json.loads(os.environ.get("DS_TEST_STACK", "{}"))
     extra = {"DS_HEARTBEAT_TTL_S": "2", "DS_STALL_TIMEOUT_S": "30", "DS_KV_LEASE_S": "4",
-             **config.pop("extra_env", {})}  # type: ignore[dict-item]
+             **config.pop("extra_env", {}),  # type: ignore[dict-item]
+             **given.pop("extra_env", {})}
+    config |= given
     stack = Stack(StackConfig(port=free_port(), run_dir=tmp, extra_env=extra,
                               **config))  # type: ignore[arg-type]
     stack.start(timeout=600)
