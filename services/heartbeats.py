@@ -51,8 +51,12 @@ class Heartbeats:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def halt(self) -> None:
+        """Beat no more and judge nothing more (the watchdog): at once, from any thread."""
         self._stop.set()
+
+    def stop(self) -> None:
+        self.halt()
         self._thread.join(timeout=10)
         forget_alive(self.settings.alive_file)
 
@@ -66,7 +70,7 @@ class Heartbeats:
             if self.settings.alive_file or self.stuck_since is None
             else leave_when_stuck(self.stuck_since, self.settings.step_timeout_s,
                                   self.exit_code, self.settings.instance_id, self.ticks,
-                                  hang_timeout(os.environ)))
+                                  hang_timeout(os.environ), self._stop.is_set))
         while not self._stop.is_set():
             beat = self.info().model_copy(update={"heartbeat_at": time.time()})
             with contextlib.suppress(nats.errors.Error, OSError):  # NATS down: next beat

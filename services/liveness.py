@@ -6,7 +6,8 @@ stops in order (`forget_alive`), and marks `<name>.leaving` beside it when asked
 (`mark_leaving`). The supervisor kills a child that has touched the file but left it
 untouched for the hang timeout (`hang_timeout`), and brings back no child that was leaving.
 A child not watched gets no file, and every call here does nothing for it, but a worker's
-`leave_when_stuck`: with no one to kill it, it leaves itself past its step timeout."""
+`leave_when_stuck`: with no one to kill it, it leaves itself past its step timeout, or with
+its event loop held past the hang timeout."""
 
 from __future__ import annotations
 
@@ -27,15 +28,16 @@ PAUSED_S = 5.0  # a watchdog's round of a second that took this long: the proces
 
 
 def hang_timeout(env: Mapping[str, str]) -> float | None:
-    """How long a watched child may leave its alive file untouched: DS_HANG_TIMEOUT_S in
-    `env`, default 60 s; 0 (or a value that is not a positive number): never killed as hung
-    (a worker then leaves itself past DS_STEP_TIMEOUT_S, `leave_when_stuck`).
+    """How long a watched child may leave its alive file untouched, and a worker no one
+    watches its event loop unturned before it leaves (`leave_when_stuck`): DS_HANG_TIMEOUT_S
+    in `env`, default 60 s; 0 (or a value that is not a positive number): never killed as
+    hung, nor leaving for a held loop (a worker still leaves past DS_STEP_TIMEOUT_S).
     The heartbeats beat every 0.5 s, and a step, however long, holds neither them nor the
     loop (torch releases the GIL)."""
     try:
         value = float(env.get("DS_HANG_TIMEOUT_S", DEFAULT_HANG_S))
     except ValueError:
-        log.warning("DS_HANG_TIMEOUT_S=%r is not a number: hung children are not killed",
+        log.warning("DS_HANG_TIMEOUT_S=%r is not a number: hung processes are not ended",
                     env["DS_HANG_TIMEOUT_S"])
         return None
     return value if 0 < value < float("inf") else None
@@ -109,7 +111,7 @@ def turning(ticks: Callable[[], int], busy_since: Callable[[], float], step_time
 async def leave_when_stuck(stuck_since: Callable[[], float], step_timeout_s: float,
                            code: Callable[[], int], name: str,
                            ticks: Callable[[], int] | None = None, hang_s: float | None = None,
-                           every_s: float = 1.0,
+                           stopping: Callable[[], bool] = lambda: False, every_s: float = 1.0,
                            clock: Callable[[], float] = time.monotonic) -> None:
     """For a worker no supervisor watches (docker-compose, or DS_HANG_TIMEOUT_S=0: no alive
     file): exit with `code()` (`HUNG`; `DRAINED` once asked to leave) once its engine has
@@ -118,15 +120,19 @@ async def leave_when_stuck(stuck_since: Callable[[], float], step_timeout_s: flo
     event loop and heartbeats going on; or once its main loop has not turned (`ticks()`, its
     count of turns) for `hang_s` (None: never), held by a call that never returns while this
     thread beats on. Both are counted by this loop on the monotonic clock, a round that
-    overslept (the process paused, the host suspended) counting for nothing. Its container's
-    restart policy (or the supervisor) brings it back; the gateways have moved its requests.
-    Under a supervisor the alive file does this (`turning`)."""
+    overslept (the process paused, the host suspended) counting for nothing; nothing once
+    `stopping()` (the worker stops in order, and bounds its own wait for its engine). Its
+    container's restart policy (or the supervisor) brings it back; the gateways have moved
+    its requests. Under a supervisor the alive file does this (`turning`). A call that holds
+    the GIL too holds this thread: only a supervisor catches that."""
     if step_timeout_s <= 0 and hang_s is None:
         return
     held, seen, last = 0.0, 0.0, clock()
     quiet, turns = 0.0, ticks() if ticks is not None else 0
     while True:
         await asyncio.sleep(every_s)
+        if stopping():
+            return
         now = clock()
         counted = now - last if now - last < PAUSED_S else 0.0
         last = now

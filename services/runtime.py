@@ -194,7 +194,11 @@ class Worker:
                  dtype_name(runner.dtype), runner.kv_dtype_name,
                  f", tp {config.tp} pp {config.pp}" if config.ranks > 1 else "")
         ending = asyncio.create_task(self._drain_after(stop, registry, redis), name="drain")
-        done, _ = await asyncio.wait([ending, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait([ending, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # run inside a larger program (a test) that ends it:
+            heartbeats.halt()  # its watchdog must not end that program later
+            raise
         failed = next((t for t in done if t is not ending), None)
         for task in [ending, *tasks, *self.in_hand]:
             task.cancel()

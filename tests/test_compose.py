@@ -25,8 +25,8 @@ VARIABLE = re.compile(r"\$\{(\w+)(?:(:?)([-?])([^}]*))?\}")
 SECRETS = {"DS_NATS_PASSWORD": "nats-pw", "DS_REDIS_PASSWORD": "redis-pw", "DS_API_KEYS": "k1,k2"}
 OPTIONS = {"DS_MODEL", "DS_SERVED_MODEL_NAME", "DS_MODELS_DIR", "DS_PREFILL_WEIGHTS",
            "DS_DECODE_WEIGHTS", "DS_PREFILL_DTYPE", "DS_DECODE_DTYPE", "DS_PREFILL_TP",
-           "DS_DECODE_TP", "DS_PREFILL_PP", "DS_DECODE_PP",
-           "DS_CORS_ORIGINS"}  # empty in .env: defaults
+           "DS_DECODE_TP", "DS_PREFILL_PP", "DS_DECODE_PP", "DS_STEP_TIMEOUT_S",
+           "DS_HANG_TIMEOUT_S", "DS_CORS_ORIGINS"}  # empty in .env: defaults
 
 
 def interpolate(text: str, env: dict[str, str]) -> str:
@@ -83,7 +83,8 @@ def test_compose_has_the_stack_and_the_launchers_commands() -> None:
 
 
 def test_compose_environment_names_real_settings() -> None:
-    worker = {f"DS_{f.upper()}" for f in WorkerSettings.model_fields}
+    # and the hang timeout, which services.liveness reads for every process it watches
+    worker = {f"DS_{f.upper()}" for f in WorkerSettings.model_fields} | {"DS_HANG_TIMEOUT_S"}
     gateway = {f"DS_{f.upper()}" for f in GatewaySettings.model_fields}
     profiler = {f"DS_{f.upper()}" for f in ProfilerSettings.model_fields}
     planner = {f"DS_{f.upper()}" for f in PlannerSettings.model_fields}
