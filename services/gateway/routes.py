@@ -129,9 +129,12 @@ class Call:
                                                                       strict=True)] + shown
         dressed = [self.token(t, lp) for t, lp, _ in shown]
         offsets = []
-        for t in dressed:
+        tokenizer, echoes = self.gateway.tokenizer, len(shown) - len(tokens)
+        for i, ((token_id, _, _), t) in enumerate(zip(shown, dressed, strict=True)):
             offsets.append(self.chars)
-            self.chars += len(self._utf8.decode(t.piece))
+            # the echoed prompt's text holds its special tokens; the generated text does not
+            if i < echoes or tokenizer.in_text(token_id):
+                self.chars += len(self._utf8.decode(t.piece))
         return api.completion_logprobs(dressed, [top for _, _, top in shown] if asked else None,
                                        offsets)
 

@@ -152,6 +152,15 @@ class TextTokenizer:
             piece = self._pieces[token_id] = (text, raw)
         return piece
 
+    def in_text(self, token_id: int) -> bool:
+        """Whether generated text shows the token (`decode` leaves special tokens out)."""
+        return token_id not in self._special_ids
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self._tokenizer.get_added_tokens_decoder().items()
+                         if t.special)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for, which may be part of a character (a byte-level
         BPE piece, a SentencePiece byte fallback `<0xE2>`): what OpenAI's logprobs give as

@@ -26,11 +26,12 @@ from services.gateway.openai_api import (
     TokenLogprob,
     completion_logprobs,
 )
-from services.gateway.routes import choice_ids, choice_seeds, collect, interleaved
+from services.gateway.routes import Call, choice_ids, choice_seeds, collect, interleaved
 from services.gateway.stream import GaveUp, Lost, Relay
 from services.gateway.timing import RequestTiming
 from services.gateway.view import InstanceView, stuck_for
-from shared.messages import TokenChunk
+from shared.engine.meta import read_tokenizer
+from shared.messages import Sampling, TokenChunk
 from shared.state import InstanceInfo
 
 
@@ -628,3 +629,33 @@ def test_a_gateway_id_cannot_break_the_in_flight_keys() -> None:
     for bad in ("host:8000", "gw*", "gw[1]"):
         with pytest.raises(ValidationError):
             GatewaySettings(gateway_id=bad)
+
+
+def test_text_offsets_index_the_text_where_it_leaves_special_tokens_out() -> None:
+    """A completion's logprobs give each token's place in the text (text_offset). The
+    generated text leaves special tokens out (an end of turn generated under ignore_eos),
+    the echoed prompt's holds them as written: each token is found at its offset, and a
+    left-out one sits where the next begins (before, the offsets ran ten characters ahead
+    after each <|im_end|>)."""
+    tokenizer = read_tokenizer("smollm2-135m")
+    end = tokenizer.encode("<|im_end|>", add_special_tokens=False)
+    assert len(end) == 1 and not tokenizer.in_text(end[0])
+    prompt = "<|im_start|>user Hi"
+    prompt_ids = tokenizer.encode(prompt)
+    assert any(not tokenizer.in_text(t) for t in prompt_ids)  # a special token in the prompt
+    generated = tokenizer.encode(" Paris") + end + tokenizer.encode(" is")
+    text = tokenizer.decode(generated)
+    assert text == " Paris is"
+    call = Call(SimpleNamespace(tokenizer=tokenizer), False, None, None,  # type: ignore[arg-type]
+                prompt_ids, Sampling(max_tokens=8, logprobs=True), "r1", echo=prompt)
+    call.scores = {p: (-1.0, []) for p in range(len(prompt_ids))}
+    shown, block = call.show(TokenChunk(request_id="r1", token_ids=generated, text=text,
+                                        logprobs=[-0.5] * len(generated)))
+    assert shown == prompt + text and block is not None
+    tokens, offsets = block["tokens"], block["text_offset"]
+    assert len(tokens) == len(prompt_ids) + len(generated)
+    for i, (token, offset) in enumerate(zip(tokens, offsets, strict=True)):
+        if i >= len(prompt_ids) and token == "<|im_end|>":
+            assert offset == offsets[i + 1]  # left out of the text
+        else:
+            assert shown[offset:offset + len(token)] == token, (i, token, offset)
