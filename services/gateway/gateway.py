@@ -53,6 +53,18 @@ from shared.telemetry import shutdown as shutdown_tracing
 
 log = logging.getLogger(__name__)
 EXPIRY_MS = 5000  # the gateway's Redis keys (rewritten every 0.5 s) outlive it by this much
+STOP_TASKS_S = 5.0  # its background tasks get this long to end once cancelled as it stops
+
+
+async def cancel_within(tasks: list[asyncio.Task[Any]], within_s: float
+                        ) -> set[asyncio.Task[Any]]:
+    """Cancel `tasks` and wait up to `within_s` for them to end; the ones still running (one
+    that swallows its cancellation, or whose clean-up hangs), which the caller leaves."""
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return set()
+    return (await asyncio.wait(tasks, timeout=within_s))[1]
 
 
 class GatewaySettings(BaseSettings):
@@ -196,10 +208,15 @@ class Gateway:
 
     async def stop(self) -> None:
         self.listener.stop()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)  # none writes its keys again
+        # none writes its keys again; none holds the stop either (in one CI run a gateway's
+        # stop hung between cancelling its tasks and removing its alive file until the
+        # supervisor killed it at the drain timeout, 120 s; which task held it is not known)
+        left = await cancel_within(list(self._tasks), STOP_TASKS_S)
+        if left:
+            log.warning("stopping: %s did not end within %.0f s of being cancelled; left",
+                        ", ".join(sorted(getattr(t.get_coro(), "__qualname__", t.get_name())
+                                         for t in left)),
+                        STOP_TASKS_S)
         forget_alive(self.settings.alive_file)
         await self._delete_keys()
         shutdown_tracing()
