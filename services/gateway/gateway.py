@@ -208,9 +208,7 @@ class Gateway:
 
     async def stop(self) -> None:
         self.listener.stop()
-        # none writes its keys again; none holds the stop either (in one CI run a gateway's
-        # stop hung between cancelling its tasks and removing its alive file until the
-        # supervisor killed it at the drain timeout, 120 s; which task held it is not known)
+        # none writes its keys again; one that ignores its cancel does not hold the stop
         left = await cancel_within(list(self._tasks), STOP_TASKS_S)
         if left:
             log.warning("stopping: %s did not end within %.0f s of being cancelled; left",

@@ -275,6 +275,22 @@ def test_a_step_timeout_under_the_collective_timeout_is_named_for_a_parallel_ins
     assert problem is not None and problem.startswith("DS_STEP_TIMEOUT_S (600 s) is not above")
 
 
+def watchdog(stuck_since: Callable[[], float] = lambda: 0.0, step_s: float = 0.0,
+             ticks: Callable[[], int] | None = None, hang_s: float | None = None,
+             stopping: Callable[[], bool] = lambda: False, code: int = liveness.HUNG,
+             clock: Callable[[], float] = time.monotonic) -> float:
+    """`leave_when_stuck` in rounds of 10 ms, for at most 0.5 s; the seconds it ran (its exit
+    is the test's patched `exit_now`)."""
+    async def main() -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(liveness.leave_when_stuck(
+                stuck_since, step_s, lambda: code, "w", ticks, hang_s, stopping,
+                every_s=0.01, clock=clock), 0.5)
+    started = time.monotonic()
+    asyncio.run(main())
+    return time.monotonic() - started
+
+
 def test_the_watchdog_counts_one_steps_time_awake_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """`leave_when_stuck` leaves once the engine has been at the same thing for the step
     timeout by its own monotonic count: steps that keep ending never add up, and rounds that
@@ -284,11 +300,7 @@ def test_the_watchdog_counts_one_steps_time_awake_only(monkeypatch: pytest.Monke
 
     def watch(stuck_since: Callable[[], float],
               clock: Callable[[], float] = time.monotonic) -> None:
-        async def main() -> None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(liveness.leave_when_stuck(
-                    stuck_since, 0.05, lambda: 3, "w", every_s=0.01, clock=clock), 0.5)
-        asyncio.run(main())
+        watchdog(stuck_since, 0.05, code=3, clock=clock)
 
     watch(lambda: 100.0)
     assert codes == [3]  # the code it is given (DRAINED: asked to leave)
@@ -311,17 +323,10 @@ def test_the_watchdog_counts_a_held_event_loop_apart_from_the_engine(
     codes: list[int] = []
     monkeypatch.setattr(liveness, "exit_now", codes.append)
 
-    def watch(ticks: Callable[[], int], hang_s: float | None = 0.05, step_s: float = 0.0,
+    def watch(ticks: Callable[[], int], hang_s: float | None = 0.05,
               clock: Callable[[], float] = time.monotonic,
               stopping: Callable[[], bool] = lambda: False) -> float:
-        async def main() -> None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(liveness.leave_when_stuck(
-                    lambda: 0.0, step_s, lambda: liveness.HUNG, "w", ticks, hang_s,
-                    stopping, every_s=0.01, clock=clock), 0.5)
-        started = time.monotonic()
-        asyncio.run(main())
-        return time.monotonic() - started
+        return watchdog(ticks=ticks, hang_s=hang_s, stopping=stopping, clock=clock)
 
     assert watch(lambda: 7) < 0.4 and codes == [liveness.HUNG]  # held: no turn since
     turns = itertools.count()
