@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from shared.engine.attention import AttentionMetadata, DecodeGroup, PrefillSegme
 from shared.engine.config import EngineConfig, ModelConfig, Role
 from shared.engine.engine import Engine
 from shared.engine.loader import LoadedModel, load
-from shared.engine.parallel.group import RankFailed, rank_threads
+from shared.engine.parallel.group import Collective, RankFailed, rank_threads
 from shared.engine.parallel.layout import RankPlace, check_tp, shard_config, stage_layers
 from shared.engine.parallel.packet import pack, unpack
 from shared.engine.parallel.sharding import ShardedWeights, narrow
@@ -99,6 +100,38 @@ def test_a_step_packet_unpacks_to_the_same_inputs() -> None:
     for field in ("block_tables", "context_lens", "mask"):
         assert torch.equal(getattr(got.decode, field), getattr(meta.decode, field))
     assert got.decode.start == 4
+
+
+class _Work:
+    """A gloo Work whose sliced waits time out `slices` times, then ends with `error` (or
+    not): it ends just after the last slice's wait gave up, before anyone asked."""
+
+    def __init__(self, slices: int, error: str | None = None) -> None:
+        self.slices, self.error, self.waits = slices, error, 0
+
+    def wait(self, timeout: timedelta | None = None) -> None:
+        self.waits += 1
+        if timeout is not None and self.waits <= self.slices:
+            raise RuntimeError("Operation timed out!")
+        if self.error:
+            raise RuntimeError(self.error)
+
+    def is_completed(self) -> bool:
+        return self.waits >= self.slices
+
+
+def test_a_collective_that_ends_as_its_wait_times_out_is_done_and_one_that_failed_is_not(
+        ) -> None:
+    checks = []
+    group = Collective(None, 0, 2, timedelta(seconds=60), check=lambda: checks.append(1))
+    done = _Work(slices=3)
+    group.wait(done, sliced=True)  # raised "Operation timed out!" (a CLI profile, 2 ranks)
+    assert done.waits == 4 and len(checks) == 2  # the ranks checked while it ran
+    with pytest.raises(RuntimeError, match="connection closed"):
+        group.wait(_Work(slices=1, error="connection closed"), sliced=True)
+    group = Collective(None, 0, 2, timedelta(0), check=lambda: None)
+    with pytest.raises(RuntimeError, match="timed out"):  # the group's own timeout
+        group.wait(_Work(slices=10), sliced=True)
 
 
 def test_ranks_leave_a_core_each_to_their_collectives_where_they_would_fill_the_host() -> None:

@@ -123,10 +123,13 @@ class Collective:
                 work.wait(timedelta(seconds=POLL_S))
                 return
             except RuntimeError:
-                # a failed collective is completed (with its error); a slice that timed out
-                # is still running: go on waiting while every rank lives
-                if work.is_completed() or time.monotonic() > deadline:
-                    raise
+                if work.is_completed():
+                    # failed (its error again), or done since the slice timed out: gloo's
+                    # timed-out wait leaves the work as it was, and it may end meanwhile
+                    work.wait()
+                    return
+                if time.monotonic() > deadline:  # still running: go on while every rank
+                    raise  # lives, up to the group's timeout
                 self.check()
 
 
