@@ -30,8 +30,11 @@ install-test: $(VENV)/.installed-test
 run: install
 	$(BIN)/distserve up --port $(PORT)
 
+# the fast tests on two workers (short or light: they share two cores well), then the
+# slow end-to-end ones one at a time (their stacks would fight over the cores)
 test: install-test
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -m "not slow" -n 2 --durations=10
+	$(BIN)/python -m pytest -q -m slow --durations=25
 
 lint: install-test
 	$(BIN)/ruff check . && $(BIN)/mypy
