@@ -256,8 +256,9 @@ class Gateway:
     def serving(self, role: Role) -> list[InstanceInfo]:
         """The live instances whose engine is not stuck (`stuck` in view.py: at one step or
         call past `stuck_after_s`); the others come back once it moves on. The streams
-        already there move only after the stall timeout: a prompt whose step is long would
-        move from instance to instance."""
+        already on a stuck decode instance move (stream.Relay), those on a stuck prefill
+        instance or colocated worker only after the stall timeout: a prompt whose step is
+        long would move from instance to instance."""
         live, after_s = self.live(role), self.settings.stuck_after_s
         was = self.stuck.get(role, set())
         # a draining worker's last word carries no time (heartbeat_at 0): it says nothing
@@ -447,7 +448,8 @@ class Gateway:
         # an attempt is held where it was sent once acknowledged there, within the retries
         absent_s = self.settings.dispatch_ack_s * self.settings.dispatch_tries + 2.0
         relay = Relay(self.nc, self.view, request_id, target.worker, target.decode,
-                      self.settings.stall_timeout_s, absent_s=absent_s)
+                      self.settings.stall_timeout_s, absent_s=absent_s,
+                      stuck_s=self.settings.stuck_after_s)
         await relay.open()
         span = self.tracer.start_span("request", attributes={
             "request_id": request_id, "prompt_tokens": len(prompt_ids),

@@ -43,7 +43,7 @@ class Metrics:
                               registry=self.registry,
                               buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5))
         self.moves = Counter("ds_request_moves", "requests moved to other instances, by cause "
-                             "(decode_died, prefill_died, worker_died, stalled, gap, "
+                             "(decode_died, prefill_died, worker_died, stalled, stuck, gap, "
                              "kv_transfer) and path (kv_held: the prefill instance still held "
                              "the KV; re_prefill: prefilled again)", ["cause", "path"],
                              registry=self.registry)

@@ -3,8 +3,11 @@ ends when a worker says the request ended (a finish reason or an error). It is `
 the gateway to move it, when the request cannot go on where it is but is intact: the
 instance serving it stopped heartbeating; neither a token nor an engine step of that
 instance came for `stall_s` (a request queued behind others on a live, busy instance is
-never lost); a chunk went missing (its `seq` skips ahead); a decode instance could not pull
-its KV; the decode instance never started it and the prefill instance holding its KV died;
+never lost); the decode instance serving it has been at one step or call past `stuck_s`
+while another decode instance is not (a decode step is short: a wedged engine heartbeats
+on, and its streams would wait out `stall_s`; a prefill's step may be long by rights); a
+chunk went missing (its `seq` skips ahead); a decode instance could not pull its KV; the
+decode instance never started it and the prefill instance holding its KV died;
 or the decode instance running it, with none preempted, made `silent_steps` steps without a
 chunk for it (a running request gets a token every step: its chunks, the last one included,
 went missing); or the instance serving it has said for `absent_s` that it does not hold this
@@ -26,10 +29,11 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.gateway.view import InstanceView
+from services.gateway.view import InstanceView, stuck, stuck_for
 from shared import subjects
 from shared.bus import parse
 from shared.messages import TokenChunk
+from shared.state import InstanceInfo
 
 
 class GaveUp(Exception):
@@ -38,7 +42,8 @@ class GaveUp(Exception):
 
 class Lost(Exception):
     """The request cannot go on where it is, but can elsewhere: `cause` names why (a
-    bounded label: decode_died, prefill_died, worker_died, stalled, gap, kv_transfer)."""
+    bounded label: decode_died, prefill_died, worker_died, stalled, stuck, gap,
+    kv_transfer)."""
 
     def __init__(self, cause: str, detail: str) -> None:
         super().__init__(detail)
@@ -49,9 +54,10 @@ class Relay:
     def __init__(self, nc: Client, view: InstanceView, request_id: str, worker: str,
                  decode: str, stall_s: float, poll_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic, silent_steps: int = 64,
-                 absent_s: float = 8.0) -> None:
+                 absent_s: float = 8.0, stuck_s: float | None = None) -> None:
         self.nc, self.view, self.request_id = nc, view, request_id
         self.stall_s, self.poll_s, self.clock = stall_s, poll_s, clock
+        self.stuck_s = stuck_s  # None: a stuck decode instance's streams wait out stall_s
         self.silent_steps, self.absent_s = silent_steps, absent_s
         self.output_ids: list[int] = []  # every token relayed so far, in order
         self._attempts = itertools.count()
@@ -189,3 +195,16 @@ class Relay:
         if now - self._progress_at > self.stall_s:
             raise Lost("stalled", f"no progress on instance {self.serving} for "
                                   f"{self.stall_s:.0f}s")
+        if self._stuck_decode(info, now):
+            raise Lost("stuck", f"the engine of {self.serving} has been at one step or call "
+                                f"for {stuck_for(info):.0f}s")
+
+    def _stuck_decode(self, info: InstanceInfo, now: float) -> bool:
+        """Whether the decode instance serving the request is stuck (`info`) and another
+        is not: one stuck instance of a role is all there is to move to (the gateway's
+        stuck_pools), and moving there again and again would spend the request's moves."""
+        if self.stuck_s is None or not self.decode or self.serving != self.decode or \
+                not stuck(info, self.stuck_s):
+            return False
+        return any(i.instance_id != self.serving and not i.draining and
+                   not stuck(i, self.stuck_s) for i in self.view.instances("decode", now))

@@ -262,3 +262,44 @@ def test_an_attempt_its_worker_never_acknowledged_is_lost_at_the_next_read() -> 
     r.retarget("p1", "d0", prefilled=False)
     r._queue.put_nowait(chunk(0, 7, source="p1", attempt=r.attempt))
     assert asyncio.run(r.next()).token_ids == [7]
+
+
+def test_a_stream_leaves_a_stuck_decode_instance_only_for_one_that_is_not() -> None:
+    """d0's engine wedges (its heartbeats go on, its steps stop): past stuck_s its streams
+    move where another decode instance serves, without waiting out stall_s. Alone, beside
+    only stuck or draining ones, or as a prefill instance (whose step may be long by rights)
+    they wait out stall_s."""
+    def info(instance_id: str, role: str, stuck_since: float, at: float,
+             draining: bool = False) -> InstanceInfo:
+        return InstanceInfo(instance_id=instance_id, role=role,  # type: ignore[arg-type]
+                            steps=5, held={"r": 0}, stuck_since=stuck_since,
+                            heartbeat_at=1000.0 + at, draining=draining)
+
+    def lost_at(others: list[tuple[str, float, bool]], stuck_s: float | None = 5.0,
+                serving: str = "d0") -> tuple[float, str]:
+        """When (and why) the stream on `serving`, wedged at 1000 on its clock, is lost;
+        `others`: decode instances (id, stuck since, draining)."""
+        clock, view = Clock(), InstanceView(2.0)
+        r = Relay(None, view, "r", "p0", "d0", stall_s=30.0, clock=clock,  # type: ignore[arg-type]
+                  stuck_s=stuck_s)
+        if serving == "d0":
+            r.accept(chunk(0, 7, source="p0"))
+            r.accept(chunk(1, 8))
+        for t in range(40):
+            clock.now = float(t)
+            view.observe(info("p0", "prefill", 1000.0 if serving == "p0" else 0.0, t), t)
+            view.observe(info("d0", "decode", 1000.0 if serving == "d0" else 0.0, t), t)
+            for instance_id, since, draining in others:
+                view.observe(info(instance_id, "decode", since, t, draining), t)
+            try:
+                r._check(clock.now)
+            except Lost as lost:
+                return clock.now, lost.cause
+        raise AssertionError("never lost")
+
+    assert lost_at([("d1", 0.0, False)]) == (6.0, "stuck")  # stuck for 6 s > 5
+    assert lost_at([]) == (31.0, "stalled")  # nowhere else to go
+    assert lost_at([("d1", 1000.0, False)]) == (31.0, "stalled")  # d1 as stuck
+    assert lost_at([("d1", 0.0, True)]) == (31.0, "stalled")  # d1 leaving
+    assert lost_at([("d1", 0.0, False)], stuck_s=None) == (31.0, "stalled")
+    assert lost_at([("d1", 0.0, False)], serving="p0") == (31.0, "stalled")
