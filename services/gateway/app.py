@@ -134,8 +134,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     # the gateway's own "request" span is the trace's root; FastAPI's per-request spans and
     # metrics would triple the tracing work of every request, a 429 included
-    app = FastAPI(title="distserve gateway", lifespan=lifespan, telemetry={
-        "tracing": False, "metrics": False, "logs": False, "operation_spans": False})
+    # redirect_slashes off: a path with a trailing slash gets the 404 naming the routes, in
+    # JSON, not a 307 with an empty body that a POST may not follow
+    app = FastAPI(title="distserve gateway", lifespan=lifespan, redirect_slashes=False,
+                  telemetry={"tracing": False, "metrics": False, "logs": False,
+                             "operation_spans": False})
     app.state.gateway = gateway
     add_error_handlers(app, gateway)
     add_routes(app, gateway)
@@ -159,7 +162,8 @@ def add_error_handlers(app: FastAPI, gateway: Gateway) -> None:
         first = e.errors()[0]
         loc = tuple(first.get("loc", ()))
         where = ".".join(str(p) for p in loc[1:] if _named(p)) or None
-        message = first.get("msg", "invalid request")
+        # a validator's own message, without the "Value error, " pydantic puts before it
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
         if first.get("type") == "json_invalid":  # its loc: ("body", character position)
             where, message = None, "the request body is not valid JSON"
             if isinstance(loc[-1], int):
@@ -177,7 +181,8 @@ def add_error_handlers(app: FastAPI, gateway: Gateway) -> None:
         message = str(e.detail)
         if e.status_code == 404 and message == "Not Found":  # no such route
             served = [f"{method} {route.path_format}" for route in request.app.routes
-                      if isinstance(route, APIRoute) for method in sorted(route.methods or ())]
+                      if isinstance(route, APIRoute) for method in sorted(route.methods or ())
+                      if method != "HEAD"]  # each GET's HEAD goes without saying
             message = f"This server does not serve {request.url.path[:200]}; it serves " \
                       f"{', '.join(served)}."
         return JSONResponse(error_body(message, kind), status_code=e.status_code,

@@ -423,7 +423,8 @@ class Gateway:
             raise APIError(400, f"This server's maximum context length is {limit} tokens "
                                 f"(prompt and completion, limited by the model's context and "
                                 f"the KV cache); the prompt ({prompt_len} tokens){asked} "
-                                "exceeds it.", "max_tokens" if room >= 1 else "messages",
+                                "exceeds it.", "max_tokens" if room >= 1 else
+                           "messages" if isinstance(req, ChatRequest) else "prompt",
                            "context_length_exceeded")
         if any(token >= self.tokenizer.vocab_size for token, _ in req.bias_list):
             raise APIError(400, f"logit_bias names a token id past the vocabulary "

@@ -514,3 +514,9 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
         gateway.metrics.inflight.set(gateway.ledger.admitted)
         return Response(generate_latest(gateway.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
+
+    # HEAD as GET, its body dropped by the server (a load balancer's health check): kept out
+    # of the OpenAPI schema, which describes bodies
+    for path, endpoint in (("/v1/models", models), ("/v1/models/{model:path}", model),
+                           ("/health", health), ("/metrics", metrics)):
+        app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)

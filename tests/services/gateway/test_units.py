@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from services.gateway.app import Door, create_app
-from services.gateway.gateway import Gateway, GatewaySettings, cancel_within
+from services.gateway.gateway import Gateway, GatewaySettings, Target, cancel_within
 from services.gateway.ledger import Ledger, Overloaded
 from services.gateway.openai_api import (
     APIError,
@@ -418,6 +418,30 @@ def test_web_pages_of_the_origins_given_may_call_the_api() -> None:
     assert "access-control-allow-origin" not in models.headers
 
 
+def test_head_a_trailing_slash_and_a_validators_message_answer_as_clients_expect() -> None:
+    """HEAD where GET is served (a load balancer's health check) is a 200 without a body;
+    a trailing slash is a JSON 404 naming the routes (not a 307 with an empty body); a
+    validator's message comes without pydantic's "Value error, " before it."""
+    async def ask(app: Any) -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return [await client.head("/v1/models"), await client.head("/metrics"),
+                    await client.post("/v1/chat/completions/", json={}),
+                    await client.post("/v1/completions", json={"model": "m", "prompt": "hi",
+                                                               "best_of": 3})]
+
+    head, head_metrics, slash, invalid = asyncio.run(ask(create_app(GatewaySettings())))
+    assert (head.status_code, head.content) == (200, b"")
+    assert head.headers["content-type"] == "application/json"
+    assert head_metrics.status_code == 200
+    assert slash.status_code == 404
+    message = slash.json()["error"]["message"]
+    assert "does not serve /v1/chat/completions/" in message
+    assert "POST /v1/chat/completions," in message and "HEAD" not in message
+    assert invalid.status_code == 400
+    assert invalid.json()["error"]["message"].startswith("best_of is not served")
+
+
 def test_door_bounds_the_body() -> None:
     door = Door(echo, frozenset(), protect_metrics=False, max_body_bytes=100)
     assert call(door, "/v1/completions", b"x" * 100).text == "x" * 100
@@ -682,3 +706,19 @@ def test_a_task_that_does_not_end_when_cancelled_holds_no_stop() -> None:
         tasks[0].cancel()
 
     asyncio.run(main())
+
+
+def test_a_prompt_that_can_never_fit_names_the_field_it_came_in() -> None:
+    """A completion's prompt is `prompt`, a chat's `messages`; a fitting prompt whose
+    max_tokens does not fit names max_tokens."""
+    gateway, target = built_gateway(), Target("p0", "d0", max_request_tokens=100)
+    chat = ChatRequest.model_validate({"model": "m", "messages": [{"role": "user",
+                                                                   "content": "hi"}]})
+    completion = CompletionRequest.model_validate({"model": "m", "prompt": "hi",
+                                                   "max_tokens": 200})
+    for req, length, param in ((chat, 100, "messages"), (completion, 100, "prompt"),
+                               (completion, 99, "max_tokens")):
+        with pytest.raises(APIError, match="maximum context length is 100") as e:
+            gateway.sampling(target, length, req)
+        assert e.value.body()["error"]["param"] == param
+        assert e.value.body()["error"]["code"] == "context_length_exceeded"
