@@ -53,10 +53,18 @@ class Call:
         self.generates = generates  # False: the prompt scored only (its token left out)
         # prompt position p -> the logprob of token p + 1 and the likeliest there
         self.scores: dict[int, tuple[float, list[tuple[int, float]]]] = {}
-        # the characters of the tokens shown with logprobs so far (text_offset), counted from
+        # the characters of the tokens given logprobs so far (text_offset), counted from
         # their bytes: a character split between tokens counts once it is whole
         self.chars = 0
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        # generated tokens whose logprobs wait for their text: a worker holds text back
+        # that may begin a stop string, and leaves a stop string out of the text; a token
+        # is shown once the text shown reaches into it, and at a stop string's finish those
+        # past the text are dropped. Each: (id, logprob, its top ones, where it begins in the
+        # generated text)
+        self.held: list[tuple[int, float, list[tuple[int, float]], int]] = []
+        self.generated_from: int | None = None  # self.chars where the generated text begins
+        self.text_shown = 0  # characters of generated text shown
 
     def chunks(self) -> AsyncIterator[TokenChunk]:
         return self.gateway.generate(self.request_id, self.target, self.booking,
@@ -80,11 +88,16 @@ class Call:
         text, echoed, tokens = chunk.text, [], chunk.token_ids
         if not self.generates:
             text, tokens = "", []
-        if self.chat and self.ended_by_eos(chunk):
+        by_eos = self.ended_by_eos(chunk)
+        if self.chat and by_eos:
             tokens = tokens[:-1]  # a chat's end of turn is not part of its message
+        self.text_shown += len(text)
         if self.echo is not None and (chunk.token_ids or chunk.finish_reason):
             text, echoed, self.echo = self.echo + text, self.prompt_ids, None
-        return text, self.logprob_block(echoed, tokens, chunk.logprobs, chunk.top_logprobs)
+        ended = chunk.finish_reason is not None or chunk.error is not None
+        cut = chunk.finish_reason == "stop" and not by_eos  # at a stop string
+        return text, self.logprob_block(echoed, tokens, chunk.logprobs, chunk.top_logprobs,
+                                        ended, cut)
 
     def ended_by_eos(self, chunk: TokenChunk) -> bool:
         return chunk.finish_reason == "stop" and bool(chunk.token_ids) and \
@@ -105,9 +118,12 @@ class Call:
         return self.timing.output_tokens if self.generates else 0
 
     def logprob_block(self, echoed: list[int], tokens: list[int], logprobs: list[float],
-                      tops: list[list[tuple[int, float]]]) -> dict[str, Any] | None:
+                      tops: list[list[tuple[int, float]]], ended: bool = False,
+                      cut: bool = False) -> dict[str, Any] | None:
         """`echoed`: the prompt's tokens, shown first with their scores (None for the
-        first: nothing precedes it)."""
+        first: nothing precedes it); `tokens`: generated, held until the text shown reaches
+        them (`held`); `ended`: the last chunk, which shows the rest, but where it `cut` the
+        text at a stop string, those past the text. None: nothing to show yet."""
         if not self.sampling.logprobs:
             return None
         asked = bool(self.sampling.top_logprobs)
@@ -115,26 +131,38 @@ class Call:
         def dress(top: list[tuple[int, float]]) -> list[api.TokenLogprob] | None:
             return [self.token(c, v) for c, v in top] if asked else None
 
-        shown: list[tuple[int, float | None, list[api.TokenLogprob] | None]] = [
-            (t, lp, dress(tops[i] if i < len(tops) else []))
-            for i, (t, lp) in enumerate(zip(tokens, logprobs, strict=False))]
-        if self.chat:
-            return api.chat_logprobs([self.token(t, lp) for t, lp, _ in shown],
-                                     [top or [] for _, _, top in shown] if asked else None)
+        shown: list[tuple[int, float | None, list[api.TokenLogprob] | None]] = []
+        offsets = []
         if echoed:  # position p scores token p + 1; the first has nothing before it
             missing: tuple[float | None, list[tuple[int, float]]] = (None, [])
             scored = [self.scores.get(p, missing) for p in range(len(echoed) - 1)]
             shown = [(echoed[0], None, None)] + [
                 (t, logprob, dress(top)) for t, (logprob, top) in zip(echoed[1:], scored,
-                                                                      strict=True)] + shown
+                                                                      strict=True)]
+            for token_id, _, _ in shown:  # its text holds its special tokens, as written
+                offsets.append(self.chars)
+                self.chars += len(self._utf8.decode(self.gateway.tokenizer.token_piece(
+                    token_id)[1]))
+        if self.generated_from is None:
+            self.generated_from = self.chars
+        for i, (token_id, logprob) in enumerate(zip(tokens, logprobs, strict=False)):
+            self.held.append((token_id, logprob, tops[i] if i < len(tops) else [], self.chars))
+            if self.gateway.tokenizer.in_text(token_id):  # the generated text skips the rest
+                self.chars += len(self._utf8.decode(self.gateway.tokenizer.token_piece(
+                    token_id)[1]))
+        reached = self.generated_from + self.text_shown
+        go = len(self.held) if ended and not cut else \
+            next((i for i, h in enumerate(self.held) if h[3] >= reached), len(self.held))
+        for token_id, logprob, top, at in self.held[:go]:
+            shown.append((token_id, logprob, dress(top)))
+            offsets.append(at)
+        self.held = [] if ended else self.held[go:]
+        if not shown and not ended:
+            return None
         dressed = [self.token(t, lp) for t, lp, _ in shown]
-        offsets = []
-        tokenizer, echoes = self.gateway.tokenizer, len(shown) - len(tokens)
-        for i, ((token_id, _, _), t) in enumerate(zip(shown, dressed, strict=True)):
-            offsets.append(self.chars)
-            # the echoed prompt's text holds its special tokens; the generated text does not
-            if i < echoes or tokenizer.in_text(token_id):
-                self.chars += len(self._utf8.decode(t.piece))
+        if self.chat:
+            return api.chat_logprobs(dressed, [top or [] for _, _, top in shown]
+                                     if asked else None)
         return api.completion_logprobs(dressed, [top for _, _, top in shown] if asked else None,
                                        offsets)
 
@@ -328,6 +356,8 @@ async def stream_events(reply: Reply) -> AsyncIterator[str]:
                                 finish = tool_calls.finish_reason(finish, answer.calls)
                         if not (text or logprobs or finish):
                             continue
+                    if not (text or logprobs or finish):
+                        continue  # tokens whose logprobs wait for their text (Call.held)
                     choice = api.choice(call.chat, text, finish, logprobs, stream=True,
                                         index=call.index)
                     yield api.sse(base | {"choices": [choice]} | extra)

@@ -31,6 +31,7 @@ from services.gateway.routes import Call, choice_ids, choice_seeds, collect, int
 from services.gateway.stream import GaveUp, Lost, Relay
 from services.gateway.timing import RequestTiming
 from services.gateway.view import InstanceView, stuck_for
+from shared.engine.engine import TextState
 from shared.engine.meta import read_tokenizer
 from shared.messages import Sampling, TokenChunk
 from shared.state import InstanceInfo
@@ -722,3 +723,48 @@ def test_a_prompt_that_can_never_fit_names_the_field_it_came_in() -> None:
             gateway.sampling(target, length, req)
         assert e.value.body()["error"]["param"] == param
         assert e.value.body()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_logprobs_follow_the_text_and_leave_out_a_stop_string(chat: bool) -> None:
+    """A worker holds back text that may begin a stop string and leaves the stop string out
+    of the text; the logprobs go with the text: streamed, a token's come once the text shown
+    reaches it, and the tokens of the stop string are not shown (before, ' 5, 6' came with
+    the logprobs of ' 5, 6, 7'). Chunks as the engine's TextState makes them."""
+    tokenizer = read_tokenizer("smollm2-135m")
+    ids = tokenizer.encode(" 5, 6, 7, 8", add_special_tokens=False)
+    state = TextState(tokenizer, (", 7",))
+    chunks = []
+    for seq, token in enumerate(ids):
+        delta, hit = state.advance(ids[:seq + 1])  # the output so far, as the engine gives it
+        chunks.append(TokenChunk(request_id="r", seq=seq, token_ids=[token], text=delta,
+                                 logprobs=[-0.5], finish_reason="stop" if hit else None))
+        if hit:
+            break
+    text = "".join(c.text for c in chunks)
+    assert text == " 5, 6" and len(chunks) < len(ids)
+
+    def call() -> Call:
+        return Call(SimpleNamespace(tokenizer=tokenizer), chat, None, None,  # type: ignore[arg-type]
+                    [1, 2], Sampling(max_tokens=8, logprobs=True), "r")
+
+    def tokens_of(block: dict[str, Any] | None) -> list[str]:
+        if block is None:
+            return []
+        return [e["token"] for e in block["content"]] if chat else block["tokens"]
+
+    streamed, shown = call(), ""
+    seen: list[str] = []
+    for c in chunks:
+        delta, block = streamed.show(c)
+        shown += delta
+        seen += tokens_of(block)
+        assert len("".join(seen)) <= len(shown) + len(seen[-1] if seen else "")  # not ahead
+        if not chat and block is not None:  # each at its place in the text
+            for token, at in zip(block["tokens"], block["text_offset"], strict=True):
+                assert text[at:at + len(token)] == token
+    assert "".join(seen) == text
+    whole = TokenChunk(request_id="r", token_ids=[t for c in chunks for t in c.token_ids],
+                       text=text, logprobs=[-0.5] * len(chunks), finish_reason="stop")
+    _, block = call().show(whole)
+    assert "".join(tokens_of(block)) == text
