@@ -335,6 +335,9 @@ class ChatRequest(_Common):
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True  # several calls in one answer (as the model makes them)
+    # what the answer is made of: text only is served (audio output is refused, not ignored)
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None  # the voice and format of audio output: refused
 
     @property
     def offered_tools(self) -> list[dict[str, Any]] | None:
@@ -351,6 +354,9 @@ class ChatRequest(_Common):
         if self.functions or self.function_call not in (None, "none"):
             raise ValueError("functions and function_call (deprecated by OpenAI) are not "
                              "served: send tools and tool_choice")
+        if self.audio is not None or set(self.modalities or ()) - {"text"}:
+            raise ValueError("audio output is not served: answers are text (modalities: "
+                             "[\"text\"])")
         return self
 
     @property

@@ -171,8 +171,14 @@ def test_fields_of_what_is_not_served_are_refused(extra: dict[str, object],
                        {"function_call": {"name": "f"}}):
         with pytest.raises(ValidationError, match="send tools"):
             ChatRequest.model_validate(chat | deprecated)
-    for fine in ({"functions": []}, {"function_call": "none"}):
+    for fine in ({"functions": []}, {"function_call": "none"}, {"modalities": ["text"]}):
         ChatRequest.model_validate(chat | fine)
+    for audio in ({"modalities": ["text", "audio"]},
+                  {"modalities": ["text", "audio"], "audio": {"voice": "alloy",
+                                                               "format": "wav"}},
+                  {"audio": {"voice": "alloy", "format": "wav"}}):
+        with pytest.raises(ValidationError, match="audio output is not served"):
+            ChatRequest.model_validate(chat | audio)
 
 
 def test_an_explicit_null_is_the_default() -> None:
