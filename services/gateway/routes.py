@@ -64,6 +64,9 @@ class Call:
         # generated text)
         self.held: list[tuple[int, float, list[tuple[int, float]], int]] = []
         self.generated_from: int | None = None  # self.chars where the generated text begins
+        # characters the tokenizer's decoder strips from the generated text's start (a
+        # SentencePiece decoder's leading space; None: no token with text came yet)
+        self.stripped: int | None = None
         self.text_shown = 0  # characters of generated text shown
 
     def chunks(self) -> AsyncIterator[TokenChunk]:
@@ -145,11 +148,16 @@ class Call:
                     token_id)[1]))
         if self.generated_from is None:
             self.generated_from = self.chars
+        tokenizer = self.gateway.tokenizer
         for i, (token_id, logprob) in enumerate(zip(tokens, logprobs, strict=False)):
             self.held.append((token_id, logprob, tops[i] if i < len(tops) else [], self.chars))
-            if self.gateway.tokenizer.in_text(token_id):  # the generated text skips the rest
-                self.chars += len(self._utf8.decode(self.gateway.tokenizer.token_piece(
-                    token_id)[1]))
+            if tokenizer.in_text(token_id):  # the generated text skips the rest
+                text = self._utf8.decode(tokenizer.token_piece(token_id)[1])
+                if self.stripped is None and text:
+                    self.stripped = int(text.startswith(" ") and
+                                        not tokenizer.decode([token_id]).startswith(" "))
+                    text = text[self.stripped:]
+                self.chars += len(text)
         reached = self.generated_from + self.text_shown
         go = len(self.held) if ended and not cut else \
             next((i for i, h in enumerate(self.held) if h[3] >= reached), len(self.held))

@@ -392,6 +392,10 @@ class Engine:
             text, hit = state.advance(request.output_ids)
             if hit and not request.status.finished:
                 self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            elif hit and request.status is RequestStatus.FINISHED_LENGTH:
+                # the last token allowed completed a stop string: its text ends there, so it
+                # stopped (as OpenAI says it), not ran out of length
+                request.status = RequestStatus.FINISHED_STOPPED
             elif request.status.finished and not hit:
                 text += state.flush()
         if request.status.finished:

@@ -141,6 +141,12 @@ def test_stop_strings_and_text_stream(loaded: LoadedModel, prompt_ids: list[list
     text = "".join(o.new_text for o in outputs)
     assert outputs[-1].finish_reason == "stop"
     assert text == full[: full.index("ari")]
+    # the last token allowed completes the stop string: it stopped there, its text cut
+    e.add_request("u", prompt_ids[0], SamplingParams(max_tokens=len(outputs), stop=("ari",)))
+    last = []
+    while e.has_work():
+        last += e.step()
+    assert last[-1].finish_reason == "stop" and "".join(o.new_text for o in last) == text
     assert e.blocks.num_free == e.blocks.num_blocks
 
 

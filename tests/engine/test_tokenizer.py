@@ -10,6 +10,7 @@ from shared.engine.engine import TextState
 from shared.engine.gguf_loader import read_gguf_tokenizer
 from shared.engine.meta import read_tokenizer
 from shared.engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, TextTokenizer
+from tests.tokenizers import spm_like
 
 SHAREGPT = Path(__file__).parents[3] / "shared" / "data" / "sharegpt_v3_filtered_1000_prompts.json"
 
@@ -108,37 +109,6 @@ def test_a_gguf_pre_tokenizer_we_do_not_know_is_refused() -> None:
         TextTokenizer.from_gguf(dataclasses.replace(data, pre="deepseek-r1-qwen"))
 
 
-def _spm_like() -> TextTokenizer:
-    """A SentencePiece-style tokenizer (Llama 2's, Mistral's tokenizer.json: a Metaspace
-    pre-tokenizer, byte fallback, a decoder that strips the text's leading space), trained
-    here on HumanEval's text."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    from distserve.bench.workload import humaneval_prompts
-
-    def build(model: models.Model) -> Tokenizer:
-        tokenizer = Tokenizer(model)
-        tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
-                                                     normalizers.Replace(" ", "▁")])
-        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
-        tokenizer.decoder = decoders.Sequence([
-            decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-            decoders.Strip(" ", 1, 0)])
-        return tokenizer
-
-    trained = build(models.BPE(unk_token="<unk>"))
-    trained.train_from_iterator([p + s for p, s in humaneval_prompts()], trainers.BpeTrainer(
-        vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"]))
-    learned = json.loads(trained.to_str())["model"]
-    vocab = dict(learned["vocab"])
-    for i in range(256):  # byte fallback's tokens, in the model's own vocabulary
-        vocab.setdefault(f"<0x{i:02X}>", len(vocab))
-    inner = build(models.BPE(vocab, [tuple(m) for m in learned["merges"]], unk_token="<unk>",
-                             byte_fallback=True))
-    inner.add_special_tokens(["<unk>", "<s>", "</s>"])
-    return TextTokenizer(inner, bos_token="<s>", eos_token="</s>", eos_ids=[2])
-
-
 MIXED = " Ünïcödé, 中文字符 and 🎉🎉 — ∑x² ends.\n\tdone"
 
 
@@ -151,7 +121,7 @@ def test_incremental_deltas_add_up_to_the_text_decoding_a_few_ids_a_token(
     costs what its first did (the detokenizer decoded all n ids each time)."""
     from distserve.bench.workload import humaneval_prompts
 
-    tokenizer = tok if kind == "byte-level BPE" else _spm_like()
+    tokenizer = tok if kind == "byte-level BPE" else spm_like()
     text = "".join(p + s for p, s in humaneval_prompts()[:4]) + MIXED
     ids = tokenizer.encode(text)
     assert len(ids) > 400
@@ -175,7 +145,7 @@ def test_incremental_deltas_add_up_to_the_text_decoding_a_few_ids_a_token(
 def test_each_tokens_bytes_join_into_the_texts(kind: str, tok: TextTokenizer) -> None:
     """A token's bytes (OpenAI's logprobs `bytes`) may be part of a character; the tokens'
     bytes together are the text's, where decoding a token alone gives U+FFFD."""
-    tokenizer = tok if kind == "byte-level BPE" else _spm_like()
+    tokenizer = tok if kind == "byte-level BPE" else spm_like()
     ids = tokenizer.encode(MIXED)
     alone = [tokenizer.decode([t]) for t in ids]
     assert any("\ufffd" in a for a in alone)  # some token splits a character
