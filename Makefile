@@ -31,10 +31,11 @@ run: install
 	$(BIN)/distserve up --port $(PORT)
 
 # the fast tests on two workers (short or light: they share two cores well), then the
-# slow end-to-end ones one at a time (their stacks would fight over the cores)
+# slow end-to-end ones one at a time (their stacks would fight over the cores); both run,
+# and either failing fails the target
 test: install-test
-	$(BIN)/python -m pytest -q -m "not slow" -n 2 --durations=10
-	$(BIN)/python -m pytest -q -m slow --durations=25
+	$(BIN)/python -m pytest -q -m "not slow" -n 2 --durations=10; fast=$$?; \
+	$(BIN)/python -m pytest -q -m slow --durations=25 && exit $$fast
 
 lint: install-test
 	$(BIN)/ruff check . && $(BIN)/mypy

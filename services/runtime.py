@@ -104,6 +104,7 @@ class Worker:
                             pp=self.engine.config.pp, machine=machine_id(),
                             busy_since=self.host.busy_since,
                             stuck_since=self.host.stuck_since(),
+                            stuck_on_prompts=self.engine.prompts_under_way,
                             max_running=scheduler.config.max_running, steps=self.host.steps,
                             stalled_steps=self.host.stalled_steps,
                             step_seconds=self.host.step_s, step_cpu_seconds=self.host.step_cpu_s,

@@ -57,6 +57,10 @@ class InstanceInfo(BaseModel):
     # thread (a KV export or import, a request taken in); 0: none. Past the gateways'
     # DS_STUCK_AFTER_S they send it nothing (services/gateway/view.py `stuck`)
     stuck_since: float = 0.0
+    # the step under way computes prompt tokens (on a decode instance: a recompute after
+    # preemption, a failover's replay), so it may be long by rights: the gateways move the
+    # streams of a stuck decode instance at once only where it does not
+    stuck_on_prompts: bool = False
     max_request_tokens: int = 0  # prompt + output one request can have here (context, pool)
     max_running: int = 0  # requests the engine batches at most
     kv_requests: int = 0  # KV transfers served (prefill) or pulled (decode) over UCX

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
@@ -526,6 +526,8 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict[str, Any]:
+        if not model:  # /v1/models/: no such route (the 404 that names them)
+            raise HTTPException(404)
         if model != gateway.served_model:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                                 f"`{gateway.served_model}`.", "model", "model_not_found")

@@ -5,7 +5,8 @@ instance serving it stopped heartbeating; neither a token nor an engine step of 
 instance came for `stall_s` (a request queued behind others on a live, busy instance is
 never lost); the decode instance serving it has been at one step or call past `stuck_s`
 while another decode instance is not (a decode step is short: a wedged engine heartbeats
-on, and its streams would wait out `stall_s`; a prefill's step may be long by rights); a
+on, and its streams would wait out `stall_s`; a step that computes prompt tokens, a
+prefill's or a decode instance's recompute after preemption, may be long by rights); a
 chunk went missing (its `seq` skips ahead); a decode instance could not pull its KV; the
 decode instance never started it and the prefill instance holding its KV died;
 or the decode instance running it, with none preempted, made `silent_steps` steps without a
@@ -204,7 +205,7 @@ class Relay:
         is not: one stuck instance of a role is all there is to move to (the gateway's
         stuck_pools), and moving there again and again would spend the request's moves."""
         if self.stuck_s is None or not self.decode or self.serving != self.decode or \
-                not stuck(info, self.stuck_s):
+                info.stuck_on_prompts or not stuck(info, self.stuck_s):
             return False
         return any(i.instance_id != self.serving and not i.draining and
                    not stuck(i, self.stuck_s) for i in self.view.instances("decode", now))

@@ -109,6 +109,9 @@ class Engine:
         # instance's KV parked for pulls, or retained after them), and another step will not
         # either until blocks are freed or requests come or go
         self.stalled = False
+        # the step under way computes prompt tokens (a prompt, a recompute after preemption,
+        # a failover's replay), so it may be long by rights; read from other threads
+        self.prompts_under_way = False
         self._under_way: deque[Launched] = deque()  # a pipeline's micro-batches, oldest first
         self._text: dict[str, TextState] = {}
         self._arrivals = itertools.count()
@@ -167,7 +170,10 @@ class Engine:
         told of them)."""
         self._sync_parked()
         self.stalled = False
-        outputs = self._pipelined_step() if self.runner.depth > 1 else self._step()
+        try:
+            outputs = self._pipelined_step() if self.runner.depth > 1 else self._step()
+        finally:
+            self.prompts_under_way = False
         self._sync_parked()
         return outputs
 
@@ -178,6 +184,7 @@ class Engine:
         self.stalled = out is None
         if out is None:
             return []
+        self.prompts_under_way = bool(out.prefills)
         try:
             return self._update(out, self.runner.execute(out))
         except RankFailed:
@@ -206,6 +213,7 @@ class Engine:
         self.stalled = not self._under_way
         if not self._under_way:
             return []
+        self.prompts_under_way = any(step.out.prefills for step in self._under_way)
         launched = self._under_way.popleft()
         try:
             return self._update(launched.out, self.runner.finish(launched))

@@ -159,3 +159,28 @@ def test_a_step_names_the_prompts_it_began() -> None:
         engine.step()
         began.append([request_id for request_id, _ in engine.last_began])
     assert [ids for ids in began if ids] == [["short"]] and began[-1] == []
+
+
+def test_the_engine_says_whether_the_step_under_way_computes_prompt_tokens(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read by the heartbeats (a stuck decode instance's streams move at once only where its
+    step computes no prompt: a recompute after preemption may be long by rights): true while
+    a prompt's step runs, false while a decode step runs, between steps, and after a step
+    that failed."""
+    engine = tiny_engine()
+    seen: list[tuple[bool, bool]] = []  # (prompt tokens in the step, what the engine said)
+    execute = engine.runner.execute
+
+    def watched(out: SchedulerOutput) -> object:
+        seen.append((bool(out.prefills), engine.prompts_under_way))
+        return execute(out)
+
+    monkeypatch.setattr(engine.runner, "execute", watched)
+    engine.add_request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3))
+    while engine.has_work():
+        engine.step()
+        assert not engine.prompts_under_way
+    assert seen == [(True, True), (False, False), (False, False)]
+    fail_once(monkeypatch, engine, "b")
+    engine.add_request("b", [1, 2, 3], SamplingParams(max_tokens=2))
+    assert engine.step()[0].error and not engine.prompts_under_way

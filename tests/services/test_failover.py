@@ -238,7 +238,7 @@ def test_a_decode_instance_whose_engine_wedges_is_left_then_killed_and_replaced(
         victim, proc, at = wedged[0]
         moved = {cause for (cause, path), n in moves(stack.url).items()
                  if n > before.get((cause, path), 0)}
-        assert moved == {"stuck"}, moved  # once stuck, not after the stall timeout
+        assert "stuck" in moved and "stalled" not in moved, moved  # not after STALL_S
         assert proc.poll() is None  # still wedged (killed STEP_S + HANG_S after the wedge)
         health = httpx.get(f"{stack.url}/health", timeout=10).json()
         assert health["stuck_ids"] == [victim] and victim in health["instance_ids"]

@@ -267,16 +267,17 @@ def test_an_attempt_its_worker_never_acknowledged_is_lost_at_the_next_read() -> 
 def test_a_stream_leaves_a_stuck_decode_instance_only_for_one_that_is_not() -> None:
     """d0's engine wedges (its heartbeats go on, its steps stop): past stuck_s its streams
     move where another decode instance serves, without waiting out stall_s. Alone, beside
-    only stuck or draining ones, or as a prefill instance (whose step may be long by rights)
-    they wait out stall_s."""
+    only stuck or draining ones, as a prefill instance, or at a step that computes prompt
+    tokens (a recompute after preemption: long by rights) they wait out stall_s."""
     def info(instance_id: str, role: str, stuck_since: float, at: float,
-             draining: bool = False) -> InstanceInfo:
+             draining: bool = False, prompts: bool = False) -> InstanceInfo:
         return InstanceInfo(instance_id=instance_id, role=role,  # type: ignore[arg-type]
                             steps=5, held={"r": 0}, stuck_since=stuck_since,
-                            heartbeat_at=1000.0 + at, draining=draining)
+                            heartbeat_at=1000.0 + at, draining=draining,
+                            stuck_on_prompts=prompts)
 
     def lost_at(others: list[tuple[str, float, bool]], stuck_s: float | None = 5.0,
-                serving: str = "d0") -> tuple[float, str]:
+                serving: str = "d0", prompts: bool = False) -> tuple[float, str]:
         """When (and why) the stream on `serving`, wedged at 1000 on its clock, is lost;
         `others`: decode instances (id, stuck since, draining)."""
         clock, view = Clock(), InstanceView(2.0)
@@ -288,7 +289,8 @@ def test_a_stream_leaves_a_stuck_decode_instance_only_for_one_that_is_not() -> N
         for t in range(40):
             clock.now = float(t)
             view.observe(info("p0", "prefill", 1000.0 if serving == "p0" else 0.0, t), t)
-            view.observe(info("d0", "decode", 1000.0 if serving == "d0" else 0.0, t), t)
+            view.observe(info("d0", "decode", 1000.0 if serving == "d0" else 0.0, t,
+                              prompts=prompts), t)
             for instance_id, since, draining in others:
                 view.observe(info(instance_id, "decode", since, t, draining), t)
             try:
@@ -303,3 +305,4 @@ def test_a_stream_leaves_a_stuck_decode_instance_only_for_one_that_is_not() -> N
     assert lost_at([("d1", 0.0, True)]) == (31.0, "stalled")  # d1 leaving
     assert lost_at([("d1", 0.0, False)], stuck_s=None) == (31.0, "stalled")
     assert lost_at([("d1", 0.0, False)], serving="p0") == (31.0, "stalled")
+    assert lost_at([("d1", 0.0, False)], prompts=True) == (31.0, "stalled")

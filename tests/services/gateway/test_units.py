@@ -435,10 +435,14 @@ def test_head_a_trailing_slash_and_a_validators_message_answer_as_clients_expect
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
             return [await client.head("/v1/models"), await client.head("/metrics"),
                     await client.post("/v1/chat/completions/", json={}),
+                    await client.get("/v1/models/"),
                     await client.post("/v1/completions", json={"model": "m", "prompt": "hi",
                                                                "best_of": 3})]
 
-    head, head_metrics, slash, invalid = asyncio.run(ask(create_app(GatewaySettings())))
+    head, head_metrics, slash, models_slash, invalid = asyncio.run(
+        ask(create_app(GatewaySettings())))
+    assert models_slash.status_code == 404  # not a model named ""
+    assert "does not serve /v1/models/;" in models_slash.json()["error"]["message"]
     assert (head.status_code, head.content) == (200, b"")
     assert head.headers["content-type"] == "application/json"
     assert head_metrics.status_code == 200
