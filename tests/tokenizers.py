@@ -10,11 +10,20 @@ from shared.engine.tokenizer import TextTokenizer
 
 
 @functools.cache
-def spm_like() -> TextTokenizer:
+def spm_like(add_bos: bool = False) -> TextTokenizer:
     """A SentencePiece-style tokenizer (Llama 2's, Mistral's tokenizer.json: a Metaspace
     pre-tokenizer, byte fallback, a decoder that strips the text's leading space), trained
-    here on HumanEval's text."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    here on HumanEval's text; `add_bos`: raw text encoded with special tokens begins with
+    <s>, as Llama 2's does."""
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     from distserve.bench.workload import humaneval_prompts
 
@@ -38,4 +47,7 @@ def spm_like() -> TextTokenizer:
     inner = build(models.BPE(vocab, [tuple(m) for m in learned["merges"]], unk_token="<unk>",
                              byte_fallback=True))
     inner.add_special_tokens(["<unk>", "<s>", "</s>"])
+    if add_bos:
+        inner.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", inner.token_to_id("<s>"))])
     return TextTokenizer(inner, bos_token="<s>", eos_token="</s>", eos_ids=[2])

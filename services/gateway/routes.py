@@ -95,12 +95,13 @@ class Call:
         if self.chat and by_eos:
             tokens = tokens[:-1]  # a chat's end of turn is not part of its message
         self.text_shown += len(text)
+        echo = ""
         if self.echo is not None and (chunk.token_ids or chunk.finish_reason):
-            text, echoed, self.echo = self.echo + text, self.prompt_ids, None
+            echo, echoed, self.echo = self.echo, self.prompt_ids, None
         ended = chunk.finish_reason is not None or chunk.error is not None
         cut = chunk.finish_reason == "stop" and not by_eos  # at a stop string
-        return text, self.logprob_block(echoed, tokens, chunk.logprobs, chunk.top_logprobs,
-                                        ended, cut)
+        return echo + text, self.logprob_block(echoed, tokens, chunk.logprobs,
+                                               chunk.top_logprobs, ended, cut, echo)
 
     def ended_by_eos(self, chunk: TokenChunk) -> bool:
         return chunk.finish_reason == "stop" and bool(chunk.token_ids) and \
@@ -122,11 +123,12 @@ class Call:
 
     def logprob_block(self, echoed: list[int], tokens: list[int], logprobs: list[float],
                       tops: list[list[tuple[int, float]]], ended: bool = False,
-                      cut: bool = False) -> dict[str, Any] | None:
+                      cut: bool = False, echo: str = "") -> dict[str, Any] | None:
         """`echoed`: the prompt's tokens, shown first with their scores (None for the
-        first: nothing precedes it); `tokens`: generated, held until the text shown reaches
-        them (`held`); `ended`: the last chunk, which shows the rest, but where it `cut` the
-        text at a stop string, those past the text. None: nothing to show yet."""
+        first: nothing precedes it), each at its place in `echo`, its text; `tokens`:
+        generated, held until the text shown reaches them (`held`); `ended`: the last chunk,
+        which shows the rest, but where it `cut` the text at a stop string, those past the
+        text. None: nothing to show yet."""
         if not self.sampling.logprobs:
             return None
         asked = bool(self.sampling.top_logprobs)
@@ -135,17 +137,14 @@ class Call:
             return [self.token(c, v) for c, v in top] if asked else None
 
         shown: list[tuple[int, float | None, list[api.TokenLogprob] | None]] = []
-        offsets = []
+        offsets: list[int] = []
         if echoed:  # position p scores token p + 1; the first has nothing before it
             missing: tuple[float | None, list[tuple[int, float]]] = (None, [])
             scored = [self.scores.get(p, missing) for p in range(len(echoed) - 1)]
             shown = [(echoed[0], None, None)] + [
                 (t, logprob, dress(top)) for t, (logprob, top) in zip(echoed[1:], scored,
                                                                       strict=True)]
-            for token_id, _, _ in shown:  # its text holds its special tokens, as written
-                offsets.append(self.chars)
-                self.chars += len(self._utf8.decode(self.gateway.tokenizer.token_piece(
-                    token_id)[1]))
+            self.chars += self._place(echoed, echo, offsets)
         if self.generated_from is None:
             self.generated_from = self.chars
         tokenizer = self.gateway.tokenizer
@@ -173,6 +172,24 @@ class Call:
                                      if asked else None)
         return api.completion_logprobs(dressed, [top for _, _, top in shown] if asked else None,
                                        offsets)
+
+    def _place(self, echoed: list[int], echo: str, offsets: list[int]) -> int:
+        """Each echoed token's offset (appended to `offsets`) and the characters they
+        take, read along `echo`: it holds the special tokens the prompt's text spelled, but
+        not one the tokenizer added (a BOS), nor a leading space its decoder strips (a
+        SentencePiece decoder's, where the echo is the ids decoded); elsewhere, where a
+        token's text is not where the echo has it, its own characters count."""
+        tokenizer, at = self.gateway.tokenizer, 0
+        for token_id in echoed:
+            offsets.append(self.chars + at)
+            text = self._utf8.decode(tokenizer.token_piece(token_id)[1])
+            if text and not echo.startswith(text, at):
+                if not tokenizer.in_text(token_id):
+                    text = ""  # added to the text as encoded, not written in it
+                elif at == 0 and text.startswith(" ") and echo.startswith(text[1:]):
+                    text = text[1:]
+            at += len(text)
+        return at
 
     def token(self, token_id: int, logprob: float | None) -> api.TokenLogprob:
         text, piece = self.gateway.tokenizer.token_piece(token_id)

@@ -787,3 +787,34 @@ def test_logprobs_follow_the_text_and_leave_out_a_stop_string(kind: str, chat: b
     seen = []
     _, block = call().show(whole)
     assert tokens_of(block) == expected
+
+
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_an_echoed_prompt_s_offsets_leave_out_what_its_text_does_not_hold(as_ids: bool) -> None:
+    """A prompt written as text and encoded with a BOS (Llama 2's, 3's tokenizers add one)
+    echoes as written: the BOS takes no place in it, nor the leading space a SentencePiece
+    decoder strips; a prompt of token ids echoes as they decode, its BOS spelled. Each token
+    is found at its offset, and the generated text's tokens follow the echo (before, every
+    offset ran four characters ahead of a string prompt's text)."""
+    tokenizer = spm_like(add_bos=True)
+    prompt = "Hello world"
+    prompt_ids = tokenizer.encode(prompt, True)
+    assert tokenizer.token_piece(prompt_ids[0])[0] == "<s>"
+    echo = tokenizer.decode(prompt_ids, skip_special_tokens=False) if as_ids else prompt
+    generated = tokenizer.encode(", x")
+    text = tokenizer.decode(generated)
+    call = Call(SimpleNamespace(tokenizer=tokenizer), False, None, None,  # type: ignore[arg-type]
+                prompt_ids, Sampling(max_tokens=8, logprobs=True), "r1", echo=echo)
+    call.scores = {p: (-1.0, []) for p in range(len(prompt_ids))}
+    shown, block = call.show(TokenChunk(request_id="r1", token_ids=generated, text=text,
+                                        logprobs=[-0.5] * len(generated), finish_reason="length"))
+    assert shown == echo + text and block is not None
+    tokens, offsets = block["tokens"], block["text_offset"]
+    assert len(tokens) == len(prompt_ids) + len(generated)
+    assert offsets == sorted(offsets)
+    for i, (token, offset) in enumerate(zip(tokens, offsets, strict=True)):
+        found = shown[offset:offset + len(token)]
+        if found != token:  # a BOS the text does not hold; a leading space stripped
+            assert (token == "<s>" and not as_ids) or (token.startswith(" ") and
+                                                        found.startswith(token[1:])), (i, token)
+    assert offsets[len(prompt_ids)] == len(echo)  # the generated text after the echo
