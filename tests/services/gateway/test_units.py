@@ -818,3 +818,25 @@ def test_an_echoed_prompt_s_offsets_leave_out_what_its_text_does_not_hold(as_ids
             assert (token == "<s>" and not as_ids) or (token.startswith(" ") and
                                                         found.startswith(token[1:])), (i, token)
     assert offsets[len(prompt_ids)] == len(echo)  # the generated text after the echo
+
+
+def test_a_stuck_decode_instance_s_batch_is_not_counted_as_capacity() -> None:
+    """The 429 limit is twice what the serving decode instances batch: a stuck one runs
+    nothing sent to it, so it counts for nothing while another serves; where every one is
+    stuck they count (requests wait for them), and never under 16."""
+    now = time.time()
+
+    def decode(instance_id: str, stuck_for_s: float) -> InstanceInfo:
+        return InstanceInfo(instance_id=instance_id, role="decode", max_running=32,
+                            heartbeat_at=now, stuck_since=now - stuck_for_s if stuck_for_s
+                            else 0.0)
+
+    prefill = worker("p0", "prefill")
+    assert gateway_seeing("disaggregated", prefill, decode("d0", 0), decode("d1", 0)
+                          ).inflight_limit() == 128
+    assert gateway_seeing("disaggregated", prefill, decode("d0", 30), decode("d1", 0)
+                          ).inflight_limit() == 64
+    assert gateway_seeing("disaggregated", prefill, decode("d0", 30), decode("d1", 30)
+                          ).inflight_limit() == 128
+    assert gateway_seeing("disaggregated", prefill, decode("d0", 5), decode("d1", 0)
+                          ).inflight_limit() == 128  # stuck under DS_STUCK_AFTER_S: not yet
