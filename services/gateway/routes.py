@@ -65,7 +65,8 @@ class Call:
         self.held: list[tuple[int, float, list[tuple[int, float]], int]] = []
         self.generated_from: int | None = None  # self.chars where the generated text begins
         # characters the tokenizer's decoder strips from the generated text's start (a
-        # SentencePiece decoder's leading space; None: no token with text came yet)
+        # SentencePiece decoder's leading space where the prompt gives the output no
+        # context, TextTokenizer.context_of; None: no token with text came yet)
         self.stripped: int | None = None
         self.text_shown = 0  # characters of generated text shown
 
@@ -153,8 +154,10 @@ class Call:
             if tokenizer.in_text(token_id):  # the generated text skips the rest
                 text = self._utf8.decode(tokenizer.token_piece(token_id)[1])
                 if self.stripped is None and text:
-                    self.stripped = int(text.startswith(" ") and
-                                        not tokenizer.decode([token_id]).startswith(" "))
+                    context = tokenizer.context_of(self.prompt_ids)
+                    before = len(tokenizer.decode(context))
+                    self.stripped = int(text.startswith(" ") and not tokenizer.decode(
+                        [*context, token_id])[before:].startswith(" "))
                     text = text[self.stripped:]
                 self.chars += len(text)
         reached = self.generated_from + self.text_shown

@@ -61,11 +61,12 @@ def _began(out: SchedulerOutput | None) -> list[tuple[str, int]]:
 class TextState:
     """Per-request detokenization; holds back text that may be the start of a stop string.
     `streamed`: the tokens a request resumed here had streamed elsewhere; their text, as
-    that stream showed it, is not shown again."""
+    that stream showed it, is not shown again. `prompt`: what the output is decoded after
+    (TextTokenizer.context_of)."""
 
     def __init__(self, tokenizer: TextTokenizer, stop: tuple[str, ...],
-                 streamed: Sequence[int] = ()) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer)
+                 streamed: Sequence[int] = (), prompt: Sequence[int] = ()) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, tokenizer.context_of(prompt))
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.sent = 0
@@ -390,7 +391,8 @@ class Engine:
     def _track(self, request: Request) -> None:
         if self.tokenizer is not None:
             # output ids streamed already, by whoever sampled them
-            state = TextState(self.tokenizer, request.params.stop, request.output_ids)
+            state = TextState(self.tokenizer, request.params.stop, request.output_ids,
+                              request.prompt_ids)
             self._text[request.request_id] = state
 
     def _output(self, request: Request) -> RequestOutput:

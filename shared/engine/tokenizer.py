@@ -152,6 +152,11 @@ class TextTokenizer:
             piece = self._pieces[token_id] = (text, raw)
         return piece
 
+    def context_of(self, prompt: Sequence[int]) -> list[int]:
+        """The ids an output is decoded after (IncrementalDetokenizer's context): the
+        prompt's last token that shows in text, if one of its last 8 does."""
+        return [t for t in prompt[-8:] if self.in_text(t)][-1:]
+
     def in_text(self, token_id: int) -> bool:
         """Whether generated text shows the token (`decode` leaves special tokens out)."""
         return token_id not in self._special_ids
@@ -221,26 +226,38 @@ class IncrementalDetokenizer:
     characters either way, not always as many. A window grows only while its end is such a
     partial character or its ids add no text (skipped special tokens)."""
 
-    def __init__(self, tokenizer: TextTokenizer) -> None:
+    def __init__(self, tokenizer: TextTokenizer, context: Sequence[int] = ()) -> None:
+        """`context`: ids before the first one (the prompt's last), decoded with the first
+        window only for context: a decoder that strips the text's leading space
+        (SentencePiece's) then strips none of the output's, which goes on from its prompt
+        (' Paris' after 'The capital of France is', as the prompt and the text read
+        together)."""
         self._tokenizer = tokenizer
+        self._context = list(context)
         self.text = ""
-        self._start = 0  # the window's first id: the last delta's, decoded for context
-        self._read = 0  # the ids before this are in `text`
+        # in ids as the context and the output together: the window's first id (the last
+        # delta's, decoded for context), and the end of those in `text`
+        self._start, self._read = 0, len(self._context)
 
     def update(self, ids: Sequence[int]) -> str:
-        return self._take(ids, len(ids))
+        return self._take(ids, len(self._context) + len(ids))
 
     def streamed(self, ids: Sequence[int]) -> None:
         """Take `ids` as a stream showed them, one token at a time: a request resumed from
         the tokens another engine streamed, whose `text` must be what the client has. Taken
         at once, ids that end inside a character would add nothing (the whole window is
         held back), and the text the client already has would be shown again."""
-        for end in range(self._read + 1, len(ids) + 1):
+        for end in range(self._read + 1, len(self._context) + len(ids) + 1):
             self._take(ids, end)
 
+    def _window(self, ids: Sequence[int], start: int, end: int) -> list[int]:
+        """[start, end) of the context and `ids` together."""
+        n = len(self._context)
+        return self._context[start:end] + list(ids[max(0, start - n):max(0, end - n)])
+
     def _take(self, ids: Sequence[int], end: int) -> str:
-        context = self._tokenizer.decode(ids[self._start:self._read])
-        text = self._tokenizer.decode(ids[self._start:end])
+        context = self._tokenizer.decode(self._window(ids, self._start, self._read))
+        text = self._tokenizer.decode(self._window(ids, self._start, end))
         # a multi-byte character not complete yet, or ids that add no text (yet)
         if len(text) <= len(context) or text.endswith("\ufffd"):
             return ""

@@ -181,3 +181,29 @@ def test_a_stream_resumed_elsewhere_shows_the_rest_of_its_text_once(
         resumed = TextState(tok, stop, ids[:cut])
         rest = [resumed.advance(ids[:n])[0] for n in range(cut + 1, len(ids) + 1)]
         assert "".join(shown[:cut]) + "".join(rest) + resumed.flush() == text, cut
+
+
+@pytest.mark.parametrize("kind", ["byte-level BPE", "SentencePiece-like"])
+def test_an_output_reads_on_from_its_prompt(kind: str, tok: TextTokenizer) -> None:
+    """The text of an output is what it adds to its prompt's: ' Paris' after 'The capital
+    is', where a SentencePiece decoder, decoding the output alone, strips its leading space
+    ('Paris': the prompt and the text read together 'isParis'). Its prompt's last token
+    that shows in text is its context; a prompt of special tokens only gives none."""
+    tokenizer = tok if kind == "byte-level BPE" else spm_like()
+    ids = tokenizer.encode("The capital is Paris, it is said")
+    cut = next(i for i in range(1, len(ids))
+               if tokenizer.decode(ids[:i]).endswith("is") and
+               tokenizer.token_piece(ids[i])[0].startswith(" "))
+    prompt, output = ids[:cut], ids[cut:]
+    expected = tokenizer.decode(ids)[len(tokenizer.decode(prompt)):]
+    assert expected.startswith(" Paris")
+    state = TextState(tokenizer, (), prompt=prompt)
+    text = "".join(state.advance(output[:n])[0] for n in range(1, len(output) + 1))
+    assert text + state.flush() == expected
+    alone = TextState(tokenizer, (), prompt=[t for t in prompt if not tokenizer.in_text(t)])
+    text = "".join(alone.advance(output[:n])[0] for n in range(1, len(output) + 1))
+    assert text + alone.flush() == tokenizer.decode(output)  # stripped, as decoded alone
+    resumed = TextState(tokenizer, (), output[:3], prompt=prompt)  # a move after 3 tokens
+    rest = "".join(resumed.advance(output[:n])[0] for n in range(4, len(output) + 1))
+    assert rest + resumed.flush() == expected[len(tokenizer.decode(prompt + output[:3])) -
+                                              len(tokenizer.decode(prompt)):]

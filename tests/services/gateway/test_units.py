@@ -737,20 +737,24 @@ def test_a_prompt_that_can_never_fit_names_the_field_it_came_in() -> None:
 
 
 @pytest.mark.parametrize("chat", [False, True])
-@pytest.mark.parametrize("kind", ["byte-level BPE", "SentencePiece"])
+@pytest.mark.parametrize("kind", ["byte-level BPE", "SentencePiece",
+                                  "SentencePiece, a prompt of special tokens only"])
 def test_logprobs_follow_the_text_and_leave_out_a_stop_string(kind: str, chat: bool) -> None:
     """A worker holds back text that may begin a stop string and leaves the stop string out
     of the text; the logprobs go with the text: streamed, a token's come once the text shown
     reaches it, and the tokens of the stop string are not shown (before, ' 5, 6' came with
-    the logprobs of ' 5, 6, 7'); each at its place in the text, where a SentencePiece
-    decoder strips the text's leading space too. Chunks as the engine's TextState makes
-    them."""
+    the logprobs of ' 5, 6, 7'); each at its place in the text, also where a SentencePiece
+    decoder strips the text's leading space (a prompt that gives the output no context).
+    Chunks as the engine's TextState makes them."""
     if kind == "byte-level BPE":
         tokenizer, said, stop, text = read_tokenizer("smollm2-135m"), " 5, 6, 7, 8", ", 7", " 5, 6"
     else:
-        tokenizer, said, stop, text = spm_like(), "Hello world, x, y", " x", "Hello world,"
+        tokenizer, said, stop, text = spm_like(), "Hello world, x, y", " x", " Hello world,"
+    prompt = tokenizer.encode("Say:")
+    if kind.endswith("special tokens only"):
+        prompt, text = [1, 2], text.lstrip()  # <s></s>: the decoder strips the leading space
     ids = tokenizer.encode(said)
-    state = TextState(tokenizer, (stop,))
+    state = TextState(tokenizer, (stop,), prompt=prompt)
     chunks = []
     for seq, token in enumerate(ids):
         delta, hit = state.advance(ids[:seq + 1])  # the output so far, as the engine gives it
@@ -760,13 +764,15 @@ def test_logprobs_follow_the_text_and_leave_out_a_stop_string(kind: str, chat: b
             break
     assert "".join(c.text for c in chunks) == text and len(chunks) < len(ids)
     # where each token begins in the text, and those that begin within it
-    starts = [len(tokenizer.decode(ids[:i])) for i in range(len(chunks))]
+    context = tokenizer.context_of(prompt)
+    before = len(tokenizer.decode(context))
+    starts = [len(tokenizer.decode(context + ids[:i])) - before for i in range(len(chunks))]
     expected = [tokenizer.token_piece(t)[0] for t, at in zip(ids[:len(chunks)], starts, strict=True)
                 if at < len(text)]
 
     def call() -> Call:
         return Call(SimpleNamespace(tokenizer=tokenizer), chat, None, None,  # type: ignore[arg-type]
-                    [1, 2], Sampling(max_tokens=8, logprobs=True), "r")
+                    prompt, Sampling(max_tokens=8, logprobs=True), "r")
 
     def tokens_of(block: dict[str, Any] | None) -> list[str]:
         if block is None:
@@ -802,7 +808,8 @@ def test_an_echoed_prompt_s_offsets_leave_out_what_its_text_does_not_hold(as_ids
     assert tokenizer.token_piece(prompt_ids[0])[0] == "<s>"
     echo = tokenizer.decode(prompt_ids, skip_special_tokens=False) if as_ids else prompt
     generated = tokenizer.encode(", x")
-    text = tokenizer.decode(generated)
+    state = TextState(tokenizer, (), prompt=prompt_ids)  # the text as the engine makes it
+    text = state.advance(generated)[0] + state.flush()
     call = Call(SimpleNamespace(tokenizer=tokenizer), False, None, None,  # type: ignore[arg-type]
                 prompt_ids, Sampling(max_tokens=8, logprobs=True), "r1", echo=echo)
     call.scores = {p: (-1.0, []) for p in range(len(prompt_ids))}
