@@ -39,7 +39,7 @@ def test_fitted_model_predicts_held_out_points(tmp_path: Path) -> None:
     # second profile is taken where the first one's errors are out of bounds.
     # a smaller grid than Grid.quick: 6 prefill and 8 decode points, 2 and 2 of them held out
     # and a chunk of 128 tokens continuing a prompt over 768 cached ones
-    grid = Grid((32, 128, 512), (1, 2), 1024, (1, 4, 16, 32), (64, 256), 3, ((128, 768),))
+    grid = Grid((32, 128, 512), (1, 2), 1024, (1, 4, 16, 32), (32, 128), 3, ((128, 768),))
     for _ in range(2):
         profile = profile_engine(EngineConfig(kv_cache_bytes=1024 << 20), grid)
         print(f"\nfit on this machine: {profile.fit}")
