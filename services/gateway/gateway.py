@@ -340,18 +340,13 @@ class Gateway:
 
     def inflight_limit(self) -> int:
         """DS_MAX_INFLIGHT, or twice what the decoding instances batch: those serving (a
-        stuck one runs nothing of what is sent it), or where every one of a role is stuck,
-        those (its requests wait for them, as dispatch sends them there)."""
+        stuck one runs nothing of what is sent it), or where every one is stuck, those (its
+        requests wait for them, as dispatch sends them there)."""
         if self.settings.max_inflight:
             return self.settings.max_inflight
-        after_s = self.settings.stuck_after_s
-        batched = 0
-        for role in self.roles:
-            if role != "prefill":
-                live = self.live(role)
-                batched += sum(i.max_running for i in
-                               [i for i in live if not stuck(i, after_s)] or live)
-        return max(16, 2 * batched)
+        live = [i for role in self.roles if role != "prefill" for i in self.live(role)]
+        serving = [i for i in live if not stuck(i, self.settings.stuck_after_s)]
+        return max(16, 2 * sum(i.max_running for i in serving or live))
 
     def admit(self) -> Ticket:
         """A slot for one more request, or 429 with Retry-After before any work is done."""

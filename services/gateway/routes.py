@@ -179,17 +179,20 @@ class Call:
     def _place(self, echoed: list[int], echo: str, offsets: list[int]) -> int:
         """Each echoed token's offset (appended to `offsets`) and the characters they
         take, read along `echo`: it holds the special tokens the prompt's text spelled, but
-        not one the tokenizer added (a BOS), nor a leading space its decoder strips (a
-        SentencePiece decoder's, where the echo is the ids decoded); elsewhere, where a
-        token's text is not where the echo has it, its own characters count."""
-        tokenizer, at = self.gateway.tokenizer, 0
+        not one the tokenizer added (a BOS), nor the leading space a SentencePiece encoder
+        adds and its decoder strips (the first token with text, at the echo's start, whose
+        decoding alone lacks it); elsewhere its own characters count."""
+        tokenizer, at, first = self.gateway.tokenizer, 0, True
         for token_id in echoed:
             offsets.append(self.chars + at)
             text = self._utf8.decode(tokenizer.token_piece(token_id)[1])
-            if text and not echo.startswith(text, at):
-                if not tokenizer.in_text(token_id):
+            if not tokenizer.in_text(token_id):
+                if text and not echo.startswith(text, at):
                     text = ""  # added to the text as encoded, not written in it
-                elif at == 0 and text.startswith(" ") and echo.startswith(text[1:]):
+            elif text and first:
+                first = False
+                if at == 0 and text.startswith(" ") and \
+                        not tokenizer.decode([token_id]).startswith(" "):
                     text = text[1:]
             at += len(text)
         return at

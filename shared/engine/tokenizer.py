@@ -154,8 +154,14 @@ class TextTokenizer:
 
     def context_of(self, prompt: Sequence[int]) -> list[int]:
         """The ids an output is decoded after (IncrementalDetokenizer's context): the
-        prompt's last token that shows in text, if one of its last 8 does."""
-        return [t for t in prompt[-8:] if self.in_text(t)][-1:]
+        prompt's last token that shows in text (among its last 8), from where its character
+        begins: a token of a character's last bytes alone (a SentencePiece byte fallback's
+        <0xAD> of 中) would decode with the output's first bytes as replacement characters."""
+        shown = [t for t in prompt[-8:] if self.in_text(t)]
+        start = len(shown) - 1
+        while start > 0 and 0x80 <= (self.token_bytes(shown[start])[:1] or b"\0")[0] < 0xC0:
+            start -= 1  # it begins inside a character: the token before it too
+        return shown[max(start, 0):]
 
     def in_text(self, token_id: int) -> bool:
         """Whether generated text shows the token (`decode` leaves special tokens out)."""

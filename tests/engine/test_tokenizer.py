@@ -207,3 +207,22 @@ def test_an_output_reads_on_from_its_prompt(kind: str, tok: TextTokenizer) -> No
     rest = "".join(resumed.advance(output[:n])[0] for n in range(4, len(output) + 1))
     assert rest + resumed.flush() == expected[len(tokenizer.decode(prompt + output[:3])) -
                                               len(tokenizer.decode(prompt)):]
+
+
+@pytest.mark.parametrize(("prompt", "output"), [("The word 中", "文 means"), ("café", "é ok"),
+                                                ("emoji 😀", "😀😀 ok")])
+def test_an_output_after_a_prompt_ending_in_byte_tokens_reads_whole(prompt: str,
+                                                                    output: str) -> None:
+    """A prompt that ends in a character the vocabulary spells in byte-fallback tokens:
+    the output's context begins where that character does (its last byte alone, decoded
+    with the output's first bytes, made replacement characters of them, or nothing)."""
+    tokenizer = spm_like()
+    ids = tokenizer.encode(prompt + output)
+    cut = len(tokenizer.encode(prompt))
+    assert ids[:cut] == tokenizer.encode(prompt)
+    assert tokenizer.token_piece(ids[cut - 1])[0].startswith("bytes:")  # a byte token
+    expected = tokenizer.decode(ids)[len(tokenizer.decode(ids[:cut])):]
+    assert "\ufffd" not in expected and expected.endswith(output.split()[-1])
+    state = TextState(tokenizer, (), prompt=ids[:cut])
+    text = "".join(state.advance(ids[cut:n])[0] for n in range(cut + 1, len(ids) + 1))
+    assert text + state.flush() == expected

@@ -795,17 +795,20 @@ def test_logprobs_follow_the_text_and_leave_out_a_stop_string(kind: str, chat: b
     assert tokens_of(block) == expected
 
 
+@pytest.mark.parametrize("prompt", ["Hello world", " Hello world"])
+@pytest.mark.parametrize("bos", [True, False], ids=["bos", "no-bos"])
 @pytest.mark.parametrize("as_ids", [False, True])
-def test_an_echoed_prompt_s_offsets_leave_out_what_its_text_does_not_hold(as_ids: bool) -> None:
+def test_an_echoed_prompt_s_offsets_leave_out_what_its_text_does_not_hold(
+        as_ids: bool, bos: bool, prompt: str) -> None:
     """A prompt written as text and encoded with a BOS (Llama 2's, 3's tokenizers add one)
     echoes as written: the BOS takes no place in it, nor the leading space a SentencePiece
     decoder strips; a prompt of token ids echoes as they decode, its BOS spelled. Each token
     is found at its offset, and the generated text's tokens follow the echo (before, every
-    offset ran four characters ahead of a string prompt's text)."""
-    tokenizer = spm_like(add_bos=True)
-    prompt = "Hello world"
+    offset ran four characters ahead of a string prompt's text; one that began with a space
+    ran one ahead)."""
+    tokenizer = spm_like(add_bos=bos)
     prompt_ids = tokenizer.encode(prompt, True)
-    assert tokenizer.token_piece(prompt_ids[0])[0] == "<s>"
+    assert (tokenizer.token_piece(prompt_ids[0])[0] == "<s>") == bos
     echo = tokenizer.decode(prompt_ids, skip_special_tokens=False) if as_ids else prompt
     generated = tokenizer.encode(", x")
     state = TextState(tokenizer, (), prompt=prompt_ids)  # the text as the engine makes it
@@ -825,6 +828,7 @@ def test_an_echoed_prompt_s_offsets_leave_out_what_its_text_does_not_hold(as_ids
             assert (token == "<s>" and not as_ids) or (token.startswith(" ") and
                                                         found.startswith(token[1:])), (i, token)
     assert offsets[len(prompt_ids)] == len(echo)  # the generated text after the echo
+    assert offsets[-1] + len(tokens[-1]) == len(shown)
 
 
 def test_a_stuck_decode_instance_s_batch_is_not_counted_as_capacity() -> None:
@@ -847,3 +851,6 @@ def test_a_stuck_decode_instance_s_batch_is_not_counted_as_capacity() -> None:
                           ).inflight_limit() == 128
     assert gateway_seeing("disaggregated", prefill, decode("d0", 5), decode("d1", 0)
                           ).inflight_limit() == 128  # stuck under DS_STUCK_AFTER_S: not yet
+    colocated = worker("c0", "colocated", heartbeat_at=now)  # batches 8; dispatch goes there
+    assert gateway_seeing("auto", prefill, decode("d0", 30), decode("d1", 30), colocated
+                          ).inflight_limit() == 16
