@@ -213,7 +213,7 @@ class TextTokenizer:
                 documents=None, eos_token=self.eos_token or "", bos_token=self.bos_token or ""))
         except ChatTemplateError:
             raise
-        except Exception as e:  # noqa: BLE001: a template's own error, or any its expressions
+        except Exception as e:  # a template's own error, or any its expressions
             # raise on values it did not expect (a number where it joins strings, a range
             # too large): the messages' fault, never the server's
             raise ChatTemplateError(f"the model's chat template cannot render these messages: "
