@@ -31,7 +31,7 @@ from services.gateway.metrics import Metrics
 from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
 from services.gateway.stream import GaveUp, Lost, Relay
 from services.gateway.timing import RequestTiming
-from services.gateway.view import InstanceView, stuck, stuck_for
+from services.gateway.view import InstanceView, stuck, stuck_for, unstuck
 from services.liveness import forget_alive, show_alive
 from shared import subjects
 from shared.bus import connect, deliver, parse, publish
@@ -345,7 +345,7 @@ class Gateway:
         if self.settings.max_inflight:
             return self.settings.max_inflight
         live = [i for role in self.roles if role != "prefill" for i in self.live(role)]
-        serving = [i for i in live if not stuck(i, self.settings.stuck_after_s)]
+        serving = unstuck(live, self.settings.stuck_after_s)
         return max(16, 2 * sum(i.max_running for i in serving or live))
 
     def admit(self) -> Ticket:

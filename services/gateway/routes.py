@@ -385,10 +385,8 @@ async def stream_events(reply: Reply) -> AsyncIterator[str]:
                                 yield api.sse(base | {"choices": [choice]} | extra)
                                 text, logprobs = "", None
                                 finish = tool_calls.finish_reason(finish, answer.calls)
-                        if not (text or logprobs or finish):
-                            continue
                     if not (text or logprobs or finish):
-                        continue  # tokens whose logprobs wait for their text (Call.held)
+                        continue  # text a call holds; logprobs waiting for their text
                     choice = api.choice(call.chat, text, finish, logprobs, stream=True,
                                         index=call.index)
                     yield api.sse(base | {"choices": [choice]} | extra)

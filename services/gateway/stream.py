@@ -30,7 +30,7 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.gateway.view import InstanceView, stuck, stuck_for
+from services.gateway.view import InstanceView, stuck, stuck_for, unstuck
 from shared import subjects
 from shared.bus import parse
 from shared.messages import TokenChunk
@@ -207,5 +207,5 @@ class Relay:
         if self.stuck_s is None or not self.decode or self.serving != self.decode or \
                 info.stuck_on_prompts or not stuck(info, self.stuck_s):
             return False
-        return any(i.instance_id != self.serving and not i.draining and
-                   not stuck(i, self.stuck_s) for i in self.view.instances("decode", now))
+        return any(i.instance_id != self.serving and not i.draining
+                   for i in unstuck(self.view.instances("decode", now), self.stuck_s))

@@ -45,6 +45,11 @@ def stuck(info: InstanceInfo, after_s: float) -> bool:
     return stuck_for(info) > after_s
 
 
+def unstuck(instances: list[InstanceInfo], after_s: float) -> list[InstanceInfo]:
+    """Those of `instances` not `stuck` past `after_s`."""
+    return [i for i in instances if not stuck(i, after_s)]
+
+
 class InstanceView:
     def __init__(self, ttl_s: float, hard_ttl_s: float | None = None) -> None:
         self.ttl_s = ttl_s
