@@ -113,7 +113,8 @@ class EngineHost:
                 continue
             if stalled and not (on_stalled is not None and await on_stalled()):
                 with contextlib.suppress(TimeoutError):  # a wake since the step: at once
-                    await asyncio.wait_for(self._wake.wait(), stalled_poll_s)
+                    async with asyncio.timeout(stalled_poll_s):
+                        await self._wake.wait()
             self._wake.clear()
             started = self.busy_since = time.time()
             outputs, cpu_s, queued_s = await self._on_thread(self._step)  # not a wake

@@ -107,10 +107,11 @@ def nats_problem(url: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
         errors.append(e)
 
     async def connect() -> None:  # tries each server twice (at most 1 reconnect), then gives up
-        nc = await nats.connect(url, connect_timeout=timeout_s, allow_reconnect=False,
-                                max_reconnect_attempts=1, reconnect_time_wait=0.1,
-                                error_cb=noted)
-        await nc.close()
+        async with asyncio.timeout(timeout_s):
+            nc = await nats.connect(url, connect_timeout=timeout_s, allow_reconnect=False,
+                                    max_reconnect_attempts=1, reconnect_time_wait=0.1,
+                                    error_cb=noted)
+            await nc.close()
 
     def probe() -> str | None:
         try:
@@ -118,7 +119,7 @@ def nats_problem(url: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
             # interpreter waits for as it exits (a resolver that hangs would hold `up` there)
             parts = urlsplit(url)
             socket.getaddrinfo(parts.hostname or "localhost", parts.port or 4222)
-            asyncio.run(asyncio.wait_for(connect(), timeout_s))
+            asyncio.run(connect())
         except TimeoutError:
             return str(errors[-1]) if errors else f"no answer within {timeout_s:g} s"
         except (OSError, ValueError, nats.errors.Error) as e:

@@ -28,6 +28,7 @@ from services.liveness import HUNG, mark_leaving, step_timeout_problem, turning
 from services.process import WorkerSettings, built_or_exit, run_until_signalled, setup_logging
 from services.supervisor import DRAINED
 from shared import subjects
+from shared.aio import STOP_TASKS_S, cancel_within
 from shared.bus import connect, parse, publish
 from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput, RequestRejected
@@ -201,8 +202,13 @@ class Worker:
             heartbeats.halt()  # its watchdog must not end that program later
             raise
         failed = next((t for t in done if t is not ending), None)
-        for task in [ending, *tasks, *self.in_hand]:
+        for task in self.in_hand:
             task.cancel()
+        # ended before Redis closes: a Redis loop that lost its cancel would run on (shared.aio)
+        left = await cancel_within([ending, *tasks], STOP_TASKS_S)
+        if left:
+            log.warning("%s: stopping: %s did not end within %.0f s of being cancelled; left",
+                        self.id, ", ".join(sorted(t.get_name() for t in left)), STOP_TASKS_S)
         await asyncio.to_thread(heartbeats.stop)
         with contextlib.suppress(RedisError, OSError):  # it expires by itself otherwise
             await registry.remove(self.id, self.role)
@@ -211,8 +217,8 @@ class Worker:
         # its alive file is gone (stopping in order), so nothing would kill it
         wedged = False
         try:
-            await asyncio.wait_for(self.host.call(self.engine.close),
-                                   self.settings.step_timeout_s or None)
+            async with asyncio.timeout(self.settings.step_timeout_s or None):
+                await self.host.call(self.engine.close)
         except TimeoutError:
             log.error("%s: the engine did not close within %.0f s (a step wedged): exiting "
                       "without it", self.id, self.settings.step_timeout_s)

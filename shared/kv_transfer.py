@@ -94,7 +94,8 @@ async def _exchange_peer_info(endpoint: Any, msg_tag: int, listener: bool,
     send, recv = (endpoint.stream_send, Array(mine)), (endpoint.stream_recv, Array(theirs))
     try:  # the listener speaks first
         for step, array in [send, recv] if listener else [recv, send]:
-            await asyncio.wait_for(step(array).wait(), timeout=connect_timeout)
+            async with asyncio.timeout(connect_timeout):
+                await step(array).wait()
         tag, checksum = struct.unpack(_HANDSHAKE_FORMAT, theirs)
         if checksum != hash64bits(tag):
             raise RuntimeError(f"UCX handshake: checksum {checksum:#x} does not match tag "
@@ -363,7 +364,8 @@ class KvClient:
         if self.connected(address):
             return True
         try:
-            ep = await asyncio.wait_for(self._open(address), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                ep = await self._open(address)
         except (TimeoutError, UCXError, UCXCanceledError, OSError, ValueError, RuntimeError):
             return False
         lock = self._locks.get(address)
@@ -391,8 +393,8 @@ class KvClient:
         async with lock:  # one pull at a time per endpoint keeps header and payload paired
             start = loop.time()
             try:
-                await asyncio.wait_for(
-                    self._transfer(address, request_id, token, into, part), self.timeout_s)
+                async with asyncio.timeout(self.timeout_s):
+                    await self._transfer(address, request_id, token, into, part)
             except TimeoutError:
                 self._abandon(address)
                 raise TransferError(f"pull of {request_id} from {address} took over "

@@ -52,9 +52,10 @@ async def _replan(nats_url: str) -> None:
     async def quiet(_: Exception) -> None:  # a failed connection is raised, not logged
         pass
 
-    nc = await asyncio.wait_for(nats.connect(  # one attempt (0 would be: for ever)
-        nats_url, name="distserve-cli", allow_reconnect=False, max_reconnect_attempts=1,
-        connect_timeout=REACH_TIMEOUT_S, error_cb=quiet), 2 * REACH_TIMEOUT_S)
+    async with asyncio.timeout(2 * REACH_TIMEOUT_S):
+        nc = await nats.connect(  # one attempt (0 would be: for ever)
+            nats_url, name="distserve-cli", allow_reconnect=False, max_reconnect_attempts=1,
+            connect_timeout=REACH_TIMEOUT_S, error_cb=quiet)
     await publish(nc, subjects.REPLAN, ReplanRequest(reasons=["requested from the CLI"]))
     await nc.drain()
 

@@ -34,6 +34,7 @@ from services.gateway.timing import RequestTiming
 from services.gateway.view import InstanceView, stuck, stuck_for, unstuck
 from services.liveness import forget_alive, show_alive
 from shared import subjects
+from shared.aio import STOP_TASKS_S, cancel_within
 from shared.bus import connect, deliver, parse, publish
 from shared.engine.config import served_name
 from shared.engine.meta import read_meta
@@ -53,18 +54,6 @@ from shared.telemetry import shutdown as shutdown_tracing
 
 log = logging.getLogger(__name__)
 EXPIRY_MS = 5000  # the gateway's Redis keys (rewritten every 0.5 s) outlive it by this much
-STOP_TASKS_S = 5.0  # its background tasks get this long to end once cancelled as it stops
-
-
-async def cancel_within(tasks: list[asyncio.Task[Any]], within_s: float
-                        ) -> set[asyncio.Task[Any]]:
-    """Cancel `tasks` and wait up to `within_s` for them to end; the ones still running (one
-    that swallows its cancellation, or whose clean-up hangs), which the caller leaves."""
-    for task in tasks:
-        task.cancel()
-    if not tasks:
-        return set()
-    return (await asyncio.wait(tasks, timeout=within_s))[1]
 
 
 class GatewaySettings(BaseSettings):

@@ -118,7 +118,8 @@ class Relay:
             raise Lost("undelivered", detail)
         while True:
             try:
-                chunk = await asyncio.wait_for(self._queue.get(), timeout=self.poll_s)
+                async with asyncio.timeout(self.poll_s):
+                    chunk = await self._queue.get()
             except TimeoutError:
                 self._check(self.clock())
                 continue

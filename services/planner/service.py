@@ -45,6 +45,7 @@ from services.planner.profiles import (
 )
 from services.process import ControlService
 from shared import subjects
+from shared.aio import STOP_TASKS_S, cancel_within
 from shared.bus import parse
 from shared.engine.config import served_name
 from shared.engine.meta import read_config
@@ -174,12 +175,13 @@ class PlannerService(ControlService):
                  self.config.budget, self.config.slo.ttft_s, self.config.slo.tpot_s,
                  self.settings.planner_deployer)
         await self._resume_last_plan()
-        worker = asyncio.create_task(self._plan_forever())
+        tasks = [asyncio.create_task(self._plan_forever()), asyncio.create_task(stop.wait())]
         try:
-            await asyncio.wait([worker, asyncio.create_task(stop.wait())],
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            worker.cancel()
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # no plan applied once the deployer stops (one that lost its cancel would)
+            if await cancel_within(tasks, STOP_TASKS_S):
+                log.warning("stopping: the planning loop did not end within %.0f s of being "
+                            "cancelled; left", STOP_TASKS_S)
             await asyncio.get_running_loop().run_in_executor(None, self.deployer.stop)
 
     async def _resume_last_plan(self) -> None:
@@ -220,7 +222,8 @@ class PlannerService(ControlService):
         interval = self.settings.planner_interval_s or None
         while True:
             try:
-                await asyncio.wait_for(self.wake.wait(), timeout=interval)
+                async with asyncio.timeout(interval):
+                    await self.wake.wait()
             except TimeoutError:
                 self.latest = self.latest or ReplanRequest(reasons=["timer"])
             self.wake.clear()

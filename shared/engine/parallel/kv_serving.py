@@ -235,10 +235,10 @@ class RankKv:
                 self._client = kv_transfer.KvClient(timeout_s=PARK_WAIT_S)
             buffer = self.kv.empty_blocks(
                 len(order.blocks), None if self.staging is None else self.staging.take)
-            pulls = await asyncio.wait_for(
-                kv_transfer.pull_pieces(self._client, order.request_id, order.token,
-                                        order.spans(), self.span, buffer),
-                max(0.0, order.deadline - time.time()))
+            async with asyncio.timeout(max(0.0, order.deadline - time.time())):
+                pulls = await kv_transfer.pull_pieces(
+                    self._client, order.request_id, order.token, order.spans(), self.span,
+                    buffer)
             self.kv.import_blocks(order.blocks, buffer)
             if self.staging is not None:  # in the pool: the next pull may land in it (not
                 self.staging.give(buffer)  # one that failed: UCX may still write it)

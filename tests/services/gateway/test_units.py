@@ -4,7 +4,6 @@ timing, the OpenAI request models, and the door (API keys, body limit)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -18,7 +17,7 @@ from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from services.gateway.app import Door, create_app
-from services.gateway.gateway import Gateway, GatewaySettings, Target, cancel_within
+from services.gateway.gateway import Gateway, GatewaySettings, Target
 from services.gateway.ledger import Ledger, Overloaded
 from services.gateway.openai_api import (
     APIError,
@@ -696,28 +695,6 @@ def test_text_offsets_index_the_text_where_it_leaves_special_tokens_out() -> Non
             assert offset == offsets[i + 1]  # left out of the text
         else:
             assert shown[offset:offset + len(token)] == token, (i, token, offset)
-
-
-def test_a_task_that_does_not_end_when_cancelled_holds_no_stop() -> None:
-    """The gateway cancels its background tasks as it stops and waits for them a bounded
-    time: one that swallows its cancellation (or whose clean-up hangs) is left, named, rather
-    than holding the stop until the supervisor's drain timeout kills the gateway."""
-    async def stubborn() -> None:
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.sleep(60)
-        await asyncio.sleep(60)
-
-    async def main() -> None:
-        tasks = [asyncio.create_task(stubborn()), asyncio.create_task(asyncio.sleep(60))]
-        await asyncio.sleep(0)
-        started = time.monotonic()
-        left = await cancel_within(tasks, 0.2)
-        assert time.monotonic() - started < 5
-        assert left == {tasks[0]} and tasks[1].cancelled()
-        assert await cancel_within([], 0.2) == set()
-        tasks[0].cancel()
-
-    asyncio.run(main())
 
 
 def test_a_prompt_that_can_never_fit_names_the_field_it_came_in() -> None:
