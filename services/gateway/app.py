@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.gateway import Gateway, GatewaySettings
-from services.gateway.openai_api import APIError, error_body
+from services.gateway.openai_api import APIError, ParamError, error_body
 from services.gateway.routes import add_routes
 
 __all__ = ["GatewaySettings", "create_app"]
@@ -164,6 +164,9 @@ def add_error_handlers(app: FastAPI, gateway: Gateway) -> None:
         where = ".".join(str(p) for p in loc[1:] if _named(p)) or None
         # a validator's own message, without the "Value error, " pydantic puts before it
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        named = "" if where is None else f" ({where})"
+        if isinstance(refused := first.get("ctx", {}).get("error"), ParamError):
+            where, named = refused.param, ""  # a request-wide validator's: its message names it
         if first.get("type") == "json_invalid":  # its loc: ("body", character position)
             where, message = None, "the request body is not valid JSON"
             if isinstance(loc[-1], int):
@@ -171,8 +174,7 @@ def add_error_handlers(app: FastAPI, gateway: Gateway) -> None:
         elif loc == ("body",):  # the body as a whole: empty, or not a JSON object
             message = WHOLE_BODY.get(first.get("type", ""), message)
         gateway.metrics.rejected(400)
-        return JSONResponse(APIError(400, f"{message}" + (f" ({where})" if where else ""),
-                                     where).body(), status_code=400)
+        return JSONResponse(APIError(400, message + named, where).body(), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:

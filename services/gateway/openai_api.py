@@ -38,6 +38,15 @@ class APIError(Exception):
         return error_body(self.message, self.kind, self.param, self.code)
 
 
+class ParamError(ValueError):
+    """A request-wide validator's refusal that one parameter is to blame for: the error
+    names it (`param`), as a field's own validator's does."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def error_body(message: str, kind: str, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
@@ -66,7 +75,8 @@ def _takes_null(annotation: Any) -> bool:
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NaN and infinity (Python's JSON reads them) are no numbers a parameter takes
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: Text
     max_tokens: int | None = Field(default=None, ge=1)
@@ -108,12 +118,14 @@ class _Common(BaseModel):
         (routes)."""
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
-            raise ValueError(f"response_format {kind!r} is not served: answers are free text")
+            raise ParamError("response_format",
+                             f"response_format {kind!r} is not served: answers are free text")
         if self.tool_choice not in (None, "auto", "none"):
-            raise ValueError("tool_choice that requires a tool call is not served: the "
-                             "model's calls are not held to a format; send auto or none")
+            raise ParamError("tool_choice", "tool_choice that requires a tool call is not "
+                             "served: the model's calls are not held to a format; send auto "
+                             "or none")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options goes with stream: true")
+            raise ParamError("stream_options", "stream_options goes with stream: true")
         return self
 
     @field_validator("logit_bias")
@@ -171,16 +183,16 @@ class CompletionRequest(_Common):
     @model_validator(mode="after")
     def _choices(self) -> CompletionRequest:
         if self.best_of not in (None, 1, self.n):
-            raise ValueError("best_of is not served: each of the n choices is sampled once; "
-                             "leave best_of out (or equal to n)")
+            raise ParamError("best_of", "best_of is not served: each of the n choices is "
+                             "sampled once; leave best_of out (or equal to n)")
         if self.suffix:
-            raise ValueError("suffix (the text after an insertion) is not served")
+            raise ParamError("suffix", "suffix (the text after an insertion) is not served")
         if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens 0 generates nothing: it goes with echo (the prompt "
-                             "and, with logprobs, its scores)")
+            raise ParamError("max_tokens", "max_tokens 0 generates nothing: it goes with "
+                             "echo (the prompt and, with logprobs, its scores)")
         if len(self.prompts) * self.n > MAX_CHOICES:
-            raise ValueError(f"{len(self.prompts)} prompts x n={self.n} choices: at most "
-                             f"{MAX_CHOICES} choices a request")
+            raise ParamError("n", f"{len(self.prompts)} prompts x n={self.n} choices: at "
+                             f"most {MAX_CHOICES} choices a request")
         return self
 
     @property
@@ -350,12 +362,14 @@ class ChatRequest(_Common):
     @model_validator(mode="after")
     def _top_with_logprobs(self) -> ChatRequest:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
         if self.functions or self.function_call not in (None, "none"):
-            raise ValueError("functions and function_call (deprecated by OpenAI) are not "
+            raise ParamError("functions" if self.functions else "function_call",
+                             "functions and function_call (deprecated by OpenAI) are not "
                              "served: send tools and tool_choice")
         if self.audio is not None or set(self.modalities or ()) - {"text"}:
-            raise ValueError("audio output is not served: answers are text (modalities: "
+            raise ParamError("audio" if self.audio is not None else "modalities",
+                             "audio output is not served: answers are text (modalities: "
                              "[\"text\"])")
         return self
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 from pathlib import Path
@@ -451,6 +452,43 @@ def test_head_a_trailing_slash_and_a_validators_message_answer_as_clients_expect
     assert "POST /v1/chat/completions," in message and "HEAD" not in message
     assert invalid.status_code == 400
     assert invalid.json()["error"]["message"].startswith("best_of is not served")
+
+
+@pytest.mark.parametrize(("path", "body", "param", "says"), [
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of", "best_of is not served"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "}"}, "suffix", "suffix"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "goes with echo"),
+    ("/v1/completions", {"prompt": ["a", "b"], "n": 100}, "n", "at most 128 choices"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
+    ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities", "audio output"),
+    ("/v1/chat/completions", {"stream_options": {}}, "stream_options", "with stream: true"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format",
+     "not served"),
+    ("/v1/chat/completions", {"temperature": float("nan")}, "temperature", "finite number"),
+    ("/v1/completions", {"prompt": "hi", "top_p": float("inf")}, "top_p", "finite number"),
+])
+def test_a_refusal_names_the_parameter_to_blame(path: str, body: dict[str, Any], param: str,
+                                                says: str) -> None:
+    """A request-wide validator's refusal names its parameter as a field's does (it was
+    null); NaN and infinity (Python's JSON reads them) are refused as numbers, not as
+    "less than or equal to 2"."""
+    base: dict[str, Any] = {"model": "m"}
+    if "chat" in path:
+        base["messages"] = [{"role": "user", "content": "hi"}]
+
+    async def ask() -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(GatewaySettings()))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.post(path, content=json.dumps(base | body),
+                                     headers={"content-type": "application/json"})
+
+    refused = asyncio.run(ask())
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["param"] == param and says in error["message"], error
+    # a field's message is the type's ("Input should be ...") and gets the field's name after
+    # it; a request-wide validator's names it already
+    assert error["message"].endswith(f" ({param})") == error["message"].startswith("Input")
 
 
 def test_door_bounds_the_body() -> None:
