@@ -198,14 +198,14 @@ class Worker:
         ending = asyncio.create_task(self._drain_after(stop, registry, redis), name="drain")
         try:
             done, _ = await asyncio.wait([ending, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            # ended before Redis closes (a Redis loop that lost its cancel would run on:
+            # shared.aio); then the requests in hand, with those taken in meanwhile
+            left = await cancel_within([ending, *tasks], STOP_TASKS_S)
+            left |= await cancel_within(list(self.in_hand), STOP_TASKS_S)
         except asyncio.CancelledError:  # run inside a larger program (a test) that ends it:
             heartbeats.halt()  # its watchdog must not end that program later
             raise
         failed = next((t for t in done if t is not ending), None)
-        for task in self.in_hand:
-            task.cancel()
-        # ended before Redis closes: a Redis loop that lost its cancel would run on (shared.aio)
-        left = await cancel_within([ending, *tasks], STOP_TASKS_S)
         if left:
             log.warning("%s: stopping: %s did not end within %.0f s of being cancelled; left",
                         self.id, ", ".join(sorted(t.get_name() for t in left)), STOP_TASKS_S)

@@ -21,7 +21,8 @@ async def cancel_within(tasks: list[asyncio.Task[Any]], within_s: float
                         ) -> set[asyncio.Task[Any]]:
     """Cancel `tasks`, again every RECANCEL_S while they run (a cancel one swallowed lands
     at its next await), and wait up to `within_s` for them to end; the ones still running
-    (one that catches every cancel, or whose clean-up hangs), which the caller leaves."""
+    (one that catches every cancel, or whose clean-up hangs), which the caller leaves. A
+    clean-up that awaits for longer than RECANCEL_S is cancelled too: shield it."""
     left = set(tasks)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within_s

@@ -137,7 +137,7 @@ class DecodeService(Worker):
         finally:
             for task in list(self.connecting.values()):
                 task.cancel()
-            await redis.aclose()
+            await asyncio.shield(redis.aclose())  # the stop cancels again (shared.aio)
 
     def _connect_listed(self, prefills: list[InstanceInfo], listed_at: dict[str, float],
                         gone_s: float) -> None:

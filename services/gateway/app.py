@@ -168,7 +168,7 @@ def add_error_handlers(app: FastAPI, gateway: Gateway) -> None:
         if isinstance(refused := first.get("ctx", {}).get("error"), ParamError):
             where, named = refused.param, ""  # a request-wide validator's: its message names it
         if first.get("type") == "json_invalid":  # its loc: ("body", character position)
-            where, message = None, "the request body is not valid JSON"
+            where, named, message = None, "", "the request body is not valid JSON"
             if isinstance(loc[-1], int):
                 message += f" (at character {loc[-1]})"
         elif loc == ("body",):  # the body as a whole: empty, or not a JSON object

@@ -491,6 +491,22 @@ def test_a_refusal_names_the_parameter_to_blame(path: str, body: dict[str, Any],
     assert error["message"].endswith(f" ({param})") == error["message"].startswith("Input")
 
 
+def test_a_body_that_is_not_json_is_told_where_once() -> None:
+    body = '{"model": "m", "prompt": "hi",'
+
+    async def ask() -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(GatewaySettings()))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.post("/v1/completions", content=body,
+                                     headers={"content-type": "application/json"})
+
+    refused = asyncio.run(ask())
+    assert refused.status_code == 400
+    assert refused.json()["error"] == {
+        "message": f"the request body is not valid JSON (at character {len(body)})",
+        "type": "invalid_request_error", "param": None, "code": None}
+
+
 def test_door_bounds_the_body() -> None:
     door = Door(echo, frozenset(), protect_metrics=False, max_body_bytes=100)
     assert call(door, "/v1/completions", b"x" * 100).text == "x" * 100
