@@ -28,7 +28,7 @@ from services.liveness import HUNG, mark_leaving, step_timeout_problem, turning
 from services.process import WorkerSettings, built_or_exit, run_until_signalled, setup_logging
 from services.supervisor import DRAINED
 from shared import subjects
-from shared.aio import STOP_TASKS_S, cancel_within
+from shared.aio import cancel_within
 from shared.bus import connect, parse, publish
 from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput, RequestRejected
@@ -200,15 +200,12 @@ class Worker:
             done, _ = await asyncio.wait([ending, *tasks], return_when=asyncio.FIRST_COMPLETED)
             # ended before Redis closes (a Redis loop that lost its cancel would run on:
             # shared.aio); then the requests in hand, with those taken in meanwhile
-            left = await cancel_within([ending, *tasks], STOP_TASKS_S)
-            left |= await cancel_within(list(self.in_hand), STOP_TASKS_S)
+            await cancel_within([ending, *tasks], who=self.id)
+            await cancel_within(list(self.in_hand), who=self.id)
         except asyncio.CancelledError:  # run inside a larger program (a test) that ends it:
             heartbeats.halt()  # its watchdog must not end that program later
             raise
         failed = next((t for t in done if t is not ending), None)
-        if left:
-            log.warning("%s: stopping: %s did not end within %.0f s of being cancelled; left",
-                        self.id, ", ".join(sorted(t.get_name() for t in left)), STOP_TASKS_S)
         await asyncio.to_thread(heartbeats.stop)
         with contextlib.suppress(RedisError, OSError):  # it expires by itself otherwise
             await registry.remove(self.id, self.role)

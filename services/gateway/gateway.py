@@ -34,7 +34,7 @@ from services.gateway.timing import RequestTiming
 from services.gateway.view import InstanceView, stuck, stuck_for, unstuck
 from services.liveness import forget_alive, show_alive
 from shared import subjects
-from shared.aio import STOP_TASKS_S, cancel_within
+from shared.aio import cancel_within
 from shared.bus import connect, deliver, parse, publish
 from shared.engine.config import served_name
 from shared.engine.meta import read_meta
@@ -198,12 +198,7 @@ class Gateway:
     async def stop(self) -> None:
         self.listener.stop()
         # none writes its keys again; one that ignores its cancel does not hold the stop
-        left = await cancel_within(list(self._tasks), STOP_TASKS_S)
-        if left:
-            log.warning("stopping: %s did not end within %.0f s of being cancelled; left",
-                        ", ".join(sorted(getattr(t.get_coro(), "__qualname__", t.get_name())
-                                         for t in left)),
-                        STOP_TASKS_S)
+        await cancel_within(list(self._tasks), who=self.id)
         forget_alive(self.settings.alive_file)
         await self._delete_keys()
         shutdown_tracing()

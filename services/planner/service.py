@@ -45,7 +45,7 @@ from services.planner.profiles import (
 )
 from services.process import ControlService
 from shared import subjects
-from shared.aio import STOP_TASKS_S, cancel_within
+from shared.aio import cancel_within
 from shared.bus import parse
 from shared.engine.config import served_name
 from shared.engine.meta import read_config
@@ -179,9 +179,7 @@ class PlannerService(ControlService):
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:  # no plan applied once the deployer stops (one that lost its cancel would)
-            if await cancel_within(tasks, STOP_TASKS_S):
-                log.warning("stopping: the planning loop did not end within %.0f s of being "
-                            "cancelled; left", STOP_TASKS_S)
+            await cancel_within(tasks, who="planner")
             await asyncio.get_running_loop().run_in_executor(None, self.deployer.stop)
 
     async def _resume_last_plan(self) -> None:
