@@ -24,7 +24,7 @@ from distserve.bench.workload import humaneval_prompts
 from distserve.commands.common import engine_config
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine, RequestRejected
-from shared.engine.hf_reference import load_hf_reference
+from shared.engine.hf_reference import hf_installed, load_hf_reference
 from shared.engine.model_runner import load_model
 from shared.engine.quality import Agreement, compare
 from shared.engine.request import SamplingParams
@@ -184,6 +184,11 @@ def bandwidth_bound(engine: Engine, context: int, rounds: int = 9) -> Bound:
 
 
 def measure(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
+    if not args.no_hf and not hf_installed():
+        Console(stderr=True).print("HF transformers is not installed (it comes with the test "
+                                   "extras: pip install -e '.[test]'): timing the engine "
+                                   "alone, as --no-hf does")
+        args.no_hf = True
     engine = Engine(config)
     vocab = engine.model_config.vocab_size
     hf = None if args.no_hf else load_hf_reference(config.model, engine.runner.dtype,

@@ -4,6 +4,7 @@ transformers is a test/benchmark extra, imported only here."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -13,6 +14,11 @@ from shared.engine.config import LLAMA_SHAPES, ModelConfig
 from shared.engine.gguf_loader import resolve_gguf_path
 from shared.engine.hf_checkpoint import engine_name, is_model_dir
 from shared.engine.model import RandomWeights
+
+
+def hf_installed() -> bool:
+    """Whether transformers is installed (the test extras; `make install` leaves it out)."""
+    return importlib.util.find_spec("transformers") is not None
 
 
 def load_hf_reference(model: str, dtype: torch.dtype = torch.float32,

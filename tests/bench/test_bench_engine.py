@@ -43,13 +43,19 @@ def test_a_random_shape_is_benchmarked_against_hf_on_its_own_weights(
         assert 0 < low <= high
 
 
-def test_without_hf_the_ratios_are_left_out(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("how", ["--no-hf", "transformers not installed"])
+def test_without_hf_the_ratios_are_left_out(capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    import distserve.bench.engine as bench_engine
     from distserve.cli import main
 
+    if how != "--no-hf":  # as after `make install`, which leaves the test extras out
+        monkeypatch.setattr(bench_engine, "hf_installed", lambda: False)
     assert main(["bench", "engine", "--model", "tiny", "--device", "cpu", "--threads", "1",
                  "--lengths", "16", "--batches", "2", "--context", "32", "--steps", "2",
-                 "--repeats", "1", "--no-hf", "--json"]) == 0
+                 "--repeats", "1", "--json"] + ([how] if how == "--no-hf" else [])) == 0
     out, tables = capsys.readouterr()
+    assert ("HF transformers is not installed" in tables) == (how != "--no-hf")
     results = json.loads(out.strip().splitlines()[-1])
     assert results["decode_step_ms"]["2"] > 0 and results["hf_decode_step_ms"] == {}
     assert results["prefill_ratio_range"] == results["decode_step_ratio_range"] == {}
