@@ -62,20 +62,22 @@ def main() -> None:
     for instance in sorted({i for i, _ in after}):
         d = {name: value - before.get((i, name), 0.0)
              for (i, name), value in after.items() if i == instance}
-        steps = d["ds_engine_steps"]
-        stepping, handling = d["ds_engine_step_seconds"], d["ds_engine_outputs_seconds"]
+        steps = d["ds_engine_steps_total"]
+        stepping = d["ds_engine_step_seconds_total"]
+        handling = d["ds_engine_outputs_seconds_total"]
         if steps:
-            batch = d["ds_engine_batched_requests"] / steps
+            batch = d["ds_engine_batched_requests_total"] / steps
             same = alone["prefill"] if instance.startswith("prefill") else \
                 alone[1] + (alone[2] - alone[1]) * (batch - 1)
             print(f"{instance}: {1e3 * stepping / steps:.1f} ms per step in the stack vs "
                   f"{same:.1f} ms alone at the same batch ({stepping / steps * 1e3 / same:.3f}x)")
-            cpu, queued = d["ds_engine_step_cpu_seconds"], d["ds_engine_step_queued_seconds"]
+            cpu = d["ds_engine_step_cpu_seconds_total"]
+            queued = d["ds_engine_step_queued_seconds_total"]
             print(f"{instance}: of each step's {1e3 * stepping / steps:.1f} ms, the engine thread "
                   f"ran {1e3 * cpu / steps:.1f} ms on a CPU, waited {1e3 * queued / steps:.1f} ms "
                   f"runnable for one, and {1e3 * (stepping - cpu - queued) / steps:.1f} ms "
                   "elsewhere (blocked, the thread handoff, the intra-op threads)")
-            print(f"{instance}: {steps:.0f} steps, {d['ds_engine_batched_requests'] / steps:.2f} "
+            print(f"{instance}: {steps:.0f} steps, {batch:.2f} "
                   f"requests per step, {1e3 * stepping / steps:.1f} ms per step, "
                   f"{1e3 * handling / steps:.2f} ms handling its outputs; busy "
                   f"{(stepping + handling) / wall:.0%} of {wall:.0f} s")

@@ -178,9 +178,11 @@ def add_error_handlers(app: FastAPI, gateway: Gateway) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
-        gateway.metrics.rejected(e.status_code)
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
         message = str(e.detail)
+        unrouted = e.status_code == 405 or (e.status_code == 404 and message == "Not Found")
+        if not unrouted:  # a probe of another path or method is no request to the API
+            gateway.metrics.rejected(e.status_code)
         if e.status_code == 404 and message == "Not Found":  # no such route
             served = [f"{method} {route.path_format}" for route in request.app.routes
                       if isinstance(route, APIRoute) for method in sorted(route.methods or ())

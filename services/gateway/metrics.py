@@ -1,11 +1,14 @@
 """The gateway's Prometheus figures: requests by outcome, TTFT and TPOT (from each request's
-one RequestTiming), and the instances' KV and engine-loop gauges from its view."""
+one RequestTiming), and from its view the instances' KV pools (gauges) and their KV transfer
+and engine-loop totals (counters)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from services.gateway.timing import RequestTiming
 from services.gateway.view import stuck_for
@@ -13,11 +16,15 @@ from shared.state import InstanceInfo
 
 # InstanceInfo field -> (metric name, help)
 INSTANCE_GAUGES = {
-    "kv_bytes": ("ds_kv_transfer_bytes", "KV bytes moved over UCX"),
-    "kv_requests": ("ds_kv_transfer_requests", "KV transfers over UCX"),
     "free_blocks": ("ds_kv_free_blocks", "free KV blocks"),
     "total_blocks": ("ds_kv_total_blocks", "KV blocks in the pool"),
-    "steps": ("ds_engine_steps", "engine steps so far"),
+}
+# an instance's running totals, exported as counters (`<name>_total`); a new incarnation
+# counts from 0 again, which Prometheus's rate() takes as a counter reset
+INSTANCE_TOTALS = {
+    "kv_bytes": ("ds_kv_transfer_bytes", "KV bytes moved over UCX"),
+    "kv_requests": ("ds_kv_transfer_requests", "KV transfers over UCX"),
+    "steps": ("ds_engine_steps", "engine steps"),
     "step_seconds": ("ds_engine_step_seconds", "seconds in engine steps"),
     "step_cpu_seconds": ("ds_engine_step_cpu_seconds",
                          "of the seconds in engine steps, the engine thread's on a CPU"),
@@ -26,6 +33,22 @@ INSTANCE_GAUGES = {
     "outputs_seconds": ("ds_engine_outputs_seconds", "seconds handling step outputs"),
     "batched": ("ds_engine_batched_requests", "requests that got a token, summed over steps"),
 }
+
+
+class InstanceTotals(Collector):
+    """The live instances' totals as of their last heartbeats, as counters: read when
+    /metrics is served, so an instance that stopped heartbeating leaves them."""
+
+    def __init__(self) -> None:
+        self.live: list[InstanceInfo] = []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        live = self.live  # one list for every family (`instances` swaps in a new one)
+        for field, (name, text) in INSTANCE_TOTALS.items():
+            family = CounterMetricFamily(name, text, labels=["instance", "role"])
+            for info in live:
+                family.add_metric([info.instance_id, info.role], getattr(info, field))
+            yield family
 
 
 def outcome_label(outcome: str) -> str:
@@ -51,6 +74,8 @@ class Metrics:
                               registry=self.registry)
         self.gauges = {field: Gauge(name, text, ["instance", "role"], registry=self.registry)
                        for field, (name, text) in INSTANCE_GAUGES.items()}
+        self.totals = InstanceTotals()
+        self.registry.register(self.totals)
         self.stuck = Gauge("ds_engine_stuck_seconds", "how long the engine has been at the "
                            "step or call under way, as of its last heartbeat (0: idle); past "
                            "DS_STUCK_AFTER_S it gets no requests while others serve",
@@ -68,6 +93,7 @@ class Metrics:
                              "rejected" if status < 500 else "error").inc()
 
     def instances(self, live: Iterable[InstanceInfo]) -> None:
+        self.totals.live = live = list(live)
         for gauge in [*self.gauges.values(), self.stuck]:
             gauge.clear()  # instances that stopped heartbeating leave the figures
         for info in live:

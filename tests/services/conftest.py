@@ -56,7 +56,7 @@ def greedy(engine: Engine, prompt_ids: list[int], max_tokens: int) -> str:
 
 
 def metric(url: str, name: str) -> dict[str, float]:
-    """{instance: value} of a gauge on the gateway's /metrics."""
+    """{instance: value} of a gauge on the gateway's /metrics (a counter: `<name>_total`)."""
     return metrics(url, name)[name]
 
 

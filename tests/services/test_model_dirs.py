@@ -70,7 +70,7 @@ def test_the_stack_serves_a_model_directory(dir_stack: Stack, model_dir: Path) -
     def pulled(reading: dict[str, float]) -> float:
         return sum(v for i, v in reading.items() if i.startswith("decode"))
 
-    assert pulled(metric_when(dir_stack.url, "ds_kv_transfer_requests",
+    assert pulled(metric_when(dir_stack.url, "ds_kv_transfer_requests_total",
                               lambda r: pulled(r) >= 2)) >= 2
     wrong = httpx.post(f"{dir_stack.url}/v1/completions", timeout=30,
                        json={"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2})

@@ -45,7 +45,7 @@ def test_instances_of_different_tp_serve_the_single_process_text(
     assert tokenizer is not None
     ids = [tokenizer.encode(p) for p in PROMPTS]
     expected = [greedy(engine, i, 16) for i in ids]
-    before = metric(tp_stack.url, "ds_kv_transfer_bytes")
+    before = metric(tp_stack.url, "ds_kv_transfer_bytes_total")
     c = openai.OpenAI(base_url=f"{tp_stack.url}/v1", api_key="unused", timeout=120)
 
     def stream(prompt: str) -> str:
@@ -60,7 +60,7 @@ def test_instances_of_different_tp_serve_the_single_process_text(
     one_copy = sum(blocks_for(len(i), 16) * block for i in ids)
     deadline = time.monotonic() + 10  # the counts travel in heartbeats
     while True:
-        after = metric(tp_stack.url, "ds_kv_transfer_bytes")
+        after = metric(tp_stack.url, "ds_kv_transfer_bytes_total")
         moved = {i: after[i] - before.get(i, 0) for i in after}
         pulled = sum(v for i, v in moved.items() if i.startswith("decode"))
         served = sum(v for i, v in moved.items() if i.startswith("prefill"))

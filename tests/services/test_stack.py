@@ -77,7 +77,7 @@ def test_openai_client_completions_and_chat(stack: Stack, engine: Engine) -> Non
 def test_concurrent_streams_across_instances(stack: Stack, engine: Engine) -> None:
     assert engine.tokenizer is not None
     expected = [greedy(engine, engine.tokenizer.encode(p), 16) for p in PROMPTS]
-    before = metric(stack.url, "ds_kv_transfer_requests")
+    before = metric(stack.url, "ds_kv_transfer_requests_total")
 
     def stream(prompt: str) -> str:
         return "".join(ch.choices[0].text for ch in client(stack).completions.create(
@@ -97,19 +97,20 @@ def test_concurrent_streams_across_instances(stack: Stack, engine: Engine) -> No
     def since(after: dict[str, float], role: str) -> dict[str, float]:
         return {i: after[i] - before.get(i, 0) for i in after if i.startswith(role)}
 
-    after = metric_when(stack.url, "ds_kv_transfer_requests", lambda a: sum(
+    after = metric_when(stack.url, "ds_kv_transfer_requests_total", lambda a: sum(
         since(a, "prefill").values()) == sum(since(a, "decode").values()) >= len(PROMPTS))
     pulled, served = since(after, "decode"), since(after, "prefill")
     assert sum(pulled.values()) >= len(PROMPTS)  # every request's KV crossed over UCX
     assert len([i for i, n in pulled.items() if n > 0]) == 2  # both decode instances served
     assert sum(served.values()) == sum(pulled.values())
-    bytes_ = metric(stack.url, "ds_kv_transfer_bytes")
+    bytes_ = metric(stack.url, "ds_kv_transfer_bytes_total")
     assert sum(v for i, v in bytes_.items() if i.startswith("decode")) > 0
     # the engine loops report their steps: each decode step ran at least one request (one
     # read of /metrics: figures of different heartbeats need not add up)
     steps, batched, seconds, cpu, queued = metrics(
-        stack.url, "ds_engine_steps", "ds_engine_batched_requests", "ds_engine_step_seconds",
-        "ds_engine_step_cpu_seconds", "ds_engine_step_queued_seconds").values()
+        stack.url, "ds_engine_steps_total", "ds_engine_batched_requests_total",
+        "ds_engine_step_seconds_total", "ds_engine_step_cpu_seconds_total",
+        "ds_engine_step_queued_seconds_total").values()
     decoding = [i for i in steps if i.startswith("decode") and steps[i] > 0]
     assert len(decoding) == 2
     assert all(batched[i] >= steps[i] and seconds[i] > 0 for i in decoding)
@@ -216,7 +217,7 @@ def test_a_bfloat16_prefill_instance_hands_float32_kv_to_the_decode_instance(
         logs = {c.name: Path(c.log).read_text() for c in stack.children}
         assert "(auto weights, bfloat16, KV in float32)" in logs["prefill-0"]
         assert "(auto weights, float32, KV in float32)" in logs["decode-0"]
-        pulled = metric_when(stack.url, "ds_kv_transfer_requests",
+        pulled = metric_when(stack.url, "ds_kv_transfer_requests_total",
                              lambda a: a.get("decode-0", 0) >= len(PROMPTS))
         assert pulled["decode-0"] >= len(PROMPTS)  # every request's KV crossed over UCX
     finally:

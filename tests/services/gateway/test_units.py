@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 from services.gateway.app import Door, create_app
 from services.gateway.gateway import Gateway, GatewaySettings, Target
 from services.gateway.ledger import Ledger, Overloaded
+from services.gateway.metrics import INSTANCE_TOTALS, Metrics
 from services.gateway.openai_api import (
     APIError,
     ChatRequest,
@@ -452,6 +453,58 @@ def test_head_a_trailing_slash_and_a_validators_message_answer_as_clients_expect
     assert "POST /v1/chat/completions," in message and "HEAD" not in message
     assert invalid.status_code == 400
     assert invalid.json()["error"]["message"].startswith("best_of is not served")
+
+
+def test_an_instances_totals_are_counters_its_pool_gauges_and_both_leave_with_it() -> None:
+    """The KV transfer and engine-loop totals only grow (a new incarnation starts again at 0):
+    counters, `<name>_total`, so Prometheus's rate() takes a restart as a reset; the KV pool's
+    free and total blocks go up and down: gauges. An instance no longer live leaves both."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    metrics = Metrics()
+    decode = InstanceInfo(instance_id="decode-0", role="decode", steps=5, kv_bytes=4096,
+                          kv_requests=2, step_seconds=0.25, free_blocks=3, total_blocks=4)
+    prefill = InstanceInfo(instance_id="prefill-0", role="prefill", steps=1)
+    metrics.instances(iter([decode, prefill]))  # the gateway hands it a generator
+    families = {f.name: f for f in text_string_to_metric_families(
+        generate_latest(metrics.registry).decode())}
+    for name, _ in INSTANCE_TOTALS.values():
+        assert families[name].type == "counter", name
+        assert {s.name for s in families[name].samples} == {f"{name}_total"}
+        assert {s.labels["instance"] for s in families[name].samples} == {"decode-0",
+                                                                          "prefill-0"}
+    assert families["ds_kv_free_blocks"].type == "gauge"
+
+    def value(name: str, instance: str) -> float:
+        return next(s.value for s in families[name].samples if s.labels["instance"] == instance)
+
+    assert (value("ds_engine_steps", "decode-0"), value("ds_engine_steps", "prefill-0"),
+            value("ds_kv_transfer_bytes", "decode-0"), value("ds_engine_step_seconds",
+                                                              "decode-0"),
+            value("ds_kv_free_blocks", "decode-0")) == (5, 1, 4096, 0.25, 3)
+    metrics.instances([prefill])
+    text = generate_latest(metrics.registry).decode()
+    assert 'instance="prefill-0"' in text and 'instance="decode-0"' not in text
+
+
+def test_a_probe_of_a_path_or_method_not_served_is_not_a_rejected_request() -> None:
+    """`ds_requests{outcome="rejected"}` counts requests the API refused (a 400 here), not a
+    scanner's or a health checker's probes of other paths and methods (404, 405), which
+    still get the JSON error."""
+    app = create_app(GatewaySettings())
+
+    async def ask() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return [await client.get("/favicon.ico"), await client.get("/v1/completions"),
+                    await client.post("/v1/completions", json={"prompt": "hi", "n": 0})]
+
+    missing, wrong_method, invalid = asyncio.run(ask())
+    assert [r.status_code for r in (missing, wrong_method, invalid)] == [404, 405, 400]
+    assert all(r.json()["error"]["message"] for r in (missing, wrong_method, invalid))
+    registry = app.state.gateway.metrics.registry
+    assert registry.get_sample_value("ds_requests_total", {"outcome": "rejected"}) == 1
 
 
 @pytest.mark.parametrize(("path", "body", "param", "says"), [
