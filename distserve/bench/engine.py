@@ -187,7 +187,7 @@ def measure(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
     if not args.no_hf and not hf_installed():
         Console(stderr=True).print("HF transformers is not installed (it comes with the test "
                                    "extras: pip install -e '.[test]'): timing the engine "
-                                   "alone, as --no-hf does")
+                                   "alone, as --no-hf does", markup=False)  # '[test]'
         args.no_hf = True
     engine = Engine(config)
     vocab = engine.model_config.vocab_size
