@@ -682,6 +682,38 @@ def test_a_neighbour_beside_part_of_a_step_is_priced_for_that_part() -> None:
     assert found.contention["prefill_by_decode"] == pytest.approx(1.5)
 
 
+@pytest.mark.parametrize("beside", [MEAN_FROM - 1, 100])
+def test_a_neighbours_slowdown_is_priced_at_its_mean_so_steps_add_up(beside: int) -> None:
+    """A decode instance's steps: 40 alone at 1.1x the profile, then `beside` of them beside
+    back-to-back prefills, 1.2x slower than alone, but one in five of them 2.0x (a tail, as a
+    neighbour's slowdown has). The robust fit finds the 1.2x most steps ran at; a request's
+    time is its steps' sum, so over `MEAN_FROM` steps or more the factor is set where the
+    steps beside the prefills, priced as the simulator paces them, take what they took.
+    Fewer keep the robust fit: one slow spell of a few steps would move the mean."""
+    decode_s = 1.1 * LATENCY.decode_step_s(4, 1200)
+    took = [decode_s * (2.0 if k % 5 == 0 else 1.2) for k in range(beside)]
+    decode = back_to_back(0.0, decode_s, 40)
+    end = 20.0
+    for k, seconds in enumerate(took):
+        end += seconds
+        decode.append(StepSample(step=41 + k, batch=4, context=1200, seconds=seconds,
+                                 ended=end))
+    prefill_s = LATENCY.prefill_latency_s(256, 256 * 256)
+    prefill = back_to_back(20.0 - prefill_s, prefill_s, int((end - 20.0) / prefill_s) + 3,
+                           prompt=256)
+    calibrator = calibrator_of({"prefill-0": prefill, "decode-0": decode}, LATENCY)
+    found = calibrator.calibration()
+    assert found.decode_basis == "alone" and found.decode == pytest.approx(1.1, rel=0.01)
+    latency = found.apply(PROFILE).latency(1, 1)  # a step beside a prefill all along:
+    priced_s = latency.decode_step_s(4, 1200) * latency.contention.factor(
+        "decode", ["prefill"], latency.reading_share(4, 1200))
+    if beside >= MEAN_FROM:
+        assert beside * priced_s == pytest.approx(sum(took), rel=0.01)
+    else:  # near the 1.2x most ran at (the soft loss still hears the tail a little)
+        assert priced_s == pytest.approx(1.2 * decode_s, rel=0.02)
+        assert beside * priced_s < 0.93 * sum(took)
+
+
 def test_steps_that_met_both_phases_give_both_factors() -> None:
     """Three instances on one machine. The measured prefill instance's steps: 12 alone at
     1.2x the profile, then 12 that ran beside a decoding neighbour for a share a of their
