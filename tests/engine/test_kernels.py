@@ -204,7 +204,7 @@ def test_the_layer_ops_compute_what_torch_does(tokens: int) -> None:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 63, 64, 65, 200])
 def test_the_float_matmul_over_panels_is_x_times_w_transposed(rows: int) -> None:
     """Rows of x around the register tile (AVX-512: 8, AVX2: 6), the rows read from two
-    panels side by side (AVX-512: up to 4, AVX2: 2; a thread's odd panel alone) and a task's
+    panels side by side (AVX-512: up to 4, AVX2: 3; a thread's odd panel alone) and a task's
     block (8 tiles); output columns not a whole panel; an input longer than a chunk (512)
     and not a multiple of a vector."""
     import torch

@@ -34,8 +34,11 @@ using namespace ds;
 constexpr int64_t QK = 32;         // weights a block (along the input)
 constexpr int64_t G = 16;          // output columns a panel
 constexpr int H = G / W;           // vectors a panel's row of 16
-// rows of x a pass: partial and running sums for each take 2 H registers a row
-constexpr int R_MAX = W == 16 ? 8 : (W == 8 ? 2 : 4);
+// rows of x a pass: partial and running sums for each take 2 H registers a row (AVX2's 5
+// rows spill the running sums, touched once a block: on a Zen 3, one thread, SmolLM2's int4
+// matrices at 3 / 4 / 5 rows took 13.5 / 15.7 / 18.4 ms a step, 19.0 / 22.2 / 23.0 in tiles
+// of 2 and blocks unpacked once; benchmarks/kernel_ab.py)
+constexpr int R_MAX = W == 16 ? 8 : (W == 8 ? 5 : 4);
 constexpr int64_t AHEAD = 4;      // blocks a panel is prefetched ahead
 
 // The levels of inputs k and k + 1 (a pair) for the panel's 16 columns, as floats.
@@ -173,7 +176,8 @@ void block_sums(const float* __restrict__ x, int64_t M, int64_t K, std::vector<f
 
 // AVX2 unpacks a pair's levels in about as many instructions as two rows' FMAs take to use
 // them (AVX-512 widens a row of 16 in one), so while every 2 rows unpacked a block again the
-// panels read the model's int4 matrices 1.7x slower than float32's at 32 rows (2-vCPU Zen 3).
+// panels read the model's int4 matrices 1.7x slower than float32's at 32 rows (2-vCPU Zen 3;
+// tiles of 5 rows since).
 // There a task of several rows unpacks each of its panel's blocks once, into floats in L1,
 // and runs its rows over them R_U at a time with the sums in memory: the same sums in the
 // same order as panel_rows at R >= 2 (a 2-row tile's bits). int8 takes it too (its levels
@@ -181,7 +185,7 @@ void block_sums(const float* __restrict__ x, int64_t M, int64_t K, std::vector<f
 constexpr bool UNPACK_ONCE = W == 8;
 constexpr int R_U = 6;                     // rows a pass: 2 R_U partial sums + 2 levels + x
 constexpr int64_t UNPACKED_ROWS = 8 * R_U; // rows a task where blocks are unpacked once
-constexpr int64_t UNPACK_FROM = 5;        // rows a task from which they are
+constexpr int64_t UNPACK_FROM = R_MAX + 1; // rows a task from which they are
 
 // Tasks of an [M, K] x [K, N] product: one panel for a run of rows each (its blocks stay in
 // cache while they meet): TILES_A_TASK tiles of R_MAX rows, or UNPACKED_ROWS.
