@@ -184,14 +184,14 @@ def bandwidth_bound(engine: Engine, context: int, rounds: int = 9) -> Bound:
 
 
 def measure(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
-    if not args.no_hf and not hf_installed():
+    with_hf = not args.no_hf and hf_installed()
+    if not args.no_hf and not with_hf:
         Console(stderr=True).print("HF transformers is not installed (it comes with the test "
                                    "extras: pip install -e '.[test]'): timing the engine "
                                    "alone, as --no-hf does", markup=False)  # '[test]'
-        args.no_hf = True
     engine = Engine(config)
     vocab = engine.model_config.vocab_size
-    hf = None if args.no_hf else load_hf_reference(config.model, engine.runner.dtype,
+    hf = None if not with_hf else load_hf_reference(config.model, engine.runner.dtype,
                                                    engine.runner.device, config.seed)
     results: dict[str, Any] = {"threads": torch.get_num_threads(),
                                "dtype": str(engine.runner.dtype), "weights": config.weights}

@@ -180,10 +180,10 @@ def add_error_handlers(app: FastAPI, gateway: Gateway) -> None:
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
         message = str(e.detail)
-        unrouted = e.status_code == 405 or (e.status_code == 404 and message == "Not Found")
-        if not unrouted:  # a probe of another path or method is no request to the API
-            gateway.metrics.rejected(e.status_code)
-        if e.status_code == 404 and message == "Not Found":  # no such route
+        no_route = e.status_code == 404 and message == "Not Found"
+        if not (no_route or e.status_code == 405):  # a probe of another path or method is
+            gateway.metrics.rejected(e.status_code)  # no request to the API
+        if no_route:
             served = [f"{method} {route.path_format}" for route in request.app.routes
                       if isinstance(route, APIRoute) for method in sorted(route.methods or ())
                       if method != "HEAD"]  # each GET's HEAD goes without saying
