@@ -409,7 +409,8 @@ class Calibrator:
         while its neighbours run steps of phases q, g = 1 + share x sum(f_q - 1) (`share`:
         the part of it they slow, the corrected model's reads), so it takes T = W / mean(1/g)
         over its moments. Fitted together (one step may meet both phases, or two steps at
-        once), on log T, robustly (a few steps slowed by something else do not move them),
+        once), on log T, robustly (below `MEAN_FROM` steps a few slowed by something else do
+        not move them; from there their mean does, below),
         within [1, MOST_SLOWED], to 3 decimals; each factor given where steps ran beside that
         phase for half of `min_steps` steps' time (or `min_seconds`), leaving out steps that
         read under `min_share` of their time (near a share of 0 noise says nothing of a

@@ -33,7 +33,8 @@ constexpr int64_t M_BLOCK = 8 * R;    // rows of x a task
 constexpr int64_t AHEAD = 32;         // k steps a first pass prefetches ahead (AVX-512: 6 KiB)
 // rows of x up to which two panels are read side by side (2 x R2 x C accumulators): on a
 // Zen 3 at 3 rows, one thread, SmolLM2's matrices took 32-34 ms a step read one panel at a
-// time, 27.6-28.8 two at a time (benchmarks/kernel_ab.py), a batch of 3 slower than one of 4
+// time, 27.6 two at a time (benchmarks/kernel_ab.py), a batch of 3 slower than one of 4;
+// AVX2's 3-row tile wants 17 vector registers, one spilled, and still reads faster
 constexpr int R2 = W == 16 ? 4 : W == 8 ? 3 : 1;
 
 // a row of a tile's accumulators into out[0:cols] (or added to it)
