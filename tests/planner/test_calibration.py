@@ -714,6 +714,32 @@ def test_a_neighbours_slowdown_is_priced_at_its_mean_so_steps_add_up(beside: int
         assert beside * priced_s < 0.93 * sum(took)
 
 
+def test_a_slowdown_only_the_mean_shows_is_priced_too() -> None:
+    """A decode instance's steps beside back-to-back prefills: four in five 2% faster than
+    its 40 alone, one in five 1.3x slower (mean 1.04x). The robust fit finds no slowdown (most
+    ran at least as fast); the mean is raised from none all the same. No step met another
+    decode, so that phase's factor (which nothing fits) neither bounds the prefill's nor is
+    given."""
+    decode_s = 1.1 * LATENCY.decode_step_s(4, 1200)
+    took = [decode_s * (1.3 if k % 5 == 0 else 0.98) for k in range(100)]
+    decode = back_to_back(0.0, decode_s, 40)
+    end = 20.0
+    for k, seconds in enumerate(took):
+        end += seconds
+        decode.append(StepSample(step=41 + k, batch=4, context=1200, seconds=seconds,
+                                 ended=end))
+    prefill_s = LATENCY.prefill_latency_s(256, 256 * 256)
+    prefill = back_to_back(20.0 - prefill_s, prefill_s, int((end - 20.0) / prefill_s) + 3,
+                           prompt=256)
+    found = calibrator_of({"prefill-0": prefill, "decode-0": decode}, LATENCY).calibration()
+    assert found.decode == pytest.approx(1.1, rel=0.01)
+    assert "decode_by_decode" not in found.contention
+    latency = found.apply(PROFILE).latency(1, 1)
+    priced_s = latency.decode_step_s(4, 1200) * latency.contention.factor(
+        "decode", ["prefill"], latency.reading_share(4, 1200))
+    assert 100 * priced_s == pytest.approx(sum(took), rel=0.01)
+
+
 def test_steps_that_met_both_phases_give_both_factors() -> None:
     """Three instances on one machine. The measured prefill instance's steps: 12 alone at
     1.2x the profile, then 12 that ran beside a decoding neighbour for a share a of their
