@@ -111,7 +111,8 @@ def register(sub: Any) -> None:
     c.add_argument("--from", dest="recorded", type=Path, metavar="RESULTS_JSON",
                    help="start nothing: simulate the requests of an earlier run again (the "
                         "results.json it wrote; give its --workload) with --profile, and "
-                        "report as --simulate does; writes --out")
+                        "report as --simulate does, on the run's objectives unless --ttft/"
+                        "--tpot or the factors are given; writes --out")
     c.add_argument("--profile", type=Path, help="profile for --simulate (default: the shipped "
                    "profile for --threads measured on this CPU where one ships, else "
                    "profiles/smollm2-135m-cpu-<threads>thread(s).json)")
@@ -136,10 +137,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("objectives")
     s.add_argument("--ttft", type=positive_float, help="TTFT objective, seconds")
     s.add_argument("--tpot", type=positive_float, help="TPOT objective, seconds")
-    s.add_argument("--ttft-factor", type=float, default=TTFT_FACTOR,
-                   help="default TTFT = this x unloaded TTFT (default: %(default)s)")
-    s.add_argument("--tpot-factor", type=float, default=TPOT_FACTOR,
-                   help="default TPOT = this x unloaded TPOT (default: %(default)s)")
+    s.add_argument("--ttft-factor", type=positive_float,
+                   help=f"default TTFT = this x unloaded TTFT (default: {TTFT_FACTOR})")
+    s.add_argument("--tpot-factor", type=positive_float,
+                   help=f"default TPOT = this x unloaded TPOT (default: {TPOT_FACTOR})")
     s.add_argument("--attainment", type=float, default=0.9,
                    help="target share of requests meeting both (default: %(default)s)")
     p.add_argument("--out", type=Path, help="results folder (default: runs/bench-<time>)")
@@ -172,7 +173,17 @@ def _slo(args: argparse.Namespace, unloaded: Unloaded | None) -> SLO:
     if args.ttft is not None:
         return SLO(args.ttft, args.tpot)
     assert unloaded is not None, "calibrated when no SLO is given"
-    return unloaded.slo(args.ttft_factor, args.tpot_factor)
+    return unloaded.slo(args.ttft_factor or TTFT_FACTOR, args.tpot_factor or TPOT_FACTOR)
+
+
+def _recorded_slo(args: argparse.Namespace, recorded: dict[str, Any],
+                  measured: Sequence[cmp.Measured]) -> SLO:
+    """The objectives `--from` scores a recorded run on: --ttft/--tpot, else the factors
+    given times the unloaded latencies the run calibrated on (its first system's), else
+    the run's own."""
+    if args.ttft is not None or args.ttft_factor or args.tpot_factor:
+        return _slo(args, measured[0].unloaded)
+    return SLO(**recorded["slo"])
 
 
 def _out(args: argparse.Namespace) -> Path:
@@ -227,6 +238,9 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     console = Console()
     recorded: dict[str, Any] = {}
     if args.recorded is not None:
+        if args.rates is not None or args.requests is not None:
+            parser.error("--from simulates the recorded runs' own rates and requests: "
+                         "--rates and --requests do not go with it")
         try:
             recorded = json.loads(args.recorded.read_text())
             args.threads = int(recorded["threads_per_worker"])
@@ -262,7 +276,7 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         except (ValueError, KeyError, TypeError) as e:
             parser.error(f"--from {args.recorded}: {e}")
         return _report_compare(args, console, workload, measured, list(recorded["rates"]),
-                               SLO(**recorded["slo"]), profile)
+                               _recorded_slo(args, recorded, measured), profile)
     requests = args.requests or (16 if args.quick else 48)
     grid = cmp.RateGrid(QUICK_RATE_FACTORS if args.quick else RATE_FACTORS,
                         _mean_output(workload), lambda unloaded: _slo(args, unloaded),
