@@ -434,8 +434,8 @@ class Calibrator:
 
         Over `MEAN_FROM` steps or more the factors are then set at the steps' mean, as the
         level is (`fit_steps`): what the factors of the phases they met add is scaled alike
-        (raised alike from none where the robust fit found none) until the steps' times over
-        their priced times average 1. The robust fit alone lands near the steps' median
+        (raised alike from none where the robust fit found none) until the steps' priced
+        times add up to what they took. The robust fit alone lands near the steps' median
         slowdown, and a neighbour's slowdown has a tail: on a Zen 3 EPYC's humaneval run (13
         rates of three systems) the decode steps beside a neighbour took 1.3-4.9% more than
         such factors priced, while those alone averaged their level, and the simulated decode
@@ -469,11 +469,11 @@ class Calibrator:
         met = beside.any(axis=0)
         fitted[~met] = 0.0  # nothing moved a phase no step met from the fit's start
         if len(took) >= MEAN_FROM:
-            ratios = np.exp(measured)  # scaled alike; alike from 0 where the fit found none
+            alone_s = np.array(alone)  # scaled alike; alike from 0 where the fit found none
             toward = fitted if fitted.max() > 0 else met.astype(float)
 
-            def over(scale: float) -> float:  # the steps' mean time over their priced time
-                return float((ratios / priced(scale * toward)).mean()) - 1.0
+            def over(scale: float) -> float:  # the steps' time over their priced time
+                return float(seconds.sum() / (alone_s * priced(scale * toward)).sum()) - 1.0
 
             most = (MOST_SLOWED - 1.0) / toward.max()
             fitted = toward * (0.0 if over(0.0) <= 0 else most if over(most) >= 0 else brentq(
@@ -501,7 +501,7 @@ def riding_s(latency: LatencyModel, step: StepSample) -> float:
 
 def fit_steps(steps: list[tuple[float, float]], constant_s: float = float("inf"),
               spread: float = 1.5) -> tuple[float, Fit, float]:
-    """(mean measured / predicted, the better fit, its time a step) for (predicted, measured)
+    """(measured / predicted, the better fit, its time a step) for (predicted, measured)
     pairs: a scale or a fixed time a step, the one whose median relative error is smaller
     (each taken at its median over the steps to choose). Steps of about one size (their
     predicted times' 10th and 90th percentiles within `spread`) cannot tell the two apart:
@@ -516,8 +516,12 @@ def fit_steps(steps: list[tuple[float, float]], constant_s: float = float("inf")
     median: a request's time is its steps' sum, which a level at the median leaves short
     wherever the steps' spread has a tail (on the Zen 4, over 58 runs' fits, the stack's
     decode steps averaged 2.4% above their median, up to 7%, and bench compare's simulated
-    decode runs were short by as much). A fixed time a step whose mean is beyond
-    `constant_s` is a slowdown as above: the scale then."""
+    decode runs were short by as much). Set so that the steps add up to what they took: a
+    fixed time at the steps' mean difference, a scale at their total over their predicted
+    total (the mean of their ratios weighs a 16-token prompt's as much as a 1,000-token one's,
+    and on a Zen 3's humaneval run priced the prompt steps up to 2.1% over their total). A
+    fixed time a step whose mean is beyond `constant_s` is a slowdown as above: the scale
+    then."""
     ratio = statistics.median(m / p for p, m in steps)
     offset_s = statistics.median(m - p for p, m in steps)
 
@@ -529,7 +533,7 @@ def fit_steps(steps: list[tuple[float, float]], constant_s: float = float("inf")
     offset = abs(offset_s) <= constant_s and (
         alike or error(lambda p: p + offset_s) < error(lambda p: p * ratio))
     if len(steps) >= MEAN_FROM:
-        ratio = statistics.fmean(m / p for p, m in steps)
+        ratio = sum(m for _, m in steps) / sum(p for p, _ in steps)
         offset_s = statistics.fmean(m - p for p, m in steps)
         offset = offset and abs(offset_s) <= constant_s
     return ratio, "offset" if offset else "scale", offset_s if offset else 0.0

@@ -274,6 +274,12 @@ def test_a_fit_is_set_at_its_mean_so_steps_add_up_to_what_they_took() -> None:
     assert fit == "offset" and offset_s == pytest.approx(0.003, rel=0.01)
     total = sum(m for _, m in alike)
     assert sum(p + offset_s for p, _ in alike) == pytest.approx(total, rel=1e-6)
+    # a scale adds up too where short steps ran slower than the long (almost half of the
+    # steps, a sixth of the time): at the total, 1.05x, not the mean ratio, 1.14x
+    shaped = [(p, p * (1.3 if p < 0.1 else 1.0)) for p in sizes]
+    ratio, fit, _ = fit_steps(shaped)
+    assert fit == "scale"
+    assert sum(ratio * p for p, _ in shaped) == pytest.approx(sum(m for _, m in shaped))
     # over a few steps one stalled one would move the mean by a replan's worth: the median
     few = [(p, p * (3.0 if k == 0 else 1.0)) for k, p in enumerate(sizes[:MEAN_FROM - 1])]
     assert fit_steps(few)[0] == pytest.approx(1.0)
