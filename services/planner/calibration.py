@@ -61,7 +61,8 @@ OWN_SHARE = 0.3
 # replicas at 0.861 req/s ran 4 of 39 prompt steps alone, 2 of them tails, and the level
 # fitted on those 4 read 1.50x where the long steps ran 1.11x.
 FEWEST_PROMPT_TOKENS = 16
-# a phase's fit is set at its mean over this many steps at least, else at its median: over
+# a phase's fit is set where its steps add up to what they took over this many steps at
+# least (`fit_steps`), else at its median: over
 # a few steps one stalled one (a collection, a neighbour's burst) would move the mean by
 # what the online planner replans on, and again as it leaves the window
 MEAN_FROM = 20
@@ -72,11 +73,11 @@ NO_CONTENTION = Contention()
 
 
 class Calibration(BaseModel):
-    """Per phase: measured / predicted step time at the live steps (the mean; 1.0: as
-    profiled), the correction that fits them best, the steps it was fitted on, and the
-    contention measured beside a neighbour's step of each phase (`Contention`'s factors,
-    which a step slows by on the share of it that reads memory; measured ones only, e.g.
-    {"decode_by_decode": 1.6})."""
+    """Per phase: measured / predicted step time at the live steps (their total over their
+    predicted total; 1.0: as profiled), the correction that fits them best, the steps it
+    was fitted on, and the contention measured beside a neighbour's step of each phase
+    (`Contention`'s factors, which a step slows by on the share of it that reads memory;
+    measured ones only, e.g. {"decode_by_decode": 1.6})."""
 
     prefill: float = 1.0
     decode: float = 1.0
@@ -341,13 +342,14 @@ class Calibrator:
     def calibration(self) -> Calibration:
         """Each phase's correction, fitted on its steps that ran alone on their machine where
         `min_steps` did (or `min_seconds` of them), with the contention fitted on those that
-        ran beside other instances' steps (`_factors`), else on all its steps. Where those
-        beside a neighbour ran no slower than the level of those alone priced them (every
-        factor found at 1), they ran as if alone, and the level is fitted on them too: a
-        neighbour does not speed a step up, so the few steps alone near capacity read high by
-        chance (on a Zen 3's humaneval run, the prefill instance at 1.15 req/s ran 4 of 54
-        steps alone, at 1.30x the profile where the 50 beside the decodes averaged 1.23x;
-        priced at the 4, the simulated prefills took 28% longer than measured)."""
+        ran beside other instances' steps (`_factors`), else on all its steps. Where
+        `MEAN_FROM` or more of those beside a neighbour ran no slower in all than the level
+        of those alone priced them (every factor found at 1), they ran as if alone, and the
+        level is fitted on them too: a neighbour does not speed a step up, so the few steps
+        alone near capacity read high by chance (on a Zen 3's humaneval run, the prefill
+        instance at 1.15 req/s ran 4 of 54 steps alone, at 1.30x the profile where the 50
+        beside the decodes averaged 1.23x; priced at the 4, the simulated prefills took 28%
+        longer than measured)."""
         fields: dict[str, object] = {}
         contention: dict[str, float] = {}
         riding = 1.0  # the decode phase's scale, which decodes riding along a chunk take
@@ -367,10 +369,10 @@ class Calibrator:
                 beside = [(t, moments) for t, moments in placed
                           if moments is not None and moments != ALONE]
                 factors = self._factors(beside, scale, plus_s, riding)
-                if factors and max(factors.values()) <= 1.0:
-                    ratio, fit, offset_s = self._level(phase, alone + [
-                        t for t, moments in beside
-                        if {q for m in moments for q in m} <= factors.keys()], riding)
+                as_alone = [t for t, moments in beside
+                            if {q for m in moments for q in m} <= factors.keys()]
+                if factors and max(factors.values()) <= 1.0 and len(as_alone) >= MEAN_FROM:
+                    ratio, fit, offset_s = self._level(phase, alone + as_alone, riding)
                     scale = 1.0 if fit == "offset" else ratio
             fields |= {phase: ratio, f"{phase}_fit": fit, f"{phase}_offset_s": offset_s,
                        f"{phase}_basis": basis}
@@ -392,7 +394,10 @@ class Calibrator:
         steps or on fewer than `min_steps`. A phase fitted on its steps alone prices each
         step with the contention of the steps beside it, as the simulator does (`core.Host`:
         its time alone over its mean pace through its moments; a step whose neighbours are
-        not known is left out); one fitted on all of them prices none (its level has it)."""
+        not known is left out); one fitted on all of them prices none (its level has it).
+        The ratios are taken over their mean: the simulator draws one for a step of any size,
+        and the level prices the steps' total, where short steps may run relatively slower
+        than long ones (the ratios' mean then above 1)."""
         riding = found.correction("decode")[0]
         contention = found.contention_over(self.latency.contention)
         fitted: dict[str, Any] = {}
@@ -414,7 +419,10 @@ class Calibrator:
                     corrected /= statistics.fmean(
                         1.0 / (1.0 + share * sum(added[q] for q in beside)) for beside in moments)
                 runs[t.instance].append(t.seconds / corrected)
-            fitted[phase] = fit_noise(list(runs.values()), min_steps)
+            ratios = [r for run in runs.values() for r in run]
+            mean = statistics.fmean(ratios) if ratios else 1.0
+            fitted[phase] = fit_noise([[r / mean for r in run] for run in runs.values()],
+                                      min_steps)
         return Noise(**fitted)
 
     def _factors(self, steps: list[tuple[Timed, Moments]], scale: float, plus_s: float,
@@ -432,14 +440,15 @@ class Calibrator:
         read under `min_share` of their time (near a share of 0 noise says nothing of a
         factor).
 
-        Over `MEAN_FROM` steps or more the factors are then set at the steps' mean, as the
-        level is (`fit_steps`): what the factors of the phases they met add is scaled alike
-        (raised alike from none where the robust fit found none) until the steps' priced
-        times add up to what they took. The robust fit alone lands near the steps' median
-        slowdown, and a neighbour's slowdown has a tail: on a Zen 3 EPYC's humaneval run (13
-        rates of three systems) the decode steps beside a neighbour took 1.3-4.9% more than
-        such factors priced, while those alone averaged their level, and the simulated decode
-        runs were short by up to 5%."""
+        Over `MEAN_FROM` steps or more the factors given are then set where the steps add up,
+        as the level is (`fit_steps`): what they add is scaled alike (raised alike from none
+        where the robust fit found none for any of them) until the steps' priced times add
+        up to what they took (the factors of phases met too briefly to be given stay as
+        fitted: the simulator prices those at the profile's). The robust fit alone lands
+        near the steps' median slowdown, and a neighbour's slowdown has a tail: on a Zen 3
+        EPYC's humaneval run (13 rates of three systems) the decode steps beside a
+        neighbour took 1.3-4.9% more than such factors priced, while those alone averaged
+        their level, and the simulated decode runs were short by up to 5%."""
         took, alone, shares, counts = [], [], [], []
         for t, moments in steps:
             corrected, reads = t.corrected_s(scale, plus_s, riding)
@@ -466,21 +475,24 @@ class Calibrator:
                                np.full(len(PHASES), 0.1), loss="soft_l1",
                                f_scale=0.05, bounds=(0.0, MOST_SLOWED - 1.0),
                                xtol=1e-10, ftol=1e-10, gtol=1e-10).x
-        met = beside.any(axis=0)
-        fitted[~met] = 0.0  # nothing moved a phase no step met from the fit's start
-        if len(took) >= MEAN_FROM:
+        fitted[~beside.any(axis=0)] = 0.0  # nothing moved a phase no step met from the start
+        given = (beside.sum(axis=0) >= self.min_steps / 2) | (
+            beside.T @ seconds >= self.min_seconds)
+        if len(took) >= MEAN_FROM and given.any():
             alone_s = np.array(alone)  # scaled alike; alike from 0 where the fit found none
-            toward = fitted if fitted.max() > 0 else met.astype(float)
+            kept = np.where(given, 0.0, fitted)
+            toward = np.where(given, fitted, 0.0)
+            if toward.max() <= 0:
+                toward = given.astype(float)
 
             def over(scale: float) -> float:  # the steps' time over their priced time
-                return float(seconds.sum() / (alone_s * priced(scale * toward)).sum()) - 1.0
+                priced_s = alone_s * priced(kept + scale * toward)
+                return float(seconds.sum() / priced_s.sum()) - 1.0
 
             most = (MOST_SLOWED - 1.0) / toward.max()
-            fitted = toward * (0.0 if over(0.0) <= 0 else most if over(most) >= 0 else brentq(
-                over, 0.0, most, xtol=1e-9))
-        return {q: round(1.0 + float(fitted[j]), 3) for j, q in enumerate(PHASES)
-                if beside[:, j].sum() >= self.min_steps / 2
-                or beside[:, j] @ seconds >= self.min_seconds}
+            fitted = kept + toward * (0.0 if over(0.0) <= 0 else most if over(most) >= 0
+                                      else brentq(over, 0.0, most, xtol=1e-9))
+        return {q: round(1.0 + float(fitted[j]), 3) for j, q in enumerate(PHASES) if given[j]}
 
 
 def predicted_s(latency: LatencyModel, step: StepSample) -> float:

@@ -150,6 +150,29 @@ def test_the_live_noise_is_the_steps_spread_and_spells_around_the_fit() -> None:
     assert "decode x" in live.describe_noise() and "lag-1 0.80" in live.describe_noise()
 
 
+def test_the_noise_a_step_of_any_size_draws_averages_1_about_a_level_that_adds_up() -> None:
+    """A prefill instance alone whose 32-token prompts run 1.5x the profile and 512-token
+    ones 1.0x, by turns: the level is their total over the predicted total (near 1.0x, the
+    long steps' time), so the steps' ratios to it average above 1; the noise the simulator
+    draws for a step of any size is of those ratios over their mean, so its draws average 1
+    and the steps the level prices add up to their total again."""
+    sizes = [32 if k % 2 else 512 for k in range(60)]
+    took = [LATENCY.prefill_latency_s(p, p * p) * (1.5 if p == 32 else 1.0) for p in sizes]
+    ends = [sum(took[:k + 1]) for k in range(60)]
+    steps = {"prefill-0": [StepSample(step=k + 1, prompts=[p], seconds=took[k], ended=ends[k])
+                           for k, p in enumerate(sizes)]}
+    live = live_profile(steps, PROFILE)
+    latency = live.profile.latency(1, 1)
+    priced = [latency.prefill_latency_s(p, p * p) for p in sizes]
+    assert sum(priced) == pytest.approx(sum(took), rel=1e-3)
+    ratios = [t / p for t, p in zip(took, priced, strict=True)]
+    assert statistics.fmean(ratios) > 1.05  # what the draws would add, taken as they ran
+    noise = live.noise.prefill
+    assert noise is not None
+    assert statistics.fmean(noise.ratio_at(k / 200) for k in range(201)) == pytest.approx(
+        1.0, abs=0.01)
+
+
 def requests(rate: float, n: int, prompt: int, output: int) -> list[RequestRecord]:
     return [RequestRecord(i, i / rate, prompt, output, sent_s=i / rate,
                           first_token_s=i / rate + 0.3, last_token_s=i / rate + 1.0,
