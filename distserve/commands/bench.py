@@ -112,7 +112,7 @@ def register(sub: Any) -> None:
                    help="start nothing: simulate the requests of an earlier run again (the "
                         "results.json it wrote; give its --workload) with --profile, and "
                         "report as --simulate does, on the run's objectives unless --ttft/"
-                        "--tpot or the factors are given; writes --out")
+                        "--tpot or a factor is given; writes --out")
     c.add_argument("--profile", type=Path, help="profile for --simulate (default: the shipped "
                    "profile for --threads measured on this CPU where one ships, else "
                    "profiles/smollm2-135m-cpu-<threads>thread(s).json)")
@@ -178,12 +178,14 @@ def _slo(args: argparse.Namespace, unloaded: Unloaded | None) -> SLO:
 
 def _recorded_slo(args: argparse.Namespace, recorded: dict[str, Any],
                   measured: Sequence[cmp.Measured]) -> SLO:
-    """The objectives `--from` scores a recorded run on: --ttft/--tpot, else the factors
-    given times the unloaded latencies the run calibrated on (its first system's), else
-    the run's own."""
-    if args.ttft is not None or args.ttft_factor or args.tpot_factor:
-        return _slo(args, measured[0].unloaded)
-    return SLO(**recorded["slo"])
+    """The objectives `--from` scores a recorded run on: --ttft/--tpot, else each the
+    factor given times the unloaded latency the run calibrated on (its first system's), or
+    the run's own where no factor is given."""
+    if args.ttft is not None:
+        return SLO(args.ttft, args.tpot)
+    slo, unloaded = SLO(**recorded["slo"]), measured[0].unloaded
+    return SLO(args.ttft_factor * unloaded.ttft_s if args.ttft_factor else slo.ttft_s,
+               args.tpot_factor * unloaded.tpot_s if args.tpot_factor else slo.tpot_s)
 
 
 def _out(args: argparse.Namespace) -> Path:
@@ -275,6 +277,8 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             measured = cmp.recorded(recorded)
         except (ValueError, KeyError, TypeError) as e:
             parser.error(f"--from {args.recorded}: {e}")
+        if not measured:
+            parser.error(f"--from {args.recorded}: no system was recorded")
         return _report_compare(args, console, workload, measured, list(recorded["rates"]),
                                _recorded_slo(args, recorded, measured), profile)
     requests = args.requests or (16 if args.quick else 48)

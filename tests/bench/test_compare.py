@@ -311,25 +311,32 @@ def test_a_recorded_comparison_is_simulated_again_on_the_requests_it_sent(
     with pytest.raises(SystemExit):  # another workload than the one recorded
         main(["bench", "compare", "--from", str(tmp_path / "results.json"), "--workload",
               "fixed:512:32", "--out", str(out)])
-    with pytest.raises(SystemExit):  # the recorded runs' rates are what there is
-        main(["bench", "compare", "--from", str(tmp_path / "results.json"), "--workload",
-              "fixed:128:8", "--rates", "1,2", "--out", str(out)])
+    for extra in (["--rates", "1,2"], ["--requests", "8"]):  # the recorded runs' are what
+        with pytest.raises(SystemExit):  # there is
+            main(["bench", "compare", "--from", str(tmp_path / "results.json"), "--workload",
+                  "fixed:128:8", *extra, "--out", str(out)])
 
 
-@pytest.mark.parametrize("objectives", [["--ttft", "1.0", "--tpot", "0.07"],
-                                        ["--tpot-factor", "3"]])
+@pytest.mark.parametrize(("objectives", "slo"), [
+    (["--ttft", "0.9", "--tpot", "0.07"], (0.9, 0.07)),
+    (["--tpot-factor", "3"], (1.2, 0.075)),
+    (["--ttft-factor", "4"], (0.8, 0.055))])
 def test_a_recorded_comparison_is_scored_again_on_the_objectives_given(
-        tmp_path: Path, objectives: list[str]) -> None:
+        tmp_path: Path, objectives: list[str], slo: tuple[float, float]) -> None:
     """`--from` with --ttft/--tpot, or with a factor (times the unloaded latencies the run
-    calibrated on: 5 x 0.2 s, 3 x 25 ms), scores what was measured on those objectives: the
-    systems that missed the recorded 50 ms TPOT at 2 req/s (60 ms a token) meet 70 or 75."""
+    calibrated on: 0.2 s, 25 ms; the other objective as recorded: 1.2 s, 55 ms, which no
+    default factor gives), scores what was measured on those objectives: the systems that
+    missed the TPOT at 2 req/s (60 ms a token) meet 70 or 75, and a TTFT of 0.8 s (250 ms
+    measured) changes nothing."""
     report = recorded_comparison(tmp_path / "results.json")
+    report["slo"] = {"ttft_s": 1.2, "tpot_s": 0.055}
+    (tmp_path / "results.json").write_text(json.dumps(report))
     out = tmp_path / "again"
     assert main(["bench", "compare", "--from", str(tmp_path / "results.json"), "--workload",
                  "fixed:128:8", "--out", str(out), *objectives]) == 0
     again = json.loads((out / "results.json").read_text())
-    assert again["slo"]["ttft_s"] == pytest.approx(1.0)
-    assert again["slo"]["tpot_s"] == pytest.approx(0.07 if "--tpot" in objectives else 0.075)
+    assert (again["slo"]["ttft_s"], again["slo"]["tpot_s"]) == pytest.approx(slo)
+    for before, after in zip(report["systems"], again["systems"], strict=True):
+        assert [r["attainment"] for r in after["runs"]] == (
+            [1.0, 1.0] if slo[1] > 0.06 else [r["attainment"] for r in before["runs"]])
     assert [r["attainment"] for r in report["systems"][0]["runs"]] == [1.0, 0.0]
-    for system in again["systems"]:
-        assert [r["attainment"] for r in system["runs"]] == [1.0, 1.0]
