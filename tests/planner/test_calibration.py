@@ -722,21 +722,9 @@ def test_a_neighbours_slowdown_is_priced_at_its_mean_so_steps_add_up(beside: int
     Fewer keep the robust fit: one slow spell of a few steps would move the mean."""
     decode_s = 1.1 * LATENCY.decode_step_s(4, 1200)
     took = [decode_s * (2.0 if k % 5 == 0 else 1.2) for k in range(beside)]
-    decode = back_to_back(0.0, decode_s, 40)
-    end = 20.0
-    for k, seconds in enumerate(took):
-        end += seconds
-        decode.append(StepSample(step=41 + k, batch=4, context=1200, seconds=seconds,
-                                 ended=end))
-    prefill_s = LATENCY.prefill_latency_s(256, 256 * 256)
-    prefill = back_to_back(20.0 - prefill_s, prefill_s, int((end - 20.0) / prefill_s) + 3,
-                           prompt=256)
-    calibrator = calibrator_of({"prefill-0": prefill, "decode-0": decode}, LATENCY)
-    found = calibrator.calibration()
+    found = decoding_beside_prefills(decode_s, took)
     assert found.decode_basis == "alone" and found.decode == pytest.approx(1.1, rel=0.01)
-    latency = found.apply(PROFILE).latency(1, 1)  # a step beside a prefill all along:
-    priced_s = latency.decode_step_s(4, 1200) * latency.contention.factor(
-        "decode", ["prefill"], latency.reading_share(4, 1200))
+    priced_s = priced_beside_a_prefill(found)
     if beside >= MEAN_FROM:
         assert beside * priced_s == pytest.approx(sum(took), rel=0.01)
     else:  # near the 1.2x most ran at (the soft loss still hears the tail a little)
@@ -752,6 +740,15 @@ def test_a_slowdown_only_the_mean_shows_is_priced_too() -> None:
     given."""
     decode_s = 1.1 * LATENCY.decode_step_s(4, 1200)
     took = [decode_s * (1.3 if k % 5 == 0 else 0.98) for k in range(100)]
+    found = decoding_beside_prefills(decode_s, took)
+    assert found.decode == pytest.approx(1.1, rel=0.01)
+    assert "decode_by_decode" not in found.contention
+    assert 100 * priced_beside_a_prefill(found) == pytest.approx(sum(took), rel=0.01)
+
+
+def decoding_beside_prefills(decode_s: float, took: list[float]) -> Calibration:
+    """The calibration of a decode instance's 40 steps alone of `decode_s` (batch 4,
+    context 1,200), then steps that `took` so long beside back-to-back 256-token prefills."""
     decode = back_to_back(0.0, decode_s, 40)
     end = 20.0
     for k, seconds in enumerate(took):
@@ -761,13 +758,15 @@ def test_a_slowdown_only_the_mean_shows_is_priced_too() -> None:
     prefill_s = LATENCY.prefill_latency_s(256, 256 * 256)
     prefill = back_to_back(20.0 - prefill_s, prefill_s, int((end - 20.0) / prefill_s) + 3,
                            prompt=256)
-    found = calibrator_of({"prefill-0": prefill, "decode-0": decode}, LATENCY).calibration()
-    assert found.decode == pytest.approx(1.1, rel=0.01)
-    assert "decode_by_decode" not in found.contention
+    return calibrator_of({"prefill-0": prefill, "decode-0": decode}, LATENCY).calibration()
+
+
+def priced_beside_a_prefill(found: Calibration) -> float:
+    """What `found` prices a decode step of batch 4 at a 1,200-token context at, beside a
+    prefill all along."""
     latency = found.apply(PROFILE).latency(1, 1)
-    priced_s = latency.decode_step_s(4, 1200) * latency.contention.factor(
+    return latency.decode_step_s(4, 1200) * latency.contention.factor(
         "decode", ["prefill"], latency.reading_share(4, 1200))
-    assert 100 * priced_s == pytest.approx(sum(took), rel=0.01)
 
 
 def test_steps_that_met_both_phases_give_both_factors() -> None:
