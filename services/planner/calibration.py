@@ -368,10 +368,10 @@ class Calibrator:
             if basis == "alone":
                 beside = [(t, moments) for t, moments in placed
                           if moments is not None and moments != ALONE]
-                factors = self._factors(beside, scale, plus_s, riding)
-                as_alone = [t for t, moments in beside
-                            if {q for m in moments for q in m} <= factors.keys()]
-                if factors and max(factors.values()) <= 1.0 and len(as_alone) >= MEAN_FROM:
+                factors, summed = self._factors(phase, beside, scale, plus_s, riding)
+                if summed and max(factors.values()) <= 1.0:
+                    as_alone = [t for t, moments in beside
+                                if {q for m in moments for q in m} <= factors.keys()]
                     ratio, fit, offset_s = self._level(phase, alone + as_alone, riding)
                     scale = 1.0 if fit == "offset" else ratio
             fields |= {phase: ratio, f"{phase}_fit": fit, f"{phase}_offset_s": offset_s,
@@ -395,9 +395,10 @@ class Calibrator:
         step with the contention of the steps beside it, as the simulator does (`core.Host`:
         its time alone over its mean pace through its moments; a step whose neighbours are
         not known is left out); one fitted on all of them prices none (its level has it).
-        The ratios are taken over their mean: the simulator draws one for a step of any size,
-        and the level prices the steps' total, where short steps may run relatively slower
-        than long ones (the ratios' mean then above 1)."""
+        The ratios are scaled so that their mean is the steps' total over their priced total:
+        the simulator draws one for a step of any size, and where short steps ran relatively
+        slower than long ones the ratios' mean is above that (a level that adds up: 1; one
+        at the median, below `MEAN_FROM` steps: the tail it leaves out)."""
         riding = found.correction("decode")[0]
         contention = found.contention_over(self.latency.contention)
         fitted: dict[str, Any] = {}
@@ -408,6 +409,7 @@ class Calibrator:
             scale, plus_ms = found.correction(phase)
             added = added_by(contention, phase)
             runs: defaultdict[str, list[float]] = defaultdict(list)
+            took_s = priced_s = 0.0
             for t, moments in sorted(self._own(phase), key=lambda placed: placed[0].ended):
                 corrected, reads = t.corrected_s(scale, plus_ms / 1e3, riding)
                 if corrected <= 0:
@@ -419,15 +421,17 @@ class Calibrator:
                     corrected /= statistics.fmean(
                         1.0 / (1.0 + share * sum(added[q] for q in beside)) for beside in moments)
                 runs[t.instance].append(t.seconds / corrected)
+                took_s, priced_s = took_s + t.seconds, priced_s + corrected
             ratios = [r for run in runs.values() for r in run]
-            mean = statistics.fmean(ratios) if ratios else 1.0
-            fitted[phase] = fit_noise([[r / mean for r in run] for run in runs.values()],
+            over = statistics.fmean(ratios) * priced_s / took_s if ratios else 1.0
+            fitted[phase] = fit_noise([[r / over for r in run] for run in runs.values()],
                                       min_steps)
         return Noise(**fitted)
 
-    def _factors(self, steps: list[tuple[Timed, Moments]], scale: float, plus_s: float,
-                 riding: float = 1.0) -> dict[Phase, float]:
-        """The contention factors that price `steps` (each with what ran beside it) as they
+    def _factors(self, phase: Phase, steps: list[tuple[Timed, Moments]], scale: float,
+                 plus_s: float, riding: float = 1.0) -> tuple[dict[Phase, float], bool]:
+        """The contention factors that price `phase`'s `steps` (each with what ran beside
+        it) as they
         ran on the corrected profile (`scale` x predicted + `plus_s`), as the simulator runs
         them (core.Host, processor sharing): a step of W seconds alone runs at the pace 1/g
         while its neighbours run steps of phases q, g = 1 + share x sum(f_q - 1) (`share`:
@@ -443,8 +447,9 @@ class Calibrator:
         Over `MEAN_FROM` steps or more the factors given are then set where the steps add up,
         as the level is (`fit_steps`): what they add is scaled alike (raised alike from none
         where the robust fit found none for any of them) until the steps' priced times add
-        up to what they took (the factors of phases met too briefly to be given stay as
-        fitted: the simulator prices those at the profile's). The robust fit alone lands
+        up to what they took (the factors of phases met too briefly to be given are priced
+        at the profile's, as the simulator prices them); and whether they were so set. The
+        robust fit alone lands
         near the steps' median slowdown, and a neighbour's slowdown has a tail: on a Zen 3
         EPYC's humaneval run (13 rates of three systems) the decode steps beside a
         neighbour took 1.3-4.9% more than such factors priced, while those alone averaged
@@ -461,7 +466,7 @@ class Calibrator:
                 shares.append(share)
                 counts.append([[m.count(q) for m in moments] for q in PHASES])
         if not took:
-            return {}
+            return {}, False
         seconds, n = np.array(took), np.array(counts, dtype=float)  # n: [step, phase, moment]
         share_s = np.array(shares)[:, None]
         measured = np.log(seconds / np.array(alone))
@@ -478,9 +483,12 @@ class Calibrator:
         fitted[~beside.any(axis=0)] = 0.0  # nothing moved a phase no step met from the start
         given = (beside.sum(axis=0) >= self.min_steps / 2) | (
             beside.T @ seconds >= self.min_seconds)
-        if len(took) >= MEAN_FROM and given.any():
+        summed = len(took) >= MEAN_FROM and bool(given.any())
+        if summed:
             alone_s = np.array(alone)  # scaled alike; alike from 0 where the fit found none
-            kept = np.where(given, 0.0, fitted)
+            profiled = [getattr(self.latency.contention, f"{phase}_by_{q}") - 1.0
+                        for q in PHASES]
+            kept = np.where(given, 0.0, profiled)
             toward = np.where(given, fitted, 0.0)
             if toward.max() <= 0:
                 toward = given.astype(float)
@@ -492,7 +500,8 @@ class Calibrator:
             most = (MOST_SLOWED - 1.0) / toward.max()
             fitted = kept + toward * (0.0 if over(0.0) <= 0 else most if over(most) >= 0
                                       else brentq(over, 0.0, most, xtol=1e-9))
-        return {q: round(1.0 + float(fitted[j]), 3) for j, q in enumerate(PHASES) if given[j]}
+        return {q: round(1.0 + float(fitted[j]), 3) for j, q in enumerate(PHASES)
+                if given[j]}, summed
 
 
 def predicted_s(latency: LatencyModel, step: StepSample) -> float:
