@@ -176,14 +176,12 @@ def _slo(args: argparse.Namespace, unloaded: Unloaded | None) -> SLO:
     return unloaded.slo(args.ttft_factor or TTFT_FACTOR, args.tpot_factor or TPOT_FACTOR)
 
 
-def _recorded_slo(args: argparse.Namespace, recorded: dict[str, Any],
-                  measured: Sequence[cmp.Measured]) -> SLO:
-    """The objectives `--from` scores a recorded run on: --ttft/--tpot, else each the
-    factor given times the unloaded latency the run calibrated on (its first system's), or
-    the run's own where no factor is given."""
+def _recorded_slo(args: argparse.Namespace, slo: SLO, unloaded: Unloaded) -> SLO:
+    """The objectives `--from` scores a recorded run (its `slo`) on: --ttft/--tpot, else
+    each the factor given times the unloaded latency the run calibrated on (its first
+    system's), or the run's own where no factor is given."""
     if args.ttft is not None:
         return SLO(args.ttft, args.tpot)
-    slo, unloaded = SLO(**recorded["slo"]), measured[0].unloaded
     return SLO(args.ttft_factor * unloaded.ttft_s if args.ttft_factor else slo.ttft_s,
                args.tpot_factor * unloaded.tpot_s if args.tpot_factor else slo.tpot_s)
 
@@ -246,6 +244,7 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         try:
             recorded = json.loads(args.recorded.read_text())
             args.threads = int(recorded["threads_per_worker"])
+            recorded_slo = SLO(**recorded["slo"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             parser.error(f"--from {args.recorded}: not a results.json of bench compare ({e})")
         if recorded.get("workload") != workload.name:
@@ -280,7 +279,8 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         if not measured:
             parser.error(f"--from {args.recorded}: no system was recorded")
         return _report_compare(args, console, workload, measured, list(recorded["rates"]),
-                               _recorded_slo(args, recorded, measured), profile)
+                               _recorded_slo(args, recorded_slo, measured[0].unloaded),
+                               profile)
     requests = args.requests or (16 if args.quick else 48)
     grid = cmp.RateGrid(QUICK_RATE_FACTORS if args.quick else RATE_FACTORS,
                         _mean_output(workload), lambda unloaded: _slo(args, unloaded),

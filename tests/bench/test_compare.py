@@ -315,6 +315,11 @@ def test_a_recorded_comparison_is_simulated_again_on_the_requests_it_sent(
         with pytest.raises(SystemExit):  # there is
             main(["bench", "compare", "--from", str(tmp_path / "results.json"), "--workload",
                   "fixed:128:8", *extra, "--out", str(out)])
+    for broken in ({"systems": []}, {"slo": {"ttft_s": 1.0}}):  # told, not a traceback
+        (tmp_path / "broken.json").write_text(json.dumps(report | broken))
+        with pytest.raises(SystemExit, match="2"):
+            main(["bench", "compare", "--from", str(tmp_path / "broken.json"), "--workload",
+                  "fixed:128:8", "--tpot-factor", "3", "--out", str(out)])
 
 
 @pytest.mark.parametrize(("objectives", "slo"), [
