@@ -62,9 +62,9 @@ OWN_SHARE = 0.3
 # fitted on those 4 read 1.50x where the long steps ran 1.11x.
 FEWEST_PROMPT_TOKENS = 16
 # a phase's fit is set where its steps add up to what they took over this many steps at
-# least (`fit_steps`), else at its median: over
-# a few steps one stalled one (a collection, a neighbour's burst) would move the mean by
-# what the online planner replans on, and again as it leaves the window
+# least (`fit_steps`), else at its median: over a few steps one stalled one (a collection,
+# a neighbour's burst) would move the mean by what the online planner replans on, and again
+# as it leaves the window
 MEAN_FROM = 20
 # the phases of the steps a step's machine's other instances ran at each of its moments
 Moments = tuple[tuple[Phase, ...], ...]
@@ -431,29 +431,26 @@ class Calibrator:
     def _factors(self, phase: Phase, steps: list[tuple[Timed, Moments]], scale: float,
                  plus_s: float, riding: float = 1.0) -> tuple[dict[Phase, float], bool]:
         """The contention factors that price `phase`'s `steps` (each with what ran beside
-        it) as they
-        ran on the corrected profile (`scale` x predicted + `plus_s`), as the simulator runs
-        them (core.Host, processor sharing): a step of W seconds alone runs at the pace 1/g
-        while its neighbours run steps of phases q, g = 1 + share x sum(f_q - 1) (`share`:
-        the part of it they slow, the corrected model's reads), so it takes T = W / mean(1/g)
-        over its moments. Fitted together (one step may meet both phases, or two steps at
-        once), on log T, robustly (below `MEAN_FROM` steps a few slowed by something else do
-        not move them; from there their mean does, below),
-        within [1, MOST_SLOWED], to 3 decimals; each factor given where steps ran beside that
-        phase for half of `min_steps` steps' time (or `min_seconds`), leaving out steps that
-        read under `min_share` of their time (near a share of 0 noise says nothing of a
-        factor).
+        it) as they ran on the corrected profile (`scale` x predicted + `plus_s`), as the
+        simulator runs them (core.Host, processor sharing): a step of W seconds alone runs at
+        the pace 1/g while its neighbours run steps of phases q, g = 1 + share x sum(f_q - 1)
+        (`share`: the part of it they slow, the corrected model's reads), so it takes
+        T = W / mean(1/g) over its moments. Fitted together (one step may meet both phases,
+        or two steps at once), on log T, robustly (below `MEAN_FROM` steps a few slowed by
+        something else do not move them; from there their total does, below), within
+        [1, MOST_SLOWED], to 3 decimals; each factor given where steps ran beside that phase
+        for half of `min_steps` steps' time (or `min_seconds`), leaving out steps that read
+        under `min_share` of their time (near a share of 0 noise says nothing of a factor).
 
         Over `MEAN_FROM` steps or more the factors given are then set where the steps add up,
         as the level is (`fit_steps`): what they add is scaled alike (raised alike from none
         where the robust fit found none for any of them) until the steps' priced times add
         up to what they took (the factors of phases met too briefly to be given are priced
         at the profile's, as the simulator prices them); and whether they were so set. The
-        robust fit alone lands
-        near the steps' median slowdown, and a neighbour's slowdown has a tail: on a Zen 3
-        EPYC's humaneval run (13 rates of three systems) the decode steps beside a
-        neighbour took 1.3-4.9% more than such factors priced, while those alone averaged
-        their level, and the simulated decode runs were short by up to 5%."""
+        robust fit alone lands near the steps' median slowdown, and a neighbour's slowdown
+        has a tail: on a Zen 3 EPYC's humaneval run (13 rates of three systems) the decode
+        steps beside a neighbour took 1.3-4.9% more than such factors priced, while those
+        alone averaged their level, and the simulated decode runs were short by up to 5%."""
         took, alone, shares, counts = [], [], [], []
         for t, moments in steps:
             corrected, reads = t.corrected_s(scale, plus_s, riding)
