@@ -169,21 +169,17 @@ def _setup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> BenchWo
         parser.error(str(e))
 
 
-def _slo(args: argparse.Namespace, unloaded: Unloaded | None) -> SLO:
+def _slo(args: argparse.Namespace, unloaded: Unloaded | None,
+         recorded: SLO | None = None) -> SLO:
+    """--ttft/--tpot, else each objective its factor given times `unloaded`'s latency; one
+    with no factor given is `recorded`'s (`--from`: the run's own), else the default
+    factor's."""
     if args.ttft is not None:
         return SLO(args.ttft, args.tpot)
     assert unloaded is not None, "calibrated when no SLO is given"
-    return unloaded.slo(args.ttft_factor or TTFT_FACTOR, args.tpot_factor or TPOT_FACTOR)
-
-
-def _recorded_slo(args: argparse.Namespace, slo: SLO, unloaded: Unloaded) -> SLO:
-    """The objectives `--from` scores a recorded run (its `slo`) on: --ttft/--tpot, else
-    each the factor given times the unloaded latency the run calibrated on (its first
-    system's), or the run's own where no factor is given."""
-    if args.ttft is not None:
-        return SLO(args.ttft, args.tpot)
-    return SLO(args.ttft_factor * unloaded.ttft_s if args.ttft_factor else slo.ttft_s,
-               args.tpot_factor * unloaded.tpot_s if args.tpot_factor else slo.tpot_s)
+    base = recorded or unloaded.slo(TTFT_FACTOR, TPOT_FACTOR)
+    return SLO(args.ttft_factor * unloaded.ttft_s if args.ttft_factor else base.ttft_s,
+               args.tpot_factor * unloaded.tpot_s if args.tpot_factor else base.tpot_s)
 
 
 def _out(args: argparse.Namespace) -> Path:
@@ -279,8 +275,7 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         if not measured:
             parser.error(f"--from {args.recorded}: no system was recorded")
         return _report_compare(args, console, workload, measured, list(recorded["rates"]),
-                               _recorded_slo(args, recorded_slo, measured[0].unloaded),
-                               profile)
+                               _slo(args, measured[0].unloaded, recorded_slo), profile)
     requests = args.requests or (16 if args.quick else 48)
     grid = cmp.RateGrid(QUICK_RATE_FACTORS if args.quick else RATE_FACTORS,
                         _mean_output(workload), lambda unloaded: _slo(args, unloaded),

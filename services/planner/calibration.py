@@ -483,9 +483,8 @@ class Calibrator:
         summed = len(took) >= MEAN_FROM and bool(given.any())
         if summed:
             alone_s = np.array(alone)  # scaled alike; alike from 0 where the fit found none
-            profiled = [getattr(self.latency.contention, f"{phase}_by_{q}") - 1.0
-                        for q in PHASES]
-            kept = np.where(given, 0.0, profiled)
+            profiled = added_by(self.latency.contention, phase)
+            kept = np.where(given, 0.0, [profiled[q] for q in PHASES])
             toward = np.where(given, fitted, 0.0)
             if toward.max() <= 0:
                 toward = given.astype(float)

@@ -154,8 +154,8 @@ def test_the_noise_a_step_of_any_size_draws_averages_1_about_a_level_that_adds_u
     """A prefill instance alone whose 32-token prompts run 1.5x the profile and 512-token
     ones 1.0x, by turns: the level is their total over the predicted total (near 1.0x, the
     long steps' time), so the steps' ratios to it average above 1; the noise the simulator
-    draws for a step of any size is of those ratios over their mean, so its draws average 1
-    and the steps the level prices add up to their total again."""
+    draws for a step of any size is of those ratios scaled to average the steps' total over
+    their priced total (1 here), so the steps the level prices add up to their total again."""
     sizes = [32 if k % 2 else 512 for k in range(60)]
     took = [LATENCY.prefill_latency_s(p, p * p) * (1.5 if p == 32 else 1.0) for p in sizes]
     ends = [sum(took[:k + 1]) for k in range(60)]
