@@ -748,6 +748,42 @@ def test_a_slowdown_only_the_mean_shows_is_priced_too() -> None:
     assert 100 * priced_beside_a_prefill(found) == pytest.approx(sum(took), rel=0.01)
 
 
+def test_a_phase_met_too_briefly_is_priced_at_the_profiles_factor_where_steps_add_up() -> None:
+    """A decode instance's 40 steps alone at 1.1x the profile, then 100 beside back-to-back
+    prefills at 1.2x; two of those also beside another decode instance's two steps, at 1.5x
+    (all four steps met a decode for under half of `min_steps` steps' time: that factor is
+    not given, and the simulator prices it at the profile's 1.6). The factor beside a
+    prefill is set where the steps add up as the simulator prices them: the two decodes'
+    slowdown at the profile's, not at none (which had priced the 100 about 1% over)."""
+    contended = dataclasses.replace(PROFILE, contention=Contention(decode_by_decode=1.6))
+    latency = contended.latency(1, 1)
+    decode_s = 1.1 * latency.decode_step_s(4, 1200)
+    took = [decode_s * (1.5 if k in (50, 51) else 1.2) for k in range(100)]
+    decode = back_to_back(0.0, decode_s, 40)
+    other: list[StepSample] = []
+    end = 20.0
+    for k, seconds in enumerate(took):
+        end += seconds
+        decode.append(StepSample(step=41 + k, batch=4, context=1200, seconds=seconds,
+                                 ended=end))
+        if k in (50, 51):  # the other decode's step alongside, start to end
+            other.append(StepSample(step=k - 49, batch=4, context=1200, seconds=seconds,
+                                    ended=end))
+    prefill_s = latency.prefill_latency_s(256, 256 * 256)
+    prefill = back_to_back(20.0 - prefill_s, prefill_s, int((end - 20.0) / prefill_s) + 3,
+                           prompt=256)
+    found = calibrator_of({"prefill-0": prefill, "decode-0": decode, "decode-1": other},
+                          latency).calibration()
+    assert found.decode_basis == "alone" and found.decode == pytest.approx(1.1, rel=0.01)
+    assert "decode_by_decode" not in found.contention
+    priced = found.apply(contended).latency(1, 1)
+    share = priced.reading_share(4, 1200)
+    step_s = priced.decode_step_s(4, 1200)
+    priced_s = 98 * step_s * priced.contention.factor("decode", ["prefill"], share) + \
+        4 * step_s * priced.contention.factor("decode", ["prefill", "decode"], share)
+    assert priced_s == pytest.approx(sum(took) + sum(s.seconds for s in other), rel=1e-3)
+
+
 def decoding_beside_prefills(decode_s: float, took: list[float]) -> Calibration:
     """The calibration of a decode instance's 40 steps alone of `decode_s` (batch 4,
     context 1,200), then steps that `took` so long beside back-to-back 256-token prefills."""
