@@ -76,8 +76,7 @@ class Calibration(BaseModel):
     """Per phase: measured / predicted step time at the live steps (their total over their
     predicted total; 1.0: as profiled), the correction that fits them best, the steps it
     was fitted on, and the contention measured beside a neighbour's step of each phase
-    (`Contention`'s factors, which a step slows by on the share of it that reads memory;
-    measured ones only, e.g. {"decode_by_decode": 1.6})."""
+    (`Contention`'s factors; measured ones only, e.g. {"decode_by_decode": 1.6})."""
 
     prefill: float = 1.0
     decode: float = 1.0
@@ -163,7 +162,6 @@ class Timed:
     instance: str
     phase: Phase
     predicted_s: float  # what the profile says it takes
-    reads_s: float  # of which reading memory (what a neighbour's step slows; a prompt: all)
     seconds: float  # what it took
     ended: float  # wall clock; 0: not said (it is then never placed beside another step)
     machine: str
@@ -171,12 +169,10 @@ class Timed:
     riding_s: float  # of `predicted_s`, what decodes beside its prompt chunks add
     prompt_tokens: int  # the prompt tokens it computed
 
-    def corrected_s(self, scale: float, plus_s: float, riding: float) -> tuple[float, float]:
-        """(its time, its time reading memory) on the profile corrected: its phase's part by
-        `scale` and `plus_s`, the decodes riding along by the decode phase's scale."""
-        own, reads = self.predicted_s - self.riding_s, self.reads_s - self.riding_s
-        return (scale * own + plus_s + riding * self.riding_s,
-                scale * reads + plus_s + riding * self.riding_s)
+    def corrected_s(self, scale: float, plus_s: float, riding: float) -> float:
+        """Its time on the profile corrected: its phase's part by `scale` and `plus_s`, the
+        decodes riding along by the decode phase's scale."""
+        return scale * (self.predicted_s - self.riding_s) + plus_s + riding * self.riding_s
 
 
 @dataclasses.dataclass
@@ -185,7 +181,6 @@ class Calibrator:
     window: int = 2000  # steps per phase at most
     window_s: float = 120.0  # of the last this many seconds (by the newest step heard)
     min_steps: int = 10  # a phase's level (a factor: half as many steps' time) needs this many
-    min_share: float = 0.2  # steps that read less of their time say nothing of contention
     min_seconds: float = 2.0  # or this much of them (a few long prefills)
     # a step's neighbours are taken as its machine's record told them once a step this much
     # newer was heard, and its machine heard this long (every instance that ran beside it
@@ -239,9 +234,7 @@ class Calibrator:
                 continue  # nothing to price, or too old for the window by now
             phase = phase_of(s)
             predicted, riding = predicted_s(model, s), riding_s(model, s)
-            reads = predicted if s.prompts else \
-                predicted * model.reading_share(s.batch, s.context)
-            timed = Timed(instance, phase, predicted, reads, s.seconds, s.ended, machine,
+            timed = Timed(instance, phase, predicted, s.seconds, s.ended, machine,
                           s.ended if s.ended > 0 else newest, riding, sum(s.prompts))
             self.steps[phase].append(timed)
             if s.ended > 0 and not self.whole:
@@ -411,15 +404,14 @@ class Calibrator:
             runs: defaultdict[str, list[float]] = defaultdict(list)
             took_s = priced_s = 0.0
             for t, moments in sorted(self._own(phase), key=lambda placed: placed[0].ended):
-                corrected, reads = t.corrected_s(scale, plus_ms / 1e3, riding)
+                corrected = t.corrected_s(scale, plus_ms / 1e3, riding)
                 if corrected <= 0:
                     continue
                 if basis == "alone":  # at its pace beside its neighbours, as `Host` runs it
                     if moments is None:
                         continue
-                    share = reads / corrected
                     corrected /= statistics.fmean(
-                        1.0 / (1.0 + share * sum(added[q] for q in beside)) for beside in moments)
+                        1.0 / (1.0 + sum(added[q] for q in beside)) for beside in moments)
                 runs[t.instance].append(t.seconds / corrected)
                 took_s, priced_s = took_s + t.seconds, priced_s + corrected
             ratios = [r for run in runs.values() for r in run]
@@ -433,14 +425,12 @@ class Calibrator:
         """The contention factors that price `phase`'s `steps` (each with what ran beside
         it) as they ran on the corrected profile (`scale` x predicted + `plus_s`), as the
         simulator runs them (core.Host, processor sharing): a step of W seconds alone runs at
-        the pace 1/g while its neighbours run steps of phases q, g = 1 + share x sum(f_q - 1)
-        (`share`: the part of it they slow, the corrected model's reads), so it takes
-        T = W / mean(1/g) over its moments. Fitted together (one step may meet both phases,
-        or two steps at once), on log T, robustly (below `MEAN_FROM` steps a few slowed by
-        something else do not move them; from there their total does, below), within
-        [1, MOST_SLOWED], to 3 decimals; each factor given where steps ran beside that phase
-        for half of `min_steps` steps' time (or `min_seconds`), leaving out steps that read
-        under `min_share` of their time (near a share of 0 noise says nothing of a factor).
+        the pace 1/g while its neighbours run steps of phases q, g = 1 + sum(f_q - 1), so it
+        takes T = W / mean(1/g) over its moments. Fitted together (one step may meet both
+        phases, or two steps at once), on log T, robustly (below `MEAN_FROM` steps a few
+        slowed by something else do not move them; from there their total does, below),
+        within [1, MOST_SLOWED], to 3 decimals; each factor given where steps ran beside that
+        phase for half of `min_steps` steps' time (or `min_seconds`).
 
         Over `MEAN_FROM` steps or more the factors given are then set where the steps add up,
         as the level is (`fit_steps`): what they add is scaled alike (raised alike from none
@@ -451,26 +441,22 @@ class Calibrator:
         has a tail: on a Zen 3 EPYC's humaneval run (13 rates of three systems) the decode
         steps beside a neighbour took 1.3-4.9% more than such factors priced, while those
         alone averaged their level, and the simulated decode runs were short by up to 5%."""
-        took, alone, shares, counts = [], [], [], []
+        took, alone, counts = [], [], []
         for t, moments in steps:
-            corrected, reads = t.corrected_s(scale, plus_s, riding)
+            corrected = t.corrected_s(scale, plus_s, riding)
             if corrected <= 0 or t.seconds <= 0:
                 continue  # a fixed time a step below a shape's own constant: no pace to tell
-            share = reads / corrected
-            if share >= self.min_share:
-                took.append(t.seconds)
-                alone.append(corrected)
-                shares.append(share)
-                counts.append([[m.count(q) for m in moments] for q in PHASES])
+            took.append(t.seconds)
+            alone.append(corrected)
+            counts.append([[m.count(q) for m in moments] for q in PHASES])
         if not took:
             return {}, False
         seconds, n = np.array(took), np.array(counts, dtype=float)  # n: [step, phase, moment]
-        share_s = np.array(shares)[:, None]
         measured = np.log(seconds / np.array(alone))
         beside = (n > 0).mean(axis=2)  # [step, phase]: the share of each step beside it
 
         def priced(added: np.ndarray) -> np.ndarray:  # added: f - 1 by phase; T / W a step
-            slowdown = 1.0 + share_s * np.einsum("spm,p->sm", n, added)
+            slowdown = 1.0 + np.einsum("spm,p->sm", n, added)
             return np.asarray(1.0 / (1.0 / slowdown).mean(axis=1))
 
         fitted = least_squares(lambda added: np.log(priced(added)) - measured,

@@ -95,20 +95,20 @@ class Contention:
     on 2-vCPU Zen 4 EPYC hosts a batch-1 decode step took 1.16-1.55x as long beside a
     decoding engine (both stream the weights; four runs) and 1.00-1.06x beside a prefilling
     one, while the engine alone shows nothing of it. 1.0 (the default) for devices that
-    share nothing (GPUs)."""
+    share nothing (GPUs). A factor is of the whole step, whatever its batch: on a 2-vCPU Zen 3
+    EPYC's recorded runs (six, three systems each) a decode step beside a prefilling
+    neighbour ran 1.02-1.09x at every batch from 1 to 10, and beside a decoding one
+    1.27-1.36x at every batch from 1 to 4 (docs/benchmarks.md)."""
 
     decode_by_decode: float = 1.0
     decode_by_prefill: float = 1.0
     prefill_by_decode: float = 1.0
     prefill_by_prefill: float = 1.0
 
-    def factor(self, phase: Phase, beside: Iterable[Phase], share: float = 1.0) -> float:
+    def factor(self, phase: Phase, beside: Iterable[Phase]) -> float:
         """A `phase` step's slowdown beside steps of the phases `beside`: each neighbour
-        adds its own (memory traffic adds up), on the `share` of the step that contends (a
-        decode step's reads: LatencyModel.reading_share; the factors are measured on steps
-        that are nearly all reads)."""
-        return 1.0 + share * sum(float(getattr(self, f"{phase}_by_{other}")) - 1.0
-                                 for other in beside)
+        adds its own (memory traffic adds up)."""
+        return 1.0 + sum(float(getattr(self, f"{phase}_by_{other}")) - 1.0 for other in beside)
 
     @property
     def none(self) -> bool:
@@ -135,17 +135,6 @@ class LatencyModel:
         co = self.coefficients
         a, b, c = co.decode_large if batch >= co.decode_threshold else co.decode_small
         return a + b * sum_ctx + c * batch
-
-    def reading_share(self, batch: int, sum_ctx: float) -> float:
-        """The share of a decode step spent reading memory, as the model splits it: the
-        constant (the weights) and the context term (the KV) against the per-request term
-        (compute). Near 1 at batch 1; it falls as the batch grows, and so does what a
-        neighbour reading the same memory costs the step (Contention)."""
-        co = self.coefficients
-        a, b, c = co.decode_large if batch >= co.decode_threshold else co.decode_small
-        reads = max(0.0, a + b * sum_ctx)
-        total = reads + max(0.0, c * batch)
-        return reads / total if total > 0 else 1.0
 
     def riding_ms(self, batch: int, sum_ctx: float) -> float:
         """What `batch` decodes add to a step that computes prompt tokens anyway (chunked

@@ -353,10 +353,10 @@ def back_to_back(start: float, step_s: float, n: int, first: int = 1,
 
 def disaggregated_steps() -> tuple[list[StepSample], list[StepSample], float]:
     """A 1P+1D stack on one host: decode alone at 1.1x the profile, then beside back-to-back
-    prefills, each decode step 13% longer (1 + 0.3 x the share of the step the profile says
-    reads memory); then the prefill instance alone, as profiled. Also that longer step."""
+    prefills, each decode step 1.2x as long; then the prefill instance alone, as profiled.
+    Also that longer step."""
     decode_s = 1.1 * LATENCY.decode_step_s(4, 1200)
-    beside_s = decode_s * (1 + LATENCY.reading_share(4, 1200) * 0.3)
+    beside_s = 1.2 * decode_s
     prefill_s = LATENCY.prefill_latency_s(256, 256 * 256)
     decode = back_to_back(0.0, decode_s, 30) + back_to_back(20.0, beside_s, 80, 31)
     prefill = back_to_back(20.0, prefill_s, int(80 * beside_s / prefill_s) + 1, prompt=256)
@@ -395,13 +395,12 @@ def test_steps_alone_give_the_level_and_steps_beside_a_neighbour_the_contention(
     assert found.decode == pytest.approx(1.1, rel=0.01)
     assert found.prefill == pytest.approx(1.0, rel=0.01)
     assert found.contention.keys() == {"decode_by_prefill", "prefill_by_decode"}
-    # priced as they ran: the calibrated model's step times its contention at its share
+    # priced as they ran: the calibrated model's step times its contention
     priced = found.apply(contended)
     latency = priced.latency(1, 1)
     assert latency.decode_step_s(4, 1200) * latency.contention.factor(
-        "decode", ["prefill"], latency.reading_share(4, 1200)) == pytest.approx(beside_s,
-                                                                               rel=0.01)
-    assert 1.2 < found.contention["decode_by_prefill"] < 1.3
+        "decode", ["prefill"]) == pytest.approx(beside_s, rel=0.01)
+    assert found.contention["decode_by_prefill"] == pytest.approx(1.2, rel=0.01)
     # the prefills beside the decodes took as long as alone: no slowdown measured
     assert found.contention["prefill_by_decode"] == pytest.approx(1.0)
     assert priced.contention == Contention(decode_by_decode=1.6, decode_by_prefill=found.contention[
@@ -778,10 +777,9 @@ def test_a_phase_met_too_briefly_is_priced_at_the_profiles_factor_where_steps_ad
     assert found.decode_basis == "alone" and found.decode == pytest.approx(1.1, rel=0.01)
     assert "decode_by_decode" not in found.contention
     priced = found.apply(contended).latency(1, 1)
-    share = priced.reading_share(4, 1200)
     step_s = priced.decode_step_s(4, 1200)
-    priced_s = 98 * step_s * priced.contention.factor("decode", ["prefill"], share) + \
-        4 * step_s * priced.contention.factor("decode", ["prefill", "decode"], share)
+    priced_s = 98 * step_s * priced.contention.factor("decode", ["prefill"]) + \
+        4 * step_s * priced.contention.factor("decode", ["prefill", "decode"])
     assert priced_s == pytest.approx(sum(took) + sum(s.seconds for s in other), rel=1e-3)
 
 
@@ -804,8 +802,7 @@ def priced_beside_a_prefill(found: Calibration) -> float:
     """What `found` prices a decode step of batch 4 at a 1,200-token context at, beside a
     prefill all along."""
     latency = found.apply(PROFILE).latency(1, 1)
-    return latency.decode_step_s(4, 1200) * latency.contention.factor(
-        "decode", ["prefill"], latency.reading_share(4, 1200))
+    return latency.decode_step_s(4, 1200) * latency.contention.factor("decode", ["prefill"])
 
 
 def test_steps_that_met_both_phases_give_both_factors() -> None:

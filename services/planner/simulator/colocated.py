@@ -104,9 +104,8 @@ class ColocatedInstance:
                 seconds = lat.decode_step_s(self.batch.size, self.batch.sum_ctx)
             if jitter is not None:
                 seconds *= jitter.take()
-            share = 1.0 if chunks else lat.reading_share(self.batch.size, self.batch.sum_ctx)
             self.host.run(self, phase, lat, seconds,
-                          lambda _: self._step_done(chunks, decoding), share)
+                          lambda _: self._step_done(chunks, decoding))
 
     def _step_done(self, chunks: list[Chunk], decoding: bool) -> None:
         if decoding:

@@ -108,7 +108,6 @@ class _Running:
 
     phase: Phase
     by: dict[Phase, float]  # what a neighbour's step of each phase adds to its slowdown
-    share: float  # of it that contends (`by` is of a whole step's)
     alone_s: float
     started: float
     done: Callable[[float], None]
@@ -134,14 +133,13 @@ class Host:
         self.ending = False  # in a step's end: steps started meanwhile are priced after it
 
     def run(self, instance: object, phase: Phase, latency: LatencyModel, seconds: float,
-            done: Callable[[float], None], share: float = 1.0) -> None:
-        """`instance` starts a step of `phase` that takes `seconds` alone (`share` of it
-        contending for memory: Contention.factor); `done(stretch)` when it ends, with how
-        many times its time alone it took."""
+            done: Callable[[float], None]) -> None:
+        """`instance` starts a step of `phase` that takes `seconds` alone; `done(stretch)`
+        when it ends, with how many times its time alone it took."""
         assert id(instance) not in self.running, "one step at a time an instance"
         self._advance()
         self.running[id(instance)] = _Running(phase, added_by(latency.contention, phase),
-                                               share, seconds, self.loop.now, done, seconds)
+                                               seconds, self.loop.now, done, seconds)
         if not self.ending:
             self._price()
 
@@ -168,7 +166,7 @@ class Host:
             for k, other in running:
                 if k != key:
                     added += step.by[other.phase]
-            factor = 1.0 + step.share * added
+            factor = 1.0 + added
             if factor != step.factor:
                 step.factor, step.version = factor, next(self.versions)
                 self.loop.at(self.loop.now + step.left_s * factor, self._end,
@@ -192,8 +190,8 @@ class Host:
 
 @functools.cache
 def added_by(contention: Contention, phase: Phase) -> dict[Phase, float]:
-    """What a neighbour's step of each phase adds to a `phase` step's slowdown (the whole
-    step contending). Shared: not to be changed."""
+    """What a neighbour's step of each phase adds to a `phase` step's slowdown. Shared: not
+    to be changed."""
     return {other: contention.factor(phase, [other]) - 1.0 for other in PHASES}
 
 

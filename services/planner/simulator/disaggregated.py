@@ -154,8 +154,7 @@ class DecodeInstance:
             step = lat.decode_step_s(self.batch.size, self.batch.sum_ctx)
             if self.jitter is not None:
                 step *= self.jitter.take()
-            self.host.run(self, "decode", lat, step, self._step_done,
-                          lat.reading_share(self.batch.size, self.batch.sum_ctx))
+            self.host.run(self, "decode", lat, step, self._step_done)
 
     def _step_done(self, _: float) -> None:
         for r in self.batch.advance(self.loop.now):
