@@ -97,7 +97,7 @@ class Contention:
     one, while the engine alone shows nothing of it. 1.0 (the default) for devices that
     share nothing (GPUs). A factor is of the whole step, whatever its batch: on a 2-vCPU Zen 3
     EPYC's recorded runs (six, three systems each) a decode step beside a prefilling
-    neighbour ran 1.02-1.09x at every batch from 1 to 10, and beside a decoding one
+    neighbour ran 1.02-1.09x at every batch from 1 to 12, and beside a decoding one
     1.27-1.36x at every batch from 1 to 4 (docs/benchmarks.md)."""
 
     decode_by_decode: float = 1.0

@@ -753,8 +753,8 @@ def test_a_phase_met_too_briefly_is_priced_at_the_profiles_factor_where_steps_ad
     two steps, at 1.3x (the four steps met a decode for under half of `min_steps` steps'
     time: that factor is not given, and the simulator prices it at the profile's 1.6). The
     factor beside a prefill is set where the 102 steps add up as the simulator prices them,
-    the decodes' slowdown at the profile's: priced at none they came about 1% over, and
-    at the robust fit alone (no rescale) near 1% over too."""
+    the decodes' slowdown at the profile's: priced at none they came 2.0% over, and at the
+    robust fit alone (no rescale) 1.6% over."""
     contended = dataclasses.replace(PROFILE, contention=Contention(decode_by_decode=1.6))
     latency = contended.latency(1, 1)
     decode_s = 1.1 * latency.decode_step_s(4, 1200)

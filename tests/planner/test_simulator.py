@@ -140,12 +140,12 @@ def test_colocated_replicas_on_one_host_slow_each_others_decode_steps(chunked: b
 @pytest.mark.parametrize("batch", [1, 8])
 def test_a_neighbour_slows_a_decode_step_alike_at_any_batch(batch: int) -> None:
     """`batch` requests at once on each of two replicas of one host, on a model whose
-    per-request cost is over half of a batch-8 step (as the Zen 3's large-batch fit's is):
-    decoding side by side, each step takes decode_by_decode times as long as apart, at batch
-    8 as at batch 1 (on the Zen 3's recorded runs a decode step beside a decoding neighbour
-    ran 1.27-1.36x at every batch from 1 to 4, beside a prefilling one 1.02-1.09x at every
-    batch from 1 to 10). Slowing only the step's constant and context terms priced it 1.43x
-    at batch 1 and 1.25x at batch 8."""
+    per-request cost is half of a batch-8 step (the Zen 3's large-batch fit, rounded, at 164
+    tokens a request): decoding side by side, each step takes decode_by_decode times as long
+    as apart, at batch 8 as at batch 1 (on the Zen 3's recorded runs a decode step beside a
+    decoding neighbour ran 1.27-1.36x at every batch from 1 to 4, beside a prefilling one
+    1.02-1.09x at every batch from 1 to 12). Slowing only the step's constant and context
+    terms priced it 1.43x at batch 1 and 1.24x at batch 8."""
     model = PhaseCoefficients((10.0, 0.1, 0.0), (17.0, 0.0035, 2.9), (17.0, 0.0035, 2.9))
     requests = Workload(fixed_lengths(64, 201)).requests(1e6, 2 * batch, seed=0)
 
