@@ -113,8 +113,9 @@ def test_a_step_slows_by_what_the_other_devices_of_its_host_run() -> None:
     assert Contention().none and not beside.none
 
 
-def contended(node: int, contention: Contention) -> InstanceSpec:
-    return InstanceSpec(LatencyModel(COEFFS, contention=contention), 10**6,
+def contended(node: int, contention: Contention,
+              coefficients: PhaseCoefficients = COEFFS) -> InstanceSpec:
+    return InstanceSpec(LatencyModel(coefficients, contention=contention), 10**6,
                         max_batch_tokens=1024, node=node)
 
 
@@ -150,9 +151,8 @@ def test_a_neighbour_slows_a_decode_step_alike_at_any_batch(batch: int) -> None:
     requests = Workload(fixed_lengths(64, 201)).requests(1e6, 2 * batch, seed=0)
 
     def tpots(nodes: tuple[int, int]) -> list[float]:
-        cluster = ColocatedCluster([InstanceSpec(LatencyModel(
-            model, contention=Contention(decode_by_decode=1.5)), 10**6, max_batch_tokens=1024,
-            node=n) for n in nodes])
+        cluster = ColocatedCluster([contended(n, Contention(decode_by_decode=1.5), model)
+                                    for n in nodes])
         return [r.tpot or 0.0 for r in simulate_colocated(cluster, requests).requests]
 
     apart, together = tpots((0, 1)), tpots((0, 0))
