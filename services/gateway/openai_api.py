@@ -11,7 +11,15 @@ import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from shared.engine.request import MAX_TOP_LOGPROBS  # the engine's bound, OpenAI's
 
@@ -65,8 +73,24 @@ def _encodable(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_encodable)]
 
+# Every request model takes JSON's types as they are, as OpenAI does: "max_tokens": "5",
+# true or 5.5 and "stream": "yes" are a 400 naming the parameter, not read as 5, 1, 5 and true
+# (pydantic's lax mode would). An int where a float goes is still a number.
+STRICT = ConfigDict(strict=True)
+
+
+def _whole(value: Any) -> Any:
+    """2.0 is the integer 2, as JSON Schema reads it (the OpenAPI schema served says
+    "integer", and generated clients may send one so); 2.5 is none."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_whole)]  # an integer of a request, under STRICT
+
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
@@ -76,16 +100,16 @@ def _takes_null(annotation: Any) -> bool:
 
 class _Common(BaseModel):
     # NaN and infinity (Python's JSON reads them) are no numbers a parameter takes
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = STRICT | ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: Text
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # extension (vLLM's): -1 or 0 = no cut
-    seed: int | None = None
+    top_k: Int = Field(default=0, ge=-1)  # extension (vLLM's): -1 or 0 = no cut
+    seed: Int | None = None
     stop: Text | list[Text] | None = None
-    n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # each choice its own request
+    n: Int = Field(default=1, ge=1, le=MAX_CHOICES)  # each choice its own request
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension: generate exactly max_tokens (benchmarks)
@@ -161,11 +185,11 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     # one prompt (text or token ids) or several, each answered by its own n choices
-    prompt: Text | list[int] | list[Text] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    prompt: Text | list[Int] | list[Text] | list[list[Int]]
+    logprobs: Int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
-    max_tokens: int | None = Field(default=16, ge=0)  # 0: the echoed prompt scored only
-    best_of: int | None = Field(default=None, ge=1)  # served only as n (each choice once)
+    max_tokens: Int | None = Field(default=16, ge=0)  # 0: the echoed prompt scored only
+    best_of: Int | None = Field(default=None, ge=1)  # served only as n (each choice once)
     suffix: Text | None = None  # not served (text after an insertion)
 
     @field_validator("prompt")
@@ -228,12 +252,14 @@ class CompletionRequest(_Common):
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
+
     type: Literal["text"]
     text: Text
 
 
 class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT | ConfigDict(extra="allow")
 
     name: Text
     arguments: Text = "{}"  # JSON, as the model wrote it
@@ -243,7 +269,7 @@ class ToolCall(BaseModel):
     """A call the assistant made earlier in the conversation, passed to the chat template
     as it came (templates that know tools render it)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT | ConfigDict(extra="allow")
 
     id: Text | None = None
     type: Literal["function"] = "function"
@@ -258,6 +284,8 @@ class ToolCall(BaseModel):
 
 
 class _Message(BaseModel):
+    model_config = STRICT
+
     role: str
     content: Text | list[TextPart] | None = None
     name: Text | None = None
@@ -323,7 +351,7 @@ ChatMessage = Annotated[_SaidMessage | _AssistantMessage, Field(discriminator="r
 
 
 class FunctionSpec(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT | ConfigDict(extra="allow")
 
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
     description: Text | None = None
@@ -333,15 +361,17 @@ class FunctionSpec(BaseModel):
 class Tool(BaseModel):
     """A function the model may call, as the chat template shows it to the model."""
 
+    model_config = STRICT
+
     type: Literal["function"]
     function: FunctionSpec
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     # OpenAI's deprecated form of tools: not served (refused where given)
     functions: list[Any] | None = None

@@ -157,7 +157,7 @@ def test_what_would_mislead_if_ignored_is_refused(extra: dict[str, object],
     ({"stream_options": {"include_usage": True}}, "goes with stream: true"),
     ({"stream": False, "stream_options": {}}, "goes with stream: true"),
     ({"best_of": 3}, "best_of is not served"),
-    ({"best_of": "3", "n": 2}, "best_of is not served"),
+    ({"best_of": 3, "n": 2}, "best_of is not served"),
     ({"best_of": 0}, "greater than or equal to 1"),
     ({"suffix": "}"}, "suffix"),
 ])
@@ -165,7 +165,7 @@ def test_fields_of_what_is_not_served_are_refused(extra: dict[str, object],
                                                   refused: str) -> None:
     with pytest.raises(ValidationError, match=refused):
         CompletionRequest.model_validate({"model": "m", "prompt": "hi", **extra})
-    for fine in ({"best_of": 1}, {"best_of": 2, "n": "2"}, {"suffix": ""},
+    for fine in ({"best_of": 1}, {"best_of": 2, "n": 2}, {"suffix": ""},
                  {"stream": True, "stream_options": {"include_usage": True}}):
         CompletionRequest.model_validate({"model": "m", "prompt": "hi", **fine})
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -519,12 +519,22 @@ def test_a_probe_of_a_path_or_method_not_served_is_not_a_rejected_request() -> N
      "not served"),
     ("/v1/chat/completions", {"temperature": float("nan")}, "temperature", "finite number"),
     ("/v1/completions", {"prompt": "hi", "top_p": float("inf")}, "top_p", "finite number"),
+    # JSON's types as they are, as OpenAI reads them: no number from a string, no count from
+    # a boolean or a fraction, no boolean from a word
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens", "valid integer"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, "max_tokens", "valid integer"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 5.5}, "max_tokens", "valid integer"),
+    ("/v1/chat/completions", {"stream": "yes"}, "stream", "valid boolean"),
+    ("/v1/chat/completions", {"temperature": "0.5"}, "temperature", "valid number"),
+    ("/v1/chat/completions", {"stream": True, "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage", "valid boolean"),
 ])
 def test_a_refusal_names_the_parameter_to_blame(path: str, body: dict[str, Any], param: str,
                                                 says: str) -> None:
     """A request-wide validator's refusal names its parameter as a field's does (it was
     null); NaN and infinity (Python's JSON reads them) are refused as numbers, not as
-    "less than or equal to 2"."""
+    "less than or equal to 2"; a value of another JSON type than the parameter's is refused,
+    not converted."""
     base: dict[str, Any] = {"model": "m"}
     if "chat" in path:
         base["messages"] = [{"role": "user", "content": "hi"}]
@@ -542,6 +552,19 @@ def test_a_refusal_names_the_parameter_to_blame(path: str, body: dict[str, Any],
     # a field's message is the type's ("Input should be ...") and gets the field's name after
     # it; a request-wide validator's names it already
     assert error["message"].endswith(f" ({param})") == error["message"].startswith("Input")
+
+
+def test_numbers_are_read_as_json_schema_reads_them() -> None:
+    """Strict types still read JSON's numbers as JSON Schema does (the OpenAPI schema served
+    says "integer" and "number"; a client generated from it may send either): `"temperature":
+    1` is the number 1.0, `"max_tokens": 2.0` and token ids 1.0 are integers, a logit bias of
+    5 a bias of 5.0."""
+    request = CompletionRequest.model_validate({
+        "model": "m", "prompt": [1.0, 2], "temperature": 1, "max_tokens": 2.0, "n": 1.0,
+        "logit_bias": {"7": 5}})
+    assert (request.temperature, request.prompt, request.max_tokens, request.n,
+            request.logit_bias) == (1.0, [1, 2], 2, 1, {"7": 5.0})
+    assert all(type(v) is int for v in (*request.prompt, request.max_tokens, request.n))
 
 
 def test_a_body_that_is_not_json_is_told_where_once() -> None:
