@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 Env = Callable[[int], Mapping[str, str]]  # restarts so far -> that incarnation's environment
 DRAINED = 3  # the exit code of a worker that left because it was asked to: it stays down
 PAUSED_S = 2.0  # a monitor's poll this late means the supervisor itself was held up
+# a child being stopped that leaves its alive file untouched this long (it touches it every
+# second while it runs, draining included) is not draining: killed rather than waited for
+STOPPING_HANG_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,16 @@ class Child:
         """The file the child touches to show it is not hung (where `hang_s` is set)."""
         return alive_file(self.log)
 
+    def alive_mtime(self) -> float | None:
+        """When the child last touched its alive file; None without one (no hang timeout,
+        not touched yet: starting, or removed: stopping in order)."""
+        if self.hang_s is None:
+            return None
+        try:
+            return self.alive.stat().st_mtime
+        except OSError:
+            return None
+
 
 def log_tail(path: Path, lines: int = 12) -> str:
     """The last `lines` lines `path` holds (the supervisor's notes and blank lines left out),
@@ -331,11 +344,26 @@ class Supervisor:
 
     def _reap(self, chosen: list[Child], grace: float) -> None:
         """Until every child in `chosen` has exited; SIGKILL those left after `grace` or
-        once `stop_now` is called."""
-        deadline = time.monotonic() + grace
+        once `stop_now` is called, and at once one with a hang timeout that shows no life
+        for STOPPING_HANG_S (or its timeout, if shorter) meanwhile: a frozen worker drains
+        nothing, and `up` would wait out its drain timeout (120 s) on it."""
+        now = time.monotonic()
+        deadline, touched = now + grace, {c.name: (c.alive_mtime(), now) for c in chosen}
         while left := [c for c in chosen if c.proc.poll() is None]:
-            if self._now or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if self._now or now >= deadline:
                 break
+            for child in left:
+                if child.hang_s is None:
+                    continue
+                mtime, since = touched[child.name]
+                if (seen := child.alive_mtime()) != mtime or seen is None:
+                    touched[child.name] = (seen, now)  # alive, or no longer showing it
+                elif now - since > min(child.hang_s, STOPPING_HANG_S):
+                    log.warning("%s has shown no life for %.0f s since it was asked to stop "
+                                "(stopped, or hung): killing it", child.name, now - since)
+                    child.proc.kill()
+                    touched[child.name] = (None, now)
             time.sleep(0.05)
         for child in left:
             if self._now:
@@ -417,9 +445,7 @@ class Supervisor:
         """SIGKILL `child` if its alive file has not changed for its `hang_s` (timed by this
         clock: the wall clock may jump)."""
         assert child.hang_s is not None
-        try:
-            mtime = child.alive.stat().st_mtime
-        except OSError:  # not touched yet (starting), or removed (stopping)
+        if (mtime := child.alive_mtime()) is None:  # starting, or stopping in order
             child.touched = None
             return
         if child.touched is None or child.touched[0] != mtime:

@@ -218,6 +218,43 @@ def test_a_child_frozen_past_its_hang_timeout_is_killed_and_restarted(
                for r in caplog.records)
 
 
+def test_a_child_frozen_as_it_is_stopped_is_killed_without_waiting_out_the_drain(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`up` stops a worker by waiting as long as it drains (120 s); a SIGSTOPped one never
+    exits, and shows no life: it is killed once it has been silent STOPPING_HANG_S. One that
+    ignores the SIGTERM but shows life is waited for, up to the grace. (Both catch SIGTERM
+    as a worker does: Python's default for it ends even a stopped process.)"""
+    monkeypatch.setattr(services.supervisor, "STOPPING_HANG_S", 1.0)
+    caplog.set_level(logging.INFO, logger="services.supervisor")
+    deaf = "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + SHOW_ALIVE
+    with Supervisor(tmp_path, FAST, poll_s=0.05) as supervisor:
+        frozen = supervisor.spawn("frozen", [sys.executable, "-c", deaf, str(tmp_path / "a")],
+                                  lambda n: {**os.environ, "ID": "frozen"}, hang_s=60.0)
+        busy = supervisor.spawn("busy", [sys.executable, "-c", deaf, str(tmp_path / "b")],
+                                lambda n: {**os.environ, "ID": "busy"}, hang_s=60.0)
+        for name in ("frozen", "busy"):
+            wait_until((tmp_path / f"{name}.alive").exists, f"{name} to show it is alive")
+        frozen.send_signal(signal.SIGSTOP)
+        wait_until(lambda: Path(f"/proc/{frozen.pid}/stat").read_text().rsplit(")", 1)[1]
+                   .split()[0] == "T", "the child to be stopped")
+        started = time.monotonic()
+        supervisor.stop(["frozen"], grace=600.0)
+        frozen_took = time.monotonic() - started
+        started = time.monotonic()
+        supervisor.stop(["busy"], grace=4.0)
+        busy_took = time.monotonic() - started
+    assert frozen.returncode == busy.returncode == -signal.SIGKILL
+    assert frozen_took < 60.0  # not the grace's 600 s, nor the hang timeout's 60 s
+    assert busy_took >= 4.0
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("frozen has shown no life for ") and
+               m.endswith(" s since it was asked to stop (stopped, or hung): killing it")
+               for m in said), said
+    assert "busy outlived 4 s after SIGTERM; killing it" in said
+    assert not any(m.startswith("busy has shown no life") for m in said)
+
+
 def test_a_child_that_has_not_shown_life_yet_or_no_longer_is_not_taken_for_hung(
         tmp_path: Path) -> None:
     """Starting (loading a model) or stopping (its heartbeats ended), a worker touches no
