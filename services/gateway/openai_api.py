@@ -98,10 +98,26 @@ def _takes_null(annotation: Any) -> bool:
     return type(None) in typing.get_args(annotation)
 
 
-class _Common(BaseModel):
+class RequestBody(BaseModel):
+    """A request's body: JSON's types as they are (STRICT), parameters it does not know
+    ignored, an explicit null read as the parameter's default."""
+
     # NaN and infinity (Python's JSON reads them) are no numbers a parameter takes
     model_config = STRICT | ConfigDict(extra="ignore", allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """An explicit null is the parameter's default, as OpenAI reads it (the openai client
+        sends null for a None, and wrappers pass None for what they leave out); a field
+        that takes null keeps it (`max_tokens: null`: as many as fit)."""
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items() if value is not None
+                or key not in cls.model_fields or _takes_null(cls.model_fields[key].annotation)}
+
+
+class _Common(RequestBody):
     model: Text
     max_tokens: Int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -122,17 +138,6 @@ class _Common(BaseModel):
     # accepted where they ask for nothing this server cannot do (see _served)
     response_format: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data: Any) -> Any:
-        """An explicit null is the parameter's default, as OpenAI reads it (the openai client
-        sends null for a None, and wrappers pass None for what they leave out); a field
-        that takes null keeps it (`max_tokens: null`: as many as fit)."""
-        if not isinstance(data, dict):
-            return data
-        return {key: value for key, value in data.items() if value is not None
-                or key not in cls.model_fields or _takes_null(cls.model_fields[key].annotation)}
 
     @model_validator(mode="after")
     def _served(self) -> _Common:
@@ -251,6 +256,17 @@ class CompletionRequest(_Common):
         return [self.prompt]
 
 
+def text_only(content: Any, kinds: set[str]) -> Any:
+    """`content`, where its parts are all of the text `kinds`: parts of another type (an
+    image, audio, a file) get a 400 that names them, not a validation error about strings."""
+    for part in content if isinstance(content, list) else []:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind not in kinds:
+            raise ValueError(f"this model reads text only: a content part of type "
+                             f"'{kind[:64]}' cannot be served")
+    return content
+
+
 class TextPart(BaseModel):
     model_config = STRICT
 
@@ -293,14 +309,7 @@ class _Message(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, content: Any) -> Any:
-        """Parts other than text (an image, audio, a file) get a 400 that names them, not a
-        validation error about strings."""
-        for part in content if isinstance(content, list) else []:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind != "text":
-                raise ValueError(f"this model reads text only: a content part of type "
-                                 f"'{kind[:64]}' cannot be served")
-        return content
+        return text_only(content, {"text"})
 
     @property
     def text(self) -> str:

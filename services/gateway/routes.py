@@ -1,4 +1,5 @@
-"""HTTP routes: /v1/completions, /v1/chat/completions, /v1/models[/ID], /health, /metrics.
+"""HTTP routes: /v1/completions, /v1/chat/completions, /v1/responses (served as the chat
+completion it amounts to), /v1/models[/ID], /health, /metrics.
 
 A request is admitted (or gets 429) before anything else, tokenized off the event loop,
 dispatched, and answered as one JSON or as SSE. A client that goes away, streaming or not,
@@ -16,13 +17,15 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from services.gateway import openai_api as api
-from services.gateway import tool_calls
+from services.gateway import responses, tool_calls
 from services.gateway.gateway import Gateway, Target
 from services.gateway.ledger import Booking, Ticket
 from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
+from services.gateway.responses import ResponsesRequest, Shape
 from services.gateway.stream import GaveUp
 from services.gateway.timing import RequestTiming
 from services.gateway.tool_calls import Splitter
@@ -313,8 +316,8 @@ async def until_disconnected(request: Request) -> None:
         pass
 
 
-def error_event(message: str) -> str:
-    return api.sse(api.error_body(f"the request failed: {message}", "server_error"))
+def error_chunk(message: str) -> dict[str, Any]:
+    return api.error_body(f"the request failed: {message}", "server_error")
 
 
 async def interleaved(calls: list[Call]) -> AsyncGenerator[tuple[Call, TokenChunk], None]:
@@ -355,18 +358,26 @@ async def interleaved(calls: list[Call]) -> AsyncGenerator[tuple[Call, TokenChun
 
 
 async def stream_events(reply: Reply) -> AsyncIterator[str]:
+    """The streamed answer as server-sent events, ended by [DONE]."""
+    async with contextlib.aclosing(chunk_events(reply)) as chunks:  # type: ignore[type-var]
+        async for chunk in chunks:
+            yield api.sse(chunk)
+    yield api.sse("[DONE]")
+
+
+async def chunk_events(reply: Reply) -> AsyncIterator[dict[str, Any]]:
+    """The streamed answer's chunks (OpenAI's, completion or chat), as they come; a failure
+    ends them with an error body."""
     base = api.envelope(reply.id, reply.model, reply.chat, stream=True)
     extra = {"usage": None} if reply.include_usage else {}
     if reply.chat:
-        yield api.sse(base | {"choices": [api.first_chat_chunk(c.index) for c in reply.calls]}
-                      | extra)
+        yield base | {"choices": [api.first_chat_chunk(c.index) for c in reply.calls]} | extra
     try:
         async with contextlib.aclosing(interleaved(reply.calls)) as chunks:
             async for call, chunk in chunks:
                 call.take(chunk)
                 if chunk.error:
-                    yield error_event(chunk.error)
-                    yield api.sse("[DONE]")
+                    yield error_chunk(chunk.error)
                     return
                 if chunk.text or chunk.finish_reason or (chunk.token_ids and (
                         call.sampling.logprobs or call.pending())):
@@ -382,21 +393,19 @@ async def stream_events(reply: Reply) -> AsyncIterator[str]:
                                 # OpenAI streams them (clients read a finish first)
                                 choice = api.choice(True, text, None, logprobs, stream=True,
                                                     index=call.index, tool_calls=answer.calls)
-                                yield api.sse(base | {"choices": [choice]} | extra)
+                                yield base | {"choices": [choice]} | extra
                                 text, logprobs = "", None
                                 finish = tool_calls.finish_reason(finish, answer.calls)
                     if not (text or logprobs or finish):
                         continue  # text a call holds; logprobs waiting for their text
                     choice = api.choice(call.chat, text, finish, logprobs, stream=True,
                                         index=call.index)
-                    yield api.sse(base | {"choices": [choice]} | extra)
+                    yield base | {"choices": [choice]} | extra
     except GaveUp as e:
-        yield error_event(str(e))
-        yield api.sse("[DONE]")
+        yield error_chunk(str(e))
         return
     if reply.include_usage:
-        yield api.sse(base | {"choices": [], "usage": reply.usage()})
-    yield api.sse("[DONE]")
+        yield base | {"choices": [], "usage": reply.usage()}
 
 
 class AdmittedStream(StreamingResponse):
@@ -484,7 +493,9 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
             raise
         return tickets
 
-    async def serve(req: CompletionRequest | ChatRequest, request: Request) -> Any:
+    async def begin(req: CompletionRequest | ChatRequest) -> tuple[Reply, list[Ticket]]:
+        """The request admitted, tokenized and dispatched: its reply to read, and the
+        slots it holds until the reply is read (released here if it fails before)."""
         gateway.check_model(req.model)
         prompts = req.prompts if isinstance(req, CompletionRequest) else [""]
         tickets = admit(len(prompts) * req.n)
@@ -523,11 +534,14 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
                 calls.append(Call(gateway, chat, target, ticket.booking, ids, sampling,
                                   request_ids[index], index, echo, req.generates, form,
                                   parallel))
-            reply = Reply(calls, req.model, req.include_usage, req.n)
-            return await respond(reply, tickets, request, req.stream)
+            return Reply(calls, req.model, req.include_usage, req.n), tickets
         except BaseException:
             release(tickets)
             raise
+
+    async def serve(req: CompletionRequest | ChatRequest, request: Request) -> Any:
+        reply, tickets = await begin(req)
+        return await respond(reply, tickets, request, req.stream)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
@@ -536,6 +550,23 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Any:
         return await serve(req, request)
+
+    @app.post("/v1/responses")
+    async def respond_to(req: ResponsesRequest, request: Request) -> Any:
+        try:
+            chat = ChatRequest.model_validate(req.chat())
+        except ValidationError as e:  # what the chat request refuses of the input
+            first = e.errors()[0]
+            raise APIError(400, first["msg"].removeprefix("Value error, "), "input") from None
+        reply, tickets = await begin(chat)
+        shape = Shape(req, reply.calls[0].request_id)
+        if req.stream:
+            return AdmittedStream(responses.events(shape, chunk_events(reply)), tickets)
+        try:
+            answered = await answer_unless_gone(reply, request)
+        finally:
+            release(tickets)
+        return answered if isinstance(answered, Response) else shape.answer(answered)
 
     def model_card() -> dict[str, Any]:
         return {"id": gateway.served_model, "object": "model", "created": 0,

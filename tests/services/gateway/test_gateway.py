@@ -99,6 +99,46 @@ def test_what_openai_clients_send_is_read_as_openai_reads_it(stack: Stack) -> No
     assert r.status_code == 404 and "POST /v1/completions" in r.json()["error"]["message"]
 
 
+def test_the_responses_api_answers_as_the_chat_it_amounts_to(stack: Stack) -> None:
+    """The openai client's `responses.create` (the API it recommends) and its stream helper:
+    greedy, the answer is the chat completion's of the same messages, word for word, streamed
+    or not; max_output_tokens cuts it as OpenAI says (incomplete); what is not served is a
+    400 naming its parameter."""
+    c = client(stack)
+    said = [{"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "Say hello."}]
+    chat = c.chat.completions.create(model=MODEL, messages=said,  # type: ignore[arg-type]
+                                     temperature=0, max_tokens=200)
+    assert chat.choices[0].finish_reason == "stop"  # greedy, it ends its turn
+    expected = chat.choices[0].message.content
+    answer = c.responses.create(model=MODEL, instructions="Answer briefly.",
+                                input=[{"role": "user", "content": "Say hello."}],
+                                temperature=0, max_output_tokens=200, metadata={"k": "v"})
+    assert answer.status == "completed" and answer.output_text == expected
+    assert answer.usage is not None and chat.usage is not None
+    assert (answer.usage.input_tokens, answer.usage.output_tokens) == (
+        chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert answer.id.startswith("resp_") and answer.metadata == {"k": "v"}
+
+    with c.responses.stream(model=MODEL, instructions="Answer briefly.", input="Say hello.",
+                            temperature=0, max_output_tokens=200) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-1] == "response.completed" and final.output_text == expected
+    assert kinds.count("response.output_text.delta") >= 2
+
+    cut = c.responses.create(model=MODEL, input="Tell me a story.", max_output_tokens=5)
+    assert cut.status == "incomplete" and cut.incomplete_details is not None
+    assert cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage is not None and cut.usage.output_tokens == 5
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.responses.create(model=MODEL, input="hi", previous_response_id="resp_x")
+    assert refused.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    wait_all_free(stack)
+
+
 def test_n_choices_each_sampled_the_first_as_a_single_request(stack: Stack) -> None:
     c = client(stack)
     messages = [{"role": "user", "content": "Name a colour."}]

@@ -528,6 +528,9 @@ def test_a_probe_of_a_path_or_method_not_served_is_not_a_rejected_request() -> N
     ("/v1/chat/completions", {"temperature": "0.5"}, "temperature", "valid number"),
     ("/v1/chat/completions", {"stream": True, "stream_options": {"include_usage": 1}},
      "stream_options.include_usage", "valid boolean"),
+    ("/v1/responses", {"previous_response_id": "resp_1"}, "previous_response_id",
+     "not stored"),
+    ("/v1/responses", {"max_output_tokens": 0}, "max_output_tokens", "greater than or equal"),
 ])
 def test_a_refusal_names_the_parameter_to_blame(path: str, body: dict[str, Any], param: str,
                                                 says: str) -> None:
@@ -538,6 +541,8 @@ def test_a_refusal_names_the_parameter_to_blame(path: str, body: dict[str, Any],
     base: dict[str, Any] = {"model": "m"}
     if "chat" in path:
         base["messages"] = [{"role": "user", "content": "hi"}]
+    if "responses" in path:
+        base["input"] = "hi"
 
     async def ask() -> httpx.Response:
         transport = httpx.ASGITransport(app=create_app(GatewaySettings()))

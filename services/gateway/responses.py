@@ -1,0 +1,225 @@
+"""OpenAI's Responses API (`POST /v1/responses`, what the openai client's `responses.create`
+sends), served as the chat completion it amounts to, and pure (no I/O): the request's model,
+the chat request it becomes, and the answer and its stream of events shaped from the chat
+answer's.
+
+Served: `input` as text or as messages (text parts), `instructions`, `max_output_tokens`,
+`temperature`, `top_p`, `stream`, `metadata`. Refused with a 400 that says so: what needs a
+response kept on the server (`previous_response_id`, `background`; nothing is stored, and
+`store` reads back false), tools, and answers held to a format."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from services.gateway.openai_api import STRICT, Int, ParamError, RequestBody, Text, text_only
+
+TEXT_PARTS = {"input_text", "output_text"}  # an input message's parts read as text
+
+
+class InputText(BaseModel):
+    model_config = STRICT
+
+    type: Literal["input_text", "output_text"]
+    text: Text
+
+
+class InputMessage(BaseModel):
+    """One message of `input`: an earlier answer (assistant) or what is asked."""
+
+    model_config = STRICT
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Text | list[InputText]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else \
+            "".join(p.text for p in self.content)
+
+
+class ResponsesRequest(RequestBody):
+    model: Text
+    input: Text | list[InputMessage]
+    instructions: Text | None = None  # a system message before the input
+    max_output_tokens: Int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stream: bool = False
+    store: bool = True  # accepted; nothing is stored (the answer says store: false)
+    metadata: dict[str, Text] | None = None  # shown back in the answer
+    parallel_tool_calls: bool = True
+    # refused where they ask for what this server does not do (_served)
+    previous_response_id: Text | None = None
+    background: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _messages_of_text(cls, items: Any) -> Any:
+        """An empty input, items other than messages (a function call's output, a reasoning
+        item) and parts other than text get a 400 that says so (before the input is read
+        as text or as messages, which would say it is neither)."""
+        if items in ("", []):
+            raise ValueError("the input is empty")
+        for item in items if isinstance(items, list) else []:
+            if not isinstance(item, dict):
+                continue
+            if (kind := item.get("type", "message")) != "message":
+                raise ValueError(f"input items of type '{str(kind)[:64]}' are not served: "
+                                 "send messages (text)")
+            text_only(item.get("content"), TEXT_PARTS)
+        return items
+
+    @model_validator(mode="after")
+    def _served(self) -> ResponsesRequest:
+        if self.previous_response_id is not None:
+            raise ParamError("previous_response_id", "responses are not stored on this "
+                             "server: send the conversation so far as input messages")
+        if self.background:
+            raise ParamError("background", "background responses are not served (nothing "
+                             "is stored to poll): leave background out")
+        if self.tools:
+            raise ParamError("tools", "tools are not served on /v1/responses; "
+                             "/v1/chat/completions offers them")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ParamError("tool_choice", "no tools are served on /v1/responses: send "
+                             "tool_choice auto or none")
+        kind = ((self.text or {}).get("format") or {}).get("type", "text")
+        if kind != "text":
+            raise ParamError("text", f"text.format {str(kind)[:64]!r} is not served: "
+                             "answers are free text")
+        return self
+
+    def chat(self) -> dict[str, Any]:
+        """The chat completion request this asks for (a streamed one counts its usage)."""
+        messages = [{"role": "system", "content": self.instructions}] \
+            if self.instructions else []
+        if isinstance(self.input, str):
+            messages.append({"role": "user", "content": self.input})
+        else:
+            messages += [{"role": m.role, "content": m.text} for m in self.input]
+        body: dict[str, Any] = {"model": self.model, "messages": messages,
+                                "temperature": self.temperature, "top_p": self.top_p,
+                                "stream": self.stream}
+        if self.max_output_tokens is not None:
+            body["max_completion_tokens"] = self.max_output_tokens
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+
+Status = Literal["in_progress", "completed", "incomplete", "failed"]
+
+
+@dataclass
+class Shape:
+    """How one response's objects read: its ids (`resp_` and `msg_` before the request's
+    own id, which finds its trace), the request's parameters shown back, when it began."""
+
+    request: ResponsesRequest
+    request_id: str
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def id(self) -> str:
+        return "resp_" + self.request_id
+
+    @property
+    def item_id(self) -> str:
+        return "msg_" + self.request_id
+
+    def response(self, status: Status, output: list[dict[str, Any]],
+                 usage: dict[str, Any] | None = None, error: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
+        r = self.request
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at,
+            "status": status, "background": False, "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete" else None,
+            "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
+            "model": r.model, "output": output, "parallel_tool_calls": r.parallel_tool_calls,
+            "previous_response_id": None, "store": False, "temperature": r.temperature,
+            "text": {"format": {"type": "text"}}, "tool_choice": r.tool_choice or "auto",
+            "tools": [], "top_p": r.top_p, "truncation": "disabled",
+            "usage": None if usage is None else self.usage(usage),
+            "metadata": r.metadata or {}}
+
+    def message(self, text: str | None, status: Status) -> dict[str, Any]:
+        """The answer's message; `text` None: not begun (no content part yet)."""
+        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant",
+                "content": [] if text is None else [text_part(text)]}
+
+    @staticmethod
+    def usage(chat: dict[str, Any]) -> dict[str, Any]:
+        """A chat answer's usage as a response counts it."""
+        return {"input_tokens": chat["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": chat["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": chat["total_tokens"]}
+
+    def answer(self, chat: dict[str, Any]) -> dict[str, Any]:
+        """The response to return, from the chat completion's answer."""
+        first = chat["choices"][0]
+        status = ended(first["finish_reason"])
+        return self.response(status, [self.message(first["message"]["content"] or "", status)],
+                             chat["usage"])
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def ended(finish_reason: str | None) -> Status:
+    """A response cut by its token limit is incomplete, as OpenAI says of it."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+async def events(shape: Shape, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """The streamed response, as server-sent events (each named, with its type and a
+    sequence number), from the chat answer's chunks (`routes.chunk_events`): the response
+    created and in progress, the message and its text part added, each piece of text, then
+    the text, part, message and response done; a chat error ends it as response.failed."""
+    numbers = itertools.count()
+
+    def event(kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": next(numbers)} | fields
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+    where = {"item_id": shape.item_id, "output_index": 0, "content_index": 0}
+    yield event("response.created", response=shape.response("in_progress", []))
+    yield event("response.in_progress", response=shape.response("in_progress", []))
+    yield event("response.output_item.added", output_index=0,
+                item=shape.message(None, "in_progress"))
+    yield event("response.content_part.added", part=text_part(""), **where)
+    pieces: list[str] = []
+    finish, usage = None, None
+    async for chunk in chunks:
+        if "error" in chunk:
+            error = {"code": "server_error", "message": chunk["error"]["message"]}
+            yield event("response.failed", response=shape.response("failed", [], error=error))
+            return
+        for choice in chunk["choices"]:
+            if piece := choice["delta"].get("content"):
+                pieces.append(piece)
+                yield event("response.output_text.delta", delta=piece, logprobs=[], **where)
+            finish = choice["finish_reason"] or finish
+        usage = chunk.get("usage") or usage
+    text, status = "".join(pieces), ended(finish)
+    yield event("response.output_text.done", text=text, logprobs=[], **where)
+    yield event("response.content_part.done", part=text_part(text), **where)
+    message = shape.message(text, status)
+    yield event("response.output_item.done", output_index=0, item=message)
+    yield event(f"response.{status}", response=shape.response(status, [message], usage))

@@ -1,0 +1,154 @@
+"""The Responses API's pure parts (services/gateway/responses.py): the request read and the
+chat request it becomes, what is refused and why, the answer and the stream of events shaped
+from a chat answer's. (The route through a real stack: test_gateway.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from services.gateway.responses import ResponsesRequest, Shape, events
+
+
+def request(**fields: Any) -> ResponsesRequest:
+    return ResponsesRequest.model_validate({"model": "m", "input": "hi"} | fields)
+
+
+def test_the_input_becomes_a_chat_after_the_instructions() -> None:
+    asked = request(instructions="Be brief.", max_output_tokens=9, temperature=0, stream=True,
+                    input=[{"role": "user", "content": [
+                               {"type": "input_text", "text": "a"},
+                               {"type": "input_text", "text": "b"}]},
+                           {"type": "message", "role": "assistant", "content": "ok"},
+                           {"role": "developer", "content": "more"}])
+    assert asked.chat() == {
+        "model": "m", "temperature": 0.0, "top_p": 1.0, "stream": True,
+        "messages": [{"role": "system", "content": "Be brief."},
+                     {"role": "user", "content": "ab"},
+                     {"role": "assistant", "content": "ok"},
+                     {"role": "developer", "content": "more"}],
+        "max_completion_tokens": 9, "stream_options": {"include_usage": True}}
+    # text alone is a user's message; unlimited, unstreamed
+    assert request(instructions=None, max_output_tokens=None).chat() == {
+        "model": "m", "temperature": 1.0, "top_p": 1.0, "stream": False,
+        "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"input": ""}, "the input is empty"),
+    ({"input": []}, "the input is empty"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "4"}]},
+     "input items of type 'function_call_output' are not served"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "a content part of type 'input_image' cannot be served"),
+    ({"previous_response_id": "resp_1"}, "not stored on this server"),
+    ({"background": True}, "background responses are not served"),
+    ({"tools": [{"type": "function", "name": "f"}]}, "/v1/chat/completions offers them"),
+    ({"tool_choice": "required"}, "send tool_choice auto or none"),
+    ({"text": {"format": {"type": "json_schema"}}}, "text.format 'json_schema'"),
+    ({"max_output_tokens": "5"}, "valid integer"),
+])
+def test_what_is_not_served_is_refused_saying_why(fields: dict[str, Any], says: str) -> None:
+    with pytest.raises(ValidationError, match=says):
+        request(**fields)
+
+
+def test_what_asks_for_nothing_unserved_is_accepted() -> None:
+    """What the openai client sends as None is the default; the text format, tool choice and
+    store as they are by default."""
+    asked = request(instructions=None, tools=[], tool_choice="auto", store=True,
+                    text={"format": {"type": "text"}}, metadata={"k": "v"}, temperature=None)
+    assert asked.temperature == 1.0 and asked.metadata == {"k": "v"}
+
+
+def chat_answer(text: str, finish: str) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": finish}],
+            "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}
+
+
+def test_the_answer_says_whether_its_limit_cut_it() -> None:
+    shape = Shape(request(metadata={"k": "v"}, max_output_tokens=3), "abc", created_at=5)
+    done = shape.answer(chat_answer("Hello.", "stop"))
+    assert done["id"] == "resp_abc" and done["status"] == "completed"
+    assert done["incomplete_details"] is None and done["metadata"] == {"k": "v"}
+    assert done["output"] == [{"type": "message", "id": "msg_abc", "status": "completed",
+                               "role": "assistant", "content": [{
+                                   "type": "output_text", "text": "Hello.",
+                                   "annotations": [], "logprobs": []}]}]
+    assert done["usage"] == {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 0},
+                             "output_tokens": 3,
+                             "output_tokens_details": {"reasoning_tokens": 0},
+                             "total_tokens": 10}
+    assert done["store"] is False  # nothing is kept to be fetched later
+    cut = shape.answer(chat_answer("Hel", "length"))
+    assert cut["status"] == cut["output"][0]["status"] == "incomplete"
+    assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+async def chunks_of(*chunks: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    for chunk in chunks:
+        yield chunk
+
+
+def delta(text: str | None = None, finish: str | None = None) -> dict[str, Any]:
+    said = {} if text is None else {"content": text}
+    return {"choices": [{"index": 0, "delta": said, "finish_reason": finish}]}
+
+
+def streamed(shape: Shape, *chunks: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Each event's name and data, checked to name its type."""
+    async def read() -> list[str]:
+        return [e async for e in events(shape, chunks_of(*chunks))]
+
+    out = []
+    for raw in asyncio.run(read()):
+        name_line, data_line, *rest = raw.split("\n")
+        assert name_line.startswith("event: ") and data_line.startswith("data: ")
+        assert rest == ["", ""]  # one event, ended by a blank line
+        data = json.loads(data_line.removeprefix("data: "))
+        assert data["type"] == name_line.removeprefix("event: ")
+        out.append((data["type"], data))
+    return out
+
+
+def test_a_stream_opens_adds_each_piece_and_closes_in_order() -> None:
+    shape = Shape(request(stream=True), "abc")
+    usage = {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    seen = streamed(shape, {"choices": [{"index": 0, "delta": {"role": "assistant",
+                                                               "content": ""},
+                                         "finish_reason": None}]},
+                    delta("Hel"), delta("lo"), delta(finish="stop"),
+                    {"choices": [], "usage": usage})
+    assert [name for name, _ in seen] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert [data["sequence_number"] for _, data in seen] == list(range(len(seen)))
+    assert [data["delta"] for name, data in seen if name.endswith(".delta")] == ["Hel", "lo"]
+    assert seen[6][1]["text"] == seen[7][1]["part"]["text"] == "Hello"
+    assert seen[2][1]["item"]["status"] == "in_progress" and seen[2][1]["item"]["content"] == []
+    final = seen[-1][1]["response"]
+    assert final["status"] == "completed" and final["usage"]["total_tokens"] == 6
+    assert final["output"][0]["content"][0]["text"] == "Hello"
+    assert all(data["item_id"] == "msg_abc" for name, data in seen if "item_id" in data)
+
+
+def test_a_stream_cut_by_its_limit_ends_incomplete_and_one_that_fails_as_failed() -> None:
+    shape = Shape(request(stream=True, max_output_tokens=1), "abc")
+    cut = streamed(shape, delta("Hel", "length"))
+    assert cut[-1][0] == "response.incomplete"
+    assert cut[-1][1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert cut[-2][1]["item"]["status"] == "incomplete"
+    failed = streamed(shape, delta("Hel"), {"error": {"message": "the request failed: gone",
+                                                       "type": "server_error"}})
+    assert [name for name, _ in failed][-2:] == ["response.output_text.delta",
+                                                  "response.failed"]
+    assert failed[-1][1]["response"]["error"] == {"code": "server_error",
+                                                   "message": "the request failed: gone"}
