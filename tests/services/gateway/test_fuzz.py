@@ -24,10 +24,10 @@ from tests.services.gateway.conftest import API_KEY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 MODEL = "smollm2-135m"
-OPERATIONS = ("/v1/completions", "/v1/chat/completions")
+OPERATIONS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 MODES = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
-PER_RUN = 80  # cases per operation and mode: 2 x 2 x 80 = 320
-MIN_CASES = 300
+PER_RUN = 80  # cases per operation and mode: 3 x 2 x 80 = 480
+MIN_CASES = 450
 MIN_SERVED = 50  # so the fuzzing reaches the workers, not only the validation
 SHORT = 4  # most tokens a fuzzed request generates (see `shortened`)
 # reproducible (the seed comes from the test's code), no shrinking: a finding is recorded and
@@ -48,22 +48,25 @@ class Finding:
                f"{self.answer[:300]}"
 
 
-def shortened(body: Any) -> Any:
-    """The body with an integer max_tokens / max_completion_tokens above SHORT lowered to
-    SHORT (366.0 is an integer to JSON Schema and to the server), and max_tokens SHORT when
-    neither is given (absent or null): a valid request stays valid, and 300 cases stay short
-    on 2 cores. Only the length changes; "stream" and the rest go as generated. (Omitting
-    max_tokens is tested in test_gateway.py.)"""
+def shortened(body: Any, path: str) -> Any:
+    """The body with an integer max_tokens / max_completion_tokens (a response's
+    max_output_tokens) above SHORT lowered to SHORT (366.0 is an integer to JSON Schema and
+    to the server), and max_tokens (max_output_tokens) SHORT when none is given (absent or
+    null): a valid request stays valid, and 480 cases stay short on 2 cores. Only the length
+    changes; "stream" and the rest go as generated. (Omitting max_tokens is tested in
+    test_gateway.py.)"""
     if not isinstance(body, dict):
         return body
     out = dict(body)
-    for key in ("max_tokens", "max_completion_tokens"):
+    keys = ("max_output_tokens",) if path == "/v1/responses" else ("max_tokens",
+                                                                   "max_completion_tokens")
+    for key in keys:
         value = out.get(key)
         if (type(value) is int or (type(value) is float and value.is_integer())) \
                 and value > SHORT:
             out[key] = SHORT
-    if out.get("max_tokens") is None and out.get("max_completion_tokens") is None:
-        out["max_tokens"] = SHORT
+    if all(out.get(key) is None for key in keys):
+        out[keys[0]] = SHORT
     return out
 
 
@@ -75,11 +78,20 @@ def error_message(response: Response) -> object:
     return body.get("error", {}).get("message") if isinstance(body, dict) else None
 
 
-def stream_problem(text: str, cut_short: bool) -> str | None:
-    """What is wrong with a 200 event stream: an error event, or no [DONE] at its end (unless
-    the client stopped reading early)."""
+def stream_problem(text: str, cut_short: bool, path: str) -> str | None:
+    """What is wrong with a 200 event stream: an error event, or no [DONE] at its end (a
+    response's stream: a failed response, or no completed or incomplete one at its end),
+    unless the client stopped reading early."""
     events = [line.removeprefix("data: ") for line in text.splitlines()
               if line.startswith("data: ")]
+    if path == "/v1/responses":
+        kinds = [json.loads(e)["type"] for e in events]
+        if "response.failed" in kinds or "error" in kinds:
+            return "a failed response in a 200 stream"
+        if not cut_short and kinds[-1:] not in (["response.completed"],
+                                                 ["response.incomplete"]):
+            return "a response stream that does not end completed or incomplete"
+        return None
     if any(e.startswith("{") and "error" in json.loads(e) for e in events):
         return "error event in a 200 stream"
     if not cut_short and events[-1:] != ["[DONE]"]:
@@ -87,8 +99,8 @@ def stream_problem(text: str, cut_short: bool) -> str | None:
     return None
 
 
-def problem(response: Response) -> str | None:
-    """What is wrong with an answer, or None."""
+def problem(response: Response, path: str) -> str | None:
+    """What is wrong with an answer to `path`, or None."""
     status = response.status_code
     if status >= 500:
         return "server error"
@@ -96,7 +108,10 @@ def problem(response: Response) -> str | None:
         return None if isinstance(error_message(response), str) else "4xx without error.message"
     if response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
         return stream_problem(response.content.decode(errors="replace"),
-                              response.stream_cut_short)
+                              response.stream_cut_short, path)
+    if path == "/v1/responses":
+        status = json.loads(response.content).get("status")
+        return None if status in ("completed", "incomplete") else f"200 {status!r}"
     choices = json.loads(response.content).get("choices") or [{}]
     return None if choices[0].get("finish_reason") else "200 without a finish_reason"
 
@@ -116,7 +131,7 @@ def fuzz(url: str, schema: schemathesis.BaseSchema, path: str, mode: GenerationM
             n = case.body.get("n")
             case.body = {**case.body, "model": MODEL,
                          "n": min(n, 2) if type(n) is int and n >= 1 else 1}
-        case.body = shortened(case.body)
+        case.body = shortened(case.body, path)
         try:
             response = case.call(base_url=url, timeout=120,
                                  headers={"Authorization": f"Bearer {API_KEY}"})
@@ -125,7 +140,7 @@ def fuzz(url: str, schema: schemathesis.BaseSchema, path: str, mode: GenerationM
             findings.append(Finding(f"{mode} {path}: no answer", 0, case.body, repr(e)))
             return
         statuses[response.status_code] += 1
-        if (why := problem(response)) is not None:
+        if (why := problem(response, path)) is not None:
             findings.append(Finding(f"{mode} {path}: {why}", response.status_code, case.body,
                                     response.content.decode(errors="replace")))
 
