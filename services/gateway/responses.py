@@ -6,7 +6,7 @@ answer's.
 Served: `input` as text or as messages (text parts), `instructions`, `max_output_tokens`,
 `temperature`, `top_p`, `stream`, `metadata`. Refused with a 400 that says so: what needs a
 response kept on the server (`previous_response_id`, `background`; nothing is stored, and
-`store` reads back false), tools, and answers held to a format."""
+`store` reads back false), tools, logprobs, and answers held to a format."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from services.gateway.openai_api import STRICT, Int, ParamError, RequestBody, Text, text_only
 
 TEXT_PARTS = {"input_text", "output_text"}  # an input message's parts read as text
+LOGPROBS = "message.output_text.logprobs"  # what `include` asks logprobs with
 
 
 class InputText(BaseModel):
@@ -63,6 +64,8 @@ class ResponsesRequest(RequestBody):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     text: dict[str, Any] | None = None
+    include: list[Text] | None = None
+    top_logprobs: Int | None = Field(default=None, ge=0)
 
     @field_validator("input", mode="before")
     @classmethod
@@ -95,6 +98,10 @@ class ResponsesRequest(RequestBody):
         if self.tool_choice not in (None, "auto", "none"):
             raise ParamError("tool_choice", "no tools are served on /v1/responses: send "
                              "tool_choice auto or none")
+        if LOGPROBS in (self.include or []) or self.top_logprobs:
+            raise ParamError("include" if self.include else "top_logprobs",
+                             "logprobs are not served on /v1/responses; "
+                             "/v1/chat/completions serves them")
         kind = ((self.text or {}).get("format") or {}).get("type", "text")
         if kind != "text":
             raise ParamError("text", f"text.format {str(kind)[:64]!r} is not served: "

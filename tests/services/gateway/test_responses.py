@@ -52,6 +52,8 @@ def test_the_input_becomes_a_chat_after_the_instructions() -> None:
     ({"tool_choice": "required"}, "send tool_choice auto or none"),
     ({"text": {"format": {"type": "json_schema"}}}, "text.format 'json_schema'"),
     ({"max_output_tokens": "5"}, "valid integer"),
+    ({"include": ["message.output_text.logprobs"]}, "logprobs are not served"),
+    ({"top_logprobs": 2}, "logprobs are not served"),
 ])
 def test_what_is_not_served_is_refused_saying_why(fields: dict[str, Any], says: str) -> None:
     with pytest.raises(ValidationError, match=says):
