@@ -4,7 +4,8 @@ The supervisor names a file per watched child (`DS_ALIVE_FILE`: `<name>.alive` b
 log). The child touches it every second while it turns (`show_alive`), removes it as it
 stops in order (`forget_alive`), and marks `<name>.leaving` beside it when asked to leave
 (`mark_leaving`). The supervisor kills a child that has touched the file but left it
-untouched for the hang timeout (`hang_timeout`), and brings back no child that was leaving.
+untouched for the hang timeout (`hang_timeout`; once it is being stopped, for 15 s at most:
+`supervisor.STOPPING_HANG_S`), and brings back no child that was leaving.
 A child not watched gets no file, and every call here does nothing for it, but a worker's
 `leave_when_stuck`: with no one to kill it, it leaves itself past its step timeout, or with
 its event loop held past the hang timeout."""

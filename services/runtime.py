@@ -181,8 +181,10 @@ class Worker:
                                 lambda: DRAINED if self.asked_to_leave else HUNG,
                                 lambda: self.ticks)
         heartbeats.start()
-        named = {"engine loop": self.host.run(self.on_outputs, self.on_stalled),
-                 "ticks": self._tick()}
+        # the loop shown turning until the alive file is gone, the requests in hand
+        # cancelled and the tasks ended before it: a worker stopping in order is not silent
+        ticking = asyncio.create_task(self._tick(), name="ticks")
+        named = {"engine loop": self.host.run(self.on_outputs, self.on_stalled)}
         named |= {f"background {i}": c for i, c in enumerate(self.background())}
         named["gateway leases"] = self._cancel_orphans(redis)
         tasks = [asyncio.create_task(c, name=n) for n, c in named.items()]
@@ -204,9 +206,11 @@ class Worker:
             await cancel_within(list(self.in_hand), who=self.id)
         except asyncio.CancelledError:  # run inside a larger program (a test) that ends it:
             heartbeats.halt()  # its watchdog must not end that program later
+            ticking.cancel()
             raise
         failed = next((t for t in done if t is not ending), None)
         await asyncio.to_thread(heartbeats.stop)
+        await cancel_within([ticking], who=self.id)
         with contextlib.suppress(RedisError, OSError):  # it expires by itself otherwise
             await registry.remove(self.id, self.role)
         await self.closing()

@@ -12,8 +12,10 @@ outside exits 0, which only ALWAYS restarts.
 A child spawned with a hang timeout is handed a file to touch (`DS_ALIVE_FILE`, every second
 from a thread or loop that only lives while the process does: `show_alive`); once it has
 touched it, a child that leaves it untouched for the timeout (stopped, or wedged with the
-GIL or its loop held) is SIGKILLed, and its policy decides whether it comes back. A child
-that has not touched it yet (starting) or has removed it (stopping) is left alone.
+GIL or its loop held) is SIGKILLed, and its policy decides whether it comes back; being
+stopped, it is SIGKILLed once it is STOPPING_HANG_S silent (if its timeout is not shorter),
+not waited for to the end of its grace. A child that has not touched it yet (starting) or has
+removed it (stopping in order) is left alone.
 
 Each child runs in a process group of its own (a Ctrl-C at the terminal reaches the
 supervisor, which stops the children in its order) and is SIGKILLed by the kernel when the
@@ -195,15 +197,21 @@ class Child:
         """The file the child touches to show it is not hung (where `hang_s` is set)."""
         return alive_file(self.log)
 
-    def alive_mtime(self) -> float | None:
-        """When the child last touched its alive file; None without one (no hang timeout,
-        not touched yet: starting, or removed: stopping in order)."""
-        if self.hang_s is None:
-            return None
+    def silent_s(self, now: float) -> float | None:
+        """How long the child has left its alive file untouched, as seen by the calls with
+        `now` (a monotonic clock: the wall clock may jump) since `touched` was last cleared;
+        None without a file (no hang timeout, not touched yet: starting, or removed:
+        stopping in order)."""
         try:
-            return self.alive.stat().st_mtime
+            mtime = self.alive.stat().st_mtime if self.hang_s is not None else None
         except OSError:
+            mtime = None
+        if mtime is None:
+            self.touched = None
             return None
+        if self.touched is None or self.touched[0] != mtime:
+            self.touched = (mtime, now)
+        return now - self.touched[1]
 
 
 def log_tail(path: Path, lines: int = 12) -> str:
@@ -345,25 +353,28 @@ class Supervisor:
     def _reap(self, chosen: list[Child], grace: float) -> None:
         """Until every child in `chosen` has exited; SIGKILL those left after `grace` or
         once `stop_now` is called, and at once one with a hang timeout that shows no life
-        for STOPPING_HANG_S (or its timeout, if shorter) meanwhile: a frozen worker drains
-        nothing, and `up` would wait out its drain timeout (120 s) on it."""
-        now = time.monotonic()
-        deadline, touched = now + grace, {c.name: (c.alive_mtime(), now) for c in chosen}
+        for STOPPING_HANG_S (or its timeout, if shorter) from the stop on: a frozen worker
+        drains nothing, and `up` would wait out its drain timeout (120 s) on it."""
+        polled = time.monotonic()
+        deadline = polled + grace
+        for child in chosen:
+            child.touched = None  # silent from now on counts (the monitor no longer looks)
         while left := [c for c in chosen if c.proc.poll() is None]:
             now = time.monotonic()
             if self._now or now >= deadline:
                 break
+            paused, polled = now - polled > PAUSED_S, now  # this thread held up: see _monitor
             for child in left:
                 if child.hang_s is None:
                     continue
-                mtime, since = touched[child.name]
-                if (seen := child.alive_mtime()) != mtime or seen is None:
-                    touched[child.name] = (seen, now)  # alive, or no longer showing it
-                elif now - since > min(child.hang_s, STOPPING_HANG_S):
+                if paused:
+                    child.touched = None
+                silent = child.silent_s(now)
+                if silent is not None and silent > min(child.hang_s, STOPPING_HANG_S):
                     log.warning("%s has shown no life for %.0f s since it was asked to stop "
-                                "(stopped, or hung): killing it", child.name, now - since)
+                                "(stopped, or hung): killing it", child.name, silent)
                     child.proc.kill()
-                    touched[child.name] = (None, now)
+                    child.touched = None
             time.sleep(0.05)
         for child in left:
             if self._now:
@@ -445,14 +456,9 @@ class Supervisor:
         """SIGKILL `child` if its alive file has not changed for its `hang_s` (timed by this
         clock: the wall clock may jump)."""
         assert child.hang_s is not None
-        if (mtime := child.alive_mtime()) is None:  # starting, or stopping in order
-            child.touched = None
-            return
-        if child.touched is None or child.touched[0] != mtime:
-            child.touched = (mtime, now)
-        elif now - child.touched[1] > child.hang_s:
+        if (silent := child.silent_s(now)) is not None and silent > child.hang_s:
             log.warning("%s has not shown it is alive for %.0f s (stopped, or hung): killing "
-                        "it", child.name, now - child.touched[1])
+                        "it", child.name, silent)
             child.alive.unlink(missing_ok=True)
             child.touched = None
             with contextlib.suppress(ProcessLookupError):

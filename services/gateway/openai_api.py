@@ -86,6 +86,8 @@ def _whole(value: Any) -> Any:
 
 
 Int = Annotated[int, BeforeValidator(_whole)]  # an integer of a request, under STRICT
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 
 
 class StreamOptions(BaseModel):
@@ -120,8 +122,8 @@ class RequestBody(BaseModel):
 class _Common(RequestBody):
     model: Text
     max_tokens: Int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
     top_k: Int = Field(default=0, ge=-1)  # extension (vLLM's): -1 or 0 = no cut
     seed: Int | None = None
     stop: Text | list[Text] | None = None

@@ -10,19 +10,31 @@ response kept on the server (`previous_response_id`, `background`; nothing is st
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
-import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 
-from services.gateway.openai_api import STRICT, Int, ParamError, RequestBody, Text, text_only
+from services.gateway.openai_api import (
+    STRICT,
+    Int,
+    ParamError,
+    RequestBody,
+    Temperature,
+    Text,
+    TopP,
+    text_only,
+)
 
 TEXT_PARTS = {"input_text", "output_text"}  # an input message's parts read as text
 LOGPROBS = "message.output_text.logprobs"  # what `include` asks logprobs with
+# the chat request's parameters an error may name -> the response's they came from
+CHAT_PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+               "messages": "input"}
 
 
 class InputText(BaseModel):
@@ -47,23 +59,42 @@ class InputMessage(BaseModel):
             "".join(p.text for p in self.content)
 
 
+class TextFormat(BaseModel):
+    model_config = STRICT
+
+    type: Text = "text"
+
+
+class TextConfig(BaseModel):
+    model_config = STRICT
+
+    format: TextFormat = TextFormat()
+
+
+# text, or messages: a mistake inside a message is told as that, not as "not a string"
+Input = Annotated[Annotated[Text, Tag("str")] | Annotated[list[InputMessage], Tag("list")],
+                  Discriminator(lambda v: "str" if isinstance(v, str) else "list")]
+
+
 class ResponsesRequest(RequestBody):
     model: Text
-    input: Text | list[InputMessage]
+    input: Input
     instructions: Text | None = None  # a system message before the input
     max_output_tokens: Int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
     stream: bool = False
     store: bool = True  # accepted; nothing is stored (the answer says store: false)
     metadata: dict[str, Text] | None = None  # shown back in the answer
     parallel_tool_calls: bool = True
-    # refused where they ask for what this server does not do (_served)
+    text: TextConfig = TextConfig()
+    # refused where they ask for what this server does not do (UNSERVED)
     previous_response_id: Text | None = None
+    conversation: Text | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
     background: bool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    text: dict[str, Any] | None = None
     include: list[Text] | None = None
     top_logprobs: Int | None = Field(default=None, ge=0)
 
@@ -71,8 +102,7 @@ class ResponsesRequest(RequestBody):
     @classmethod
     def _messages_of_text(cls, items: Any) -> Any:
         """An empty input, items other than messages (a function call's output, a reasoning
-        item) and parts other than text get a 400 that says so (before the input is read
-        as text or as messages, which would say it is neither)."""
+        item) and parts other than text get a 400 that says so."""
         if items in ("", []):
             raise ValueError("the input is empty")
         for item in items if isinstance(items, list) else []:
@@ -86,26 +116,9 @@ class ResponsesRequest(RequestBody):
 
     @model_validator(mode="after")
     def _served(self) -> ResponsesRequest:
-        if self.previous_response_id is not None:
-            raise ParamError("previous_response_id", "responses are not stored on this "
-                             "server: send the conversation so far as input messages")
-        if self.background:
-            raise ParamError("background", "background responses are not served (nothing "
-                             "is stored to poll): leave background out")
-        if self.tools:
-            raise ParamError("tools", "tools are not served on /v1/responses; "
-                             "/v1/chat/completions offers them")
-        if self.tool_choice not in (None, "auto", "none"):
-            raise ParamError("tool_choice", "no tools are served on /v1/responses: send "
-                             "tool_choice auto or none")
-        if LOGPROBS in (self.include or []) or self.top_logprobs:
-            raise ParamError("include" if self.include else "top_logprobs",
-                             "logprobs are not served on /v1/responses; "
-                             "/v1/chat/completions serves them")
-        kind = ((self.text or {}).get("format") or {}).get("type", "text")
-        if kind != "text":
-            raise ParamError("text", f"text.format {str(kind)[:64]!r} is not served: "
-                             "answers are free text")
+        for param, asks, why in UNSERVED:
+            if asks(self):
+                raise ParamError(param, why)
         return self
 
     def chat(self) -> dict[str, Any]:
@@ -126,17 +139,44 @@ class ResponsesRequest(RequestBody):
         return body
 
 
+# what the server would have to keep, or do, to serve: (the parameter, whether a request
+# asks it, what to send instead)
+UNSERVED: tuple[tuple[str, Callable[[ResponsesRequest], bool], str], ...] = (
+    ("previous_response_id", lambda r: r.previous_response_id is not None,
+     "responses are not stored on this server: send the conversation so far as input "
+     "messages"),
+    ("conversation", lambda r: r.conversation is not None,
+     "conversations are not stored on this server: send the conversation so far as input "
+     "messages"),
+    ("prompt", lambda r: r.prompt is not None,
+     "stored prompts are not served: send the prompt's text as instructions or input"),
+    ("background", lambda r: r.background,
+     "background responses are not served (nothing is stored to poll): leave background out"),
+    ("tools", lambda r: bool(r.tools),
+     "tools are not served on /v1/responses; /v1/chat/completions offers them"),
+    ("tool_choice", lambda r: r.tool_choice not in (None, "auto", "none"),
+     "no tools are served on /v1/responses: send tool_choice auto or none"),
+    ("include", lambda r: LOGPROBS in (r.include or []),
+     "logprobs are not served on /v1/responses; /v1/chat/completions serves them"),
+    ("top_logprobs", lambda r: bool(r.top_logprobs),
+     "logprobs are not served on /v1/responses; /v1/chat/completions serves them"),
+    ("text", lambda r: r.text.format.type != "text",
+     "a text.format other than text is not served: answers are free text"),
+)
+
+
 Status = Literal["in_progress", "completed", "incomplete", "failed"]
 
 
 @dataclass
 class Shape:
     """How one response's objects read: its ids (`resp_` and `msg_` before the request's
-    own id, which finds its trace), the request's parameters shown back, when it began."""
+    own id, which finds its trace), the request's parameters shown back, when it began
+    (Unix seconds)."""
 
     request: ResponsesRequest
     request_id: str
-    created_at: int = field(default_factory=lambda: int(time.time()))
+    created_at: int
 
     @property
     def id(self) -> str:
@@ -145,6 +185,11 @@ class Shape:
     @property
     def item_id(self) -> str:
         return "msg_" + self.request_id
+
+    @property
+    def where(self) -> dict[str, Any]:
+        """Where a stream's text events are: the one message, its one part."""
+        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
 
     def response(self, status: Status, output: list[dict[str, Any]],
                  usage: dict[str, Any] | None = None, error: dict[str, Any] | None = None
@@ -172,7 +217,7 @@ class Shape:
     def usage(chat: dict[str, Any]) -> dict[str, Any]:
         """A chat answer's usage as a response counts it."""
         return {"input_tokens": chat["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                 "output_tokens": chat["completion_tokens"],
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": chat["total_tokens"]}
@@ -196,16 +241,11 @@ def ended(finish_reason: str | None) -> Status:
 
 async def events(shape: Shape, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
     """The streamed response, as server-sent events (each named, with its type and a
-    sequence number), from the chat answer's chunks (`routes.chunk_events`): the response
-    created and in progress, the message and its text part added, each piece of text, then
-    the text, part, message and response done; a chat error ends it as response.failed."""
-    numbers = itertools.count()
-
-    def event(kind: str, **fields: Any) -> str:
-        data = {"type": kind, "sequence_number": next(numbers)} | fields
-        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
-
-    where = {"item_id": shape.item_id, "output_index": 0, "content_index": 0}
+    sequence number), from the chat answer's chunks (`routes.chunk_events`, closed here
+    however this ends): the response created and in progress, the message and its text part
+    added, each piece of text, then the text, part, message and response done; a chat error
+    ends it as response.failed."""
+    event, where = Events(), shape.where
     yield event("response.created", response=shape.response("in_progress", []))
     yield event("response.in_progress", response=shape.response("in_progress", []))
     yield event("response.output_item.added", output_index=0,
@@ -213,20 +253,41 @@ async def events(shape: Shape, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIt
     yield event("response.content_part.added", part=text_part(""), **where)
     pieces: list[str] = []
     finish, usage = None, None
-    async for chunk in chunks:
-        if "error" in chunk:
-            error = {"code": "server_error", "message": chunk["error"]["message"]}
-            yield event("response.failed", response=shape.response("failed", [], error=error))
-            return
-        for choice in chunk["choices"]:
-            if piece := choice["delta"].get("content"):
-                pieces.append(piece)
-                yield event("response.output_text.delta", delta=piece, logprobs=[], **where)
-            finish = choice["finish_reason"] or finish
-        usage = chunk.get("usage") or usage
-    text, status = "".join(pieces), ended(finish)
-    yield event("response.output_text.done", text=text, logprobs=[], **where)
-    yield event("response.content_part.done", part=text_part(text), **where)
-    message = shape.message(text, status)
-    yield event("response.output_item.done", output_index=0, item=message)
-    yield event(f"response.{status}", response=shape.response(status, [message], usage))
+    async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+        async for chunk in chunks:
+            if "error" in chunk:
+                error = {"code": "server_error", "message": chunk["error"]["message"]}
+                yield event("response.failed", response=shape.response("failed", [],
+                                                                       error=error))
+                return
+            for choice in chunk["choices"]:
+                if piece := choice["delta"].get("content"):
+                    pieces.append(piece)
+                    yield event("response.output_text.delta", delta=piece, logprobs=[],
+                                **where)
+                finish = choice["finish_reason"] or finish
+            usage = chunk.get("usage") or usage
+    for done in closing(shape, event, "".join(pieces), ended(finish), usage):
+        yield done
+
+
+class Events:
+    """Names and numbers a stream's events."""
+
+    def __init__(self) -> None:
+        self.numbers = itertools.count()
+
+    def __call__(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": next(self.numbers)} | fields
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+
+def closing(shape: Shape, event: Events, text: str, status: Status,
+            usage: dict[str, Any] | None) -> list[str]:
+    """The events that end a stream whose text is all there: the text, its part, the
+    message and the response done."""
+    where, message = shape.where, shape.message(text, status)
+    return [event("response.output_text.done", text=text, logprobs=[], **where),
+            event("response.content_part.done", part=text_part(text), **where),
+            event("response.output_item.done", output_index=0, item=message),
+            event(f"response.{status}", response=shape.response(status, [message], usage))]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -558,14 +559,16 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
         except ValidationError as e:  # what the chat request refuses of the input
             first = e.errors()[0]
             raise APIError(400, first["msg"].removeprefix("Value error, "), "input") from None
-        reply, tickets = await begin(chat)
-        shape = Shape(req, reply.calls[0].request_id)
+        try:
+            reply, tickets = await begin(chat)
+        except APIError as e:  # told in the Responses API's words
+            e.param = responses.CHAT_PARAMS.get(e.param or "", e.param)
+            e.message = e.message.replace("max_tokens", "max_output_tokens")
+            raise
+        shape = Shape(req, reply.calls[0].request_id, int(time.time()))
         if req.stream:
             return AdmittedStream(responses.events(shape, chunk_events(reply)), tickets)
-        try:
-            answered = await answer_unless_gone(reply, request)
-        finally:
-            release(tickets)
+        answered = await respond(reply, tickets, request, stream=False)
         return answered if isinstance(answered, Response) else shape.answer(answered)
 
     def model_card() -> dict[str, Any]:

@@ -136,6 +136,10 @@ def test_the_responses_api_answers_as_the_chat_it_amounts_to(stack: Stack) -> No
     with pytest.raises(openai.BadRequestError) as refused:
         c.responses.create(model=MODEL, input="hi", previous_response_id="resp_x")
     assert refused.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as refused:  # told in its own words
+        c.responses.create(model=MODEL, input="hi", max_output_tokens=10**6)
+    assert refused.value.body["param"] == "max_output_tokens"  # type: ignore[index]
+    assert "plus max_output_tokens (1000000)" in refused.value.body["message"]  # type: ignore[index]
     wait_all_free(stack)
 
 

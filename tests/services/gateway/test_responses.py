@@ -46,25 +46,34 @@ def test_the_input_becomes_a_chat_after_the_instructions() -> None:
      "input items of type 'function_call_output' are not served"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "a content part of type 'input_image' cannot be served"),
+    ({"input": [{"role": "user"}]}, "Field required"),  # not "should be a valid string"
+    ({"input": [{"role": "user", "content": None}]}, "valid string"),
+    ({"input": {"role": "user", "content": "hi"}}, "valid list"),
     ({"previous_response_id": "resp_1"}, "not stored on this server"),
+    ({"conversation": "conv_1"}, "conversations are not stored"),
+    ({"prompt": {"id": "pmpt_1"}}, "stored prompts are not served"),
+    ({"text": {"format": "text"}}, "valid dictionary"),  # a 400, not a 500
     ({"background": True}, "background responses are not served"),
     ({"tools": [{"type": "function", "name": "f"}]}, "/v1/chat/completions offers them"),
     ({"tool_choice": "required"}, "send tool_choice auto or none"),
-    ({"text": {"format": {"type": "json_schema"}}}, "text.format 'json_schema'"),
+    ({"text": {"format": {"type": "json_schema", "name": "n", "schema": {}}}},
+     "a text.format other than text"),
     ({"max_output_tokens": "5"}, "valid integer"),
     ({"include": ["message.output_text.logprobs"]}, "logprobs are not served"),
     ({"top_logprobs": 2}, "logprobs are not served"),
 ])
 def test_what_is_not_served_is_refused_saying_why(fields: dict[str, Any], says: str) -> None:
-    with pytest.raises(ValidationError, match=says):
+    with pytest.raises(ValidationError, match=says) as refused:
         request(**fields)
+    assert says in refused.value.errors()[0]["msg"]  # what the client is told: the first
 
 
 def test_what_asks_for_nothing_unserved_is_accepted() -> None:
     """What the openai client sends as None is the default; the text format, tool choice and
     store as they are by default."""
     asked = request(instructions=None, tools=[], tool_choice="auto", store=True,
-                    text={"format": {"type": "text"}}, metadata={"k": "v"}, temperature=None)
+                    text={"format": {"type": "text"}, "verbosity": "low"}, metadata={"k": "v"},
+                    temperature=None, include=["reasoning.encrypted_content"], top_logprobs=0)
     assert asked.temperature == 1.0 and asked.metadata == {"k": "v"}
 
 
@@ -83,7 +92,8 @@ def test_the_answer_says_whether_its_limit_cut_it() -> None:
                                "role": "assistant", "content": [{
                                    "type": "output_text", "text": "Hello.",
                                    "annotations": [], "logprobs": []}]}]
-    assert done["usage"] == {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 0},
+    assert done["usage"] == {"input_tokens": 7, "input_tokens_details": {
+                                 "cached_tokens": 0, "cache_write_tokens": 0},
                              "output_tokens": 3,
                              "output_tokens_details": {"reasoning_tokens": 0},
                              "total_tokens": 10}
@@ -120,7 +130,7 @@ def streamed(shape: Shape, *chunks: dict[str, Any]) -> list[tuple[str, dict[str,
 
 
 def test_a_stream_opens_adds_each_piece_and_closes_in_order() -> None:
-    shape = Shape(request(stream=True), "abc")
+    shape = Shape(request(stream=True), "abc", 5)
     usage = {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
     seen = streamed(shape, {"choices": [{"index": 0, "delta": {"role": "assistant",
                                                                "content": ""},
@@ -143,7 +153,7 @@ def test_a_stream_opens_adds_each_piece_and_closes_in_order() -> None:
 
 
 def test_a_stream_cut_by_its_limit_ends_incomplete_and_one_that_fails_as_failed() -> None:
-    shape = Shape(request(stream=True, max_output_tokens=1), "abc")
+    shape = Shape(request(stream=True, max_output_tokens=1), "abc", 5)
     cut = streamed(shape, delta("Hel", "length"))
     assert cut[-1][0] == "response.incomplete"
     assert cut[-1][1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
