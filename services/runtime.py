@@ -181,8 +181,8 @@ class Worker:
                                 lambda: DRAINED if self.asked_to_leave else HUNG,
                                 lambda: self.ticks)
         heartbeats.start()
-        # the loop shown turning until the alive file is gone, the requests in hand
-        # cancelled and the tasks ended before it: a worker stopping in order is not silent
+        # the loop's turns counted until the alive file is gone (after the tasks and the
+        # requests in hand are cancelled): a worker stopping in order never goes silent
         ticking = asyncio.create_task(self._tick(), name="ticks")
         named = {"engine loop": self.host.run(self.on_outputs, self.on_stalled)}
         named |= {f"background {i}": c for i, c in enumerate(self.background())}

@@ -4,9 +4,10 @@ the chat request it becomes, and the answer and its stream of events shaped from
 answer's.
 
 Served: `input` as text or as messages (text parts), `instructions`, `max_output_tokens`,
-`temperature`, `top_p`, `stream`, `metadata`. Refused with a 400 that says so: what needs a
-response kept on the server (`previous_response_id`, `background`; nothing is stored, and
-`store` reads back false), tools, logprobs, and answers held to a format."""
+`temperature`, `top_p`, `stream`, `metadata`. Refused with a 400 that says so (UNSERVED):
+what needs state kept on the server (`previous_response_id`, `conversation`, a stored
+`prompt`, `background`; nothing is stored, and `store` reads back false), tools, logprobs,
+and answers held to a format."""
 
 from __future__ import annotations
 
