@@ -4,10 +4,11 @@ the chat request it becomes, and the answer and its stream of events shaped from
 answer's.
 
 Served: `input` as text or as messages (text parts), `instructions`, `max_output_tokens`,
-`temperature`, `top_p`, `stream`, `metadata`. Refused with a 400 that says so (UNSERVED):
-what needs state kept on the server (`previous_response_id`, `conversation`, a stored
-`prompt`, `background`; nothing is stored, and `store` reads back false), tools, logprobs,
-and answers held to a format."""
+`temperature`, `top_p`, `stream`, `metadata`, logprobs (`include:
+["message.output_text.logprobs"]`, `top_logprobs`). Refused with a 400 that says so
+(UNSERVED): what needs state kept on the server (`previous_response_id`, `conversation`, a
+stored `prompt`, `background`; nothing is stored, and `store` reads back false), tools, and
+answers held to a format."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from services.gateway.openai_api import (
     TopP,
     text_only,
 )
+from shared.engine.request import MAX_TOP_LOGPROBS
 
 TEXT_PARTS = {"input_text", "output_text"}  # an input message's parts read as text
 LOGPROBS = "message.output_text.logprobs"  # what `include` asks logprobs with
@@ -89,6 +91,8 @@ class ResponsesRequest(RequestBody):
     metadata: dict[str, Text] | None = None  # shown back in the answer
     parallel_tool_calls: bool = True
     text: TextConfig = TextConfig()
+    include: list[Text] | None = None  # LOGPROBS: the text's tokens with their logprobs
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # refused where they ask for what this server does not do (UNSERVED)
     previous_response_id: Text | None = None
     conversation: Text | dict[str, Any] | None = None
@@ -96,8 +100,6 @@ class ResponsesRequest(RequestBody):
     background: bool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    include: list[Text] | None = None
-    top_logprobs: Int | None = Field(default=None, ge=0)
 
     @field_validator("input", mode="before")
     @classmethod
@@ -122,6 +124,12 @@ class ResponsesRequest(RequestBody):
                 raise ParamError(param, why)
         return self
 
+    @property
+    def logprobs(self) -> bool:
+        """Whether the text's tokens come with their logprobs (asked by `include`, or by
+        `top_logprobs` alone)."""
+        return LOGPROBS in (self.include or []) or bool(self.top_logprobs)
+
     def chat(self) -> dict[str, Any]:
         """The chat completion request this asks for (a streamed one counts its usage)."""
         messages = [{"role": "system", "content": self.instructions}] \
@@ -137,6 +145,8 @@ class ResponsesRequest(RequestBody):
             body["max_completion_tokens"] = self.max_output_tokens
         if self.stream:
             body["stream_options"] = {"include_usage": True}
+        if self.logprobs:
+            body |= {"logprobs": True, "top_logprobs": self.top_logprobs or 0}
         return body
 
 
@@ -157,10 +167,6 @@ UNSERVED: tuple[tuple[str, Callable[[ResponsesRequest], bool], str], ...] = (
      "tools are not served on /v1/responses; /v1/chat/completions offers them"),
     ("tool_choice", lambda r: r.tool_choice not in (None, "auto", "none"),
      "no tools are served on /v1/responses: send tool_choice auto or none"),
-    ("include", lambda r: LOGPROBS in (r.include or []),
-     "logprobs are not served on /v1/responses; /v1/chat/completions serves them"),
-    ("top_logprobs", lambda r: bool(r.top_logprobs),
-     "logprobs are not served on /v1/responses; /v1/chat/completions serves them"),
     ("text", lambda r: r.text.format.type != "text",
      "a text.format other than text is not served: answers are free text"),
 )
@@ -209,10 +215,11 @@ class Shape:
             "usage": None if usage is None else self.usage(usage),
             "metadata": r.metadata or {}}
 
-    def message(self, text: str | None, status: Status) -> dict[str, Any]:
+    def message(self, text: str | None, status: Status,
+                logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The answer's message; `text` None: not begun (no content part yet)."""
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant",
-                "content": [] if text is None else [text_part(text)]}
+                "content": [] if text is None else [text_part(text, logprobs)]}
 
     @staticmethod
     def usage(chat: dict[str, Any]) -> dict[str, Any]:
@@ -227,12 +234,18 @@ class Shape:
         """The response to return, from the chat completion's answer."""
         first = chat["choices"][0]
         status = ended(first["finish_reason"])
-        return self.response(status, [self.message(first["message"]["content"] or "", status)],
-                             chat["usage"])
+        message = self.message(first["message"]["content"] or "", status, tokens_of(first))
+        return self.response(status, [message], chat["usage"])
 
 
-def text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def tokens_of(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat choice's (or chunk's) tokens with their logprobs, as a response shows them:
+    the same entries (token, logprob, bytes, top_logprobs)."""
+    return list((choice.get("logprobs") or {}).get("content") or [])
 
 
 def ended(finish_reason: str | None) -> Status:
@@ -253,6 +266,8 @@ async def events(shape: Shape, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIt
                 item=shape.message(None, "in_progress"))
     yield event("response.content_part.added", part=text_part(""), **where)
     pieces: list[str] = []
+    shown: list[dict[str, Any]] = []  # the tokens' logprobs, each with its text's delta
+    waiting: list[dict[str, Any]] = []  # those of tokens whose text has not come yet
     finish, usage = None, None
     async with contextlib.aclosing(chunks):  # type: ignore[type-var]
         async for chunk in chunks:
@@ -262,13 +277,16 @@ async def events(shape: Shape, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIt
                                                                        error=error))
                 return
             for choice in chunk["choices"]:
+                waiting += tokens_of(choice)
                 if piece := choice["delta"].get("content"):
                     pieces.append(piece)
-                    yield event("response.output_text.delta", delta=piece, logprobs=[],
+                    yield event("response.output_text.delta", delta=piece, logprobs=waiting,
                                 **where)
+                    shown, waiting = shown + waiting, []
                 finish = choice["finish_reason"] or finish
             usage = chunk.get("usage") or usage
-    for done in closing(shape, event, "".join(pieces), ended(finish), usage):
+    for done in closing(shape, event, "".join(pieces), ended(finish), usage,
+                        shown + waiting):
         yield done
 
 
@@ -284,11 +302,11 @@ class Events:
 
 
 def closing(shape: Shape, event: Events, text: str, status: Status,
-            usage: dict[str, Any] | None) -> list[str]:
+            usage: dict[str, Any] | None, logprobs: list[dict[str, Any]]) -> list[str]:
     """The events that end a stream whose text is all there: the text, its part, the
     message and the response done."""
-    where, message = shape.where, shape.message(text, status)
-    return [event("response.output_text.done", text=text, logprobs=[], **where),
-            event("response.content_part.done", part=text_part(text), **where),
+    where, message = shape.where, shape.message(text, status, logprobs)
+    return [event("response.output_text.done", text=text, logprobs=logprobs, **where),
+            event("response.content_part.done", part=text_part(text, logprobs), **where),
             event("response.output_item.done", output_index=0, item=message),
             event(f"response.{status}", response=shape.response(status, [message], usage))]

@@ -121,13 +121,26 @@ def test_the_responses_api_answers_as_the_chat_it_amounts_to(stack: Stack) -> No
     assert answer.id.startswith("resp_") and answer.metadata == {"k": "v"}
 
     with c.responses.stream(model=MODEL, instructions="Answer briefly.", input="Say hello.",
-                            temperature=0, max_output_tokens=200) as stream:
-        kinds = [event.type for event in stream]
+                            temperature=0, max_output_tokens=200,
+                            include=["message.output_text.logprobs"]) as stream:
+        events = list(stream)
         final = stream.get_final_response()
+    kinds = [event.type for event in events]
     assert kinds[:4] == ["response.created", "response.in_progress",
                          "response.output_item.added", "response.content_part.added"]
     assert kinds[-1] == "response.completed" and final.output_text == expected
-    assert kinds.count("response.output_text.delta") >= 2
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) >= 2 and final.usage is not None
+    # every token scored once, with its piece of text (the end of turn is in usage only)
+    assert sum(len(e.logprobs) for e in deltas) == final.usage.output_tokens - 1
+
+    scored = c.responses.create(model=MODEL, instructions="Answer briefly.", input="Say hello.",
+                                temperature=0, max_output_tokens=200, top_logprobs=2,
+                                include=["message.output_text.logprobs"])
+    part = scored.output[0].content[0]  # type: ignore[union-attr]
+    assert part.type == "output_text" and part.text == expected and part.logprobs
+    assert b"".join(bytes(t.bytes) for t in part.logprobs).decode() == expected
+    assert all(len(t.top_logprobs) == 2 for t in part.logprobs)
 
     cut = c.responses.create(model=MODEL, input="Tell me a story.", max_output_tokens=5)
     assert cut.status == "incomplete" and cut.incomplete_details is not None

@@ -37,6 +37,12 @@ def test_the_input_becomes_a_chat_after_the_instructions() -> None:
     assert request(instructions=None, max_output_tokens=None).chat() == {
         "model": "m", "temperature": 1.0, "top_p": 1.0, "stream": False,
         "messages": [{"role": "user", "content": "hi"}]}
+    # logprobs, asked by include or by top_logprobs alone
+    logprobs = request(include=["message.output_text.logprobs"]).chat()
+    assert (logprobs["logprobs"], logprobs["top_logprobs"]) == (True, 0)
+    assert request(top_logprobs=3).chat()["top_logprobs"] == 3
+    assert "logprobs" not in request(include=["reasoning.encrypted_content"],
+                                     top_logprobs=0).chat()
 
 
 @pytest.mark.parametrize(("fields", "says"), [
@@ -59,8 +65,7 @@ def test_the_input_becomes_a_chat_after_the_instructions() -> None:
     ({"text": {"format": {"type": "json_schema", "name": "n", "schema": {}}}},
      "a text.format other than text"),
     ({"max_output_tokens": "5"}, "valid integer"),
-    ({"include": ["message.output_text.logprobs"]}, "logprobs are not served"),
-    ({"top_logprobs": 2}, "logprobs are not served"),
+    ({"top_logprobs": 21}, "less than or equal to 20"),
 ])
 def test_what_is_not_served_is_refused_saying_why(fields: dict[str, Any], says: str) -> None:
     with pytest.raises(ValidationError, match=says) as refused:
@@ -101,6 +106,15 @@ def test_the_answer_says_whether_its_limit_cut_it() -> None:
     cut = shape.answer(chat_answer("Hel", "length"))
     assert cut["status"] == cut["output"][0]["status"] == "incomplete"
     assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
+    scored = chat_answer("Hi", "stop")
+    scored["choices"][0]["logprobs"] = {"content": [token("Hi", -0.5)]}
+    assert shape.answer(scored)["output"][0]["content"][0]["logprobs"] == [token("Hi", -0.5)]
+
+
+def token(text: str, logprob: float) -> dict[str, Any]:
+    """A token's entry as a chat answer's logprobs carry it."""
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode()),
+            "top_logprobs": []}
 
 
 async def chunks_of(*chunks: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -108,9 +122,11 @@ async def chunks_of(*chunks: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         yield chunk
 
 
-def delta(text: str | None = None, finish: str | None = None) -> dict[str, Any]:
+def delta(text: str | None = None, finish: str | None = None,
+          tokens: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     said = {} if text is None else {"content": text}
-    return {"choices": [{"index": 0, "delta": said, "finish_reason": finish}]}
+    return {"choices": [{"index": 0, "delta": said, "finish_reason": finish,
+                         "logprobs": None if tokens is None else {"content": tokens}}]}
 
 
 def streamed(shape: Shape, *chunks: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -150,6 +166,23 @@ def test_a_stream_opens_adds_each_piece_and_closes_in_order() -> None:
     assert final["status"] == "completed" and final["usage"]["total_tokens"] == 6
     assert final["output"][0]["content"][0]["text"] == "Hello"
     assert all(data["item_id"] == "msg_abc" for name, data in seen if "item_id" in data)
+
+
+def test_a_streams_logprobs_go_with_the_text_they_score() -> None:
+    """A token whose text has not come yet (held back as a stop string may begin there, or
+    part of a character) has its logprob shown with the next piece of text; all of them in
+    the text's done events."""
+    shape = Shape(request(stream=True, include=["message.output_text.logprobs"]), "abc", 5)
+    a, b, c = token("Hel", -0.1), token("l", -0.2), token("o", -0.3)
+    seen = streamed(shape, delta("Hel", tokens=[a]), delta(tokens=[b]),
+                    delta("lo", tokens=[c]), delta(finish="stop"))
+    assert [data["logprobs"] for name, data in seen if name.endswith(".delta")] == [[a],
+                                                                                    [b, c]]
+    done = dict(seen)
+    assert done["response.output_text.done"]["logprobs"] == [a, b, c]
+    assert done["response.content_part.done"]["part"]["logprobs"] == [a, b, c]
+    assert done["response.completed"]["response"]["output"][0]["content"][0]["logprobs"] == \
+        [a, b, c]
 
 
 def test_a_stream_cut_by_its_limit_ends_incomplete_and_one_that_fails_as_failed() -> None:
