@@ -5,13 +5,14 @@ answer's.
 
 Served: `input` as text or as messages (text parts), `instructions`, `max_output_tokens`,
 `temperature`, `top_p`, `stream`, `metadata`, logprobs (`include:
-["message.output_text.logprobs"]`, `top_logprobs`). Refused with a 400 that says so
-(UNSERVED): what needs state kept on the server (`previous_response_id`, `conversation`, a
-stored `prompt`, `background`; nothing is stored, and `store` reads back false), tools, and
-answers held to a format."""
+["message.output_text.logprobs"]`, with `top_logprobs` of the likeliest). Refused with a 400
+that says so (UNSERVED): what needs state kept on the server (`previous_response_id`,
+`conversation`, a stored `prompt`, `background`; nothing is stored, and `store` reads back
+false), tools, and answers held to a format."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -126,9 +127,9 @@ class ResponsesRequest(RequestBody):
 
     @property
     def logprobs(self) -> bool:
-        """Whether the text's tokens come with their logprobs (asked by `include`, or by
-        `top_logprobs` alone)."""
-        return LOGPROBS in (self.include or []) or bool(self.top_logprobs)
+        """Whether the text's tokens come with their logprobs: asked by `include`, as OpenAI
+        reads it (`top_logprobs` says how many of the likeliest go with each)."""
+        return LOGPROBS in (self.include or [])
 
     def chat(self) -> dict[str, Any]:
         """The chat completion request this asks for (a streamed one counts its usage)."""
@@ -211,7 +212,8 @@ class Shape:
             "model": r.model, "output": output, "parallel_tool_calls": r.parallel_tool_calls,
             "previous_response_id": None, "store": False, "temperature": r.temperature,
             "text": {"format": {"type": "text"}}, "tool_choice": r.tool_choice or "auto",
-            "tools": [], "top_p": r.top_p, "truncation": "disabled",
+            "tools": [], "top_p": r.top_p, "top_logprobs": r.top_logprobs or 0,
+            "truncation": "disabled",
             "usage": None if usage is None else self.usage(usage),
             "metadata": r.metadata or {}}
 
@@ -285,8 +287,10 @@ async def events(shape: Shape, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIt
                     shown, waiting = shown + waiting, []
                 finish = choice["finish_reason"] or finish
             usage = chunk.get("usage") or usage
-    for done in closing(shape, event, "".join(pieces), ended(finish), usage,
-                        shown + waiting):
+    # the end repeats every token's logprobs four times: thousands, each with its top ones,
+    # take a fraction of a second that every other stream would wait (routes.shown)
+    end = (shape, event, "".join(pieces), ended(finish), usage, shown + waiting)
+    for done in await asyncio.to_thread(closing, *end) if shown or waiting else closing(*end):
         yield done
 
 

@@ -132,7 +132,10 @@ def test_the_responses_api_answers_as_the_chat_it_amounts_to(stack: Stack) -> No
     deltas = [e for e in events if e.type == "response.output_text.delta"]
     assert len(deltas) >= 2 and final.usage is not None
     # every token scored once, with its piece of text (the end of turn is in usage only)
-    assert sum(len(e.logprobs) for e in deltas) == final.usage.output_tokens - 1
+    streamed = [t.token for e in deltas for t in e.logprobs]
+    done = final.output[0].content[0].logprobs  # type: ignore[union-attr]
+    assert done is not None and streamed == [t.token for t in done]
+    assert len(streamed) == final.usage.output_tokens - 1
 
     scored = c.responses.create(model=MODEL, instructions="Answer briefly.", input="Say hello.",
                                 temperature=0, max_output_tokens=200, top_logprobs=2,

@@ -37,12 +37,13 @@ def test_the_input_becomes_a_chat_after_the_instructions() -> None:
     assert request(instructions=None, max_output_tokens=None).chat() == {
         "model": "m", "temperature": 1.0, "top_p": 1.0, "stream": False,
         "messages": [{"role": "user", "content": "hi"}]}
-    # logprobs, asked by include or by top_logprobs alone
+    # logprobs, asked by include (as OpenAI reads it), with top_logprobs of the likeliest
     logprobs = request(include=["message.output_text.logprobs"]).chat()
     assert (logprobs["logprobs"], logprobs["top_logprobs"]) == (True, 0)
-    assert request(top_logprobs=3).chat()["top_logprobs"] == 3
+    logprobs = request(include=["message.output_text.logprobs"], top_logprobs=3).chat()
+    assert (logprobs["logprobs"], logprobs["top_logprobs"]) == (True, 3)
     assert "logprobs" not in request(include=["reasoning.encrypted_content"],
-                                     top_logprobs=0).chat()
+                                     top_logprobs=3).chat()
 
 
 @pytest.mark.parametrize(("fields", "says"), [
@@ -183,6 +184,11 @@ def test_a_streams_logprobs_go_with_the_text_they_score() -> None:
     assert done["response.content_part.done"]["part"]["logprobs"] == [a, b, c]
     assert done["response.completed"]["response"]["output"][0]["content"][0]["logprobs"] == \
         [a, b, c]
+    # tokens left with no text after the last piece (a length cut inside a character)
+    # are in the done events only
+    seen = streamed(shape, delta("Hel", tokens=[a]), delta(finish="length", tokens=[b]))
+    assert [data["logprobs"] for name, data in seen if name.endswith(".delta")] == [[a]]
+    assert dict(seen)["response.output_text.done"]["logprobs"] == [a, b]
 
 
 def test_a_stream_cut_by_its_limit_ends_incomplete_and_one_that_fails_as_failed() -> None:
