@@ -73,10 +73,12 @@ def _encodable(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_encodable)]
 
-# Every request model takes JSON's types as they are, as OpenAI does: "max_tokens": "5",
-# true or 5.5 and "stream": "yes" are a 400 naming the parameter, not read as 5, 1, 5 and true
-# (pydantic's lax mode would). An int where a float goes is still a number.
-STRICT = ConfigDict(strict=True)
+class JSONModel(BaseModel):
+    """A part of a request: JSON's types as they are, as OpenAI reads them ("max_tokens":
+    "5", true or 5.5 and "stream": "yes" are a 400 naming the parameter, not read as 5, 1, 5
+    and true, as pydantic's lax mode would). An int where a float goes is still a number."""
+
+    model_config = ConfigDict(strict=True)
 
 
 def _whole(value: Any) -> Any:
@@ -85,14 +87,12 @@ def _whole(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-Int = Annotated[int, BeforeValidator(_whole)]  # an integer of a request, under STRICT
+Int = Annotated[int, BeforeValidator(_whole)]  # an integer of a JSONModel
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 
 
-class StreamOptions(BaseModel):
-    model_config = STRICT
-
+class StreamOptions(JSONModel):
     include_usage: bool = False
 
 
@@ -100,12 +100,12 @@ def _takes_null(annotation: Any) -> bool:
     return type(None) in typing.get_args(annotation)
 
 
-class RequestBody(BaseModel):
-    """A request's body: JSON's types as they are (STRICT), parameters it does not know
-    ignored, an explicit null read as the parameter's default."""
+class RequestBody(JSONModel):
+    """A request's body: JSON's types as they are, parameters it does not know ignored, an
+    explicit null read as the parameter's default."""
 
     # NaN and infinity (Python's JSON reads them) are no numbers a parameter takes
-    model_config = STRICT | ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -269,25 +269,23 @@ def text_only(content: Any, kinds: set[str]) -> Any:
     return content
 
 
-class TextPart(BaseModel):
-    model_config = STRICT
-
+class TextPart(JSONModel):
     type: Literal["text"]
     text: Text
 
 
-class FunctionCall(BaseModel):
-    model_config = STRICT | ConfigDict(extra="allow")
+class FunctionCall(JSONModel):
+    model_config = ConfigDict(extra="allow")
 
     name: Text
     arguments: Text = "{}"  # JSON, as the model wrote it
 
 
-class ToolCall(BaseModel):
+class ToolCall(JSONModel):
     """A call the assistant made earlier in the conversation, passed to the chat template
     as it came (templates that know tools render it)."""
 
-    model_config = STRICT | ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")
 
     id: Text | None = None
     type: Literal["function"] = "function"
@@ -301,9 +299,7 @@ class ToolCall(BaseModel):
         return call
 
 
-class _Message(BaseModel):
-    model_config = STRICT
-
+class _Message(JSONModel):
     role: str
     content: Text | list[TextPart] | None = None
     name: Text | None = None
@@ -361,18 +357,16 @@ class _AssistantMessage(_Message):
 ChatMessage = Annotated[_SaidMessage | _AssistantMessage, Field(discriminator="role")]
 
 
-class FunctionSpec(BaseModel):
-    model_config = STRICT | ConfigDict(extra="allow")
+class FunctionSpec(JSONModel):
+    model_config = ConfigDict(extra="allow")
 
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
     description: Text | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema, shown to the model
 
 
-class Tool(BaseModel):
+class Tool(JSONModel):
     """A function the model may call, as the chat template shows it to the model."""
-
-    model_config = STRICT
 
     type: Literal["function"]
     function: FunctionSpec

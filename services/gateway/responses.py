@@ -20,11 +20,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from services.gateway.openai_api import (
-    STRICT,
     Int,
+    JSONModel,
     ParamError,
     RequestBody,
     Temperature,
@@ -41,17 +41,13 @@ CHAT_PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_
                "messages": "input"}
 
 
-class InputText(BaseModel):
-    model_config = STRICT
-
+class InputText(JSONModel):
     type: Literal["input_text", "output_text"]
     text: Text
 
 
-class InputMessage(BaseModel):
+class InputMessage(JSONModel):
     """One message of `input`: an earlier answer (assistant) or what is asked."""
-
-    model_config = STRICT
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
@@ -63,15 +59,11 @@ class InputMessage(BaseModel):
             "".join(p.text for p in self.content)
 
 
-class TextFormat(BaseModel):
-    model_config = STRICT
-
+class TextFormat(JSONModel):
     type: Text = "text"
 
 
-class TextConfig(BaseModel):
-    model_config = STRICT
-
+class TextConfig(JSONModel):
     format: TextFormat = TextFormat()
 
 

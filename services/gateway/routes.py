@@ -18,7 +18,6 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from services.gateway import openai_api as api
@@ -554,13 +553,8 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.post("/v1/responses")
     async def respond_to(req: ResponsesRequest, request: Request) -> Any:
-        try:
-            chat = ChatRequest.model_validate(req.chat())
-        except ValidationError as e:  # what the chat request refuses of the input
-            first = e.errors()[0]
-            raise APIError(400, first["msg"].removeprefix("Value error, "), "input") from None
-        try:
-            reply, tickets = await begin(chat)
+        try:  # a request read as a response is a chat request (what fails there is a bug)
+            reply, tickets = await begin(ChatRequest.model_validate(req.chat()))
         except APIError as e:  # told in the Responses API's words
             e.param = responses.CHAT_PARAMS.get(e.param or "", e.param)
             e.message = e.message.replace("max_tokens", "max_output_tokens")
