@@ -424,7 +424,8 @@ class Gateway:
                         logprobs=req.wants_logprobs, top_logprobs=req.top_count,
                         prompt_logprobs=req.scores_prompt,
                         presence_penalty=req.presence_penalty,
-                        frequency_penalty=req.frequency_penalty, logit_bias=req.bias_list)
+                        frequency_penalty=req.frequency_penalty, logit_bias=req.bias_list,
+                        grammar=req.grammar)
 
     # -- one request ---------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ the error envelope, ids, response and chunk envelopes, choices, usage, logprobs 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 import time
@@ -22,6 +23,7 @@ from pydantic import (
 )
 
 from shared.engine.request import MAX_TOP_LOGPROBS  # the engine's bound, OpenAI's
+from shared.engine.structured import json_grammar
 
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256  # longer stop strings cannot match a reply in any useful way
@@ -119,6 +121,49 @@ class RequestBody(JSONModel):
                 or key not in cls.model_fields or _takes_null(cls.model_fields[key].annotation)}
 
 
+class JSONSchemaFormat(JSONModel):
+    """response_format's json_schema: the schema the answer is held to. `strict`: a keyword
+    the decoding cannot hold the answer to is a 400 (not: it is ignored)."""
+
+    name: Text = Field(default="response", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(JSONModel):
+    """What the answer is held to: free text, any JSON object, or JSON valid against a
+    schema (decoded token by token within it: shared/engine/structured.py)."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format json_schema needs its json_schema "
+                             "({\"name\": ..., \"schema\": {...}})")
+        return self
+
+    @functools.cached_property
+    def grammar(self) -> str:
+        """The grammar the instances hold the answer to ("" for text); ValueError says why
+        the answer cannot be held to the schema."""
+        if self.type == "text":
+            return ""
+        spec = self.json_schema or JSONSchemaFormat()
+        return json_grammar(spec.schema_ if self.type == "json_schema" else None,
+                            bool(spec.strict))
+
+    def check(self, param: str) -> None:
+        """ParamError naming `param` if the answer cannot be held to this format."""
+        try:
+            self.grammar  # noqa: B018
+        except ValueError as e:
+            raise ParamError(param, f"the answer cannot be held to this {param}: {e}") \
+                from None
+
+
 class _Common(RequestBody):
     model: Text
     max_tokens: Int | None = Field(default=None, ge=1)
@@ -137,20 +182,18 @@ class _Common(RequestBody):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         default=None, max_length=MAX_LOGIT_BIAS)
 
-    # accepted where they ask for nothing this server cannot do (see _served)
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    # accepted where it asks for nothing this server cannot do (see _served)
     tool_choice: str | dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _served(self) -> _Common:
-        """What a client would be misled by if it were ignored: an answer held to JSON or a
-        schema, a tool call it requires (no decoding is held to a format). Tools offered
-        with the choice left to the model are served where its chat template offers them
-        (routes)."""
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise ParamError("response_format",
-                             f"response_format {kind!r} is not served: answers are free text")
+        """A schema the answer cannot be held to, and what a client would be misled by if
+        it were ignored: a tool call it requires (the model's calls are not held to a
+        format). Tools offered with the choice left to the model are served where its chat
+        template offers them (routes)."""
+        if self.response_format is not None:
+            self.response_format.check("response_format")
         if self.tool_choice not in (None, "auto", "none"):
             raise ParamError("tool_choice", "tool_choice that requires a tool call is not "
                              "served: the model's calls are not held to a format; send auto "
@@ -158,6 +201,10 @@ class _Common(RequestBody):
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options goes with stream: true")
         return self
+
+    @property
+    def grammar(self) -> str:
+        return "" if self.response_format is None else self.response_format.grammar
 
     @field_validator("logit_bias")
     @classmethod

@@ -5,10 +5,10 @@ answer's.
 
 Served: `input` as text or as messages (text parts), `instructions`, `max_output_tokens`,
 `temperature`, `top_p`, `stream`, `metadata`, logprobs (`include:
-["message.output_text.logprobs"]`, with `top_logprobs` of the likeliest). Refused with a 400
-that says so (UNSERVED): what needs state kept on the server (`previous_response_id`,
-`conversation`, a stored `prompt`, `background`; nothing is stored, and `store` reads back
-false), tools, and answers held to a format."""
+["message.output_text.logprobs"]`, with `top_logprobs` of the likeliest), `text.format` (JSON,
+or JSON valid against a schema: the chat's response_format). Refused with a 400 that says so
+(UNSERVED): what needs state kept on the server (`previous_response_id`, `conversation`, a
+stored `prompt`, `background`; nothing is stored, and `store` reads back false), and tools."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from services.gateway.openai_api import (
     JSONModel,
     ParamError,
     RequestBody,
+    ResponseFormat,
     Temperature,
     Text,
     TopP,
@@ -38,7 +39,7 @@ TEXT_PARTS = {"input_text", "output_text"}  # an input message's parts read as t
 LOGPROBS = "message.output_text.logprobs"  # what `include` asks logprobs with
 # the chat request's parameters an error may name -> the response's they came from
 CHAT_PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-               "messages": "input"}
+               "messages": "input", "response_format": "text.format"}
 
 
 class InputText(JSONModel):
@@ -60,7 +61,26 @@ class InputMessage(JSONModel):
 
 
 class TextFormat(JSONModel):
-    type: Text = "text"
+    """What the answer is held to: the chat's response_format, its json_schema's fields
+    beside the type."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: Text = Field(default="response", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    def chat(self) -> dict[str, Any]:
+        """The chat's response_format."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        schema = {key: value for key, value in self.shown().items() if key != "type"}
+        return {"type": "json_schema", "json_schema": schema}
+
+    def shown(self) -> dict[str, Any]:
+        """As the response shows it back."""
+        return self.model_dump(by_alias=True, exclude_none=True) \
+            if self.type == "json_schema" else {"type": self.type}
 
 
 class TextConfig(JSONModel):
@@ -115,6 +135,7 @@ class ResponsesRequest(RequestBody):
         for param, asks, why in UNSERVED:
             if asks(self):
                 raise ParamError(param, why)
+        ResponseFormat.model_validate(self.text.format.chat()).check("text.format")
         return self
 
     @property
@@ -140,6 +161,8 @@ class ResponsesRequest(RequestBody):
             body["stream_options"] = {"include_usage": True}
         if self.logprobs:
             body |= {"logprobs": True, "top_logprobs": self.top_logprobs or 0}
+        if self.text.format.type != "text":
+            body["response_format"] = self.text.format.chat()
         return body
 
 
@@ -160,8 +183,6 @@ UNSERVED: tuple[tuple[str, Callable[[ResponsesRequest], bool], str], ...] = (
      "tools are not served on /v1/responses; /v1/chat/completions offers them"),
     ("tool_choice", lambda r: r.tool_choice not in (None, "auto", "none"),
      "no tools are served on /v1/responses: send tool_choice auto or none"),
-    ("text", lambda r: r.text.format.type != "text",
-     "a text.format other than text is not served: answers are free text"),
 )
 
 
@@ -203,7 +224,7 @@ class Shape:
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
             "model": r.model, "output": output, "parallel_tool_calls": r.parallel_tool_calls,
             "previous_response_id": None, "store": False, "temperature": r.temperature,
-            "text": {"format": {"type": "text"}}, "tool_choice": r.tool_choice or "auto",
+            "text": {"format": r.text.format.shown()}, "tool_choice": r.tool_choice or "auto",
             "tools": [], "top_p": r.top_p, "top_logprobs": r.top_logprobs or 0,
             "truncation": "disabled",
             "usage": None if usage is None else self.usage(usage),

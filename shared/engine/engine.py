@@ -23,6 +23,7 @@ from shared.engine.parallel.kv_serving import KvPull
 from shared.engine.parallel.layout import KvSpan
 from shared.engine.request import Draw, Request, RequestStatus, SamplingParams, TopLogprobs
 from shared.engine.scheduler import Sampled, Scheduler, SchedulerOutput, StepShape
+from shared.engine.structured import Guides
 from shared.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,8 @@ class Engine:
         # parked requests the other ranks serve the KV of, and their blocks (None: they
         # serve none; `serve_kv`)
         self._parked_on_ranks: dict[str, list[int]] | None = None
+        self.guides = None if self.tokenizer is None else \
+            Guides(self.tokenizer, self.model_config.vocab_size)
 
     @property
     def model_config(self) -> ModelConfig:
@@ -383,7 +386,15 @@ class Engine:
 
     def _replace(self, request: Request) -> None:
         """Take `request` in, aborting an older one of the same id (a request that failed
-        over comes back to an engine that may still hold its earlier attempt)."""
+        over comes back to an engine that may still hold its earlier attempt); with a
+        grammar, give it its guide (RequestRejected if it has none here)."""
+        if request.params.grammar and request.guide is None:
+            if self.guides is None:
+                raise RequestRejected("an answer held to a format needs the model's tokenizer")
+            try:
+                request.guide = self.guides.guide(request.params.grammar)
+            except ValueError as e:
+                raise RequestRejected(str(e)) from e
         if self.scheduler.get(request.request_id) is not None:
             self.abort(request.request_id)
         self._track(request)

@@ -40,6 +40,7 @@ from shared.engine.parallel.pipeline import hidden_states, last_stage, run_stage
 from shared.engine.request import Draw, TopLogprobs
 from shared.engine.sampler import adjust, likeliest, sample, top_logprobs
 from shared.engine.scheduler import ScheduledChunk, SchedulerOutput
+from shared.engine.structured import constrain
 from shared.host import NATIVE_16BIT, computes_natively, cpu_flags
 
 log = logging.getLogger(__name__)
@@ -253,8 +254,11 @@ class ModelRunner:
             return {}
         logits = self.model.logits(launched.hidden[torch.tensor(rows, device=self.device)])
         params = [c.request.params for c in sampling]
-        logits = adjust(logits, params, [c.request.output_ids for c in sampling])
-        tokens, logprobs = sample(logits, params, [len(c.request.output_ids) for c in sampling])
+        outputs = [c.request.output_ids for c in sampling]
+        logits = adjust(logits, params, outputs)
+        # a grammar's tokens only are drawn; logprobs are the model's, as unguided
+        guided = constrain(logits, [c.request.guide for c in sampling], outputs)
+        tokens, logprobs = sample(guided, params, [len(ids) for ids in outputs], scored=logits)
         tops = top_logprobs(logits, params)
         return {c.request.request_id: Draw(t, lp, top)
                 for c, t, lp, top in zip(sampling, tokens, logprobs, tops, strict=True)}

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from shared.engine.structured import Guide
 
 
 class RequestStatus(enum.IntEnum):
@@ -58,6 +61,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # the grammar the answer is held to (structured.py: a JSON schema's), "" for none
+    grammar: str = ""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -107,6 +112,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     in_step: bool = False  # scheduled in a step not yet updated (a micro-batch under way)
+    guide: Guide | None = None  # with params.grammar: where the answer is in it (the engine's)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -103,8 +103,11 @@ def _draw(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           output_index: Sequence[int]) -> tuple[list[int], list[float | None]]:
-    """One token per row of `logits` ([B, vocab], float32), and its logprob when asked."""
+           output_index: Sequence[int], scored: torch.Tensor | None = None
+           ) -> tuple[list[int], list[float | None]]:
+    """One token per row of `logits` ([B, vocab], float32), and its logprob when asked: in
+    `scored` where given (the model's distribution, where `logits` has tokens a grammar
+    does not allow masked out), else in `logits`."""
     tokens = logits.argmax(-1)
     sampled = [row for row, p in enumerate(params) if not is_greedy(p)]
     if sampled:
@@ -116,7 +119,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     wanted = [row for row, p in enumerate(params) if p.logprobs]
     if wanted:
         rows = torch.tensor(wanted, device=logits.device)
-        lp = logits[rows].log_softmax(-1).gather(1, tokens[rows].unsqueeze(1)).squeeze(1)
+        lp = (logits if scored is None else scored)[rows].log_softmax(-1) \
+            .gather(1, tokens[rows].unsqueeze(1)).squeeze(1)
         for row, value in zip(wanted, lp.tolist(), strict=True):
             logprobs[row] = value
     return chosen, logprobs

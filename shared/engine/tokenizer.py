@@ -131,6 +131,10 @@ class TextTokenizer:
         return cls(tokenizer, chat_template=data.chat_template, bos_token=bos,
                    eos_token=data.tokens[data.eos_id], eos_ids=[data.eos_id, *data.stop_ids])
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizers` saves it (tokenizer.json's text)."""
+        return self._tokenizer.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """`add_special_tokens`: what the model's tokenizer adds around raw text (Llama 3's
         BOS), for a prompt given as text; a chat template writes its own."""

@@ -9,10 +9,11 @@ import asyncio
 import collections
 import json
 import time
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 from services.launcher import Stack
@@ -156,6 +157,55 @@ def test_the_responses_api_answers_as_the_chat_it_amounts_to(stack: Stack) -> No
         c.responses.create(model=MODEL, input="hi", max_output_tokens=10**6)
     assert refused.value.body["param"] == "max_output_tokens"  # type: ignore[index]
     assert "plus max_output_tokens (1000000)" in refused.value.body["message"]  # type: ignore[index]
+    wait_all_free(stack)
+
+
+class Person(pydantic.BaseModel):
+    name: str
+    age: int
+    city: Literal["Paris", "Rome", "Lima"]
+
+
+def test_answers_held_to_a_json_schema(stack: Stack) -> None:
+    """Structured output as the openai client asks for it (`parse` with a pydantic model: a
+    strict json_schema), through prefill and decode: the answer is JSON of the schema,
+    streamed or not, greedy and sampled; json_object gives an object; the Responses API's
+    text.format the same; a schema the answer cannot be held to is a 400 naming it."""
+    c = client(stack)
+    asked = [{"role": "user", "content": "Describe a person: name, age and city."}]
+    parsed = c.chat.completions.parse(model=MODEL, messages=asked,  # type: ignore[arg-type]
+                                      response_format=Person, temperature=0, max_tokens=100)
+    choice = parsed.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Person)
+    schema = {"type": "json_schema", "json_schema": {
+        "name": "person", "schema": Person.model_json_schema(), "strict": True}}
+    streamed = c.chat.completions.create(model=MODEL, messages=asked,  # type: ignore[arg-type]
+                                         response_format=schema,  # type: ignore[arg-type]
+                                         temperature=0, max_tokens=100, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+    assert text == choice.message.content
+    sampled = c.chat.completions.create(model=MODEL, messages=asked,  # type: ignore[arg-type]
+                                        response_format=schema,  # type: ignore[arg-type]
+                                        temperature=1.0, n=4, seed=3, max_tokens=100)
+    for each in sampled.choices:
+        assert each.finish_reason == "stop"
+        Person.model_validate_json(each.message.content or "")
+    anything = c.chat.completions.create(model=MODEL, messages=[{
+        "role": "user", "content": "Say hello."}], response_format={"type": "json_object"},
+        temperature=0, max_tokens=60)
+    assert isinstance(json.loads(anything.choices[0].message.content or ""), dict)
+
+    answer = c.responses.parse(model=MODEL, input=asked[0]["content"], text_format=Person,
+                               temperature=0, max_output_tokens=100)
+    assert answer.status == "completed" and isinstance(answer.output_parsed, Person)
+    assert answer.output_parsed == choice.message.parsed
+    assert answer.text is not None and answer.text.format.type == "json_schema"
+
+    bad = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "bar"}}}
+    with pytest.raises(openai.BadRequestError, match="Invalid type: bar") as refused:
+        c.chat.completions.create(model=MODEL, messages=asked,  # type: ignore[arg-type]
+                                  response_format=bad)  # type: ignore[arg-type]
+    assert refused.value.body["param"] == "response_format"  # type: ignore[index]
     wait_all_free(stack)
 
 

@@ -46,6 +46,20 @@ def test_the_input_becomes_a_chat_after_the_instructions() -> None:
                                      top_logprobs=3).chat()
 
 
+def test_a_text_format_is_the_chats_response_format_and_shown_back() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    asked = request(text={"format": {"type": "json_schema", "name": "thing", "schema": schema,
+                                     "strict": True}})
+    assert asked.chat()["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "thing", "schema": schema, "strict": True}}
+    shown = Shape(asked, "abc", created_at=5).answer(chat_answer('{"a": 1}', "stop"))
+    assert shown["text"] == {"format": {"type": "json_schema", "name": "thing",
+                                        "schema": schema, "strict": True}}
+    anything = request(text={"format": {"type": "json_object"}})
+    assert anything.chat()["response_format"] == {"type": "json_object"}
+    assert "response_format" not in request(text={"format": {"type": "text"}}).chat()
+
+
 @pytest.mark.parametrize(("fields", "says"), [
     ({"input": ""}, "the input is empty"),
     ({"input": []}, "the input is empty"),
@@ -63,8 +77,9 @@ def test_the_input_becomes_a_chat_after_the_instructions() -> None:
     ({"background": True}, "background responses are not served"),
     ({"tools": [{"type": "function", "name": "f"}]}, "/v1/chat/completions offers them"),
     ({"tool_choice": "required"}, "send tool_choice auto or none"),
-    ({"text": {"format": {"type": "json_schema", "name": "n", "schema": {}}}},
-     "a text.format other than text"),
+    ({"text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "bar"}}}},
+     "cannot be held to this text.format: Invalid type: bar"),
+    ({"text": {"format": {"type": "xml"}}}, "'text', 'json_object' or 'json_schema'"),
     ({"max_output_tokens": "5"}, "valid integer"),
     ({"top_logprobs": 21}, "less than or equal to 20"),
 ])

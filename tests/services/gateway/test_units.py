@@ -131,8 +131,22 @@ def test_a_message_that_cannot_be_read_is_refused_by_name(message: dict[str, obj
 
 
 @pytest.mark.parametrize(("extra", "refused"), [
-    ({"response_format": {"type": "json_object"}}, "'json_object' is not served"),
-    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "'json_schema'"),
+    ({"response_format": {"type": "xml"}}, "'text', 'json_object' or 'json_schema'"),
+    ({"response_format": {"type": "json_schema"}}, "needs its json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}},
+     "cannot be held to this response_format: Invalid type: foo"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "string", "pattern": "["}}}}, "unclosed character class"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "array", "minItems": 5, "maxItems": 2}}}}, "Unsatisfiable"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "integer", "maximum": 10 ** 30}}}}, "not JSON serializable"),
+    # strict: what the decoding cannot hold the answer to is refused, not ignored
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "strict": True, "schema": {"type": "object", "if": {"type": "object"}}}}},
+     'Unimplemented keys: \\["if"\\]'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}},
+     "should match pattern"),
     ({"tool_choice": "required"}, "requires a tool call"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "requires a tool"),
     ({"logit_bias": {"x": 1}}, "token ids"),
@@ -147,6 +161,9 @@ def test_what_would_mislead_if_ignored_is_refused(extra: dict[str, object],
         ChatRequest.model_validate({"model": "m", "messages": [
             {"role": "user", "content": "hi"}], **extra})
     for fine in ({"response_format": {"type": "text"}}, {"tool_choice": "auto"},
+                 {"response_format": {"type": "json_object"}},
+                 {"response_format": {"type": "json_schema", "json_schema": {
+                     "name": "n", "schema": {"type": "object", "if": {"type": "object"}}}}},
                  {"tool_choice": "none"},
                  {"tools": [{"type": "function", "function": {"name": "f"}}]}):
         ChatRequest.model_validate({"model": "m", "messages": [
@@ -515,8 +532,8 @@ def test_a_probe_of_a_path_or_method_not_served_is_not_a_rejected_request() -> N
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities", "audio output"),
     ("/v1/chat/completions", {"stream_options": {}}, "stream_options", "with stream: true"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format",
-     "not served"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "bar"}}}}, "response_format", "Invalid type: bar"),
     ("/v1/chat/completions", {"temperature": float("nan")}, "temperature", "finite number"),
     ("/v1/completions", {"prompt": "hi", "top_p": float("inf")}, "top_p", "finite number"),
     # JSON's types as they are, as OpenAI reads them: no number from a string, no count from
