@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from llguidance import LLMatcher, LLTokenizer
 
+from shared.engine.kernels import cpu_kernels
 from shared.engine.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
@@ -66,29 +67,26 @@ class Guide:
     """One request's grammar: its matcher, fed the request's output tokens up to those it
     has seen."""
 
-    def __init__(self, matcher: LLMatcher, ends: Sequence[int]) -> None:
+    def __init__(self, matcher: LLMatcher, ends: Sequence[int], vocab: int) -> None:
         self.matcher = matcher
-        self.ends = list(ends)  # the end-of-sequence ids, allowed once the grammar is done
         self.fed = 0
+        # the end-of-sequence ids alone: what follows a token outside the grammar
+        self.ends = np.zeros((vocab + 31) // 32, dtype=np.uint32)
+        for end in ends:
+            self.ends[end // 32] |= np.uint32(1 << (end % 32))
 
-    def allowed(self, output_ids: Sequence[int], vocab: int) -> np.ndarray:
-        """Which of `vocab` tokens may come after `output_ids` (a bool per token). A token
-        the grammar refused (none it allowed is) puts the matcher in error: from there only
-        an end of sequence is allowed."""
+    def allowed(self, output_ids: Sequence[int]) -> np.ndarray:
+        """The tokens that may come after `output_ids`: a bit each, token 32 w + j at bit j
+        of word w (uint32). A token the grammar refused (none drawn within it is) puts the
+        matcher in error: from there only an end of sequence is allowed."""
         new = list(output_ids[self.fed:])
         self.fed = len(output_ids)
         if new and not self.matcher.is_error() and not self.matcher.consume_tokens(new):
             log.warning("a token outside the grammar: %s", self.matcher.get_error())
         if self.matcher.is_error():
-            return self._ends(vocab)
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little", count=vocab).astype(bool)
-        return allowed if allowed.any() else self._ends(vocab)
-
-    def _ends(self, vocab: int) -> np.ndarray:
-        allowed = np.zeros(vocab, dtype=bool)
-        allowed[[e for e in self.ends if e < vocab]] = True
-        return allowed
+            return self.ends
+        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32)
+        return words if words.any() else self.ends
 
 
 class Guides:
@@ -109,22 +107,35 @@ class Guides:
         matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
-        return Guide(matcher, self.ends)
+        return Guide(matcher, self.ends, self.vocab)
 
 
 def constrain(logits: torch.Tensor, guides: Sequence[Guide | None],
               outputs: Sequence[Sequence[int]]) -> torch.Tensor:
     """`logits` ([rows, vocab]) with each guided row's tokens the grammar does not allow at
-    -inf (a copy; the same tensor where no row is guided)."""
+    -inf (a copy; the same tensor where no row is guided): on the CPU in one compiled call
+    (`mask_rows`), elsewhere in torch (`mask_rows`)."""
     rows = [row for row, guide in enumerate(guides) if guide is not None]
     if not rows:
         return logits
-    vocab = logits.shape[-1]
-    allowed = np.stack([guides[row].allowed(outputs[row], vocab)  # type: ignore[union-attr]
-                        for row in rows])
-    at = torch.tensor(rows, device=logits.device)
+    bits = torch.from_numpy(np.stack([guides[row].allowed(outputs[row])  # type: ignore[union-attr]
+                                      for row in rows]).view(np.int32))
     masked = logits.clone()
-    masked[at] = masked[at].masked_fill(~torch.from_numpy(allowed).to(logits.device),
-                                        float("-inf"))
+    kernels = cpu_kernels() if logits.device.type == "cpu" and \
+        logits.dtype == torch.float32 else None
+    (kernels.mask_rows if kernels is not None else mask_rows)(masked, torch.tensor(rows), bits)
     return masked
+
+
+def mask_rows(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor) -> None:
+    """kernels/sampling.cpp's `mask_rows` in torch: `rows` of `logits` (in place) at -inf
+    where `bits` ([rows, words] int32, token 32 w + j at bit j of word w) does not allow
+    them, and past the words' tokens."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    at = rows.to(logits.device)
+    logits[at] = logits[at].masked_fill(~allowed.to(logits.device), float("-inf"))
 

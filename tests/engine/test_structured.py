@@ -12,9 +12,16 @@ import torch
 
 from shared.engine.config import EngineConfig, Role
 from shared.engine.engine import Engine, RequestRejected
+from shared.engine.kernels import cpu_kernels
 from shared.engine.loader import LoadedModel
 from shared.engine.request import Request, SamplingParams
-from shared.engine.structured import MAX_GRAMMAR_BYTES, Guides, constrain, json_grammar
+from shared.engine.structured import (
+    MAX_GRAMMAR_BYTES,
+    Guides,
+    constrain,
+    json_grammar,
+    mask_rows,
+)
 from shared.engine.tokenizer import TextTokenizer
 from tests.engine.conftest import prefill_then_decode
 
@@ -143,6 +150,29 @@ def test_a_schema_json_cannot_hold_or_too_large_is_refused() -> None:
     assert json_grammar({"type": "object", "if": {}})  # not strict: ignored
     with pytest.raises(ValueError, match="Unimplemented"):
         json_grammar({"type": "object", "if": {}}, strict=True)
+
+
+@pytest.mark.parametrize("vocab", [96, 100, 130])  # the words' tokens, fewer, more
+def test_the_compiled_mask_is_the_torch_one(vocab: int) -> None:
+    kernels = cpu_kernels()
+    assert kernels is not None
+    g = torch.Generator().manual_seed(vocab)
+    bits = torch.randint(-2**31, 2**31, (3, 3), dtype=torch.int64, generator=g).to(torch.int32)
+    bits[0, 0], bits[1, 1] = -1, 0  # a word of every token, one of none
+    logits = torch.randn(5, vocab, generator=g)
+    rows = torch.tensor([4, 0, 2])
+    ours, theirs = logits.clone(), logits.clone()
+    kernels.mask_rows(ours, rows, bits)
+    mask_rows(theirs, rows, bits)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours[[1, 3]], logits[[1, 3]])  # rows not named: untouched
+    assert torch.equal(ours[4, :32], logits[4, :32])  # all allowed
+    assert bool((ours[0, 32:64] == float("-inf")).all())  # none allowed
+    kept = ours[2, :min(vocab, 96)] > float("-inf")
+    expected = [(int(bits[2, t // 32]) >> (t % 32)) & 1 == 1 for t in range(min(vocab, 96))]
+    assert kept.tolist() == expected
+    if vocab > 96:  # past the words' tokens: none allowed
+        assert bool((ours[:, 96:][[0, 2, 4]] == float("-inf")).all())
 
 
 def test_rows_without_a_guide_are_left_alone(loaded: LoadedModel,

@@ -41,7 +41,7 @@ OWN_HEADER = '#include "vec.h"'
 BINDING_HEADERS = "#include <torch/csrc/utils/pybind.h>\n#include <torch/csrc/Exceptions.h>"
 
 FUNCTIONS = ["paged_decode_attention", "quantized_matmul", "float_matmul", "panel_width",
-             "rms_norm", "silu_mul", "rope", "decode_layers", "sample_rows"]
+             "rms_norm", "silu_mul", "rope", "decode_layers", "sample_rows", "mask_rows"]
 __all__ = ["build_name", "cpu_flags", "cpu_kernels"]
 
 
@@ -97,7 +97,8 @@ def build_name(machine: str, march: str, flags: Iterable[str]) -> str:
 def cpu_kernels() -> ModuleType | None:
     """The compiled module (`paged_decode_attention`, `quantized_matmul`, `float_matmul` and
     its `panel_width`, a layer's `rms_norm`, `silu_mul` and `rope`, a decode step's
-    `decode_layers`, drawing tokens with `sample_rows`), or None if it cannot be built."""
+    `decode_layers`, drawing tokens with `sample_rows` within a grammar's `mask_rows`), or
+    None if it cannot be built."""
     march = os.environ.get("DS_KERNEL_MARCH", "native")
     name = build_name(platform.machine(), march, cpu_flags())
     try:

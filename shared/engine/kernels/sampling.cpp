@@ -199,3 +199,43 @@ at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temperatur
   });
   return out;
 }
+
+// logits [B, V] float32 (rows may be strided), written in place; rows [n] int64; bits [n, W]
+// int32: row r's allowed tokens, bit j of word w token 32 w + j (llguidance's and xgrammar's
+// layout). Sets each row's disallowed tokens, and those past 32 W, to -inf. A word of all
+// ones (a string's content: most tokens allowed) is skipped in one test, and a word of none
+// is 32 stores: a step's masks cost about a pass over the rows' logits, not a boolean
+// tensor's several.
+void mask_rows(at::Tensor logits, at::Tensor rows, at::Tensor bits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
+                  logits.dim() == 2 && logits.stride(1) == 1,
+              "logits: float32 [B, V] on the CPU, each row contiguous");
+  const int64_t n = rows.numel(), V = logits.size(1);
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous(), "rows: int64");
+  TORCH_CHECK(bits.scalar_type() == at::kInt && bits.dim() == 2 && bits.size(0) == n &&
+                  bits.is_contiguous(), "bits: int32 [n, W]");
+  const int64_t W = bits.size(1);
+  const int64_t* row = rows.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(row[r] >= 0 && row[r] < logits.size(0), "row ", row[r], " outside the logits");
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(bits.data_ptr<int32_t>());
+  float* base = logits.data_ptr<float>();
+  const int64_t stride = logits.stride(0);
+  pybind11::gil_scoped_release no_gil;
+  at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* x = base + row[r] * stride;
+      const uint32_t* word = words + r * W;
+      const int64_t covered = std::min(V, 32 * W);
+      for (int64_t w = 0; 32 * w < covered; ++w) {
+        const uint32_t allowed = word[w];
+        if (allowed == 0xFFFFFFFFu) continue;
+        const int64_t last = std::min<int64_t>(32, covered - 32 * w);
+        float* at_w = x + 32 * w;
+        for (int64_t j = 0; j < last; ++j)
+          if (!((allowed >> j) & 1u)) at_w[j] = -INFINITY;
+      }
+      for (int64_t v = covered; v < V; ++v) x[v] = -INFINITY;
+    }
+  });
+}
