@@ -1,6 +1,6 @@
 """What holding answers to a JSON schema costs a decode step: the same batch of requests run
 with and without a grammar, interleaved in one engine, side by side (ms a step, and the
-grammar's own share: the masks, ms a row a step).
+grammar's own share: `constrain`, the matchers fed, their masks computed and applied).
 
     .venv/bin/python benchmarks/structured.py [--batch 1 8 32] [--tokens 48] [--threads 2]
 """
@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from shared.engine import structured
+from shared.engine import model_runner, structured
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.request import SamplingParams
@@ -31,27 +32,27 @@ SCHEMA = {"type": "object", "additionalProperties": False,
 
 
 class MaskClock:
-    """Time spent in Guide.allowed (the matcher fed and its mask computed), and its calls."""
+    """Time the steps spend in `constrain`, and its calls."""
 
     def __init__(self) -> None:
         self.seconds, self.calls = 0.0, 0
-        self.inner = structured.Guide.allowed
+        self.inner = model_runner.constrain
 
     def __enter__(self) -> MaskClock:
         clock = self
 
-        def allowed(guide: structured.Guide, output_ids: list[int]) -> object:
+        def constrain(*args: Any) -> torch.Tensor:
             start = time.perf_counter()
             try:
-                return clock.inner(guide, output_ids)
+                return clock.inner(*args)
             finally:
                 clock.seconds += time.perf_counter() - start
                 clock.calls += 1
-        structured.Guide.allowed = allowed  # type: ignore[assignment,method-assign]
+        model_runner.constrain = constrain  # type: ignore[assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        structured.Guide.allowed = self.inner  # type: ignore[method-assign]
+        model_runner.constrain = self.inner
 
 
 def decode_ms(engine: Engine, prompt: list[int], batch: int, params: SamplingParams
@@ -85,7 +86,7 @@ def main() -> None:
     held = SamplingParams(max_tokens=args.tokens, ignore_eos=True, grammar=grammar)
     decode_ms(engine, prompt, 1, held)  # warm-up: the tokenizer llguidance reads, built once
     table = Table(title=f"decode step, {args.tokens} tokens a request, {args.threads} threads")
-    for column in ("batch", "free ms/step", "schema ms/step", "ratio", "mask ms/row"):
+    for column in ("batch", "free ms/step", "schema ms/step", "ratio", "masks ms/step"):
         table.add_column(column, justify="right")
     for batch in args.batch:
         free_ms, held_ms, mask_ms = [], [], []
@@ -95,7 +96,7 @@ def main() -> None:
                 held_ms.append(decode_ms(engine, prompt, batch, held)[0])
             mask_ms.append(clock.seconds * 1e3 / max(1, clock.calls))
         f, h, m = min(free_ms), min(held_ms), min(mask_ms)
-        table.add_row(str(batch), f"{f:.1f}", f"{h:.1f}", f"{h / f:.2f}x", f"{m:.3f}")
+        table.add_row(str(batch), f"{f:.1f}", f"{h:.1f}", f"{h / f:.2f}x", f"{m:.2f}")
     Console().print(table)
 
 

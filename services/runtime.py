@@ -339,7 +339,8 @@ class Worker:
                                            req.attempt)
         except (RequestRejected, ValueError) as e:
             await self.send(TokenChunk(request_id=req.request_id, error=str(e), source=self.id,
-                                       seq=len(req.output_ids), attempt=req.attempt))
+                                       seq=len(req.output_ids), attempt=req.attempt,
+                                       refused=True))
             return None
         if self.cancelled.covers(req.request_id, req.attempt):  # read while taken in
             # this copy only: a newer attempt taken in since (after the cancel) stays
@@ -414,7 +415,8 @@ class Worker:
                                    logprobs=out.logprobs,
                                    top_logprobs=[list(top) for top in out.top_logprobs],
                                    finish_reason=out.finish_reason,
-                                   error=out.error, source=self.id, **parts[-1]))
+                                   error=out.error, refused=out.refused, source=self.id,
+                                   **parts[-1]))
 
     async def send(self, chunk: TokenChunk) -> None:
         """Publish a chunk; a failure (NATS down, its buffer full) is logged, never raised:

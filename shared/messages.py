@@ -166,6 +166,9 @@ class TokenChunk(BaseModel):
     prompt_top_logprobs: list[list[tuple[int, float]]] = Field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length", "abort"
     error: str | None = None
+    # with `error`: the request asked what cannot be served (it can never fit here, its
+    # format outgrew the limits): the client's 400, not a server's failure
+    refused: bool = False
     source: str = ""  # the instance that sent it
 
 

@@ -38,6 +38,7 @@ from shared.aio import cancel_within
 from shared.bus import connect, deliver, parse, publish
 from shared.engine.config import served_name
 from shared.engine.meta import read_meta
+from shared.engine.structured import Guides
 from shared.messages import Cancel, PrefillRequest, Resume, ResumeReply, Sampling, TokenChunk
 from shared.state import (
     InstanceInfo,
@@ -166,6 +167,7 @@ class Gateway:
         # gateway restarted under a fixed id is another one, which cancels nothing it sent
         self.lease = f"{self.id}.{uuid.uuid4().hex[:6]}" if settings.gateway_id else self.id
         config, self.tokenizer = read_meta(settings.model)
+        self.guides = Guides(self.tokenizer, config.vocab_size)  # checks answers' formats
         self.served_model = settings.served_model  # once: it looks at the file system
         self.max_context = config.max_context
         self.metrics = Metrics()
@@ -400,8 +402,26 @@ class Gateway:
         ticket.booking = self.ledger.book(found[0].worker, found[0].decode)
         return found[0]
 
+    async def grammar(self, req: CompletionRequest | ChatRequest) -> str:
+        """The grammar the request's answer is held to ("" for none), built and checked off
+        the event loop (a schema's compile takes up to a few hundred ms): an answer can
+        begin within it under the engines' limits, else a 400 naming the parameter."""
+        param = req.format_param
+        if param is None:
+            return ""
+
+        def checked() -> str:
+            grammar = req.grammar()
+            self.guides.check(grammar)
+            return grammar
+        try:
+            return await asyncio.to_thread(checked)
+        except ValueError as e:
+            raise APIError(400, f"the answer cannot be held to this {param}: {e}",
+                           param) from None
+
     def sampling(self, target: Target, prompt_len: int,
-                 req: CompletionRequest | ChatRequest) -> Sampling:
+                 req: CompletionRequest | ChatRequest, grammar: str = "") -> Sampling:
         """The request's sampling, with max_tokens filled to what fits when omitted; a
         request that can never fit gets 400 naming the limit."""
         limit, max_tokens = target.max_request_tokens, req.token_limit
@@ -425,7 +445,7 @@ class Gateway:
                         prompt_logprobs=req.scores_prompt,
                         presence_penalty=req.presence_penalty,
                         frequency_penalty=req.frequency_penalty, logit_bias=req.bias_list,
-                        grammar=req.grammar)
+                        grammar=grammar)
 
     # -- one request ---------------------------------------------------------------------
 

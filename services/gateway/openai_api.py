@@ -4,7 +4,6 @@ the error envelope, ids, response and chunk envelopes, choices, usage, logprobs 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import re
 import time
@@ -23,7 +22,12 @@ from pydantic import (
 )
 
 from shared.engine.request import MAX_TOP_LOGPROBS  # the engine's bound, OpenAI's
-from shared.engine.structured import json_grammar
+from shared.engine.structured import (
+    choice_grammar,
+    json_grammar,
+    regex_grammar,
+    text_grammar,
+)
 
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256  # longer stop strings cannot match a reply in any useful way
@@ -131,9 +135,18 @@ class JSONSchemaFormat(JSONModel):
     strict: bool | None = None
 
 
-class ResponseFormat(JSONModel):
-    """What the answer is held to: free text, any JSON object, or JSON valid against a
-    schema (decoded token by token within it: shared/engine/structured.py)."""
+class Format(JSONModel):
+    """What an answer is held to: a grammar the instances decode within, token by token
+    (shared/engine/structured.py). Built and checked off the event loop (Gateway.grammar):
+    a schema's compile can take a while."""
+
+    def build(self) -> str:
+        """The grammar ("" for none); ValueError says why the answer cannot be held to it."""
+        raise NotImplementedError
+
+
+class ResponseFormat(Format):
+    """OpenAI's: free text, any JSON object, or JSON valid against a schema."""
 
     type: Literal["text", "json_object", "json_schema"] = "text"
     json_schema: JSONSchemaFormat | None = None
@@ -145,23 +158,45 @@ class ResponseFormat(JSONModel):
                              "({\"name\": ..., \"schema\": {...}})")
         return self
 
-    @functools.cached_property
-    def grammar(self) -> str:
-        """The grammar the instances hold the answer to ("" for text); ValueError says why
-        the answer cannot be held to the schema."""
+    def build(self) -> str:
         if self.type == "text":
             return ""
         spec = self.json_schema or JSONSchemaFormat()
         return json_grammar(spec.schema_ if self.type == "json_schema" else None,
                             bool(spec.strict))
 
-    def check(self, param: str) -> None:
-        """ParamError naming `param` if the answer cannot be held to this format."""
-        try:
-            self.grammar  # noqa: B018
-        except ValueError as e:
-            raise ParamError(param, f"the answer cannot be held to this {param}: {e}") \
-                from None
+
+class StructuredOutputs(Format):
+    """vLLM's `structured_outputs` (and its `guided_*` parameters before 0.12): one of JSON
+    valid against a schema (`json`: the schema or its text), the whole text matching a
+    `regex`, exactly one of the strings in `choice`, a context-free `grammar` (Lark's
+    syntax or llama.cpp's GBNF), or any JSON object (`json_object`: true)."""
+
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        given = [value for value in (self.json_, self.regex, self.choice, self.grammar,
+                                     self.json_object or None) if value is not None]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes one of json, regex, choice, grammar "
+                             f"or json_object: true ({len(given)} given)")
+        return self
+
+    def build(self) -> str:
+        if self.json_ is not None:
+            return json_grammar(self.json_)
+        if self.regex is not None:
+            return regex_grammar(self.regex)
+        if self.choice is not None:
+            return choice_grammar(self.choice)
+        if self.grammar is not None:
+            return text_grammar(self.grammar)
+        return json_grammar(None)
 
 
 class _Common(RequestBody):
@@ -183,17 +218,28 @@ class _Common(RequestBody):
         default=None, max_length=MAX_LOGIT_BIAS)
 
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # extension (vLLM's)
+    # vLLM's before 0.12: read as structured_outputs' json, regex, choice and grammar
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
     # accepted where it asks for nothing this server cannot do (see _served)
     tool_choice: str | dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _served(self) -> _Common:
-        """A schema the answer cannot be held to, and what a client would be misled by if
-        it were ignored: a tool call it requires (the model's calls are not held to a
+        """A format the answer cannot be held to (or two), and what a client would be misled
+        by if it were ignored: a tool call it requires (the model's calls are not held to a
         format). Tools offered with the choice left to the model are served where its chat
         template offers them (routes)."""
-        if self.response_format is not None:
-            self.response_format.check("response_format")
+        formats = self._formats()
+        if len(formats) > 1:
+            raise ParamError(formats[1][0], f"{formats[0][0]} and {formats[1][0]} each hold "
+                                            "the answer to a format: send one")
+        if formats and self.ignore_eos:
+            raise ParamError("ignore_eos", f"ignore_eos would run the answer past the end of "
+                                           f"its format ({formats[0][0]}): send one of them")
         if self.tool_choice not in (None, "auto", "none"):
             raise ParamError("tool_choice", "tool_choice that requires a tool call is not "
                              "served: the model's calls are not held to a format; send auto "
@@ -202,9 +248,30 @@ class _Common(RequestBody):
             raise ParamError("stream_options", "stream_options goes with stream: true")
         return self
 
+    def _formats(self) -> list[tuple[str, Format]]:
+        """The formats asked for, each with the parameter that asks it."""
+        formats: list[tuple[str, Format]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            formats.append(("response_format", self.response_format))
+        if self.structured_outputs is not None:
+            formats.append(("structured_outputs", self.structured_outputs))
+        for kind in ("json", "regex", "choice", "grammar"):
+            if (value := getattr(self, f"guided_{kind}")) is not None:
+                formats.append((f"guided_{kind}", StructuredOutputs.model_validate(
+                    {kind: value})))
+        return formats
+
     @property
+    def format_param(self) -> str | None:
+        """The parameter that holds the answer to a format, if one does."""
+        formats = self._formats()
+        return formats[0][0] if formats else None
+
     def grammar(self) -> str:
-        return "" if self.response_format is None else self.response_format.grammar
+        """The grammar the answer is held to ("" for none); ValueError says why it cannot
+        be held to it (built here, not checked: Gateway.grammar)."""
+        formats = self._formats()
+        return formats[0][1].build() if formats else ""
 
     @field_validator("logit_bias")
     @classmethod
@@ -449,6 +516,10 @@ class ChatRequest(_Common):
             raise ParamError("functions" if self.functions else "function_call",
                              "functions and function_call (deprecated by OpenAI) are not "
                              "served: send tools and tool_choice")
+        if self.offered_tools and self.format_param is not None:
+            raise ParamError(self.format_param, f"tools and {self.format_param} at once are not "
+                             "served: an answer held to a format cannot call a tool (send "
+                             "tool_choice: none to leave the tools out)")
         if self.audio is not None or set(self.modalities or ()) - {"text"}:
             raise ParamError("audio" if self.audio is not None else "modalities",
                              "audio output is not served: answers are text (modalities: "

@@ -27,7 +27,6 @@ from services.gateway.openai_api import (
     JSONModel,
     ParamError,
     RequestBody,
-    ResponseFormat,
     Temperature,
     Text,
     TopP,
@@ -135,7 +134,6 @@ class ResponsesRequest(RequestBody):
         for param, asks, why in UNSERVED:
             if asks(self):
                 raise ParamError(param, why)
-        ResponseFormat.model_validate(self.text.format.chat()).check("text.format")
         return self
 
     @property
@@ -286,8 +284,10 @@ async def events(shape: Shape, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIt
     finish, usage = None, None
     async with contextlib.aclosing(chunks):  # type: ignore[type-var]
         async for chunk in chunks:
-            if "error" in chunk:
-                error = {"code": "server_error", "message": chunk["error"]["message"]}
+            if "error" in chunk:  # the request's own doing, or the server's
+                error = {"code": "invalid_prompt" if chunk["error"]["type"] ==
+                         "invalid_request_error" else "server_error",
+                         "message": chunk["error"]["message"]}
                 yield event("response.failed", response=shape.response("failed", [],
                                                                        error=error))
                 return

@@ -231,8 +231,12 @@ def choice_seeds(seed: int, n: int) -> list[int]:
     return [seed + i for i in range(n)]
 
 
-def failed(chunk_error: str) -> APIError:
-    return APIError(500, f"the request failed: {chunk_error}", kind="server_error")
+def failed(chunk: TokenChunk) -> APIError:
+    """A chunk's error as the client gets it: a 400 where the request asked what cannot be
+    served, a 500 where the server failed it."""
+    if chunk.refused:
+        return APIError(400, f"the request cannot be served: {chunk.error}")
+    return APIError(500, f"the request failed: {chunk.error}", kind="server_error")
 
 
 async def collect(call: Call) -> dict[str, Any]:
@@ -241,7 +245,7 @@ async def collect(call: Call) -> dict[str, Any]:
         async with contextlib.aclosing(call.chunks()) as chunks:  # type: ignore[type-var]
             async for chunk in chunks:
                 if chunk.error:
-                    raise failed(chunk.error)
+                    raise failed(chunk)
                 whole.text += chunk.text
                 whole.token_ids += chunk.token_ids
                 whole.logprobs += chunk.logprobs
@@ -377,7 +381,7 @@ async def chunk_events(reply: Reply) -> AsyncIterator[dict[str, Any]]:
             async for call, chunk in chunks:
                 call.take(chunk)
                 if chunk.error:
-                    yield error_chunk(chunk.error)
+                    yield failed(chunk).body()
                     return
                 if chunk.text or chunk.finish_reason or (chunk.token_ids and (
                         call.sampling.logprobs or call.pending())):
@@ -518,6 +522,7 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
                 echoes = [p if isinstance(p, str) else
                           tokenizer.decode(ids, skip_special_tokens=False)
                           for p, ids in zip(prompts, each, strict=True)]
+            grammar = await gateway.grammar(req)
             request_ids = choice_ids(uuid.uuid4().hex, len(tickets))
             chat = isinstance(req, ChatRequest)
             # the format each choice's calls are read in (tools offered), and how many
@@ -528,7 +533,7 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
             for index, ticket in enumerate(tickets):  # each dispatched apart: they spread
                 ids, echo = each[index // req.n], echoes[index // req.n]
                 target = gateway.dispatch(ticket)
-                sampling = gateway.sampling(target, len(ids), req)
+                sampling = gateway.sampling(target, len(ids), req, grammar)
                 seeds = seeds or choice_seeds(sampling.seed, req.n)  # each prompt's the same
                 sampling.seed = seeds[index % req.n]
                 calls.append(Call(gateway, chat, target, ticket.booking, ids, sampling,
@@ -557,7 +562,8 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
             reply, tickets = await begin(ChatRequest.model_validate(req.chat()))
         except APIError as e:  # told in the Responses API's words
             e.param = responses.CHAT_PARAMS.get(e.param or "", e.param)
-            e.message = e.message.replace("max_tokens", "max_output_tokens")
+            e.message = e.message.replace("max_tokens", "max_output_tokens").replace(
+                "response_format", "text.format")
             raise
         shape = Shape(req, reply.calls[0].request_id, int(time.time()))
         if req.stream:

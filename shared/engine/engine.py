@@ -47,6 +47,7 @@ class RequestOutput:
     index: int = 0  # output index of the first new token (without tokens: outputs so far)
     arrival: int = -1  # the request's admission number here: which copy of a request id
     tag: int = 0  # the copy's `Request.tag` (a worker's attempt: what the output belongs to)
+    refused: bool = False  # with `error`: the request's own doing (its format), not the engine's
 
     @property
     def finished(self) -> bool:
@@ -367,6 +368,7 @@ class Engine:
         but the newest) arrive in `buffer` (or were already written into `block_ids` by the
         transfer). Tokens beyond `computed` are replayed in the next step, as a prefill
         chunk on top of the imported K/V."""
+        self._guide(request)  # what fails here fails before the KV is copied
         if buffer is not None:
             self.runner.import_kv(block_ids, buffer)
         request.block_table = block_ids
@@ -386,18 +388,23 @@ class Engine:
 
     def _replace(self, request: Request) -> None:
         """Take `request` in, aborting an older one of the same id (a request that failed
-        over comes back to an engine that may still hold its earlier attempt); with a
-        grammar, give it its guide (RequestRejected if it has none here)."""
-        if request.params.grammar and request.guide is None:
-            if self.guides is None:
-                raise RequestRejected("an answer held to a format needs the model's tokenizer")
-            try:
-                request.guide = self.guides.guide(request.params.grammar)
-            except ValueError as e:
-                raise RequestRejected(str(e)) from e
+        over comes back to an engine that may still hold its earlier attempt)."""
+        self._guide(request)
         if self.scheduler.get(request.request_id) is not None:
             self.abort(request.request_id)
         self._track(request)
+
+    def _guide(self, request: Request) -> None:
+        """With a grammar, give the request its guide (RequestRejected if it cannot have one
+        here)."""
+        if not request.params.grammar or request.guide is not None:
+            return
+        if self.guides is None:
+            raise RequestRejected("an answer held to a format needs the model's tokenizer")
+        try:
+            request.guide = self.guides.guide(request.params.grammar)
+        except ValueError as e:
+            raise RequestRejected(f"the answer cannot be held to its format: {e}") from e
 
     def _track(self, request: Request) -> None:
         if self.tokenizer is not None:
@@ -423,9 +430,11 @@ class Engine:
             self._text.pop(request.request_id, None)
         logprobs = request.output_logprobs[-1:] if request.params.logprobs else []
         first = len(request.output_ids) == 1  # the prompt's scores go with the first token
+        # a grammar that outgrew its limits ended the answer: the request fails, saying why
+        failure = None if request.guide is None else request.guide.failure
         return RequestOutput(request.request_id, request.output_ids[-1:], text,
                              request.finish_reason, request.status is RequestStatus.PARKED,
                              logprobs, request.output_top[-1:],
-                             request.prompt_scores if first else [],
+                             request.prompt_scores if first else [], error=failure,
                              index=len(request.output_ids) - 1, arrival=request.arrival,
-                             tag=request.tag)
+                             tag=request.tag, refused=failure is not None)

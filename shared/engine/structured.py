@@ -1,28 +1,31 @@
-"""Structured output: an answer held to a JSON schema (OpenAI's `response_format`), token by
-token, with llguidance's matcher.
+"""Structured output: an answer held to a format (a JSON schema, OpenAI's `response_format`;
+a regex, a choice or a grammar, vLLM's `structured_outputs`), token by token, with
+llguidance's matcher.
 
-The gateway turns a response format into a grammar (`json_grammar`, checked by
-`grammar_error` before any instance sees it) and sends it with the request's sampling; an
-engine gives each request that has one a `Guide` when it takes the request in, and masks the
+The gateway turns a format into a grammar (`json_grammar`, `regex_grammar`,
+`choice_grammar`, `text_grammar`), checks that an answer can begin within it under LIMITS
+(`Guides.check`, off its event loop) and sends it with the request's sampling; an engine
+gives each request that has one a `Guide` when it takes the request in, and masks the
 tokens the grammar does not allow at every token it samples (`constrain`). A guide feeds
 itself the request's output tokens as they come, whoever sampled them: the first token on a
 prefill instance, the rest on a decode instance, the tokens a failed-over request streamed
 before elsewhere. So the grammar travels as text and no matcher state crosses a process.
 
 Once the grammar is complete only an end-of-sequence token is allowed, so the answer stops
-there ("stop"), or at max_tokens before ("length", the JSON unfinished, as OpenAI's).
+there ("stop"), or at max_tokens before ("length", unfinished, as OpenAI's).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer, grammar_from
 
 from shared.engine.kernels import cpu_kernels
 from shared.engine.tokenizer import TextTokenizer
@@ -41,89 +44,183 @@ LAYOUT: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ",
 # a grammar travels in the request's messages (NATS takes 1 MB a message): OpenAI's own
 # bounds on a schema (100 properties, 15,000 characters of names and values) fit in far less
 MAX_GRAMMAR_BYTES = 64 << 10
+# What one request's grammar may cost, at most, on the engine's thread (llguidance's
+# defaults let a 40-byte pattern, a{700}{700}, take a second a mask and 0.16 s every token
+# after): its compile (symbols, lexer states) and each mask (lexer fuel ~14k/ms, Earley
+# items ~20k/ms: ~4 ms). The first mask gets more: it builds the lexer's first states. A
+# grammar past them is refused at the gateway, which compiles it and computes its first
+# mask under the same limits; one that outgrows them later fails its request (`Guide`).
+LIMITS = LLParserLimits(max_grammar_size=50_000, max_lexer_states=50_000,
+                        initial_lexer_fuel=200_000, step_lexer_fuel=50_000,
+                        step_max_items=20_000, verbose_errors=False)
 
 
-def json_grammar(schema: dict[str, Any] | None, strict: bool = False) -> str:
-    """The grammar of JSON text valid against `schema` (None: any JSON object, OpenAI's
-    json_object). Not `strict`: keywords llguidance does not implement are ignored (the
-    answer is still JSON); `strict`: they are errors. ValueError says what is wrong (an
-    unknown type, a bad pattern, a number JSON cannot hold, too large a schema)."""
+def json_grammar(schema: dict[str, Any] | str | None, strict: bool = False) -> str:
+    """The grammar of JSON text valid against `schema` (its text, or None: any JSON object,
+    OpenAI's json_object). Not `strict`: keywords llguidance does not implement are ignored
+    (the answer is still JSON); `strict`: they are errors (`Guides.check`), whatever the
+    schema's own `x-guidance` says. ValueError: it is no JSON object, or too large."""
+    text = schema if isinstance(schema, str) else json.dumps(
+        {"type": "object"} if schema is None else schema)
+    return _built(lambda: LLMatcher.grammar_from_json_schema(
+        _bounded(text, "schema"), defaults=LAYOUT, overrides={"lenient": not strict}),
+        "schema")
+
+
+def regex_grammar(regex: str) -> str:
+    """The grammar of text the whole of which `regex` matches (Rust's regex syntax)."""
+    return _built(lambda: LLMatcher.grammar_from_regex(_bounded(regex, "regex")), "regex")
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """The grammar of exactly one of `choices`."""
+    if not choices or any(not choice for choice in choices):
+        raise ValueError("choice takes one or more non-empty strings")
+    lark = "start: " + " | ".join(json.dumps(choice) for choice in choices)
+    return _built(lambda: LLMatcher.grammar_from_lark(_bounded(lark, "choice")), "choice")
+
+
+def text_grammar(grammar: str) -> str:
+    """A context-free grammar given as text: Lark's syntax (llguidance's) or llama.cpp's
+    GBNF (converted)."""
+    return _built(lambda: grammar_from("grammar", _bounded(grammar, "grammar")), "grammar")
+
+
+def _bounded(text: str, what: str) -> str:
+    if len(text.encode()) > MAX_GRAMMAR_BYTES:
+        raise ValueError(f"the {what} is too large ({len(text.encode())} bytes; at most "
+                         f"{MAX_GRAMMAR_BYTES})")
+    return text
+
+
+def _built(build: Callable[[], str], what: str) -> str:
+    """The grammar `build` makes, bounded; ValueError says what is wrong with its input."""
     try:
-        grammar = LLMatcher.grammar_from_json_schema(
-            {"type": "object"} if schema is None else schema,
-            defaults=LAYOUT | {"lenient": not strict})
-        error = LLMatcher.validate_grammar(grammar)
-    except (ValueError, TypeError) as e:
-        raise ValueError(str(e)) from None
-    if error:
-        raise ValueError(error)
-    if len(grammar) > MAX_GRAMMAR_BYTES:
-        raise ValueError(f"the schema is too large ({len(grammar)} bytes as a grammar; at "
-                         f"most {MAX_GRAMMAR_BYTES})")
-    return grammar
+        grammar = build()
+    except ValueError:
+        raise
+    except Exception as e:  # the converters' own: a parse error, a recursion
+        raise ValueError(f"{type(e).__name__}: {e}") from None
+    return _bounded(grammar, f"{what} as a grammar")
+
+
+def _reason(error: str) -> str:
+    """llguidance's error in a line (of at most 400 characters)."""
+    if error.startswith("NoExtension"):
+        return "no text satisfies it"
+    lines = [line.strip() for line in error.splitlines()
+             if line.strip() and line.strip() != "<non-verbose/>"]
+    said = " ".join(lines) or "an error"
+    return said if len(said) <= 400 else said[:397] + "..."
 
 
 class Guide:
     """One request's grammar: its matcher, fed the request's output tokens up to those it
-    has seen."""
+    has seen. `failure`: why the grammar could not go on (it outgrew the limits, or nothing
+    can follow), which fails the request (an end of sequence ends it at once)."""
 
-    def __init__(self, matcher: LLMatcher, ends: Sequence[int], vocab: int) -> None:
-        self.matcher = matcher
+    def __init__(self, matcher: LLMatcher, ends: np.ndarray) -> None:
+        self.matcher, self.ends = matcher, ends
         self.fed = 0
-        # the end-of-sequence ids alone: what follows a token outside the grammar
-        self.ends = np.zeros((vocab + 31) // 32, dtype=np.uint32)
-        for end in ends:
-            self.ends[end // 32] |= np.uint32(1 << (end % 32))
+        self.failure: str | None = None
 
-    def allowed(self, output_ids: Sequence[int]) -> np.ndarray:
-        """The tokens that may come after `output_ids`: a bit each, token 32 w + j at bit j
-        of word w (uint32). A token the grammar refused (none drawn within it is) puts the
-        matcher in error: from there only an end of sequence is allowed."""
+    def feed(self, output_ids: Sequence[int]) -> bool:
+        """Give the matcher the output tokens it has not seen; whether it can mask the next
+        one. A token the grammar refused (none drawn within it is: a resumed request's from
+        elsewhere) puts it in error: from there only an end of sequence is allowed."""
         new = list(output_ids[self.fed:])
         self.fed = len(output_ids)
         if new and not self.matcher.is_error() and not self.matcher.consume_tokens(new):
-            log.warning("a token outside the grammar: %s", self.matcher.get_error())
-        if self.matcher.is_error():
+            log.warning("a token outside the grammar: %s", _reason(self.matcher.get_error()))
+        return not self.matcher.is_error()
+
+    def masked(self, words: np.ndarray) -> np.ndarray:
+        """The mask computed into `words` (uint32, a bit a token), or the end of sequence
+        alone where computing it failed, recorded as the request's `failure`."""
+        if self.matcher.is_error() or not words.any():
+            self.failure = f"the answer could not be held to its format after {self.fed} " \
+                           f"tokens: {_reason(self.matcher.get_error())}"
             return self.ends
-        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32)
-        return words if words.any() else self.ends
+        return words
+
+
+@functools.lru_cache(maxsize=8)
+def _ll_tokenizer(tokenizer: TextTokenizer, vocab: int) -> LLTokenizer | str:
+    """llguidance's view of a tokenizer (~0.3 s for 49k tokens, so once a process), or why
+    it cannot have one."""
+    try:
+        return LLTokenizer(tokenizer.to_json(), n_vocab=vocab,
+                           eos_token=sorted(tokenizer.eos_ids) or None)
+    except Exception as e:  # a tokenizer llguidance cannot read, no EOS
+        log.warning("answers held to a format are not served: %s", e)
+        return f"{type(e).__name__}: {e}"
 
 
 class Guides:
-    """An engine's guides: the tokenizer llguidance reads (built once, on the first request
-    with a grammar: ~0.3 s for a 49k vocabulary) and a guide for each such request."""
+    """The guides of one model's requests: llguidance's tokenizer (built on the first
+    request with a grammar) and a guide for each such request. `vocab`: the model's (its
+    logits may be wider than the tokenizer: those ids are never allowed)."""
 
-    def __init__(self, tokenizer: TextTokenizer, vocab: int) -> None:
-        self.text_tokenizer, self.vocab = tokenizer, vocab
-        self.ends = sorted(tokenizer.eos_ids)
+    def __init__(self, tokenizer: TextTokenizer, vocab: int = 0) -> None:
+        self.text_tokenizer = tokenizer
+        self.vocab = max(vocab, tokenizer.vocab_size)
+        self.ends = np.zeros((self.vocab + 31) // 32, dtype=np.uint32)
+        for end in tokenizer.eos_ids:
+            self.ends[end // 32] |= np.uint32(1 << (end % 32))
 
-    @functools.cached_property
+    @property
     def tokenizer(self) -> LLTokenizer:
-        return LLTokenizer(self.text_tokenizer.to_json(), n_vocab=self.vocab,
-                           eos_token=self.ends)
+        built = _ll_tokenizer(self.text_tokenizer, self.vocab)
+        if isinstance(built, str):
+            raise ValueError(f"answers held to a format are not served for this model's "
+                             f"tokenizer ({built})")
+        return built
 
     def guide(self, grammar: str) -> Guide:
-        """A new request's guide; ValueError if the grammar does not compile."""
-        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
+        """A new request's guide; ValueError if the grammar does not compile within
+        LIMITS."""
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():
-            raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
-        return Guide(matcher, self.ends, self.vocab)
+            raise ValueError(_reason(matcher.get_error()))
+        return Guide(matcher, self.ends)
+
+    def check(self, grammar: str) -> None:
+        """ValueError unless an answer can begin within `grammar`: it compiles, and its first
+        mask allows a token, within LIMITS (the gateway's check, off its event loop)."""
+        guide = self.guide(grammar)
+        guide.masked(np.frombuffer(guide.matcher.compute_bitmask(), dtype=np.uint32))
+        if guide.failure is not None:
+            raise ValueError(_reason(guide.matcher.get_error()))
+
+
+@functools.cache
+def _executor() -> LLExecutor:
+    return LLExecutor()
 
 
 def constrain(logits: torch.Tensor, guides: Sequence[Guide | None],
               outputs: Sequence[Sequence[int]]) -> torch.Tensor:
     """`logits` ([rows, vocab]) with each guided row's tokens the grammar does not allow at
-    -inf (a copy; the same tensor where no row is guided): on the CPU in one compiled call
-    (`mask_rows`), elsewhere in torch (`mask_rows`)."""
+    -inf (a copy; the same tensor where no row is guided). The rows' masks are computed
+    together on llguidance's threads (the GIL let go), then applied on the CPU in one
+    compiled call (`mask_rows`), elsewhere in torch (`mask_rows`)."""
     rows = [row for row, guide in enumerate(guides) if guide is not None]
     if not rows:
         return logits
-    bits = torch.from_numpy(np.stack([guides[row].allowed(outputs[row])  # type: ignore[union-attr]
-                                      for row in rows]).view(np.int32))
+    held = [guide for guide in guides if guide is not None]
+    words = held[0].ends.shape[0]
+    bits = np.zeros((len(rows), words), dtype=np.uint32)
+    live = [(guide.matcher, i) for i, (guide, row) in enumerate(zip(held, rows, strict=True))
+            if guide.feed(outputs[row])]
+    if live:
+        _executor().unsafe_compute_mask_ptr(live, bits.ctypes.data, words * 4, len(rows))
+    for i, guide in enumerate(held):
+        bits[i] = guide.masked(bits[i])
     masked = logits.clone()
     kernels = cpu_kernels() if logits.device.type == "cpu" and \
         logits.dtype == torch.float32 else None
-    (kernels.mask_rows if kernels is not None else mask_rows)(masked, torch.tensor(rows), bits)
+    (kernels.mask_rows if kernels is not None else mask_rows)(
+        masked, torch.tensor(rows), torch.from_numpy(bits.view(np.int32)))
     return masked
 
 

@@ -4,6 +4,7 @@ engine, across a KV transfer and after a failover's resume; the logprobs the mod
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import jsonschema_rs
@@ -18,9 +19,12 @@ from shared.engine.request import Request, SamplingParams
 from shared.engine.structured import (
     MAX_GRAMMAR_BYTES,
     Guides,
+    choice_grammar,
     constrain,
     json_grammar,
     mask_rows,
+    regex_grammar,
+    text_grammar,
 )
 from shared.engine.tokenizer import TextTokenizer
 from tests.engine.conftest import prefill_then_decode
@@ -81,6 +85,28 @@ def test_every_answer_is_json_of_the_schema_beside_unguided_rows(
     assert len({tuple(r.output_ids) for r in requests[2:]}) > 1  # sampled, not one answer
 
 
+def test_a_regex_a_choice_and_a_grammar_hold_the_whole_answer(
+        loaded: LoadedModel, tokenizer: TextTokenizer, ask: list[int]) -> None:
+    """vLLM's other formats: the whole text matches the regex, is one of the choices, is a
+    sentence of the grammar (llama.cpp's GBNF, and Lark's), sampled as well as greedy."""
+    e = engine(loaded)
+    held = {"regex": (regex_grammar(r"[0-9]{3}-[a-z]{2,4}"),
+                      lambda text: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", text)),
+            "choice": (choice_grammar(["Paris", "Rome", "the moon"]),
+                       lambda text: text in ("Paris", "Rome", "the moon")),
+            "gbnf": (text_grammar('root ::= "(" [a-z]+ ("," [a-z]+)* ")"'),
+                     lambda text: re.fullmatch(r"\([a-z]+(,[a-z]+)*\)", text)),
+            "lark": (text_grammar('start: "yes" | "no" | NUMBER\nNUMBER: /[1-9][0-9]?/'),
+                     lambda text: re.fullmatch(r"yes|no|[1-9][0-9]?", text))}
+    requests = {(name, seed): e.add_request(f"{name}{seed}", ask, SamplingParams(
+        max_tokens=24, grammar=grammar, temperature=1.0 if seed else 0.0, seed=seed))
+        for name, (grammar, _) in held.items() for seed in range(3)}
+    run(e)
+    for (name, _), request in requests.items():
+        text = tokenizer.decode(request.output_ids)
+        assert request.finish_reason == "stop" and held[name][1](text), (name, text)
+
+
 def test_the_logprobs_are_the_models_not_the_masks(loaded: LoadedModel,
                                                    ask: list[int]) -> None:
     """A guided answer's logprobs are those the model gives its tokens (the same tokens
@@ -135,21 +161,58 @@ def test_max_tokens_cuts_the_json_as_openai_does(loaded: LoadedModel,
 
 
 def test_what_cannot_be_guided_is_rejected(loaded: LoadedModel, ask: list[int]) -> None:
-    with pytest.raises(RequestRejected, match="does not compile"):
+    with pytest.raises(RequestRejected, match=r"cannot be held to its format: .*Expected"):
         engine(loaded).add_request("bad", ask, SamplingParams(grammar="start: ("))
     tiny = Engine(EngineConfig(model="tiny", device="cpu", kv_cache_bytes=1 << 20))
     with pytest.raises(RequestRejected, match="needs the model's tokenizer"):
         tiny.add_request("r", [1, 2, 3], guided())
 
 
-def test_a_schema_json_cannot_hold_or_too_large_is_refused() -> None:
+def test_what_no_answer_can_be_held_to_is_refused(loaded: LoadedModel,
+                                                  tokenizer: TextTokenizer) -> None:
+    """The builders refuse what is no format at all; `Guides.check` (the gateway's) what
+    does not compile, or lets no answer begin, within LIMITS."""
+    guides = Guides(tokenizer, loaded[0].config.vocab_size)
     with pytest.raises(ValueError, match="Invalid type"):
-        json_grammar({"type": "foo"})
-    with pytest.raises(ValueError, match="too large"):
-        json_grammar({"enum": [f"value-{i}" for i in range(MAX_GRAMMAR_BYTES // 8)]})
-    assert json_grammar({"type": "object", "if": {}})  # not strict: ignored
+        guides.check(json_grammar({"type": "foo"}))
+    with pytest.raises(ValueError, match="unclosed group"):
+        guides.check(regex_grammar("("))
+    with pytest.raises(ValueError, match="no text satisfies it"):
+        guides.check(json_grammar({"$ref": "#"}))
+    guides.check(json_grammar({"type": "object", "if": {}}))  # not strict: ignored
     with pytest.raises(ValueError, match="Unimplemented"):
-        json_grammar({"type": "object", "if": {}}, strict=True)
+        guides.check(json_grammar({"type": "object", "if": {}}, strict=True))
+    with pytest.raises(ValueError, match="key must be a string"):
+        json_grammar("{not json")
+    with pytest.raises(ValueError, match="one or more non-empty"):
+        choice_grammar(["a", ""])
+    with pytest.raises(ValueError, match="GBNF"):
+        text_grammar("root ::= (")
+    with pytest.raises(ValueError, match="the grammar is too large"):
+        text_grammar("start: " + "|".join(f'"{i}"' for i in range(MAX_GRAMMAR_BYTES // 4)))
+    with pytest.raises(ValueError, match="the schema is too large"):
+        json_grammar({"enum": [f"value-{i}" for i in range(MAX_GRAMMAR_BYTES // 8)]})
+
+
+def test_a_grammar_that_outgrows_its_limits_fails_its_request_alone(
+        loaded: LoadedModel, ask: list[int]) -> None:
+    """A pattern whose first mask fits the limits and whose next does not (llguidance alone
+    would spend 0.16 s a token on it): its request ends at once with an error that is the
+    request's own (refused: a 400), and the request beside it in the same steps goes on."""
+    e = engine(loaded)
+    heavy = SamplingParams(max_tokens=20, grammar=json_grammar(
+        {"type": "string", "pattern": "^a{1000}{1000}$"}))
+    e.add_request("heavy", ask, heavy)
+    beside = e.add_request("beside", ask, guided())
+    outputs = []
+    while e.has_work():
+        outputs += e.step()
+    failed = [out for out in outputs if out.request_id == "heavy" and out.error]
+    assert len(failed) == 1 and failed[0].refused and failed[0].finished
+    assert "could not be held to its format" in (failed[0].error or "")
+    assert not any(out.error for out in outputs if out.request_id == "beside")
+    answer(e, beside)
+    assert e.blocks.num_free == e.blocks.num_blocks  # nothing held after
 
 
 @pytest.mark.parametrize("vocab", [96, 100, 130])  # the words' tokens, fewer, more

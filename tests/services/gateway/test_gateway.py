@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import re
 import time
 from typing import Any, Literal
 
@@ -206,7 +207,41 @@ def test_answers_held_to_a_json_schema(stack: Stack) -> None:
         c.chat.completions.create(model=MODEL, messages=asked,  # type: ignore[arg-type]
                                   response_format=bad)  # type: ignore[arg-type]
     assert refused.value.body["param"] == "response_format"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError, match=r"cannot be held to this text\.format"):
+        c.responses.create(model=MODEL, input="hi", text={"format": {
+            "type": "json_schema", "name": "n", "schema": {"type": "bar"}}})
+    # one that begins but outgrows the engines' limits a token later: a 400 from the
+    # instance, which goes on serving
+    heavy = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "string", "pattern": "^a{1000}{1000}$"}}}
+    with pytest.raises(openai.BadRequestError, match="could not be held to its format"):
+        c.chat.completions.create(model=MODEL, messages=asked,  # type: ignore[arg-type]
+                                  response_format=heavy)  # type: ignore[arg-type]
+    again = c.chat.completions.parse(model=MODEL, messages=asked,  # type: ignore[arg-type]
+                                     response_format=Person, temperature=0, max_tokens=100)
+    assert again.choices[0].message.parsed == choice.message.parsed
     wait_all_free(stack)
+
+
+def test_vllms_structured_outputs_and_guided_parameters(stack: Stack) -> None:
+    """What a vLLM client sends (`structured_outputs`, and the guided_* parameters of vLLM
+    before 0.12) holds the answer too, on both APIs; two formats at once are a 400."""
+    c = client(stack)
+    asked = [{"role": "user", "content": "Is the sky green? Answer yes or no."}]
+    choice = c.chat.completions.create(
+        model=MODEL, messages=asked, temperature=1.0, n=3, seed=5,  # type: ignore[arg-type]
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert {each.message.content for each in choice.choices} <= {"yes", "no"}
+    assert all(each.finish_reason == "stop" for each in choice.choices)
+    dated = c.completions.create(model=MODEL, prompt="The date today is", max_tokens=20,
+                                 temperature=0,
+                                 extra_body={"guided_regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"})
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", dated.choices[0].text)
+    with pytest.raises(openai.BadRequestError, match="each hold the answer") as refused:
+        c.chat.completions.create(model=MODEL, messages=asked,  # type: ignore[arg-type]
+                                  response_format={"type": "json_object"},
+                                  extra_body={"guided_choice": ["yes"]})
+    assert refused.value.body["param"] == "guided_choice"  # type: ignore[index]
 
 
 def test_n_choices_each_sampled_the_first_as_a_single_request(stack: Stack) -> None:

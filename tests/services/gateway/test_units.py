@@ -133,20 +133,17 @@ def test_a_message_that_cannot_be_read_is_refused_by_name(message: dict[str, obj
 @pytest.mark.parametrize(("extra", "refused"), [
     ({"response_format": {"type": "xml"}}, "'text', 'json_object' or 'json_schema'"),
     ({"response_format": {"type": "json_schema"}}, "needs its json_schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}},
-     "cannot be held to this response_format: Invalid type: foo"),
-    ({"response_format": {"type": "json_schema", "json_schema": {
-        "schema": {"type": "string", "pattern": "["}}}}, "unclosed character class"),
-    ({"response_format": {"type": "json_schema", "json_schema": {
-        "schema": {"type": "array", "minItems": 5, "maxItems": 2}}}}, "Unsatisfiable"),
-    ({"response_format": {"type": "json_schema", "json_schema": {
-        "schema": {"type": "integer", "maximum": 10 ** 30}}}}, "not JSON serializable"),
-    # strict: what the decoding cannot hold the answer to is refused, not ignored
-    ({"response_format": {"type": "json_schema", "json_schema": {
-        "strict": True, "schema": {"type": "object", "if": {"type": "object"}}}}},
-     'Unimplemented keys: \\["if"\\]'),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}},
      "should match pattern"),
+    ({"structured_outputs": {}}, "takes one of json, regex, choice, grammar"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, r"\(2 given\)"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}},
+     "response_format and guided_regex each hold the answer to a format"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True},
+     "ignore_eos would run the answer past the end of its format"),
+    ({"response_format": {"type": "json_object"},
+      "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools and response_format at once are not served"),
     ({"tool_choice": "required"}, "requires a tool call"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "requires a tool"),
     ({"logit_bias": {"x": 1}}, "token ids"),
@@ -532,8 +529,8 @@ def test_a_probe_of_a_path_or_method_not_served_is_not_a_rejected_request() -> N
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities", "audio output"),
     ("/v1/chat/completions", {"stream_options": {}}, "stream_options", "with stream: true"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
-        "schema": {"type": "bar"}}}}, "response_format", "Invalid type: bar"),
+    ("/v1/chat/completions", {"guided_choice": ["x"], "structured_outputs": {"regex": "a"}},
+     "guided_choice", "each hold the answer to a format"),
     ("/v1/chat/completions", {"temperature": float("nan")}, "temperature", "finite number"),
     ("/v1/completions", {"prompt": "hi", "top_p": float("inf")}, "top_p", "finite number"),
     # JSON's types as they are, as OpenAI reads them: no number from a string, no count from
@@ -983,3 +980,64 @@ def test_a_stuck_decode_instance_s_batch_is_not_counted_as_capacity() -> None:
     colocated = worker("c0", "colocated", heartbeat_at=now)  # batches 8; dispatch goes there
     assert gateway_seeing("auto", prefill, decode("d0", 30), decode("d1", 30), colocated
                           ).inflight_limit() == 16
+
+
+def _chain(depth: int) -> dict[str, Any]:
+    """A schema whose grammar doubles with each level: a handful of lines, past any limit."""
+    defs: dict[str, Any] = {"d0": {"type": "object", "properties": {"p0": {"type": "integer"}}}}
+    for i in range(1, depth):
+        below = {"$ref": f"#/$defs/d{i - 1}"}
+        defs[f"d{i}"] = {"oneOf": [below, {"allOf": [
+            below, {"properties": {f"p{i}": {"type": "integer"}}}]}]}
+    return {"$defs": defs, "$ref": f"#/$defs/d{depth - 1}"}
+
+
+def schema(value: Any, **spec: Any) -> dict[str, Any]:
+    return {"response_format": {"type": "json_schema", "json_schema": {"schema": value, **spec}}}
+
+
+@pytest.mark.parametrize(("body", "param", "says"), [
+    (schema({"type": "foo"}), "response_format", "Invalid type: foo"),
+    (schema({"type": "string", "pattern": "["}), "response_format", "unclosed character class"),
+    (schema({"type": "array", "minItems": 5, "maxItems": 2}), "response_format",
+     "Unsatisfiable"),
+    (schema({"$ref": "#"}), "response_format", "no text satisfies it"),
+    (schema({"$ref": "#/nowhere"}), "response_format", "does not exist"),
+    # strict: what the decoding does not implement is refused, not ignored, whatever the
+    # schema's own options say
+    (schema({"type": "object", "if": {}}, strict=True), "response_format", "Unimplemented"),
+    (schema({"type": "object", "if": {}, "x-guidance": {"lenient": True}}, strict=True),
+     "response_format", "Unimplemented"),
+    # past the limits an engine holds a request's grammar to: refused before any engine
+    # spends a second on it (llguidance's own limits take 0.7 s to fail this one)
+    (schema(_chain(12)), "response_format", "too big"),
+    (schema({"enum": [f"value {i}" for i in range(10_000)]}), "response_format", "too large"),
+    ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs", "GBNF"),
+    ({"guided_regex": "("}, "guided_regex", "unclosed group"),
+    ({"guided_choice": []}, "guided_choice", "one or more non-empty strings"),
+    ({"guided_json": "{not json"}, "guided_json", "key must be a string"),
+])
+def test_a_format_no_answer_can_be_held_to_is_a_400_naming_it(body: dict[str, Any],
+                                                               param: str, says: str) -> None:
+    gateway = Gateway(GatewaySettings())
+    asked = ChatRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]} | body)
+    with pytest.raises(APIError) as refused:
+        asyncio.run(gateway.grammar(asked))
+    assert refused.value.status == 400 and refused.value.param == param
+    assert says in refused.value.message and param in refused.value.message
+
+
+def test_the_formats_served_each_give_a_grammar() -> None:
+    gateway = Gateway(GatewaySettings())
+    for body in (schema({"type": "object", "if": {}}), {"guided_choice": ["a", "b"]},
+                 {"response_format": {"type": "json_object"}},
+                 {"structured_outputs": {"json": '{"type": "integer"}'}},
+                 {"structured_outputs": {"grammar": 'start: "x" | "y"'}},
+                 {"guided_regex": "[0-9]+"}, schema(_chain(6))):
+        asked = ChatRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}]} | body)
+        assert asyncio.run(gateway.grammar(asked))
+    plain = ChatRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": "hi"}], "response_format": {"type": "text"}})
+    assert asyncio.run(gateway.grammar(plain)) == ""
