@@ -38,9 +38,8 @@ from shared.engine.parallel.layout import (
 from shared.engine.parallel.packet import pack
 from shared.engine.parallel.pipeline import hidden_states, last_stage, run_stage
 from shared.engine.request import Draw, TopLogprobs
-from shared.engine.sampler import adjust, likeliest, sample, top_logprobs
+from shared.engine.sampler import adjust, constrain, likeliest, sample, top_logprobs
 from shared.engine.scheduler import ScheduledChunk, SchedulerOutput
-from shared.engine.structured import constrain
 from shared.host import NATIVE_16BIT, computes_natively, cpu_flags
 
 log = logging.getLogger(__name__)

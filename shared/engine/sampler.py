@@ -19,10 +19,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from shared.engine.kernels import cpu_kernels
 from shared.engine.request import SamplingParams, TopLogprobs
+from shared.engine.structured import Guide, masks
 
 _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 63) - 1
@@ -193,3 +195,34 @@ def _bias(bias: tuple[tuple[int, float], ...], vocab: int) -> tuple[torch.Tensor
     inside = [(t, v) for t, v in bias if 0 <= t < vocab]
     return (torch.tensor([t for t, _ in inside], dtype=torch.long),
             torch.tensor([v for _, v in inside], dtype=torch.float32))
+
+
+def constrain(logits: torch.Tensor, guides: Sequence[Guide | None],
+              outputs: Sequence[Sequence[int]]) -> torch.Tensor:
+    """`logits` ([rows, vocab]) with each guided row's tokens its grammar does not allow at
+    -inf (a copy; the same tensor where no row is guided): the masks (structured.py) applied
+    on the CPU in one compiled call (`mask_rows`), elsewhere in torch (`mask_rows`)."""
+    rows = [row for row, guide in enumerate(guides) if guide is not None]
+    if not rows:
+        return logits
+    bits = masks([guide for guide in guides if guide is not None], [outputs[r] for r in rows])
+    masked = logits.clone()
+    kernels = cpu_kernels() if logits.device.type == "cpu" and \
+        logits.dtype == torch.float32 else None
+    (kernels.mask_rows if kernels is not None else mask_rows)(
+        masked, torch.tensor(rows), torch.from_numpy(bits.view(np.int32)))
+    return masked
+
+
+def mask_rows(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor) -> None:
+    """kernels/sampling.cpp's `mask_rows` in torch: `rows` of `logits` (in place) at -inf
+    where `bits` ([rows, words] int32, token 32 w + j at bit j of word w) does not allow
+    them, and past the words' tokens."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    at = rows.to(logits.device)
+    logits[at] = logits[at].masked_fill(~allowed.to(logits.device), float("-inf"))
+

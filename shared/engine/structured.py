@@ -6,7 +6,8 @@ The gateway turns a format into a grammar (`json_grammar`, `regex_grammar`,
 `choice_grammar`, `text_grammar`), checks that an answer can begin within it under LIMITS
 (`Guides.check`, off its event loop) and sends it with the request's sampling; an engine
 gives each request that has one a `Guide` when it takes the request in, and masks the
-tokens the grammar does not allow at every token it samples (`constrain`). A guide feeds
+tokens the grammar does not allow at every token it samples (`masks` here, no torch: the
+gateway checks grammars without it; applied to the logits by sampler.constrain). A guide feeds
 itself the request's output tokens as they come, whoever sampled them: the first token on a
 prefill instance, the rest on a decode instance, the tokens a failed-over request streamed
 before elsewhere. So the grammar travels as text and no matcher state crosses a process.
@@ -24,10 +25,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer, grammar_from
 
-from shared.engine.kernels import cpu_kernels
 from shared.engine.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
@@ -198,41 +197,15 @@ def _executor() -> LLExecutor:
     return LLExecutor()
 
 
-def constrain(logits: torch.Tensor, guides: Sequence[Guide | None],
-              outputs: Sequence[Sequence[int]]) -> torch.Tensor:
-    """`logits` ([rows, vocab]) with each guided row's tokens the grammar does not allow at
-    -inf (a copy; the same tensor where no row is guided). The rows' masks are computed
-    together on llguidance's threads (the GIL let go), then applied on the CPU in one
-    compiled call (`mask_rows`), elsewhere in torch (`mask_rows`)."""
-    rows = [row for row, guide in enumerate(guides) if guide is not None]
-    if not rows:
-        return logits
-    held = [guide for guide in guides if guide is not None]
-    words = held[0].ends.shape[0]
-    bits = np.zeros((len(rows), words), dtype=np.uint32)
-    live = [(guide.matcher, i) for i, (guide, row) in enumerate(zip(held, rows, strict=True))
-            if guide.feed(outputs[row])]
+def masks(guides: Sequence[Guide], outputs: Sequence[Sequence[int]]) -> np.ndarray:
+    """Each guide's mask for the token after its outputs ([guides, words] uint32, a bit a
+    token), computed together on llguidance's threads (the GIL let go)."""
+    words = guides[0].ends.shape[0]
+    bits = np.zeros((len(guides), words), dtype=np.uint32)
+    live = [(guide.matcher, i) for i, (guide, ids) in enumerate(zip(guides, outputs, strict=True))
+            if guide.feed(ids)]
     if live:
-        _executor().unsafe_compute_mask_ptr(live, bits.ctypes.data, words * 4, len(rows))
-    for i, guide in enumerate(held):
+        _executor().unsafe_compute_mask_ptr(live, bits.ctypes.data, words * 4, len(guides))
+    for i, guide in enumerate(guides):
         bits[i] = guide.masked(bits[i])
-    masked = logits.clone()
-    kernels = cpu_kernels() if logits.device.type == "cpu" and \
-        logits.dtype == torch.float32 else None
-    (kernels.mask_rows if kernels is not None else mask_rows)(
-        masked, torch.tensor(rows), torch.from_numpy(bits.view(np.int32)))
-    return masked
-
-
-def mask_rows(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor) -> None:
-    """kernels/sampling.cpp's `mask_rows` in torch: `rows` of `logits` (in place) at -inf
-    where `bits` ([rows, words] int32, token 32 w + j at bit j of word w) does not allow
-    them, and past the words' tokens."""
-    vocab = logits.shape[-1]
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    at = rows.to(logits.device)
-    logits[at] = logits[at].masked_fill(~allowed.to(logits.device), float("-inf"))
-
+    return bits

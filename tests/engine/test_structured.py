@@ -16,13 +16,12 @@ from shared.engine.engine import Engine, RequestRejected
 from shared.engine.kernels import cpu_kernels
 from shared.engine.loader import LoadedModel
 from shared.engine.request import Request, SamplingParams
+from shared.engine.sampler import constrain, mask_rows
 from shared.engine.structured import (
     MAX_GRAMMAR_BYTES,
     Guides,
     choice_grammar,
-    constrain,
     json_grammar,
-    mask_rows,
     regex_grammar,
     text_grammar,
 )
