@@ -334,13 +334,14 @@ class Worker:
             log.info("%s: %s was cancelled before it arrived", self.id, req.request_id)
             return None
         try:  # its outputs carry its attempt (`stream`)
+            params = req.sampling.params()
+            await asyncio.to_thread(self.engine.prepare, params)  # a grammar: off the steps
             request = await self.host.call(self.engine.add_request, req.request_id,
-                                           req.prompt_ids, req.sampling.params(), req.output_ids,
-                                           req.attempt)
+                                           req.prompt_ids, params, req.output_ids, req.attempt)
         except (RequestRejected, ValueError) as e:
             await self.send(TokenChunk(request_id=req.request_id, error=str(e), source=self.id,
                                        seq=len(req.output_ids), attempt=req.attempt,
-                                       refused=True))
+                                       refused=isinstance(e, RequestRejected)))
             return None
         if self.cancelled.covers(req.request_id, req.attempt):  # read while taken in
             # this copy only: a newer attempt taken in since (after the cancel) stays

@@ -31,7 +31,7 @@ from services.runtime import Worker
 from shared import subjects
 from shared.bus import acknowledge, parse
 from shared.engine.config import Role
-from shared.engine.engine import Engine, RequestOutput
+from shared.engine.engine import Engine, RequestOutput, RequestRejected
 from shared.engine.kv_cache import Staging, block_bytes
 from shared.engine.parallel.kv_serving import KvPull
 from shared.engine.parallel.layout import KvSpan
@@ -301,6 +301,8 @@ class DecodeService(Worker):
             if refused is not None:
                 self._reuse(grant)
                 raise TransferError(refused)
+            # a grammar compiled off the steps' thread (admit_imported then copies it)
+            await asyncio.to_thread(self.engine.prepare, ready.sampling.params())
             await pull_pieces(self.kv_client, ready.request_id, ready.token, _sources(ready),
                               self.engine.runner.kv_spans[0], grant.buffer)
             if grant.ranks is not None:  # rank 0's part now, then the others' once landed
@@ -328,6 +330,12 @@ class DecodeService(Worker):
             log.warning("pull of %s failed: %s", ready.request_id, e)
             self._pulled(ready.request_id)  # no cancel may cut its freeing short now
             await self._give_up(ready, grant, f"KV transfer failed: {e}")
+        except RequestRejected as e:  # its format: no instance can serve it, so no move
+            self._pulled(ready.request_id)
+            await self._free(grant)
+            await self.send(TokenChunk(request_id=ready.request_id, source=self.id,
+                                       seq=len(ready.output_ids), attempt=ready.attempt,
+                                       error=str(e), refused=True))
         except Exception as e:  # a bug: still, the blocks must not leak nor the request hang
             log.exception("import of %s failed", ready.request_id)
             self._pulled(ready.request_id)

@@ -7,6 +7,7 @@ follow-up."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import random
@@ -168,6 +169,8 @@ class Gateway:
         self.lease = f"{self.id}.{uuid.uuid4().hex[:6]}" if settings.gateway_id else self.id
         config, self.tokenizer = read_meta(settings.model)
         self.guides = Guides(self.tokenizer, config.vocab_size)  # checks answers' formats
+        # on threads of their own: a burst of heavy schemas delays no prompt's tokenizing
+        self.checks = concurrent.futures.ThreadPoolExecutor(2, "grammar-check")
         self.served_model = settings.served_model  # once: it looks at the file system
         self.max_context = config.max_context
         self.metrics = Metrics()
@@ -203,6 +206,7 @@ class Gateway:
         await cancel_within(list(self._tasks), who=self.id)
         forget_alive(self.settings.alive_file)
         await self._delete_keys()
+        self.checks.shutdown(wait=False, cancel_futures=True)
         shutdown_tracing()
         await self.nc.drain()
         await self.redis.aclose()
@@ -415,7 +419,7 @@ class Gateway:
             self.guides.check(grammar)
             return grammar
         try:
-            return await asyncio.to_thread(checked)
+            return await asyncio.get_running_loop().run_in_executor(self.checks, checked)
         except ValueError as e:
             raise APIError(400, f"the answer cannot be held to this {param}: {e}",
                            param) from None
@@ -483,7 +487,8 @@ class Gateway:
                 if relay.prefilled and booked is not None:
                     booked.prefilled()
                 timing.tokens(len(chunk.token_ids))
-                outcome = chunk.error or chunk.finish_reason or outcome
+                outcome = "refused" if chunk.refused else \
+                    chunk.error or chunk.finish_reason or outcome
                 yield chunk
         except GaveUp as e:
             outcome = str(e)

@@ -53,7 +53,8 @@ class InstanceTotals(Collector):
 
 def outcome_label(outcome: str) -> str:
     """A bounded label for the counter: the outcome itself may be an error message."""
-    return {"stop": "ok", "length": "ok", "cancelled": "cancelled"}.get(outcome, "error")
+    return {"stop": "ok", "length": "ok", "cancelled": "cancelled",
+            "refused": "rejected"}.get(outcome, "error")  # refused: the request's own doing
 
 
 class Metrics:

@@ -153,8 +153,9 @@ class ResponseFormat(Format):
 
     @model_validator(mode="after")
     def _schema(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format json_schema needs its json_schema "
+        if self.type == "json_schema" and (self.json_schema is None or
+                                           self.json_schema.schema_ is None):
+            raise ValueError("response_format json_schema needs its json_schema's schema "
                              "({\"name\": ..., \"schema\": {...}})")
         return self
 

@@ -69,6 +69,12 @@ class TextFormat(JSONModel):
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
+    @model_validator(mode="after")
+    def _schema(self) -> TextFormat:
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError("a json_schema text.format needs its schema")
+        return self
+
     def chat(self) -> dict[str, Any]:
         """The chat's response_format."""
         if self.type != "json_schema":

@@ -394,17 +394,27 @@ class Engine:
             self.abort(request.request_id)
         self._track(request)
 
-    def _guide(self, request: Request) -> None:
-        """With a grammar, give the request its guide (RequestRejected if it cannot have one
-        here)."""
-        if not request.params.grammar or request.guide is not None:
+    def prepare(self, params: SamplingParams) -> None:
+        """Compile a request's grammar, on any thread (the workers: before the engine takes
+        the request in, so that no step waits on a compile); RequestRejected if its answer
+        cannot be held to it here."""
+        if not params.grammar:
             return
         if self.guides is None:
             raise RequestRejected("an answer held to a format needs the model's tokenizer")
         try:
-            request.guide = self.guides.guide(request.params.grammar)
+            self.guides.compiled(params.grammar)
         except ValueError as e:
             raise RequestRejected(f"the answer cannot be held to its format: {e}") from e
+
+    def _guide(self, request: Request) -> None:
+        """With a grammar, give the request its guide: a copy of the grammar `prepare`
+        compiled (compiled here if it was not; RequestRejected if it cannot be)."""
+        if not request.params.grammar or request.guide is not None:
+            return
+        self.prepare(request.params)
+        assert self.guides is not None
+        request.guide = self.guides.guide(request.params.grammar)
 
     def _track(self, request: Request) -> None:
         if self.tokenizer is not None:

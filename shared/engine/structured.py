@@ -21,6 +21,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +52,7 @@ MAX_GRAMMAR_BYTES = 64 << 10
 # items ~20k/ms: ~4 ms). The first mask gets more: it builds the lexer's first states. A
 # grammar past them is refused at the gateway, which compiles it and computes its first
 # mask under the same limits; one that outgrows them later fails its request (`Guide`).
-LIMITS = LLParserLimits(max_grammar_size=50_000, max_lexer_states=50_000,
+LIMITS = LLParserLimits(max_grammar_size=20_000, max_lexer_states=50_000,
                         initial_lexer_fuel=200_000, step_lexer_fuel=50_000,
                         step_max_items=20_000, verbose_errors=False)
 
@@ -126,11 +129,12 @@ class Guide:
     def feed(self, output_ids: Sequence[int]) -> bool:
         """Give the matcher the output tokens it has not seen; whether it can mask the next
         one. A token the grammar refused (none drawn within it is: a resumed request's from
-        elsewhere) puts it in error: from there only an end of sequence is allowed."""
+        elsewhere, a grammar whose parse outgrew the limits) puts it in error, which fails
+        the request (`masked`)."""
         new = list(output_ids[self.fed:])
         self.fed = len(output_ids)
         if new and not self.matcher.is_error() and not self.matcher.consume_tokens(new):
-            log.warning("a token outside the grammar: %s", _reason(self.matcher.get_error()))
+            log.warning("the grammar refused a token: %s", _reason(self.matcher.get_error()))
         return not self.matcher.is_error()
 
     def masked(self, words: np.ndarray) -> np.ndarray:
@@ -157,15 +161,26 @@ def _ll_tokenizer(tokenizer: TextTokenizer, vocab: int) -> LLTokenizer | str:
 
 class Guides:
     """The guides of one model's requests: llguidance's tokenizer (built on the first
-    request with a grammar) and a guide for each such request. `vocab`: the model's (its
-    logits may be wider than the tokenizer: those ids are never allowed)."""
+    request with a grammar), the grammars compiled lately, and a guide for each request.
+    `vocab`: the model's (its logits may be wider than the tokenizer: those ids are never
+    allowed).
 
-    def __init__(self, tokenizer: TextTokenizer, vocab: int = 0) -> None:
+    A grammar is compiled, and its first mask computed (the lexer's first states: most of a
+    heavy grammar's cost), once: `compiled` keeps the matcher (or why it failed) for the next
+    request of the same format (a client's schema, sent again and again; the n choices of
+    one request), and each request's guide is a copy of it (~0 ms). The workers compile a
+    new grammar off the engine's thread (`Engine.prepare`) before the engine takes the
+    request in, so a step waits on no compile."""
+
+    def __init__(self, tokenizer: TextTokenizer, vocab: int = 0, cached: int = 64) -> None:
         self.text_tokenizer = tokenizer
         self.vocab = max(vocab, tokenizer.vocab_size)
         self.ends = np.zeros((self.vocab + 31) // 32, dtype=np.uint32)
         for end in tokenizer.eos_ids:
             self.ends[end // 32] |= np.uint32(1 << (end % 32))
+        self.cached = cached
+        self._compiled: OrderedDict[str, LLMatcher | str] = OrderedDict()
+        self._lock = threading.Lock()
 
     @property
     def tokenizer(self) -> LLTokenizer:
@@ -175,26 +190,46 @@ class Guides:
                              f"tokenizer ({built})")
         return built
 
-    def guide(self, grammar: str) -> Guide:
-        """A new request's guide; ValueError if the grammar does not compile within
-        LIMITS."""
+    def compiled(self, grammar: str) -> LLMatcher:
+        """`grammar` compiled and its first mask computed, within LIMITS (any thread), from
+        the cache or now; ValueError unless an answer can begin within it (it does not
+        compile, or allows no first token)."""
+        with self._lock:
+            hit = self._compiled.get(grammar)
+            if hit is not None:
+                self._compiled.move_to_end(grammar)
+        if hit is None:
+            hit = self._compile(grammar)  # the lock not held: others' hits go on
+            with self._lock:
+                self._compiled[grammar] = hit
+                while len(self._compiled) > self.cached:
+                    self._compiled.popitem(last=False)
+        if isinstance(hit, str):
+            raise ValueError(hit)
+        return hit
+
+    def _compile(self, grammar: str) -> LLMatcher | str:
         matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
-        if matcher.is_error():
-            raise ValueError(_reason(matcher.get_error()))
-        return Guide(matcher, self.ends)
+        if not matcher.is_error():
+            first = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint32)
+            if not matcher.is_error() and first.any():
+                return matcher
+        return _reason(matcher.get_error())
+
+    def guide(self, grammar: str) -> Guide:
+        """A new request's guide: a copy of the compiled grammar; ValueError as `compiled`."""
+        return Guide(self.compiled(grammar).deep_copy(), self.ends)
 
     def check(self, grammar: str) -> None:
-        """ValueError unless an answer can begin within `grammar`: it compiles, and its first
-        mask allows a token, within LIMITS (the gateway's check, off its event loop)."""
-        guide = self.guide(grammar)
-        guide.masked(np.frombuffer(guide.matcher.compute_bitmask(), dtype=np.uint32))
-        if guide.failure is not None:
-            raise ValueError(_reason(guide.matcher.get_error()))
+        """ValueError unless an answer can begin within `grammar` (the gateway's check)."""
+        self.compiled(grammar)
 
 
 @functools.cache
 def _executor() -> LLExecutor:
-    return LLExecutor()
+    """llguidance's threads: its default (80% of the CPUs) is one on two cores, where two
+    halve a batch's masks."""
+    return LLExecutor(num_threads=max(2, min(32, int(0.8 * (os.cpu_count() or 1)))))
 
 
 def masks(guides: Sequence[Guide], outputs: Sequence[Sequence[int]]) -> np.ndarray:

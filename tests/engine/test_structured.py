@@ -143,14 +143,41 @@ def test_a_resumed_request_goes_on_within_its_grammar(loaded: LoadedModel,
     assert resumed.output_ids == whole
 
 
-def test_a_token_outside_the_grammar_ends_the_answer(loaded: LoadedModel,
-                                                     tokenizer: TextTokenizer,
-                                                     ask: list[int]) -> None:
+def test_a_token_outside_the_grammar_fails_the_request(loaded: LoadedModel,
+                                                       tokenizer: TextTokenizer,
+                                                       ask: list[int]) -> None:
+    """A resumed request whose streamed tokens its grammar refuses (none drawn within it
+    are) ends at once, with an error that says so."""
     e = engine(loaded)
     astray = e.add_request("astray", ask, guided(), output_ids=tokenizer.encode("Hello"))
-    run(e)
-    assert astray.finish_reason == "stop" and astray.output_ids[-1] in e.eos_ids
+    outputs = []
+    while e.has_work():
+        outputs += e.step()
+    assert astray.output_ids[-1] in e.eos_ids
     assert len(astray.output_ids) == len(tokenizer.encode("Hello")) + 1
+    assert [out.refused for out in outputs] == [True]
+    assert "could not be held to its format after 1 tokens" in (outputs[0].error or "")
+
+
+def test_a_grammar_is_compiled_once_and_each_request_goes_its_own_way(
+        loaded: LoadedModel, tokenizer: TextTokenizer) -> None:
+    """The second request of a format copies the first's compiled matcher (a client's
+    schema sent again, n choices), and the copies advance apart; a failure is kept too."""
+    guides = Guides(tokenizer, loaded[0].config.vocab_size)
+    grammar = choice_grammar(["yes", "no"])
+    assert guides.compiled(grammar) is guides.compiled(grammar)
+    first, second = guides.guide(grammar), guides.guide(grammar)
+    assert first.matcher is not second.matcher
+    first.feed(tokenizer.encode("yes"))
+    assert first.matcher.is_stopped() and not second.matcher.is_stopped()
+    bad = json_grammar({"$ref": "#"})
+    for _ in range(2):
+        with pytest.raises(ValueError, match="no text satisfies it"):
+            guides.compiled(bad)
+    small = Guides(tokenizer, loaded[0].config.vocab_size, cached=1)
+    small.compiled(grammar)
+    small.compiled(json_grammar(None))
+    assert list(small._compiled) == [json_grammar(None)]  # the older one gone
 
 
 def test_max_tokens_cuts_the_json_as_openai_does(loaded: LoadedModel,
