@@ -27,6 +27,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from services.gateway import tool_calls
 from services.gateway.ledger import Booking, Ledger, Overloaded, Ticket
 from services.gateway.metrics import Metrics
 from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
@@ -406,16 +407,21 @@ class Gateway:
         ticket.booking = self.ledger.book(found[0].worker, found[0].decode)
         return found[0]
 
-    async def grammar(self, req: CompletionRequest | ChatRequest) -> str:
-        """The grammar the request's answer is held to ("" for none), built and checked off
-        the event loop (a schema's compile takes up to a few hundred ms): an answer can
-        begin within it under the engines' limits, else a 400 naming the parameter."""
-        param = req.format_param
+    async def grammar(self, req: CompletionRequest | ChatRequest,
+                      form: str | None = None) -> str:
+        """The grammar the request's answer is held to ("" for none): its format's, or a
+        call's in `form` (the model's call format) where tool_choice requires one; built and
+        checked off the event loop (a schema's compile takes up to a few hundred ms): an
+        answer can begin within it under the engines' limits, else a 400 naming the
+        parameter."""
+        forced = req.forced_functions if isinstance(req, ChatRequest) else None
+        param = "tool_choice" if forced and form else req.format_param
         if param is None:
             return ""
 
         def checked() -> str:
-            grammar = req.grammar()
+            grammar = tool_calls.forced_grammar(forced, form, req.parallel_tool_calls) \
+                if forced and form and isinstance(req, ChatRequest) else req.grammar()
             self.guides.check(grammar)
             return grammar
         try:

@@ -225,15 +225,12 @@ class _Common(RequestBody):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
-    # accepted where it asks for nothing this server cannot do (see _served)
+    # a chat's: auto, none, required or one function named (ChatRequest.forced_functions)
     tool_choice: str | dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _served(self) -> _Common:
-        """A format the answer cannot be held to (or two), and what a client would be misled
-        by if it were ignored: a tool call it requires (the model's calls are not held to a
-        format). Tools offered with the choice left to the model are served where its chat
-        template offers them (routes)."""
+        """Two formats the answer would be held to, or one with ignore_eos."""
         formats = self._formats()
         if len(formats) > 1:
             raise ParamError(formats[1][0], f"{formats[0][0]} and {formats[1][0]} each hold "
@@ -241,10 +238,6 @@ class _Common(RequestBody):
         if formats and self.ignore_eos:
             raise ParamError("ignore_eos", f"ignore_eos would run the answer past the end of "
                                            f"its format ({formats[0][0]}): send one of them")
-        if self.tool_choice not in (None, "auto", "none"):
-            raise ParamError("tool_choice", "tool_choice that requires a tool call is not "
-                             "served: the model's calls are not held to a format; send auto "
-                             "or none")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options goes with stream: true")
         return self
@@ -328,6 +321,9 @@ class CompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _choices(self) -> CompletionRequest:
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ParamError("tool_choice", "tool_choice goes with tools, which a chat "
+                             "offers (/v1/chat/completions)")
         if self.best_of not in (None, 1, self.n):
             raise ParamError("best_of", "best_of is not served: each of the n choices is "
                              "sampled once; leave best_of out (or equal to n)")
@@ -509,8 +505,32 @@ class ChatRequest(_Common):
             return None
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
+    @property
+    def forced_functions(self) -> list[dict[str, Any]] | None:
+        """The functions the answer must call one of (tool_choice "required": any tool's;
+        {"type": "function", "function": {"name": ...}}: that one's), or None where the
+        model chooses (auto) or calls none. The answer is held to the call format then
+        (tool_calls.forced_grammar). ParamError for a choice no tool offered fits."""
+        choice = self.tool_choice
+        if choice in (None, "auto", "none"):
+            return None
+        named = choice.get("function") if isinstance(choice, dict) and \
+            choice.get("type") == "function" else None
+        name = named.get("name") if isinstance(named, dict) else None
+        if choice != "required" and not isinstance(name, str):
+            raise ParamError("tool_choice", 'tool_choice takes "auto", "none", "required" or '
+                             '{"type": "function", "function": {"name": ...}}')
+        functions = [tool.function.model_dump(exclude_none=True) for tool in self.tools or []
+                     if name is None or tool.function.name == name]
+        if not functions:
+            raise ParamError("tool_choice", f"tool_choice names {name!r}, which no tool "
+                             "offered is" if name is not None else
+                             "tool_choice required needs tools to call")
+        return functions
+
     @model_validator(mode="after")
     def _top_with_logprobs(self) -> ChatRequest:
+        self.forced_functions  # noqa: B018 (its refusals)
         if self.top_logprobs and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
         if self.functions or self.function_call not in (None, "none"):

@@ -522,11 +522,11 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
                 echoes = [p if isinstance(p, str) else
                           tokenizer.decode(ids, skip_special_tokens=False)
                           for p, ids in zip(prompts, each, strict=True)]
-            grammar = await gateway.grammar(req)
             request_ids = choice_ids(uuid.uuid4().hex, len(tickets))
             chat = isinstance(req, ChatRequest)
             # the format each choice's calls are read in (tools offered), and how many
             form = call_form if isinstance(req, ChatRequest) and req.offered_tools else None
+            grammar = await gateway.grammar(req, form)
             parallel = req.parallel_tool_calls if isinstance(req, ChatRequest) else True
             calls: list[Call] = []
             seeds: list[int] = []

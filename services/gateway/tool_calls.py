@@ -30,6 +30,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.engine.structured import json_items_grammar
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
 # what Llama 3.1's and 3.2's templates ask of a model given tools
@@ -52,6 +54,27 @@ def call_format(template: str | None, decode_keeps_tags: bool = True) -> str | N
     if LLAMA3_ASKS in template:
         return "llama3_json"
     return None
+
+
+MOST_CALLS = 8  # in an answer held to calls where several may be made
+
+
+def forced_grammar(functions: list[dict[str, Any]], form: str, several: bool) -> str:
+    """The grammar of an answer that is nothing but a call, in `form`, of one of `functions`
+    (OpenAI's function specs: name, parameters), its arguments valid against its parameters;
+    `several`: up to MOST_CALLS calls (parallel_tool_calls). ValueError if no answer can
+    be."""
+    key = "arguments" if form == "hermes" else "parameters"
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", key],
+              "properties": {"name": {"const": f["name"]},
+                             key: f.get("parameters") or {"type": "object"}}}
+             for f in functions]
+    strict = all(f.get("strict") for f in functions)
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    most = MOST_CALLS if several else 1
+    if form == "hermes":
+        return json_items_grammar(schema, OPEN + "\n", "\n" + CLOSE, "\n", most, strict)
+    return json_items_grammar(schema, "", "", "; ", most, strict)
 
 
 def tool_call(name: str, arguments: Any) -> dict[str, Any]:

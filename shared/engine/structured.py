@@ -69,6 +69,19 @@ def json_grammar(schema: dict[str, Any] | str | None, strict: bool = False) -> s
         "schema")
 
 
+def json_items_grammar(schema: dict[str, Any], before: str, after: str, between: str,
+                       most: int = 1, strict: bool = False) -> str:
+    """The grammar of JSON valid against `schema` between the texts `before` and `after`
+    (a tool call's block): one such, or up to `most`, `between` each two (a small model
+    would repeat a call until its tokens ran out)."""
+    embedded = schema | {"x-guidance": LAYOUT | {"lenient": not strict}}
+    item = " ".join([*([json.dumps(before)] if before else []), "%json " + json.dumps(embedded),
+                     *([json.dumps(after)] if after else [])])
+    lark = f"start: item ({json.dumps(between)} item){{0,{most - 1}}}\nitem: {item}" \
+        if most > 1 else f"start: {item}"
+    return _built(lambda: LLMatcher.grammar_from_lark(_bounded(lark, "tools")), "tools")
+
+
 def regex_grammar(regex: str) -> str:
     """The grammar of text the whole of which `regex` matches (Rust's regex syntax)."""
     return _built(lambda: LLMatcher.grammar_from_regex(_bounded(regex, "regex")), "regex")

@@ -11,6 +11,7 @@ import jsonschema_rs
 import pytest
 import torch
 
+from services.gateway.tool_calls import MOST_CALLS, forced_grammar, parse
 from shared.engine.config import EngineConfig, Role
 from shared.engine.engine import Engine, RequestRejected
 from shared.engine.kernels import cpu_kernels
@@ -104,6 +105,46 @@ def test_a_regex_a_choice_and_a_grammar_hold_the_whole_answer(
     for (name, _), request in requests.items():
         text = tokenizer.decode(request.output_ids)
         assert request.finish_reason == "stop" and held[name][1](text), (name, text)
+
+
+WEATHER = {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city", "unit"], "additionalProperties": False,
+    "properties": {"city": {"type": "string", "maxLength": 30},
+                   "unit": {"enum": ["celsius", "fahrenheit"]}}}}
+TIME = {"name": "get_time", "parameters": {
+    "type": "object", "required": ["zone"], "properties": {"zone": {"type": "string"}}}}
+
+
+@pytest.mark.parametrize("form", ["hermes", "llama3_json"])
+def test_a_required_call_is_a_call_of_an_offered_function(
+        loaded: LoadedModel, tokenizer: TextTokenizer, form: str) -> None:
+    """tool_choice that requires a call, held to the model's call format: the answer parses
+    as calls (tool_calls.parse, as the gateway reads it) of the function named, or of one of
+    those offered, each with arguments valid against its parameters; one call, or several
+    where parallel calls are allowed. Any model makes one: this one has no tool template."""
+    e = engine(loaded)
+    ask = tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the weather in Paris, and the time there?"}]))
+    held = {"named": (forced_grammar([WEATHER], form, False), {"get_weather"}, False),
+            "required": (forced_grammar([WEATHER, TIME], form, False),
+                         {"get_weather", "get_time"}, False),
+            "parallel": (forced_grammar([WEATHER, TIME], form, True),
+                         {"get_weather", "get_time"}, True)}
+    requests = {(name, seed): e.add_request(f"{name}{seed}", ask, SamplingParams(
+        max_tokens=400, grammar=grammar, temperature=1.0 if seed else 0.0, seed=seed))
+        for name, (grammar, _, _) in held.items() for seed in range(3)}
+    run(e)
+    parameters = {f["name"]: f["parameters"] for f in (WEATHER, TIME)}
+    for (name, _), request in requests.items():
+        text = tokenizer.decode(request.output_ids)
+        assert request.finish_reason == "stop", (name, text)
+        answer = parse(text, parallel=held[name][2], form=form)
+        assert answer.content is None and answer.calls, (name, text)
+        assert len(answer.calls) <= (MOST_CALLS if held[name][2] else 1)
+        for call in answer.calls:
+            assert call["function"]["name"] in held[name][1]
+            jsonschema_rs.validate(parameters[call["function"]["name"]],
+                                   json.loads(call["function"]["arguments"]))
 
 
 def test_the_logprobs_are_the_models_not_the_masks(loaded: LoadedModel,

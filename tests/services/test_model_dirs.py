@@ -4,6 +4,7 @@ traceback."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -28,14 +29,18 @@ NAME = "SmolLM2-135M-Instruct"
 # as Mistral's and Llama 2's templates do, this one refuses some messages
 REFUSING = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system messages') }}" \
            "{% endif %}"
+# and it shows tools as Qwen's do, asking for Hermes' <tool_call> blocks (none without tools)
+HERMES = ("{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools> Call "
+          "one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>\n{% endif %}")
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    """The run's SmolLM2 directory with the refusing template (its other files linked)."""
+    """The run's SmolLM2 directory with the refusing, tool-showing template (its other files
+    linked)."""
     template = (smollm2_dir / "chat_template.jinja").read_text()
     return linked_with(smollm2_dir, tmp_path_factory.mktemp("models") / NAME,
-                       {"chat_template.jinja": REFUSING + template})
+                       {"chat_template.jinja": REFUSING + HERMES + template})
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +103,36 @@ def test_a_checkpoint_the_processes_cannot_read_stops_them_with_its_reason(
     err = capsys.readouterr().err
     assert reason in err and "Traceback" not in err
     assert not (tmp_path / "runs").exists()
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city"], "additionalProperties": False,
+    "properties": {"city": {"type": "string", "maxLength": 30}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "required": ["zone"], "properties": {"zone": {"type": "string"}}}}}
+
+
+def test_a_required_tool_call_is_made(dir_stack: Stack) -> None:
+    """tool_choice that requires a call, on a model whose template teaches Hermes' calls
+    (SmolLM2, which left alone would rarely make one): the answer is the call, of the
+    function named or of one offered, its arguments valid JSON of the function's
+    parameters, streamed or not."""
+    c = openai.OpenAI(base_url=f"{dir_stack.url}/v1", api_key="unused", timeout=120)
+    asked = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = c.chat.completions.create(
+        model=NAME, messages=asked, tools=[WEATHER, CLOCK],  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0, max_tokens=60)
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0].function  # type: ignore[union-attr]
+    assert call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"}
+    streamed = c.chat.completions.create(
+        model=NAME, messages=asked, tools=[WEATHER, CLOCK],  # type: ignore[arg-type]
+        tool_choice="required", temperature=1.0, seed=2, max_tokens=300, stream=True,
+        parallel_tool_calls=False)
+    calls = [t for chunk in streamed if chunk.choices
+             for t in chunk.choices[0].delta.tool_calls or []]
+    assert len(calls) == 1 and calls[0].function is not None
+    assert calls[0].function.name in ("get_weather", "get_time")
+    json.loads(calls[0].function.arguments or "")

@@ -144,8 +144,14 @@ def test_a_message_that_cannot_be_read_is_refused_by_name(message: dict[str, obj
     ({"response_format": {"type": "json_object"},
       "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools and response_format at once are not served"),
-    ({"tool_choice": "required"}, "requires a tool call"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "requires a tool"),
+    ({"tool_choice": "required"}, "tool_choice required needs tools to call"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "which no tool offered"),
+    ({"tool_choice": {"type": "function", "function": {"name": "g"}},
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "names 'g', which no tool"),
+    ({"tool_choice": "always", "tools": [{"type": "function", "function": {"name": "f"}}]},
+     'tool_choice takes "auto", "none", "required"'),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"},
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools and response_format"),
     ({"logit_bias": {"x": 1}}, "token ids"),
     ({"logit_bias": {"1": 101}}, "less than or equal to 100"),
     ({"logit_bias": {"²": 1}}, "token ids"),  # a digit to str.isdigit, not to int()
@@ -524,6 +530,8 @@ def test_a_probe_of_a_path_or_method_not_served_is_not_a_rejected_request() -> N
 @pytest.mark.parametrize(("path", "body", "param", "says"), [
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of", "best_of is not served"),
     ("/v1/completions", {"prompt": "hi", "suffix": "}"}, "suffix", "suffix"),
+    ("/v1/completions", {"prompt": "hi", "tool_choice": "required"}, "tool_choice",
+     "goes with tools"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "goes with echo"),
     ("/v1/completions", {"prompt": ["a", "b"], "n": 100}, "n", "at most 128 choices"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
@@ -1026,6 +1034,32 @@ def test_a_format_no_answer_can_be_held_to_is_a_400_naming_it(body: dict[str, An
         asyncio.run(gateway.grammar(asked))
     assert refused.value.status == 400 and refused.value.param == param
     assert says in refused.value.message and param in refused.value.message
+
+
+def test_a_required_call_is_held_to_the_models_call_format() -> None:
+    """tool_choice required or naming a function: the answer's grammar is a call's in the
+    model's format (where the model has one; without, routes refuses the tools)."""
+    gateway = Gateway(GatewaySettings())
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}},
+             {"type": "function", "function": {"name": "g"}}]
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    named = ChatRequest.model_validate(base | {"tool_choice": {
+        "type": "function", "function": {"name": "f"}}, "parallel_tool_calls": False})
+    assert named.forced_functions == [tools[0]["function"]]
+    hermes = asyncio.run(gateway.grammar(named, "hermes"))
+    assert "<tool_call>" in hermes and '"const": "f"' in hermes and '"g"' not in hermes
+    required = ChatRequest.model_validate(base | {"tool_choice": "required"})
+    assert [f["name"] for f in required.forced_functions or []] == ["f", "g"]
+    llama = asyncio.run(gateway.grammar(required, "llama3_json"))
+    assert '"parameters"' in llama and "{0,7}" in llama  # several calls, at most 8
+    auto = ChatRequest.model_validate(base | {"tool_choice": "auto"})
+    assert auto.forced_functions is None and asyncio.run(gateway.grammar(auto, "hermes")) == ""
+    bad = ChatRequest.model_validate(base | {"tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]})
+    with pytest.raises(APIError, match="Invalid type: nope") as refused:
+        asyncio.run(gateway.grammar(bad, "hermes"))
+    assert refused.value.param == "tool_choice"
 
 
 def test_the_formats_served_each_give_a_grammar() -> None:
