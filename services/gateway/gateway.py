@@ -420,8 +420,12 @@ class Gateway:
             return ""
 
         def checked() -> str:
-            grammar = tool_calls.forced_grammar(forced, form, req.parallel_tool_calls) \
-                if forced and form and isinstance(req, ChatRequest) else req.grammar()
+            if forced and form and isinstance(req, ChatRequest):
+                several = req.parallel_tool_calls and req.tool_choice == "required"
+                grammar = tool_calls.forced_grammar(
+                    forced, form, tool_calls.MOST_CALLS if several else 1)
+            else:
+                grammar = req.grammar()
             self.guides.check(grammar)
             return grammar
         try:

@@ -523,14 +523,16 @@ class ChatRequest(_Common):
         functions = [tool.function.model_dump(exclude_none=True) for tool in self.tools or []
                      if name is None or tool.function.name == name]
         if not functions:
-            raise ParamError("tool_choice", f"tool_choice names {name!r}, which no tool "
-                             "offered is" if name is not None else
+            raise ParamError("tool_choice", f"tool_choice names {name!r}, which is not among "
+                             "the tools offered" if name is not None else
                              "tool_choice required needs tools to call")
         return functions
 
     @model_validator(mode="after")
     def _top_with_logprobs(self) -> ChatRequest:
-        self.forced_functions  # noqa: B018 (its refusals)
+        if self.forced_functions and self.ignore_eos:
+            raise ParamError("ignore_eos", "ignore_eos would run the answer past the call "
+                             "tool_choice requires: send one of them")
         if self.top_logprobs and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
         if self.functions or self.function_call not in (None, "none"):

@@ -25,7 +25,6 @@ delta each."""
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +32,6 @@ from typing import Any
 from shared.engine.structured import json_items_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
 # what Llama 3.1's and 3.2's templates ask of a model given tools
 LLAMA3_ASKS = '{"name": function name, "parameters": dictionary of argument name'
 PYTHON_TAG = "<|python_tag|>"  # Llama 3's call marker (a special token: rarely in the text)
@@ -57,24 +55,46 @@ def call_format(template: str | None, decode_keeps_tags: bool = True) -> str | N
 
 
 MOST_CALLS = 8  # in an answer held to calls where several may be made
+# what a schema says to a reader, not to the decoding: left out of a call's grammar, which a
+# client's many described tools would otherwise swell past its bound
+ANNOTATIONS = {"description", "title", "examples", "$comment"}
+NAMED = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+VALUES = {"enum", "const", "default", "examples"}
 
 
-def forced_grammar(functions: list[dict[str, Any]], form: str, several: bool) -> str:
+def bare(schema: Any) -> Any:
+    """A JSON schema without its annotations (a property named "title" stays one)."""
+    if isinstance(schema, list):
+        return [bare(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {key: value if key in VALUES else
+            {name: bare(s) for name, s in value.items()} if key in NAMED and
+            isinstance(value, dict) else bare(value)
+            for key, value in schema.items() if key not in ANNOTATIONS}
+
+
+def arguments_schema(function: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameters as its call's arguments must match them: an object (OpenAI's
+    parameters are one); ValueError for a schema of something else."""
+    parameters: dict[str, Any] = bare(function.get("parameters") or {})
+    if parameters.get("type", "object") != "object":
+        raise ValueError(f"the parameters of {function['name']!r} are no object schema "
+                         f"(type {parameters['type']!r})")
+    return {"type": "object"} | parameters
+
+
+def forced_grammar(functions: list[dict[str, Any]], form: str, most: int = 1) -> str:
     """The grammar of an answer that is nothing but a call, in `form`, of one of `functions`
-    (OpenAI's function specs: name, parameters), its arguments valid against its parameters;
-    `several`: up to MOST_CALLS calls (parallel_tool_calls). ValueError if no answer can
-    be."""
+    (OpenAI's function specs: name, parameters), its arguments valid against its parameters
+    (up to `most` calls). ValueError if no answer can be."""
     key = "arguments" if form == "hermes" else "parameters"
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", key],
-              "properties": {"name": {"const": f["name"]},
-                             key: f.get("parameters") or {"type": "object"}}}
+    calls = [(f'{{"name": {json.dumps(f["name"])}, "{key}": ', arguments_schema(f), "}")
              for f in functions]
-    strict = all(f.get("strict") for f in functions)
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    most = MOST_CALLS if several else 1
+    strict = all(f.get("strict") is True for f in functions)
     if form == "hermes":
-        return json_items_grammar(schema, OPEN + "\n", "\n" + CLOSE, "\n", most, strict)
-    return json_items_grammar(schema, "", "", "; ", most, strict)
+        return json_items_grammar(calls, OPEN + "\n", "\n" + CLOSE, "\n", most, strict)
+    return json_items_grammar(calls, "", "", "; ", most, strict)
 
 
 def tool_call(name: str, arguments: Any) -> dict[str, Any]:
@@ -112,29 +132,45 @@ def parse(text: str, parallel: bool = True, form: str = "hermes") -> Answer:
     """The calls in a whole answer and the text around them; no calls if any would-be call
     is not one (the answer as written). `parallel` False: the first call only (the client
     asked for at most one)."""
-    calls = _hermes(text) if form == "hermes" else _llama3(text)
-    if calls is None:
+    found = _hermes(text) if form == "hermes" else _llama3(text)
+    if found is None:
         return Answer(text)
-    content = BLOCK.sub("", text).strip() if form == "hermes" else ""
-    return Answer(content or None, calls if parallel else calls[:1])
+    calls, content = found
+    return Answer(content.strip() or None, calls if parallel else calls[:1])
 
 
-def _hermes(text: str) -> list[dict[str, Any]] | None:
+def _hermes(text: str) -> tuple[list[dict[str, Any]], str] | None:
+    """The calls of the answer's blocks, each its call's JSON between <tool_call> and
+    </tool_call> (or the end: a model that ends its turn inside a block), read as JSON, so a
+    closing tag inside one of its strings (code a call writes) does not end it; and the
+    text around them."""
     if OPEN not in text:
         return None
-    calls = []
-    for block in BLOCK.finditer(text):
+    decoder, calls, kept, at = json.JSONDecoder(), [], [], 0
+    while (start := text.find(OPEN, at)) >= 0:
+        kept.append(text[at:start])
+        body = start + len(OPEN)
+        body += len(text[body:]) - len(text[body:].lstrip())
         try:
-            call = _call(json.loads(block[1]))
+            value, end = decoder.raw_decode(text, body)
+            call = _call(value)
         except (ValueError, RecursionError):  # not JSON; nested past what Python parses
             return None
         if call is None:
             return None
         calls.append(call)
-    return calls
+        after = text[end:].lstrip()
+        if after.startswith(CLOSE):
+            at = len(text) - len(after) + len(CLOSE)
+        elif not after:
+            at = len(text)
+        else:  # more than the call's JSON in its block
+            return None
+    kept.append(text[at:])
+    return calls, "".join(kept)
 
 
-def _llama3(text: str) -> list[dict[str, Any]] | None:
+def _llama3(text: str) -> tuple[list[dict[str, Any]], str] | None:
     """The answer as one call's JSON or several separated by ";", nothing else."""
     body = text.strip().removeprefix(PYTHON_TAG).strip()
     if not body.startswith("{"):
@@ -153,7 +189,7 @@ def _llama3(text: str) -> list[dict[str, Any]] | None:
         if rest and not rest.startswith(";"):
             return None
         at = len(body) - len(rest.removeprefix(";").lstrip())
-    return calls
+    return calls, ""
 
 
 class Splitter:

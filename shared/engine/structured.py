@@ -69,17 +69,26 @@ def json_grammar(schema: dict[str, Any] | str | None, strict: bool = False) -> s
         "schema")
 
 
-def json_items_grammar(schema: dict[str, Any], before: str, after: str, between: str,
-                       most: int = 1, strict: bool = False) -> str:
-    """The grammar of JSON valid against `schema` between the texts `before` and `after`
-    (a tool call's block): one such, or up to `most`, `between` each two (a small model
-    would repeat a call until its tokens ran out)."""
-    embedded = schema | {"x-guidance": LAYOUT | {"lenient": not strict}}
-    item = " ".join([*([json.dumps(before)] if before else []), "%json " + json.dumps(embedded),
-                     *([json.dumps(after)] if after else [])])
-    lark = f"start: item ({json.dumps(between)} item){{0,{most - 1}}}\nitem: {item}" \
-        if most > 1 else f"start: {item}"
-    return _built(lambda: LLMatcher.grammar_from_lark(_bounded(lark, "tools")), "tools")
+def json_items_grammar(alternatives: Sequence[tuple[str, dict[str, Any], str]],
+                       before: str, after: str, between: str, most: int = 1,
+                       strict: bool = False) -> str:
+    """The grammar of an item, or of up to `most` with `between` each two (a small model
+    would repeat one until its tokens ran out): `before`, one of the `alternatives` (a text,
+    JSON valid against a schema, a text: a tool call's), `after`. Each schema is a root of
+    its own, so a `$ref` in it resolves inside it."""
+    def text(literal: str) -> list[str]:
+        return [json.dumps(literal)] if literal else []
+
+    options = LAYOUT | {"lenient": not strict}
+    lines = ["start: item" + (f" ({json.dumps(between)} item){{0,{most - 1}}}" if most > 1
+                              else ""),
+             " ".join(["item:", *text(before), "one", *text(after)]),
+             "one: " + " | ".join(f"alt{i}" for i in range(len(alternatives)))]
+    lines += [" ".join([f"alt{i}:", *text(pre), "%json " + json.dumps(
+        schema | {"x-guidance": options}), *text(post)])
+        for i, (pre, schema, post) in enumerate(alternatives)]
+    return _built(lambda: LLMatcher.grammar_from_lark(_bounded("\n".join(lines), "tool set")),
+                  "tool set")
 
 
 def regex_grammar(regex: str) -> str:

@@ -111,8 +111,11 @@ WEATHER = {"name": "get_weather", "parameters": {
     "type": "object", "required": ["city", "unit"], "additionalProperties": False,
     "properties": {"city": {"type": "string", "maxLength": 30},
                    "unit": {"enum": ["celsius", "fahrenheit"]}}}}
-TIME = {"name": "get_time", "parameters": {
-    "type": "object", "required": ["zone"], "properties": {"zone": {"type": "string"}}}}
+# no "type" (an object all the same), a $ref inside, annotations, a property named "title"
+TIME = {"name": "get_time", "description": "The time in a zone.", "parameters": {
+    "$defs": {"Zone": {"enum": ["Europe/Paris", "UTC"], "description": "An IANA zone."}},
+    "required": ["zone"], "properties": {"zone": {"$ref": "#/$defs/Zone"},
+                                         "title": {"type": "boolean", "title": "Titled"}}}}
 
 
 @pytest.mark.parametrize("form", ["hermes", "llama3_json"])
@@ -125,10 +128,10 @@ def test_a_required_call_is_a_call_of_an_offered_function(
     e = engine(loaded)
     ask = tokenizer.encode(tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the weather in Paris, and the time there?"}]))
-    held = {"named": (forced_grammar([WEATHER], form, False), {"get_weather"}, False),
-            "required": (forced_grammar([WEATHER, TIME], form, False),
-                         {"get_weather", "get_time"}, False),
-            "parallel": (forced_grammar([WEATHER, TIME], form, True),
+    held = {"named": (forced_grammar([WEATHER], form), {"get_weather"}, False),
+            "required": (forced_grammar([WEATHER, TIME], form), {"get_weather", "get_time"},
+                         False),
+            "parallel": (forced_grammar([WEATHER, TIME], form, MOST_CALLS),
                          {"get_weather", "get_time"}, True)}
     requests = {(name, seed): e.add_request(f"{name}{seed}", ask, SamplingParams(
         max_tokens=400, grammar=grammar, temperature=1.0 if seed else 0.0, seed=seed))

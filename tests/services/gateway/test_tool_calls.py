@@ -15,7 +15,15 @@ from pydantic import ValidationError
 
 from services.gateway.openai_api import ChatRequest
 from services.gateway.routes import Call, Reply, collect, stream_events
-from services.gateway.tool_calls import Splitter, call_format, parse
+from services.gateway.tool_calls import (
+    MOST_CALLS,
+    Splitter,
+    arguments_schema,
+    bare,
+    call_format,
+    forced_grammar,
+    parse,
+)
 from shared.messages import Sampling, TokenChunk
 
 WEATHER = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -230,3 +238,31 @@ def test_a_streamed_llama_answer_goes_out_as_text_or_as_calls() -> None:
     assert names_and_arguments(deltas) == [("weather", {"city": "Paris"})]
     assert not any(c["delta"].get("content") for c in called)
     assert called[-1]["finish_reason"] == "tool_calls"
+
+
+def test_a_closing_tag_inside_a_calls_string_does_not_end_it() -> None:
+    code = '<tool_call>\n{"name": "run", "arguments": {"code": "print(\'</tool_call>\')"}}' \
+           '\n</tool_call>'
+    answer = parse(f"Running it.\n{code}")
+    assert answer.content == "Running it."
+    assert names_and_arguments(answer.calls) == [("run", {"code": "print('</tool_call>')"})]
+    assert parse('<tool_call>\n{"name": "run", "arguments": {}} and more\n</tool_call>').calls \
+        == []  # more than the call's JSON in its block: text, as written
+
+
+def test_a_forced_calls_grammar_reads_the_functions_as_the_decoding_needs_them() -> None:
+    """Annotations left out (a property named "title" kept), an object where the parameters
+    say no type, refused where they are no object; one call named, up to MOST_CALLS."""
+    described = {"type": "object", "description": "x", "title": "T", "$defs": {
+        "D": {"type": "integer", "description": "y"}}, "properties": {
+            "title": {"type": "string", "title": "t", "enum": [{"description": "kept"}]},
+            "d": {"$ref": "#/$defs/D"}}}
+    assert bare(described) == {"type": "object", "$defs": {"D": {"type": "integer"}},
+                               "properties": {"title": {"type": "string", "enum": [
+                                   {"description": "kept"}]}, "d": {"$ref": "#/$defs/D"}}}
+    assert arguments_schema({"name": "f", "parameters": {"properties": {}}})["type"] == "object"
+    with pytest.raises(ValueError, match="no object schema"):
+        arguments_schema({"name": "f", "parameters": {"type": "array"}})
+    one = forced_grammar([{"name": "f"}], "hermes")
+    several = forced_grammar([{"name": "f"}, {"name": "g"}], "llama3_json", MOST_CALLS)
+    assert "{0," not in one and f"{{0,{MOST_CALLS - 1}}}" in several

@@ -145,9 +145,11 @@ def test_a_message_that_cannot_be_read_is_refused_by_name(message: dict[str, obj
       "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools and response_format at once are not served"),
     ({"tool_choice": "required"}, "tool_choice required needs tools to call"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "which no tool offered"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "not among the tools"),
     ({"tool_choice": {"type": "function", "function": {"name": "g"}},
-      "tools": [{"type": "function", "function": {"name": "f"}}]}, "names 'g', which no tool"),
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "names 'g', which is not"),
+    ({"tool_choice": "required", "ignore_eos": True,
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "past the call"),
     ({"tool_choice": "always", "tools": [{"type": "function", "function": {"name": "f"}}]},
      'tool_choice takes "auto", "none", "required"'),
     ({"tool_choice": "required", "response_format": {"type": "json_object"},
@@ -1048,18 +1050,23 @@ def test_a_required_call_is_held_to_the_models_call_format() -> None:
         "type": "function", "function": {"name": "f"}}, "parallel_tool_calls": False})
     assert named.forced_functions == [tools[0]["function"]]
     hermes = asyncio.run(gateway.grammar(named, "hermes"))
-    assert "<tool_call>" in hermes and '"const": "f"' in hermes and '"g"' not in hermes
+    assert "<tool_call>" in hermes and '\\"name\\": \\"f\\"' in hermes
+    assert '\\"g\\"' not in hermes
     required = ChatRequest.model_validate(base | {"tool_choice": "required"})
     assert [f["name"] for f in required.forced_functions or []] == ["f", "g"]
     llama = asyncio.run(gateway.grammar(required, "llama3_json"))
-    assert '"parameters"' in llama and "{0,7}" in llama  # several calls, at most 8
+    assert '\\"parameters\\"' in llama and "{0,7}" in llama  # several calls, at most 8
     auto = ChatRequest.model_validate(base | {"tool_choice": "auto"})
     assert auto.forced_functions is None and asyncio.run(gateway.grammar(auto, "hermes")) == ""
-    bad = ChatRequest.model_validate(base | {"tool_choice": "required", "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]})
-    with pytest.raises(APIError, match="Invalid type: nope") as refused:
-        asyncio.run(gateway.grammar(bad, "hermes"))
-    assert refused.value.param == "tool_choice"
+    assert "{0," not in asyncio.run(gateway.grammar(named.model_copy(  # named: one call
+        update={"parallel_tool_calls": True}), "hermes"))
+    for parameters, says in (({"type": "object", "properties": {"x": {"type": "nope"}}},
+                              "Invalid type: nope"), ({"type": "array"}, "no object schema")):
+        bad = ChatRequest.model_validate(base | {"tool_choice": "required", "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": parameters}}]})
+        with pytest.raises(APIError, match=says) as refused:
+            asyncio.run(gateway.grammar(bad, "hermes"))
+        assert refused.value.param == "tool_choice"
 
 
 def test_the_formats_served_each_give_a_grammar() -> None:
