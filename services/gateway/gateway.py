@@ -430,7 +430,7 @@ class Gateway:
             return grammar
         try:
             return await asyncio.get_running_loop().run_in_executor(self.checks, checked)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: a schema nested too deep
             raise APIError(400, f"the answer cannot be held to this {param}: {e}",
                            param) from None
 

@@ -62,11 +62,12 @@ def json_grammar(schema: dict[str, Any] | str | None, strict: bool = False) -> s
     OpenAI's json_object). Not `strict`: keywords llguidance does not implement are ignored
     (the answer is still JSON); `strict`: they are errors (`Guides.check`), whatever the
     schema's own `x-guidance` says. ValueError: it is no JSON object, or too large."""
-    text = schema if isinstance(schema, str) else json.dumps(
-        {"type": "object"} if schema is None else schema)
-    return _built(lambda: LLMatcher.grammar_from_json_schema(
-        _bounded(text, "schema"), defaults=LAYOUT, overrides={"lenient": not strict}),
-        "schema")
+    def build() -> str:
+        text = schema if isinstance(schema, str) else json.dumps(
+            {"type": "object"} if schema is None else schema)
+        return LLMatcher.grammar_from_json_schema(
+            _bounded(text, "schema"), defaults=LAYOUT, overrides={"lenient": not strict})
+    return _built(build, "schema")
 
 
 def json_items_grammar(alternatives: Sequence[tuple[str, dict[str, Any], str]],
@@ -79,16 +80,18 @@ def json_items_grammar(alternatives: Sequence[tuple[str, dict[str, Any], str]],
     def text(literal: str) -> list[str]:
         return [json.dumps(literal)] if literal else []
 
-    options = LAYOUT | {"lenient": not strict}
-    lines = ["start: item" + (f" ({json.dumps(between)} item){{0,{most - 1}}}" if most > 1
-                              else ""),
-             " ".join(["item:", *text(before), "one", *text(after)]),
-             "one: " + " | ".join(f"alt{i}" for i in range(len(alternatives)))]
-    lines += [" ".join([f"alt{i}:", *text(pre), "%json " + json.dumps(
-        schema | {"x-guidance": options}), *text(post)])
-        for i, (pre, schema, post) in enumerate(alternatives)]
-    return _built(lambda: LLMatcher.grammar_from_lark(_bounded("\n".join(lines), "tool set")),
-                  "tool set")
+    def build() -> str:
+        options = LAYOUT | {"lenient": not strict}
+        lines = ["start: item" + (f" ({json.dumps(between)} item){{0,{most - 1}}}"
+                                  if most > 1 else ""),
+                 " ".join(["item:", *text(before), "one", *text(after)]),
+                 "one: " + " | ".join(f"alt{i}" for i in range(len(alternatives)))]
+        lines += [" ".join([f"alt{i}:", *text(pre), "%json " + json.dumps(
+            schema | {"x-guidance": options}), *text(post)])
+            for i, (pre, schema, post) in enumerate(alternatives)]
+        return LLMatcher.grammar_from_lark(
+            _bounded("\n".join(lines), "tool set"))
+    return _built(build, "tool set")
 
 
 def regex_grammar(regex: str) -> str:
@@ -123,7 +126,7 @@ def _built(build: Callable[[], str], what: str) -> str:
         grammar = build()
     except ValueError:
         raise
-    except Exception as e:  # the converters' own: a parse error, a recursion
+    except Exception as e:  # the converters' own: a parse error, a schema nested too deep
         raise ValueError(f"{type(e).__name__}: {e}") from None
     return _bounded(grammar, f"{what} as a grammar")
 

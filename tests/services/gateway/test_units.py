@@ -1002,6 +1002,13 @@ def _chain(depth: int) -> dict[str, Any]:
     return {"$defs": defs, "$ref": f"#/$defs/d{depth - 1}"}
 
 
+def nested(depth: int) -> dict[str, Any]:
+    value: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        value = {"type": "object", "properties": {"a": value}}
+    return value
+
+
 def schema(value: Any, **spec: Any) -> dict[str, Any]:
     return {"response_format": {"type": "json_schema", "json_schema": {"schema": value, **spec}}}
 
@@ -1026,14 +1033,17 @@ def schema(value: Any, **spec: Any) -> dict[str, Any]:
     ({"guided_regex": "("}, "guided_regex", "unclosed group"),
     ({"guided_choice": []}, "guided_choice", "one or more non-empty strings"),
     ({"guided_json": "{not json"}, "guided_json", "key must be a string"),
+    (schema(nested(2000)), "response_format", "recursion"),  # deeper than Python encodes
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": nested(2000)}}]}, "tool_choice", "recursion"),
 ])
 def test_a_format_no_answer_can_be_held_to_is_a_400_naming_it(body: dict[str, Any],
                                                                param: str, says: str) -> None:
     gateway = Gateway(GatewaySettings())
     asked = ChatRequest.model_validate(
         {"model": "m", "messages": [{"role": "user", "content": "hi"}]} | body)
-    with pytest.raises(APIError) as refused:
-        asyncio.run(gateway.grammar(asked))
+    with pytest.raises(APIError) as refused:  # (a model whose calls are Hermes')
+        asyncio.run(gateway.grammar(asked, "hermes"))
     assert refused.value.status == 400 and refused.value.param == param
     assert says in refused.value.message and param in refused.value.message
 
