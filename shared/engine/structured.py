@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# the JSON text's layout: Python's json.dumps' (", " and ": ", no newlines); JSON allowing
-# any whitespace lets a small model spend its tokens on blank lines
+# the JSON text's layout: Python's json.dumps' (", " and ": ", no newlines); whitespace left
+# free is where a small model can wander, a blank line at a time, until its tokens run out
 LAYOUT: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ",
                               "key_separator": ": "}
 
