@@ -332,10 +332,7 @@ class DecodeService(Worker):
             await self._give_up(ready, grant, f"KV transfer failed: {e}")
         except RequestRejected as e:  # its format: no instance can serve it, so no move
             self._pulled(ready.request_id)
-            await self._free(grant)
-            await self.send(TokenChunk(request_id=ready.request_id, source=self.id,
-                                       seq=len(ready.output_ids), attempt=ready.attempt,
-                                       error=str(e), refused=True))
+            await self._give_up(ready, grant, str(e), refused=True)
         except Exception as e:  # a bug: still, the blocks must not leak nor the request hang
             log.exception("import of %s failed", ready.request_id)
             self._pulled(ready.request_id)
@@ -362,12 +359,14 @@ class DecodeService(Worker):
         await self._on_pool(self.engine.free, grant.blocks)
         self.room.set()
 
-    async def _give_up(self, ready: KvReady, grant: Grant, error: str) -> None:
-        """Free the blocks taken for a pull that failed and ask the gateway to move it."""
+    async def _give_up(self, ready: KvReady, grant: Grant, error: str,
+                       refused: bool = False) -> None:
+        """Free the blocks taken for a pull that failed and ask the gateway to move it; or,
+        `refused`, tell it the request cannot be served anywhere (a 400)."""
         await self._free(grant)
         await self.send(TokenChunk(request_id=ready.request_id, source=self.id,
                                    seq=len(ready.output_ids), attempt=ready.attempt,
-                                   retry=True, error=error))
+                                   retry=not refused, refused=refused, error=error))
 
     def _release(self, ready: KvReady) -> None:
         """Tell the prefill instance it may free the request's KV (after its retention), in
