@@ -3,12 +3,15 @@ sends), served as the chat completion it amounts to, and pure (no I/O): the requ
 the chat request it becomes, and the answer and its stream of events shaped from the chat
 answer's.
 
-Served: `input` as text or as messages (text parts), `instructions`, `max_output_tokens`,
-`temperature`, `top_p`, `stream`, `metadata`, logprobs (`include:
-["message.output_text.logprobs"]`, with `top_logprobs` of the likeliest), `text.format` (JSON,
-or JSON valid against a schema: the chat's response_format). Refused with a 400 that says so
-(UNSERVED): what needs state kept on the server (`previous_response_id`, `conversation`, a
-stored `prompt`, `background`; nothing is stored, and `store` reads back false), and tools."""
+Served: `input` as text or as items: messages (text parts), and an agent's function calls
+and their outputs sent back; `instructions`, `max_output_tokens`, `temperature`, `top_p`,
+`stream`, `metadata`, logprobs (`include: ["message.output_text.logprobs"]`, with
+`top_logprobs` of the likeliest), `text.format` (JSON, or JSON valid against a schema: the
+chat's response_format), function `tools` with `tool_choice` and `parallel_tool_calls` (the
+chat's tools: the calls an answer makes are output items of their own). Refused with a 400
+that says so (UNSERVED): what needs state kept on the server (`previous_response_id`,
+`conversation`, a stored `prompt`, `background`; nothing is stored, and `store` reads back
+false), and tools other than functions (OpenAI's hosted ones: web search, file search...)."""
 
 from __future__ import annotations
 
@@ -20,9 +23,20 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (
+    Discriminator,
+    Field,
+    PrivateAttr,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from services.gateway.openai_api import (
+    MAX_TOOLS,
+    ChatRequest,
+    FunctionSpec,
     Int,
     JSONModel,
     ParamError,
@@ -41,6 +55,13 @@ CHAT_PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_
                "messages": "input", "response_format": "text.format"}
 
 
+def in_its_words(param: str | None, message: str) -> tuple[str | None, str]:
+    """An error the chat request met, told in the Responses API's words."""
+    return (CHAT_PARAMS.get(param or "", param),
+            message.replace("max_tokens", "max_output_tokens").replace(
+                "response_format", "text.format"))
+
+
 class InputText(JSONModel):
     type: Literal["input_text", "output_text"]
     text: Text
@@ -57,6 +78,64 @@ class InputMessage(JSONModel):
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else \
             "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(JSONModel):
+    """A call the model made, sent back in the input (an earlier response's output item)."""
+
+    type: Literal["function_call"]
+    call_id: Text
+    name: Text
+    arguments: Text
+
+    def chat(self) -> dict[str, Any]:
+        """The call as a chat's assistant message carries it."""
+        return {"id": self.call_id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class FunctionCallOutputItem(JSONModel):
+    """What a call gave back, for the model to read: a chat's tool message."""
+
+    type: Literal["function_call_output"]
+    call_id: Text
+    output: Text | list[InputText]
+
+    @field_validator("output", mode="before")
+    @classmethod
+    def _text_only(cls, output: Any) -> Any:
+        return text_only(output, TEXT_PARTS)
+
+    @property
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else \
+            "".join(p.text for p in self.output)
+
+
+ITEMS = {"message", "function_call", "function_call_output"}  # what `input` may hold
+
+
+def _item_kind(item: Any) -> Any:
+    return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
+
+
+Item = Annotated[Annotated[InputMessage, Tag("message")]
+                 | Annotated[FunctionCallItem, Tag("function_call")]
+                 | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                 Discriminator(_item_kind)]
+
+
+class FunctionTool(FunctionSpec):
+    """A function the model may call, in the Responses API's form (the chat's spec beside
+    its type)."""
+
+    type: Literal["function"]
+    strict: bool | None = None  # the arguments held to parameters' keywords, every one
+
+    def chat(self) -> dict[str, Any]:
+        """The chat's tool."""
+        return {"type": "function",
+                "function": self.model_dump(exclude={"type"}, exclude_none=True)}
 
 
 class TextFormat(JSONModel):
@@ -92,8 +171,8 @@ class TextConfig(JSONModel):
     format: TextFormat = TextFormat()
 
 
-# text, or messages: a mistake inside a message is told as that, not as "not a string"
-Input = Annotated[Annotated[Text, Tag("str")] | Annotated[list[InputMessage], Tag("list")],
+# text, or items: a mistake inside a message is told as that, not as "not a string"
+Input = Annotated[Annotated[Text, Tag("str")] | Annotated[list[Item], Tag("list")],
                   Discriminator(lambda v: "str" if isinstance(v, str) else "list")]
 
 
@@ -116,31 +195,74 @@ class ResponsesRequest(RequestBody):
     conversation: Text | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
     background: bool = False
-    tools: list[dict[str, Any]] | None = None
+    tools: list[FunctionTool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
+    _chat: ChatRequest | None = PrivateAttr(default=None)  # the chat request this asks for
 
     @field_validator("input", mode="before")
     @classmethod
     def _messages_of_text(cls, items: Any) -> Any:
-        """An empty input, items other than messages (a function call's output, a reasoning
-        item) and parts other than text get a 400 that says so."""
+        """An empty input, items other than messages and function calls with their outputs
+        (a reasoning item, a hosted tool's call) and parts other than text get a 400 that
+        says so."""
         if items in ("", []):
             raise ValueError("the input is empty")
         for item in items if isinstance(items, list) else []:
             if not isinstance(item, dict):
                 continue
-            if (kind := item.get("type", "message")) != "message":
+            if (kind := item.get("type", "message")) not in ITEMS:
                 raise ValueError(f"input items of type '{str(kind)[:64]}' are not served: "
-                                 "send messages (text)")
-            text_only(item.get("content"), TEXT_PARTS)
+                                 "send messages (text), function calls and their outputs")
+            if kind == "message":
+                text_only(item.get("content"), TEXT_PARTS)
         return items
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _functions(cls, tools: Any) -> Any:
+        """Hosted tools (web search, file search, a computer, MCP servers...) are OpenAI's
+        to run: a 400 that says so."""
+        for tool in tools if isinstance(tools, list) else []:
+            if isinstance(tool, dict) and (kind := tool.get("type")) != "function":
+                raise ParamError("tools", f"tools of type '{str(kind)[:64]}' are not served: "
+                                 "this server offers function tools (type function)")
+        return tools
 
     @model_validator(mode="after")
     def _served(self) -> ResponsesRequest:
         for param, asks, why in UNSERVED:
             if asks(self):
                 raise ParamError(param, why)
+        self.chat_tool_choice()
+        try:  # what the chat refuses (a tool_choice naming no tool offered) is refused here
+            self._chat = ChatRequest.model_validate(self.chat())
+        except ValidationError as e:
+            first = e.errors()[0]
+            refused = first.get("ctx", {}).get("error")
+            param = refused.param if isinstance(refused, ParamError) else \
+                ".".join(str(part) for part in first["loc"][:1])
+            raise ParamError(*in_its_words(param, str(first["msg"]).removeprefix(
+                "Value error, "))) from None  # type: ignore[arg-type]
         return self
+
+    @property
+    def chat_request(self) -> ChatRequest:
+        """The chat completion request this asks for, as the chat route reads it."""
+        assert self._chat is not None  # read by the validator
+        return self._chat
+
+    def chat_tool_choice(self) -> str | dict[str, Any] | None:
+        """tool_choice as the chat takes it: a function named is {"type": "function",
+        "function": {"name": ...}} there. ParamError for a choice of another kind (allowed
+        tools, a hosted tool)."""
+        choice = self.tool_choice
+        if choice is None or choice in ("auto", "none", "required"):
+            return choice
+        if isinstance(choice, dict) and choice.get("type") == "function" and \
+                isinstance(name := choice.get("name"), str):
+            return {"type": "function", "function": {"name": name}}
+        raise ParamError("tool_choice", 'tool_choice takes "auto", "none", "required" or '
+                         '{"type": "function", "name": ...}')
 
     @property
     def logprobs(self) -> bool:
@@ -150,15 +272,28 @@ class ResponsesRequest(RequestBody):
 
     def chat(self) -> dict[str, Any]:
         """The chat completion request this asks for (a streamed one counts its usage)."""
-        messages = [{"role": "system", "content": self.instructions}] \
+        messages: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] \
             if self.instructions else []
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
-        else:
-            messages += [{"role": m.role, "content": m.text} for m in self.input]
+        for item in self.input if isinstance(self.input, list) else []:
+            if isinstance(item, InputMessage):
+                messages.append({"role": item.role, "content": item.text})
+            elif isinstance(item, FunctionCallOutputItem):
+                messages.append({"role": "tool", "tool_call_id": item.call_id,
+                                 "content": item.text})
+            else:  # a call: its turn's, with the text and calls before it in that turn
+                if not messages or messages[-1]["role"] != "assistant":
+                    messages.append({"role": "assistant", "content": None})
+                messages[-1].setdefault("tool_calls", []).append(item.chat())
         body: dict[str, Any] = {"model": self.model, "messages": messages,
                                 "temperature": self.temperature, "top_p": self.top_p,
                                 "stream": self.stream}
+        if self.tools:
+            body |= {"tools": [tool.chat() for tool in self.tools],
+                     "parallel_tool_calls": self.parallel_tool_calls}
+        if self.tool_choice is not None:
+            body["tool_choice"] = self.chat_tool_choice()
         if self.max_output_tokens is not None:
             body["max_completion_tokens"] = self.max_output_tokens
         if self.stream:
@@ -183,10 +318,6 @@ UNSERVED: tuple[tuple[str, Callable[[ResponsesRequest], bool], str], ...] = (
      "stored prompts are not served: send the prompt's text as instructions or input"),
     ("background", lambda r: r.background,
      "background responses are not served (nothing is stored to poll): leave background out"),
-    ("tools", lambda r: bool(r.tools),
-     "tools are not served on /v1/responses; /v1/chat/completions offers them"),
-    ("tool_choice", lambda r: r.tool_choice not in (None, "auto", "none"),
-     "no tools are served on /v1/responses: send tool_choice auto or none"),
 )
 
 
@@ -195,9 +326,9 @@ Status = Literal["in_progress", "completed", "incomplete", "failed"]
 
 @dataclass
 class Shape:
-    """How one response's objects read: its ids (`resp_` and `msg_` before the request's
-    own id, which finds its trace), the request's parameters shown back, when it began
-    (Unix seconds)."""
+    """How one response's objects read: its ids (`resp_`, `msg_` and a call's `fc_` before
+    the request's own id, which finds its trace), the request's parameters shown back, when
+    it began (Unix seconds)."""
 
     request: ResponsesRequest
     request_id: str
@@ -229,7 +360,8 @@ class Shape:
             "model": r.model, "output": output, "parallel_tool_calls": r.parallel_tool_calls,
             "previous_response_id": None, "store": False, "temperature": r.temperature,
             "text": {"format": r.text.format.shown()}, "tool_choice": r.tool_choice or "auto",
-            "tools": [], "top_p": r.top_p, "top_logprobs": r.top_logprobs or 0,
+            "tools": [tool.model_dump(exclude_none=True) for tool in r.tools or []],
+            "top_p": r.top_p, "top_logprobs": r.top_logprobs or 0,
             "truncation": "disabled",
             "usage": None if usage is None else self.usage(usage),
             "metadata": r.metadata or {}}
@@ -239,6 +371,16 @@ class Shape:
         """The answer's message; `text` None: not begun (no content part yet)."""
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant",
                 "content": [] if text is None else [text_part(text, logprobs)]}
+
+    def call(self, call: dict[str, Any], index: int, status: Status = "completed"
+             ) -> dict[str, Any]:
+        """The answer's `index`th call (a chat's tool call) as an output item of its own;
+        in progress: its arguments not given yet."""
+        function = call["function"]
+        return {"type": "function_call", "id": f"fc_{self.request_id}_{index}",
+                "call_id": call["id"], "name": function["name"],
+                "arguments": function["arguments"] if status != "in_progress" else "",
+                "status": status}
 
     @staticmethod
     def usage(chat: dict[str, Any]) -> dict[str, Any]:
@@ -250,11 +392,15 @@ class Shape:
                 "total_tokens": chat["total_tokens"]}
 
     def answer(self, chat: dict[str, Any]) -> dict[str, Any]:
-        """The response to return, from the chat completion's answer."""
+        """The response to return, from the chat completion's answer: its text a message
+        (none where the answer is calls alone), then each call an item."""
         first = chat["choices"][0]
-        status = ended(first["finish_reason"])
-        message = self.message(first["message"]["content"] or "", status, tokens_of(first))
-        return self.response(status, [message], chat["usage"])
+        status, said = ended(first["finish_reason"]), first["message"]
+        calls = said.get("tool_calls") or []
+        output = [self.message(said["content"] or "", status, tokens_of(first))] \
+            if said["content"] or not calls else []
+        output += [self.call(call, i) for i, call in enumerate(calls)]
+        return self.response(status, output, chat["usage"])
 
 
 def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -275,18 +421,18 @@ def ended(finish_reason: str | None) -> Status:
 async def events(shape: Shape, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
     """The streamed response, as server-sent events (each named, with its type and a
     sequence number), from the chat answer's chunks (`routes.chunk_events`, closed here
-    however this ends): the response created and in progress, the message and its text part
-    added, each piece of text, then the text, part, message and response done; a chat error
-    ends it as response.failed."""
+    however this ends): the response created and in progress; at the first text the message
+    and its text part added, then each piece of text; at the end the text, part and message
+    done (a message added there where the answer has neither text nor calls), each call
+    the answer made added, its arguments given, and done, and the response done. A chat
+    error ends it as response.failed."""
     event, where = Events(), shape.where
     yield event("response.created", response=shape.response("in_progress", []))
     yield event("response.in_progress", response=shape.response("in_progress", []))
-    yield event("response.output_item.added", output_index=0,
-                item=shape.message(None, "in_progress"))
-    yield event("response.content_part.added", part=text_part(""), **where)
     pieces: list[str] = []
     shown: list[dict[str, Any]] = []  # the tokens' logprobs, each with its text's delta
     waiting: list[dict[str, Any]] = []  # those of tokens whose text has not come yet
+    calls: list[dict[str, Any]] = []  # the chat's tool calls (all in its last chunks)
     finish, usage = None, None
     async with contextlib.aclosing(chunks):  # type: ignore[type-var]
         async for chunk in chunks:
@@ -300,15 +446,23 @@ async def events(shape: Shape, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIt
             for choice in chunk["choices"]:
                 waiting += tokens_of(choice)
                 if piece := choice["delta"].get("content"):
+                    if not pieces:
+                        for added in opening(shape, event):
+                            yield added
                     pieces.append(piece)
                     yield event("response.output_text.delta", delta=piece, logprobs=waiting,
                                 **where)
                     shown, waiting = shown + waiting, []
+                calls += choice["delta"].get("tool_calls") or []
                 finish = choice["finish_reason"] or finish
             usage = chunk.get("usage") or usage
+    if not pieces and not calls:  # an empty answer is an empty message
+        for added in opening(shape, event):
+            yield added
     # the end repeats every token's logprobs four times: thousands, each with its top ones,
     # take a fraction of a second that every other stream would wait (routes.shown)
-    end = (shape, event, "".join(pieces), ended(finish), usage, shown + waiting)
+    text = "".join(pieces) if pieces or not calls else None
+    end = (shape, event, text, calls, ended(finish), usage, shown + waiting)
     for done in await asyncio.to_thread(closing, *end) if shown or waiting else closing(*end):
         yield done
 
@@ -324,12 +478,36 @@ class Events:
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
 
-def closing(shape: Shape, event: Events, text: str, status: Status,
-            usage: dict[str, Any] | None, logprobs: list[dict[str, Any]]) -> list[str]:
-    """The events that end a stream whose text is all there: the text, its part, the
-    message and the response done."""
-    where, message = shape.where, shape.message(text, status, logprobs)
-    return [event("response.output_text.done", text=text, logprobs=logprobs, **where),
-            event("response.content_part.done", part=text_part(text, logprobs), **where),
-            event("response.output_item.done", output_index=0, item=message),
-            event(f"response.{status}", response=shape.response(status, [message], usage))]
+def opening(shape: Shape, event: Events) -> list[str]:
+    """The message and its text part added (the first item of the output)."""
+    return [event("response.output_item.added", output_index=0,
+                  item=shape.message(None, "in_progress")),
+            event("response.content_part.added", part=text_part(""), **shape.where)]
+
+
+def closing(shape: Shape, event: Events, text: str | None, calls: list[dict[str, Any]],
+            status: Status, usage: dict[str, Any] | None, logprobs: list[dict[str, Any]]
+            ) -> list[str]:
+    """The events that end a stream whose text and calls are all there: the text, its part
+    and the message done (`text` None: no message), each call added, its arguments given
+    and done, and the response done."""
+    where, output, done = shape.where, [], []
+    if text is not None:
+        message = shape.message(text, status, logprobs)
+        output.append(message)
+        done += [event("response.output_text.done", text=text, logprobs=logprobs, **where),
+                 event("response.content_part.done", part=text_part(text, logprobs), **where),
+                 event("response.output_item.done", output_index=0, item=message)]
+    for i, call in enumerate(calls):
+        at, item = len(output), shape.call(call, i)
+        place = {"item_id": item["id"], "output_index": at}
+        output.append(item)
+        done += [event("response.output_item.added", output_index=at,
+                       item=shape.call(call, i, "in_progress")),
+                 event("response.function_call_arguments.delta", delta=item["arguments"],
+                       **place),
+                 event("response.function_call_arguments.done", arguments=item["arguments"],
+                       **place),
+                 event("response.output_item.done", output_index=at, item=item)]
+    return [*done, event(f"response.{status}",
+                         response=shape.response(status, output, usage))]

@@ -558,12 +558,10 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.post("/v1/responses")
     async def respond_to(req: ResponsesRequest, request: Request) -> Any:
-        try:  # a request read as a response is a chat request (what fails there is a bug)
-            reply, tickets = await begin(ChatRequest.model_validate(req.chat()))
+        try:
+            reply, tickets = await begin(req.chat_request)
         except APIError as e:  # told in the Responses API's words
-            e.param = responses.CHAT_PARAMS.get(e.param or "", e.param)
-            e.message = e.message.replace("max_tokens", "max_output_tokens").replace(
-                "response_format", "text.format")
+            e.param, e.message = responses.in_its_words(e.param, e.message)
             raise
         shape = Shape(req, reply.calls[0].request_id, int(time.time()))
         if req.stream:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -136,3 +137,56 @@ def test_a_required_tool_call_is_made(dir_stack: Stack) -> None:
     assert len(calls) == 1 and calls[0].function is not None
     assert calls[0].function.name in ("get_weather", "get_time")
     json.loads(calls[0].function.arguments or "")
+
+
+def function_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A chat's tool in the Responses API's form: the function's spec beside its type."""
+    return {"type": "function"} | tool["function"]
+
+
+def test_an_agent_calls_a_function_and_reads_its_output_through_the_responses_api(
+        dir_stack: Stack) -> None:
+    """The openai client's `responses.create` and `responses.stream` with function tools, as
+    an agent drives them: the call the answer must make is an output item of its own (the
+    client's stream helper assembles it from the events); the answer's items and the call's
+    output sent back as input get the answer the same conversation gets as a chat."""
+    c = openai.OpenAI(base_url=f"{dir_stack.url}/v1", api_key="unused", timeout=120)
+    asked = "What is the weather in Paris?"
+    tools: Any = [function_tool(WEATHER), function_tool(CLOCK)]
+    answer = c.responses.create(model=NAME, input=asked, tools=tools, temperature=0,
+                                tool_choice={"type": "function", "name": "get_weather"},
+                                max_output_tokens=60)
+    assert answer.status == "completed" and [item.type for item in answer.output] == \
+        ["function_call"]
+    call = answer.output[0]
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert set(json.loads(call.arguments)) == {"city"}
+    with c.responses.stream(model=NAME, input=asked, tools=tools, tool_choice="required",
+                            temperature=0, max_output_tokens=60,
+                            parallel_tool_calls=False) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.done" in kinds
+    assert [item.type for item in final.output] == ["function_call"]
+    assert final.output[0].name in ("get_weather", "get_time")  # type: ignore[union-attr]
+    json.loads(final.output[0].arguments)  # type: ignore[union-attr]
+
+    sent_back: Any = [{"role": "user", "content": asked},
+                      *(item.model_dump(exclude_none=True) for item in answer.output),
+                      {"type": "function_call_output", "call_id": call.call_id,
+                       "output": "Sunny, 21 C."}]
+    followed = c.responses.create(model=NAME, input=sent_back, tools=tools,
+                                  temperature=0, max_output_tokens=24)
+    as_chat = c.chat.completions.create(
+        model=NAME, tools=[WEATHER, CLOCK], temperature=0, max_tokens=24,  # type: ignore
+        messages=[{"role": "user", "content": asked},
+                  {"role": "assistant", "tool_calls": [{
+                      "id": call.call_id, "type": "function",
+                      "function": {"name": call.name, "arguments": call.arguments}}]},
+                  {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C."}])
+    chat_said = as_chat.choices[0].message  # text, or (auto) calls, the same either way
+    assert followed.output_text == (chat_said.content or "")
+    assert [item.name for item in followed.output if item.type == "function_call"] == \
+        [tc.function.name for tc in chat_said.tool_calls or []]  # type: ignore[union-attr]
+    assert followed.usage is not None and as_chat.usage is not None
+    assert followed.usage.input_tokens == as_chat.usage.prompt_tokens

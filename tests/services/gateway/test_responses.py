@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from services.gateway.openai_api import ChatRequest
 from services.gateway.responses import ResponsesRequest, Shape, events
 
 
@@ -63,8 +64,12 @@ def test_a_text_format_is_the_chats_response_format_and_shown_back() -> None:
 @pytest.mark.parametrize(("fields", "says"), [
     ({"input": ""}, "the input is empty"),
     ({"input": []}, "the input is empty"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "4"}]},
-     "input items of type 'function_call_output' are not served"),
+    ({"input": [{"type": "reasoning", "summary": []}]},
+     "input items of type 'reasoning' are not served"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [
+        {"type": "input_image", "image_url": "x"}]}]},
+     "a content part of type 'input_image' cannot be served"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "Field required"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "a content part of type 'input_image' cannot be served"),
     ({"input": [{"role": "user"}]}, "Field required"),  # not "should be a valid string"
@@ -75,8 +80,16 @@ def test_a_text_format_is_the_chats_response_format_and_shown_back() -> None:
     ({"prompt": {"id": "pmpt_1"}}, "stored prompts are not served"),
     ({"text": {"format": "text"}}, "valid dictionary"),  # a 400, not a 500
     ({"background": True}, "background responses are not served"),
-    ({"tools": [{"type": "function", "name": "f"}]}, "/v1/chat/completions offers them"),
-    ({"tool_choice": "required"}, "send tool_choice auto or none"),
+    ({"tools": [{"type": "web_search"}]}, "tools of type 'web_search' are not served"),
+    ({"tools": [{"type": "function", "name": "a b"}]}, "should match pattern"),
+    ({"tool_choice": {"type": "file_search"}}, 'tool_choice takes "auto", "none"'),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice takes"),
+    # what the chat it amounts to refuses, in the Responses API's words
+    ({"tool_choice": "required"}, "tool_choice required needs tools to call"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {
+        "type": "function", "name": "g"}}, "names 'g', which is not among the tools"),
+    ({"tools": [{"type": "function", "name": "f"}], "text": {"format": {
+        "type": "json_object"}}}, "tools and text.format at once are not served"),
     ({"text": {"format": {"type": "xml"}}}, "'text', 'json_object' or 'json_schema'"),
     ({"max_output_tokens": "5"}, "valid integer"),
     ({"top_logprobs": 21}, "less than or equal to 20"),
@@ -94,6 +107,74 @@ def test_what_asks_for_nothing_unserved_is_accepted() -> None:
                     text={"format": {"type": "text"}, "verbosity": "low"}, metadata={"k": "v"},
                     temperature=None, include=["reasoning.encrypted_content"], top_logprobs=0)
     assert asked.temperature == 1.0 and asked.metadata == {"k": "v"}
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather now.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+           "strict": True}
+CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+        "arguments": '{"city": "Paris"}'}
+
+
+def test_an_agents_turns_become_the_chats_messages_and_its_tools_the_chats() -> None:
+    """Calls sent back join their turn's text (the output items of one answer), or make an
+    assistant turn of their own; each output is a tool message answering its call. The
+    chat request it becomes is one the chat route takes."""
+    said = {"type": "message", "role": "assistant", "status": "completed",
+            "id": "msg_1", "content": [{"type": "output_text", "text": "Let me look.",
+                                        "annotations": []}]}
+    asked = request(tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
+                    parallel_tool_calls=False,
+                    input=[{"role": "user", "content": "Weather in Paris and Rome?"}, said,
+                           CALL, CALL | {"call_id": "call_2", "arguments": '{"city": "Rome"}'},
+                           {"type": "function_call_output", "call_id": "call_1",
+                            "output": "sunny"},
+                           {"type": "function_call_output", "call_id": "call_2", "output": [
+                               {"type": "input_text", "text": "rain"}]},
+                           CALL | {"call_id": "call_3"}])
+    chat = asked.chat()
+    assert chat["messages"] == [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_2", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_3", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Paris"}'}}]}]
+    assert chat["tools"] == [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather now.",
+        "parameters": WEATHER["parameters"], "strict": True}}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert chat["parallel_tool_calls"] is False
+    read = ChatRequest.model_validate(chat)
+    assert read.forced_functions == [chat["tools"][0]["function"]]
+    assert read.messages[1].for_template()["tool_calls"][0]["function"]["arguments"] == \
+        {"city": "Paris"}  # as templates read a call
+    for choice in ("auto", "none", "required"):
+        assert request(tools=[WEATHER], tool_choice=choice).chat()["tool_choice"] == choice
+    assert "tools" not in request().chat() and "tool_choice" not in request().chat()
+
+
+def test_an_answers_calls_are_output_items_of_their_own() -> None:
+    shape = Shape(request(tools=[WEATHER]), "abc", created_at=5)
+    call = {"id": "call_9", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    answer = chat_answer("", "tool_calls")
+    answer["choices"][0]["message"] |= {"content": None, "tool_calls": [call, call]}
+    done = shape.answer(answer)
+    assert done["status"] == "completed" and done["tools"] == [WEATHER]
+    assert done["output"] == [
+        {"type": "function_call", "id": f"fc_abc_{i}", "call_id": "call_9",
+         "name": "get_weather", "arguments": '{"city": "Oslo"}', "status": "completed"}
+        for i in range(2)]
+    answer["choices"][0]["message"]["content"] = "Checking."
+    said, *calls = shape.answer(answer)["output"]
+    assert said["type"] == "message" and said["content"][0]["text"] == "Checking."
+    assert [c["id"] for c in calls] == ["fc_abc_0", "fc_abc_1"]
 
 
 def chat_answer(text: str, finish: str) -> dict[str, Any]:
@@ -202,6 +283,56 @@ def test_a_streams_logprobs_go_with_the_text_they_score() -> None:
     seen = streamed(shape, delta("Hel", tokens=[a]), delta(finish="length", tokens=[b]))
     assert [data["logprobs"] for name, data in seen if name.endswith(".delta")] == [[a]]
     assert dict(seen)["response.output_text.done"]["logprobs"] == [a, b]
+
+
+def calls_chunk(*calls: dict[str, Any], text: str | None = None) -> dict[str, Any]:
+    """A chat stream's chunk of calls, as routes.chunk_events sends them."""
+    said = {"tool_calls": [{"index": i} | c for i, c in enumerate(calls)]}
+    return {"choices": [{"index": 0, "delta": said | ({} if text is None else
+                                                      {"content": text}),
+                         "finish_reason": None}]}
+
+
+def test_a_streams_calls_come_after_its_text_each_an_item_given_whole() -> None:
+    """The message is added at the first text and done before the calls; each call is
+    added, its arguments given, and done, at the output index after the items before it;
+    an answer of calls alone has no message."""
+    shape = Shape(request(stream=True, tools=[WEATHER]), "abc", 5)
+    first = {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    second = {"id": "call_2", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    seen = streamed(shape, delta("Sure."), calls_chunk(first, second),
+                    delta(finish="tool_calls"))
+    call_events = ["response.output_item.added", "response.function_call_arguments.delta",
+                   "response.function_call_arguments.done", "response.output_item.done"]
+    assert [name for name, _ in seen] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", *call_events, *call_events, "response.completed"]
+    assert [data["sequence_number"] for _, data in seen] == list(range(len(seen)))
+    added = [data for name, data in seen if name == "response.output_item.added"]
+    assert [(a["output_index"], a["item"]["type"], a["item"].get("arguments")) for a in added] \
+        == [(0, "message", None), (1, "function_call", ""), (2, "function_call", "")]
+    given = [data for name, data in seen if name.startswith("response.function_call")]
+    assert [(g["output_index"], g["item_id"], g.get("delta", g.get("arguments")))
+            for g in given] == [(1, "fc_abc_0", '{"city": "Oslo"}')] * 2 + \
+        [(2, "fc_abc_1", '{"city": "Rome"}')] * 2
+    final = seen[-1][1]["response"]
+    assert [item["type"] for item in final["output"]] == ["message", "function_call",
+                                                          "function_call"]
+    assert final["output"][2]["call_id"] == "call_2" and final["status"] == "completed"
+    alone = streamed(shape, calls_chunk(first), delta(finish="tool_calls"))
+    assert [name for name, _ in alone] == ["response.created", "response.in_progress",
+                                           *call_events, "response.completed"]
+    assert alone[2][1]["output_index"] == 0
+    assert alone[-1][1]["response"]["output"] == [shape.call(first, 0)]
+    # an answer with neither text nor calls is an empty message, as without tools
+    empty = streamed(shape, delta(finish="stop"))
+    assert empty[-1][1]["response"]["output"][0]["content"][0]["text"] == ""
+    assert [name for name, _ in empty][2:4] == ["response.output_item.added",
+                                                "response.content_part.added"]
 
 
 def test_a_stream_cut_by_its_limit_ends_incomplete_and_one_that_fails_as_failed() -> None:

@@ -555,6 +555,11 @@ def test_a_probe_of_a_path_or_method_not_served_is_not_a_rejected_request() -> N
     ("/v1/responses", {"previous_response_id": "resp_1"}, "previous_response_id",
      "not stored"),
     ("/v1/responses", {"max_output_tokens": 0}, "max_output_tokens", "greater than or equal"),
+    ("/v1/responses", {"tools": [{"type": "web_search"}]}, "tools", "are not served"),
+    ("/v1/responses", {"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ("/v1/responses", {"tools": [{"type": "function", "name": "f"}],
+                       "text": {"format": {"type": "json_object"}}}, "text.format",
+     "tools and text.format"),
 ])
 def test_a_refusal_names_the_parameter_to_blame(path: str, body: dict[str, Any], param: str,
                                                 says: str) -> None:
