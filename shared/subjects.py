@@ -109,3 +109,9 @@ CALIBRATION_KEY = f"{PREFIX}:profiler:calibration"  # the latency model's scales
 def ready_key(service: str) -> str:
     """Set by a control service (profiler, planner) once it listens; removed when it stops."""
     return f"{PREFIX}:ready:{service}"
+
+
+def stored_response(response_id: str) -> str:
+    """A response of /v1/responses kept for the conversation it goes on (the gateway's
+    ResponseStore), with an expiry."""
+    return f"{PREFIX}:response:{response_id}"

@@ -146,7 +146,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                        protect_metrics=settings.protect_metrics,
                        max_body_bytes=settings.max_body_bytes)
     if origins := settings.origins():  # outside the door: a preflight carries no key
-        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
+        app.add_middleware(CORSMiddleware, allow_origins=origins,
+                           allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["*"], max_age=600)
     return app
 

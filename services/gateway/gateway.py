@@ -31,6 +31,7 @@ from services.gateway import tool_calls
 from services.gateway.ledger import Booking, Ledger, Overloaded, Ticket
 from services.gateway.metrics import Metrics
 from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
+from services.gateway.stored import ResponseStore
 from services.gateway.stream import GaveUp, Lost, Relay
 from services.gateway.timing import RequestTiming
 from services.gateway.view import InstanceView, stuck, stuck_for, unstuck
@@ -97,6 +98,9 @@ class GatewaySettings(BaseSettings):
     # comma-separated origins whose web pages may call the API ("*": any); none: no CORS
     cors_origins: str = ""
     run_dir: str | None = None  # traces go here as JSON lines (unless OTLP is configured)
+    # how long a /v1/responses answer is kept (in Redis) after it was last used, for a
+    # previous_response_id and GET /v1/responses/{id}; 0: none is
+    responses_ttl_s: int = Field(default=3600, ge=0)
 
     @property
     def served_model(self) -> str:
@@ -185,6 +189,7 @@ class Gateway:
         self._tasks: set[asyncio.Task[None]] = set()
         self.nc: Client
         self.redis: Redis
+        self.responses: ResponseStore | None = None  # the responses kept (None: none is)
 
     @property
     def roles(self) -> tuple[Role, ...]:
@@ -196,6 +201,8 @@ class Gateway:
     async def start(self) -> None:
         self.nc = await connect(self.settings.nats_url, self.id)
         self.redis = redis_client(self.settings.redis_url)
+        self.responses = ResponseStore(self.redis, self.settings.responses_ttl_s) \
+            if self.settings.responses_ttl_s else None
         self.listener.start()
         await self._seed_view()
         self._spawn(self._publish_inflight())

@@ -8,10 +8,11 @@ and their outputs sent back; `instructions`, `max_output_tokens`, `temperature`,
 `stream`, `metadata`, logprobs (`include: ["message.output_text.logprobs"]`, with
 `top_logprobs` of the likeliest), `text.format` (JSON, or JSON valid against a schema: the
 chat's response_format), function `tools` with `tool_choice` and `parallel_tool_calls` (the
-chat's tools: the calls an answer makes are output items of their own). Refused with a 400
-that says so (UNSERVED): what needs state kept on the server (`previous_response_id`,
-`conversation`, a stored `prompt`, `background`; nothing is stored, and `store` reads back
-false), and tools other than functions (OpenAI's hosted ones: web search, file search...)."""
+chat's tools: the calls an answer makes are output items of their own), and
+`previous_response_id` (the gateway keeps responses: stored.py): the conversation that
+response ended, its input and answer, goes before this input. Refused with a 400 that says so
+(UNSERVED): `conversation` objects, a stored `prompt`, `background`, and tools other than
+functions (OpenAI's hosted ones: web search, file search...)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,17 @@ import asyncio
 import contextlib
 import itertools
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    ConfigDict,
     Discriminator,
     Field,
     PrivateAttr,
     Tag,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -127,7 +130,9 @@ Item = Annotated[Annotated[InputMessage, Tag("message")]
 
 class FunctionTool(FunctionSpec):
     """A function the model may call, in the Responses API's form (the chat's spec beside
-    its type)."""
+    its type; what else OpenAI's tools say, such as `defer_loading`, is left out)."""
+
+    model_config = ConfigDict(extra="ignore")
 
     type: Literal["function"]
     strict: bool | None = None  # the arguments held to parameters' keywords, every one
@@ -184,7 +189,7 @@ class ResponsesRequest(RequestBody):
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     stream: bool = False
-    store: bool = True  # accepted; nothing is stored (the answer says store: false)
+    store: bool = True  # kept for a later previous_response_id (where the server keeps any)
     metadata: dict[str, Text] | None = None  # shown back in the answer
     parallel_tool_calls: bool = True
     text: TextConfig = TextConfig()
@@ -210,7 +215,8 @@ class ResponsesRequest(RequestBody):
         for item in items if isinstance(items, list) else []:
             if not isinstance(item, dict):
                 continue
-            if (kind := item.get("type", "message")) not in ITEMS:
+            kind = item.get("type", "message")
+            if not isinstance(kind, str) or kind not in ITEMS:
                 raise ValueError(f"input items of type '{str(kind)[:64]}' are not served: "
                                  "send messages (text), function calls and their outputs")
             if kind == "message":
@@ -223,7 +229,8 @@ class ResponsesRequest(RequestBody):
         """Hosted tools (web search, file search, a computer, MCP servers...) are OpenAI's
         to run: a 400 that says so."""
         for tool in tools if isinstance(tools, list) else []:
-            if isinstance(tool, dict) and (kind := tool.get("type")) != "function":
+            if isinstance(tool, dict) and "type" in tool and \
+                    (kind := tool["type"]) != "function":
                 raise ParamError("tools", f"tools of type '{str(kind)[:64]}' are not served: "
                                  "this server offers function tools (type function)")
         return tools
@@ -234,15 +241,8 @@ class ResponsesRequest(RequestBody):
             if asks(self):
                 raise ParamError(param, why)
         self.chat_tool_choice()
-        try:  # what the chat refuses (a tool_choice naming no tool offered) is refused here
-            self._chat = ChatRequest.model_validate(self.chat())
-        except ValidationError as e:
-            first = e.errors()[0]
-            refused = first.get("ctx", {}).get("error")
-            param = refused.param if isinstance(refused, ParamError) else \
-                ".".join(str(part) for part in first["loc"][:1])
-            raise ParamError(*in_its_words(param, str(first["msg"]).removeprefix(
-                "Value error, "))) from None  # type: ignore[arg-type]
+        # what the chat refuses (a tool_choice naming no tool offered) is refused here
+        self._chat = chat_request(self.chat())
         return self
 
     @property
@@ -250,6 +250,19 @@ class ResponsesRequest(RequestBody):
         """The chat completion request this asks for, as the chat route reads it."""
         assert self._chat is not None  # read by the validator
         return self._chat
+
+    def chat_after(self, earlier: list[dict[str, Any]]) -> ChatRequest:
+        """The chat completion request this asks for where `earlier` items (a conversation
+        kept: `input_items`' and answers') go before its input. ParamError where the chat
+        refuses it."""
+        return chat_request(self.chat(ITEMS_ADAPTER.validate_python(earlier)))
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """The input as items (text: one user message), as a conversation is kept."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user",
+                     "content": [{"type": "input_text", "text": self.input}]}]
+        return [item.model_dump(by_alias=True) for item in self.input]
 
     def chat_tool_choice(self) -> str | dict[str, Any] | None:
         """tool_choice as the chat takes it: a function named is {"type": "function",
@@ -270,13 +283,14 @@ class ResponsesRequest(RequestBody):
         reads it (`top_logprobs` says how many of the likeliest go with each)."""
         return LOGPROBS in (self.include or [])
 
-    def chat(self) -> dict[str, Any]:
-        """The chat completion request this asks for (a streamed one counts its usage)."""
+    def chat(self, earlier: list[Item] | None = None) -> dict[str, Any]:
+        """The chat completion request this asks for, the `earlier` items of a conversation
+        kept before its input (the instructions go first: only this request's are read, as
+        OpenAI reads them); a streamed one counts its usage."""
         messages: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] \
             if self.instructions else []
-        if isinstance(self.input, str):
-            messages.append({"role": "user", "content": self.input})
-        for item in self.input if isinstance(self.input, list) else []:
+        items = (earlier or []) + (self.input if isinstance(self.input, list) else [])
+        for item in items:
             if isinstance(item, InputMessage):
                 messages.append({"role": item.role, "content": item.text})
             elif isinstance(item, FunctionCallOutputItem):
@@ -286,6 +300,8 @@ class ResponsesRequest(RequestBody):
                 if not messages or messages[-1]["role"] != "assistant":
                     messages.append({"role": "assistant", "content": None})
                 messages[-1].setdefault("tool_calls", []).append(item.chat())
+        if isinstance(self.input, str):
+            messages.append({"role": "user", "content": self.input})
         body: dict[str, Any] = {"model": self.model, "messages": messages,
                                 "temperature": self.temperature, "top_p": self.top_p,
                                 "stream": self.stream}
@@ -305,15 +321,29 @@ class ResponsesRequest(RequestBody):
         return body
 
 
+ITEMS_ADAPTER = TypeAdapter(list[Item])
+
+
+def chat_request(body: dict[str, Any]) -> ChatRequest:
+    """The chat completion request `body` is; ParamError, in the Responses API's words,
+    where the chat refuses it."""
+    try:
+        return ChatRequest.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        refused = first.get("ctx", {}).get("error")
+        param = refused.param if isinstance(refused, ParamError) else \
+            ".".join(str(part) for part in first["loc"][:1])
+        raise ParamError(*in_its_words(param, str(first["msg"]).removeprefix(
+            "Value error, "))) from None  # type: ignore[arg-type]
+
+
 # what the server would have to keep, or do, to serve: (the parameter, whether a request
 # asks it, what to send instead)
 UNSERVED: tuple[tuple[str, Callable[[ResponsesRequest], bool], str], ...] = (
-    ("previous_response_id", lambda r: r.previous_response_id is not None,
-     "responses are not stored on this server: send the conversation so far as input "
-     "messages"),
     ("conversation", lambda r: r.conversation is not None,
-     "conversations are not stored on this server: send the conversation so far as input "
-     "messages"),
+     "conversation objects are not kept on this server: send previous_response_id, or the "
+     "conversation so far as input items"),
     ("prompt", lambda r: r.prompt is not None,
      "stored prompts are not served: send the prompt's text as instructions or input"),
     ("background", lambda r: r.background,
@@ -333,6 +363,7 @@ class Shape:
     request: ResponsesRequest
     request_id: str
     created_at: int
+    stored: bool = False  # kept for a later previous_response_id
 
     @property
     def id(self) -> str:
@@ -358,7 +389,8 @@ class Shape:
             if status == "incomplete" else None,
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
             "model": r.model, "output": output, "parallel_tool_calls": r.parallel_tool_calls,
-            "previous_response_id": None, "store": False, "temperature": r.temperature,
+            "previous_response_id": r.previous_response_id, "store": self.stored,
+            "temperature": r.temperature,
             "text": {"format": r.text.format.shown()}, "tool_choice": r.tool_choice or "auto",
             "tools": [tool.model_dump(exclude_none=True) for tool in r.tools or []],
             "top_p": r.top_p, "top_logprobs": r.top_logprobs or 0,
@@ -396,10 +428,11 @@ class Shape:
         (none where the answer is calls alone), then each call an item."""
         first = chat["choices"][0]
         status, said = ended(first["finish_reason"]), first["message"]
-        calls = said.get("tool_calls") or []
-        output = [self.message(said["content"] or "", status, tokens_of(first))] \
-            if said["content"] or not calls else []
-        output += [self.call(call, i) for i, call in enumerate(calls)]
+        text, calls, tokens = said["content"] or "", said.get("tool_calls") or [], \
+            tokens_of(first)
+        output = [self.message(text, status, tokens_before(tokens, text) if calls else tokens)
+                  ] if text or not calls else []
+        output += [self.call(call, i, status) for i, call in enumerate(calls)]
         return self.response(status, output, chat["usage"])
 
 
@@ -413,23 +446,39 @@ def tokens_of(choice: dict[str, Any]) -> list[dict[str, Any]]:
     return list((choice.get("logprobs") or {}).get("content") or [])
 
 
+def tokens_before(tokens: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """The tokens of an answer's text before its calls: those whose text, joined (white
+    space around it aside), begins `text`; not the calls' after them."""
+    joined, kept = "", []
+    for token in tokens:
+        joined += token["token"]
+        if not text.startswith(joined.strip()):
+            break
+        kept.append(token)
+    return kept
+
+
 def ended(finish_reason: str | None) -> Status:
     """A response cut by its token limit is incomplete, as OpenAI says of it."""
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-async def events(shape: Shape, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+async def events(shape: Shape, chunks: AsyncIterator[dict[str, Any]],
+                 keep: Callable[[dict[str, Any]], Awaitable[None]] | None = None
+                 ) -> AsyncIterator[str]:
     """The streamed response, as server-sent events (each named, with its type and a
     sequence number), from the chat answer's chunks (`routes.chunk_events`, closed here
     however this ends): the response created and in progress; at the first text the message
     and its text part added, then each piece of text; at the end the text, part and message
     done (a message added there where the answer has neither text nor calls), each call
-    the answer made added, its arguments given, and done, and the response done. A chat
-    error ends it as response.failed."""
+    the answer made added, its arguments given, and done, and the response done (`keep`
+    given it first: it may say it was not kept). A chat error ends it as response.failed,
+    not kept."""
     event, where = Events(), shape.where
     yield event("response.created", response=shape.response("in_progress", []))
     yield event("response.in_progress", response=shape.response("in_progress", []))
-    pieces: list[str] = []
+    pieces: list[str] = []  # the text, as streamed
+    held = ""  # white space before any text (an answer of calls alone has no message)
     shown: list[dict[str, Any]] = []  # the tokens' logprobs, each with its text's delta
     waiting: list[dict[str, Any]] = []  # those of tokens whose text has not come yet
     calls: list[dict[str, Any]] = []  # the chat's tool calls (all in its last chunks)
@@ -445,10 +494,14 @@ async def events(shape: Shape, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIt
                 return
             for choice in chunk["choices"]:
                 waiting += tokens_of(choice)
-                if piece := choice["delta"].get("content"):
+                if (piece := choice["delta"].get("content")) and not pieces and \
+                        not (held + piece).strip():
+                    held += piece
+                elif piece:
                     if not pieces:
                         for added in opening(shape, event):
                             yield added
+                        piece, held = held + piece, ""
                     pieces.append(piece)
                     yield event("response.output_text.delta", delta=piece, logprobs=waiting,
                                 **where)
@@ -456,15 +509,27 @@ async def events(shape: Shape, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIt
                 calls += choice["delta"].get("tool_calls") or []
                 finish = choice["finish_reason"] or finish
             usage = chunk.get("usage") or usage
-    if not pieces and not calls:  # an empty answer is an empty message
+    if not pieces and not calls:  # an empty answer (or white space) is a message
         for added in opening(shape, event):
             yield added
+        if held:
+            pieces.append(held)
+            yield event("response.output_text.delta", delta=held, logprobs=waiting, **where)
+            shown, waiting = shown + waiting, []
     # the end repeats every token's logprobs four times: thousands, each with its top ones,
     # take a fraction of a second that every other stream would wait (routes.shown)
     text = "".join(pieces) if pieces or not calls else None
-    end = (shape, event, text, calls, ended(finish), usage, shown + waiting)
-    for done in await asyncio.to_thread(closing, *end) if shown or waiting else closing(*end):
-        yield done
+    heavy = bool(shown or waiting)
+    # the tokens of the calls (waiting: they have no text) are no part of the message
+    end = (shape, event, text, calls, ended(finish), usage, shown if calls else shown + waiting)
+    done, response = await asyncio.to_thread(closing, *end) if heavy else closing(*end)
+    for each in done:
+        yield each
+    if keep is not None:  # before the client reads that it is done (and may go on from it)
+        await keep(response)
+    name = f"response.{response['status']}"
+    yield await asyncio.to_thread(event, name, response=response) if heavy else \
+        event(name, response=response)
 
 
 class Events:
@@ -487,10 +552,10 @@ def opening(shape: Shape, event: Events) -> list[str]:
 
 def closing(shape: Shape, event: Events, text: str | None, calls: list[dict[str, Any]],
             status: Status, usage: dict[str, Any] | None, logprobs: list[dict[str, Any]]
-            ) -> list[str]:
-    """The events that end a stream whose text and calls are all there: the text, its part
-    and the message done (`text` None: no message), each call added, its arguments given
-    and done, and the response done."""
+            ) -> tuple[list[str], dict[str, Any]]:
+    """The events that end a stream whose text and calls are all there (the text, its part
+    and the message done, `text` None: no message; each call added, its arguments given
+    and done), and the response done."""
     where, output, done = shape.where, [], []
     if text is not None:
         message = shape.message(text, status, logprobs)
@@ -499,7 +564,7 @@ def closing(shape: Shape, event: Events, text: str | None, calls: list[dict[str,
                  event("response.content_part.done", part=text_part(text, logprobs), **where),
                  event("response.output_item.done", output_index=0, item=message)]
     for i, call in enumerate(calls):
-        at, item = len(output), shape.call(call, i)
+        at, item = len(output), shape.call(call, i, status)
         place = {"item_id": item["id"], "output_index": at}
         output.append(item)
         done += [event("response.output_item.added", output_index=at,
@@ -509,5 +574,4 @@ def closing(shape: Shape, event: Events, text: str | None, calls: list[dict[str,
                  event("response.function_call_arguments.done", arguments=item["arguments"],
                        **place),
                  event("response.output_item.done", output_index=at, item=item)]
-    return [*done, event(f"response.{status}",
-                         response=shape.response(status, output, usage))]
+    return done, shape.response(status, output, usage)

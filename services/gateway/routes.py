@@ -1,5 +1,6 @@
 """HTTP routes: /v1/completions, /v1/chat/completions, /v1/responses (served as the chat
-completion it amounts to), /v1/models[/ID], /health, /metrics.
+completion it amounts to; GET and DELETE /v1/responses/ID: those kept), /v1/models[/ID],
+/health, /metrics.
 
 A request is admitted (or gets 429) before anything else, tokenized off the event loop,
 dispatched, and answered as one JSON or as SSE. A client that goes away, streaming or not,
@@ -10,28 +11,33 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
 from starlette.types import Receive, Scope, Send
 
 from services.gateway import openai_api as api
 from services.gateway import responses, tool_calls
 from services.gateway.gateway import Gateway, Target
 from services.gateway.ledger import Booking, Ticket
-from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
+from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest, ParamError
 from services.gateway.responses import ResponsesRequest, Shape
+from services.gateway.stored import Missing, ResponseStore
 from services.gateway.stream import GaveUp
 from services.gateway.timing import RequestTiming
 from services.gateway.tool_calls import Splitter
 from shared.engine.tokenizer import ChatTemplateError
 from shared.messages import Sampling, TokenChunk
 
+log = logging.getLogger("gateway")
+T = TypeVar("T")
 DRESSED_ON_LOOP = 256  # logprob entries shown on the event loop; more go to a thread
 MAX_SCORED = 1 << 20  # prompt tokens x (1 + top) one echo request scores (~30 MB of JSON)
 
@@ -556,18 +562,75 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def chat(req: ChatRequest, request: Request) -> Any:
         return await serve(req, request)
 
+    async def kept(read: Callable[[ResponseStore], Awaitable[T]], response_id: str,
+                   param: str | None = None) -> T:
+        """What `read` reads of the responses kept: 404 for one not kept (where a request's
+        `param` names it: 400 where none is), 503 while Redis cannot be read."""
+        if gateway.responses is None:
+            raise APIError(400 if param else 404, "responses are not kept on this server "
+                           "(DS_RESPONSES_TTL_S=0): send the conversation so far as input "
+                           "items", param)
+        try:
+            return await read(gateway.responses)
+        except Missing as e:
+            gone = e.args[0]
+            raise APIError(404, f"Response with id '{gone}' not found" + (
+                f" (the conversation of '{response_id}' goes back to it)"
+                if gone != response_id else ""), param,
+                           "previous_response_not_found" if param else None) from None
+        except ValueError as e:
+            raise APIError(400, str(e), param) from None
+        except (RedisError, OSError) as e:  # a blip: a later try may do
+            raise APIError(503, f"the responses kept cannot be read now: {e}",
+                           kind="server_error",
+                           headers={"Retry-After": str(gateway.settings.retry_after_s)}
+                           ) from None
+
     @app.post("/v1/responses")
     async def respond_to(req: ResponsesRequest, request: Request) -> Any:
+        chat, before = req.chat_request, req.previous_response_id
+        if before is not None:
+            earlier = await kept(lambda store: store.conversation(before), before,
+                                 "previous_response_id")
+            try:
+                chat = req.chat_after(earlier)
+            except ParamError as e:
+                raise APIError(400, str(e), e.param) from None
         try:
-            reply, tickets = await begin(req.chat_request)
+            reply, tickets = await begin(chat)
         except APIError as e:  # told in the Responses API's words
             e.param, e.message = responses.in_its_words(e.param, e.message)
             raise
-        shape = Shape(req, reply.calls[0].request_id, int(time.time()))
+        store = gateway.responses if req.store else None
+        shape = Shape(req, reply.calls[0].request_id, int(time.time()), store is not None)
+
+        async def keep(response: dict[str, Any]) -> None:
+            """The response kept with its input, for a previous_response_id to go on from;
+            where Redis fails it says it was not (store: false)."""
+            if store is None:
+                return
+            try:
+                await store.put(response, req.input_items() + response["output"], before)
+            except (RedisError, OSError) as e:
+                log.warning("response %s not kept: %s", response["id"], e)
+                response["store"] = False
+
         if req.stream:
-            return AdmittedStream(responses.events(shape, chunk_events(reply)), tickets)
+            return AdmittedStream(responses.events(shape, chunk_events(reply), keep), tickets)
         answered = await respond(reply, tickets, request, stream=False)
-        return answered if isinstance(answered, Response) else shape.answer(answered)
+        if isinstance(answered, Response):
+            return answered
+        await keep(response := shape.answer(answered))
+        return response
+
+    @app.get("/v1/responses/{response_id}")
+    async def kept_response(response_id: str) -> dict[str, Any]:
+        return await kept(lambda store: store.get(response_id), response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def forget_response(response_id: str) -> dict[str, Any]:
+        await kept(lambda store: store.delete(response_id), response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     def model_card() -> dict[str, Any]:
         return {"id": gateway.served_model, "object": "model", "created": 0,

@@ -119,11 +119,17 @@ class Answer:
 
 def _call(value: Any) -> dict[str, Any] | None:
     """A parsed object as a call, if it is one: a name and its arguments ("arguments", or
-    "parameters" as Llama's calls name them)."""
+    "parameters" as Llama's calls name them), an object or a string of one's JSON (a
+    client reads them as one: `"arguments": "Paris"` is no call)."""
     if not isinstance(value, dict):
         return None
     name, arguments = value.get("name"), value.get("arguments", value.get("parameters"))
-    if not isinstance(name, str) or not name or not isinstance(arguments, dict | str):
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return None
+    if not isinstance(name, str) or not name or not isinstance(arguments, dict):
         return None
     return tool_call(name, arguments)
 

@@ -149,7 +149,8 @@ def test_an_agent_calls_a_function_and_reads_its_output_through_the_responses_ap
     """The openai client's `responses.create` and `responses.stream` with function tools, as
     an agent drives them: the call the answer must make is an output item of its own (the
     client's stream helper assembles it from the events); the answer's items and the call's
-    output sent back as input get the answer the same conversation gets as a chat."""
+    output sent back as input, or the output alone after the answer kept, get the answer
+    the same conversation gets as a chat."""
     c = openai.OpenAI(base_url=f"{dir_stack.url}/v1", api_key="unused", timeout=120)
     asked = "What is the weather in Paris?"
     tools: Any = [function_tool(WEATHER), function_tool(CLOCK)]
@@ -190,3 +191,9 @@ def test_an_agent_calls_a_function_and_reads_its_output_through_the_responses_ap
         [tc.function.name for tc in chat_said.tool_calls or []]  # type: ignore[union-attr]
     assert followed.usage is not None and as_chat.usage is not None
     assert followed.usage.input_tokens == as_chat.usage.prompt_tokens
+    # as an agent's loop goes on from the answer kept: its call's output alone as input
+    went_on = c.responses.create(model=NAME, previous_response_id=answer.id, tools=tools,
+                                 temperature=0, max_output_tokens=24, input=sent_back[-1:])
+    assert went_on.output_text == followed.output_text
+    assert went_on.usage is not None and went_on.usage.input_tokens == \
+        followed.usage.input_tokens

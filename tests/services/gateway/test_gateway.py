@@ -151,13 +151,55 @@ def test_the_responses_api_answers_as_the_chat_it_amounts_to(stack: Stack) -> No
     assert cut.status == "incomplete" and cut.incomplete_details is not None
     assert cut.incomplete_details.reason == "max_output_tokens"
     assert cut.usage is not None and cut.usage.output_tokens == 5
-    with pytest.raises(openai.BadRequestError) as refused:
-        c.responses.create(model=MODEL, input="hi", previous_response_id="resp_x")
-    assert refused.value.body["param"] == "previous_response_id"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as refused:  # told in its own words
         c.responses.create(model=MODEL, input="hi", max_output_tokens=10**6)
     assert refused.value.body["param"] == "max_output_tokens"  # type: ignore[index]
     assert "plus max_output_tokens (1000000)" in refused.value.body["message"]  # type: ignore[index]
+    wait_all_free(stack)
+
+
+def test_a_conversation_goes_on_from_a_response_kept(stack: Stack) -> None:
+    """previous_response_id, as OpenAI's guide holds a conversation: the answer is the one
+    the whole conversation sent as input gets (the instructions this request's only),
+    streamed or not; a response is retrieved as it was answered, and deleted; one not kept
+    (store: false, deleted, never made) is a 404."""
+    c = client(stack)
+    first = c.responses.create(model=MODEL, instructions="Answer briefly.",
+                               input="My name is Ada. Say hello.", temperature=0,
+                               max_output_tokens=40)
+    assert first.store is True and first.output_text
+    assert c.responses.retrieve(first.id).model_dump() == first.model_dump()
+    second = c.responses.create(model=MODEL, previous_response_id=first.id,
+                                instructions="Answer briefly.", input="What is my name?",
+                                temperature=0, max_output_tokens=40)
+    whole = c.responses.create(
+        model=MODEL, instructions="Answer briefly.", temperature=0, max_output_tokens=40,
+        store=False, input=[{"role": "user", "content": "My name is Ada. Say hello."},
+                            {"role": "assistant", "content": first.output_text},
+                            {"role": "user", "content": "What is my name?"}])
+    assert second.previous_response_id == first.id and whole.store is False
+    assert second.output_text == whole.output_text
+    assert second.usage is not None and whole.usage is not None
+    assert second.usage.input_tokens == whole.usage.input_tokens
+    with c.responses.stream(model=MODEL, previous_response_id=second.id, input="Thanks!",
+                            instructions="Answer briefly.", temperature=0,
+                            max_output_tokens=200) as stream:
+        third = stream.get_final_response()  # (ended, not cut: completed)
+    assert third.previous_response_id == second.id and third.store is True
+    assert c.responses.retrieve(third.id).output_text == third.output_text
+    assert third.usage is not None and third.usage.input_tokens > second.usage.input_tokens
+
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(whole.id)  # not kept
+    c.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as gone:  # its conversation goes back to it
+        c.responses.create(model=MODEL, previous_response_id=third.id, input="hi")
+    assert gone.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    assert first.id in gone.value.body["message"]  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        c.responses.delete("resp_never")
     wait_all_free(stack)
 
 

@@ -66,6 +66,8 @@ def test_a_text_format_is_the_chats_response_format_and_shown_back() -> None:
     ({"input": []}, "the input is empty"),
     ({"input": [{"type": "reasoning", "summary": []}]},
      "input items of type 'reasoning' are not served"),
+    ({"input": [{"type": ["x"], "role": "user", "content": "hi"}]},
+     "are not served: send messages"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": [
         {"type": "input_image", "image_url": "x"}]}]},
      "a content part of type 'input_image' cannot be served"),
@@ -75,8 +77,7 @@ def test_a_text_format_is_the_chats_response_format_and_shown_back() -> None:
     ({"input": [{"role": "user"}]}, "Field required"),  # not "should be a valid string"
     ({"input": [{"role": "user", "content": None}]}, "valid string"),
     ({"input": {"role": "user", "content": "hi"}}, "valid list"),
-    ({"previous_response_id": "resp_1"}, "not stored on this server"),
-    ({"conversation": "conv_1"}, "conversations are not stored"),
+    ({"conversation": "conv_1"}, "conversation objects are not kept"),
     ({"prompt": {"id": "pmpt_1"}}, "stored prompts are not served"),
     ({"text": {"format": "text"}}, "valid dictionary"),  # a 400, not a 500
     ({"background": True}, "background responses are not served"),
@@ -175,6 +176,55 @@ def test_an_answers_calls_are_output_items_of_their_own() -> None:
     said, *calls = shape.answer(answer)["output"]
     assert said["type"] == "message" and said["content"][0]["text"] == "Checking."
     assert [c["id"] for c in calls] == ["fc_abc_0", "fc_abc_1"]
+
+
+def test_a_conversation_kept_goes_before_the_input_and_its_answers_read_back() -> None:
+    """What a previous_response_id's conversation holds (its inputs as items, its answers'
+    output items) goes before this input, after this request's instructions only; an
+    answer's message and calls read back as the assistant's turn."""
+    first = request(instructions="Be brief.", input="Weather in Paris?", tools=[WEATHER])
+    assert first.input_items() == [{"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "Weather in Paris?"}]}]
+    call = {"id": "call_9", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    said = chat_answer("Looking.", "tool_calls")
+    said["choices"][0]["message"]["tool_calls"] = [call]
+    answer = Shape(first, "abc", 5, stored=True).answer(said)
+    assert answer["store"] is True and answer["previous_response_id"] is None
+    kept = first.input_items() + answer["output"]
+    output = {"type": "function_call_output", "call_id": "call_9", "output": "sunny"}
+    second = request(instructions="Be kind.", input=[output], tools=[WEATHER],
+                     previous_response_id="resp_abc")
+    assert second.input_items() == [output]
+    messages = second.chat_after(kept).model_dump(exclude_none=True)["messages"]
+    assert [(m["role"], m.get("content")) for m in messages] == [
+        ("system", "Be kind."), ("user", "Weather in Paris?"), ("assistant", "Looking."),
+        ("tool", "sunny")]
+    assert messages[2]["tool_calls"][0]["id"] == "call_9"
+    text = request(input="And tomorrow?").chat_after(kept).model_dump()["messages"]
+    assert [m["role"] for m in text] == ["user", "assistant", "user"]
+    assert text[-1]["content"] == "And tomorrow?"
+    shown = Shape(second, "def", 6).answer(chat_answer("ok", "stop"))
+    assert shown["previous_response_id"] == "resp_abc" and shown["store"] is False
+
+
+def test_a_stream_is_kept_before_its_last_event_which_says_whether_it_was() -> None:
+    shape = Shape(request(stream=True), "abc", 5, stored=True)
+    kept: list[dict[str, Any]] = []
+
+    async def keep(response: dict[str, Any]) -> None:
+        kept.append(json.loads(json.dumps(response)))  # as it was when kept
+        response["store"] = len(kept) == 1  # the second time, Redis fails
+
+    async def read() -> list[str]:
+        return [e async for e in events(shape, chunks_of(delta("Hi"), delta(finish="stop")),
+                                        keep)]
+
+    seen = [json.loads(e.split("data: ", 1)[1]) for e in asyncio.run(read())]
+    assert kept[0] == seen[-1]["response"] and kept[0]["output"][0]["content"][0]["text"] \
+        == "Hi"
+    again = [json.loads(e.split("data: ", 1)[1]) for e in asyncio.run(read())]
+    assert again[-1]["response"]["store"] is False and len(kept) == 2
 
 
 def chat_answer(text: str, finish: str) -> dict[str, Any]:
@@ -333,6 +383,41 @@ def test_a_streams_calls_come_after_its_text_each_an_item_given_whole() -> None:
     assert empty[-1][1]["response"]["output"][0]["content"][0]["text"] == ""
     assert [name for name, _ in empty][2:4] == ["response.output_item.added",
                                                 "response.content_part.added"]
+
+
+def test_the_message_holds_the_text_before_the_calls_and_its_tokens_only() -> None:
+    """White space before a call is no message, streamed or not; the message's logprobs
+    are its text's tokens, not the call's after it; calls cut by the limit are incomplete."""
+    shape = Shape(request(stream=True, tools=[WEATHER],
+                          include=["message.output_text.logprobs"]), "abc", 5)
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    blank, opening, name = token("\n", -0.1), token("<tool_call>", -0.2), token("{", -0.3)
+    alone = streamed(shape, delta("\n", tokens=[blank]), delta(tokens=[opening, name]),
+                     calls_chunk(call), delta(finish="tool_calls"))
+    assert [item["type"] for item in alone[-1][1]["response"]["output"]] == ["function_call"]
+    assert not [name for name, _ in alone if "output_text" in name]
+    sure, stop = token("Sure", -0.4), token(".", -0.5)
+    seen = streamed(shape, delta("Sure", tokens=[sure]), delta(".", tokens=[stop]),
+                    delta(tokens=[blank, opening, name]), calls_chunk(call),
+                    delta(finish="tool_calls"))
+    done = dict(seen)
+    assert done["response.output_text.done"]["logprobs"] == [sure, stop]
+    assert done["response.completed"]["response"]["output"][0]["content"][0]["logprobs"] == \
+        [sure, stop]
+    # not streamed: the chat's message, its text stripped, and every token's logprobs
+    answer = chat_answer("Sure.", "tool_calls")
+    answer["choices"][0]["message"]["tool_calls"] = [call]
+    answer["choices"][0]["logprobs"] = {"content": [sure, stop, blank, opening, name]}
+    said, made = shape.answer(answer)["output"]
+    assert said["content"][0]["logprobs"] == [sure, stop, blank]
+    assert made["status"] == "completed"
+    answer["choices"][0]["finish_reason"] = "length"
+    assert shape.answer(answer)["output"][1]["status"] == "incomplete"
+    # white space alone is a message (as the answer without tools)
+    spaced = streamed(shape, delta(" ", tokens=[blank]), delta(finish="stop"))
+    assert dict(spaced)["response.output_text.done"]["text"] == " "
+    assert [d["delta"] for n, d in spaced if n == "response.output_text.delta"] == [" "]
 
 
 def test_a_stream_cut_by_its_limit_ends_incomplete_and_one_that_fails_as_failed() -> None:

@@ -64,6 +64,9 @@ def test_calls_and_the_text_around_them() -> None:
     '<tool_call>["f"]</tool_call>',
     f'{WEATHER}<tool_call>not json</tool_call>',  # one bad block: no calls made up
     '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',  # not strict JSON
+    # arguments as a string must spell an object's JSON, as a client reads them
+    '<tool_call>{"name": "f", "arguments": "Paris"}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": "[1]"}</tool_call>',
     '<tool_call>{"name": "f", "arguments": ' + "[" * 1200 + "</tool_call>",  # too deep
 ])
 def test_a_block_that_is_not_a_call_leaves_the_answer_as_written(text: str) -> None:

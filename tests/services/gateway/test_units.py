@@ -29,13 +29,15 @@ from services.gateway.openai_api import (
     completion_logprobs,
 )
 from services.gateway.routes import Call, choice_ids, choice_seeds, collect, interleaved
+from services.gateway.stored import ResponseStore
 from services.gateway.stream import GaveUp, Lost, Relay
 from services.gateway.timing import RequestTiming
 from services.gateway.view import InstanceView, stuck_for
+from services.supervisor import free_port
 from shared.engine.engine import TextState
 from shared.engine.meta import read_tokenizer
 from shared.messages import Sampling, TokenChunk
-from shared.state import InstanceInfo
+from shared.state import InstanceInfo, redis_client
 from tests.tokenizers import spm_like
 
 
@@ -529,6 +531,31 @@ def test_a_probe_of_a_path_or_method_not_served_is_not_a_rejected_request() -> N
     assert registry.get_sample_value("ds_requests_total", {"outcome": "rejected"}) == 1
 
 
+def test_the_responses_kept_unreadable_are_a_503_to_retry_and_none_kept_a_404() -> None:
+    """Where Redis cannot be reached, a previous_response_id or a response asked for is a
+    503 with Retry-After (a blip: a later try may do), not a 500; a gateway that keeps no
+    responses (DS_RESPONSES_TTL_S=0) has none to show."""
+    app = create_app(GatewaySettings())
+    gateway = app.state.gateway
+    transport = httpx.ASGITransport(app=app)
+
+    async def ask() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            none = await client.get("/v1/responses/resp_1")
+            gateway.responses = ResponseStore(redis_client(
+                f"redis://127.0.0.1:{free_port()}", timeout_s=1), ttl_s=60)
+            return [none, await client.post("/v1/responses", json={
+                        "model": "m", "input": "hi", "previous_response_id": "resp_1"}),
+                    await client.get("/v1/responses/resp_1"),
+                    await client.delete("/v1/responses/resp_1")]
+
+    none, *unreadable = asyncio.run(ask())
+    assert none.status_code == 404 and "not kept" in none.json()["error"]["message"]
+    for answer in unreadable:
+        assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
+        assert "cannot be read now" in answer.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(("path", "body", "param", "says"), [
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of", "best_of is not served"),
     ("/v1/completions", {"prompt": "hi", "suffix": "}"}, "suffix", "suffix"),
@@ -552,8 +579,9 @@ def test_a_probe_of_a_path_or_method_not_served_is_not_a_rejected_request() -> N
     ("/v1/chat/completions", {"temperature": "0.5"}, "temperature", "valid number"),
     ("/v1/chat/completions", {"stream": True, "stream_options": {"include_usage": 1}},
      "stream_options.include_usage", "valid boolean"),
+    # (this app's gateway has not started: it keeps no responses)
     ("/v1/responses", {"previous_response_id": "resp_1"}, "previous_response_id",
-     "not stored"),
+     "responses are not kept on this server"),
     ("/v1/responses", {"max_output_tokens": 0}, "max_output_tokens", "greater than or equal"),
     ("/v1/responses", {"tools": [{"type": "web_search"}]}, "tools", "are not served"),
     ("/v1/responses", {"tool_choice": "required"}, "tool_choice", "needs tools"),
