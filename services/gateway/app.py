@@ -155,7 +155,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 def add_error_handlers(app: FastAPI, gateway: Gateway) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        gateway.metrics.rejected(e.status)
+        if not e.counted:
+            gateway.metrics.rejected(e.status)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)

@@ -38,15 +38,17 @@ TOKEN_ID = re.compile(r"[0-9]{1,9}")  # ASCII digits only ("²".isdigit() is Tru
 
 
 class APIError(Exception):
-    """An error the client gets back in OpenAI's shape."""
+    """An error the client gets back in OpenAI's shape. `counted`: the request's outcome is
+    in `ds_requests` already (it failed on the instances, which the gateway counts as it
+    ends), not to be counted again as it is answered."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None, kind: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, counted: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = (status, message, param,
                                                                        code, kind)
-        self.headers = headers or {}
+        self.headers, self.counted = headers or {}, counted
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.kind, self.param, self.code)

@@ -239,10 +239,11 @@ def choice_seeds(seed: int, n: int) -> list[int]:
 
 def failed(chunk: TokenChunk) -> APIError:
     """A chunk's error as the client gets it: a 400 where the request asked what cannot be
-    served, a 500 where the server failed it."""
+    served, a 500 where the server failed it (counted as the request ended)."""
     if chunk.refused:
-        return APIError(400, f"the request cannot be served: {chunk.error}")
-    return APIError(500, f"the request failed: {chunk.error}", kind="server_error")
+        return APIError(400, f"the request cannot be served: {chunk.error}", counted=True)
+    return APIError(500, f"the request failed: {chunk.error}", kind="server_error",
+                    counted=True)
 
 
 async def collect(call: Call) -> dict[str, Any]:
@@ -261,7 +262,7 @@ async def collect(call: Call) -> dict[str, Any]:
     except GaveUp as e:  # nothing live to move it to, or moved too often: a later try may do
         retry_after = str(call.gateway.settings.retry_after_s)
         raise APIError(503, f"the request failed: {e}", kind="server_error",
-                       headers={"Retry-After": retry_after}) from None
+                       headers={"Retry-After": retry_after}, counted=True) from None
     text, logprobs = await shown(call, whole)
     finish = call.finish(whole.finish_reason)
     if call.splitter is not None:

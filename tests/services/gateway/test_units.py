@@ -28,7 +28,14 @@ from services.gateway.openai_api import (
     TokenLogprob,
     completion_logprobs,
 )
-from services.gateway.routes import Call, choice_ids, choice_seeds, collect, interleaved
+from services.gateway.routes import (
+    Call,
+    choice_ids,
+    choice_seeds,
+    collect,
+    failed,
+    interleaved,
+)
 from services.gateway.stored import ResponseStore
 from services.gateway.stream import GaveUp, Lost, Relay
 from services.gateway.timing import RequestTiming
@@ -529,6 +536,29 @@ def test_a_probe_of_a_path_or_method_not_served_is_not_a_rejected_request() -> N
     assert all(r.json()["error"]["message"] for r in (missing, wrong_method, invalid))
     registry = app.state.gateway.metrics.registry
     assert registry.get_sample_value("ds_requests_total", {"outcome": "rejected"}) == 1
+
+
+def test_a_request_that_failed_on_the_instances_is_counted_once() -> None:
+    """The gateway counts a request's outcome as it ends on the instances (refused: rejected;
+    failed, or given up: error); answering it with the error does not count it again."""
+    app = create_app(GatewaySettings())
+    errors = iter([failed(TokenChunk(request_id="r", error="no", refused=True)),
+                   failed(TokenChunk(request_id="r", error="broke")),
+                   APIError(400, "a refusal the route makes")])
+
+    @app.post("/fails")
+    async def fails() -> None:
+        raise next(errors)
+
+    async def ask() -> list[int]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return [(await client.post("/fails")).status_code for _ in range(3)]
+
+    assert asyncio.run(ask()) == [400, 500, 400]
+    registry = app.state.gateway.metrics.registry
+    assert registry.get_sample_value("ds_requests_total", {"outcome": "rejected"}) == 1
+    assert registry.get_sample_value("ds_requests_total", {"outcome": "error"}) is None
 
 
 def test_the_responses_kept_unreadable_are_a_503_to_retry_and_none_kept_a_404() -> None:
