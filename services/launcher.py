@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -40,6 +41,7 @@ from services.supervisor import (
     incarnation,
     listen,
     log_tail,
+    port_problem,
     wait_for_port,
 )
 from shared.engine.config import ModelConfig, check_dtype, kv_element_bytes, weight_bits
@@ -48,11 +50,13 @@ from shared.engine.parallel.layout import kv_block_bytes, kv_budget_problem
 if TYPE_CHECKING:
     from services.spawner import Spawner
 
+log = logging.getLogger("launcher")
 BIN = Path(sys.executable).parent
 NATS_USER = "distserve"
 SERVERS = ("nats", "valkey")  # stopped last: every other child talks through them
 REACH_TIMEOUT_S = 3.0  # a server given by URL answers within this, or no stack starts
 SETTLE_S = 10.0  # what a child gets to exit once those it serves have stopped
+PORT_PICKS = 3  # ports a server is started on before its start fails: others took them
 
 
 def services_ready(redis_url: str) -> bool:
@@ -359,30 +363,43 @@ class Stack:
             log = self.supervisor.log_dir / f"{name}.log"
             raise StartError(f"{e}; its log ({log}) ends:\n{log_tail(log)}") from None
 
+    def _start_server(self, name: str, argv: Callable[[int], list[str]]) -> int:
+        """Server `name` started (`argv(port)`) on a port picked for it, listening: its
+        port. Picked, a port is free; another process may take it before the server
+        binds it (and would answer in its place): then another port, up to PORT_PICKS."""
+        for pick in range(1, PORT_PICKS + 1):
+            port = free_port(avoid={self.config.port})
+            proc = self.supervisor.spawn(name, argv(port), fixed({}), restart=Restart.ALWAYS,
+                                         backoff=SERVER_BACKOFF)
+            try:
+                self._serving(name, port, proc)
+                return port
+            except StartError:
+                if pick == PORT_PICKS or port_problem(port) is None:  # not taken: its own
+                    raise
+            log.warning("%s: port %d was taken before it listened there; another port",
+                        name, port)
+            self.supervisor.stop([name], grace=5.0)
+        raise AssertionError("unreachable")
+
     def _start_nats(self) -> str:
         """A nats-server on 127.0.0.1 that takes this run's user and password only. A client
         has 10 s (not the default 2 s) from connecting to logging in: a service starting on a
         busy host can take longer, and would be disconnected."""
-        port, password = free_port(avoid={self.config.port}), secrets.token_urlsafe(24)
-        config = self.run_dir / "nats.conf"
+        password, config = secrets.token_urlsafe(24), self.run_dir / "nats.conf"
         write_private(config, f'authorization {{\n  user: "{NATS_USER}"\n'
                               f'  password: "{password}"\n  timeout: 10\n}}\n')
-        proc = self.supervisor.spawn("nats", [nats_server_binary(), "-c", str(config), "-a",
-                                              "127.0.0.1", "-p", str(port)], fixed({}),
-                                     restart=Restart.ALWAYS, backoff=SERVER_BACKOFF)
-        self._serving("nats", port, proc)
+        port = self._start_server("nats", lambda port: [
+            nats_server_binary(), "-c", str(config), "-a", "127.0.0.1", "-p", str(port)])
         return f"nats://{NATS_USER}:{password}@127.0.0.1:{port}"
 
     def _start_valkey(self) -> str:
         """A valkey-server on 127.0.0.1 that takes this run's password only."""
-        port, password = free_port(avoid={self.config.port}), secrets.token_urlsafe(24)
-        config = self.run_dir / "valkey.conf"
+        password, config = secrets.token_urlsafe(24), self.run_dir / "valkey.conf"
         write_private(config, f"requirepass {password}\n")
-        proc = self.supervisor.spawn("valkey", [
+        port = self._start_server("valkey", lambda port: [
             valkey_server_binary(), str(config), "--port", str(port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", str(self.run_dir)], fixed({}),
-            restart=Restart.ALWAYS, backoff=SERVER_BACKOFF)
-        self._serving("valkey", port, proc)
+            "--save", "", "--appendonly", "no", "--dir", str(self.run_dir)])
         return f"redis://:{password}@127.0.0.1:{port}"
 
     def _start(self, timeout: float, abort: threading.Event | None) -> None:

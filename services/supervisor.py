@@ -32,6 +32,7 @@ import enum
 import errno
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -42,6 +43,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+
+import psutil
 
 from services.liveness import alive_file, leaving_mark, watched
 
@@ -116,16 +119,35 @@ def incarnation(name: str, restarts: int) -> str:
     return name if restarts == 0 else f"{name}-r{restarts}"
 
 
+PORTS_FROM = 10000  # the ports picked for servers: from here to the ephemeral ones
+EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_from() -> int:
+    """Where the kernel's ephemeral ports begin (0 if it does not say)."""
+    try:
+        return int(EPHEMERAL.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def _kernel_port() -> int:
-    """A port of 127.0.0.1 the kernel deems free now."""
-    with socket.socket() as s:
+    """A port of 127.0.0.1 free now, below the ephemeral ones where the kernel can: those
+    are what every outgoing connection takes its port from, and what another picker's
+    bind(0) hands out, in the moment between this pick and the server's bind."""
+    if (below := _ephemeral_from()) > PORTS_FROM + 1000:
+        for _ in range(100):
+            with socket.socket() as s, contextlib.suppress(OSError):
+                s.bind(("127.0.0.1", port := random.randrange(PORTS_FROM, below)))
+                return port
+    with socket.socket() as s:  # the kernel's own pick
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
 def free_port(avoid: Collection[int] = ()) -> int:
-    """A port of 127.0.0.1 free now (the kernel's pick), none of `avoid`: a port picked for
-    another server but not yet bound may be handed out again."""
+    """A port of 127.0.0.1 free now, none of `avoid`: a port picked for another server but
+    not yet bound may be handed out again."""
     while (port := _kernel_port()) in avoid:
         pass
     return port
@@ -157,14 +179,24 @@ def port_problem(port: int, host: str = "127.0.0.1") -> str | None:
     return None
 
 
+def listens(proc: subprocess.Popen[bytes], port: int) -> bool:
+    """Whether `proc` itself listens on `port` (not another process that took the port)."""
+    try:
+        return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   for c in psutil.Process(proc.pid).net_connections("tcp"))
+    except psutil.Error:  # it exited
+        return False
+
+
 def wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str,
                   timeout: float = 30.0) -> None:
-    """Until something listens on 127.0.0.1:`port`; fail at once if `proc` exits."""
+    """Until `proc` listens on `port`; fail at once if it exits (another process that
+    listens there is not it)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited {describe_exit(proc.returncode)}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+        if listens(proc, port):
             return
         time.sleep(0.05)
     raise TimeoutError(f"{what} did not listen on port {port} within {timeout:.0f}s")

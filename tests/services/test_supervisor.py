@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from redis import Redis
 
 import services.supervisor
 from services.launcher import Stack, StackConfig, StartError
@@ -30,6 +31,7 @@ from services.supervisor import (
     log_tail,
     port_problem,
     restart_delay,
+    wait_for_port,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -449,6 +451,54 @@ def test_a_port_picked_for_one_server_is_not_picked_again_for_another(
     finally:
         stack.stop(drain_s=5)
     assert offers.count(gateway) == 2 and gateway not in ports
+
+
+def test_a_server_whose_port_another_took_starts_on_another(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Between a port's pick and the server's bind another process may take it: the server
+    fails to bind, and is started again on another port; the other process listening
+    there is not taken for it."""
+    stack = Stack(StackConfig(port=free_port(), run_dir=tmp_path))
+    stack.run_dir.mkdir(parents=True)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        offers: list[int] = []
+
+        def kernel() -> int:  # the port another process took first, then the real picks
+            offers.append(taken if not offers else real())
+            return offers[-1]
+
+        real = services.supervisor._kernel_port
+        monkeypatch.setattr(services.supervisor, "_kernel_port", kernel)
+        try:
+            url = stack._start_valkey()
+            assert Redis.from_url(url, socket_timeout=5).ping() is True
+        finally:
+            stack.stop(drain_s=5)
+    assert offers[0] == taken and int(url.rsplit(":", 1)[1]) == offers[1] != taken
+    assert "Address already in use" in (stack.run_dir / "valkey.log").read_text()
+
+
+def test_waiting_for_a_server_is_not_fooled_by_another_on_its_port() -> None:
+    with socket.socket() as other, subprocess.Popen(["sleep", "30"]) as sleeper:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        try:
+            with pytest.raises(TimeoutError, match="did not listen on port"):
+                wait_for_port(other.getsockname()[1], sleeper, "sleeper", timeout=1.0)
+        finally:
+            sleeper.kill()
+
+
+def test_a_port_is_picked_below_the_ephemeral_ones() -> None:
+    """Outgoing connections take their ports from the ephemeral range (and bind(0) hands
+    them out): a server's port is picked below it, where the kernel says where it is."""
+    below = services.supervisor._ephemeral_from()
+    low = services.supervisor.PORTS_FROM if below > services.supervisor.PORTS_FROM + 1000 \
+        else 1  # no room below them: the kernel's picks
+    assert all(low <= free_port() < (below if low > 1 else 65536) for _ in range(20))
 
 
 def test_a_port_someone_listens_on_is_in_use_until_they_close_it() -> None:
