@@ -115,3 +115,9 @@ def stored_response(response_id: str) -> str:
     """A response of /v1/responses kept for the conversation it goes on (the gateway's
     ResponseStore), with an expiry."""
     return f"{PREFIX}:response:{response_id}"
+
+
+def stored_items(response_id: str) -> str:
+    """What a conversation keeps of that response: its input and answer as items, and the
+    responses before it."""
+    return f"{PREFIX}:response-items:{response_id}"

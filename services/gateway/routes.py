@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 from redis.exceptions import RedisError
 from starlette.types import Receive, Scope, Send
 
@@ -29,7 +30,7 @@ from services.gateway.gateway import Gateway, Target
 from services.gateway.ledger import Booking, Ticket
 from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest, ParamError
 from services.gateway.responses import ResponsesRequest, Shape
-from services.gateway.stored import Missing, ResponseStore
+from services.gateway.stored import Conversation, Missing, ResponseStore, TooLong
 from services.gateway.stream import GaveUp
 from services.gateway.timing import RequestTiming
 from services.gateway.tool_calls import Splitter
@@ -565,8 +566,8 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
 
     async def kept(read: Callable[[ResponseStore], Awaitable[T]], response_id: str,
                    param: str | None = None) -> T:
-        """What `read` reads of the responses kept: 404 for one not kept (where a request's
-        `param` names it: 400 where none is), 503 while Redis cannot be read."""
+        """What `read` reads of the responses kept: 404 for one not kept (400, as OpenAI
+        answers, where a request's `param` names it), 503 while Redis cannot be read."""
         if gateway.responses is None:
             raise APIError(400 if param else 404, "responses are not kept on this server "
                            "(DS_RESPONSES_TTL_S=0): send the conversation so far as input "
@@ -575,14 +576,17 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
             return await read(gateway.responses)
         except Missing as e:
             gone = e.args[0]
-            raise APIError(404, f"Response with id '{gone}' not found" + (
-                f" (the conversation of '{response_id}' goes back to it)"
-                if gone != response_id else ""), param,
-                           "previous_response_not_found" if param else None) from None
-        except ValueError as e:
+            if param is None:
+                raise APIError(404, f"Response with id '{gone}' not found.") from None
+            raise APIError(400, f"Previous response with id '{gone}' not found." + (
+                f" (The conversation of '{response_id}' goes back to it.)"
+                if gone != response_id else ""), param, "previous_response_not_found"
+                           ) from None
+        except TooLong as e:
             raise APIError(400, str(e), param) from None
         except (RedisError, OSError) as e:  # a blip: a later try may do
-            raise APIError(503, f"the responses kept cannot be read now: {e}",
+            log.warning("the responses kept cannot be read: %s", e)
+            raise APIError(503, "the responses kept cannot be read now: retry later",
                            kind="server_error",
                            headers={"Retry-After": str(gateway.settings.retry_after_s)}
                            ) from None
@@ -590,13 +594,19 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.post("/v1/responses")
     async def respond_to(req: ResponsesRequest, request: Request) -> Any:
         chat, before = req.chat_request, req.previous_response_id
+        earlier: Conversation | None = None
         if before is not None:
+            gateway.check_model(req.model)  # before reading what it would go on from
             earlier = await kept(lambda store: store.conversation(before), before,
                                  "previous_response_id")
             try:
-                chat = req.chat_after(earlier)
+                chat = req.chat_after(earlier.items)
             except ParamError as e:
                 raise APIError(400, str(e), e.param) from None
+            except ValidationError as e:  # kept by another version of the gateway
+                raise APIError(400, f"the conversation of response '{before}' cannot be "
+                               f"read: {e.errors()[0]['msg']}", "previous_response_id"
+                               ) from None
         try:
             reply, tickets = await begin(chat)
         except APIError as e:  # told in the Responses API's words
@@ -611,7 +621,7 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
             if store is None:
                 return
             try:
-                await store.put(response, req.input_items() + response["output"], before)
+                await store.put(response, req.input_items(), earlier)
             except (RedisError, OSError) as e:
                 log.warning("response %s not kept: %s", response["id"], e)
                 response["store"] = False

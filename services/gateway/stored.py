@@ -1,66 +1,105 @@
 """Responses kept for `previous_response_id` and `GET`/`DELETE /v1/responses/{id}`, in Redis:
-every gateway of the stack finds what another answered. A response is kept with its own
-items (what it was asked, what it answered) and the id of the one before it; a conversation
-is read by walking back to its first response, and each of its responses is kept another
-`ttl_s` from then, so a conversation lasts as long as it goes on."""
+every gateway of the stack finds what another answered. A response is kept as two keys: the
+response as it was answered (what `GET` shows), and its items (its input and its answer's
+output items, logprobs left out) with the ids of the responses before it in its
+conversation, so a conversation is read with two calls however long it is. Each response
+kept keeps those before it `ttl_s` longer: a conversation lasts as long as it goes on."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
 
 from shared import subjects
 
-MOST_TURNS = 1000  # responses one conversation is read back through
+MOST_TURNS = 100  # responses one conversation goes through
+LARGE = 1 << 16  # bytes of JSON read or written off the event loop
 
 
 class Missing(LookupError):
     """A response is not kept (never stored, deleted, or its time ran out): its id."""
 
 
+class TooLong(ValueError):
+    """A conversation goes through more than MOST_TURNS responses."""
+
+
+@dataclass
+class Conversation:
+    items: list[dict[str, Any]] = field(default_factory=list)  # oldest first
+    chain: list[str] = field(default_factory=list)  # the ids of its responses, oldest first
+
+
+def history(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An answer's output items as a conversation keeps them: without their logprobs
+    (a long answer's, each with its top ones, are megabytes nobody reads back)."""
+    return [item | {"content": [{key: value for key, value in part.items()
+                                 if key != "logprobs"} for part in item["content"]]}
+            if item.get("type") == "message" else item for item in output]
+
+
+async def loads(raw: bytes | str) -> Any:
+    """JSON read; a large one off the event loop (a long answer's logprobs: a tenth of a
+    second that every stream would wait)."""
+    return await asyncio.to_thread(json.loads, raw) if len(raw) > LARGE else json.loads(raw)
+
+
 @dataclass
 class ResponseStore:
     redis: Redis
-    ttl_s: int  # how long a response is kept after it was last used
+    ttl_s: int  # how long a response is kept after it was answered or last gone on from
 
-    async def put(self, response: dict[str, Any], items: list[dict[str, Any]],
-                  previous: str | None) -> None:
-        record = {"response": response, "items": items, "previous": previous}
-        await self.redis.set(subjects.stored_response(response["id"]), json.dumps(record),
-                             ex=self.ttl_s)
+    async def put(self, response: dict[str, Any], input_items: list[dict[str, Any]],
+                  earlier: Conversation | None = None) -> None:
+        """Keep `response`, asked `input_items` after the `earlier` conversation (which is
+        kept as long again)."""
+        chain = earlier.chain if earlier is not None else []
+        record = {"input": input_items, "output": history(response["output"]), "chain": chain}
+        # written off the event loop: a long answer's logprobs are megabytes of JSON
+        both = await asyncio.to_thread(lambda: (json.dumps(response), json.dumps(record)))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(subjects.stored_response(response["id"]), both[0], ex=self.ttl_s)
+            pipe.set(subjects.stored_items(response["id"]), both[1], ex=self.ttl_s)
+            for before in chain:
+                pipe.expire(subjects.stored_response(before), self.ttl_s)
+                pipe.expire(subjects.stored_items(before), self.ttl_s)
+            await pipe.execute()
 
     async def get(self, response_id: str) -> dict[str, Any]:
         """The response as it was answered; Missing if it is not kept."""
-        return (await self._record(response_id))["response"]  # type: ignore[no-any-return]
-
-    async def conversation(self, response_id: str) -> list[dict[str, Any]]:
-        """The items of the conversation up to response `response_id` (its answer
-        included), oldest first; each of its responses kept `ttl_s` from now. Missing if one
-        of them is not kept; ValueError past MOST_TURNS."""
-        records: list[dict[str, Any]] = []
-        at: str | None = response_id
-        while at is not None:
-            if len(records) == MOST_TURNS:
-                raise ValueError(f"the conversation goes back more than {MOST_TURNS} "
-                                 "responses: send it as input instead")
-            records.append(record := await self._record(at))
-            at = record["previous"]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for record in records:
-                pipe.expire(subjects.stored_response(record["response"]["id"]), self.ttl_s)
-            await pipe.execute()
-        return [item for record in reversed(records) for item in record["items"]]
-
-    async def delete(self, response_id: str) -> None:
-        """Missing if it is not kept."""
-        if not await self.redis.delete(subjects.stored_response(response_id)):
-            raise Missing(response_id)
-
-    async def _record(self, response_id: str) -> dict[str, Any]:
         raw = await self.redis.get(subjects.stored_response(response_id))
         if raw is None:
             raise Missing(response_id)
-        return json.loads(raw)  # type: ignore[no-any-return]
+        return await loads(raw)  # type: ignore[no-any-return]
+
+    async def conversation(self, response_id: str) -> Conversation:
+        """The conversation up to response `response_id`, its answer included. Missing if
+        one of its responses is not kept; TooLong past MOST_TURNS."""
+        raw = await self.redis.get(subjects.stored_items(response_id))
+        if raw is None:
+            raise Missing(response_id)
+        last = await loads(raw)
+        chain = [*last["chain"], response_id]
+        if len(chain) > MOST_TURNS:
+            raise TooLong(f"the conversation goes through more than {MOST_TURNS} responses: "
+                          "send it as input instead")
+        records = []
+        if last["chain"]:
+            raws = await self.redis.mget([subjects.stored_items(i) for i in last["chain"]])
+            for before, each in zip(last["chain"], raws, strict=True):
+                if each is None:
+                    raise Missing(before)
+                records.append(await loads(each))
+        items = [item for record in [*records, last]
+                 for item in record["input"] + record["output"]]
+        return Conversation(items, chain)
+
+    async def delete(self, response_id: str) -> None:
+        """Missing if it is not kept."""
+        if not await self.redis.delete(subjects.stored_response(response_id),
+                                       subjects.stored_items(response_id)):
+            raise Missing(response_id)

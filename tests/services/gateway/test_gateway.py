@@ -162,7 +162,8 @@ def test_a_conversation_goes_on_from_a_response_kept(stack: Stack) -> None:
     """previous_response_id, as OpenAI's guide holds a conversation: the answer is the one
     the whole conversation sent as input gets (the instructions this request's only),
     streamed or not; a response is retrieved as it was answered, and deleted; one not kept
-    (store: false, deleted, never made) is a 404."""
+    (store: false, deleted, never made) is a 404 (a 400 where previous_response_id names
+    it, as OpenAI answers)."""
     c = client(stack)
     first = c.responses.create(model=MODEL, instructions="Answer briefly.",
                                input="My name is Ada. Say hello.", temperature=0,
@@ -194,8 +195,9 @@ def test_a_conversation_goes_on_from_a_response_kept(stack: Stack) -> None:
     c.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(first.id)
-    with pytest.raises(openai.NotFoundError) as gone:  # its conversation goes back to it
+    with pytest.raises(openai.BadRequestError) as gone:  # its conversation goes back to it
         c.responses.create(model=MODEL, previous_response_id=third.id, input="hi")
+    assert gone.value.code == "previous_response_not_found"
     assert gone.value.body["param"] == "previous_response_id"  # type: ignore[index]
     assert first.id in gone.value.body["message"]  # type: ignore[index]
     with pytest.raises(openai.NotFoundError):

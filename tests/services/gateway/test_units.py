@@ -575,7 +575,8 @@ def test_the_responses_kept_unreadable_are_a_503_to_retry_and_none_kept_a_404() 
             gateway.responses = ResponseStore(redis_client(
                 f"redis://127.0.0.1:{free_port()}", timeout_s=1), ttl_s=60)
             return [none, await client.post("/v1/responses", json={
-                        "model": "m", "input": "hi", "previous_response_id": "resp_1"}),
+                        "model": gateway.served_model, "input": "hi",
+                        "previous_response_id": "resp_1"}),
                     await client.get("/v1/responses/resp_1"),
                     await client.delete("/v1/responses/resp_1")]
 
@@ -625,7 +626,7 @@ def test_a_refusal_names_the_parameter_to_blame(path: str, body: dict[str, Any],
     null); NaN and infinity (Python's JSON reads them) are refused as numbers, not as
     "less than or equal to 2"; a value of another JSON type than the parameter's is refused,
     not converted."""
-    base: dict[str, Any] = {"model": "m"}
+    base: dict[str, Any] = {"model": GatewaySettings().served_model}
     if "chat" in path:
         base["messages"] = [{"role": "user", "content": "hi"}]
     if "responses" in path:
