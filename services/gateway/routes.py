@@ -1,6 +1,6 @@
 """HTTP routes: /v1/completions, /v1/chat/completions, /v1/responses (served as the chat
-completion it amounts to; GET and DELETE /v1/responses/ID: those kept), /v1/models[/ID],
-/health, /metrics.
+completion it amounts to; GET and DELETE /v1/responses/ID and GET .../input_items: those
+kept), /v1/models[/ID], /health, /metrics.
 
 A request is admitted (or gets 429) before anything else, tokenized off the event loop,
 dispatched, and answered as one JSON or as SSE. A client that goes away, streaming or not,
@@ -637,6 +637,17 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/v1/responses/{response_id}")
     async def kept_response(response_id: str) -> dict[str, Any]:
         return await kept(lambda store: store.get(response_id), response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(response_id: str, order: str = "desc", after: str | None = None,
+                          limit: int = 20) -> dict[str, Any]:
+        """The items the response was answered from: its conversation's and its input."""
+        asked = await kept(lambda store: store.conversation(response_id, answered=False),
+                           response_id)
+        try:
+            return responses.item_list(asked.items, response_id, order, after, limit)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
 
     @app.delete("/v1/responses/{response_id}")
     async def forget_response(response_id: str) -> dict[str, Any]:

@@ -76,9 +76,10 @@ class ResponseStore:
             raise Missing(response_id)
         return await loads(raw)  # type: ignore[no-any-return]
 
-    async def conversation(self, response_id: str) -> Conversation:
-        """The conversation up to response `response_id`, its answer included. Missing if
-        one of its responses is not kept; TooLong past MOST_TURNS."""
+    async def conversation(self, response_id: str, answered: bool = True) -> Conversation:
+        """The conversation up to response `response_id`, its answer included (not where
+        `answered` is False: the items it was answered from). Missing if one of its
+        responses is not kept; TooLong past MOST_TURNS."""
         raw = await self.redis.get(subjects.stored_items(response_id))
         if raw is None:
             raise Missing(response_id)
@@ -96,7 +97,8 @@ class ResponseStore:
                 records.append(await loads(each))
         items = [item for record in [*records, last]
                  for item in record["input"] + record["output"]]
-        return Conversation(items, chain)
+        return Conversation(items if answered else items[:len(items) - len(last["output"])],
+                            chain)
 
     async def delete(self, response_id: str) -> None:
         """Missing if it is not kept."""

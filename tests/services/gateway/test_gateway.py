@@ -190,6 +190,13 @@ def test_a_conversation_goes_on_from_a_response_kept(stack: Stack) -> None:
     assert c.responses.retrieve(third.id).output_text == third.output_text
     assert third.usage is not None and third.usage.input_tokens > second.usage.input_tokens
 
+    # the items the second was answered from, newest first, a page at a time
+    listed = [item.model_dump() for item in c.responses.input_items.list(second.id, limit=2)]
+    assert [(item["type"], item["role"], item["content"][0]["text"]) for item in listed] == [
+        ("message", "user", "What is my name?"),
+        ("message", "assistant", first.output_text),
+        ("message", "user", "My name is Ada. Say hello.")]
+
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(whole.id)  # not kept
     c.responses.delete(first.id)

@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from services.gateway.openai_api import ChatRequest
-from services.gateway.responses import ResponsesRequest, Shape, events
+from services.gateway.responses import ResponsesRequest, Shape, events, item_list
 
 
 def request(**fields: Any) -> ResponsesRequest:
@@ -206,6 +206,34 @@ def test_a_conversation_kept_goes_before_the_input_and_its_answers_read_back() -
     assert text[-1]["content"] == "And tomorrow?"
     shown = Shape(second, "def", 6).answer(chat_answer("ok", "stop"))
     assert shown["previous_response_id"] == "resp_abc" and shown["store"] is False
+
+
+def test_the_items_a_response_was_answered_from_are_listed_a_page_at_a_time() -> None:
+    kept = [{"type": "message", "role": "user", "content": "hi"},
+            {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+             "content": [{"type": "output_text", "text": "Hello."}]},
+            {"type": "function_call", "id": "fc_1_0", "call_id": "c", "name": "f",
+             "arguments": "{}", "status": "completed"},
+            {"type": "function_call_output", "call_id": "c", "output": "4"}]
+    page = item_list(kept, "resp_abc")  # newest first, as OpenAI lists them
+    assert [item["id"] for item in page["data"]] == ["item_3_abc", "fc_1_0", "msg_1",
+                                                     "item_0_abc"]
+    assert (page["first_id"], page["last_id"], page["has_more"]) == ("item_3_abc",
+                                                                     "item_0_abc", False)
+    said = page["data"][-1]
+    assert said == {"id": "item_0_abc", "status": "completed", "type": "message",
+                    "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+    assert page["data"][2]["content"] == [{"type": "output_text", "text": "Hello.",
+                                           "annotations": []}]
+    first = item_list(kept, "resp_abc", order="asc", limit=3)
+    assert [item["id"] for item in first["data"]] == ["item_0_abc", "msg_1", "fc_1_0"]
+    assert first["has_more"] is True
+    rest = item_list(kept, "resp_abc", order="asc", limit=3, after=first["last_id"])
+    assert [item["id"] for item in rest["data"]] == ["item_3_abc"] and not rest["has_more"]
+    assert item_list(kept, "resp_abc", after="item_0_abc")["data"] == []
+    for wrong in ({"order": "up"}, {"limit": 0}, {"limit": 101}, {"after": "item_9"}):
+        with pytest.raises(ValueError):
+            item_list(kept, "resp_abc", **wrong)  # type: ignore[arg-type]
 
 
 def test_a_stream_is_kept_before_its_last_event_which_says_whether_it_was() -> None:

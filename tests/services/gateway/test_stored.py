@@ -49,6 +49,9 @@ def test_a_conversation_is_read_back_through_its_responses_in_order(redis_url: s
         assert [i["content"][0]["text"] if i["type"] == "message" and i.get("role") ==
                 "assistant" else i.get("content", i["type"]) for i in third.items] == [
             "a", "A", "function_call", "b", "B", "function_call", "c", "C", "function_call"]
+        # what it was answered from: the answer left out
+        asked = await store.conversation("resp_3", answered=False)
+        assert len(asked.items) == len(third.items) - 2 and asked.chain == third.chain
         # shown as answered: its logprobs too
         assert (await store.get("resp_2")) == answer("resp_2", "B")
         await store.delete("resp_2")
