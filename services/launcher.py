@@ -374,8 +374,9 @@ class Stack:
             try:
                 self._serving(name, port, proc)
                 return port
-            except StartError:
-                if pick == PORT_PICKS or port_problem(port) is None:  # not taken: its own
+            except StartError as e:  # taken: still, or as it failed to bind (its log says)
+                taken = port_problem(port) is not None or "already in use" in str(e).lower()
+                if pick == PORT_PICKS or not taken:
                     raise
             log.warning("%s: port %d was taken before it listened there; another port",
                         name, port)

@@ -120,6 +120,8 @@ def incarnation(name: str, restarts: int) -> str:
 
 
 PORTS_FROM = 10000  # the ports picked for servers: from here to the ephemeral ones
+# picks of its own: a test's random.seed() would give parallel runs the same ports
+PICKS = random.SystemRandom()
 EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
@@ -138,7 +140,7 @@ def _kernel_port() -> int:
     if (below := _ephemeral_from()) > PORTS_FROM + 1000:
         for _ in range(100):
             with socket.socket() as s, contextlib.suppress(OSError):
-                s.bind(("127.0.0.1", port := random.randrange(PORTS_FROM, below)))
+                s.bind(("127.0.0.1", port := PICKS.randrange(PORTS_FROM, below)))
                 return port
     with socket.socket() as s:  # the kernel's own pick
         s.bind(("127.0.0.1", 0))
@@ -180,12 +182,17 @@ def port_problem(port: int, host: str = "127.0.0.1") -> str | None:
 
 
 def listens(proc: subprocess.Popen[bytes], port: int) -> bool:
-    """Whether `proc` itself listens on `port` (not another process that took the port)."""
-    try:
-        return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
-                   for c in psutil.Process(proc.pid).net_connections("tcp"))
-    except psutil.Error:  # it exited
-        return False
+    """Whether `proc` itself listens on 127.0.0.1:`port`, not another process that took the
+    port (where the system does not let its sockets be read: whether anything does)."""
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+        try:
+            return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                       for c in psutil.Process(proc.pid).net_connections("tcp"))
+        except psutil.AccessDenied:
+            return True
+        except psutil.Error:  # it exited
+            return False
+    return False
 
 
 def wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str,

@@ -454,18 +454,18 @@ def item_list(items: list[dict[str, Any]], response_id: str, order: str = "desc"
     """A page of the items a response was answered from (`GET .../input_items`), as OpenAI
     lists them: each with an id (its own, or one from its place), its content as parts, in
     `order` (of the conversation: "asc"; newest first: "desc"), from the one after `after`,
-    `limit` of them. ValueError for an order, limit or `after` that cannot be."""
+    `limit` of them. ParamError for an order, limit or `after` that cannot be."""
     if order not in ("asc", "desc"):
-        raise ValueError('order is "asc" or "desc"')
+        raise ParamError("order", 'order is "asc" or "desc"')
     if not 1 <= limit <= MOST_LISTED:
-        raise ValueError(f"limit is from 1 to {MOST_LISTED}")
+        raise ParamError("limit", f"limit is from 1 to {MOST_LISTED}")
     listed = [listed_item(item, f"item_{i}_{response_id.removeprefix('resp_')}")
               for i, item in enumerate(items)]
     if order == "desc":
         listed.reverse()
     ids = [item["id"] for item in listed]
     if after is not None and after not in ids:
-        raise ValueError(f"no input item of this response has the id {after!r}")
+        raise ParamError("after", f"no input item of this response has the id {after!r}")
     start = 0 if after is None else ids.index(after) + 1
     page = listed[start:start + limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
@@ -475,8 +475,8 @@ def item_list(items: list[dict[str, Any]], response_id: str, order: str = "desc"
 
 def listed_item(item: dict[str, Any], default_id: str) -> dict[str, Any]:
     """An item as a list shows it: an id, a status, a message's text as parts."""
-    shown = {"id": item.get("id") or default_id, "status": "completed"} | \
-        {key: value for key, value in item.items() if key not in ("id", "status")}
+    shown = {"id": item.get("id") or default_id, "status": item.get("status") or "completed"} \
+        | {key: value for key, value in item.items() if key not in ("id", "status")}
     if shown.get("type", "message") == "message":
         kind = "output_text" if shown["role"] == "assistant" else "input_text"
         parts = shown["content"] if isinstance(shown["content"], list) else \

@@ -577,7 +577,9 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
         except Missing as e:
             gone = e.args[0]
             if param is None:
-                raise APIError(404, f"Response with id '{gone}' not found.") from None
+                raise APIError(404, f"Response with id '{gone}' not found." + (
+                    f" (The conversation of '{response_id}' goes back to it.)"
+                    if gone != response_id else "")) from None
             raise APIError(400, f"Previous response with id '{gone}' not found." + (
                 f" (The conversation of '{response_id}' goes back to it.)"
                 if gone != response_id else ""), param, "previous_response_not_found"
@@ -646,8 +648,8 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
                            response_id)
         try:
             return responses.item_list(asked.items, response_id, order, after, limit)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        except ParamError as e:
+            raise APIError(400, str(e), e.param) from None
 
     @app.delete("/v1/responses/{response_id}")
     async def forget_response(response_id: str) -> dict[str, Any]:

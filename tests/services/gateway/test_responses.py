@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from services.gateway.openai_api import ChatRequest
+from services.gateway.openai_api import ChatRequest, ParamError
 from services.gateway.responses import ResponsesRequest, Shape, events, item_list
 
 
@@ -232,8 +232,11 @@ def test_the_items_a_response_was_answered_from_are_listed_a_page_at_a_time() ->
     assert [item["id"] for item in rest["data"]] == ["item_3_abc"] and not rest["has_more"]
     assert item_list(kept, "resp_abc", after="item_0_abc")["data"] == []
     for wrong in ({"order": "up"}, {"limit": 0}, {"limit": 101}, {"after": "item_9"}):
-        with pytest.raises(ValueError):
+        with pytest.raises(ParamError) as refused:
             item_list(kept, "resp_abc", **wrong)  # type: ignore[arg-type]
+        assert refused.value.param == next(iter(wrong))
+    cut = item_list([kept[1] | {"status": "incomplete"}], "resp_abc")
+    assert cut["data"][0]["status"] == "incomplete"
 
 
 def test_a_stream_is_kept_before_its_last_event_which_says_whether_it_was() -> None:
