@@ -10,7 +10,8 @@ and their outputs sent back; `instructions`, `max_output_tokens`, `temperature`,
 chat's response_format), function `tools` with `tool_choice` and `parallel_tool_calls` (the
 chat's tools: the calls an answer makes are output items of their own), and
 `previous_response_id` (the gateway keeps responses: stored.py): the conversation that
-response ended, its input and answer, goes before this input. Refused with a 400 that says so
+response ended, its input and answer, goes before this input; a kept response's items are
+listed a page at a time (item_list). Refused with a 400 that says so
 (UNSERVED): `conversation` objects, a stored `prompt`, `background`, and tools other than
 functions (OpenAI's hosted ones: web search, file search...)."""
 
