@@ -241,8 +241,8 @@ class ResponsesRequest(RequestBody):
         for param, asks, why in UNSERVED:
             if asks(self):
                 raise ParamError(param, why)
-        self.chat_tool_choice()
-        # what the chat refuses (a tool_choice naming no tool offered) is refused here
+        # what the chat refuses (a tool_choice naming no tool offered) is refused here, and a
+        # tool_choice the chat cannot take (chat_tool_choice) as chat() builds it
         self._chat = chat_request(self.chat())
         return self
 

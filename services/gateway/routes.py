@@ -576,14 +576,13 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
             return await read(gateway.responses)
         except Missing as e:
             gone = e.args[0]
-            if param is None:
-                raise APIError(404, f"Response with id '{gone}' not found." + (
-                    f" (The conversation of '{response_id}' goes back to it.)"
-                    if gone != response_id else "")) from None
-            raise APIError(400, f"Previous response with id '{gone}' not found." + (
+            why = f"with id '{gone}' not found." + (
                 f" (The conversation of '{response_id}' goes back to it.)"
-                if gone != response_id else ""), param, "previous_response_not_found"
-                           ) from None
+                if gone != response_id else "")
+            if param is None:
+                raise APIError(404, f"Response {why}") from None
+            raise APIError(400, f"Previous response {why}", param,
+                           "previous_response_not_found") from None
         except TooLong as e:
             raise APIError(400, str(e), param) from None
         except (RedisError, OSError) as e:  # a blip: a later try may do
