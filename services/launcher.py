@@ -227,6 +227,7 @@ class StackConfig:
     decode_pp: int = 0
     kv_cache_mb: int = 256
     chunked_prefill: bool = False
+    prefix_caching: bool = True  # the workers reuse a prompt's start found in their KV pools
     planner: bool = False  # run the workload profiler and the planner (which may switch modes)
     api_keys: list[str] = field(default_factory=list)  # the gateway's; none: the API is open
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -412,6 +413,7 @@ class Stack:
                "DS_SERVED_MODEL_NAME": c.served_model_name,
                "DS_THREADS": str(c.threads), "DS_KV_CACHE_MB": str(c.kv_cache_mb),
                "DS_CHUNKED_PREFILL": str(c.chunked_prefill).lower(),
+               "DS_PREFIX_CACHING": str(c.prefix_caching).lower(),
                "DS_RUN_DIR": str(self.run_dir), **c.extra_env}
         write_private(self.run_dir / "env", "".join(f"{k}={v}\n" for k, v in env.items()))
         workers = ([("colocated", i) for i in range(c.replicas)] if c.mode == "colocated"

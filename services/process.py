@@ -53,6 +53,7 @@ class WorkerSettings(BaseSettings):
     max_batch_tokens: int = 512  # prefill: L_m; colocated: tokens per prefill step / chunk
     max_running: int = 64
     chunked_prefill: bool = False
+    prefix_caching: bool = True  # a prompt's start found in the KV pool is not computed again
     heartbeat_s: float = 0.5
     heartbeat_ttl_s: float = 2.0
     kv_lease_s: float = 30.0  # prefill frees parked KV once its decode instance is silent
@@ -83,7 +84,8 @@ class WorkerSettings(BaseSettings):
         return config.with_scheduler(role=role, block_size=self.block_size,
                                      max_batch_tokens=self.max_batch_tokens,
                                      max_running=self.max_running,
-                                     chunked_prefill=self.chunked_prefill)
+                                     chunked_prefill=self.chunked_prefill,
+                                     prefix_caching=self.prefix_caching)
 
     def named(self, role: str) -> WorkerSettings:
         if self.instance_id:

@@ -97,6 +97,9 @@ class Worker:
         return InstanceInfo(instance_id=self.id, role=self.role,
                             queue_len=len(scheduler.waiting), running=len(scheduler.running),
                             free_blocks=blocks.num_free, total_blocks=blocks.num_blocks,
+                            cached_blocks=blocks.num_cached,
+                            prefix_queried=scheduler.prefix_queried,
+                            prefix_hits=scheduler.prefix_hits,
                             draining=self.draining, max_request_tokens=capacity,
                             chunked=self.role == "colocated" and scheduler.config.chunked_prefill,
                             weights=self.engine.config.weights,
@@ -417,7 +420,7 @@ class Worker:
                                    top_logprobs=[list(top) for top in out.top_logprobs],
                                    finish_reason=out.finish_reason,
                                    error=out.error, refused=out.refused, source=self.id,
-                                   **parts[-1]))
+                                   cached_tokens=out.cached_tokens, **parts[-1]))
 
     async def send(self, chunk: TokenChunk) -> None:
         """Publish a chunk; a failure (NATS down, its buffer full) is logged, never raised:

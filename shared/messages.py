@@ -169,6 +169,7 @@ class TokenChunk(BaseModel):
     # with `error`: the request asked what cannot be served (it can never fit here, its
     # format outgrew the limits): the client's 400, not a server's failure
     refused: bool = False
+    cached_tokens: int = 0  # with the first token: the prompt's tokens found in the KV pool
     source: str = ""  # the instance that sent it
 
 

@@ -43,8 +43,9 @@ class InstanceInfo(BaseModel):
     queue_len: int = 0  # waiting requests
     preempted: int = 0  # decode: requests preempted, waiting to be recomputed
     running: int = 0  # requests in the running batch (decode) or parked (prefill)
-    free_blocks: int = 0
+    free_blocks: int = 0  # cached ones included (the pool takes them as it needs them)
     total_blocks: int = 0
+    cached_blocks: int = 0  # free blocks holding a prefix a request may reuse
     draining: bool = False
     chunked: bool = False  # colocated: prefills in chunks, decodes riding along
     weights: str = "auto"  # the engine's weight format: auto (floats), int8, int4
@@ -72,6 +73,10 @@ class InstanceInfo(BaseModel):
     step_queued_seconds: float = 0.0  # of which it was runnable, waiting for a CPU
     outputs_seconds: float = 0.0  # spent handling their outputs before the next step
     batched: int = 0  # requests that got a token, summed over steps
+    # prefix caching: tokens of the requests admitted that looked for their prefix in the
+    # KV pool, and those found there (not computed)
+    prefix_queried: int = 0
+    prefix_hits: int = 0
     recent_steps: list[StepSample] = []  # the last steps the latency model can price
     # request -> the attempt of it held here in any form (queued, taken in, pulled, running,
     # parked): a request a gateway waits on that its instance no longer holds has ended

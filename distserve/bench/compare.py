@@ -65,9 +65,11 @@ def systems(threads: int, kv_cache_mb: int, chunked: bool, weights: str = "auto"
     decode instance's `decode_weights` where given, and the prefill instance computes in
     `prefill_dtype` where given: disaggregation lets each phase run its own format, while a
     colocated worker runs one for both, so colocated replicas are then run in each. A format
-    other than the default is named after the system."""
+    other than the default is named after the system. No worker caches prefixes: the
+    workload's prompts come again from one rate to the next, and the simulator prices every
+    prompt computed whole."""
     common: dict[str, Any] = {"threads": threads, "kv_cache_mb": kv_cache_mb,
-                              "weights": weights}
+                              "weights": weights, "prefix_caching": False}
     every = "" if weights == "auto" else f" ({weights})"
     split = decode_weights not in ("", weights)  # the phases in two formats
     parts = [weights] if every else []

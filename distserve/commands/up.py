@@ -48,6 +48,10 @@ def register(sub: Any) -> None:
                    help="colocated workers (--mode colocated; default: 1)")
     p.add_argument("--chunked-prefill", action="store_true",
                    help="colocated workers use chunked prefill (Sarathi-style)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="compute every prompt whole: by default a worker reuses the KV blocks "
+                        "of a prompt's start that an earlier request computed (a shared "
+                        "system prompt, a conversation's earlier turns)")
     p.add_argument("--port", type=int, default=8000, help="gateway port")
     p.add_argument("--nats-url", help="use this NATS server instead of starting one")
     p.add_argument("--redis-url", help="use this Redis/Valkey server instead of starting one")
@@ -301,7 +305,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                              pp=args.pp, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                              prefill_pp=args.prefill_pp, decode_pp=args.decode_pp,
                              kv_cache_mb=args.kv_cache_mb, chunked_prefill=args.chunked_prefill,
-                             run_dir=args.run_dir, planner=args.planner == "auto",
+                             prefix_caching=args.prefix_caching, run_dir=args.run_dir,
+                             planner=args.planner == "auto",
                              api_keys=api_keys(args, parser),
                              extra_env=env if args.planner == "auto" else {})
     except ValueError as e:

@@ -18,6 +18,8 @@ from shared.state import InstanceInfo
 INSTANCE_GAUGES = {
     "free_blocks": ("ds_kv_free_blocks", "free KV blocks"),
     "total_blocks": ("ds_kv_total_blocks", "KV blocks in the pool"),
+    "cached_blocks": ("ds_kv_cached_blocks", "of the free KV blocks, those holding a prefix "
+                      "a request may reuse (taken as the pool needs them)"),
 }
 # an instance's running totals, exported as counters (`<name>_total`); a new incarnation
 # counts from 0 again, which Prometheus's rate() takes as a counter reset
@@ -32,6 +34,10 @@ INSTANCE_TOTALS = {
                             "steps, the engine thread's runnable but waiting for a CPU"),
     "outputs_seconds": ("ds_engine_outputs_seconds", "seconds handling step outputs"),
     "batched": ("ds_engine_batched_requests", "requests that got a token, summed over steps"),
+    "prefix_queried": ("ds_prefix_cache_queried_tokens", "tokens of the requests admitted "
+                       "that looked for their prefix in the KV pool"),
+    "prefix_hits": ("ds_prefix_cache_hit_tokens", "of those, the tokens found there (not "
+                    "computed)"),
 }
 
 

@@ -418,8 +418,9 @@ class Shape:
     @staticmethod
     def usage(chat: dict[str, Any]) -> dict[str, Any]:
         """A chat answer's usage as a response counts it."""
+        cached = chat.get("prompt_tokens_details", {}).get("cached_tokens", 0)
         return {"input_tokens": chat["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
                 "output_tokens": chat["completion_tokens"],
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": chat["total_tokens"]}

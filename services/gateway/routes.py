@@ -79,6 +79,7 @@ class Call:
         # context, TextTokenizer.context_of; None: no token with text came yet)
         self.stripped: int | None = None
         self.text_shown = 0  # characters of generated text shown
+        self.cached_tokens = 0  # the prompt's tokens its prefill found in the KV pool
 
     def chunks(self) -> AsyncIterator[TokenChunk]:
         return self.gateway.generate(self.request_id, self.target, self.booking,
@@ -86,7 +87,9 @@ class Call:
 
     def take(self, chunk: TokenChunk) -> None:
         """Keep the prompt's scores a chunk carries, by position (a long prompt's come in
-        parts; a request prefilled again sends them again)."""
+        parts; a request prefilled again sends them again), and how much of the prompt
+        its prefill found in the KV pool (with the first token)."""
+        self.cached_tokens = chunk.cached_tokens or self.cached_tokens
         tops = chunk.prompt_top_logprobs
         for i, logprob in enumerate(chunk.prompt_logprobs):
             self.scores.setdefault(chunk.prompt_from + i,
@@ -223,9 +226,11 @@ class Reply:
         self.chat = calls[0].chat
         self.id = api.response_id(calls[0].request_id, self.chat)
 
-    def usage(self) -> dict[str, int]:
-        return api.usage(sum(len(c.prompt_ids) for c in self.calls[::self.n]),
-                         sum(c.output_tokens for c in self.calls))
+    def usage(self) -> dict[str, Any]:
+        firsts = self.calls[::self.n]
+        return api.usage(sum(len(c.prompt_ids) for c in firsts),
+                         sum(c.output_tokens for c in self.calls),
+                         sum(c.cached_tokens for c in firsts))
 
 
 def choice_ids(request_id: str, n: int) -> list[str]:

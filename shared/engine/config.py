@@ -166,6 +166,10 @@ class SchedulerConfig:
     chunked_prefill: bool = False
     # Free blocks kept back when admitting a new prefill, so running decodes can grow.
     watermark_blocks: int = 1
+    # A prompt's leading blocks found in the pool (computed for an earlier request with the
+    # same start) are reused, not computed again (block_manager.py). The services turn it
+    # on; off here, so that an engine measured (profiles, benchmarks) computes every prompt
+    prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         assert self.block_size > 0 and self.max_batch_tokens > 0 and self.max_running > 0

@@ -48,6 +48,7 @@ class RequestOutput:
     arrival: int = -1  # the request's admission number here: which copy of a request id
     tag: int = 0  # the copy's `Request.tag` (a worker's attempt: what the output belongs to)
     refused: bool = False  # with `error`: the request's own doing (its format), not the engine's
+    cached_tokens: int = 0  # with the first token: the prompt's tokens found in the KV pool
 
     @property
     def finished(self) -> bool:
@@ -447,4 +448,5 @@ class Engine:
                              logprobs, request.output_top[-1:],
                              request.prompt_scores if first else [], error=failure,
                              index=len(request.output_ids) - 1, arrival=request.arrival,
-                             tag=request.tag, refused=failure is not None)
+                             tag=request.tag, refused=failure is not None,
+                             cached_tokens=request.cached_tokens if first else 0)

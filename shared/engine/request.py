@@ -112,6 +112,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     in_step: bool = False  # scheduled in a step not yet updated (a micro-batch under way)
+    # prefix caching: the prompt tokens found in the pool when it was last admitted, the
+    # hashes of its full blocks so far, and how many of its blocks are registered
+    cached_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered: int = 0
     guide: Guide | None = None  # with params.grammar: where the answer is in it (the engine's)
 
     def __post_init__(self) -> None:

@@ -15,6 +15,11 @@ When the pool runs out the newest running request (of those not in a step under 
 preempted by recompute: its blocks are freed and it goes back to the head of the queue, to
 be prefilled again over all its tokens.
 
+With prefix caching a request admitted takes the blocks of its leading tokens that the pool
+holds already (computed for an earlier request; block_manager.py) and computes the rest: at
+least its last token, whose logits it samples from. Every block a step fills is registered
+for those after it. A request that scores its prompt computes all of it.
+
 With `micro_batches` > 1 (a pipeline of that many stages) several steps are under way at
 once: a request in one (`in_step`, until its update) is left out of the next, and a step
 decodes at most its share of the running requests, so the steps in flight split them.
@@ -26,7 +31,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from shared.engine.block_manager import BlockManager, blocks_for
+from shared.engine.block_manager import BlockManager, blocks_for, chain_hashes
 from shared.engine.config import Role, SchedulerConfig
 from shared.engine.request import Draw, Request, RequestStatus
 
@@ -93,6 +98,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.parked: dict[str, Request] = {}
         self._requests: dict[str, Request] = {}
+        # prefix caching, summed over the requests admitted that could use it: their tokens,
+        # and those found in the pool
+        self.prefix_queried = 0
+        self.prefix_hits = 0
 
     # -- admission -----------------------------------------------------------------------
 
@@ -173,21 +182,59 @@ class Scheduler:
         cap = self.config.max_running
         while self.waiting and len(self.running) < cap and budget > 0:
             request = self.waiting[0]
-            remaining = request.num_tokens - request.num_computed
+            looks = self.caches(request)
+            hit, revived = self._cached_prefix(request) if looks else (0, 0)  # found, free
+            start = max(request.num_computed, hit * self.blocks.block_size)
+            remaining = request.num_tokens - start
             length = min(remaining, budget) if chunk else remaining
             if length > budget and admitted:
                 break
             reserve = self.config.watermark_blocks if self.running else 0
-            needed = blocks_for(request.num_computed + length, self.blocks.block_size)
-            if not self.blocks.can_allocate(needed - len(request.block_table) + reserve):
+            needed = blocks_for(start + length, self.blocks.block_size)
+            held = max(len(request.block_table), hit)
+            if not self.blocks.can_allocate(needed - held + revived + reserve):
                 break
-            self.blocks.grow(request.block_table, request.num_computed + length)
+            if hit:
+                request.block_table = self.blocks.take_cached(request.block_hashes[:hit])
+                assert len(request.block_table) == hit  # the pool is held: none went since
+                request.num_computed = start
+                request.num_registered = hit
+            if looks:
+                request.cached_tokens = hit * self.blocks.block_size
+                self.prefix_queried += request.num_tokens
+                self.prefix_hits += request.cached_tokens
+            self.blocks.grow(request.block_table, start + length)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             admitted.append(ScheduledChunk(request, request.num_computed, length))
             budget -= length
         return admitted
+
+    def caches(self, request: Request) -> bool:
+        """Whether an admission of `request` looks for its prefix in the pool: not for a
+        prompt to score before its first token (every token's logits wanted)."""
+        return self.config.prefix_caching and request.num_computed == 0 and \
+            not request.block_table and \
+            not (request.params.prompt_logprobs and not request.output_ids)
+
+    def _cached_prefix(self, request: Request) -> tuple[int, int]:
+        """How many of a waiting request's leading blocks the pool holds (all but its
+        last token at most), and how many of those are free."""
+        bs = self.blocks.block_size
+        request.block_hashes = chain_hashes(request.all_ids, bs, request.block_hashes)
+        return self.blocks.cached_run(request.block_hashes[:(request.num_tokens - 1) // bs])
+
+    def _register(self, request: Request) -> None:
+        """Register the blocks a step filled (with prefix caching)."""
+        bs = self.blocks.block_size
+        full = min(request.num_computed // bs, len(request.block_table))
+        if not self.config.prefix_caching or full <= request.num_registered:
+            return
+        request.block_hashes = chain_hashes(request.all_ids, bs, request.block_hashes)
+        for i in range(request.num_registered, full):
+            self.blocks.register(request.block_table[i], request.block_hashes[i])
+        request.num_registered = full
 
     def _chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
         length = min(request.num_tokens - request.num_computed, budget)
@@ -219,7 +266,7 @@ class Scheduler:
         self.running.remove(request)
         self.blocks.free(request.block_table)
         request.block_table = []
-        request.num_computed = 0
+        request.num_computed = request.num_registered = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
@@ -235,6 +282,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # aborted during the step
                 continue
             request.num_computed += chunk.length
+            self._register(request)
             if not chunk.samples:
                 continue
             request.append(*sampled[request.request_id])

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from shared.engine.block_manager import BlockManager, blocks_for
+from shared.engine.block_manager import BlockManager, blocks_for, chain_hashes
 
 
 def test_blocks_for_rounds_up() -> None:
@@ -84,3 +84,54 @@ def test_two_threads_taking_and_freeing_blocks_never_share_one() -> None:
         sys.setswitchinterval(interval)
     assert errors == []
     assert pool.num_free == pool.num_blocks and pool.allocate(24) is not None
+
+
+# -- prefix caching ------------------------------------------------------------------------
+
+def test_chain_hashes_name_a_block_by_every_token_up_to_its_end() -> None:
+    a = chain_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+    assert len(a) == 2  # full blocks only
+    assert chain_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4) == a  # extended, the same
+    assert chain_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], 4, a[:1])[:2] == a
+    b = chain_hashes([0, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert b[0] != a[0] and b[1] != a[1]  # the same second block after another first
+    assert chain_hashes([1, 2, 3, 4, 5, 6, 7, 9], 4)[0] == a[0]
+    assert chain_hashes([1, 2, 3, 4, 5, 6, 7, 9], 4)[1] != a[1]
+    assert len(set(chain_hashes(list(range(4000)), 4))) == 1000
+
+
+def test_a_registered_block_is_shared_then_cached_free_then_taken_last() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    hashes = chain_hashes(list(range(8)), 4)
+    first = bm.allocate(3)
+    assert first is not None
+    bm.register(first[0], hashes[0])
+    bm.register(first[1], hashes[1])
+    assert bm.cached_run(hashes) == (2, 0)  # both held: taking them frees nothing
+    shared = bm.take_cached(hashes)
+    assert shared == first[:2]
+    bm.free(first)  # the first holder leaves: the second still holds two of them
+    assert bm.num_free == 2 and bm.num_cached == 0
+    bm.free(shared)
+    assert bm.num_free == 4 and bm.num_cached == 2
+    assert bm.cached_run(hashes) == (2, 2)
+    other = bm.allocate(2)  # the blocks holding nothing go first
+    assert other is not None and not set(other) & set(first[:2])
+    assert bm.cached_run(hashes) == (2, 2)
+    last = bm.allocate(1)  # then a cached one, the prefix's last block first
+    assert last == [first[1]] and bm.num_cached == 1
+    assert bm.cached_run(hashes) == (1, 1)  # its prefix is forgotten
+    assert bm.take_cached(hashes) == [first[0]] and bm.num_free == 0
+    with pytest.raises(AssertionError):
+        bm.register(99, hashes[1])  # not held
+
+
+def test_a_prefix_held_by_one_block_stays_that_blocks() -> None:
+    bm = BlockManager(num_blocks=2, block_size=4)
+    digest = chain_hashes([1, 2, 3, 4], 4)[0]
+    a, b = bm.allocate(1), bm.allocate(1)
+    assert a is not None and b is not None
+    bm.register(a[0], digest)
+    bm.register(b[0], digest)  # computed twice at once: the first keeps the name
+    bm.free(a + b)
+    assert bm.num_cached == 1 and bm.take_cached([digest]) == a

@@ -254,3 +254,119 @@ def test_a_block_freed_by_a_preemption_goes_to_the_older_request_not_to_another_
     while not pulled and time.monotonic() < deadline:
         time.sleep(0.01)
     assert pulled == [None]  # it waited for the choice, then found the pool full
+
+
+# -- prefix caching ------------------------------------------------------------------------
+
+def prompt(rid: str, tokens: list[int], arrival: int = 0, **params: object) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=2, **params),  # type: ignore[arg-type]
+                   arrival=arrival)
+
+
+def test_a_prompt_starting_as_an_earlier_one_computes_only_the_rest() -> None:
+    s = make(prefix_caching=True, max_batch_tokens=100)
+    system = list(range(100, 110))  # 10 tokens: two full blocks of 4, and 2 over
+    first = prompt("first", [*system, 1, 2, 3])
+    s.add(first)
+    drain(s)
+    assert first.cached_tokens == 0 and s.blocks.num_free == 64
+    assert s.blocks.num_cached == 3  # its full blocks, tokens 0..11 (prompt and output)
+    second = prompt("second", [*system, 7, 8, 9, 10, 11], arrival=1)
+    s.add(second)
+    out = s.schedule()
+    assert out is not None and len(out.prefills) == 1
+    chunk = out.prefills[0]
+    assert (chunk.start, chunk.length) == (8, 7)  # the two system blocks found, the rest run
+    assert second.cached_tokens == 8 and s.blocks.num_cached == 1
+    assert out.shape() == StepShape((7,), 0, 0, (8,))  # priced as a chunk after 8 tokens
+    s.update(out, {"second": (5, None)})
+    drain(s)
+    assert (s.prefix_queried, s.prefix_hits) == (13 + 15, 8)
+    assert s.blocks.num_free == 64
+
+
+def test_a_prompt_found_whole_still_computes_its_last_token() -> None:
+    s = make(prefix_caching=True)
+    s.add(prompt("a", list(range(1, 9))))
+    drain(s)
+    again = prompt("again", list(range(1, 9)), arrival=1)
+    s.add(again)
+    out = s.schedule()
+    assert out is not None and (out.prefills[0].start, out.prefills[0].length) == (4, 4)
+    s.update(out, {"again": (5, None)})
+    drain(s)
+
+
+def test_requests_sharing_a_prefix_share_its_blocks_and_free_them_once_each() -> None:
+    s = make(prefix_caching=True, blocks=16, max_batch_tokens=100)
+    s.add(prompt("a", list(range(1, 14))))
+    run_step(s)  # prefilled, decoding: its three full blocks registered
+    b, c = prompt("b", [*range(1, 13), 50], arrival=1), \
+        prompt("c", [*range(1, 13), 60, 61], arrival=2)
+    s.add(b)
+    s.add(c)
+    out = run_step(s)
+    assert out is not None and [ch.start for ch in out.prefills] == [12, 12]
+    a = s.get("a")
+    assert a is not None
+    assert a.block_table[:3] == b.block_table[:3] == c.block_table[:3]
+    drain(s)
+    assert s.blocks.num_free == 16 and not s.has_work
+
+
+def test_a_prompt_to_score_and_a_pool_without_caching_compute_every_token() -> None:
+    s = make(prefix_caching=True)
+    s.add(prompt("a", list(range(1, 14))))
+    drain(s)
+    scored = prompt("scored", list(range(1, 14)), arrival=1, prompt_logprobs=True)
+    s.add(scored)
+    out = s.schedule()
+    assert out is not None and out.prefills[0].start == 0 and scored.cached_tokens == 0
+    off = make()
+    off.add(prompt("a", list(range(1, 14))))
+    drain(off)
+    assert off.blocks.num_cached == 0
+    off.add(prompt("b", list(range(1, 14)), arrival=1))
+    out = off.schedule()
+    assert out is not None and out.prefills[0].start == 0
+    assert (off.prefix_queried, off.prefix_hits) == (0, 0)
+
+
+def test_the_prefill_role_finds_what_it_handed_on_and_the_pool_takes_it_back() -> None:
+    s = make(Role.PREFILL, prefix_caching=True, blocks=6, watermark_blocks=0)
+    a = prompt("a", list(range(1, 13)))
+    s.add(a)
+    run_step(s)
+    assert a.status is RequestStatus.PARKED
+    s.release("a")  # pulled: its blocks stay cached, free
+    assert s.blocks.num_free == 6 and s.blocks.num_cached == 3
+    b = prompt("b", [*range(1, 13), 9], arrival=1)
+    s.add(b)
+    out = run_step(s)
+    assert out is not None and out.prefills[0].start == 12 and b.cached_tokens == 12
+    s.release("b")
+    # a prompt of 24 tokens needs all 6 blocks: the cached ones are taken for it
+    c = prompt("c", list(range(200, 224)), arrival=2)
+    s.add(c)
+    out = run_step(s)
+    assert out is not None and out.prefills[0].start == 0 and len(c.block_table) == 6
+    assert s.blocks.num_cached == 0
+    s.release("c")
+    assert s.blocks.num_free == 6
+
+
+def test_a_request_preempted_recomputes_only_what_the_pool_let_go() -> None:
+    s = make(prefix_caching=True, blocks=6, watermark_blocks=0)
+    old, new = req("old", 8, max_tokens=12, arrival=0), req("new", 8, max_tokens=12, arrival=1)
+    s.add(old)
+    s.add(new)
+    starts: list[int] = []
+    for _ in range(200):
+        out = run_step(s)
+        if out is None:
+            break
+        starts += [c.start for c in out.prefills if c.request is new]
+    assert new.num_preemptions >= 1
+    assert starts[0] == 0 and any(start > 0 for start in starts[1:])  # its own blocks found
+    assert len(old.output_ids) == len(new.output_ids) == 12
+    assert s.blocks.num_free == 6

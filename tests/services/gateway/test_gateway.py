@@ -18,7 +18,7 @@ import pydantic
 import pytest
 
 from services.launcher import Stack
-from tests.services.conftest import metric
+from tests.services.conftest import metric, metric_when
 from tests.services.gateway.conftest import API_KEY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -158,6 +158,46 @@ def test_the_responses_api_answers_as_the_chat_it_amounts_to(stack: Stack) -> No
     wait_all_free(stack)
 
 
+def test_a_system_prompt_sent_again_is_found_in_the_prefill_instances_pool(
+        stack: Stack) -> None:
+    """Prefix caching through the stack: a chat whose system prompt an earlier one sent is
+    prefilled from the blocks that one left in the pool, says so in its usage
+    (prompt_tokens_details.cached_tokens, streamed too), and answers as the first did; the
+    instances' hits are on /metrics."""
+    c = client(stack)
+    system = ("You are the help desk of a lighthouse museum on a small island. Keep answers "
+              "short, friendly and about the museum. The museum opens at nine and closes at "
+              "five, every day but Monday; the ferry leaves the harbour every hour, and the "
+              "tower's two hundred steps are closed in strong wind.")
+    messages: Any = [{"role": "system", "content": system},
+                     {"role": "user", "content": "When do you open?"}]
+    before = sum(metric(stack.url, "ds_prefix_cache_hit_tokens_total").values())
+    first = c.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                      max_tokens=16)
+    again = c.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                      max_tokens=16)
+    assert first.usage is not None and again.usage is not None
+    assert first.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details is not None
+    prompt = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # every full block of 16 but the one holding the last token, which is computed
+    assert prompt - 16 <= again.usage.prompt_tokens_details.cached_tokens < prompt
+    assert again.choices[0].message.content == first.choices[0].message.content
+    other = [{"role": "system", "content": system},
+             {"role": "user", "content": "Is there a gift shop?"}]
+    chunks = list(c.chat.completions.create(model=MODEL, messages=other, temperature=0,
+                                            max_tokens=8, stream=True,
+                                            stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens >= 48  # the system prompt's blocks
+    hits = metric_when(stack.url, "ds_prefix_cache_hit_tokens_total",
+                       lambda m: sum(m.values()) >= before + 48 + prompt - 16)
+    assert sum(hits.values()) >= before + 48 + prompt - 16
+    wait_all_free(stack)  # the blocks kept for later requests count as free
+
+
 def test_a_conversation_goes_on_from_a_response_kept(stack: Stack) -> None:
     """previous_response_id, as OpenAI's guide holds a conversation: the answer is the one
     the whole conversation sent as input gets (the instructions this request's only),
@@ -182,6 +222,8 @@ def test_a_conversation_goes_on_from_a_response_kept(stack: Stack) -> None:
     assert second.output_text == whole.output_text
     assert second.usage is not None and whole.usage is not None
     assert second.usage.input_tokens == whole.usage.input_tokens
+    # the conversation's start, the first request's prompt, found in the prefill pool
+    assert second.usage.input_tokens_details.cached_tokens >= 16
     with c.responses.stream(model=MODEL, previous_response_id=second.id, input="Thanks!",
                             instructions="Answer briefly.", temperature=0,
                             max_output_tokens=200) as stream:

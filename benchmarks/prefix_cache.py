@@ -1,0 +1,101 @@
+"""Prefix caching's worth on this host: time to the first token of prompts that start as an
+earlier one, on an engine that caches prefixes and one that computes every prompt whole (the
+same model copy), interleaved round by round so the host's moments fall on both.
+
+Two workloads: questions after one shared system prompt (`--system` tokens, then
+`--question` of their own), and a conversation whose every turn sends the turns before it
+again, each answer and question `--turn` tokens. Token ids are random: what is measured is
+the prefill's length, not the text.
+
+    .venv/bin/python benchmarks/prefix_cache.py [--threads 2] [--system 1024] [--question 32]
+        [--turns 6] [--turn 64] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from distserve.bench.engine import rounds
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.engine.model_runner import load_model
+from shared.engine.request import SamplingParams
+
+FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
+ids = itertools.count()
+
+
+def tokens(n: int, salt: int) -> list[int]:
+    gen = torch.Generator().manual_seed(salt)
+    return torch.randint(100, 40000, (n,), generator=gen).tolist()
+
+
+def first_token_ms(engine: Engine, prompt: list[int]) -> float:
+    """ms from a prompt's arrival to its first token (alone on the engine)."""
+    start = time.perf_counter()
+    engine.add_request(f"r{next(ids)}", prompt, FIRST_TOKEN)
+    while engine.has_work():
+        engine.step()
+    return (time.perf_counter() - start) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--system", type=int, default=1024, help="shared system prompt tokens")
+    parser.add_argument("--question", type=int, default=32, help="tokens of each question")
+    parser.add_argument("--turns", type=int, default=6, help="turns of the conversation")
+    parser.add_argument("--turn", type=int, default=64, help="tokens of an answer, a question")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load_model(EngineConfig(model=args.model))
+    longest = max(args.system + args.question, 2 * args.turns * args.turn)
+    engines = {caching: Engine(EngineConfig(model=args.model).with_scheduler(
+        prefix_caching=caching, max_batch_tokens=longest), loaded) for caching in (True, False)}
+    system = tokens(args.system, 0)
+    salts = itertools.count(1)
+
+    def questions(caching: bool) -> float:
+        salt = next(salts)  # a new question each call; the same system prompt every time
+        return first_token_ms(engines[caching], system + tokens(args.question, salt))
+
+    def conversation(caching: bool) -> float:
+        """The mean first-token ms of turns 2.. of a new conversation."""
+        salt, history, times = next(salts), [], []
+        for turn in range(args.turns):
+            history += tokens(args.turn, salt * 100 + 2 * turn)  # the user's question
+            ms = first_token_ms(engines[caching], history)
+            times.append(ms)
+            history += tokens(args.turn, salt * 100 + 2 * turn + 1)  # the answer
+        return statistics.mean(times[1:])
+
+    table = Table(title=f"{args.model}, {args.threads} thread(s): first-token ms, medians "
+                        f"of {args.rounds} interleaved rounds")
+    for column in ("workload", "cached", "computed whole", "whole / cached", "tokens found"):
+        table.add_column(column, justify="right")
+    workloads = [(f"{args.system}-token system prompt + {args.question}", questions),
+                 (f"conversation, turns 2-{args.turns} of {args.turn}+{args.turn}",
+                  conversation)]
+    for name, run in workloads:
+        engine = engines[True]
+        queried, hits = engine.scheduler.prefix_queried, engine.scheduler.prefix_hits
+        cached, whole = (statistics.median(t) for t in rounds(
+            [lambda run=run: run(True), lambda run=run: run(False)], args.rounds))
+        found = (engine.scheduler.prefix_hits - hits) / \
+            max(1, engine.scheduler.prefix_queried - queried)
+        table.add_row(name, f"{cached:.1f}", f"{whole:.1f}", f"{whole / cached:.2f}x",
+                      f"{found:.0%}")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
