@@ -116,36 +116,41 @@ class Registry:
 
 def pick_prefill(instances: Sequence[InstanceInfo],
                  in_flight: Mapping[str, int] | None = None,
-                 elsewhere: Mapping[str, int] | None = None) -> InstanceInfo | None:
+                 elsewhere: Mapping[str, int] | None = None,
+                 prefer: str = "") -> InstanceInfo | None:
     """The paper's dispatch: the prefill instance with the shortest queue, counted as the
     requests sent there and not yet seen prefilled: the caller's own (`in_flight`) plus
     those other gateways publish (`elsewhere`, `others_in_flight`), fresher than a
     heartbeat, so a burst spreads out instead of piling onto one instance; or the
     heartbeat's queue where that is longer (it holds the caller's requests that arrived,
     so they are not counted twice, and the others' while their counts cannot be read).
-    Ties go by the heartbeats' queue and batch, then the id."""
+    Ties go by the heartbeats' queue, then to `prefer` (where the prompt's start went: its
+    KV may be cached there), then by batch and id."""
     mine, others = in_flight or {}, elsewhere or {}
     live = [i for i in instances if not i.draining]
 
-    def key(i: InstanceInfo) -> tuple[int, int, int, str]:
+    def key(i: InstanceInfo) -> tuple[int, int, bool, int, str]:
         sent = mine.get(i.instance_id, 0) + others.get(i.instance_id, 0)
-        return max(sent, i.queue_len), i.queue_len, i.running, i.instance_id
+        return max(sent, i.queue_len), i.queue_len, i.instance_id != prefer, i.running, \
+            i.instance_id
     return min(live, key=key, default=None)
 
 
 def pick_colocated(instances: Sequence[InstanceInfo], in_flight: Mapping[str, int],
                    queued: Mapping[str, int],
-                   elsewhere: Mapping[str, int] | None = None) -> InstanceInfo | None:
+                   elsewhere: Mapping[str, int] | None = None,
+                   prefer: str = "") -> InstanceInfo | None:
     """The colocated worker with the fewest requests, counted as the caller's own in flight
     there plus those other gateways have (`elsewhere`: their published in-flight counts,
     `others_in_flight`); on a tie, the fewest of the caller's still awaiting their first
-    token (a new prompt waits behind those); then by id. The planner's simulator dispatches
-    by the same key, so that its requests go where the stack's do."""
+    token (a new prompt waits behind those); then `prefer` (where the prompt's start went:
+    its KV may be cached there); then by id. The planner's simulator dispatches by the same
+    key (its prompts share no prefix), so that its requests go where the stack's do."""
     others = elsewhere or {}
     live = [i for i in instances if not i.draining]
     return min(live, key=lambda i: colocated_key(
         in_flight.get(i.instance_id, 0) + others.get(i.instance_id, 0),
-        queued.get(i.instance_id, 0), i.instance_id), default=None)
+        queued.get(i.instance_id, 0), i.instance_id, i.instance_id == prefer), default=None)
 
 
 async def others_in_flight(redis: Redis, gateway: str) -> dict[str, int]:
@@ -163,11 +168,12 @@ async def others_in_flight(redis: Redis, gateway: str) -> dict[str, int]:
     return counts
 
 
-def colocated_key(held: int, queued: int, tiebreak: str | int) -> tuple[int, int, str | int]:
+def colocated_key(held: int, queued: int, tiebreak: str | int, holds_prefix: bool = False
+                  ) -> tuple[int, int, bool, str | int]:
     """The order colocated dispatch goes by, least first: requests held, then those of them
-    awaiting their first token, then the name (the gateway's) or position (the
-    simulator's)."""
-    return held, queued, tiebreak
+    awaiting their first token, then the one the prompt's start went to, then the name (the
+    gateway's) or position (the simulator's)."""
+    return held, queued, not holds_prefix, tiebreak
 
 
 def pick_decode(instances: Sequence[InstanceInfo],

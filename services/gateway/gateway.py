@@ -14,7 +14,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -28,6 +28,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from services.gateway import tool_calls
+from services.gateway.affinity import PrefixAffinity
 from services.gateway.ledger import Booking, Ledger, Overloaded, Ticket
 from services.gateway.metrics import Metrics
 from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
@@ -182,6 +183,7 @@ class Gateway:
         self.tracer = setup_tracing("gateway", settings.run_dir)
         self.view = InstanceView(settings.heartbeat_ttl_s)
         self.ledger = Ledger()
+        self.affinity = PrefixAffinity()  # where each prompt's start went last
         self.elsewhere: dict[str, int] = {}  # other gateways' requests in flight, by instance
         # the live instances of each role left out of dispatch, their engine stuck
         self.stuck: dict[Role, set[str]] = {}
@@ -356,14 +358,16 @@ class Gateway:
                            code="rate_limit_exceeded",
                            headers={"Retry-After": str(self.settings.retry_after_s)}) from None
 
-    def _pick(self, role: Role, instances: list[InstanceInfo]) -> InstanceInfo | None:
-        """The instance of `role` a request goes to, by what this gateway has in flight."""
+    def _pick(self, role: Role, instances: list[InstanceInfo], prefer: str = ""
+              ) -> InstanceInfo | None:
+        """The instance of `role` a request goes to, by what this gateway has in flight;
+        `prefer` (where its prompt's start went) where it is among the least loaded."""
         if role == "decode":
             return pick_decode(instances, self.ledger.decoding)
         if role == "colocated":  # its requests are counted as decoding from the start
             return pick_colocated(instances, self.ledger.decoding, self.ledger.queued,
-                                  self.elsewhere)
-        return pick_prefill(instances, self.ledger.prefilling, self.elsewhere)
+                                  self.elsewhere, prefer)
+        return pick_prefill(instances, self.ledger.prefilling, self.elsewhere, prefer)
 
     def _load(self, instance: InstanceInfo) -> float:
         """How full the instance that decodes a route's requests is: what this gateway has
@@ -371,16 +375,18 @@ class Gateway:
         held = self.ledger.decoding.get(instance.instance_id, 0) + instance.queue_len
         return held / max(1, instance.max_running)
 
-    def routes(self, pools: dict[Role, list[InstanceInfo]], avoid: str = "") -> list[Target]:
+    def routes(self, pools: dict[Role, list[InstanceInfo]], avoid: str = "",
+               prefer: str = "") -> list[Target]:
         """Where a request can go, least-loaded first: a colocated worker, or a prefill
         instance and a decode instance (in "auto" mode both kinds: while the planner switches
         modes, or where both run side by side). `avoid` (an instance that failed) is in no
-        route where there is another without it."""
+        route where there is another without it; `prefer` (the worker or prefill instance
+        its prompt's start went to) is taken among those equally loaded."""
         found: list[tuple[float, Target]] = []
-        worker = self._pick("colocated", others(pools.get("colocated", []), avoid))
+        worker = self._pick("colocated", others(pools.get("colocated", []), avoid), prefer)
         if worker is not None:
             found.append((self._load(worker), self._target(worker, None)))
-        prefill = self._pick("prefill", others(pools.get("prefill", []), avoid))
+        prefill = self._pick("prefill", others(pools.get("prefill", []), avoid), prefer)
         decode = self._pick("decode", others(pools.get("decode", []), avoid))
         if prefill is not None and decode is not None:
             found.append((self._load(decode), self._target(prefill, decode)))
@@ -399,14 +405,21 @@ class Gateway:
         return {"disaggregated": "prefill/decode instance", "colocated": "colocated worker"
                 }.get(self.settings.mode, "colocated worker nor prefill and decode instance")
 
-    def dispatch(self, ticket: Ticket) -> Target:
+    def dispatch(self, ticket: Ticket, prompt_ids: Sequence[int] = ()) -> Target:
         """The least-loaded route through live instances; if there is none, through those
         heard from lately (a starved host delays heartbeats: better a request that may have
-        to move than a 503). Booked on the ticket at once: the next request of a burst,
-        dispatched before this one's stream opens, sees it."""
-        found = self.routes(self.live_pools()) or self.routes(self.stuck_pools()) or \
+        to move than a 503). Among the least loaded, the instance an earlier prompt that
+        starts as `prompt_ids` went to (its KV blocks may still be cached there). Booked on
+        the ticket at once: the next request of a burst, dispatched before this one's stream
+        opens, sees it."""
+        hashes = self.affinity.hashes(prompt_ids)
+        prefer = self.affinity.holder(hashes)
+        found = self.routes(self.live_pools(), prefer=prefer) or \
+            self.routes(self.stuck_pools(), prefer=prefer) or \
             self.routes({role: self.serving(role) or self.dispatchable(role)
-                         for role in self.roles})
+                         for role in self.roles}, prefer=prefer)
+        if found and hashes:
+            self.affinity.record(hashes, found[0].worker)
         if not found:
             raise APIError(503, f"no {self.wanted} is available; retry after "
                                 f"{self.settings.retry_after_s}s", kind="server_error",

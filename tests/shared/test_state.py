@@ -124,3 +124,18 @@ def test_a_gateway_reads_the_other_gateways_in_flight_counts(redis_url: str) -> 
         await redis.aclose()
 
     asyncio.run(main())
+
+
+def test_a_prompt_goes_where_its_start_went_only_among_the_least_loaded() -> None:
+    prefills = [info("a"), info("b"), info("c", queue_len=1)]
+    chosen = pick_prefill(prefills, prefer="b")
+    assert chosen is not None and chosen.instance_id == "b"  # a tie: its prefix is there
+    chosen = pick_prefill(prefills, {"b": 1}, prefer="b")
+    assert chosen is not None and chosen.instance_id == "a"  # busier: the load decides
+    chosen = pick_prefill(prefills, prefer="c")
+    assert chosen is not None and chosen.instance_id == "a"
+    workers = [info("w0", "colocated"), info("w1", "colocated")]
+    chosen = pick_colocated(workers, {}, {}, prefer="w1")
+    assert chosen is not None and chosen.instance_id == "w1"
+    chosen = pick_colocated(workers, {}, {"w1": 1}, prefer="w1")  # a prompt waits there
+    assert chosen is not None and chosen.instance_id == "w0"

@@ -8,6 +8,7 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
+from services.gateway.affinity import PrefixAffinity
 from services.gateway.app import Door, create_app
 from services.gateway.gateway import Gateway, GatewaySettings, Target
 from services.gateway.ledger import Ledger, Overloaded
@@ -704,11 +706,12 @@ def built_gateway() -> Gateway:
     return Gateway(GatewaySettings())  # reads the model's tokenizer: once
 
 
-def route(gateway: Gateway, hold: bool = False) -> tuple[str, str]:
-    """Where the next request goes: (worker, decode); its booking is settled at once
-    unless `hold` (a request still in flight)."""
+def route(gateway: Gateway, hold: bool = False, prompt: Sequence[int] = ()
+          ) -> tuple[str, str]:
+    """Where the next request (of `prompt`) goes: (worker, decode); its booking is settled
+    at once unless `hold` (a request still in flight)."""
     ticket = gateway.ledger.admit(limit=1000)
-    target = gateway.dispatch(ticket)
+    target = gateway.dispatch(ticket, prompt)
     if not hold:
         ticket.release()
     return target.worker, target.decode
@@ -719,6 +722,7 @@ def gateway_seeing(mode: str, *instances: InstanceInfo) -> Gateway:
     gateway = built_gateway()
     gateway.settings = GatewaySettings(mode=mode)  # type: ignore[arg-type]
     gateway.view, gateway.ledger = InstanceView(gateway.settings.heartbeat_ttl_s), Ledger()
+    gateway.affinity = PrefixAffinity()
     gateway.stuck = {}
     for instance in instances:
         gateway.view.observe(instance, time.monotonic())
@@ -766,6 +770,28 @@ def test_a_burst_spreads_before_any_stream_opens() -> None:
     assert sorted(p for p, _ in burst) == ["p0", "p0", "p1", "p1"]
     assert sorted(d for _, d in burst) == ["d0", "d0", "d1", "d1"]
     assert gateway.ledger.per_instance() == {"p0": 2, "p1": 2, "d0": 2, "d1": 2}
+
+
+def test_a_prompt_goes_to_the_instance_its_start_went_to_while_the_load_allows() -> None:
+    """Two conversations, each turn sent again with the next: while the instances are
+    equally loaded each turn goes where its conversation's start went (its KV cached
+    there), not to the first by name; a burst still spreads."""
+    for mode, names in (("disaggregated", ("p0", "p1")), ("colocated", ("c0", "c1"))):
+        role = "prefill" if mode == "disaggregated" else "colocated"
+        gateway = gateway_seeing(mode, *(worker(n, role) for n in names),
+                                 worker("d0", "decode"))
+        one, other = list(range(100, 140)), list(range(500, 540))
+        first = route(gateway, hold=True, prompt=one)[0]  # in flight: the next goes elsewhere
+        second = route(gateway, prompt=other)[0]
+        assert {first, second} == set(names)
+        gateway.ledger = Ledger()  # both answered
+        for turn in range(3):
+            one += [7] * 20
+            other += [8] * 20
+            assert route(gateway, prompt=other)[0] == second, (mode, turn)
+            assert route(gateway, prompt=one)[0] == first, (mode, turn)
+        burst = [route(gateway, hold=True, prompt=one)[0] for _ in range(2)]
+        assert sorted(burst) == list(names)
 
 
 def test_a_fixed_mode_gateway_dispatches_to_its_mode_only() -> None:
