@@ -266,7 +266,7 @@ def test_a_long_prompts_scores_go_in_parts_and_come_together() -> None:
     assert all(len(TokenChunk(request_id="r", **p).model_dump_json()) < 1 << 19
                for p in parts)
     call = Call.__new__(Call)
-    call.scores = {}
+    call.scores, call.cached_tokens = {}, 0
     for p in reversed(parts):  # in any order, and twice: the first copy stays
         call.take(TokenChunk(request_id="r", **p))
     call.take(TokenChunk(request_id="r", prompt_from=0, prompt_logprobs=[1.0],
