@@ -25,12 +25,14 @@ class Sampling(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: list[tuple[int, float]] = Field(default_factory=list)
     grammar: str = ""  # the answer held to it (shared/engine/structured.py)
+    cache_salt: str = ""  # cached prefixes shared only with requests of the same salt
 
     def params(self) -> SamplingParams:
         return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k,
                               self.seed, tuple(self.stop), self.ignore_eos, self.logprobs,
                               self.top_logprobs, self.prompt_logprobs, self.presence_penalty,
-                              self.frequency_penalty, tuple(self.logit_bias), self.grammar)
+                              self.frequency_penalty, tuple(self.logit_bias), self.grammar,
+                              self.cache_salt)
 
 
 class PrefillRequest(BaseModel):

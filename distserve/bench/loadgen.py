@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,14 +45,17 @@ async def served_model(url: str, api_key: str | None = None) -> str:
 
 async def run_requests(target: Target, requests: Sequence[BenchRequest], rate: float,
                        on_done: Callable[[RequestRecord], None] | None = None) -> RunResult:
-    """Send `requests` at their arrival times (open loop) and wait for all of them."""
+    """Send `requests` at their arrival times (open loop) and wait for all of them, under
+    a `cache_salt` of the run's own (vLLM's extension, ours too): a workload's requests come
+    again at every rate, and no run finds its prompts cached by the runs before it."""
+    salt = uuid.uuid4().hex
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30),
                                  limits=limits) as client:
         start = time.perf_counter()
 
         async def one(request: BenchRequest) -> RequestRecord:
-            record = await _send(client, target, request, start)
+            record = await _send(client, target, request, start, salt)
             if on_done is not None:
                 on_done(record)
             return record
@@ -62,14 +66,14 @@ async def run_requests(target: Target, requests: Sequence[BenchRequest], rate: f
 
 
 async def _send(client: httpx.AsyncClient, target: Target, request: BenchRequest,
-                start: float) -> RequestRecord:
+                start: float, salt: str) -> RequestRecord:
     record = RequestRecord(request.index, request.arrival_s, request.prompt_tokens,
                            request.max_tokens)
     await asyncio.sleep(max(0.0, request.arrival_s - (time.perf_counter() - start)))
     record.sent_s = time.perf_counter() - start
     body = {"model": target.model, "prompt": request.prompt, "max_tokens": request.max_tokens,
             "temperature": 0, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "cache_salt": salt}
     try:
         async with asyncio.timeout(target.timeout_s):
             await _stream(client, target, body, record, start)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from shared.engine.block_manager import BlockHash, chain_hashes
 
 BLOCK = 16  # tokens a block of the gateway's reckoning (the workers' default block size)
-MOST_PREFIXES = 1 << 16  # blocks remembered (~2 MiB of hashes and names)
+MOST_PREFIXES = 1 << 16  # blocks remembered (~9 MiB: hashes, names, the LRU's links)
 
 
 class PrefixAffinity:
@@ -24,10 +24,11 @@ class PrefixAffinity:
         self.block_size, self.most = block_size, most
         self._sent: OrderedDict[BlockHash, str] = OrderedDict()
 
-    def hashes(self, prompt_ids: Sequence[int]) -> list[BlockHash]:
-        """The prompt's full blocks' hashes, but the block that holds its last token (an
-        instance computes that one whatever it holds)."""
-        return chain_hashes(prompt_ids[:len(prompt_ids) - 1], self.block_size)
+    def hashes(self, prompt_ids: Sequence[int], salt: str = "") -> list[BlockHash]:
+        """The prompt's full blocks' hashes (as a request of `salt` has them cached), but
+        the block that holds its last token (an instance computes that one whatever it
+        holds)."""
+        return chain_hashes(prompt_ids[:len(prompt_ids) - 1], self.block_size, salt=salt)
 
     def holder(self, hashes: Sequence[BlockHash]) -> str:
         """The instance the longest recorded leading run of `hashes` went to ("": none)."""

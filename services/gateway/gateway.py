@@ -40,6 +40,7 @@ from services.liveness import forget_alive, show_alive
 from shared import subjects
 from shared.aio import cancel_within
 from shared.bus import connect, deliver, parse, publish
+from shared.engine.block_manager import BlockHash
 from shared.engine.config import served_name
 from shared.engine.meta import read_meta
 from shared.engine.structured import Guides
@@ -405,14 +406,13 @@ class Gateway:
         return {"disaggregated": "prefill/decode instance", "colocated": "colocated worker"
                 }.get(self.settings.mode, "colocated worker nor prefill and decode instance")
 
-    def dispatch(self, ticket: Ticket, prompt_ids: Sequence[int] = ()) -> Target:
+    def dispatch(self, ticket: Ticket, hashes: Sequence[BlockHash] = ()) -> Target:
         """The least-loaded route through live instances; if there is none, through those
         heard from lately (a starved host delays heartbeats: better a request that may have
         to move than a 503). Among the least loaded, the instance an earlier prompt that
-        starts as `prompt_ids` went to (its KV blocks may still be cached there). Booked on
-        the ticket at once: the next request of a burst, dispatched before this one's stream
-        opens, sees it."""
-        hashes = self.affinity.hashes(prompt_ids)
+        starts as this one went to (`hashes`: its blocks', `PrefixAffinity.hashes`), where
+        those blocks may still be cached. Booked on the ticket at once: the next request of
+        a burst, dispatched before this one's stream opens, sees it."""
         prefer = self.affinity.holder(hashes)
         found = self.routes(self.live_pools(), prefer=prefer) or \
             self.routes(self.stuck_pools(), prefer=prefer) or \
@@ -479,7 +479,7 @@ class Gateway:
                         prompt_logprobs=req.scores_prompt,
                         presence_penalty=req.presence_penalty,
                         frequency_penalty=req.frequency_penalty, logit_bias=req.bias_list,
-                        grammar=grammar)
+                        grammar=grammar, cache_salt=req.cache_salt or "")
 
     # -- one request ---------------------------------------------------------------------
 

@@ -214,6 +214,9 @@ class _Common(RequestBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension: generate exactly max_tokens (benchmarks)
+    # extension (vLLM's): a prompt is found in the prefix cache only by requests that send
+    # the same salt (tenants kept apart; a benchmark's runs apart)
+    cache_salt: Text | None = Field(default=None, min_length=1, max_length=256)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     # token id (as a string) -> added to its logit, -100 (never) to 100 (only)

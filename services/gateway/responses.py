@@ -203,6 +203,7 @@ class ResponsesRequest(RequestBody):
     background: bool = False
     tools: list[FunctionTool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
+    cache_salt: Text | None = None  # extension (vLLM's): the chat's (openai_api._Common)
     _chat: ChatRequest | None = PrivateAttr(default=None)  # the chat request this asks for
 
     @field_validator("input", mode="before")
@@ -319,6 +320,8 @@ class ResponsesRequest(RequestBody):
             body |= {"logprobs": True, "top_logprobs": self.top_logprobs or 0}
         if self.text.format.type != "text":
             body["response_format"] = self.text.format.chat()
+        if self.cache_salt is not None:
+            body["cache_salt"] = self.cache_salt
         return body
 
 

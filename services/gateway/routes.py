@@ -543,9 +543,10 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
             parallel = req.parallel_tool_calls if isinstance(req, ChatRequest) else True
             calls: list[Call] = []
             seeds: list[int] = []
+            hashes = [gateway.affinity.hashes(ids, req.cache_salt or "") for ids in each]
             for index, ticket in enumerate(tickets):  # each dispatched apart: they spread
                 ids, echo = each[index // req.n], echoes[index // req.n]
-                target = gateway.dispatch(ticket, ids)
+                target = gateway.dispatch(ticket, hashes[index // req.n])
                 sampling = gateway.sampling(target, len(ids), req, grammar)
                 seeds = seeds or choice_seeds(sampling.seed, req.n)  # each prompt's the same
                 sampling.seed = seeds[index % req.n]

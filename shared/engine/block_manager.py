@@ -28,15 +28,17 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def chain_hashes(tokens: Sequence[int], block_size: int,
-                 before: Sequence[BlockHash] = ()) -> list[BlockHash]:
+def chain_hashes(tokens: Sequence[int], block_size: int, before: Sequence[BlockHash] = (),
+                 salt: str = "") -> list[BlockHash]:
     """The hashes of `tokens`' full blocks, `before` (those of its first blocks) extended:
-    each a digest of the previous block's hash and the block's own tokens. A cryptographic
-    hash, as a prompt crafted to collide with another's prefix would be answered from that
-    prefix's K/V."""
+    each a digest of the previous block's hash (the first block's: of `salt`) and the
+    block's own tokens. A cryptographic hash, as a prompt crafted to collide with another's
+    prefix would be answered from that prefix's K/V; prompts of different salts share no
+    block (tenants kept apart, as vLLM's `cache_salt`)."""
     hashes = list(before)
+    first = b"\x01" + salt.encode()  # apart from any block's hash (b"\x00" + 16 bytes)
     for i in range(len(hashes), len(tokens) // block_size):
-        digest = hashlib.blake2b(hashes[-1] if hashes else b"", digest_size=16)
+        digest = hashlib.blake2b(b"\x00" + hashes[-1] if hashes else first, digest_size=16)
         digest.update(struct.pack(f"<{block_size}I", *tokens[i * block_size:(i + 1) * block_size]))
         hashes.append(digest.digest())
     return hashes

@@ -34,6 +34,10 @@ from shared.engine.quant import NO_MINS, QuantizedMatrix, QuantizedPanels, matmu
 # float [in, out], or (out, in) in float32 panels (CPU) or quantized blocks
 Matrix = torch.Tensor | PanelMatrix | QuantizedPanels
 WHOLE = RankPlace()  # the whole model in one rank
+# rows of a prompt chunk over cached context that attend in one call: its mask is a tile's
+# rows by the keys they reach (a 32k-token prompt found one block in the prefix cache would
+# otherwise build a 1 GiB mask a layer), and a tile reads no key past its last row's
+QUERY_TILE = 512
 Weights = Mapping[str, torch.Tensor | QuantizedMatrix]
 
 
@@ -401,7 +405,14 @@ class LlamaModel:
             total = seg.cached + seg.length
             keys, values = kv.gather(layer, seg.block_table.unsqueeze(0))
             kh, vh = (t[:, :total].transpose(1, 2).to(q.dtype) for t in (keys, values))
-            rows = torch.arange(seg.length, device=q.device).unsqueeze(1) + seg.cached
-            mask = torch.arange(total, device=q.device).unsqueeze(0) <= rows
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+            tiles = []
+            for first in range(0, seg.length, QUERY_TILE):
+                end = min(seg.length, first + QUERY_TILE)
+                reach = seg.cached + end  # the keys the tile's last row attends to
+                rows = torch.arange(first, end, device=q.device).unsqueeze(1) + seg.cached
+                mask = torch.arange(reach, device=q.device).unsqueeze(0) <= rows
+                tiles.append(F.scaled_dot_product_attention(
+                    qh[:, :, first:end], kh[:, :, :reach], vh[:, :, :reach], attn_mask=mask,
+                    enable_gqa=True))
+            o = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=2)
         return o.squeeze(0).transpose(0, 1).reshape(seg.length, -1)

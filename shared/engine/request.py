@@ -63,6 +63,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # the grammar the answer is held to (structured.py: a JSON schema's), "" for none
     grammar: str = ""
+    # prefix caching: a prompt shares cached blocks only with prompts of the same salt
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

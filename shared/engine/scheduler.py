@@ -201,6 +201,7 @@ class Scheduler:
                 request.num_registered = hit
             if looks:
                 request.cached_tokens = hit * self.blocks.block_size
+            if looks and not request.output_ids:  # a new prompt (not a recompute)
                 self.prefix_queried += request.num_tokens
                 self.prefix_hits += request.cached_tokens
             self.blocks.grow(request.block_table, start + length)
@@ -222,7 +223,8 @@ class Scheduler:
         """How many of a waiting request's leading blocks the pool holds (all but its
         last token at most), and how many of those are free."""
         bs = self.blocks.block_size
-        request.block_hashes = chain_hashes(request.all_ids, bs, request.block_hashes)
+        request.block_hashes = chain_hashes(request.all_ids, bs, request.block_hashes,
+                                            request.params.cache_salt)
         return self.blocks.cached_run(request.block_hashes[:(request.num_tokens - 1) // bs])
 
     def _register(self, request: Request) -> None:
@@ -231,7 +233,8 @@ class Scheduler:
         full = min(request.num_computed // bs, len(request.block_table))
         if not self.config.prefix_caching or full <= request.num_registered:
             return
-        request.block_hashes = chain_hashes(request.all_ids, bs, request.block_hashes)
+        request.block_hashes = chain_hashes(request.all_ids, bs, request.block_hashes,
+                                            request.params.cache_salt)
         for i in range(request.num_registered, full):
             self.blocks.register(request.block_table[i], request.block_hashes[i])
         request.num_registered = full

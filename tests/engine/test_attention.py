@@ -10,10 +10,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.engine.attention import DecodeGroup, gather_decode_attention, paged_decode_attention
+from shared.engine import model as model_module
+from shared.engine.attention import (
+    DecodeGroup,
+    PrefillSegment,
+    gather_decode_attention,
+    paged_decode_attention,
+)
 from shared.engine.config import LLAMA_SHAPES
 from shared.engine.kernels import cpu_kernels
 from shared.engine.kv_cache import KVCache
+from shared.engine.model import LlamaModel
 
 CFG = LLAMA_SHAPES["tiny"]
 
@@ -107,3 +114,30 @@ def test_every_head_size_reads_a_scattered_pool_in_chunks_that_start_mid_block(
     kv.data.copy_(torch.randn(kv.data.shape) * 2)
     tables = torch.randperm(3 * per + 1)[: 3 * per].view(3, per)
     check_at(threads, kv, tables, lens, layer=1, heads=config.num_heads)
+
+
+def test_a_long_chunk_over_cached_context_attends_in_tiles_as_in_one_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt chunk after a cached prefix (a prefix cache's hit) attends in tiles of
+    QUERY_TILE rows, each over the keys its rows reach: the same attention as plain causal
+    attention over the whole context, tile by tile or in one call."""
+    torch.manual_seed(0)
+    model = LlamaModel.random(CFG, 0, torch.device("cpu"), torch.float32)
+    kv = KVCache(CFG, 32, 4, torch.float32, torch.device("cpu"))
+    kv.data.copy_(torch.randn(kv.data.shape))
+    cached, length = 10, 37  # the chunk starts mid-block
+    table = torch.randperm(32)[: -(-(cached + length) // 4)]
+    slots = [int(table[t // 4]) * 4 + t % 4 for t in range(cached + length)]
+    q = torch.randn(length, CFG.num_heads, CFG.head_dim)
+    k, v = kv.slots[0][0][slots[cached:]], kv.slots[0][1][slots[cached:]]  # [n, H_kv, D]
+    seg = PrefillSegment(0, length, cached, table)
+    keys = kv.slots[0][0][slots].transpose(0, 1)  # [H_kv, cached + length, D]
+    values = kv.slots[0][1][slots].transpose(0, 1)
+    mask = torch.arange(cached + length)[None] <= torch.arange(length)[:, None] + cached
+    qh = q.transpose(0, 1)
+    expected = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask,
+                                              enable_gqa=True).transpose(0, 1).reshape(length, -1)
+    for tile in (8, 512):
+        monkeypatch.setattr(model_module, "QUERY_TILE", tile)
+        got = model._prefill_attention(0, q, k, v, seg, kv)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -135,3 +135,13 @@ def test_a_prefix_held_by_one_block_stays_that_blocks() -> None:
     bm.register(b[0], digest)  # computed twice at once: the first keeps the name
     bm.free(a + b)
     assert bm.num_cached == 1 and bm.take_cached([digest]) == a
+
+
+def test_a_salt_keeps_prompts_apart() -> None:
+    tokens = list(range(12))
+    plain, salted = chain_hashes(tokens, 4), chain_hashes(tokens, 4, salt="tenant-a")
+    assert not set(plain) & set(salted)
+    assert chain_hashes(tokens, 4, salt="tenant-a") == salted
+    assert not set(chain_hashes(tokens, 4, salt="tenant-b")) & set(salted)
+    # a salt spelling another chain's hash names no block of that chain
+    assert chain_hashes(tokens[4:8], 4, salt=plain[0].decode("latin-1"))[0] != plain[1]

@@ -370,3 +370,15 @@ def test_a_request_preempted_recomputes_only_what_the_pool_let_go() -> None:
     assert starts[0] == 0 and any(start > 0 for start in starts[1:])  # its own blocks found
     assert len(old.output_ids) == len(new.output_ids) == 12
     assert s.blocks.num_free == 6
+
+
+def test_requests_of_other_salts_share_no_cached_block() -> None:
+    s = make(prefix_caching=True)
+    s.add(prompt("a", list(range(1, 14)), cache_salt="tenant-a"))
+    drain(s)
+    for rid, salt, start in (("b", "tenant-b", 0), ("plain", "", 0), ("a2", "tenant-a", 12)):
+        s.add(prompt(rid, list(range(1, 14)), arrival=1, cache_salt=salt))
+        out = s.schedule()
+        assert out is not None and out.prefills[0].start == start, rid
+        s.update(out, {rid: (5, None)})
+        drain(s)

@@ -711,7 +711,7 @@ def route(gateway: Gateway, hold: bool = False, prompt: Sequence[int] = ()
     """Where the next request (of `prompt`) goes: (worker, decode); its booking is settled
     at once unless `hold` (a request still in flight)."""
     ticket = gateway.ledger.admit(limit=1000)
-    target = gateway.dispatch(ticket, prompt)
+    target = gateway.dispatch(ticket, gateway.affinity.hashes(prompt))
     if not hold:
         ticket.release()
     return target.worker, target.decode
