@@ -3,6 +3,8 @@
 import threading
 import time
 
+import pytest
+
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import Role, SchedulerConfig
 from shared.engine.request import Request, RequestStatus, SamplingParams
@@ -93,19 +95,24 @@ def test_finish_on_max_tokens_frees_every_block() -> None:
     assert not s.running and not s.waiting
 
 
-def test_preempts_newest_when_pool_runs_out_and_resumes_it() -> None:
+@pytest.mark.parametrize("caching", [False, True])
+def test_preempts_newest_when_pool_runs_out_and_resumes_it(caching: bool) -> None:
     # 6 blocks of 4 tokens: two requests of 8 prompt tokens need 2 blocks each, then grow.
-    s = make(blocks=6, watermark_blocks=0)
+    s = make(blocks=6, watermark_blocks=0, prefix_caching=caching)
     old, new = req("old", 8, max_tokens=12, arrival=0), req("new", 8, max_tokens=12, arrival=1)
     s.add(old)
     s.add(new)
     preempted: list[Request] = []
+    starts: list[int] = []  # where each of new's prefills began
     for _ in range(200):
         out = run_step(s)
         if out is None:
             break
         preempted += out.preempted
+        starts += [c.start for c in out.prefills if c.request is new]
     assert preempted and preempted[0] is new  # the newest goes first
+    # recomputed whole, or from the blocks of its own the pool still held (cached)
+    assert starts[0] == 0 and any(start > 0 for start in starts[1:]) is caching
     assert old.status is RequestStatus.FINISHED_LENGTH
     assert new.status is RequestStatus.FINISHED_LENGTH and new.num_preemptions >= 1
     assert len(old.output_ids) == len(new.output_ids) == 12  # nothing lost
@@ -352,23 +359,6 @@ def test_the_prefill_role_finds_what_it_handed_on_and_the_pool_takes_it_back() -
     assert out is not None and out.prefills[0].start == 0 and len(c.block_table) == 6
     assert s.blocks.num_cached == 0
     s.release("c")
-    assert s.blocks.num_free == 6
-
-
-def test_a_request_preempted_recomputes_only_what_the_pool_let_go() -> None:
-    s = make(prefix_caching=True, blocks=6, watermark_blocks=0)
-    old, new = req("old", 8, max_tokens=12, arrival=0), req("new", 8, max_tokens=12, arrival=1)
-    s.add(old)
-    s.add(new)
-    starts: list[int] = []
-    for _ in range(200):
-        out = run_step(s)
-        if out is None:
-            break
-        starts += [c.start for c in out.prefills if c.request is new]
-    assert new.num_preemptions >= 1
-    assert starts[0] == 0 and any(start > 0 for start in starts[1:])  # its own blocks found
-    assert len(old.output_ids) == len(new.output_ids) == 12
     assert s.blocks.num_free == 6
 
 
