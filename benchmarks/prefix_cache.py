@@ -9,20 +9,32 @@ the prefill's length, not the text.
 
     .venv/bin/python benchmarks/prefix_cache.py [--threads 2] [--system 1024] [--question 32]
         [--turns 6] [--turn 64] [--rounds 5]
+
+With `--stack`, the first workload through two stacks of 1 prefill + 1 decode instance (a
+worker's default thread each), one with the cache and one started with
+--no-prefix-caching, both up at once and asked in turns, one request at a time: the
+time to the first streamed token at the client (the gateway, NATS and the prefill
+instance's step; the decode instance pulls the KV after it).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
+import httpx
 import torch
 from rich.console import Console
 from rich.table import Table
 
 from distserve.bench.engine import rounds
+from services.launcher import Stack, StackConfig
+from services.supervisor import free_port
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.model_runner import load_model
@@ -46,6 +58,48 @@ def first_token_ms(engine: Engine, prompt: list[int]) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def first_streamed_ms(url: str, prompt: list[int]) -> float:
+    """ms from sending a completion of `prompt` (token ids) to its first streamed token."""
+    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 1, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                return (time.perf_counter() - start) * 1e3
+    raise RuntimeError("the stream ended without a token")
+
+
+def through_stacks(args: argparse.Namespace) -> None:
+    runs = Path(tempfile.mkdtemp(prefix="prefix-cache-"))
+    stacks = {caching: Stack(StackConfig(port=free_port(), run_dir=runs / str(caching),
+                                         prefix_caching=caching))
+              for caching in (True, False)}
+    try:
+        for stack in stacks.values():
+            stack.start(timeout=600)
+        system = tokens(args.system, 0)
+        salts = itertools.count(1)
+
+        def ask(caching: bool) -> float:
+            return first_streamed_ms(stacks[caching].url,
+                                     system + tokens(args.question, next(salts)))
+
+        cached, whole = (statistics.median(t) for t in rounds(
+            [lambda: ask(True), lambda: ask(False)], args.rounds))
+    finally:
+        for stack in stacks.values():
+            stack.stop()
+    table = Table(title=f"through the stack (1 prefill + 1 decode, 1 thread each): first "
+                        f"streamed token, ms, medians of {args.rounds} interleaved rounds")
+    for column in ("workload", "cached", "computed whole", "whole / cached"):
+        table.add_column(column, justify="right")
+    table.add_row(f"{args.system}-token system prompt + {args.question}", f"{cached:.1f}",
+                  f"{whole:.1f}", f"{whole / cached:.2f}x")
+    Console().print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -55,7 +109,12 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=6, help="turns of the conversation")
     parser.add_argument("--turn", type=int, default=64, help="tokens of an answer, a question")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--stack", action="store_true",
+                        help="through two stacks (with and without the cache) instead")
     args = parser.parse_args()
+    if args.stack:
+        through_stacks(args)
+        return
     torch.set_num_threads(args.threads)
     loaded = load_model(EngineConfig(model=args.model))
     longest = max(args.system + args.question, 2 * args.turns * args.turn)
