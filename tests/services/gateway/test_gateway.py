@@ -206,6 +206,8 @@ def test_a_system_prompt_sent_again_is_found_in_the_prefill_instances_pool(
     hits = metric_when(stack.url, "ds_prefix_cache_hit_tokens_total",
                        lambda m: sum(m.values()) >= least)
     assert sum(hits.values()) >= least
+    kept = metric_when(stack.url, "ds_kv_cached_blocks", lambda m: sum(m.values()) >= 4)
+    assert sum(kept.values()) >= 4  # the system prompt's blocks, free and still cached
     wait_all_free(stack)  # the blocks kept for later requests count as free
 
 
