@@ -40,6 +40,7 @@ from shared.messages import Sampling, TokenChunk
 log = logging.getLogger("gateway")
 T = TypeVar("T")
 DRESSED_ON_LOOP = 256  # logprob entries shown on the event loop; more go to a thread
+HASHED_ON_LOOP = 8192  # prompt tokens hashed for dispatch on the event loop (~1 ms); more: a thread
 MAX_SCORED = 1 << 20  # prompt tokens x (1 + top) one echo request scores (~30 MB of JSON)
 
 
@@ -543,7 +544,10 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
             parallel = req.parallel_tool_calls if isinstance(req, ChatRequest) else True
             calls: list[Call] = []
             seeds: list[int] = []
-            hashes = [gateway.affinity.hashes(ids, req.cache_salt or "") for ids in each]
+            salt = req.cache_salt or ""
+            hashes = [gateway.affinity.hashes(ids, salt) if len(ids) <= HASHED_ON_LOOP else
+                      await asyncio.to_thread(gateway.affinity.hashes, ids, salt)
+                      for ids in each]
             for index, ticket in enumerate(tickets):  # each dispatched apart: they spread
                 ids, echo = each[index // req.n], echoes[index // req.n]
                 target = gateway.dispatch(ticket, hashes[index // req.n])

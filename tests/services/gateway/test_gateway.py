@@ -577,6 +577,10 @@ def test_a_request_that_can_never_fit_gets_400_naming_the_limit(stack: Stack) ->
     with pytest.raises(openai.BadRequestError, match="maximum context length is") as e:
         client(stack).completions.create(model=MODEL, prompt="hi", max_tokens=10**6)
     assert e.value.code == "context_length_exceeded"
+    # a prompt past the context (its blocks hashed for dispatch off the event loop)
+    with pytest.raises(openai.BadRequestError, match="maximum context length is") as e:
+        client(stack).completions.create(model=MODEL, prompt=[100] * 9000, max_tokens=1)
+    assert e.value.code == "context_length_exceeded"
 
 
 @pytest.mark.parametrize("sampling", [
