@@ -362,7 +362,11 @@ def test_children_that_exit_once_a_stop_has_begun_are_stopped_not_restarted(
         crashed = supervisor.spawn("crashed", sleep, restart=True)
         crashed.kill()
         wait_until(lambda: supervisor.children[0].due is not None, "the restart to be due")
-        worker = supervisor.spawn("worker", sleep, restart=True)
+        ready = tmp_path / "ready"  # a SIGINT before Python's own handler is set exits 1
+        worker = supervisor.spawn("worker", [sys.executable, "-c", (
+            "import sys, time; open(sys.argv[1], 'w').close(); time.sleep(60)"), str(ready)],
+            restart=True)
+        wait_until(ready.exists, "the worker to be up")
         supervisor.begin_stop()
         os.kill(worker.pid, signal.SIGINT)
         wait_until(lambda: all(c.done for c in supervisor.children), "both to stay down")
