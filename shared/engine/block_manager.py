@@ -52,7 +52,7 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))  # holding nothing to reuse
         self._refs: dict[int, int] = {}  # held blocks: how many requests hold each
         # free blocks still holding a registered prefix, least recently freed first
-        self._cached: OrderedDict[int, BlockHash] = OrderedDict()
+        self._cached: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[BlockHash, int] = {}  # registered blocks, held or free
         self._hash_of: dict[int, BlockHash] = {}
         self._lock = threading.RLock()
@@ -88,8 +88,8 @@ class BlockManager:
                 if self._free:
                     block = self._free.popleft()
                 else:
-                    block, digest = self._cached.popitem(last=False)
-                    del self._by_hash[digest], self._hash_of[block]
+                    block, _ = self._cached.popitem(last=False)
+                    del self._by_hash[self._hash_of.pop(block)]
                 self._refs[block] = 1
                 ids.append(block)
             return ids
@@ -106,11 +106,10 @@ class BlockManager:
                     self._refs[block] = refs - 1
                     continue
                 del self._refs[block]
-                digest = self._hash_of.get(block)
-                if digest is None:
-                    self._free.append(block)
+                if block in self._hash_of:
+                    self._cached[block] = None
                 else:
-                    self._cached[block] = digest
+                    self._free.append(block)
 
     def grow(self, block_table: list[int], num_tokens: int) -> bool:
         """Extend `block_table` in place to hold `num_tokens`; False (unchanged) if no room."""
@@ -146,7 +145,8 @@ class BlockManager:
                 block = self._by_hash.get(digest)
                 if block is None:
                     break
-                if self._cached.pop(block, None) is not None:
+                if block in self._cached:
+                    del self._cached[block]
                     self._refs[block] = 1
                 else:
                     self._refs[block] += 1

@@ -222,10 +222,14 @@ class Scheduler:
     def _cached_prefix(self, request: Request) -> tuple[int, int]:
         """How many of a waiting request's leading blocks the pool holds (all but its
         last token at most), and how many of those are free."""
-        bs = self.blocks.block_size
-        request.block_hashes = chain_hashes(request.all_ids, bs, request.block_hashes,
-                                            request.params.cache_salt)
-        return self.blocks.cached_run(request.block_hashes[:(request.num_tokens - 1) // bs])
+        hashes = self._hashes(request)
+        return self.blocks.cached_run(hashes[:(request.num_tokens - 1) // self.blocks.block_size])
+
+    def _hashes(self, request: Request) -> list[bytes]:
+        """The hashes of the request's full blocks so far (computed once each)."""
+        request.block_hashes = chain_hashes(request.all_ids, self.blocks.block_size,
+                                            request.block_hashes, request.params.cache_salt)
+        return request.block_hashes
 
     def _register(self, request: Request) -> None:
         """Register the blocks a step filled (with prefix caching)."""
@@ -233,10 +237,9 @@ class Scheduler:
         full = min(request.num_computed // bs, len(request.block_table))
         if not self.config.prefix_caching or full <= request.num_registered:
             return
-        request.block_hashes = chain_hashes(request.all_ids, bs, request.block_hashes,
-                                            request.params.cache_salt)
+        hashes = self._hashes(request)
         for i in range(request.num_registered, full):
-            self.blocks.register(request.block_table[i], request.block_hashes[i])
+            self.blocks.register(request.block_table[i], hashes[i])
         request.num_registered = full
 
     def _chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
