@@ -87,10 +87,10 @@ def prefill_side(config: EngineConfig, lengths: list[int], pulls: int, tokens: i
     engine = Engine(config.with_scheduler(role=Role.PREFILL))
     device = engine.runner.device
 
-    async def lookup(request_id: str, part: KvSpan | None) -> Any:
+    async def lookup(request_id: str, part: KvSpan | None, skip: int) -> Any:
         """As the service does: the copy, synchronised before UCX reads it (every prompt is
         parked before the first pull, so no step runs meanwhile)."""
-        buffer = engine.export_part(request_id, part)
+        buffer = engine.export_part(request_id, part, skip=skip)
         if buffer is None:
             return None
         sync(device)

@@ -69,7 +69,7 @@ class Prefill:
     async def _listen(self) -> None:
         self.server.start()
 
-    async def _lookup(self, request_id: str, part: KvSpan | None) -> Any:
+    async def _lookup(self, request_id: str, part: KvSpan | None, skip: int) -> Any:
         buffer = await asyncio.to_thread(self._export, request_id, part)
         return None if buffer is None else kv_transfer.wire(buffer)
 

@@ -4,10 +4,14 @@ between GPUs of a node, RDMA across nodes; device buffers go as they are.
 
 Protocol, per pull, on one endpoint the decode instance keeps per prefill instance:
 
-    decode -> prefill   header: {"request_id": ..., "token": ..., "part": [l0, l1, h0, h1]}
-                        (HEADER_BYTES, JSON, padded; "part" optional)
+    decode -> prefill   header: {"request_id": ..., "token": ..., "part": [l0, l1, h0, h1],
+                                 "skip": k}
+                        (HEADER_BYTES, JSON, padded; "part" and "skip" optional)
     prefill -> decode   header: {"ok": bool, "nbytes": n, "error": ...}
     prefill -> decode   payload: n bytes (the request's exported blocks), if ok
+
+"skip": the request's first k blocks are not wanted (the decode instance holds that prefix
+already, cached for an earlier request: prefix caching), so only the blocks after them cross.
 
 A parallel instance's ranks each serve the part of the KV they hold (layers l0..l1, KV heads
 h0..h1 of the model, ends exclusive), under one key: a decode rank asks each for the overlap
@@ -155,10 +159,10 @@ def _start_ucx(**options: str) -> bool:
 HEADER_BYTES = 512
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
-# (request id, the part asked for or None for all the server holds) -> that part of the
-# request's exported blocks (a contiguous host or device array, complete when returned), or
-# None
-BlockLookup = Callable[[str, KvSpan | None], Awaitable[Any]]
+# (request id, the part asked for or None for all the server holds, how many of its leading
+# blocks to leave out) -> that part of the request's blocks after those, exported (a
+# contiguous host or device array, complete when returned), or None
+BlockLookup = Callable[[str, KvSpan | None, int], Awaitable[Any]]
 
 
 class TransferError(RuntimeError):
@@ -287,11 +291,13 @@ class KvServer:
                 try:
                     request = _parse(header)
                     part = _span(request.get("part"))
+                    skip = int(request.get("skip", 0))
                 except (ValueError, TypeError):  # not our protocol: hang up
                     break
                 request_id = str(request.get("request_id", ""))
                 asked = time.time()
-                buffer = await self._find(request_id, str(request.get("token", "")), part)
+                buffer = await self._find(request_id, str(request.get("token", "")), part,
+                                          skip) if skip >= 0 else None
                 if buffer is None:
                     await ep.send(_header({"ok": False, "error": f"no KV for {request_id}"}))
                     continue
@@ -310,11 +316,11 @@ class KvServer:
         with contextlib.suppress(UCXError, UCXCanceledError):
             await ep.close()
 
-    async def _find(self, request_id: str, token: str, part: KvSpan | None) -> Any:
+    async def _find(self, request_id: str, token: str, part: KvSpan | None, skip: int) -> Any:
         """The blocks, if the token is request_id's (checked before the engine is asked)."""
         if not hmac.compare_digest(self.token(request_id).encode(), token.encode()):
             return None
-        return await self.lookup(request_id, part)
+        return await self.lookup(request_id, part, skip)
 
     def close(self) -> None:
         if self._listener is not None:
@@ -385,16 +391,16 @@ class KvClient:
             self._locks.pop(address, None)
 
     async def pull(self, address: str, request_id: str, token: str, into: Any,
-                   part: KvSpan | None = None) -> None:
-        """Fill `into` (exactly the size of the exported blocks, or of `part` of them) with
-        request_id's KV, showing the token its KvReady carried."""
+                   part: KvSpan | None = None, skip: int = 0) -> None:
+        """Fill `into` (exactly the size of the exported blocks, or of `part` of them, but
+        the first `skip`) with request_id's KV, showing the token its KvReady carried."""
         lock = self._locks.setdefault(address, asyncio.Lock())
         loop = asyncio.get_running_loop()
         async with lock:  # one pull at a time per endpoint keeps header and payload paired
             start = loop.time()
             try:
                 async with asyncio.timeout(self.timeout_s):
-                    await self._transfer(address, request_id, token, into, part)
+                    await self._transfer(address, request_id, token, into, part, skip)
             except TimeoutError:
                 self._abandon(address)
                 raise TransferError(f"pull of {request_id} from {address} took over "
@@ -410,12 +416,14 @@ class KvClient:
             self.stats.seconds += loop.time() - start
 
     async def _transfer(self, address: str, request_id: str, token: str, into: Any,
-                        part: KvSpan | None) -> None:
+                        part: KvSpan | None, skip: int) -> None:
         ep = await self._endpoint(address)
         header: dict[str, Any] = {"request_id": request_id, "token": token}
         if part is not None:
             header["part"] = [part.layers.start, part.layers.stop, part.heads.start,
                               part.heads.stop]
+        if skip:
+            header["skip"] = skip
         await ep.send(_header(header))
         reply = np.empty(HEADER_BYTES, dtype=np.uint8)
         await ep.recv(reply)
@@ -444,12 +452,12 @@ class KvClient:
 
 async def pull_pieces(client: KvClient, request_id: str, token: str,
                       sources: list[tuple[str, KvSpan]], wanted: KvSpan,
-                      buffer: torch.Tensor) -> int:
-    """Fill `buffer` (the part `wanted` of the request's blocks: its layers, its KV heads)
-    from the ranks of the prefill instance (their listeners and the parts they hold), from
-    each the overlap, all at once: how many pulls it took. An overlap lands straight in
-    `buffer` where its place there is contiguous (all of the heads), else in a buffer of its
-    own first. One that fails abandons the others."""
+                      buffer: torch.Tensor, skip: int = 0) -> int:
+    """Fill `buffer` (the part `wanted` of the request's blocks but its first `skip`: its
+    layers, its KV heads) from the ranks of the prefill instance (their listeners and the
+    parts they hold), from each the overlap, all at once: how many pulls it took. An overlap
+    lands straight in `buffer` where its place there is contiguous (all of the heads), else
+    in a buffer of its own first. One that fails abandons the others."""
     try:
         pieces = kv_pieces(wanted, [span for _, span in sources])
     except ValueError as e:
@@ -465,7 +473,7 @@ async def pull_pieces(client: KvClient, request_id: str, token: str,
 
     async def pull(address: str, part: KvSpan, view: torch.Tensor, into: torch.Tensor
                    ) -> None:
-        await client.pull(address, request_id, token, wire(into), part)
+        await client.pull(address, request_id, token, wire(into), part, skip)
         if into is not view:
             view.copy_(into)
 

@@ -2,9 +2,11 @@
 until the pool has room (on the CPU their blocks are taken at once, beside the step under
 way); then the KV is pulled over UCX straight into a buffer that is imported at this pool's
 block ids, the prefill instance is told it may free its copy (after a short retention), and
-the request joins the running batch. Pulls run several at a time, each bounded by a
-timeout: a request whose pull fails gets a `retry` chunk, and the gateway moves it
-elsewhere."""
+the request joins the running batch. With prefix caching the blocks of the prompt's start
+that this pool holds already (a conversation's earlier turns, a shared system prompt) are
+taken as they are and only the blocks after them are pulled. Pulls run several at a time,
+each bounded by a timeout: a request whose pull fails gets a `retry` chunk, and the gateway
+moves it elsewhere."""
 
 from __future__ import annotations
 
@@ -55,10 +57,12 @@ T = TypeVar("T")
 @dataclass
 class Grant:
     """Blocks taken for a request's KV, the buffer rank 0's part arrives in, and the other
-    ranks' pulls of theirs (None: one rank)."""
+    ranks' pulls of theirs (None: one rank). The first `held` blocks hold their KV already
+    (prefix caching: cached here for an earlier request), so only the rest is pulled."""
 
     blocks: list[int]
     buffer: torch.Tensor
+    held: int = 0
     ranks: concurrent.futures.Future[bool] | None = None
     importing: asyncio.Future[None] | None = None  # rank 0's part into its blocks
     started: bool = False  # its pull task ran: a task cancelled before never runs its body
@@ -247,18 +251,22 @@ class DecodeService(Worker):
         granted = []
         alloc = None if self.staging is None else self.staging.take
         for ready in wanted:
-            blocks = self.engine.allocate(ready.computed)
-            if blocks is None:
+            tokens = [*ready.prompt_ids, *ready.output_ids][:ready.computed]
+            found = self.engine.allocate_for(tokens, ready.sampling.cache_salt)
+            if found is None:
                 break
-            granted.append(Grant(blocks, self.engine.kv_buffer(len(blocks), alloc)))
+            blocks, held = found
+            granted.append(Grant(blocks, self.engine.kv_buffer(len(blocks) - held, alloc),
+                                 held))
         # where the KV cannot land here the pull fails at once (`_pull` says why), and no
         # rank is asked
         ours = self.engine.runner.kv_dtype_name
         asked = [(ready, grant) for ready, grant in zip(wanted, granted, strict=False)
                  if _mismatch(ready, grant.blocks, ours) is None]
-        futures = self.engine.pull_on_ranks(
-            [KvPull(ready.request_id, ready.token, grant.blocks, _sources(ready))
-             for ready, grant in asked], self.settings.kv_pull_timeout_s) if asked else None
+        pulls = [KvPull(ready.request_id, ready.token, grant.blocks[grant.held:],
+                        _sources(ready), grant.held) for ready, grant in asked]
+        futures = self.engine.pull_on_ranks(pulls, self.settings.kv_pull_timeout_s) \
+            if asked else None
         for (_, grant), future in zip(asked, futures or [], strict=False):
             grant.ranks = future
         device = self.engine.runner.device
@@ -304,19 +312,20 @@ class DecodeService(Worker):
             # a grammar compiled off the steps' thread (admit_imported then copies it)
             await asyncio.to_thread(self.engine.prepare, ready.sampling.params())
             await pull_pieces(self.kv_client, ready.request_id, ready.token, _sources(ready),
-                              self.engine.runner.kv_spans[0], grant.buffer)
+                              self.engine.runner.kv_spans[0], grant.buffer, grant.held)
             if grant.ranks is not None:  # rank 0's part now, then the others' once landed
-                grant.importing = asyncio.ensure_future(
-                    asyncio.to_thread(self.engine.import_part, blocks, grant.buffer))
+                grant.importing = asyncio.ensure_future(asyncio.to_thread(
+                    self.engine.import_part, blocks[grant.held:], grant.buffer))
                 await asyncio.shield(grant.importing)
                 buffer = None
                 if not await asyncio.shield(asyncio.wrap_future(grant.ranks)):
                     raise TransferError("a rank's pull of its part failed (its log says why)")
             self._pulled(ready.request_id)  # from here a cancel aborts it in the engine
             joined = time.time()
+            pulled = len(blocks) - grant.held
             record(self.tracer, "kv transfer", parent, pull_start, joined, instance=self.id,
-                   source=ready.prefill_instance, bytes=len(blocks) * self.block_bytes,
-                   blocks=len(blocks))
+                   source=ready.prefill_instance, bytes=pulled * self.block_bytes,
+                   blocks=pulled, cached_blocks=grant.held)
             self.traces[ready.request_id] = (headers, joined)
             request = Request(ready.request_id, ready.prompt_ids, ready.sampling.params(),
                               eos_ids=self.engine.eos_ids, output_ids=list(ready.output_ids),
@@ -324,7 +333,7 @@ class DecodeService(Worker):
                               else [ready.last_logprob], tag=ready.attempt)
             self.attempts[ready.request_id] = ready.attempt
             await self.host.call(self.engine.admit_imported, request, blocks, buffer,
-                                 ready.computed)
+                                 ready.computed, grant.held)
             self._reuse(grant)  # copied into the pool: the next pull may land in it
         except TransferError as e:
             log.warning("pull of %s failed: %s", ready.request_id, e)

@@ -37,7 +37,7 @@ INSTANCE_TOTALS = {
     "prefix_queried": ("ds_prefix_cache_queried_tokens", "tokens of the requests admitted "
                        "that looked for their prefix in the KV pool"),
     "prefix_hits": ("ds_prefix_cache_hit_tokens", "of those, the tokens found there (not "
-                    "computed)"),
+                    "computed; on a decode instance: whose KV was not pulled)"),
 }
 
 

@@ -76,16 +76,16 @@ class PrefillService(Worker):
             "kv_requests": self.kv_server.stats.requests + requests,
             "kv_bytes": self.kv_server.stats.bytes + nbytes})
 
-    async def _lookup(self, request_id: str, part: KvSpan | None) -> Any:
+    async def _lookup(self, request_id: str, part: KvSpan | None, skip: int) -> Any:
         """Called by the UCX listener: `part` of the parked request's blocks that rank 0
-        holds (the other ranks serve theirs) as one buffer, complete before UCX reads it. On
-        a GPU the copy runs on the engine thread (its stream, then synchronised). Otherwise
-        it runs on a thread of its own, not queued behind the step in progress (seconds, for
-        long prompts): it reads only the parked request's blocks, which no step writes, and
-        the copy is done when it returns."""
+        holds but the first `skip` (the other ranks serve theirs), as one buffer, complete
+        before UCX reads it. On a GPU the copy runs on the engine thread (its stream, then
+        synchronised). Otherwise it runs on a thread of its own, not queued behind the step
+        in progress (seconds, for long prompts): it reads only the parked request's blocks,
+        which no step writes, and the copy is done when it returns."""
         if self.engine.exports_off_thread:
-            return await asyncio.to_thread(self._export, request_id, part)
-        return await self.host.call(self._export, request_id, part)
+            return await asyncio.to_thread(self._export, request_id, part, skip)
+        return await self.host.call(self._export, request_id, part, skip)
 
     def _served(self, served: Served) -> None:
         """A pull answered: a "kv export" span in the request's trace, from the pull's header
@@ -97,11 +97,11 @@ class PrefillService(Worker):
                    instance=self.id, bytes=served.nbytes,
                    copy_s=round(served.found - served.asked, 6))
 
-    def _export(self, request_id: str, part: KvSpan | None) -> Any:
+    def _export(self, request_id: str, part: KvSpan | None, skip: int = 0) -> Any:
         """The copy out of the pool: on the CPU into a staging buffer, taken back once sent
         (`_sent`); a GPU's caching allocator reuses its own."""
         buffer = self.engine.export_part(
-            request_id, part, None if self.staging is None else self.staging.take)
+            request_id, part, None if self.staging is None else self.staging.take, skip)
         if buffer is None:
             return None
         if buffer.device.type == "cuda":

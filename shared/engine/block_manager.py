@@ -137,6 +137,20 @@ class BlockManager:
                 free += block in self._cached
             return run, free
 
+    def allocate_after(self, hashes: Sequence[BlockHash], num_blocks: int
+                       ) -> tuple[list[int], int] | None:
+        """`num_blocks` blocks for a table whose leading ones are the registered blocks of
+        `hashes`' leading run (a reference taken to each) and the rest fresh, and how many
+        were found; None when they cannot fit (nothing is taken)."""
+        with self._lock:
+            run, revived = self.cached_run(hashes[:num_blocks])
+            if not self.can_allocate(num_blocks - run + revived):
+                return None
+            found = self.take_cached(hashes[:run])
+            fresh = self.allocate(num_blocks - run)
+            assert fresh is not None and len(found) == run
+            return found + fresh, run
+
     def take_cached(self, hashes: Sequence[BlockHash]) -> list[int]:
         """The registered blocks of `hashes`' leading run, a reference taken to each."""
         with self._lock:

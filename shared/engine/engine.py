@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.engine.block_manager import BlockManager, blocks_for
+from shared.engine.block_manager import BlockManager, blocks_for, chain_hashes
 from shared.engine.config import EngineConfig, ModelConfig
 from shared.engine.kv_cache import Alloc
 from shared.engine.loader import LoadedModel
@@ -268,19 +268,21 @@ class Engine:
 
     # -- disaggregation: a request's KV blocks leave one engine and enter another -------
 
-    def export_kv(self, request_id: str) -> torch.Tensor:
-        """A parked request's KV, every rank's, as one buffer (in one process: a service
-        serves each rank's part from that rank, `serve_kv`)."""
+    def export_kv(self, request_id: str, skip: int = 0) -> torch.Tensor:
+        """A parked request's KV, every rank's, as one buffer, but its first `skip` blocks
+        (in one process: a service serves each rank's part from that rank, `serve_kv`)."""
         request = self.scheduler.parked[request_id]
-        return self.runner.export_kv(request.block_table)
+        return self.runner.export_kv(request.block_table[skip:])
 
     def export_part(self, request_id: str, part: KvSpan | None,
-                    alloc: Alloc | None = None) -> torch.Tensor | None:
-        """`part` (None: all) of the KV rank 0 holds of a parked request (in room `alloc`
-        gives); None if it is not parked or rank 0 does not hold that part."""
+                    alloc: Alloc | None = None, skip: int = 0) -> torch.Tensor | None:
+        """`part` (None: all) of the KV rank 0 holds of a parked request's blocks but its
+        first `skip` (in room `alloc` gives); None if it is not parked, rank 0 does not hold
+        that part, or no block is left after `skip`."""
         request = self.scheduler.parked.get(request_id)
-        return None if request is None else \
-            self.runner.export_part(request.block_table, part, alloc)
+        if request is None or not 0 <= skip < len(request.block_table):
+            return None
+        return self.runner.export_part(request.block_table[skip:], part, alloc)
 
     @property
     def exports_off_thread(self) -> bool:
@@ -359,20 +361,40 @@ class Engine:
         """Blocks for an incoming request's K/V, or None while the pool has no room."""
         return self.blocks.allocate(blocks_for(num_tokens, self.blocks.block_size))
 
+    def allocate_for(self, tokens: Sequence[int], salt: str = ""
+                     ) -> tuple[list[int], int] | None:
+        """Blocks for an incoming request's K/V of `tokens`, and how many of them hold it
+        already: with prefix caching the blocks of its leading tokens the pool holds
+        (cached for an earlier request, of the same `salt`; all but the block of its last
+        token at most), so that only those after them need to come; then fresh ones. None
+        while the pool has no room."""
+        bs = self.blocks.block_size
+        caching = self.config.scheduler.prefix_caching
+        hashes = chain_hashes(tokens[:len(tokens) - 1], bs, salt=salt) if caching else []
+        with self.blocks.held():  # the counters as the scheduler's admissions keep them
+            found = self.blocks.allocate_after(hashes, blocks_for(len(tokens), bs))
+            if found is not None and caching:
+                self.scheduler.prefix_queried += len(tokens)
+                self.scheduler.prefix_hits += found[1] * bs
+        return found
+
     def free(self, block_ids: list[int]) -> None:
         self.blocks.free(block_ids)
 
     def admit_imported(self, request: Request, block_ids: list[int],
-                       buffer: torch.Tensor | None, computed: int | None = None) -> None:
+                       buffer: torch.Tensor | None, computed: int | None = None,
+                       held: int = 0) -> None:
         """Decode role: `request` holds its prompt and the tokens sampled so far (the first
         one, or more after a failover); the K/V of its first `computed` tokens (default: all
         but the newest) arrive in `buffer` (or were already written into `block_ids` by the
-        transfer). Tokens beyond `computed` are replayed in the next step, as a prefill
-        chunk on top of the imported K/V."""
+        transfer), but for its first `held` blocks, which hold it already (`allocate_for`).
+        Tokens beyond `computed` are replayed in the next step, as a prefill chunk on top of
+        the imported K/V."""
         self._guide(request)  # what fails here fails before the KV is copied
         if buffer is not None:
-            self.runner.import_kv(block_ids, buffer)
+            self.runner.import_kv(block_ids[held:], buffer)
         request.block_table = block_ids
+        request.num_registered = held
         request.num_computed = request.num_tokens - 1 if computed is None else computed
         request.arrival = next(self._arrivals)
         self._replace(request)

@@ -99,7 +99,8 @@ class Scheduler:
         self.parked: dict[str, Request] = {}
         self._requests: dict[str, Request] = {}
         # prefix caching, summed over the requests admitted that could use it: their tokens,
-        # and those found in the pool
+        # and those found in the pool (a decode role's: of the KV it imports, the tokens
+        # whose blocks it held, not pulled; Engine.allocate_for)
         self.prefix_queried = 0
         self.prefix_hits = 0
 

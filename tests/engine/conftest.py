@@ -69,11 +69,13 @@ def prefill_then_decode(prefill: Engine, decode: Engine, prompts: list[list[int]
     moved = []
     for i, ids in enumerate(prompts):
         parked = prefill.scheduler.parked[f"m{i}"]
-        blocks = decode.allocate(len(ids))
-        assert blocks is not None
+        found = decode.allocate_for(ids, params.cache_salt)  # with prefix caching: those
+        assert found is not None  # of its first blocks it holds, which are not moved
+        blocks, held = found
         request = Request(parked.request_id, ids, params, eos_ids=decode.eos_ids,
                           output_ids=list(parked.output_ids))
-        decode.admit_imported(request, blocks, prefill.export_kv(parked.request_id))
+        decode.admit_imported(request, blocks, prefill.export_kv(parked.request_id, held),
+                              held=held)
         prefill.release(parked.request_id)
         moved.append(request)
     while decode.has_work():

@@ -126,6 +126,32 @@ def test_a_registered_block_is_shared_then_cached_free_then_taken_last() -> None
         bm.register(99, hashes[1])  # not held
 
 
+def test_a_table_for_imported_kv_starts_with_the_blocks_the_pool_holds_of_its_prefix() -> None:
+    """A decode instance's table for a request whose KV it pulls: the cached blocks of its
+    leading run (however many `hashes` name) then fresh ones; a table that does not fit
+    takes nothing, counting the cached blocks it would revive as taken."""
+    bm = BlockManager(num_blocks=6, block_size=4)
+    hashes = chain_hashes(list(range(16)), 4)
+    held = bm.allocate(3)
+    assert held is not None
+    for block, digest in zip(held, hashes, strict=False):
+        bm.register(block, digest)
+    bm.free(held[1:])  # two of the three cached and free, the first still held
+    other = bm.allocate(1)
+    assert other is not None
+    assert bm.allocate_after(hashes, 6) is None  # 3 fresh + 2 revived > 4 free
+    assert bm.num_free == 4 and bm.num_cached == 2
+    bm.free(other)
+    found = bm.allocate_after([hashes[0], hashes[1], hashes[3]], 4)  # the run stops at 2
+    assert found is not None
+    table, run = found
+    assert run == 2 and table[:2] == held[:2] and not set(table[2:]) & set(held)
+    assert bm.num_free == 2 and bm.num_cached == 1  # the third block's prefix still kept
+    assert bm.allocate_after(hashes, 1) == ([held[0]], 1)  # never more than the table
+    bm.free(table)
+    assert bm.allocate_after([], 2) is not None
+
+
 def test_a_prefix_held_by_one_block_stays_that_blocks() -> None:
     bm = BlockManager(num_blocks=2, block_size=4)
     digest = chain_hashes([1, 2, 3, 4], 4)[0]

@@ -143,11 +143,11 @@ def test_a_pull_resolves_once_every_rank_has_answered_and_a_dead_rank_fails_the_
 # -- real ranks, real UCX -----------------------------------------------------------------
 
 def pull(address: str, request_id: str, token: str, into: torch.Tensor,
-         part: KvSpan | None = None) -> None:
+         part: KvSpan | None = None, skip: int = 0) -> None:
     async def main() -> None:
         client = KvClient(timeout_s=30)
         try:
-            await client.pull(address, request_id, token, into.numpy(), part)
+            await client.pull(address, request_id, token, into.numpy(), part, skip)
         finally:
             await client.close()
 
@@ -183,7 +183,8 @@ def test_a_rank_lands_each_pull_in_a_reused_buffer_but_never_one_whose_pull_fail
     landed: list[int] = []
 
     async def pull_pieces(client: object, request_id: str, token: str, sources: object,
-                          span: KvSpan, buffer: torch.Tensor) -> int:
+                          span: KvSpan, buffer: torch.Tensor, skip: int) -> int:
+        assert skip == (request_id == "b")  # what the order said
         landed.append(buffer.data_ptr())
         if request_id == "fails":
             raise TransferError("the peer went away")
@@ -192,14 +193,14 @@ def test_a_rank_lands_each_pull_in_a_reused_buffer_but_never_one_whose_pull_fail
 
     monkeypatch.setattr(kv_transfer, "pull_pieces", pull_pieces)
 
-    def pull(seq: int, request_id: str, blocks: list[int]) -> None:
-        order = PullOrder(seq, request_id, "t", blocks, [], time.time() + 60)
+    def pull(seq: int, request_id: str, blocks: list[int], skip: int = 0) -> None:
+        order = PullOrder(seq, request_id, "t", blocks, [], time.time() + 60, skip)
         asyncio.run(rank._pull(order))
 
     assert rank.staging is not None
     pull(0, "a", [3, 5])
     assert torch.equal(kv.export_blocks([3, 5]), torch.full_like(kv.export_blocks([3, 5]), 1))
-    pull(1, "b", [7])  # the same buffer, given back after the first pull's import
+    pull(1, "b", [7], skip=1)  # the same buffer, given back after the first pull's import
     pull(2, "fails", [1, 2, 4])  # ... and again, but not given back
     pull(3, "c", [6])
     assert landed[1] == landed[2] == landed[0] and landed[3] != landed[0]
@@ -239,6 +240,8 @@ def test_each_rank_serves_and_pulls_its_own_part_of_the_kv(
             assert torch.equal(got, reference[16:18, :, :, :, 1:3])
             with pytest.raises(TransferError, match=f"no KV for {request_id}"):
                 pull(address, request_id, tokens.token("another"), got, part)
+            with pytest.raises(TransferError, match=f"no KV for {request_id}"):  # none left
+                pull(address, request_id, token, got, part, skip=len(parked.block_table))
             # the decode instance's rank 1 pulls its layers itself; rank 0's part is given
             blocks = decode.allocate(len(ids))
             assert blocks is not None

@@ -67,15 +67,18 @@ def n_hit(e: Engine) -> int:
     return e.scheduler.prefix_hits
 
 
-def test_a_prefill_instance_finds_a_prefix_it_handed_on_and_the_decode_side_agrees(
+def test_a_prefix_is_found_on_both_sides_of_a_handoff_and_the_answers_stay_the_same(
         loaded: LoadedModel, tokenizer: TextTokenizer) -> None:
     prompts = chats(tokenizer)
     prefill, decode = engine(loaded, True, Role.PREFILL), engine(loaded, True, Role.DECODE)
     first = prefill_then_decode(prefill, decode, prompts[:1], PARAMS)
     hits = prefill.scheduler.prefix_hits
     assert hits == 0 and prefill.blocks.num_cached > 0  # released: its blocks kept
+    assert decode.scheduler.prefix_hits == 0 and decode.blocks.num_cached > 0
     rest = prefill_then_decode(prefill, decode, prompts[1:], PARAMS)
     assert prefill.scheduler.prefix_hits >= 2 * 32
+    # the decode side took the shared blocks it held and imported only those after them
+    assert decode.scheduler.prefix_hits == prefill.scheduler.prefix_hits
     plain = engine(loaded, False)
     expected = one_by_one(plain, prompts)
     for request, outs in zip(first + rest, expected, strict=True):

@@ -34,6 +34,7 @@ from services.process import WorkerSettings
 from services.runtime import WorkerFailed
 from shared import subjects
 from shared.bus import connect, parse, publish
+from shared.engine.block_manager import blocks_for
 from shared.engine.config import EngineConfig, Role
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.kv_cache import MIB, Staging
@@ -990,7 +991,7 @@ def test_a_pull_lands_in_the_buffer_the_last_import_was_done_with(
     landed: list[tuple[str, int]] = []  # request -> the address its KV landed at
 
     async def pull(_: object, request_id: str, token: str, sources: object, wanted: object,
-                   buffer: torch.Tensor) -> None:
+                   buffer: torch.Tensor, skip: int) -> None:
         landed.append((request_id, buffer.data_ptr()))
         if token == "broken":
             raise TransferError("the prefill host went away")
@@ -1013,6 +1014,52 @@ def test_a_pull_lands_in_the_buffer_the_last_import_was_done_with(
         assert worker.staging.fresh == 0  # every pull's buffer was laid ready
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_decode_instance_pulls_only_the_blocks_after_the_prompts_start_it_holds(
+        nats_url: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With prefix caching a decode instance keeps the blocks it imported and filled: a
+    request whose prompt starts as an earlier one's (a conversation's next turn) takes the
+    blocks it holds of that start and pulls only the rest; one of another cache_salt pulls
+    all of its blocks."""
+    settings = WorkerSettings(instance_id="decode-p", nats_url=nats_url, redis_url=redis_url,
+                              model="tiny", heartbeat_s=0.1)
+    worker = DecodeService(settings, Engine(EngineConfig(model="tiny", device="cpu")
+                                            .with_scheduler(role=Role.DECODE,
+                                                            prefix_caching=True)))
+    pulled: dict[str, tuple[int, int]] = {}  # request -> blocks skipped, blocks pulled
+
+    async def pull(_: object, request_id: str, token: str, sources: object, wanted: object,
+                   buffer: torch.Tensor, skip: int) -> None:
+        pulled[request_id] = (skip, buffer.shape[2])
+        buffer.normal_()
+
+    monkeypatch.setattr("services.decode.service.pull_pieces", pull)
+    earlier = list(range(100, 140))  # 40 tokens: 2 full blocks and 8 tokens of a third
+    turns = {"first": (earlier, ""), "next": ([*earlier, *range(7, 17)], ""),
+             "salted": ([*earlier, *range(7, 17)], "tenant")}
+
+    async def main() -> None:
+        async with decode_serving(worker, nats_url, redis_url, "prefill-p",
+                                  list(turns)) as (nc, released, seen):
+            for request_id, (prompt, salt) in turns.items():
+                ready = announcement(request_id, "prefill-p", "t").model_copy(update={
+                    "prompt_ids": prompt, "computed": len(prompt),
+                    "num_blocks": blocks_for(len(prompt), 16),
+                    "sampling": Sampling(max_tokens=16, ignore_eos=True, cache_salt=salt)})
+                await publish(nc, subjects.decode("decode-p"), ready)
+                await asyncio.wait_for(released.get(), 30)
+                await until(lambda request_id=request_id: any(
+                    c.request_id == request_id and c.finish_reason for c in seen))
+            await until_idle(worker)
+
+    asyncio.run(main())
+    # the second shares the first's two full blocks (the third holds other tokens)
+    assert pulled == {"first": (0, 3), "next": (2, 2), "salted": (0, 4)}
+    scheduler = worker.engine.scheduler
+    assert scheduler.prefix_hits == 32 and scheduler.prefix_queried == 40 + 50 + 50
+    assert worker.engine.blocks.num_free == worker.engine.blocks.num_blocks
 
 
 def test_a_decode_instance_heartbeats_its_decode_steps_not_its_replays() -> None:

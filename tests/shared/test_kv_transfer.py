@@ -47,7 +47,7 @@ def serve(ports: Any, stop: Any, dtype: torch.dtype = torch.float32) -> None:
     exported = {"req-1": wire(kv.export_blocks(SOURCE_BLOCKS))}
     sent = []  # what the server said it was done sending
 
-    async def lookup(request_id: str, part: Any) -> Any:
+    async def lookup(request_id: str, part: Any, skip: int) -> Any:
         return exported.get(request_id)
 
     async def main() -> None:
@@ -111,9 +111,9 @@ def serve_staged(ports: Any, stop: Any) -> None:
     the pool into a staging buffer at the lookup, given back once UCX has sent it."""
     kv, staging = pool(seed=1), Staging()
 
-    async def lookup(request_id: str, part: Any) -> Any:
-        blocks = REQUESTS.get(request_id)
-        return None if blocks is None else wire(kv.export_blocks(blocks, alloc=staging.take))
+    async def lookup(request_id: str, part: Any, skip: int) -> Any:
+        blocks = REQUESTS.get(request_id, [])[skip:]
+        return wire(kv.export_blocks(blocks, alloc=staging.take)) if blocks else None
 
     def sent(buffer: Any) -> None:
         lent = unwire(buffer)
@@ -136,24 +136,30 @@ def serve_staged(ports: Any, stop: Any) -> None:
 def test_staging_buffers_are_reused_pull_after_pull_over_ucx() -> None:
     """Both sides lend each transfer a staging buffer and take it back: pulls of requests
     of several sizes, one after another, each land bit for bit in a buffer that held the
-    one before's bytes, and neither side allocated more than one buffer."""
+    one before's bytes, and neither side allocated more than one buffer. A pull that skips
+    a request's first blocks (the decode side holds them already) gets those after them;
+    one that skips them all, nothing."""
     ctx = mp.get_context("spawn")
     ports, stop = ctx.Queue(), ctx.Event()
     server = ctx.Process(target=serve_staged, args=(ports, stop), daemon=True)
     server.start()
-    expected = {r: pool(seed=1).export_blocks(blocks) for r, blocks in REQUESTS.items()}
+    pulls = [("req-b", 0), ("req-a", 0), ("req-c", 0), ("req-b", 2), ("req-a", 1)]
+    expected = {(r, skip): pool(seed=1).export_blocks(REQUESTS[r][skip:]) for r, skip in pulls}
     staging, landed = Staging(), []
     try:
         port, tokens = ports.get(timeout=120)
 
         async def main() -> None:
             client = KvClient(timeout_s=60)
-            for request_id in ["req-b", "req-a", "req-c", "req-b", "req-a"]:
-                into = staging.take(expected[request_id].shape, torch.float32)
+            for request_id, skip in pulls:
+                into = staging.take(expected[request_id, skip].shape, torch.float32)
                 await client.pull(f"127.0.0.1:{port}", request_id, tokens[request_id],
-                                  wire(into))
-                landed.append((into.data_ptr(), torch.equal(into, expected[request_id])))
+                                  wire(into), skip=skip)
+                landed.append((into.data_ptr(), torch.equal(into, expected[request_id, skip])))
                 staging.give(into)
+            with pytest.raises(TransferError, match="no KV for req-c"):
+                await client.pull(f"127.0.0.1:{port}", "req-c", tokens["req-c"], wire(into),
+                                  skip=1)
             await client.close()
 
         asyncio.run(main())

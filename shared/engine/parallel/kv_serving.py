@@ -119,6 +119,8 @@ class KvPull:
     token: str
     blocks: list[int]
     sources: list[tuple[str, KvSpan]]
+    skip: int = 0  # the request's leading blocks not pulled (held here already): `blocks`
+    # are those after them
 
 
 @dataclass
@@ -132,12 +134,13 @@ class PullOrder:
     blocks: list[int]
     sources: list[tuple[str, int, int, int, int]]  # address, layers, KV heads (ends exclusive)
     deadline: float
+    skip: int = 0
 
     @classmethod
     def of(cls, seq: int, pull: KvPull, deadline: float) -> PullOrder:
         return cls(seq, pull.request_id, pull.token, pull.blocks,
                    [(a, s.layers.start, s.layers.stop, s.heads.start, s.heads.stop)
-                    for a, s in pull.sources], deadline)
+                    for a, s in pull.sources], deadline, pull.skip)
 
     def spans(self) -> list[tuple[str, KvSpan]]:
         return [(a, KvSpan(range(l0, l1), range(h0, h1))) for a, l0, l1, h0, h1 in self.sources]
@@ -185,22 +188,22 @@ class RankKv:
     async def _listen(self) -> None:
         self._server.start()
 
-    async def _lookup(self, request_id: str, part: KvSpan | None) -> Any:
+    async def _lookup(self, request_id: str, part: KvSpan | None, skip: int) -> Any:
         """The part, once rank 0 has said the request is parked (waiting on this loop, not
         on a thread, for as long as PARK_WAIT_S); the copy on a thread of its own."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PARK_WAIT_S
         while not self.parked.settled(request_id) and loop.time() < deadline:
             await asyncio.sleep(PARK_POLL_S)
-        return await asyncio.to_thread(self._export, request_id, part)
+        return await asyncio.to_thread(self._export, request_id, part, skip)
 
-    def _export(self, request_id: str, part: KvSpan | None) -> Any:
+    def _export(self, request_id: str, part: KvSpan | None, skip: int) -> Any:
         from shared import kv_transfer
 
         with self.parked.holding(request_id) as blocks:
-            if blocks is None:
+            if blocks is None or not 0 <= skip < len(blocks):
                 return None
-            buffer = export_part(self.kv, blocks, self.span, part,
+            buffer = export_part(self.kv, blocks[skip:], self.span, part,
                                  None if self.staging is None else self.staging.take)
         return None if buffer is None else kv_transfer.wire(buffer)
 
@@ -238,7 +241,7 @@ class RankKv:
             async with asyncio.timeout(max(0.0, order.deadline - time.time())):
                 pulls = await kv_transfer.pull_pieces(
                     self._client, order.request_id, order.token, order.spans(), self.span,
-                    buffer)
+                    buffer, order.skip)
             self.kv.import_blocks(order.blocks, buffer)
             if self.staging is not None:  # in the pool: the next pull may land in it (not
                 self.staging.give(buffer)  # one that failed: UCX may still write it)
