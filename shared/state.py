@@ -74,7 +74,7 @@ class InstanceInfo(BaseModel):
     outputs_seconds: float = 0.0  # spent handling their outputs before the next step
     batched: int = 0  # requests that got a token, summed over steps
     # prefix caching: tokens of the requests admitted that looked for their prefix in the
-    # KV pool, and those found there (not computed)
+    # KV pool, and those found there (not computed; a decode instance's: not pulled)
     prefix_queried: int = 0
     prefix_hits: int = 0
     recent_steps: list[StepSample] = []  # the last steps the latency model can price
@@ -177,10 +177,14 @@ def colocated_key(held: int, queued: int, tiebreak: str | int, holds_prefix: boo
 
 
 def pick_decode(instances: Sequence[InstanceInfo],
-                in_flight: Mapping[str, int] | None = None) -> InstanceInfo | None:
+                in_flight: Mapping[str, int] | None = None, prefer: str = ""
+                ) -> InstanceInfo | None:
     """The least-loaded decode instance: fewest requests the caller has sent there still
-    running, then most free KV blocks, then the smallest batch."""
+    running; then `prefer` (where the prompt's start was decoded last: its blocks may be
+    cached there, and are not pulled again); then most free KV blocks, then the smallest
+    batch."""
     mine = in_flight or {}
     live = [i for i in instances if not i.draining]
-    return min(live, key=lambda i: (mine.get(i.instance_id, 0), -i.free_blocks,
-                                    i.running + i.queue_len, i.instance_id), default=None)
+    return min(live, key=lambda i: (mine.get(i.instance_id, 0), i.instance_id != prefer,
+                                    -i.free_blocks, i.running + i.queue_len, i.instance_id),
+               default=None)

@@ -185,6 +185,7 @@ class Gateway:
         self.view = InstanceView(settings.heartbeat_ttl_s)
         self.ledger = Ledger()
         self.affinity = PrefixAffinity()  # where each prompt's start went last
+        self.decode_affinity = PrefixAffinity()  # and which decode instance it went on to
         self.elsewhere: dict[str, int] = {}  # other gateways' requests in flight, by instance
         # the live instances of each role left out of dispatch, their engine stuck
         self.stuck: dict[Role, set[str]] = {}
@@ -364,7 +365,7 @@ class Gateway:
         """The instance of `role` a request goes to, by what this gateway has in flight;
         `prefer` (where its prompt's start went) where it is among the least loaded."""
         if role == "decode":
-            return pick_decode(instances, self.ledger.decoding)
+            return pick_decode(instances, self.ledger.decoding, prefer)
         if role == "colocated":  # its requests are counted as decoding from the start
             return pick_colocated(instances, self.ledger.decoding, self.ledger.queued,
                                   self.elsewhere, prefer)
@@ -377,18 +378,19 @@ class Gateway:
         return held / max(1, instance.max_running)
 
     def routes(self, pools: dict[Role, list[InstanceInfo]], avoid: str = "",
-               prefer: str = "") -> list[Target]:
+               prefer: str = "", prefer_decode: str = "") -> list[Target]:
         """Where a request can go, least-loaded first: a colocated worker, or a prefill
         instance and a decode instance (in "auto" mode both kinds: while the planner switches
         modes, or where both run side by side). `avoid` (an instance that failed) is in no
         route where there is another without it; `prefer` (the worker or prefill instance
-        its prompt's start went to) is taken among those equally loaded."""
+        its prompt's start went to) and `prefer_decode` (the decode instance it went on to)
+        are taken among those equally loaded."""
         found: list[tuple[float, Target]] = []
         worker = self._pick("colocated", others(pools.get("colocated", []), avoid), prefer)
         if worker is not None:
             found.append((self._load(worker), self._target(worker, None)))
         prefill = self._pick("prefill", others(pools.get("prefill", []), avoid), prefer)
-        decode = self._pick("decode", others(pools.get("decode", []), avoid))
+        decode = self._pick("decode", others(pools.get("decode", []), avoid), prefer_decode)
         if prefill is not None and decode is not None:
             found.append((self._load(decode), self._target(prefill, decode)))
         ordered = [target for _, target in sorted(found, key=lambda f: f[0])]
@@ -410,16 +412,20 @@ class Gateway:
         """The least-loaded route through live instances; if there is none, through those
         heard from lately (a starved host delays heartbeats: better a request that may have
         to move than a 503). Among the least loaded, the instance an earlier prompt that
-        starts as this one went to (`hashes`: its blocks', `PrefixAffinity.hashes`), where
-        those blocks may still be cached. Booked on the ticket at once: the next request of
-        a burst, dispatched before this one's stream opens, sees it."""
-        prefer = self.affinity.holder(hashes)
-        found = self.routes(self.live_pools(), prefer=prefer) or \
-            self.routes(self.stuck_pools(), prefer=prefer) or \
+        starts as this one went to (`hashes`: its blocks', `PrefixAffinity.hashes`), and the
+        decode instance it went on to, where those blocks may still be cached. Booked on the
+        ticket at once: the next request of a burst, dispatched before this one's stream
+        opens, sees it."""
+        prefer = {"prefer": self.affinity.holder(hashes),
+                  "prefer_decode": self.decode_affinity.holder(hashes)}
+        found = self.routes(self.live_pools(), **prefer) or \
+            self.routes(self.stuck_pools(), **prefer) or \
             self.routes({role: self.serving(role) or self.dispatchable(role)
-                         for role in self.roles}, prefer=prefer)
+                         for role in self.roles}, **prefer)
         if found and hashes:
             self.affinity.record(hashes, found[0].worker)
+            if found[0].decode:
+                self.decode_affinity.record(hashes, found[0].decode)
         if not found:
             raise APIError(503, f"no {self.wanted} is available; retry after "
                                 f"{self.settings.retry_after_s}s", kind="server_error",

@@ -163,7 +163,8 @@ def test_a_system_prompt_sent_again_is_found_in_the_prefill_instances_pool(
     """Prefix caching through the stack: a chat whose system prompt an earlier one sent is
     prefilled from the blocks that one left in the pool, says so in its usage
     (prompt_tokens_details.cached_tokens, streamed too), and answers as the first did; one
-    of another cache_salt finds nothing; the instances' hits are on /metrics."""
+    of another cache_salt finds nothing; the instances' hits are on /metrics, the decode
+    instance's too (it pulled only the blocks after those it held)."""
     c = client(stack)
     system = ("You are the help desk of a lighthouse museum on a small island. Keep answers "
               "short, friendly and about the museum. The museum opens at nine and closes at "
@@ -171,7 +172,9 @@ def test_a_system_prompt_sent_again_is_found_in_the_prefill_instances_pool(
               "tower's two hundred steps are closed in strong wind.")
     messages: Any = [{"role": "system", "content": system},
                      {"role": "user", "content": "When do you open?"}]
-    before = sum(metric(stack.url, "ds_prefix_cache_hit_tokens_total").values())
+    found_before = metric(stack.url, "ds_prefix_cache_hit_tokens_total")
+    before = sum(found_before.values())
+    before_decode = sum(n for name, n in found_before.items() if name.startswith("decode"))
     first = c.chat.completions.create(model=MODEL, messages=messages, temperature=0,
                                       max_tokens=16)
     again = c.chat.completions.create(model=MODEL, messages=messages, temperature=0,
@@ -206,6 +209,10 @@ def test_a_system_prompt_sent_again_is_found_in_the_prefill_instances_pool(
     hits = metric_when(stack.url, "ds_prefix_cache_hit_tokens_total",
                        lambda m: sum(m.values()) >= least)
     assert sum(hits.values()) >= least
+    least_decode = before_decode + 48 + 2 * (prompt - 16)
+    hits = metric_when(stack.url, "ds_prefix_cache_hit_tokens_total", lambda m: sum(
+        n for name, n in m.items() if name.startswith("decode")) >= least_decode)
+    assert sum(n for name, n in hits.items() if name.startswith("decode")) >= least_decode
     kept = metric_when(stack.url, "ds_kv_cached_blocks", lambda m: sum(m.values()) >= 4)
     assert sum(kept.values()) >= 4  # the system prompt's blocks, free and still cached
     wait_all_free(stack)  # the blocks kept for later requests count as free

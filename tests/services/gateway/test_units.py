@@ -722,7 +722,7 @@ def gateway_seeing(mode: str, *instances: InstanceInfo) -> Gateway:
     gateway = built_gateway()
     gateway.settings = GatewaySettings(mode=mode)  # type: ignore[arg-type]
     gateway.view, gateway.ledger = InstanceView(gateway.settings.heartbeat_ttl_s), Ledger()
-    gateway.affinity = PrefixAffinity()
+    gateway.affinity, gateway.decode_affinity = PrefixAffinity(), PrefixAffinity()
     gateway.stuck = {}
     for instance in instances:
         gateway.view.observe(instance, time.monotonic())
@@ -792,6 +792,28 @@ def test_a_prompt_goes_to_the_instance_its_start_went_to_while_the_load_allows()
             assert route(gateway, prompt=one)[0] == first, (mode, turn)
         burst = [route(gateway, hold=True, prompt=one)[0] for _ in range(2)]
         assert sorted(burst) == list(names)
+
+
+def test_a_prompt_goes_on_to_the_decode_instance_its_start_was_decoded_on() -> None:
+    """A decode instance keeps a conversation's blocks cached too and pulls only the blocks
+    after them: each turn goes on to the decode instance its conversation's start went to
+    while the load allows, though another has more free blocks (which alone would pick
+    it); a burst still spreads."""
+    gateway = gateway_seeing("disaggregated", worker("p0", "prefill"),
+                             worker("d0", "decode", free_blocks=100),
+                             worker("d1", "decode", free_blocks=300))
+    one, other = list(range(100, 140)), list(range(500, 540))
+    first = route(gateway, hold=True, prompt=one)[1]
+    second = route(gateway, prompt=other)[1]
+    assert (first, second) == ("d1", "d0")  # the most free blocks, then the load
+    gateway.ledger = Ledger()
+    for turn in range(3):
+        one += [7] * 20
+        other += [8] * 20
+        assert route(gateway, prompt=other)[1] == "d0", turn
+        assert route(gateway, prompt=one)[1] == "d1", turn
+    burst = [route(gateway, hold=True, prompt=other)[1] for _ in range(2)]
+    assert sorted(burst) == ["d0", "d1"]
 
 
 def test_a_fixed_mode_gateway_dispatches_to_its_mode_only() -> None:
