@@ -14,7 +14,9 @@ With `--stack`, the first workload through two stacks of 1 prefill + 1 decode in
 worker's default thread each), one with the cache and one started with
 --no-prefix-caching, both up at once and asked in turns, one request at a time: the
 time to the first streamed token at the client (the gateway, NATS and the prefill
-instance's step; the decode instance pulls the KV after it).
+instance's step), the time from it to the second (the decode instance's pull of the KV,
+its import and its first step: with the cache it pulls only the blocks after those it
+holds), and the KV bytes the decode instance pulled per request (its /metrics).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from distserve.bench import scrape
 from distserve.bench.engine import rounds
 from services.launcher import Stack, StackConfig
 from services.supervisor import free_port
@@ -58,17 +61,28 @@ def first_token_ms(engine: Engine, prompt: list[int]) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def first_streamed_ms(url: str, prompt: list[int]) -> float:
-    """ms from sending a completion of `prompt` (token ids) to its first streamed token."""
-    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 1, "stream": True,
+def streamed_ms(url: str, prompt: list[int]) -> tuple[float, float] | None:
+    """ms from sending a completion of `prompt` (token ids) to its first streamed token, and
+    from that to its second; None where the first token's text was held back (part of a
+    character), so that both came in one chunk."""
+    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 2, "stream": True,
             "temperature": 0, "ignore_eos": True}
     start = time.perf_counter()
+    arrived = []
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("data: {") and json.loads(line[6:])["choices"]:
-                return (time.perf_counter() - start) * 1e3
-    raise RuntimeError("the stream ended without a token")
+                arrived.append((time.perf_counter() - start) * 1e3)
+    return (arrived[0], arrived[1] - arrived[0]) if len(arrived) == 2 else None
+
+
+def pulled_bytes(url: str) -> float:
+    """The KV bytes the stack's decode instances have pulled (as their last heartbeats
+    said)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(value for labels, value in scrape.samples(text, "ds_kv_transfer_bytes_total")
+               if labels.get("role") == "decode")
 
 
 def through_stacks(args: argparse.Namespace) -> None:
@@ -81,22 +95,45 @@ def through_stacks(args: argparse.Namespace) -> None:
             stack.start(timeout=600)
         system = tokens(args.system, 0)
         salts = itertools.count(1)
+        gaps: dict[bool, list[float]] = {True: [], False: []}
+        sent = dict.fromkeys(stacks, 0)
 
         def ask(caching: bool) -> float:
-            return first_streamed_ms(stacks[caching].url,
-                                     system + tokens(args.question, next(salts)))
+            for _ in range(10):  # questions whose first token has text of its own
+                sent[caching] += 1
+                timed = streamed_ms(stacks[caching].url,
+                                    system + tokens(args.question, next(salts)))
+                if timed is not None:
+                    gaps[caching].append(timed[1])
+                    return timed[0]
+            raise RuntimeError("10 questions in a row streamed their first two tokens as one")
 
+        for caching in stacks:  # the system prompt's first request, then the pulls' bytes
+            ask(caching)
+        time.sleep(2)  # the decode instances' heartbeats since
+        before = {caching: pulled_bytes(stack.url) for caching, stack in stacks.items()}
+        first_sent = dict(sent)
         cached, whole = (statistics.median(t) for t in rounds(
             [lambda: ask(True), lambda: ask(False)], args.rounds))
+        time.sleep(2)  # the decode instances' last heartbeats
+        mb = {caching: (pulled_bytes(stack.url) - before[caching]) / 1e6
+              / (sent[caching] - first_sent[caching]) for caching, stack in stacks.items()}
     finally:
         for stack in stacks.values():
             stack.stop()
-    table = Table(title=f"through the stack (1 prefill + 1 decode, 1 thread each): first "
-                        f"streamed token, ms, medians of {args.rounds} interleaved rounds")
-    for column in ("workload", "cached", "computed whole", "whole / cached"):
+    gap_cached, gap_whole = (statistics.median(gaps[caching][2:])  # but the warm-ups'
+                             for caching in (True, False))
+    table = Table(title=f"through the stack (1 prefill + 1 decode, 1 thread each), "
+                        f"{args.system}-token system prompt + {args.question}: medians of "
+                        f"{args.rounds} interleaved rounds")
+    for column in ("", "cached", "computed whole", "whole / cached"):
         table.add_column(column, justify="right")
-    table.add_row(f"{args.system}-token system prompt + {args.question}", f"{cached:.1f}",
-                  f"{whole:.1f}", f"{whole / cached:.2f}x")
+    table.add_row("first streamed token, ms", f"{cached:.1f}", f"{whole:.1f}",
+                  f"{whole / cached:.2f}x")
+    table.add_row("first to second token, ms", f"{gap_cached:.1f}", f"{gap_whole:.1f}",
+                  f"{gap_whole / gap_cached:.2f}x")
+    table.add_row("KV pulled, MB a request", f"{mb[True]:.2f}",
+                  f"{mb[False]:.2f}", f"{mb[False] / max(mb[True], 1e-9):.1f}x")
     Console().print(table)
 
 
