@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.gateway.gateway import Gateway, GatewaySettings
 from services.gateway.openai_api import APIError, ParamError, error_body
 from services.gateway.routes import add_routes
+from services.gateway.stored import owner_of
 
 __all__ = ["GatewaySettings", "create_app"]
 log = logging.getLogger(__name__)
@@ -49,18 +50,23 @@ class Door:
         return bool(self.keys) and (path.startswith("/v1/") or
                                     (self.protect_metrics and path == "/metrics"))
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _key(self, scope: Scope) -> str | None:
+        """The API key the request shows, where it is one of the keys; else None."""
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, key = header.partition(" ")
-        return scheme.lower() == "bearer" and any(
-            hmac.compare_digest(key.strip().encode(), k.encode()) for k in self.keys)
+        key = key.strip()
+        known = [hmac.compare_digest(key.encode(), k.encode()) for k in self.keys]
+        return key if scheme.lower() == "bearer" and any(known) else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        scope.setdefault("state", {})["request_id"] = uuid.uuid4().hex
-        if self._guarded(scope["path"]) and not self._authorized(scope):
+        state = scope.setdefault("state", {})
+        state["request_id"] = uuid.uuid4().hex
+        key = self._key(scope) if self.keys else None
+        state["owner"] = owner_of(key or "")  # whose responses it may read (stored.py)
+        if self._guarded(scope["path"]) and key is None:
             await send_json(send, 401, error_body(
                 "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
                 "invalid_request_error", code="invalid_api_key"),

@@ -456,6 +456,11 @@ async def respond(reply: Reply, tickets: list[Ticket], request: Request, stream:
         release(tickets)
 
 
+def owner(request: Request) -> str:
+    """Whom the request's responses belong to: its API key's (app.Door; stored.py)."""
+    return str(getattr(request.state, "owner", ""))
+
+
 def add_routes(app: FastAPI, gateway: Gateway) -> None:
     tokenizer = gateway.tokenizer
     # the format the model's calls are read in from its answers (its template's, where the
@@ -608,8 +613,8 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
         earlier: Conversation | None = None
         if before is not None:
             gateway.check_model(req.model)  # before reading what it would go on from
-            earlier = await kept(lambda store: store.conversation(before), before,
-                                 "previous_response_id")
+            earlier = await kept(lambda store: store.conversation(before, owner=owner(request)),
+                                 before, "previous_response_id")
             try:
                 chat = req.chat_after(earlier.items)
             except ParamError as e:
@@ -632,7 +637,7 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
             if store is None:
                 return
             try:
-                await store.put(response, req.input_items(), earlier)
+                await store.put(response, req.input_items(), earlier, owner(request))
             except (RedisError, OSError) as e:
                 log.warning("response %s not kept: %s", response["id"], e)
                 response["store"] = False
@@ -646,14 +651,15 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
         return response
 
     @app.get("/v1/responses/{response_id}")
-    async def kept_response(response_id: str) -> dict[str, Any]:
-        return await kept(lambda store: store.get(response_id), response_id)
+    async def kept_response(response_id: str, request: Request) -> dict[str, Any]:
+        return await kept(lambda store: store.get(response_id, owner(request)), response_id)
 
     @app.get("/v1/responses/{response_id}/input_items")
-    async def input_items(response_id: str, order: str = "desc", after: str | None = None,
-                          limit: int = 20) -> dict[str, Any]:
+    async def input_items(response_id: str, request: Request, order: str = "desc",
+                          after: str | None = None, limit: int = 20) -> dict[str, Any]:
         """The items the response was answered from: its conversation's and its input."""
-        asked = await kept(lambda store: store.conversation(response_id, answered=False),
+        asked = await kept(lambda store: store.conversation(response_id, answered=False,
+                                                            owner=owner(request)),
                            response_id)
         try:
             return responses.item_list(asked.items, response_id, order, after, limit)
@@ -661,8 +667,8 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
             raise APIError(400, str(e), e.param) from None
 
     @app.delete("/v1/responses/{response_id}")
-    async def forget_response(response_id: str) -> dict[str, Any]:
-        await kept(lambda store: store.delete(response_id), response_id)
+    async def forget_response(response_id: str, request: Request) -> dict[str, Any]:
+        await kept(lambda store: store.delete(response_id, owner(request)), response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     def model_card() -> dict[str, Any]:

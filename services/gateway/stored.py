@@ -3,11 +3,17 @@ every gateway of the stack finds what another answered. A response is kept as tw
 response as it was answered (what `GET` shows), and its items (its input and its answer's
 output items, logprobs left out) with the ids of the responses before it in its
 conversation, so a conversation is read with two calls however long it is. Each response
-kept keeps those before it `ttl_s` longer: a conversation lasts as long as it goes on."""
+kept keeps those before it `ttl_s` longer: a conversation lasts as long as it goes on.
+
+A response belongs to the API key that asked for it (its `owner`, a digest of the key: the
+key itself is never kept): read, gone on from or deleted with another key it is as missing
+as one never kept, so one tenant cannot read another's conversations by their ids. A gateway
+without keys keeps every response under one owner, the empty one."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +27,15 @@ LARGE = 1 << 16  # bytes of JSON read or written off the event loop
 
 
 class Missing(LookupError):
-    """A response is not kept (never stored, deleted, or its time ran out): its id."""
+    """A response is not kept (never stored, deleted, or its time ran out), or not for this
+    owner: its id."""
+
+
+def owner_of(api_key: str) -> str:
+    """Whom the responses asked with `api_key` belong to: a digest of it ("" for no key)."""
+    if not api_key:
+        return ""
+    return hashlib.sha256(b"distserve responses owner\0" + api_key.encode()).hexdigest()[:32]
 
 
 class TooLong(ValueError):
@@ -54,11 +68,12 @@ class ResponseStore:
     ttl_s: int  # how long a response is kept after it was answered or last gone on from
 
     async def put(self, response: dict[str, Any], input_items: list[dict[str, Any]],
-                  earlier: Conversation | None = None) -> None:
+                  earlier: Conversation | None = None, owner: str = "") -> None:
         """Keep `response`, asked `input_items` after the `earlier` conversation (which is
-        kept as long again)."""
+        kept as long again), as `owner`'s."""
         chain = earlier.chain if earlier is not None else []
-        record = {"input": input_items, "output": history(response["output"]), "chain": chain}
+        record = {"input": input_items, "output": history(response["output"]), "chain": chain,
+                  "owner": owner}
         # written off the event loop: a long answer's logprobs are megabytes of JSON
         both = await asyncio.to_thread(lambda: (json.dumps(response), json.dumps(record)))
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -69,21 +84,28 @@ class ResponseStore:
                 pipe.expire(subjects.stored_items(before), self.ttl_s)
             await pipe.execute()
 
-    async def get(self, response_id: str) -> dict[str, Any]:
-        """The response as it was answered; Missing if it is not kept."""
-        raw = await self.redis.get(subjects.stored_response(response_id))
-        if raw is None:
+    async def get(self, response_id: str, owner: str = "") -> dict[str, Any]:
+        """The response as it was answered; Missing if it is not kept (for `owner`)."""
+        raw, items = await self.redis.mget([subjects.stored_response(response_id),
+                                            subjects.stored_items(response_id)])
+        if raw is None or items is None or (await loads(items)).get("owner", "") != owner:
             raise Missing(response_id)
         return await loads(raw)  # type: ignore[no-any-return]
 
-    async def conversation(self, response_id: str, answered: bool = True) -> Conversation:
+    async def _record(self, response_id: str, owner: str) -> dict[str, Any]:
+        """What is kept of a response's conversation turn; Missing if not (for `owner`)."""
+        raw = await self.redis.get(subjects.stored_items(response_id))
+        record = None if raw is None else await loads(raw)
+        if record is None or record.get("owner", "") != owner:
+            raise Missing(response_id)
+        return record  # type: ignore[no-any-return]
+
+    async def conversation(self, response_id: str, answered: bool = True, owner: str = ""
+                           ) -> Conversation:
         """The conversation up to response `response_id`, its answer included (not where
         `answered` is False: the items it was answered from). Missing if one of its
-        responses is not kept; TooLong past MOST_TURNS."""
-        raw = await self.redis.get(subjects.stored_items(response_id))
-        if raw is None:
-            raise Missing(response_id)
-        last = await loads(raw)
+        responses is not kept (for `owner`); TooLong past MOST_TURNS."""
+        last = await self._record(response_id, owner)
         chain = [*last["chain"], response_id]
         if len(chain) > MOST_TURNS:
             raise TooLong(f"the conversation goes through more than {MOST_TURNS} responses: "
@@ -92,16 +114,18 @@ class ResponseStore:
         if last["chain"]:
             raws = await self.redis.mget([subjects.stored_items(i) for i in last["chain"]])
             for before, each in zip(last["chain"], raws, strict=True):
-                if each is None:
+                record = None if each is None else await loads(each)
+                if record is None or record.get("owner", "") != owner:
                     raise Missing(before)
-                records.append(await loads(each))
+                records.append(record)
         items = [item for record in [*records, last]
                  for item in record["input"] + record["output"]]
         return Conversation(items if answered else items[:len(items) - len(last["output"])],
                             chain)
 
-    async def delete(self, response_id: str) -> None:
-        """Missing if it is not kept."""
+    async def delete(self, response_id: str, owner: str = "") -> None:
+        """Missing if it is not kept (for `owner`)."""
+        await self._record(response_id, owner)
         if not await self.redis.delete(subjects.stored_response(response_id),
                                        subjects.stored_items(response_id)):
             raise Missing(response_id)

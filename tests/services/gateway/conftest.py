@@ -13,11 +13,12 @@ from services.launcher import Stack
 from tests.services.conftest import start_stack
 
 API_KEY = "sk-test-gateway"
+OTHER_KEY = "sk-test-another-tenant"  # whose responses the first key's are not
 
 
 @pytest.fixture(scope="package")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = start_stack(tmp_path_factory.mktemp("secured"), prefill=1, decode=1,
-                    api_keys=[API_KEY])
+                    api_keys=[API_KEY, OTHER_KEY])
     yield s
     s.stop()

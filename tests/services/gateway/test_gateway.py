@@ -19,7 +19,7 @@ import pytest
 
 from services.launcher import Stack
 from tests.services.conftest import metric, metric_when
-from tests.services.gateway.conftest import API_KEY
+from tests.services.gateway.conftest import API_KEY, OTHER_KEY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "smollm2-135m"
@@ -223,7 +223,7 @@ def test_a_conversation_goes_on_from_a_response_kept(stack: Stack) -> None:
     the whole conversation sent as input gets (the instructions this request's only),
     streamed or not; a response is retrieved as it was answered, and deleted; one not kept
     (store: false, deleted, never made) is a 404 (a 400 where previous_response_id names
-    it, as OpenAI answers)."""
+    it, as OpenAI answers), and so is one asked with another API key."""
     c = client(stack)
     first = c.responses.create(model=MODEL, instructions="Answer briefly.",
                                input="My name is Ada. Say hello.", temperature=0,
@@ -261,6 +261,11 @@ def test_a_conversation_goes_on_from_a_response_kept(stack: Stack) -> None:
 
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(whole.id)  # not kept
+    another = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=OTHER_KEY, max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        another.responses.retrieve(second.id)  # another tenant's
+    with pytest.raises(openai.BadRequestError):
+        another.responses.create(model=MODEL, previous_response_id=second.id, input="hi")
     c.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(first.id)

@@ -29,6 +29,30 @@ def answer(response_id: str, text: str) -> dict[str, Any]:
         {"type": "message", "role": "assistant", "content": [part]}, call]}
 
 
+def test_a_conversation_is_its_owners_to_the_first_response(redis_url: str) -> None:
+    """Every response of a conversation is read as its owner's: one of its earlier
+    responses kept as another's (not written so by the gateway, which goes on only from a
+    response of the asker's) is missing from it, as one gone."""
+    async def run() -> None:
+        store = ResponseStore(Redis.from_url(redis_url), ttl_s=60)
+        await store.put(answer("resp_1", "A"), [said("a")], owner="x")
+        with pytest.raises(Missing):
+            await store.conversation("resp_1", owner="y")
+        with pytest.raises(Missing):
+            await store.get("resp_1")  # no owner: not x's
+        first = await store.conversation("resp_1", owner="x")
+        await store.put(answer("resp_2", "B"), [said("b")], first, owner="y")
+        with pytest.raises(Missing) as gone:
+            await store.conversation("resp_2", owner="y")
+        assert gone.value.args == ("resp_1",)
+        with pytest.raises(Missing):
+            await store.delete("resp_1", owner="y")
+        await store.delete("resp_1", owner="x")
+        await store.redis.aclose()
+
+    asyncio.run(run())
+
+
 def test_a_conversation_is_read_back_through_its_responses_in_order(redis_url: str) -> None:
     async def run() -> None:
         redis = Redis.from_url(redis_url)

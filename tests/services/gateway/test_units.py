@@ -38,7 +38,7 @@ from services.gateway.routes import (
     failed,
     interleaved,
 )
-from services.gateway.stored import ResponseStore
+from services.gateway.stored import ResponseStore, owner_of
 from services.gateway.stream import GaveUp, Lost, Relay
 from services.gateway.timing import RequestTiming
 from services.gateway.view import InstanceView, stuck_for
@@ -587,6 +587,50 @@ def test_the_responses_kept_unreadable_are_a_503_to_retry_and_none_kept_a_404() 
     for answer in unreadable:
         assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
         assert "cannot be read now" in answer.json()["error"]["message"]
+
+
+def test_a_response_kept_is_its_api_keys_alone(redis_url: str) -> None:
+    """A response belongs to the key that asked for it: with another key it is as missing as
+    one never kept (read, listed, gone on from, deleted), so one tenant cannot read
+    another's conversation by its id; its own key reads and deletes it."""
+    app = create_app(GatewaySettings(api_keys="sk-ada,sk-bob"))
+    gateway = app.state.gateway
+    gateway.responses = ResponseStore(redis_client(redis_url), ttl_s=60)
+    said = {"id": "resp_1", "object": "response", "output": [
+        {"type": "message", "role": "assistant", "content": [
+            {"type": "output_text", "text": "Hello, Ada.", "annotations": []}]}]}
+    transport = httpx.ASGITransport(app=app)
+
+    def key(name: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer sk-{name}"}
+
+    async def ask() -> dict[str, list[int]]:
+        await gateway.responses.put(said, [{"type": "message", "role": "user",
+                                            "content": "I am Ada."}], owner=owner_of("sk-ada"))
+        codes: dict[str, list[int]] = {}
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            for name in ("bob", "ada"):
+                answers = [await client.get("/v1/responses/resp_1", headers=key(name)),
+                           await client.get("/v1/responses/resp_1/input_items",
+                                            headers=key(name)),
+                           await client.post("/v1/responses", headers=key(name), json={
+                               "model": gateway.served_model, "input": "Who am I?",
+                               "previous_response_id": "resp_1", "max_output_tokens": 1}),
+                           await client.delete("/v1/responses/resp_1", headers=key(name))]
+                codes[name] = [a.status_code for a in answers]
+                if name == "bob":
+                    assert "resp_1" in answers[0].json()["error"]["message"]
+                    assert answers[2].json()["error"]["code"] == "previous_response_not_found"
+                else:
+                    assert answers[0].json() == said
+            codes["gone"] = [(await client.get("/v1/responses/resp_1",
+                                               headers=key("ada"))).status_code]
+        return codes
+
+    codes = asyncio.run(ask())
+    # Ada's own: read, listed, gone on from (no worker here: 503), deleted, then gone
+    assert codes == {"bob": [404, 404, 400, 404], "ada": [200, 200, 503, 200], "gone": [404]}
+    assert owner_of("") == "" and owner_of("sk-ada") not in ("", owner_of("sk-bob"))
 
 
 @pytest.mark.parametrize(("path", "body", "param", "says"), [
