@@ -17,7 +17,7 @@ from redis import Redis
 from redis.exceptions import AuthenticationError
 
 from services.launcher import Stack
-from tests.services.gateway.conftest import API_KEY
+from tests.services.gateway.conftest import API_KEY, OTHER_KEY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "smollm2-135m"
@@ -76,14 +76,15 @@ def test_secret_files_are_readable_by_their_owner_only(secured: Stack) -> None:
 
 def test_no_secret_on_a_command_line_and_api_keys_to_the_gateway_only(secured: Stack) -> None:
     kept = [password(secured.env["DS_NATS_URL"]), password(secured.env["DS_REDIS_URL"]),
-            API_KEY]
+            API_KEY, OTHER_KEY]
     for child in secured.children:
         proc = Path(f"/proc/{child.proc.pid}")
         cmdline = (proc / "cmdline").read_bytes().decode()
         assert not any(secret in cmdline for secret in kept), child.name
         environ = dict(line.split("=", 1) for line in
                        (proc / "environ").read_bytes().decode().split("\0") if "=" in line)
-        assert environ.get("DS_API_KEYS") == (API_KEY if child.name == "gateway" else None), \
+        keys = f"{API_KEY},{OTHER_KEY}"
+        assert environ.get("DS_API_KEYS") == (keys if child.name == "gateway" else None), \
             child.name
 
 
