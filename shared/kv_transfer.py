@@ -430,7 +430,8 @@ class KvClient:
         answer = _parse(reply)
         if not answer.get("ok"):
             raise TransferError(str(answer.get("error", "refused")))
-        if int(answer["nbytes"]) != int(into.nbytes):
+        if int(answer["nbytes"]) != int(into.nbytes):  # its payload comes all the same:
+            self._abandon(address)  # not to be read as the next pull's answer
             raise TransferError(f"size mismatch: {answer['nbytes']} bytes offered, "
                                 f"{into.nbytes} expected")
         await ep.recv(into)

@@ -108,6 +108,9 @@ class KvReady(BaseModel):
     attempt: int = 0
     kv_dtype: str = ""  # the blocks' dtype ("float32"); "": not said (a sender before it)
     gateway: str = ""  # PrefillRequest.gateway, so the decode instance watches its lease too
+    # the prefill instance serves a pull's "skip" (leaves out the leading blocks the decode
+    # instance holds): False from a sender before it, which sends every block
+    skips: bool = False
 
 
 class ReleaseKv(BaseModel):

@@ -17,7 +17,7 @@ import functools
 import itertools
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -32,6 +32,7 @@ from services.process import WorkerSettings
 from services.runtime import Worker
 from shared import subjects
 from shared.bus import acknowledge, parse
+from shared.engine.block_manager import BlockHash
 from shared.engine.config import Role
 from shared.engine.engine import Engine, RequestOutput, RequestRejected
 from shared.engine.kv_cache import Staging, block_bytes
@@ -52,6 +53,7 @@ from shared.telemetry import context_from, record
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+MOST_PREFIXES = 1024  # queued requests whose block hashes are kept between tries
 
 
 @dataclass
@@ -105,6 +107,8 @@ class DecodeService(Worker):
                                         self.settings.max_batch_tokens)
         self.block_bytes = block_bytes(self.engine.model_config, self.engine.blocks.block_size,
                                        self.engine.runner.kv.data.dtype)  # every rank's part
+        # queued requests' block hashes (`_prefix`), by request and attempt
+        self.prefixes: OrderedDict[tuple[str, int], list[BlockHash]] = OrderedDict()
 
     def info(self) -> InstanceInfo:
         stats = self.kv_client.stats
@@ -251,10 +255,10 @@ class DecodeService(Worker):
         granted = []
         alloc = None if self.staging is None else self.staging.take
         for ready in wanted:
-            tokens = [*ready.prompt_ids, *ready.output_ids][:ready.computed]
-            found = self.engine.allocate_for(tokens, ready.sampling.cache_salt)
+            found = self.engine.allocate_for(ready.computed, self._prefix(ready))
             if found is None:
                 break
+            self.prefixes.pop((ready.request_id, ready.attempt), None)
             blocks, held = found
             granted.append(Grant(blocks, self.engine.kv_buffer(len(blocks) - held, alloc),
                                  held))
@@ -273,6 +277,22 @@ class DecodeService(Worker):
         if granted and device.type == "cuda":  # the buffers exist before UCX writes them
             torch.cuda.current_stream(device).synchronize()
         return granted
+
+    def _prefix(self, ready: KvReady) -> list[BlockHash]:
+        """The hashes of the blocks of `ready`'s KV this pool may hold already (none where
+        its prefill instance would send them all), once a request: while the pool is full
+        the same requests are tried again at each request's end."""
+        if not ready.skips:
+            return []
+        key = (ready.request_id, ready.attempt)
+        hashes = self.prefixes.get(key)
+        if hashes is None:
+            tokens = [*ready.prompt_ids, *ready.output_ids][:ready.computed]
+            hashes = self.prefixes[key] = self.engine.prefix_hashes(
+                tokens, ready.sampling.cache_salt)
+            while len(self.prefixes) > MOST_PREFIXES:  # those of requests no longer queued
+                self.prefixes.popitem(last=False)
+        return hashes
 
     def _start_pull(self, ready: KvReady, grant: Grant) -> asyncio.Task[None]:
         """The pull of `ready` into `grant`'s blocks, in a task of its own in `pulling`."""

@@ -360,6 +360,15 @@ class Gateway:
                            code="rate_limit_exceeded",
                            headers={"Retry-After": str(self.settings.retry_after_s)}) from None
 
+    def _roomy(self, decode: str, blocks: int) -> str:
+        """`decode` where that instance has room for a request of `blocks` KV blocks and no
+        pull waiting for room, else "": a decode instance is preferred where a prompt's
+        start is cached only while that costs no wait (what it saves is a pull of that
+        prefix's blocks)."""
+        info = self.view.get(decode, time.monotonic()) if decode else None
+        return decode if info is not None and info.queue_len == 0 and \
+            info.free_blocks >= blocks else ""
+
     def _pick(self, role: Role, instances: list[InstanceInfo], prefer: str = ""
               ) -> InstanceInfo | None:
         """The instance of `role` a request goes to, by what this gateway has in flight;
@@ -417,7 +426,8 @@ class Gateway:
         ticket at once: the next request of a burst, dispatched before this one's stream
         opens, sees it."""
         prefer = {"prefer": self.affinity.holder(hashes),
-                  "prefer_decode": self.decode_affinity.holder(hashes)}
+                  "prefer_decode": self._roomy(self.decode_affinity.holder(hashes),
+                                               len(hashes) + 2)}
         found = self.routes(self.live_pools(), **prefer) or \
             self.routes(self.stuck_pools(), **prefer) or \
             self.routes({role: self.serving(role) or self.dispatchable(role)

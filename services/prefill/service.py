@@ -201,7 +201,7 @@ class PrefillService(Worker):
                         computed=parked.num_computed, sampling=req.sampling,
                         arrival_ts=req.arrival_ts, first_token_ts=first_token_ts,
                         attempt=req.attempt, kv_dtype=self.engine.runner.kv_dtype_name,
-                        gateway=req.gateway)
+                        gateway=req.gateway, skips=True)
         self.detach(self._deliver(req.decode_instance, ready, headers), "a KV announcement")
 
     async def _deliver(self, decode: str, ready: KvReady,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.engine.block_manager import BlockManager, blocks_for, chain_hashes
+from shared.engine.block_manager import BlockHash, BlockManager, blocks_for, chain_hashes
 from shared.engine.config import EngineConfig, ModelConfig
 from shared.engine.kv_cache import Alloc
 from shared.engine.loader import LoadedModel
@@ -272,6 +272,7 @@ class Engine:
         """A parked request's KV, every rank's, as one buffer, but its first `skip` blocks
         (in one process: a service serves each rank's part from that rank, `serve_kv`)."""
         request = self.scheduler.parked[request_id]
+        assert 0 <= skip < len(request.block_table), (skip, len(request.block_table))
         return self.runner.export_kv(request.block_table[skip:])
 
     def export_part(self, request_id: str, part: KvSpan | None,
@@ -361,22 +362,22 @@ class Engine:
         """Blocks for an incoming request's K/V, or None while the pool has no room."""
         return self.blocks.allocate(blocks_for(num_tokens, self.blocks.block_size))
 
-    def allocate_for(self, tokens: Sequence[int], salt: str = ""
+    def prefix_hashes(self, tokens: Sequence[int], salt: str = "") -> list[BlockHash]:
+        """With prefix caching, the hashes of the blocks of `tokens` (an incoming request's
+        K/V, of its `salt`) that `allocate_for` may find in the pool: all but the block of
+        the last token, which always comes (a pull skips fewer blocks than the request has,
+        even where the pool holds all of them); none without."""
+        if not self.config.scheduler.prefix_caching:
+            return []
+        return chain_hashes(tokens[:len(tokens) - 1], self.blocks.block_size, salt=salt)
+
+    def allocate_for(self, num_tokens: int, hashes: Sequence[BlockHash] = ()
                      ) -> tuple[list[int], int] | None:
-        """Blocks for an incoming request's K/V of `tokens`, and how many of them hold it
-        already: with prefix caching the blocks of its leading tokens the pool holds
-        (cached for an earlier request, of the same `salt`; all but the block of its last
-        token at most), so that only those after them need to come; then fresh ones. None
-        while the pool has no room."""
-        bs = self.blocks.block_size
-        caching = self.config.scheduler.prefix_caching
-        hashes = chain_hashes(tokens[:len(tokens) - 1], bs, salt=salt) if caching else []
-        with self.blocks.held():  # the counters as the scheduler's admissions keep them
-            found = self.blocks.allocate_after(hashes, blocks_for(len(tokens), bs))
-            if found is not None and caching:
-                self.scheduler.prefix_queried += len(tokens)
-                self.scheduler.prefix_hits += found[1] * bs
-        return found
+        """Blocks for an incoming request's K/V of `num_tokens`, and how many of them hold it
+        already: the blocks of its leading run of `hashes` (`prefix_hashes`) the pool holds,
+        cached for an earlier request, so that only those after them need to come; then
+        fresh ones. None while the pool has no room."""
+        return self.blocks.allocate_after(hashes, blocks_for(num_tokens, self.blocks.block_size))
 
     def free(self, block_ids: list[int]) -> None:
         self.blocks.free(block_ids)
@@ -396,6 +397,9 @@ class Engine:
         request.block_table = block_ids
         request.num_registered = held
         request.num_computed = request.num_tokens - 1 if computed is None else computed
+        if self.config.scheduler.prefix_caching:  # as the scheduler counts its admissions
+            self.scheduler.prefix_queried += request.num_computed  # (the steps' thread)
+            self.scheduler.prefix_hits += held * self.blocks.block_size
         request.arrival = next(self._arrivals)
         self._replace(request)
         self.scheduler.add_prefilled(request)

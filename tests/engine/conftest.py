@@ -69,8 +69,9 @@ def prefill_then_decode(prefill: Engine, decode: Engine, prompts: list[list[int]
     moved = []
     for i, ids in enumerate(prompts):
         parked = prefill.scheduler.parked[f"m{i}"]
-        found = decode.allocate_for(ids, params.cache_salt)  # with prefix caching: those
-        assert found is not None  # of its first blocks it holds, which are not moved
+        # with prefix caching: those of its first blocks it holds, which are not moved
+        found = decode.allocate_for(len(ids), decode.prefix_hashes(ids, params.cache_salt))
+        assert found is not None
         blocks, held = found
         request = Request(parked.request_id, ids, params, eos_ids=decode.eos_ids,
                           output_ids=list(parked.output_ids))

@@ -1022,7 +1022,8 @@ def test_a_decode_instance_pulls_only_the_blocks_after_the_prompts_start_it_hold
     """With prefix caching a decode instance keeps the blocks it imported and filled: a
     request whose prompt starts as an earlier one's (a conversation's next turn) takes the
     blocks it holds of that start and pulls only the rest; one of another cache_salt pulls
-    all of its blocks."""
+    all of its blocks, and so does one from a prefill instance that does not say it serves
+    a pull's skip (one before it)."""
     settings = WorkerSettings(instance_id="decode-p", nats_url=nats_url, redis_url=redis_url,
                               model="tiny", heartbeat_s=0.1)
     worker = DecodeService(settings, Engine(EngineConfig(model="tiny", device="cpu")
@@ -1038,7 +1039,8 @@ def test_a_decode_instance_pulls_only_the_blocks_after_the_prompts_start_it_hold
     monkeypatch.setattr("services.decode.service.pull_pieces", pull)
     earlier = list(range(100, 140))  # 40 tokens: 2 full blocks and 8 tokens of a third
     turns = {"first": (earlier, ""), "next": ([*earlier, *range(7, 17)], ""),
-             "salted": ([*earlier, *range(7, 17)], "tenant")}
+             "salted": ([*earlier, *range(7, 17)], "tenant"),
+             "older": ([*earlier, *range(7, 17)], "")}
 
     async def main() -> None:
         async with decode_serving(worker, nats_url, redis_url, "prefill-p",
@@ -1046,7 +1048,7 @@ def test_a_decode_instance_pulls_only_the_blocks_after_the_prompts_start_it_hold
             for request_id, (prompt, salt) in turns.items():
                 ready = announcement(request_id, "prefill-p", "t").model_copy(update={
                     "prompt_ids": prompt, "computed": len(prompt),
-                    "num_blocks": blocks_for(len(prompt), 16),
+                    "num_blocks": blocks_for(len(prompt), 16), "skips": request_id != "older",
                     "sampling": Sampling(max_tokens=16, ignore_eos=True, cache_salt=salt)})
                 await publish(nc, subjects.decode("decode-p"), ready)
                 await asyncio.wait_for(released.get(), 30)
@@ -1056,9 +1058,10 @@ def test_a_decode_instance_pulls_only_the_blocks_after_the_prompts_start_it_hold
 
     asyncio.run(main())
     # the second shares the first's two full blocks (the third holds other tokens)
-    assert pulled == {"first": (0, 3), "next": (2, 2), "salted": (0, 4)}
+    assert pulled == {"first": (0, 3), "next": (2, 2), "salted": (0, 4), "older": (0, 4)}
     scheduler = worker.engine.scheduler
-    assert scheduler.prefix_hits == 32 and scheduler.prefix_queried == 40 + 50 + 50
+    assert scheduler.prefix_hits == 32 and scheduler.prefix_queried == 40 + 3 * 50
+    assert not worker.prefixes  # each request's hashes let go once its blocks were taken
     assert worker.engine.blocks.num_free == worker.engine.blocks.num_blocks
 
 

@@ -842,7 +842,7 @@ def test_a_prompt_goes_on_to_the_decode_instance_its_start_was_decoded_on() -> N
     """A decode instance keeps a conversation's blocks cached too and pulls only the blocks
     after them: each turn goes on to the decode instance its conversation's start went to
     while the load allows, though another has more free blocks (which alone would pick
-    it); a burst still spreads."""
+    it), and while it has room for the request; a burst still spreads."""
     gateway = gateway_seeing("disaggregated", worker("p0", "prefill"),
                              worker("d0", "decode", free_blocks=100),
                              worker("d1", "decode", free_blocks=300))
@@ -856,6 +856,8 @@ def test_a_prompt_goes_on_to_the_decode_instance_its_start_was_decoded_on() -> N
         other += [8] * 20
         assert route(gateway, prompt=other)[1] == "d0", turn
         assert route(gateway, prompt=one)[1] == "d1", turn
+    gateway.view.observe(worker("d1", "decode", free_blocks=6), time.monotonic())
+    assert route(gateway, prompt=one)[1] == "d0"  # 6 free blocks of the 8 it needs
     burst = [route(gateway, hold=True, prompt=other)[1] for _ in range(2)]
     assert sorted(burst) == ["d0", "d1"]
 
