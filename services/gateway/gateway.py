@@ -31,7 +31,12 @@ from services.gateway import tool_calls
 from services.gateway.affinity import PrefixAffinity
 from services.gateway.ledger import Booking, Ledger, Overloaded, Ticket
 from services.gateway.metrics import Metrics
-from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest
+from services.gateway.openai_api import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    ContextExceeded,
+)
 from services.gateway.stored import ResponseStore
 from services.gateway.stream import GaveUp, Lost, Relay
 from services.gateway.timing import RequestTiming
@@ -478,12 +483,12 @@ class Gateway:
         room = limit - prompt_len
         if room < 1 or (max_tokens is not None and max_tokens > room):
             asked = f" plus max_tokens ({max_tokens})" if max_tokens is not None else ""
-            raise APIError(400, f"This server's maximum context length is {limit} tokens "
-                                f"(prompt and completion, limited by the model's context and "
-                                f"the KV cache); the prompt ({prompt_len} tokens){asked} "
-                                "exceeds it.", "max_tokens" if room >= 1 else
-                           "messages" if isinstance(req, ChatRequest) else "prompt",
-                           "context_length_exceeded")
+            raise ContextExceeded(f"This server's maximum context length is {limit} tokens "
+                                  f"(prompt and completion, limited by the model's context "
+                                  f"and the KV cache); the prompt ({prompt_len} tokens){asked} "
+                                  "exceeds it.", "max_tokens" if room >= 1 else
+                                  "messages" if isinstance(req, ChatRequest) else "prompt",
+                                  limit - (max_tokens or 1))
         if any(token >= self.tokenizer.vocab_size for token, _ in req.bias_list):
             raise APIError(400, f"logit_bias names a token id past the vocabulary "
                                 f"({self.tokenizer.vocab_size} tokens)", "logit_bias")

@@ -54,6 +54,15 @@ class APIError(Exception):
         return error_body(self.message, self.kind, self.param, self.code)
 
 
+class ContextExceeded(APIError):
+    """A 400: the prompt and the completion do not fit the context of the instances the
+    request went to; `room` is how many prompt tokens would."""
+
+    def __init__(self, message: str, param: str, room: int) -> None:
+        super().__init__(400, message, param, "context_length_exceeded")
+        self.room = room
+
+
 class ParamError(ValueError):
     """A request-wide validator's refusal that one parameter is to blame for: the error
     names it (`param`), as a field's own validator's does."""

@@ -204,6 +204,8 @@ class ResponsesRequest(RequestBody):
     tools: list[FunctionTool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
     cache_salt: Text | None = None  # extension (vLLM's): the chat's (openai_api._Common)
+    # "auto": a conversation past the context is answered from its latest turns that fit
+    truncation: Literal["auto", "disabled"] = "disabled"
     _chat: ChatRequest | None = PrivateAttr(default=None)  # the chat request this asks for
 
     @field_validator("input", mode="before")
@@ -258,6 +260,14 @@ class ResponsesRequest(RequestBody):
         kept: `input_items`' and answers') go before its input. ParamError where the chat
         refuses it."""
         return chat_request(self.chat(ITEMS_ADAPTER.validate_python(earlier)))
+
+    def truncated(self, earlier: list[dict[str, Any]], start: int) -> ChatRequest:
+        """The chat completion request of the conversation's items (the `earlier` ones, then
+        the input's) from item `start` on (`turn_starts`: where a turn begins), the
+        instructions before them. ParamError where the chat refuses it."""
+        rest = [*earlier, *self.input_items()][start:]
+        return chat_request(self.model_copy(
+            update={"input": ITEMS_ADAPTER.validate_python(rest)}).chat())
 
     def input_items(self) -> list[dict[str, Any]]:
         """The input as items (text: one user message), as a conversation is kept."""
@@ -326,6 +336,34 @@ class ResponsesRequest(RequestBody):
 
 
 ITEMS_ADAPTER = TypeAdapter(list[Item])
+
+
+def turn_starts(items: list[dict[str, Any]]) -> list[int]:
+    """Where a conversation of `items` (as kept: dicts) may be cut for `truncation: auto`:
+    at each user message but the first item, so that what is kept starts with a turn of
+    its own (no tool output without its call) and keeps the last user message."""
+    return [i for i, item in enumerate(items) if i and item.get("type", "message") ==
+            "message" and item.get("role") == "user"]
+
+
+async def latest_turns(request: ResponsesRequest, earlier: list[dict[str, Any]], room: int,
+                       prompt_len: Callable[[ChatRequest], Awaitable[int]]
+                       ) -> ChatRequest | None:
+    """`truncation: auto`, as OpenAI reads it: the chat of the conversation (the
+    `earlier` items, then the input's) from the first turn on whose prompt
+    (`prompt_len`: its tokens) fits `room` tokens, its earlier turns dropped and the
+    instructions kept; found by bisection over the turns' starts (a prompt from a later
+    turn is shorter). None where not even the last turn fits alone."""
+    starts = turn_starts([*earlier, *request.input_items()])
+    fitted, low, high = None, 0, len(starts) - 1
+    while low <= high:
+        middle = (low + high) // 2
+        chat = request.truncated(earlier, starts[middle])
+        if await prompt_len(chat) <= room:
+            fitted, high = chat, middle - 1
+        else:
+            low = middle + 1
+    return fitted
 
 
 def chat_request(body: dict[str, Any]) -> ChatRequest:
@@ -398,7 +436,7 @@ class Shape:
             "text": {"format": r.text.format.shown()}, "tool_choice": r.tool_choice or "auto",
             "tools": [tool.model_dump(exclude_none=True) for tool in r.tools or []],
             "top_p": r.top_p, "top_logprobs": r.top_logprobs or 0,
-            "truncation": "disabled",
+            "truncation": r.truncation,
             "usage": None if usage is None else self.usage(usage),
             "metadata": r.metadata or {}}
 

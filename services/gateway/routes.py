@@ -28,7 +28,13 @@ from services.gateway import openai_api as api
 from services.gateway import responses, tool_calls
 from services.gateway.gateway import Gateway, Target
 from services.gateway.ledger import Booking, Ticket
-from services.gateway.openai_api import APIError, ChatRequest, CompletionRequest, ParamError
+from services.gateway.openai_api import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    ContextExceeded,
+    ParamError,
+)
 from services.gateway.responses import ResponsesRequest, Shape
 from services.gateway.stored import Conversation, Missing, ResponseStore, TooLong
 from services.gateway.stream import GaveUp
@@ -607,6 +613,21 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
                            headers={"Retry-After": str(gateway.settings.retry_after_s)}
                            ) from None
 
+    async def latest_turns(req: ResponsesRequest, earlier: list[dict[str, Any]],
+                           exceeded: ContextExceeded) -> ChatRequest:
+        """`truncation: auto`: the chat of the conversation's latest turns that fit the
+        context (`responses.latest_turns`); `exceeded` where not even its last turn does."""
+        async def prompt_len(chat: ChatRequest) -> int:
+            return len(await chat_ids(chat))
+
+        try:
+            fitted = await responses.latest_turns(req, earlier, exceeded.room, prompt_len)
+        except ParamError as e:
+            raise APIError(400, str(e), e.param) from None
+        if fitted is None:
+            raise exceeded
+        return fitted
+
     @app.post("/v1/responses")
     async def respond_to(req: ResponsesRequest, request: Request) -> Any:
         chat, before = req.chat_request, req.previous_response_id
@@ -624,7 +645,13 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
                                f"read: {e.errors()[0]['msg']}", "previous_response_id"
                                ) from None
         try:
-            reply, tickets = await begin(chat)
+            try:
+                reply, tickets = await begin(chat)
+            except ContextExceeded as e:
+                if req.truncation != "auto":
+                    raise
+                reply, tickets = await begin(await latest_turns(
+                    req, earlier.items if earlier is not None else [], e))
         except APIError as e:  # told in the Responses API's words
             e.param, e.message = responses.in_its_words(e.param, e.message)
             raise

@@ -13,7 +13,14 @@ import pytest
 from pydantic import ValidationError
 
 from services.gateway.openai_api import ChatRequest, ParamError
-from services.gateway.responses import ResponsesRequest, Shape, events, item_list
+from services.gateway.responses import (
+    ResponsesRequest,
+    Shape,
+    events,
+    item_list,
+    latest_turns,
+    turn_starts,
+)
 
 
 def request(**fields: Any) -> ResponsesRequest:
@@ -206,6 +213,52 @@ def test_a_conversation_kept_goes_before_the_input_and_its_answers_read_back() -
     assert text[-1]["content"] == "And tomorrow?"
     shown = Shape(second, "def", 6).answer(chat_answer("ok", "stop"))
     assert shown["previous_response_id"] == "resp_abc" and shown["store"] is False
+
+
+def test_truncation_auto_drops_the_earliest_turns_that_do_not_fit_and_no_more() -> None:
+    """A conversation past the context is answered from its latest turns that fit (the
+    instructions kept), cut only where a user's turn starts, so no tool output is left
+    without its call; where not even the last turn fits, nothing is."""
+    def user(text: str) -> dict[str, Any]:
+        return {"type": "message", "role": "user", "content": text}
+
+    def assistant(text: str) -> dict[str, Any]:
+        return {"type": "message", "role": "assistant",
+                "content": [{"type": "output_text", "text": text}]}
+
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": "c1", "output": "4"}
+    earlier = [user("a" * 40), assistant("b" * 40), user("c" * 40), call, output,
+               assistant("d" * 40), user("e" * 40), assistant("f" * 40)]
+    assert turn_starts(earlier) == [2, 6]
+    asked = request(instructions="Be brief.", input="g" * 40, truncation="auto")
+    assert turn_starts([*earlier, *asked.input_items()]) == [2, 6, 8]
+    measured: list[int] = []
+
+    async def prompt_len(chat: ChatRequest) -> int:  # a character a token
+        measured.append(len(chat.messages))
+        return sum(len(m.content) if isinstance(m.content, str) else 0 for m in chat.messages)
+
+    def kept(room: int) -> list[str] | None:
+        chat = asyncio.run(latest_turns(asked, earlier, room, prompt_len))
+        return None if chat is None else [m.role for m in chat.messages]
+
+    whole = 9 + 7 * 40 + 1  # the instructions, seven messages of text, the tool's output
+    assert kept(whole - 1) == ["system", "user", "assistant", "tool", "assistant", "user",
+                               "assistant", "user"]  # the first turn dropped: one
+    assert kept(9 + 3 * 40) == ["system", "user", "assistant", "user"]
+    assert kept(9 + 40) == ["system", "user"]  # the input alone
+    assert kept(9 + 39) is None
+    measured.clear()
+    kept(whole - 1)
+    assert len(measured) <= 2  # bisected over the three starts
+    shown = Shape(asked, "abc", 5).answer({"choices": [{"message": {"content": "ok"},
+                                                        "finish_reason": "stop"}],
+                                           "usage": None})
+    assert shown["truncation"] == "auto" and request()._chat is not None
+    assert Shape(request(), "abc", 5).response("completed", [])["truncation"] == "disabled"
+    with pytest.raises(ValidationError):
+        request(truncation="sometimes")
 
 
 def test_the_items_a_response_was_answered_from_are_listed_a_page_at_a_time() -> None:
