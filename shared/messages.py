@@ -188,6 +188,7 @@ class RequestDone(BaseModel):
     ttft_s: float | None = None
     tpot_s: float | None = None
     outcome: str  # "stop", "length", an error, or "cancelled"
+    cached_tokens: int = 0  # of the prompt, found in a prefix cache (not computed)
 
 
 class WorkloadSummary(BaseModel):
@@ -197,6 +198,9 @@ class WorkloadSummary(BaseModel):
     arrival_cv: float
     prompt_tokens: list[int]  # the window's lengths, paired request by request
     output_tokens: list[int]
+    # the tokens of each prompt found in a prefix cache, paired too (empty: not known, as
+    # from a sender before it: every prompt computed whole)
+    cached_tokens: list[int] = []
 
 
 class ReplanRequest(BaseModel):

@@ -33,22 +33,37 @@ class WorkloadRequest:
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
+    cached_tokens: int = 0  # of the prompt, found in a prefix cache (not computed)
 
 
 @dataclass(frozen=True)
 class Lengths:
-    """Paired (prompt, output) token lengths to resample from."""
+    """Paired (prompt, output) token lengths to resample from, and where a live workload was
+    seen, the tokens of each prompt its instances found in their prefix caches (`cached`;
+    None: every prompt computed whole)."""
 
     prompts: np.ndarray
     outputs: np.ndarray
+    cached: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if len(self.prompts) == 0 or len(self.prompts) != len(self.outputs):
             raise WorkloadError("a length distribution needs equal, non-empty prompt/output lists")
+        if self.cached is not None and (len(self.cached) != len(self.prompts) or
+                                        np.any(self.cached >= self.prompts)):
+            raise WorkloadError("a prompt's cached tokens are fewer than its tokens, each")
+
+    def index(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """`n` requests drawn (with replacement): their positions."""
+        return rng.integers(0, len(self.prompts), n)
 
     def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        index = rng.integers(0, len(self.prompts), n)
+        index = self.index(n, rng)
         return self.prompts[index], self.outputs[index]
+
+    def cached_at(self, index: np.ndarray) -> np.ndarray:
+        """The cached tokens of the requests at `index` (zeros where none are known)."""
+        return np.zeros(len(index), dtype=int) if self.cached is None else self.cached[index]
 
     def within(self, max_total: int) -> Lengths:
         """Only the requests whose prompt + output fit `max_total` tokens, as the DistServe
@@ -56,14 +71,16 @@ class Lengths:
         keep = self.prompts + self.outputs <= max_total
         if not keep.any():
             raise WorkloadError(f"no request of the workload fits a {max_total}-token context")
-        return Lengths(self.prompts[keep], self.outputs[keep])
+        return Lengths(self.prompts[keep], self.outputs[keep],
+                       None if self.cached is None else self.cached[keep])
 
     def clipped(self, max_prompt: int, max_total: int) -> Lengths:
         """Scale lengths down to fit a model: prompts to `max_prompt`, prompt + output to
         `max_total` (keeping at least one output token)."""
         prompts = np.clip(self.prompts, 1, max_prompt)
         outputs = np.clip(self.outputs, 1, np.maximum(1, max_total - prompts))
-        return Lengths(prompts, outputs)
+        return Lengths(prompts, outputs,
+                       None if self.cached is None else np.minimum(self.cached, prompts - 1))
 
     @property
     def mean_prompt(self) -> float:
@@ -72,6 +89,16 @@ class Lengths:
     @property
     def mean_output(self) -> float:
         return float(np.mean(self.outputs))
+
+    @property
+    def mean_cached(self) -> float:
+        """Of a prompt, the tokens a prefix cache holds, on average (0: none known)."""
+        return 0.0 if self.cached is None else float(np.mean(self.cached))
+
+    @property
+    def mean_computed(self) -> float:
+        """Of a prompt, the tokens a prefill computes, on average: those not cached."""
+        return self.mean_prompt - self.mean_cached
 
 
 def parse_fixed(spec: str) -> tuple[int, int]:
@@ -124,9 +151,11 @@ class Workload:
             times = scaled_trace(self.trace_times, n)
         else:
             times = np.cumsum(unit_rate_gaps(n, rng, self.cv))
-        prompts, outputs = self.lengths.sample(n, rng)
-        return [WorkloadRequest(float(t) / rate, int(p), int(o))
-                for t, p, o in zip(times, prompts, outputs, strict=True)]
+        index = self.lengths.index(n, rng)
+        lengths = self.lengths
+        return [WorkloadRequest(float(t) / rate, int(p), int(o), int(c)) for t, p, o, c in zip(
+            times, lengths.prompts[index], lengths.outputs[index], lengths.cached_at(index),
+            strict=True)]
 
 
 def scaled_trace(times: np.ndarray, n: int) -> np.ndarray:

@@ -538,6 +538,7 @@ class Gateway:
                 if relay.prefilled and booked is not None:
                     booked.prefilled()
                 timing.tokens(len(chunk.token_ids))
+                timing.cached_tokens = chunk.cached_tokens or timing.cached_tokens
                 outcome = "refused" if chunk.refused else \
                     chunk.error or chunk.finish_reason or outcome
                 yield chunk

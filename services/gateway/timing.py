@@ -17,6 +17,7 @@ class RequestTiming:
     first_at: float | None = None
     last_at: float | None = None
     output_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, found in its prefill instance's KV pool
 
     def tokens(self, n: int, now: float | None = None) -> None:
         if n <= 0:
@@ -39,4 +40,5 @@ class RequestTiming:
     def done(self, outcome: str) -> RequestDone:
         return RequestDone(arrival_ts=self.arrival_ts, prompt_tokens=self.prompt_tokens,
                            output_tokens=self.output_tokens, ttft_s=self.ttft_s,
-                           tpot_s=self.tpot_s, outcome=outcome)
+                           tpot_s=self.tpot_s, outcome=outcome,
+                           cached_tokens=self.cached_tokens)

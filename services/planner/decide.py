@@ -75,7 +75,11 @@ def problem_for(workload: WorkloadSummary, config: PlannerConfig, calibration: C
     calibration is each phase's measured steps over the profile of the workers that ran
     them (services/profiler), so it moves a dtype's price by what the stack measured in
     another."""
-    lengths = Lengths(np.array(workload.prompt_tokens), np.array(workload.output_tokens))
+    prompts = np.array(workload.prompt_tokens)
+    cached = np.array(workload.cached_tokens) if len(workload.cached_tokens) == len(prompts) \
+        else None  # (a summary without them: every prompt computed whole)
+    lengths = Lengths(prompts, np.array(workload.output_tokens),
+                      None if cached is None else np.minimum(cached, prompts - 1))
     cv = workload.arrival_cv if workload.arrival_cv > 0 else 1.0
     return Problem(calibration.apply(config.profile_of(mode)), Workload(lengths, cv=cv),
                    config.slo,
@@ -125,7 +129,8 @@ def decide(request: ReplanRequest, last_workload: WorkloadSummary | None,
         "workload": {"rate_rps": workload.rate_rps, "arrival_cv": workload.arrival_cv,
                      "requests": len(workload.prompt_tokens),
                      "prompt_mean": float(np.mean(workload.prompt_tokens)),
-                     "output_mean": float(np.mean(workload.output_tokens))},
+                     "output_mean": float(np.mean(workload.output_tokens)),
+                     "cached_mean": float(np.mean(workload.cached_tokens or [0]))},
         "inputs": workload.model_dump(), "calibration": calibration.model_dump()}
     return Decision(workload, plan, found, record)
 

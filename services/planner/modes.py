@@ -174,7 +174,7 @@ def chunked_bound(problem: Problem, shape: Shape = ONE) -> float:
     no context (`LatencyModel.riding_ms`), attention left out."""
     lengths, lat = problem.workload.lengths, problem.profile.latency(shape.tp, shape.pp)
     constant_ms, per_token_ms, _ = lat.coefficients.prefill
-    prompt, decodes = lengths.mean_prompt, max(1.0, lengths.mean_output - 1)
+    prompt, decodes = lengths.mean_computed, max(1.0, lengths.mean_output - 1)
     per_step = problem.l_m / (prompt + decodes)  # requests' worth of tokens in a full step
     step_ms = constant_ms + per_step * (per_token_ms * prompt + lat.riding_ms(1, 0) * decodes)
     return per_step / (step_ms / lat.pp / 1e3)

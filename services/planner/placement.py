@@ -121,16 +121,19 @@ def parallel_map(fn: Callable[..., T], args: Sequence[tuple[Any, ...]], workers:
 
 
 def _guess(problem: Problem, tp: int, pp: int) -> float:
-    lat = problem.profile.latency(tp, pp)
-    prompt = problem.workload.lengths.mean_prompt
-    return max(0.01, 1.0 / lat.prefill_stage_s(prompt, prompt * prompt))
+    lat, lengths = problem.profile.latency(tp, pp), problem.workload.lengths
+    new, cached = lengths.mean_computed, lengths.mean_cached
+    return max(0.01, 1.0 / lat.prefill_stage_s(new, new * new, new * cached))
 
 
 def prefill_bound(problem: Problem, tp: int, pp: int) -> float:
-    """Requests/s one prefill instance sustains at best: full L_m batches back to back."""
-    lat, prompt = problem.profile.latency(tp, pp), problem.workload.lengths.mean_prompt
-    per_batch = max(1.0, problem.l_m / prompt)
-    return per_batch / lat.prefill_stage_s(per_batch * prompt, per_batch * prompt * prompt)
+    """Requests/s one prefill instance sustains at best: full L_m batches back to back (of
+    the tokens a prefill computes: a prompt's cached ones are not)."""
+    lat, lengths = problem.profile.latency(tp, pp), problem.workload.lengths
+    new, cached = lengths.mean_computed, lengths.mean_cached
+    per_batch = max(1.0, problem.l_m / new)
+    return per_batch / lat.prefill_stage_s(per_batch * new, per_batch * new * new,
+                                           per_batch * new * cached)
 
 
 def decode_bound(problem: Problem, tp: int, pp: int) -> float:

@@ -31,6 +31,7 @@ class RequestEvent:
     arrival_s: float  # wall clock
     prompt_tokens: int
     output_tokens: int
+    cached_tokens: int = 0  # of the prompt, found in a prefix cache
 
 
 @dataclass(frozen=True)

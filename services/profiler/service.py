@@ -72,7 +72,8 @@ class ProfilerSettings(BaseSettings):
 def summary(events: list[RequestEvent], stats: WindowStats) -> WorkloadSummary:
     return WorkloadSummary(rate_rps=stats.rate_rps, arrival_cv=stats.arrival_cv,
                            prompt_tokens=[e.prompt_tokens for e in events],
-                           output_tokens=[e.output_tokens for e in events])
+                           output_tokens=[e.output_tokens for e in events],
+                           cached_tokens=[e.cached_tokens for e in events])
 
 
 class ProfilerService(ControlService):
@@ -170,7 +171,8 @@ class ProfilerService(ControlService):
         if done.outcome not in ("stop", "length"):
             return  # failed or cancelled: its output length says nothing of the workload
         self.seen += 1
-        event = RequestEvent(done.arrival_ts, done.prompt_tokens, done.output_tokens)
+        event = RequestEvent(done.arrival_ts, done.prompt_tokens, done.output_tokens,
+                             min(done.cached_tokens, done.prompt_tokens - 1))
         shift = self.monitor.observe(event, time.time())
         if shift is not None:
             await self._replan(shift)

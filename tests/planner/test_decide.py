@@ -235,3 +235,21 @@ def test_a_prefill_profile_prices_the_disaggregated_prefill_instances_alone() ->
                                  workload=WorkloadSummary(**stored["inputs"])),
                    None, mixed, now=stored["made_at"])
     assert again is not None and json.loads(json.dumps(again.record)) == stored
+
+
+def test_prompts_found_in_the_prefix_caches_need_fewer_prefill_instances() -> None:
+    """A window whose prompts the instances found mostly cached (a conversation's turns, a
+    shared system prompt: the gateway's events say how many tokens each) is planned with
+    their prefill priced as the new tokens after the cached: the split moves devices from
+    prefill to decode, and more is served. A summary from before the field plans as if
+    every prompt were computed whole."""
+    whole = window(384, 24)
+    cached = whole.model_copy(update={"cached_tokens": [352] * 20})
+    plain = decide(ReplanRequest(reasons=["x"], workload=whole), None, CONFIG, now=1.0)
+    found = decide(ReplanRequest(reasons=["x"], workload=cached), None, CONFIG, now=1.0)
+    assert plain is not None and found is not None
+    assert plain.target["prefill"] == 2 and found.target == {
+        "prefill": 1, "decode": 2, "colocated": 0, "chunked": 0}
+    assert found.plan.goodput_rps > 2 * plain.plan.goodput_rps
+    assert found.record["workload"]["cached_mean"] == 352.0
+    assert plain.record["workload"]["cached_mean"] == 0.0

@@ -373,3 +373,50 @@ def test_a_chunk_continuing_a_prompt_is_priced_with_its_cached_tokens() -> None:
         [request])
     assert before.requests[0].ttft == pytest.approx(
         sum(10.0 + 0.1 * 256 + 1e-5 * 256 * (done + 256) for done in (0, 256, 512, 768)) / 1e3)
+
+
+@pytest.mark.parametrize("system", ["disaggregated", "colocated", "chunked"])
+def test_a_prompt_found_in_a_prefix_cache_is_priced_as_its_new_tokens_after_the_cached(
+        system: str) -> None:
+    """A 1,024-token prompt of which a prefix cache holds 1,008 tokens (a live workload's
+    hit): its prefill computes 16 tokens over the 1,008 (priced with `prefill_cached`), on
+    every system; its whole KV is held all the same, and a disaggregated pull moves the 16
+    new tokens' KV only (the decode instance caches the prefix too)."""
+    co = dataclasses.replace(COEFFS, prefill=(10.0, 0.1, 1e-5), prefill_cached=1e-3)
+    one = InstanceSpec(LatencyModel(co), 10**6, max_batch_tokens=2048, max_batch=8)
+    cached, whole = WorkloadRequest(0.0, 1024, 2, cached_tokens=1008), WorkloadRequest(
+        0.0, 1024, 2)
+
+    def run(request: WorkloadRequest) -> Any:
+        if system == "disaggregated":
+            cluster = DisaggregatedCluster([one], [one], Link(1, 1e5, 1e5))
+            return simulate_disaggregated(cluster, [request]).requests[0]
+        return simulate_colocated(ColocatedCluster([one], system == "chunked"),
+                                  [request]).requests[0]
+
+    hit, miss = run(cached), run(whole)
+    assert hit.ttft == pytest.approx((10.0 + 0.1 * 16 + 1e-5 * 16**2 + 1e-3 * 16 * 1008) / 1e3)
+    assert miss.ttft == pytest.approx((10.0 + 0.1 * 1024 + 1e-5 * 1024**2) / 1e3)
+    if system == "disaggregated":
+        assert hit.transfer_end - hit.transfer_start == pytest.approx(16 / 1e5)
+        assert miss.transfer_end - miss.transfer_start == pytest.approx(1024 / 1e5)
+
+
+def test_a_workload_seen_live_draws_each_requests_cached_tokens_with_its_lengths() -> None:
+    """The cached tokens travel with their request through the draw (the same draws as
+    without them: common random numbers), a context's filter and a model's clip."""
+    prompts, outputs = np.array([100, 400, 900]), np.array([10, 20, 30])
+    lengths = Lengths(prompts, outputs, np.array([0, 384, 896]))
+    drawn = Workload(lengths).requests(2.0, 50, seed=5)
+    plain = Workload(Lengths(prompts, outputs)).requests(2.0, 50, seed=5)
+    assert [(r.arrival_s, r.prompt_tokens) for r in drawn] == \
+        [(r.arrival_s, r.prompt_tokens) for r in plain]
+    assert {(r.prompt_tokens, r.cached_tokens) for r in drawn} == {(100, 0), (400, 384),
+                                                                    (900, 896)}
+    assert all(r.cached_tokens == 0 for r in plain)
+    within = lengths.within(500)
+    assert within.cached is not None and within.cached.tolist() == [0, 384]
+    clipped = lengths.clipped(max_prompt=512, max_total=600)
+    assert clipped.cached is not None and clipped.cached.tolist() == [0, 384, 511]
+    with pytest.raises(ValueError, match="cached tokens"):
+        Lengths(prompts, outputs, np.array([0, 400, 0]))

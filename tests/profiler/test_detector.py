@@ -7,9 +7,11 @@ import numpy as np
 from services.profiler.detector import (
     DetectorConfig,
     RequestEvent,
+    WindowStats,
     WorkloadMonitor,
     detect,
 )
+from services.profiler.service import summary
 
 CONFIG = DetectorConfig(window=60, cooldown_s=0.0)
 
@@ -83,3 +85,9 @@ def test_detect_is_quiet_on_equal_windows_and_names_each_change() -> None:
     assert detect(ref, stream(100, 2.0, 200, rng), CONFIG) == ()
     both = detect(ref, stream(100, 8.0, 800, rng), CONFIG)
     assert len(both) == 2 and "prompt" in both[0] and "rate" in both[1]
+
+
+def test_a_summary_carries_each_requests_cached_tokens_with_its_lengths() -> None:
+    events = [RequestEvent(float(i), 100, 10, 96 if i % 2 else 0) for i in range(10)]
+    planned = summary(events, WindowStats.of(events))
+    assert planned.cached_tokens == [0, 96] * 5 and planned.prompt_tokens == [100] * 10

@@ -36,7 +36,7 @@ from shared.workloads import WorkloadRequest
 @dataclass
 class Prefilling:
     request: SimRequest
-    done: int = 0  # prompt tokens computed so far
+    done: int = 0  # prompt tokens computed so far (or found in a prefix cache)
 
 
 Chunk = tuple[Prefilling, int]  # a prompt and how many of its tokens a step computes
@@ -78,11 +78,11 @@ class ColocatedInstance:
         return self.batch.size + len(self.prefilling) < self.spec.max_batch and \
             self.reserved + r.prompt + r.output <= self.spec.kv_capacity
 
-    def _admit_next(self) -> None:
+    def _admit_next(self) -> None:  # (a prompt's cached tokens are done from the start)
         r = self.waiting.popleft()
         r.prefill_start = self.loop.now
         self.reserved += r.prompt + r.output
-        self.prefilling.append(Prefilling(r))
+        self.prefilling.append(Prefilling(r, r.cached))
 
     def _plan(self) -> tuple[float, list[Chunk], bool] | None:
         """The next step: its seconds, the prompt chunks it computes, whether it decodes the
@@ -129,13 +129,14 @@ class PrefillFirstInstance(ColocatedInstance):
     def _plan(self) -> tuple[float, list[Chunk], bool] | None:
         budget = self.spec.max_batch_tokens
         while self.waiting and self._fits(self.waiting[0]) and not (
-                self.prefilling and self._prompt_tokens_left() + self.waiting[0].prompt > budget):
+                self.prefilling and
+                self._prompt_tokens_left() + self.waiting[0].to_compute > budget):
             self._admit_next()
         lat = self.spec.latency
-        if self.prefilling:  # whole prompts, no decoding in the step
-            lengths = [p.request.prompt for p in self.prefilling]
-            seconds = lat.prefill_latency_s(sum(lengths), sum(n * n for n in lengths))
-            return seconds, [(p, p.request.prompt) for p in self.prefilling], False
+        if self.prefilling:  # whole prompts (but their cached tokens), no decoding in the step
+            chunks = [(p, p.request.prompt - p.done) for p in self.prefilling]
+            seconds = lat.prefill_latency_s(*chunk_terms((n, p.done) for p, n in chunks))
+            return seconds, chunks, False
         if self.batch.size:
             return lat.decode_step_s(self.batch.size, self.batch.sum_ctx), [], True
         return None
@@ -145,7 +146,7 @@ class ChunkedInstance(ColocatedInstance):
     def _plan(self) -> tuple[float, list[Chunk], bool] | None:
         budget = max(0, self.spec.max_batch_tokens - self.batch.size)  # decodes count first
         while self.waiting and self._fits(self.waiting[0]):
-            enough = self._prompt_tokens_left() + self.waiting[0].prompt >= budget
+            enough = self._prompt_tokens_left() + self.waiting[0].to_compute >= budget
             self._admit_next()
             if enough:
                 break
@@ -156,7 +157,8 @@ class ChunkedInstance(ColocatedInstance):
             take = min(left, p.request.prompt - p.done)
             if take <= 0:
                 break
-            if p.done == 0:  # its queue ends at its first chunk, as the worker's span does
+            if p.done == p.request.cached:  # its queue ends at its first chunk, as the
+                # worker's span does
                 p.request.prefill_start = self.loop.now
             chunks.append((p, take))
             left -= take

@@ -27,6 +27,7 @@ class SimRequest:
     arrival: float
     prompt: int
     output: int
+    cached: int = 0  # prompt tokens a prefix cache holds: not computed (their KV is kept)
     prefill_start: float = NAN
     first_token: float = NAN
     transfer_start: float = NAN
@@ -38,6 +39,11 @@ class SimRequest:
     @property
     def done(self) -> bool:
         return not math.isnan(self.finish)
+
+    @property
+    def to_compute(self) -> int:
+        """Its prompt tokens a prefill computes (those not cached)."""
+        return self.prompt - self.cached
 
     @property
     def ttft(self) -> float | None:
@@ -308,7 +314,7 @@ class SimResult:
 
 
 def sim_requests(workload: Sequence[WorkloadRequest]) -> list[SimRequest]:
-    return [SimRequest(i, w.arrival_s, w.prompt_tokens, w.output_tokens)
+    return [SimRequest(i, w.arrival_s, w.prompt_tokens, w.output_tokens, w.cached_tokens)
             for i, w in enumerate(workload)]
 
 

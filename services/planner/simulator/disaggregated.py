@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from services.planner.latency import chunk_terms
 from services.planner.noise import jitters
 from services.planner.simulator.core import (
     DecodeBatch,
@@ -59,24 +60,24 @@ class PrefillInstance:
         if self.busy:
             return
         batch: list[SimRequest] = []
-        total = squares = 0
+        total = held = 0  # new tokens (a cached prompt's are fewer), whole prompts
         while self.queue:
-            p = self.queue[0].prompt
-            if batch and total + p > self.spec.max_batch_tokens:
+            r = self.queue[0]
+            if batch and total + r.to_compute > self.spec.max_batch_tokens:
                 break
-            if self.held + total + p > self.spec.kv_capacity:
+            if self.held + held + r.prompt > self.spec.kv_capacity:
                 break
             batch.append(self.queue.popleft())
-            total, squares = total + p, squares + p * p
+            total, held = total + r.to_compute, held + r.prompt
         if not batch:
             return
         now, lat = self.loop.now, self.spec.latency
         for r in batch:
             r.prefill_start = now
-        self.held += total
+        self.held += held
         self.busy = True
-        stage_s, latency_s = lat.prefill_stage_s(total, squares), \
-            lat.prefill_latency_s(total, squares)
+        terms = chunk_terms((r.to_compute, r.cached) for r in batch)
+        stage_s, latency_s = lat.prefill_stage_s(*terms), lat.prefill_latency_s(*terms)
         if self.jitter is not None:
             factor = self.jitter.take()
             stage_s, latency_s = stage_s * factor, latency_s * factor
@@ -129,7 +130,7 @@ class DecodeInstance:
             self.in_transfer += 1
             r.transfer_start = self.loop.now
             seconds = 0.0 if src is None or self.link is None else \
-                self.link.transfer_s(r.prompt, src.spec, self.spec)
+                self.link.transfer_s(r.to_compute, src.spec, self.spec)
             self.loop.at(self.loop.now + seconds, self._pulled, (r, src))
 
     def _pulled(self, item: tuple[SimRequest, PrefillInstance | None]) -> None:

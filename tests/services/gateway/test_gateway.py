@@ -18,6 +18,9 @@ import pydantic
 import pytest
 
 from services.launcher import Stack
+from shared import subjects
+from shared.bus import connect
+from shared.messages import RequestDone
 from tests.services.conftest import metric, metric_when
 from tests.services.gateway.conftest import API_KEY, OTHER_KEY
 
@@ -164,7 +167,8 @@ def test_a_system_prompt_sent_again_is_found_in_the_prefill_instances_pool(
     prefilled from the blocks that one left in the pool, says so in its usage
     (prompt_tokens_details.cached_tokens, streamed too), and answers as the first did; one
     of another cache_salt finds nothing; the instances' hits are on /metrics, the decode
-    instance's too (it pulled only the blocks after those it held)."""
+    instance's too (it pulled only the blocks after those it held); the request's event,
+    what the workload profiler plans from, says how many tokens were found."""
     c = client(stack)
     system = ("You are the help desk of a lighthouse museum on a small island. Keep answers "
               "short, friendly and about the museum. The museum opens at nine and closes at "
@@ -177,8 +181,19 @@ def test_a_system_prompt_sent_again_is_found_in_the_prefill_instances_pool(
     before_decode = sum(n for name, n in found_before.items() if name.startswith("decode"))
     first = c.chat.completions.create(model=MODEL, messages=messages, temperature=0,
                                       max_tokens=16)
-    again = c.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                      max_tokens=16)
+
+    async def again_with_its_event() -> tuple[Any, RequestDone]:
+        nc = await connect(stack.env["DS_NATS_URL"], "test-events")
+        events = await nc.subscribe(subjects.REQUEST_EVENTS)
+        answer = await asyncio.to_thread(c.chat.completions.create, model=MODEL,
+                                         messages=messages, temperature=0, max_tokens=16)
+        event = RequestDone.model_validate_json((await events.next_msg(timeout=30)).data)
+        if not event.cached_tokens:  # the first request's, published after its answer
+            event = RequestDone.model_validate_json((await events.next_msg(timeout=30)).data)
+        await nc.close()
+        return answer, event
+
+    again, event = asyncio.run(again_with_its_event())
     assert first.usage is not None and again.usage is not None
     assert first.usage.prompt_tokens_details is not None
     assert again.usage.prompt_tokens_details is not None
@@ -186,6 +201,8 @@ def test_a_system_prompt_sent_again_is_found_in_the_prefill_instances_pool(
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     # every full block of 16 but the one holding the last token, which is computed
     assert prompt - 16 <= again.usage.prompt_tokens_details.cached_tokens < prompt
+    assert (event.prompt_tokens, event.cached_tokens) == (
+        prompt, again.usage.prompt_tokens_details.cached_tokens)
     assert again.choices[0].message.content == first.choices[0].message.content
     # a tenant's salt: its requests share no cached block with others', only with its own
     for expect_found in (False, True):

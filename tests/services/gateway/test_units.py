@@ -109,8 +109,10 @@ def test_timing_feeds_ttft_tpot_and_the_event() -> None:
     timing.tokens(2, now=11.5)
     assert timing.ttft_s == pytest.approx(0.5)
     assert timing.tpot_s == pytest.approx(0.5)  # 1 s over the 2 tokens after the first
+    timing.cached_tokens = 4  # its prefill found 4 of its 5 prompt tokens cached
     done = timing.done("stop")
     assert (done.output_tokens, done.ttft_s, done.outcome) == (3, pytest.approx(0.5), "stop")
+    assert done.cached_tokens == 4
 
 
 @pytest.mark.parametrize("body", [
