@@ -264,8 +264,11 @@ class ResponsesRequest(RequestBody):
     def truncated(self, earlier: list[dict[str, Any]], start: int) -> ChatRequest:
         """The chat completion request of the conversation's items (the `earlier` ones, then
         the input's) from item `start` on (`turn_starts`: where a turn begins), the
-        instructions before them. ParamError where the chat refuses it."""
-        rest = [*earlier, *self.input_items()][start:]
+        instructions before them, and the system and developer messages of the items left
+        out (instructions too). ParamError where the chat refuses it."""
+        items = [*earlier, *self.input_items()]
+        rest = [item for item in items[:start] if item.get("type", "message") == "message"
+                and item.get("role") in ("system", "developer")] + items[start:]
         return chat_request(self.model_copy(
             update={"input": ITEMS_ADAPTER.validate_python(rest)}).chat())
 
@@ -354,6 +357,8 @@ async def latest_turns(request: ResponsesRequest, earlier: list[dict[str, Any]],
     (`prompt_len`: its tokens) fits `room` tokens, its earlier turns dropped and the
     instructions kept; found by bisection over the turns' starts (a prompt from a later
     turn is shorter). None where not even the last turn fits alone."""
+    if room < 1:  # the completion alone takes the context: no cut would do
+        return None
     starts = turn_starts([*earlier, *request.input_items()])
     fitted, low, high = None, 0, len(starts) - 1
     while low <= high:

@@ -628,6 +628,21 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
             raise exceeded
         return fitted
 
+    async def begin_truncated(req: ResponsesRequest, earlier: list[dict[str, Any]],
+                              exceeded: ContextExceeded, tries: int = 3
+                              ) -> tuple[Reply, list[Ticket]]:
+        """`begin` with the conversation's latest turns that fit; cut again where they went
+        to an instance of a shorter context (another route: their prompt is another), a
+        few times at most."""
+        for _ in range(tries - 1):
+            try:
+                return await begin(await latest_turns(req, earlier, exceeded))
+            except ContextExceeded as shorter:
+                if shorter.room >= exceeded.room:
+                    raise
+                exceeded = shorter
+        return await begin(await latest_turns(req, earlier, exceeded))
+
     @app.post("/v1/responses")
     async def respond_to(req: ResponsesRequest, request: Request) -> Any:
         chat, before = req.chat_request, req.previous_response_id
@@ -650,8 +665,8 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
             except ContextExceeded as e:
                 if req.truncation != "auto":
                     raise
-                reply, tickets = await begin(await latest_turns(
-                    req, earlier.items if earlier is not None else [], e))
+                reply, tickets = await begin_truncated(
+                    req, earlier.items if earlier is not None else [], e)
         except APIError as e:  # told in the Responses API's words
             e.param, e.message = responses.in_its_words(e.param, e.message)
             raise

@@ -400,6 +400,10 @@ def test_a_prompt_found_in_a_prefix_cache_is_priced_as_its_new_tokens_after_the_
     if system == "disaggregated":
         assert hit.transfer_end - hit.transfer_start == pytest.approx(16 / 1e5)
         assert miss.transfer_end - miss.transfer_start == pytest.approx(1024 / 1e5)
+    # a prompt said to be cached whole computes its last token (an engine samples from it)
+    whole_hit = run(WorkloadRequest(0.0, 1024, 2, cached_tokens=1024))
+    assert whole_hit.done and whole_hit.ttft == pytest.approx(
+        (10.0 + 0.1 + 1e-5 + 1e-3 * 1023) / 1e3)
 
 
 def test_a_workload_seen_live_draws_each_requests_cached_tokens_with_its_lengths() -> None:

@@ -314,7 +314,10 @@ class SimResult:
 
 
 def sim_requests(workload: Sequence[WorkloadRequest]) -> list[SimRequest]:
-    return [SimRequest(i, w.arrival_s, w.prompt_tokens, w.output_tokens, w.cached_tokens)
+    """The workload's requests to simulate; a prompt's cached tokens are all but its last at
+    most (an engine computes that one whatever it holds, and samples from it)."""
+    return [SimRequest(i, w.arrival_s, w.prompt_tokens, w.output_tokens,
+                       max(0, min(w.cached_tokens, w.prompt_tokens - 1)))
             for i, w in enumerate(workload)]
 
 

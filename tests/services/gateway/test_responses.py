@@ -250,8 +250,16 @@ def test_truncation_auto_drops_the_earliest_turns_that_do_not_fit_and_no_more() 
     assert kept(9 + 40) == ["system", "user"]  # the input alone
     assert kept(9 + 39) is None
     measured.clear()
+    assert kept(0) is None and not measured  # no room at all: nothing tokenized
     kept(whole - 1)
     assert len(measured) <= 2  # bisected over the three starts
+    # a system or developer message among the items cut stays, as the instructions do
+    guided = request(input=[{"role": "developer", "content": "Answer in French."},
+                            user("h" * 40), assistant("i" * 40), user("j" * 40)],
+                     truncation="auto")
+    chat = asyncio.run(latest_turns(guided, [], 9 + 80, prompt_len))
+    assert chat is not None and [(m.role, m.content) for m in chat.messages] == [
+        ("developer", "Answer in French."), ("user", "j" * 40)]
     shown = Shape(asked, "abc", 5).answer({"choices": [{"message": {"content": "ok"},
                                                         "finish_reason": "stop"}],
                                            "usage": None})
