@@ -634,14 +634,14 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
         """`begin` with the conversation's latest turns that fit; cut again where they went
         to an instance of a shorter context (another route: their prompt is another), a
         few times at most."""
-        for _ in range(tries - 1):
+        for _ in range(tries):
             try:
                 return await begin(await latest_turns(req, earlier, exceeded))
             except ContextExceeded as shorter:
                 if shorter.room >= exceeded.room:
                     raise
                 exceeded = shorter
-        return await begin(await latest_turns(req, earlier, exceeded))
+        raise exceeded
 
     @app.post("/v1/responses")
     async def respond_to(req: ResponsesRequest, request: Request) -> Any:

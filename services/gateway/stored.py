@@ -62,6 +62,15 @@ async def loads(raw: bytes | str) -> Any:
     return await asyncio.to_thread(json.loads, raw) if len(raw) > LARGE else json.loads(raw)
 
 
+async def owned(raw: bytes | str | None, response_id: str, owner: str) -> dict[str, Any]:
+    """A response's conversation turn as kept (`raw`), where it is `owner`'s; else Missing
+    (none kept, or another key's)."""
+    record = None if raw is None else await loads(raw)
+    if record is None or record.get("owner", "") != owner:
+        raise Missing(response_id)
+    return record  # type: ignore[no-any-return]
+
+
 @dataclass
 class ResponseStore:
     redis: Redis
@@ -88,17 +97,15 @@ class ResponseStore:
         """The response as it was answered; Missing if it is not kept (for `owner`)."""
         raw, items = await self.redis.mget([subjects.stored_response(response_id),
                                             subjects.stored_items(response_id)])
-        if raw is None or items is None or (await loads(items)).get("owner", "") != owner:
+        await owned(items, response_id, owner)
+        if raw is None:
             raise Missing(response_id)
         return await loads(raw)  # type: ignore[no-any-return]
 
     async def _record(self, response_id: str, owner: str) -> dict[str, Any]:
         """What is kept of a response's conversation turn; Missing if not (for `owner`)."""
-        raw = await self.redis.get(subjects.stored_items(response_id))
-        record = None if raw is None else await loads(raw)
-        if record is None or record.get("owner", "") != owner:
-            raise Missing(response_id)
-        return record  # type: ignore[no-any-return]
+        return await owned(await self.redis.get(subjects.stored_items(response_id)),
+                           response_id, owner)
 
     async def conversation(self, response_id: str, answered: bool = True, owner: str = ""
                            ) -> Conversation:
@@ -114,10 +121,7 @@ class ResponseStore:
         if last["chain"]:
             raws = await self.redis.mget([subjects.stored_items(i) for i in last["chain"]])
             for before, each in zip(last["chain"], raws, strict=True):
-                record = None if each is None else await loads(each)
-                if record is None or record.get("owner", "") != owner:
-                    raise Missing(before)
-                records.append(record)
+                records.append(await owned(each, before, owner))
         items = [item for record in [*records, last]
                  for item in record["input"] + record["output"]]
         return Conversation(items if answered else items[:len(items) - len(last["output"])],

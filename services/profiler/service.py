@@ -172,7 +172,7 @@ class ProfilerService(ControlService):
             return  # failed or cancelled: its output length says nothing of the workload
         self.seen += 1
         event = RequestEvent(done.arrival_ts, done.prompt_tokens, done.output_tokens,
-                             min(done.cached_tokens, done.prompt_tokens - 1))
+                             done.cached_tokens)  # (the planner takes all but one at most)
         shift = self.monitor.observe(event, time.time())
         if shift is not None:
             await self._replan(shift)

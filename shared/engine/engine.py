@@ -281,9 +281,8 @@ class Engine:
         first `skip` (in room `alloc` gives); None if it is not parked, rank 0 does not hold
         that part, or no block is left after `skip`."""
         request = self.scheduler.parked.get(request_id)
-        if request is None or not 0 <= skip < len(request.block_table):
-            return None
-        return self.runner.export_part(request.block_table[skip:], part, alloc)
+        return None if request is None else \
+            self.runner.export_part(request.block_table, part, alloc, skip)
 
     @property
     def exports_off_thread(self) -> bool:
@@ -360,7 +359,8 @@ class Engine:
 
     def allocate(self, num_tokens: int) -> list[int] | None:
         """Blocks for an incoming request's K/V, or None while the pool has no room."""
-        return self.blocks.allocate(blocks_for(num_tokens, self.blocks.block_size))
+        found = self.allocate_for(num_tokens)
+        return None if found is None else found[0]
 
     def prefix_hashes(self, tokens: Sequence[int], salt: str = "") -> list[BlockHash]:
         """With prefix caching, the hashes of the blocks of `tokens` (an incoming request's

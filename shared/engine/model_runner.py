@@ -335,11 +335,11 @@ class ModelRunner:
         return [KvSpan.of(place, self.model_config) for place in places]
 
     def export_part(self, block_ids: list[int], part: KvSpan | None,
-                    alloc: Alloc | None = None) -> torch.Tensor | None:
-        """`part` (None: all) of rank 0's own KV of the blocks, contiguous (in room `alloc`
-        gives); None where rank 0 does not hold all of `part` (each other rank serves its
-        own: kv_serving)."""
-        return export_part(self.kv, block_ids, self.kv_spans[0], part, alloc)
+                    alloc: Alloc | None = None, skip: int = 0) -> torch.Tensor | None:
+        """`part` (None: all) of rank 0's own KV of the blocks but the first `skip`,
+        contiguous (in room `alloc` gives); None where rank 0 does not hold all of `part`
+        or no block is left (each other rank serves its own: kv_serving)."""
+        return export_part(self.kv, block_ids, self.kv_spans[0], part, alloc, skip)
 
     def _part(self, buffer: torch.Tensor, place: RankPlace) -> torch.Tensor:
         """The view of an exported buffer that rank `place` holds: its layers, its heads."""

@@ -98,10 +98,13 @@ class ParkedBlocks:
 
 
 def export_part(kv: KVCache, blocks: list[int], span: KvSpan, part: KvSpan | None,
-                alloc: Alloc | None = None) -> torch.Tensor | None:
-    """`part` (None: all the rank holds) of the blocks of a pool that holds `span`, as one
-    contiguous tensor (in room `alloc` gives); None if the rank does not hold all of
-    `part`."""
+                alloc: Alloc | None = None, skip: int = 0) -> torch.Tensor | None:
+    """`part` (None: all the rank holds) of the blocks but the first `skip` (the puller
+    holds those already), of a pool that holds `span`, as one contiguous tensor (in room
+    `alloc` gives); None if the rank does not hold all of `part`, or no block is left."""
+    if not 0 <= skip < len(blocks):
+        return None
+    blocks = blocks[skip:]
     if part is None:
         return kv.export_blocks(blocks, alloc=alloc)
     if part.overlap(span) != part:
@@ -201,10 +204,10 @@ class RankKv:
         from shared import kv_transfer
 
         with self.parked.holding(request_id) as blocks:
-            if blocks is None or not 0 <= skip < len(blocks):
+            if blocks is None:
                 return None
-            buffer = export_part(self.kv, blocks[skip:], self.span, part,
-                                 None if self.staging is None else self.staging.take)
+            buffer = export_part(self.kv, blocks, self.span, part,
+                                 None if self.staging is None else self.staging.take, skip)
         return None if buffer is None else kv_transfer.wire(buffer)
 
     def _sent(self, sent: Any) -> None:
