@@ -8,10 +8,11 @@ attainment-versus-rate curve of a system is smooth and comparable between system
 
 from __future__ import annotations
 
+import collections
 import csv
 import io
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -170,10 +171,20 @@ def scaled_trace(times: np.ndarray, n: int) -> np.ndarray:
 
 # -- readers ----------------------------------------------------------------------------
 
+Prefix = tuple[int, ...]  # a prompt's blocks, by the ids of the prefixes they end
+
+MOONCAKE_BLOCK_TOKENS = 512  # the prompt tokens each of a Mooncake request's hash_ids covers
+CACHE_PAGE = 16  # the tokens a prefix cache finds at a time: the engine's KV block
+
+
 @dataclass(frozen=True)
 class Trace:
     times_s: np.ndarray
     lengths: Lengths
+    # each request's prompt as blocks of `block_tokens`, named by ids that equal another
+    # prompt's where its prefix up to there is the same (Mooncake's hash_ids); None: unknown
+    prefixes: tuple[Prefix, ...] | None = None
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS
 
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -201,17 +212,22 @@ def read_azure_trace(path: str | Path) -> Trace:
 
 
 def read_mooncake_trace(path: str | Path) -> Trace:
-    """Mooncake JSONL: timestamp (ms), input_length, output_length per line."""
+    """Mooncake JSONL: timestamp (ms), input_length, output_length per line, and where every
+    line has them, its prompt's `hash_ids` (one a 512-token block; equal leading ids, a
+    shared prefix)."""
     rows = [_mooncake_row(path, n, line)
             for n, line in enumerate(_read_text(path).splitlines(), 1) if line.strip()]
     if not rows:
         raise WorkloadError(f"{path}: a Mooncake trace without requests")
-    times, prompts, outputs = (np.array(column) for column in zip(*rows, strict=True))
+    times, prompts, outputs = (np.array([row[k] for row in rows]) for k in range(3))
     times = times.astype(float) / 1e3
-    return Trace(times - times[0], Lengths(prompts, outputs))
+    prefixes = [row[3] for row in rows]
+    return Trace(times - times[0], Lengths(prompts, outputs),
+                 None if any(p is None for p in prefixes) else tuple(prefixes))  # type: ignore[arg-type]
 
 
-def _mooncake_row(path: str | Path, n: int, line: str) -> tuple[float, int, int]:
+def _mooncake_row(path: str | Path, n: int, line: str
+                  ) -> tuple[float, int, int, Prefix | None]:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
@@ -221,7 +237,42 @@ def _mooncake_row(path: str | Path, n: int, line: str) -> tuple[float, int, int]
                                           for k in MOONCAKE_FIELDS)):
         raise WorkloadError(f"{path} line {n} is not a Mooncake request (needs timestamp, "
                             "input_length, output_length)")
-    return row["timestamp"], row["input_length"], row["output_length"]
+    ids = row.get("hash_ids")
+    if ids is not None and not (isinstance(ids, list) and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        raise WorkloadError(f"{path} line {n}: its hash_ids are not a list of integers")
+    return (row["timestamp"], row["input_length"], row["output_length"],
+            None if ids is None else tuple(ids))
+
+
+def prefix_hits(prefixes: Sequence[Prefix], capacity: int | None = None) -> np.ndarray:
+    """Of each prompt in turn, its leading blocks a prefix cache of `capacity` blocks (None:
+    unlimited) holds as it comes: those that ended an earlier prompt's prefix, kept since.
+    The cache keeps the blocks it saw last (LRU, as the engine's pool evicts), a prompt's
+    own blocks touched as it is computed."""
+    held: collections.OrderedDict[int, None] = collections.OrderedDict()
+    hits = np.zeros(len(prefixes), dtype=np.int64)
+    for i, ids in enumerate(prefixes):
+        k = 0
+        while k < len(ids) and ids[k] in held:
+            k += 1
+        hits[i] = k
+        for block in ids:
+            held[block] = None
+            held.move_to_end(block)
+        while capacity is not None and len(held) > capacity:
+            held.popitem(last=False)
+    return hits
+
+
+def cached_tokens(hits: np.ndarray, prompts: np.ndarray, block_tokens: int,
+                  page: int = CACHE_PAGE) -> np.ndarray:
+    """The prompt tokens an engine finds cached, of prompts whose first `hits` blocks of
+    `block_tokens` are held: the whole pages (`page` tokens, its KV block) of that prefix,
+    and never the page of a prompt's last token, which it computes whatever it holds."""
+    found = np.minimum(hits * block_tokens, prompts) // page * page
+    whole: np.ndarray = np.minimum(found, np.maximum(prompts - 1, 0) // page * page)
+    return whole
 
 
 def read_trace(kind: str, path: str | Path) -> Trace:

@@ -224,7 +224,8 @@ def stack_problem(measured: Measured, profile: Profile, workload: BenchWorkload,
         profile = calibrated_profile(measured, profile)
     link_gbps = (measured.link_bps or DEFAULT_LINK_BPS) / 1e9
     return Problem(dataclasses.replace(profile, kv_capacity={(1, 1): kv_tokens}),
-                   workload.as_workload(), slo, rate, 1, 2, target, intra_node_gbps=link_gbps,
+                   workload.as_workload(cache_tokens=kv_tokens), slo, rate, 1, 2, target,
+                   intra_node_gbps=link_gbps,
                    workers=1, batch_tokens=settings.max_batch_tokens,
                    max_batch=settings.max_running)
 
@@ -286,10 +287,13 @@ def simulate_live(measured: Measured, profile: Profile, workload: BenchWorkload,
 
 
 def _simulate_run(measured: Measured, problem: Problem, run: RunResult) -> SimResult:
+    """`run`'s requests simulated on `problem`, each with its prompt's tokens the stack's
+    prefix caches found (priced as not computed)."""
     c = measured.system.stack
     counts = (c.prefill, c.decode, 0) if c.mode == "disaggregated" else (0, 0, c.replicas)
     return cluster(problem, measured.system.mode, counts)(
-        [WorkloadRequest(r.arrival_s, r.prompt_tokens, r.max_tokens) for r in run.records])
+        [WorkloadRequest(r.arrival_s, r.prompt_tokens, r.max_tokens, r.cached_tokens)
+         for r in run.records])
 
 
 def recorded(report: dict[str, Any]) -> list[Measured]:

@@ -118,6 +118,8 @@ async def _stream(client: httpx.AsyncClient, target: Target, body: dict[str, Any
             record.error = "the stream ended before the request finished"
             return
         record.tokens = int(usage["completion_tokens"]) if usage else chunks
+        details = (usage or {}).get("prompt_tokens_details") or {}
+        record.cached_tokens = int(details.get("cached_tokens") or 0)
         if record.first_token_s is None:
             record.error = "no tokens"
 

@@ -32,6 +32,7 @@ class RequestRecord:
     tokens: int = 0
     error: str | None = None
     request_id: str | None = None
+    cached_tokens: int = 0  # of the prompt, found in a prefix cache (its usage says)
 
     @property
     def ok(self) -> bool:
@@ -82,6 +83,7 @@ class RunResult:
         done = [r for r in self.records if r.ok]
         tokens = sum(r.tokens for r in done)
         return {
+            "cached_share": cached_share(done),
             "rate": self.rate,
             "requests": len(self.records),
             "completed": len(done),
@@ -100,6 +102,12 @@ class RunResult:
             "tightest_slo_scale": tightest_slo_scale(self.records, slo, target),
             "breakdown_s": self.breakdown_s,
         }
+
+
+def cached_share(records: Sequence[RequestRecord]) -> float:
+    """Of the prompt tokens of `records`, the share their prefix caches held."""
+    prompts = sum(r.prompt_tokens for r in records)
+    return sum(r.cached_tokens for r in records) / prompts if prompts else 0.0
 
 
 def _share(flags: Iterable[bool]) -> float:

@@ -6,11 +6,15 @@ arrival times at a given rate.
     sharegpt:PATH        ShareGPT prompts; output lengths from the Azure conversation trace's
                          distribution
     azure:PATH           replay of an Azure LLM inference trace CSV (lengths and arrivals)
-    mooncake:PATH        replay of a Mooncake JSONL trace (lengths and arrivals)
+    mooncake:PATH        replay of a Mooncake JSONL trace (lengths, arrivals and the
+                         prefixes its prompts share)
     fixed:PROMPT:OUTPUT  synthetic, every request alike
 
 Text prompts are sent as text; traces and synthetic workloads (lengths only) send prompts of
-exactly their length as token ids. Token counts use the built-in model's tokenizer.
+exactly their length as token ids, drawn at random, but for the blocks a trace says prompts
+share (Mooncake's hash_ids): each such block is the same ids in every prompt that has it, so
+the stack's prefix caches find what the trace's found. Token counts use the built-in model's
+tokenizer.
 """
 
 from __future__ import annotations
@@ -25,11 +29,14 @@ import numpy as np
 
 from shared.workloads import (
     Lengths,
+    Prefix,
     Workload,
     WorkloadError,
     WorkloadRequest,
+    cached_tokens,
     lognormal_outputs,
     parse_fixed,
+    prefix_hits,
     read_sharegpt_prompts,
     read_trace,
     scaled_trace,
@@ -38,6 +45,7 @@ from shared.workloads import (
 
 # Token ids for synthetic prompts: inside the vocabulary of any model this benchmark targets.
 SYNTHETIC_TOKEN_RANGE = (1000, 20000)
+PREFIX_SEED = 0xB10C5EED  # a shared block's ids are drawn from [PREFIX_SEED, its id]
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,7 @@ class BenchItem:
     prompt: str | None  # None: synthetic token ids of prompt_tokens length
     prompt_tokens: int
     output_tokens: int
+    prefix: Prefix = ()  # a synthetic prompt's shared blocks (BenchWorkload.block_tokens each)
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,7 @@ class BenchWorkload:
     items: Sequence[BenchItem]
     cv: float = 1.0
     trace_times: np.ndarray | None = None  # replayed in order, time-scaled to the rate
+    block_tokens: int = 1  # the tokens of each of an item's `prefix` blocks
 
     def requests(self, rate: float, n: int, seed: int = 0) -> list[BenchRequest]:
         """The same requests at every rate (common random numbers): arrival times drawn at
@@ -81,19 +91,43 @@ class BenchWorkload:
                              item.prompt_tokens, item.output_tokens)
                 for i, (t, item) in enumerate(zip(times, picked, strict=True))]
 
-    def as_workload(self) -> Workload:
-        """The lengths and arrival pattern, for the planner's simulator."""
-        lengths = Lengths(np.array([i.prompt_tokens for i in self.items]),
-                          np.array([i.output_tokens for i in self.items]))
+    @property
+    def shares_prefixes(self) -> bool:
+        return any(item.prefix for item in self.items)
+
+    def as_workload(self, cache_tokens: int | None = None) -> Workload:
+        """The lengths and arrival pattern, for the planner's simulator; where prompts share
+        prefixes, with the tokens of each that a prefix cache of `cache_tokens` (None:
+        unlimited) finds, its items taken in their order."""
+        prompts = np.array([i.prompt_tokens for i in self.items])
+        cached = None
+        if self.shares_prefixes:
+            capacity = None if cache_tokens is None else cache_tokens // self.block_tokens
+            hits = prefix_hits([i.prefix for i in self.items], capacity)
+            cached = cached_tokens(hits, prompts, self.block_tokens)
+        lengths = Lengths(prompts, np.array([i.output_tokens for i in self.items]), cached)
         return Workload(lengths, self.cv, self.trace_times)
 
-    @staticmethod
-    def _prompt(i: int, item: BenchItem, seed: int) -> str | list[int]:
+    def _prompt(self, i: int, item: BenchItem, seed: int) -> str | list[int]:
         if item.prompt is not None:
             return item.prompt
-        rng = np.random.default_rng([seed, i])
-        ids: list[int] = rng.integers(*SYNTHETIC_TOKEN_RANGE, item.prompt_tokens).tolist()
-        return ids
+        return synthetic_prompt(item.prompt_tokens, item.prefix, self.block_tokens, [seed, i])
+
+
+def synthetic_prompt(tokens: int, prefix: Prefix, block_tokens: int,
+                     seed: list[int]) -> list[int]:
+    """`tokens` token ids: the blocks of `prefix` (each the same ids wherever it comes,
+    `block_tokens` of them), then ids of the request's own (`seed`'s) to its length."""
+    ids: list[int] = []
+    for block in prefix:
+        if len(ids) >= tokens:
+            break
+        ids += np.random.default_rng([PREFIX_SEED, block]).integers(
+            *SYNTHETIC_TOKEN_RANGE, block_tokens).tolist()
+    rest = tokens - len(ids)
+    if rest > 0:
+        ids += np.random.default_rng(seed).integers(*SYNTHETIC_TOKEN_RANGE, rest).tolist()
+    return ids[:tokens]
 
 
 def as_simulated(requests: Sequence[BenchRequest]) -> list[WorkloadRequest]:
@@ -124,6 +158,10 @@ class Limits:
     def prompt(self, n: float) -> int:
         return int(np.clip(round(n * self.length_scale), 1, self.max_prompt))
 
+    def block(self, n: int) -> int:
+        """The tokens of a trace's prefix block of `n`, scaled as its prompts are."""
+        return max(1, round(n * self.length_scale))
+
     def output(self, n: float) -> int:
         return int(np.clip(round(n * self.length_scale), 1, self.max_output))
 
@@ -138,9 +176,12 @@ def parse_bench_workload(spec: str, limits: Limits, cv: float = 1.0, seed: int =
             [(p, None) for p in read_sharegpt_prompts(rest)], limits, tokenizer(), seed), cv)
     if kind in ("azure", "mooncake") and rest:
         trace = read_trace(kind, rest)
-        items = [BenchItem(None, limits.prompt(p), limits.output(o))
-                 for p, o in zip(trace.lengths.prompts, trace.lengths.outputs, strict=True)]
-        return BenchWorkload(spec, items, cv, trace_times=trace.times_s)
+        prefixes = trace.prefixes or [()] * len(trace.times_s)
+        items = [BenchItem(None, limits.prompt(p), limits.output(o), prefix)
+                 for p, o, prefix in zip(trace.lengths.prompts, trace.lengths.outputs,
+                                         prefixes, strict=True)]
+        return BenchWorkload(spec, items, cv, trace_times=trace.times_s,
+                             block_tokens=limits.block(trace.block_tokens))
     if kind == "fixed":
         prompt, output = parse_fixed(spec)
         return BenchWorkload(spec, [BenchItem(None, limits.prompt(prompt),

@@ -427,8 +427,10 @@ def _print_table(console: Console, curve: Curve, slo: SLO, target: float) -> Non
     table = Table(title=f"{curve.name}: goodput {at_least}{best:.3f} req/s, "
                         f"{best / curve.devices:.3f} per device (TTFT {slo.ttft_s:.3g} s, "
                         f"TPOT {slo.tpot_s:.3g} s, target {target:.0%})")
+    # the prompt share found in the prefix caches, where any was
+    cached = any(r.cached_tokens for run in curve.runs for r in run.records)
     for column in ("rate", "done", "failed", "attain", "TTFT p50", "TTFT p90", "TPOT p50",
-                   "TPOT p90", "tok/s", "tightest scale"):
+                   "TPOT p90", "tok/s", "tightest scale", *("cached",) * cached):
         table.add_column(column, justify="right")
     for run in curve.runs:
         s = run.summary(slo, target)
@@ -436,7 +438,8 @@ def _print_table(console: Console, curve: Curve, slo: SLO, target: float) -> Non
                       f"{s['attainment']:.0%}", f"{s['ttft_s']['p50']:.3f}",
                       f"{s['ttft_s']['p90']:.3f}", f"{s['tpot_s']['p50']:.4f}",
                       f"{s['tpot_s']['p90']:.4f}", f"{s['output_tokens_per_s']:.1f}",
-                      f"{s['tightest_slo_scale']:.2f}")
+                      f"{s['tightest_slo_scale']:.2f}",
+                      *(f"{s['cached_share']:.1%}",) * cached)
     console.print(table)
     errors = collections.Counter(r.error for run in curve.runs for r in run.records if r.error)
     for error, times in errors.most_common(MAX_ERRORS_SHOWN):  # why requests failed

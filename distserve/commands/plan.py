@@ -105,7 +105,7 @@ def build_problem(args: argparse.Namespace, parser: argparse.ArgumentParser,
     try:
         profile = load_profile(profile_path, args.model)
         workload = parse_workload(args.workload, args.cv, max_context=args.max_context,
-                                  fit=args.fit)
+                                  fit=args.fit, prefix_cache=args.prefix_cache)
     except (ProfileError, UnknownModelError, WorkloadError) as e:
         parser.error(str(e))
     return Problem(profile, workload, SLO(args.ttft, args.tpot), rate,

@@ -14,7 +14,8 @@ from rich.console import Console
 from tqdm import tqdm
 
 from distserve.bench.loadgen import Target, run_requests, served_model
-from distserve.bench.workload import SYNTHETIC_TOKEN_RANGE, BenchRequest, Limits
+from distserve.bench.results import cached_share
+from distserve.bench.workload import BenchRequest, Limits, synthetic_prompt
 from distserve.commands.common import positive_float, positive_int
 from shared.metrics import percentiles
 from shared.workloads import Trace, WorkloadError, read_trace
@@ -48,14 +49,14 @@ def trace_from_spec(spec: str) -> Trace:
 
 def trace_requests(trace: Trace, speed: float, limits: Limits,
                    limit: int | None = None) -> list[BenchRequest]:
-    """The trace's requests with synthetic prompts of its (scaled) lengths, at its times."""
-    import numpy as np
-
+    """The trace's requests with synthetic prompts of its (scaled) lengths, at its times;
+    where it says which prompts share a prefix, they share one (`synthetic_prompt`)."""
     n = min(limit or len(trace.times_s), len(trace.times_s))
+    block = limits.block(trace.block_tokens)
     out = []
     for i in range(n):
         prompt = limits.prompt(trace.lengths.prompts[i])
-        ids = np.random.default_rng(i).integers(*SYNTHETIC_TOKEN_RANGE, prompt).tolist()
+        ids = synthetic_prompt(prompt, trace.prefixes[i] if trace.prefixes else (), block, [i])
         out.append(BenchRequest(i, float(trace.times_s[i]) / speed, ids, prompt,
                                 limits.output(trace.lengths.outputs[i])))
     return out
@@ -84,7 +85,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     tpot = percentiles([r.tpot for r in done if r.tpot is not None])
     console.print(f"{len(done)} completed, {len(failed)} failed in {result.duration_s:.0f}s; "
                   f"TTFT p50 {ttft['p50']:.3f}s p90 {ttft['p90']:.3f}s; TPOT p50 "
-                  f"{tpot['p50']:.4f}s p90 {tpot['p90']:.4f}s")
+                  f"{tpot['p50']:.4f}s p90 {tpot['p90']:.4f}s; the prefix caches held "
+                  f"{cached_share(done):.1%} of the prompt tokens", markup=False)
     for r in failed[:10]:
         console.print(f"  request {r.index} failed: {r.error}")
     if args.out:

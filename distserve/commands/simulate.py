@@ -76,7 +76,7 @@ def _load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Pl
                                    "read from the working folder, else beside the plan)") from e
             profile = with_prefill_of(profile, prefiller)
         workload = parse_workload(args.workload, args.cv, max_context=args.max_context,
-                                  fit=args.fit)
+                                  fit=args.fit, prefix_cache=args.prefix_cache)
     except FileNotFoundError as e:
         parser.error(f"no such file: {e.filename}")
     except OSError as e:

@@ -4,7 +4,8 @@
                          solution's as the output (what `bench` sends by default)
     sharegpt:PATH        real ShareGPT prompts (token counts), Azure-trace output lengths
     azure:PATH           Azure LLM inference trace CSV (lengths; arrivals with --arrival trace)
-    mooncake:PATH        Mooncake JSONL trace (likewise)
+    mooncake:PATH        Mooncake JSONL trace (likewise; with --prefix-cache, its prompts'
+                         shared prefixes priced as found in a cache of that size)
     fixed:PROMPT:OUTPUT  every request alike
 """
 
@@ -19,14 +20,18 @@ import numpy as np
 from distserve.commands.common import positive_int
 from shared.workloads import (
     Lengths,
+    Trace,
     Workload,
     WorkloadError,
+    cached_tokens,
     fixed_lengths,
     parse_fixed,
+    prefix_hits,
     read_trace,
     sharegpt_lengths,
 )
 
+NO_CACHE = -1  # parse_workload's prefix_cache: none (every prompt computed whole)
 WORKLOAD_HELP = "humaneval, sharegpt:PATH, azure:PATH, mooncake:PATH or fixed:PROMPT:OUTPUT"
 
 
@@ -45,13 +50,33 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
                    help="requests longer than --max-context: drop them, as the DistServe "
                         "artifact and vLLM's benchmark do, or clip their lengths (prompt to "
                         "half the context) (default: %(default)s)")
+    p.add_argument("--prefix-cache", type=cache_size, metavar="TOKENS|unlimited",
+                   default=NO_CACHE,
+                   help="a trace that says which prompts share prefixes (Mooncake's "
+                        "hash_ids): price each prompt's prefix found in a prefix cache of "
+                        "this many tokens, kept least recently used, as not computed "
+                        "(default: every prompt computed whole)")
+
+
+def cache_size(text: str) -> int | None:
+    """--prefix-cache: a number of tokens, or `unlimited` (None)."""
+    if text == "unlimited":
+        return None
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"a number of tokens or 'unlimited', got {text!r}") from None
 
 
 def parse_workload(spec: str, cv: float = 1.0, replay_arrivals: bool = False,
-                   max_context: int | None = None, fit: str = "drop") -> Workload:
+                   max_context: int | None = None, fit: str = "drop",
+                   prefix_cache: int | None = NO_CACHE) -> Workload:
     """`max_context`: requests longer than the model's context are dropped (`fit="drop"`, as
     the DistServe artifact prepares its datasets) or cut down (`"clip"`: prompts to half the
-    context, prompt + output to all of it)."""
+    context, prompt + output to all of it). `prefix_cache`: of a trace that says which
+    prompts share prefixes, the tokens of each found in a prefix cache of that many tokens
+    (None: unlimited) are priced as not computed."""
     kind, _, rest = spec.partition(":")
     times: np.ndarray | None = None
     lengths: Lengths
@@ -66,6 +91,9 @@ def parse_workload(spec: str, cv: float = 1.0, replay_arrivals: bool = False,
     elif kind in ("azure", "mooncake") and rest:
         trace = read_trace(kind, rest)
         lengths, times = trace.lengths, trace.times_s if replay_arrivals else None
+        if prefix_cache != NO_CACHE:
+            lengths = _with_cache(trace, prefix_cache,
+                                  max_context if fit == "drop" else None)
     else:
         raise WorkloadError(f"unknown workload {spec!r}: use {WORKLOAD_HELP}")
     if max_context is not None and fit == "drop":
@@ -81,3 +109,24 @@ def parse_workload(spec: str, cv: float = 1.0, replay_arrivals: bool = False,
     elif max_context is not None:
         lengths = lengths.clipped(max_context // 2, max_context)
     return Workload(lengths, cv=cv, trace_times=times)
+
+
+def _with_cache(trace: Trace, capacity_tokens: int | None, max_total: int | None) -> Lengths:
+    """`trace`'s lengths with each prompt's tokens a prefix cache of `capacity_tokens` holds
+    as it comes (in the trace's order; of the requests within `max_total` tokens, the others
+    never sent), printed as the share of all prompt tokens."""
+    lengths = trace.lengths
+    if trace.prefixes is None:
+        raise WorkloadError("--prefix-cache needs a trace that says which prompts share "
+                            "prefixes (a Mooncake trace with hash_ids)")
+    keep = np.ones(len(lengths.prompts), dtype=bool) if max_total is None else \
+        lengths.prompts + lengths.outputs <= max_total
+    capacity = None if capacity_tokens is None else capacity_tokens // trace.block_tokens
+    hits = prefix_hits([p for p, k in zip(trace.prefixes, keep, strict=True) if k], capacity)
+    cached = np.zeros(len(lengths.prompts), dtype=np.int64)
+    cached[keep] = cached_tokens(hits, lengths.prompts[keep], trace.block_tokens)
+    share = cached[keep].sum() / max(1, lengths.prompts[keep].sum())
+    size = "an unlimited" if capacity_tokens is None else f"a {capacity_tokens}-token"
+    print(f"workload: {size} prefix cache holds {share:.1%} of the prompt tokens",
+          file=sys.stderr)
+    return Lengths(lengths.prompts, lengths.outputs, cached)

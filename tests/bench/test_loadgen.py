@@ -89,6 +89,32 @@ def test_a_sweep_goes_past_its_grid_until_the_goodput_is_bracketed(stack: Stack)
     assert report["goodput_rps"] == 4.5 and report["goodput_lower_bound"]
 
 
+def test_a_traces_shared_prefixes_are_found_in_the_stacks_caches_as_predicted(
+        stack: Stack, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Mooncake trace's hash_ids become prompts that share those blocks' tokens: the
+    stack's prefix caches find what the workload's model of an unlimited cache predicts, and
+    each request's record says how much (from its usage)."""
+    trace = tmp_path / "trace.jsonl"
+    rows = [(800, [0, 1]), (800, [0, 1]), (800, [0, 2]), (800, [3, 4])]
+    trace.write_text("".join(json.dumps({"timestamp": 1000 * i, "input_length": n,
+                                         "output_length": 8, "hash_ids": ids}) + "\n"
+                             for i, (n, ids) in enumerate(rows)))
+    spec = f"mooncake:{trace}"
+    out = tmp_path / "run"
+    monkeypatch.setenv("COLUMNS", "200")  # the table's columns unwrapped
+    code = main(["bench", "--url", stack.url, "--workload", spec, "--length-scale", "0.125",
+                 "--requests", "4", "--rates", "0.5", "--ttft", "30", "--tpot", "5",
+                 "--out", str(out)])
+    assert code == 0
+    (run,) = json.loads((out / "results.json").read_text())["systems"][0]["runs"]
+    found = [r["cached_tokens"] for r in sorted(run["records"], key=lambda r: r["index"])]
+    predicted = parse_bench_workload(spec, Limits(length_scale=0.125)).as_workload().lengths
+    assert found == predicted.cached.tolist() == [0, 96, 64, 0]  # type: ignore[union-attr]
+    assert run["cached_share"] == pytest.approx(160 / 400)
+    assert "40.0%" in capsys.readouterr().out  # the table's `cached` column
+
+
 def test_timed_out_requests_count_as_failed_not_lost(stack: Stack, tmp_path: Path) -> None:
     code, report = bench(stack.url, tmp_path, "--rates", "2", "--ttft", "30", "--tpot", "5",
                          "--timeout", "0.05")

@@ -1,5 +1,6 @@
 """Benchmark workloads: real prompts and traces from ../shared/data, arrivals per rate."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -120,3 +121,81 @@ def test_a_directory_is_said_to_be_one(tmp_path: Path) -> None:
     for spec in ("sharegpt", "azure", "mooncake"):
         with pytest.raises(WorkloadError, match=f"{tmp_path} is a directory"):
             parse_bench_workload(f"{spec}:{tmp_path}", Limits())
+
+
+def test_a_prefix_cache_finds_the_blocks_earlier_prompts_ended_while_it_keeps_them() -> None:
+    from shared.workloads import cached_tokens, prefix_hits
+
+    prefixes = [(0, 1), (0, 1, 2), (0, 3), (4,), (0, 1, 2, 5)]
+    assert prefix_hits(prefixes).tolist() == [0, 2, 1, 0, 3]
+    # three blocks kept, least recently used out: (4,) pushes out 1 and 2 (0 and 3 are newer
+    # than them), so the last prompt finds its first block only
+    assert prefix_hits(prefixes, capacity=3).tolist() == [0, 2, 1, 0, 1]
+    # a cache finds whole 16-token pages, never the page of a prompt's last token
+    hits, prompts = np.array([0, 2, 1, 2, 2]), np.array([100, 100, 100, 129, 130])
+    assert cached_tokens(hits, prompts, 64).tolist() == [0, 96, 64, 128, 128]
+    assert cached_tokens(np.array([1]), np.array([10]), 512).tolist() == [0]
+
+
+def test_the_mooncake_trace_shares_prefixes_as_its_readme_counts() -> None:
+    """../shared/data/README.md: "Prefix-block hit ratio with an unlimited cache: 0.366"."""
+    from shared.workloads import prefix_hits, read_mooncake_trace
+
+    trace = read_mooncake_trace(DATA / "mooncake_conversation_trace.jsonl")
+    assert trace.prefixes is not None and len(trace.prefixes) == 12031
+    blocks = sum(map(len, trace.prefixes))
+    assert prefix_hits(trace.prefixes).sum() / blocks == pytest.approx(0.366, abs=5e-4)
+    # a cache of 2,000 blocks (a million tokens) keeps far less of it
+    assert prefix_hits(trace.prefixes, capacity=2000).sum() / blocks < 0.1
+
+
+def test_prompts_that_a_trace_says_share_a_prefix_share_its_tokens(tmp_path: Path) -> None:
+    from distserve.commands.replay import trace_requests
+    from shared.workloads import read_mooncake_trace
+
+    jsonl = tmp_path / "trace.jsonl"
+    rows = [(800, [0, 1]), (800, [0, 1]), (800, [0, 2]), (800, [3, 4])]
+    jsonl.write_text("".join(json.dumps({"timestamp": 1000 * i, "input_length": n,
+                                         "output_length": 8, "hash_ids": ids}) + "\n"
+                             for i, (n, ids) in enumerate(rows)))
+    limits = Limits(length_scale=0.125)  # 100-token prompts of 64-token blocks
+    w = parse_bench_workload(f"mooncake:{jsonl}", limits)
+    assert w.block_tokens == 64 and w.shares_prefixes
+    sent = w.requests(1.0, 4)
+    prompts = [r.prompt for r in sent]
+    assert all(isinstance(p, list) and len(p) == 100 for p in prompts)
+    assert prompts[1] == prompts[0]  # the same blocks: the same prompt
+    assert prompts[2][:64] == prompts[0][:64] and prompts[2][64:] != prompts[0][64:]
+    assert prompts[3][:64] != prompts[0][:64]
+    assert w.as_workload().lengths.cached.tolist() == [0, 96, 64, 0]  # type: ignore[union-attr]
+    # a cache of one block holds the prompt before's last block only: no prompt's first
+    assert w.as_workload(cache_tokens=64).lengths.cached.tolist() == [0, 0, 0, 0]  # type: ignore[union-attr]
+    # `distserve replay` sends the same prompts
+    replayed = trace_requests(read_mooncake_trace(jsonl), 1.0, limits)
+    assert [r.prompt for r in replayed][:2] == [prompts[0]] * 2
+    assert replayed[2].prompt[:64] == prompts[0][:64]
+    # a trace without hash_ids (Azure's) shares none, and its prompts differ
+    azure = parse_bench_workload(f"azure:{DATA / 'AzureLLMInferenceTrace_conv.csv'}", limits)
+    assert not azure.shares_prefixes and azure.as_workload().lengths.cached is None
+    jsonl.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2, '
+                     '"hash_ids": [0, "1"]}\n')
+    with pytest.raises(WorkloadError, match="line 1: its hash_ids are not a list of integers"):
+        read_mooncake_trace(jsonl)
+
+
+def test_plan_prices_a_traces_shared_prefixes_only_when_told_the_cache(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from distserve.commands.workload_arg import parse_workload
+
+    spec = f"mooncake:{DATA / 'mooncake_conversation_trace.jsonl'}"
+    plain = parse_workload(spec, max_context=4096)
+    assert plain.lengths.cached is None
+    unlimited = parse_workload(spec, max_context=4096, prefix_cache=None)
+    assert "an unlimited prefix cache holds" in capsys.readouterr().err
+    bounded = parse_workload(spec, max_context=4096, prefix_cache=20_000)
+    assert "a 20000-token prefix cache holds" in capsys.readouterr().err
+    assert len(unlimited.lengths.prompts) == len(plain.lengths.prompts) < 12031
+    assert 0 < bounded.lengths.mean_cached < unlimited.lengths.mean_cached
+    assert np.all(unlimited.lengths.cached < unlimited.lengths.prompts)  # type: ignore[operator]
+    with pytest.raises(WorkloadError, match="needs a trace that says which prompts share"):
+        parse_workload(f"azure:{DATA / 'AzureLLMInferenceTrace_conv.csv'}", prefix_cache=None)
