@@ -175,6 +175,7 @@ Prefix = tuple[int, ...]  # a prompt's blocks, by the ids of the prefixes they e
 
 MOONCAKE_BLOCK_TOKENS = 512  # the prompt tokens each of a Mooncake request's hash_ids covers
 CACHE_PAGE = 16  # the tokens a prefix cache finds at a time: the engine's KV block
+NO_CACHE = -1  # a prefix cache's size in tokens where there is none (None: unlimited)
 
 
 @dataclass(frozen=True)
@@ -245,34 +246,106 @@ def _mooncake_row(path: str | Path, n: int, line: str
             None if ids is None else tuple(ids))
 
 
-def prefix_hits(prefixes: Sequence[Prefix], capacity: int | None = None) -> np.ndarray:
-    """Of each prompt in turn, its leading blocks a prefix cache of `capacity` blocks (None:
-    unlimited) holds as it comes: those that ended an earlier prompt's prefix, kept since.
-    The cache keeps the blocks it saw last (LRU, as the engine's pool evicts), a prompt's
-    own blocks touched as it is computed."""
-    held: collections.OrderedDict[int, None] = collections.OrderedDict()
-    hits = np.zeros(len(prefixes), dtype=np.int64)
-    for i, ids in enumerate(prefixes):
-        k = 0
-        while k < len(ids) and ids[k] in held:
-            k += 1
-        hits[i] = k
+def prefix_found(prefixes: Sequence[Prefix], prompts: Sequence[int] | np.ndarray,
+                 block_tokens: int = 1, capacity: int | None = None,
+                 page: int = 1) -> np.ndarray:
+    """Of each prompt in turn (`prompts` tokens, as `prefixes`' blocks of `block_tokens`),
+    the tokens of its start a prefix cache of `capacity` blocks (None: unlimited) holds as it
+    comes: of the blocks that ended an earlier prompt's prefix, kept since, what that prompt
+    left of them. A prompt leaves its whole `page`s (an engine's KV blocks: the page its
+    last tokens fill in part holds nothing reusable), so of a block it fills only in part,
+    the pages it fills. The cache keeps the blocks it saw last (LRU, as an engine's pool
+    evicts), a prompt's own touched as it is computed."""
+    held: collections.OrderedDict[int, int] = collections.OrderedDict()  # block -> tokens
+    found = np.zeros(len(prefixes), dtype=np.int64)
+    for i, (ids, length) in enumerate(zip(prefixes, prompts, strict=True)):
         for block in ids:
-            held[block] = None
+            tokens = held.get(block, 0)
+            found[i] += tokens
+            if tokens < block_tokens:
+                break
+        found[i] = min(found[i], length)
+        left = int(length) // page * page
+        for j, block in enumerate(ids):
+            tokens = min(block_tokens, left - j * block_tokens)
+            if tokens <= 0:
+                break
+            held[block] = max(tokens, held.get(block, 0))
             held.move_to_end(block)
         while capacity is not None and len(held) > capacity:
             held.popitem(last=False)
-    return hits
+    return found
 
 
-def cached_tokens(hits: np.ndarray, prompts: np.ndarray, block_tokens: int,
-                  page: int = CACHE_PAGE) -> np.ndarray:
-    """The prompt tokens an engine finds cached, of prompts whose first `hits` blocks of
-    `block_tokens` are held: the whole pages (`page` tokens, its KV block) of that prefix,
-    and never the page of a prompt's last token, which it computes whatever it holds."""
-    found = np.minimum(hits * block_tokens, prompts) // page * page
-    whole: np.ndarray = np.minimum(found, np.maximum(prompts - 1, 0) // page * page)
+def cached_tokens(found: np.ndarray, prompts: np.ndarray, page: int = CACHE_PAGE
+                  ) -> np.ndarray:
+    """The prompt tokens an engine finds cached, of prompts whose first `found` tokens a
+    cache holds: whole pages (`page` tokens, its KV block), never the page of a prompt's
+    last token, which it computes whatever it holds."""
+    whole: np.ndarray = np.minimum(found // page * page,
+                                   np.maximum(prompts - 1, 0) // page * page)
     return whole
+
+
+@dataclass(frozen=True)
+class Chat:
+    """Conversations (`chat:SYSTEM:USER:OUTPUT:TURNS[:ACTIVE]`): a system prompt of `system`
+    tokens all of them share, then `turns` turns, each a user message of `user` tokens
+    answered in `output`; a turn's prompt is the system prompt and the conversation so far.
+    `active` conversations go on at once, their turns in rounds (request i is a turn of
+    conversation i mod `active` of its group), and a conversation ended is followed by a new
+    one. Its prompts as blocks of CACHE_PAGE tokens (`prefixes`), so that a prefix cache
+    model finds what an engine would: the system prompt's full blocks, and of a turn, the
+    conversation's earlier prompt (an earlier answer's KV, made by a decode instance, is not
+    in a prefill instance's pool: a turn computes it)."""
+
+    system: int
+    user: int
+    output: int
+    turns: int
+    active: int = 4
+
+    def __post_init__(self) -> None:
+        if min(self.user, self.output, self.turns, self.active) < 1 or self.system < 0:
+            raise WorkloadError("chat:SYSTEM:USER:OUTPUT:TURNS[:ACTIVE] takes a system "
+                                "prompt of 0 or more tokens and positive others")
+
+    def turn_of(self, i: int) -> tuple[int, int]:
+        """Request i's conversation and turn (from 0)."""
+        round_, slot = divmod(i, self.active)
+        group, turn = divmod(round_, self.turns)
+        return group * self.active + slot, turn
+
+    def prompt(self, turn: int) -> int:
+        return self.system + (turn + 1) * self.user + turn * self.output
+
+    def prefix(self, conversation: int, turn: int) -> Prefix:
+        """A turn's prompt as blocks: those of the system prompt alone shared by every
+        conversation (ids from 0), the others the conversation's own (the same in each of
+        its turns, as its text so far is). A block the system prompt fills in part is the
+        conversation's: no engine shares it."""
+        blocks = -(-self.prompt(turn) // CACHE_PAGE)
+        shared = self.system // CACHE_PAGE
+        own = (conversation + 1) << 24  # apart from the shared ones and every other's
+        return tuple(range(shared)) + tuple(own + j for j in range(shared, blocks))
+
+    def lengths(self, n: int) -> tuple[Lengths, tuple[Prefix, ...]]:
+        """The first `n` requests' lengths and prompts' blocks, in order."""
+        turns = [self.turn_of(i) for i in range(n)]
+        prompts = np.array([self.prompt(t) for _, t in turns])
+        return (Lengths(prompts, np.full(n, self.output)),
+                tuple(self.prefix(c, t) for c, t in turns))
+
+
+def parse_chat(spec: str) -> Chat:
+    try:
+        numbers = [int(x) for x in spec.partition(":")[2].split(":")]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (4, 5):
+        raise WorkloadError("chat:SYSTEM:USER:OUTPUT:TURNS[:ACTIVE] (token counts, turns "
+                            f"and conversations at once), got {spec!r}")
+    return Chat(*numbers)
 
 
 def read_trace(kind: str, path: str | Path) -> Trace:

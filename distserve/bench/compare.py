@@ -224,8 +224,7 @@ def stack_problem(measured: Measured, profile: Profile, workload: BenchWorkload,
         profile = calibrated_profile(measured, profile)
     link_gbps = (measured.link_bps or DEFAULT_LINK_BPS) / 1e9
     return Problem(dataclasses.replace(profile, kv_capacity={(1, 1): kv_tokens}),
-                   workload.as_workload(cache_tokens=kv_tokens), slo, rate, 1, 2, target,
-                   intra_node_gbps=link_gbps,
+                   workload.as_workload(), slo, rate, 1, 2, target, intra_node_gbps=link_gbps,
                    workers=1, batch_tokens=settings.max_batch_tokens,
                    max_batch=settings.max_running)
 

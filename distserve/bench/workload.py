@@ -8,6 +8,10 @@ arrival times at a given rate.
     azure:PATH           replay of an Azure LLM inference trace CSV (lengths and arrivals)
     mooncake:PATH        replay of a Mooncake JSONL trace (lengths, arrivals and the
                          prefixes its prompts share)
+    chat:SYSTEM:USER:OUTPUT:TURNS[:ACTIVE]
+                         conversations: a shared system prompt, then turns of a user
+                         message and an answer, each turn's prompt the conversation so far
+                         (ACTIVE at once, 4 by default)
     fixed:PROMPT:OUTPUT  synthetic, every request alike
 
 Text prompts are sent as text; traces and synthetic workloads (lengths only) send prompts of
@@ -28,6 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from shared.workloads import (
+    CACHE_PAGE,
+    NO_CACHE,
     Lengths,
     Prefix,
     Workload,
@@ -35,8 +41,9 @@ from shared.workloads import (
     WorkloadRequest,
     cached_tokens,
     lognormal_outputs,
+    parse_chat,
     parse_fixed,
-    prefix_hits,
+    prefix_found,
     read_sharegpt_prompts,
     read_trace,
     scaled_trace,
@@ -46,6 +53,7 @@ from shared.workloads import (
 # Token ids for synthetic prompts: inside the vocabulary of any model this benchmark targets.
 SYNTHETIC_TOKEN_RANGE = (1000, 20000)
 PREFIX_SEED = 0xB10C5EED  # a shared block's ids are drawn from [PREFIX_SEED, its id]
+CHAT_REQUESTS = 8192  # the turns a chat workload has ready (a run sends its first ones)
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,7 @@ class BenchWorkload:
     cv: float = 1.0
     trace_times: np.ndarray | None = None  # replayed in order, time-scaled to the rate
     block_tokens: int = 1  # the tokens of each of an item's `prefix` blocks
+    ordered: bool = False  # its items sent in order (a conversation's turns), not drawn
 
     def requests(self, rate: float, n: int, seed: int = 0) -> list[BenchRequest]:
         """The same requests at every rate (common random numbers): arrival times drawn at
@@ -84,7 +93,8 @@ class BenchWorkload:
             order = np.arange(n) % len(self.items)
         else:
             times = np.cumsum(unit_rate_gaps(n, rng, self.cv))
-            order = rng.integers(0, len(self.items), n)
+            order = np.arange(n) % len(self.items) if self.ordered else \
+                rng.integers(0, len(self.items), n)
         times -= times[0]  # the first request goes at once
         picked = [self.items[int(k)] for k in order]
         return [BenchRequest(i, float(t) / rate, self._prompt(i, item, seed),
@@ -95,16 +105,17 @@ class BenchWorkload:
     def shares_prefixes(self) -> bool:
         return any(item.prefix for item in self.items)
 
-    def as_workload(self, cache_tokens: int | None = None) -> Workload:
+    def as_workload(self, cache_tokens: int | None = NO_CACHE) -> Workload:
         """The lengths and arrival pattern, for the planner's simulator; where prompts share
-        prefixes, with the tokens of each that a prefix cache of `cache_tokens` (None:
-        unlimited) finds, its items taken in their order."""
+        prefixes and a prefix cache of `cache_tokens` is said (None: unlimited), with the
+        tokens of each that it finds, the items taken in their order."""
         prompts = np.array([i.prompt_tokens for i in self.items])
         cached = None
-        if self.shares_prefixes:
+        if self.shares_prefixes and cache_tokens != NO_CACHE:
             capacity = None if cache_tokens is None else cache_tokens // self.block_tokens
-            hits = prefix_hits([i.prefix for i in self.items], capacity)
-            cached = cached_tokens(hits, prompts, self.block_tokens)
+            found = prefix_found([i.prefix for i in self.items], prompts, self.block_tokens,
+                                 capacity, CACHE_PAGE)
+            cached = cached_tokens(found, prompts)
         lengths = Lengths(prompts, np.array([i.output_tokens for i in self.items]), cached)
         return Workload(lengths, self.cv, self.trace_times)
 
@@ -182,12 +193,20 @@ def parse_bench_workload(spec: str, limits: Limits, cv: float = 1.0, seed: int =
                                          prefixes, strict=True)]
         return BenchWorkload(spec, items, cv, trace_times=trace.times_s,
                              block_tokens=limits.block(trace.block_tokens))
+    if kind == "chat":
+        chat = parse_chat(spec)
+        lengths, prefixes = chat.lengths(CHAT_REQUESTS)
+        items = [BenchItem(None, limits.prompt(p), limits.output(o), prefix)
+                 for p, o, prefix in zip(lengths.prompts, lengths.outputs, prefixes,
+                                         strict=True)]
+        return BenchWorkload(spec, items, cv, block_tokens=limits.block(CACHE_PAGE),
+                             ordered=True)
     if kind == "fixed":
         prompt, output = parse_fixed(spec)
         return BenchWorkload(spec, [BenchItem(None, limits.prompt(prompt),
                                               limits.output(output))], cv)
     raise WorkloadError(f"unknown workload {spec!r}: use humaneval, sharegpt:PATH, azure:PATH, "
-                        "mooncake:PATH or fixed:PROMPT:OUTPUT")
+                        "mooncake:PATH, chat:SYSTEM:USER:OUTPUT:TURNS or fixed:PROMPT:OUTPUT")
 
 
 def humaneval_prompts() -> list[tuple[str, str]]:

@@ -123,7 +123,8 @@ def register(sub: Any) -> None:
 def _add_common(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="humaneval", help="humaneval, sharegpt:PATH, "
-                   "azure:PATH, mooncake:PATH or fixed:PROMPT:OUTPUT (default: %(default)s)")
+                   "azure:PATH, mooncake:PATH, chat:SYSTEM:USER:OUTPUT:TURNS[:ACTIVE] "
+                   "(conversations) or fixed:PROMPT:OUTPUT (default: %(default)s)")
     w.add_argument("--rates", help="comma-separated request rates (req/s); default: around "
                    "the unloaded capacity")
     w.add_argument("--requests", type=int, help="requests per rate (default: 48; 16 with --quick)")

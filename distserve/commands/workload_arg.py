@@ -6,6 +6,8 @@
     azure:PATH           Azure LLM inference trace CSV (lengths; arrivals with --arrival trace)
     mooncake:PATH        Mooncake JSONL trace (likewise; with --prefix-cache, its prompts'
                          shared prefixes priced as found in a cache of that size)
+    chat:SYSTEM:USER:OUTPUT:TURNS[:ACTIVE]
+                         conversations (shared.workloads.Chat; their prefixes likewise)
     fixed:PROMPT:OUTPUT  every request alike
 """
 
@@ -19,20 +21,23 @@ import numpy as np
 
 from distserve.commands.common import positive_int
 from shared.workloads import (
+    CACHE_PAGE,
+    NO_CACHE,
     Lengths,
-    Trace,
+    Prefix,
     Workload,
     WorkloadError,
     cached_tokens,
     fixed_lengths,
+    parse_chat,
     parse_fixed,
-    prefix_hits,
+    prefix_found,
     read_trace,
     sharegpt_lengths,
 )
 
-NO_CACHE = -1  # parse_workload's prefix_cache: none (every prompt computed whole)
-WORKLOAD_HELP = "humaneval, sharegpt:PATH, azure:PATH, mooncake:PATH or fixed:PROMPT:OUTPUT"
+WORKLOAD_HELP = ("humaneval, sharegpt:PATH, azure:PATH, mooncake:PATH, "
+                 "chat:SYSTEM:USER:OUTPUT:TURNS[:ACTIVE] or fixed:PROMPT:OUTPUT")
 
 
 @functools.cache
@@ -78,10 +83,18 @@ def parse_workload(spec: str, cv: float = 1.0, replay_arrivals: bool = False,
     prompts share prefixes, the tokens of each found in a prefix cache of that many tokens
     (None: unlimited) are priced as not computed."""
     kind, _, rest = spec.partition(":")
+    if prefix_cache != NO_CACHE and kind not in ("chat", "mooncake"):
+        raise WorkloadError(SHARES_NOTHING)
     times: np.ndarray | None = None
     lengths: Lengths
     if kind == "fixed":
         lengths = fixed_lengths(*parse_fixed(spec))
+    elif kind == "chat":
+        from distserve.bench.workload import CHAT_REQUESTS
+
+        lengths, prefixes = parse_chat(spec).lengths(CHAT_REQUESTS)
+        if prefix_cache != NO_CACHE:
+            lengths = _with_cache(lengths, prefixes, CACHE_PAGE, prefix_cache, None)
     elif kind == "humaneval" and not rest:
         from distserve.bench.workload import Limits, parse_bench_workload
 
@@ -92,7 +105,9 @@ def parse_workload(spec: str, cv: float = 1.0, replay_arrivals: bool = False,
         trace = read_trace(kind, rest)
         lengths, times = trace.lengths, trace.times_s if replay_arrivals else None
         if prefix_cache != NO_CACHE:
-            lengths = _with_cache(trace, prefix_cache,
+            if trace.prefixes is None:
+                raise WorkloadError(SHARES_NOTHING)
+            lengths = _with_cache(lengths, trace.prefixes, trace.block_tokens, prefix_cache,
                                   max_context if fit == "drop" else None)
     else:
         raise WorkloadError(f"unknown workload {spec!r}: use {WORKLOAD_HELP}")
@@ -111,20 +126,23 @@ def parse_workload(spec: str, cv: float = 1.0, replay_arrivals: bool = False,
     return Workload(lengths, cv=cv, trace_times=times)
 
 
-def _with_cache(trace: Trace, capacity_tokens: int | None, max_total: int | None) -> Lengths:
-    """`trace`'s lengths with each prompt's tokens a prefix cache of `capacity_tokens` holds
-    as it comes (in the trace's order; of the requests within `max_total` tokens, the others
-    never sent), printed as the share of all prompt tokens."""
-    lengths = trace.lengths
-    if trace.prefixes is None:
-        raise WorkloadError("--prefix-cache needs a trace that says which prompts share "
-                            "prefixes (a Mooncake trace with hash_ids)")
+SHARES_NOTHING = ("--prefix-cache needs a workload that says which prompts share prefixes "
+                  "(chat, or a Mooncake trace with hash_ids)")
+
+
+def _with_cache(lengths: Lengths, prefixes: tuple[Prefix, ...], block_tokens: int,
+                capacity_tokens: int | None, max_total: int | None) -> Lengths:
+    """`lengths` with each prompt's tokens a prefix cache of `capacity_tokens` holds as it
+    comes (in order; of the requests within `max_total` tokens, the others never sent),
+    printed as the share of all prompt tokens."""
     keep = np.ones(len(lengths.prompts), dtype=bool) if max_total is None else \
         lengths.prompts + lengths.outputs <= max_total
-    capacity = None if capacity_tokens is None else capacity_tokens // trace.block_tokens
-    hits = prefix_hits([p for p, k in zip(trace.prefixes, keep, strict=True) if k], capacity)
+    capacity = None if capacity_tokens is None else capacity_tokens // block_tokens
+    prompts = lengths.prompts[keep]
+    found = prefix_found([p for p, k in zip(prefixes, keep, strict=True) if k], prompts,
+                         block_tokens, capacity, CACHE_PAGE)
     cached = np.zeros(len(lengths.prompts), dtype=np.int64)
-    cached[keep] = cached_tokens(hits, lengths.prompts[keep], trace.block_tokens)
+    cached[keep] = cached_tokens(found, prompts)
     share = cached[keep].sum() / max(1, lengths.prompts[keep].sum())
     size = "an unlimited" if capacity_tokens is None else f"a {capacity_tokens}-token"
     print(f"workload: {size} prefix cache holds {share:.1%} of the prompt tokens",

@@ -124,29 +124,35 @@ def test_a_directory_is_said_to_be_one(tmp_path: Path) -> None:
 
 
 def test_a_prefix_cache_finds_the_blocks_earlier_prompts_ended_while_it_keeps_them() -> None:
-    from shared.workloads import cached_tokens, prefix_hits
+    from shared.workloads import cached_tokens, prefix_found
 
     prefixes = [(0, 1), (0, 1, 2), (0, 3), (4,), (0, 1, 2, 5)]
-    assert prefix_hits(prefixes).tolist() == [0, 2, 1, 0, 3]
+    blocks = [len(p) for p in prefixes]  # a token a block
+    assert prefix_found(prefixes, blocks).tolist() == [0, 2, 1, 0, 3]
     # three blocks kept, least recently used out: (4,) pushes out 1 and 2 (0 and 3 are newer
     # than them), so the last prompt finds its first block only
-    assert prefix_hits(prefixes, capacity=3).tolist() == [0, 2, 1, 0, 1]
+    assert prefix_found(prefixes, blocks, capacity=3).tolist() == [0, 2, 1, 0, 1]
+    # of 64-token blocks and 16-token pages: a 100-token prompt leaves 96 tokens, and the
+    # same prompt again finds them; one that goes on past it, those of its part in common
+    prefixes, prompts = [(0, 1), (0, 1), (0, 1, 2), (0, 3)], [100, 100, 150, 70]
+    assert prefix_found(prefixes, prompts, 64, page=16).tolist() == [0, 96, 96, 64]
     # a cache finds whole 16-token pages, never the page of a prompt's last token
-    hits, prompts = np.array([0, 2, 1, 2, 2]), np.array([100, 100, 100, 129, 130])
-    assert cached_tokens(hits, prompts, 64).tolist() == [0, 96, 64, 128, 128]
-    assert cached_tokens(np.array([1]), np.array([10]), 512).tolist() == [0]
+    found, prompts = np.array([0, 128, 64, 128, 128]), np.array([100, 100, 100, 129, 130])
+    assert cached_tokens(found, prompts).tolist() == [0, 96, 64, 128, 128]
+    assert cached_tokens(np.array([512]), np.array([10])).tolist() == [0]
 
 
 def test_the_mooncake_trace_shares_prefixes_as_its_readme_counts() -> None:
     """../shared/data/README.md: "Prefix-block hit ratio with an unlimited cache: 0.366"."""
-    from shared.workloads import prefix_hits, read_mooncake_trace
+    from shared.workloads import prefix_found, read_mooncake_trace
 
     trace = read_mooncake_trace(DATA / "mooncake_conversation_trace.jsonl")
     assert trace.prefixes is not None and len(trace.prefixes) == 12031
-    blocks = sum(map(len, trace.prefixes))
-    assert prefix_hits(trace.prefixes).sum() / blocks == pytest.approx(0.366, abs=5e-4)
+    blocks = [len(p) for p in trace.prefixes]
+    assert prefix_found(trace.prefixes, blocks).sum() / sum(blocks) == pytest.approx(
+        0.366, abs=5e-4)
     # a cache of 2,000 blocks (a million tokens) keeps far less of it
-    assert prefix_hits(trace.prefixes, capacity=2000).sum() / blocks < 0.1
+    assert prefix_found(trace.prefixes, blocks, capacity=2000).sum() / sum(blocks) < 0.1
 
 
 def test_prompts_that_a_trace_says_share_a_prefix_share_its_tokens(tmp_path: Path) -> None:
@@ -167,7 +173,8 @@ def test_prompts_that_a_trace_says_share_a_prefix_share_its_tokens(tmp_path: Pat
     assert prompts[1] == prompts[0]  # the same blocks: the same prompt
     assert prompts[2][:64] == prompts[0][:64] and prompts[2][64:] != prompts[0][64:]
     assert prompts[3][:64] != prompts[0][:64]
-    assert w.as_workload().lengths.cached.tolist() == [0, 96, 64, 0]  # type: ignore[union-attr]
+    assert w.as_workload().lengths.cached is None  # no cache said: every prompt computed
+    assert w.as_workload(None).lengths.cached.tolist() == [0, 96, 64, 0]  # type: ignore[union-attr]
     # a cache of one block holds the prompt before's last block only: no prompt's first
     assert w.as_workload(cache_tokens=64).lengths.cached.tolist() == [0, 0, 0, 0]  # type: ignore[union-attr]
     # `distserve replay` sends the same prompts
@@ -176,7 +183,7 @@ def test_prompts_that_a_trace_says_share_a_prefix_share_its_tokens(tmp_path: Pat
     assert replayed[2].prompt[:64] == prompts[0][:64]
     # a trace without hash_ids (Azure's) shares none, and its prompts differ
     azure = parse_bench_workload(f"azure:{DATA / 'AzureLLMInferenceTrace_conv.csv'}", limits)
-    assert not azure.shares_prefixes and azure.as_workload().lengths.cached is None
+    assert not azure.shares_prefixes and azure.as_workload(None).lengths.cached is None
     jsonl.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2, '
                      '"hash_ids": [0, "1"]}\n')
     with pytest.raises(WorkloadError, match="line 1: its hash_ids are not a list of integers"):
@@ -197,5 +204,37 @@ def test_plan_prices_a_traces_shared_prefixes_only_when_told_the_cache(
     assert len(unlimited.lengths.prompts) == len(plain.lengths.prompts) < 12031
     assert 0 < bounded.lengths.mean_cached < unlimited.lengths.mean_cached
     assert np.all(unlimited.lengths.cached < unlimited.lengths.prompts)  # type: ignore[operator]
-    with pytest.raises(WorkloadError, match="needs a trace that says which prompts share"):
-        parse_workload(f"azure:{DATA / 'AzureLLMInferenceTrace_conv.csv'}", prefix_cache=None)
+    for other in (f"azure:{DATA / 'AzureLLMInferenceTrace_conv.csv'}", "fixed:64:8"):
+        with pytest.raises(WorkloadError, match="needs a workload that says which prompts"):
+            parse_workload(other, prefix_cache=None)
+
+
+def test_a_chat_workload_is_conversations_whose_turns_grow_their_prompt() -> None:
+    from distserve.commands.workload_arg import parse_workload
+    from shared.workloads import Chat, parse_chat
+
+    chat = parse_chat("chat:40:20:10:3:2")  # two conversations at once, of three turns
+    assert chat == Chat(40, 20, 10, 3, 2)
+    assert [chat.turn_of(i) for i in range(8)] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2),
+                                                   (1, 2), (2, 0), (3, 0)]
+    assert [chat.prompt(t) for t in range(3)] == [60, 90, 120]
+    first, second = chat.prefix(0, 0), chat.prefix(0, 1)
+    assert len(first) == 4 and len(second) == 6 and second[:4] == first
+    assert chat.prefix(1, 0)[:2] == first[:2] and chat.prefix(1, 0)[2:] != first[2:]
+    w = parse_bench_workload("chat:40:20:10:3:2", Limits())
+    sent = w.requests(2.0, 8)
+    assert [r.prompt_tokens for r in sent] == [60, 60, 90, 90, 120, 120, 60, 60]
+    assert all(r.max_tokens == 10 for r in sent)
+    # a turn's prompt starts with its conversation's earlier one, its answer synthetic;
+    # conversations share the system prompt's whole pages (what a cache can share of it)
+    assert sent[2].prompt[:60] == sent[0].prompt and sent[4].prompt[:90] == sent[2].prompt
+    assert sent[1].prompt[:32] == sent[0].prompt[:32]
+    assert sent[1].prompt[32:] != sent[0].prompt[32:]
+    # found: the system prompt's two full pages; an earlier turn's full pages
+    cached = w.as_workload(None).lengths.cached
+    assert cached[:8].tolist() == [0, 32, 48, 48, 80, 80, 32, 32]  # type: ignore[index]
+    planned = parse_workload("chat:40:20:10:3:2", prefix_cache=None).lengths
+    assert planned.cached[:8].tolist() == cached[:8].tolist()  # type: ignore[index]
+    for spec in ("chat:40:20:10", "chat:40:0:10:3", "chat:a:b:c:d", "chat:1:2:3:4:5:6"):
+        with pytest.raises(WorkloadError, match="chat:SYSTEM:USER:OUTPUT:TURNS"):
+            parse_bench_workload(spec, Limits())
