@@ -240,8 +240,9 @@ def _mooncake_row(path: str | Path, n: int, line: str
                             "input_length, output_length)")
     ids = row.get("hash_ids")
     if ids is not None and not (isinstance(ids, list) and all(
-            isinstance(i, int) and not isinstance(i, bool) for i in ids)):
-        raise WorkloadError(f"{path} line {n}: its hash_ids are not a list of integers")
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+        raise WorkloadError(f"{path} line {n}: its hash_ids are not a list of integers 0 "
+                            "or more")
     return (row["timestamp"], row["input_length"], row["output_length"],
             None if ids is None else tuple(ids))
 
@@ -254,8 +255,11 @@ def prefix_found(prefixes: Sequence[Prefix], prompts: Sequence[int] | np.ndarray
     comes: of the blocks that ended an earlier prompt's prefix, kept since, what that prompt
     left of them. A prompt leaves its whole `page`s (an engine's KV blocks: the page its
     last tokens fill in part holds nothing reusable), so of a block it fills only in part,
-    the pages it fills. The cache keeps the blocks it saw last (LRU, as an engine's pool
-    evicts), a prompt's own touched as it is computed."""
+    the pages it fills. The cache keeps the blocks it saw last (LRU), a prompt's own touched
+    as it is computed, its first last: an engine's pool frees a request's blocks from its
+    end and evicts the least recently freed first, so a prefix's start outlives its end.
+    Every earlier prompt is taken as computed when a prompt comes: the requests of a
+    workload sent faster than its prompts are computed find less."""
     held: collections.OrderedDict[int, int] = collections.OrderedDict()  # block -> tokens
     found = np.zeros(len(prefixes), dtype=np.int64)
     for i, (ids, length) in enumerate(zip(prefixes, prompts, strict=True)):
@@ -266,11 +270,9 @@ def prefix_found(prefixes: Sequence[Prefix], prompts: Sequence[int] | np.ndarray
                 break
         found[i] = min(found[i], length)
         left = int(length) // page * page
-        for j, block in enumerate(ids):
-            tokens = min(block_tokens, left - j * block_tokens)
-            if tokens <= 0:
-                break
-            held[block] = max(tokens, held.get(block, 0))
+        for j in reversed(range(min(len(ids), -(-left // block_tokens)))):
+            block = ids[j]
+            held[block] = max(min(block_tokens, left - j * block_tokens), held.get(block, 0))
             held.move_to_end(block)
         while capacity is not None and len(held) > capacity:
             held.popitem(last=False)
@@ -297,7 +299,9 @@ class Chat:
     one. Its prompts as blocks of CACHE_PAGE tokens (`prefixes`), so that a prefix cache
     model finds what an engine would: the system prompt's full blocks, and of a turn, the
     conversation's earlier prompt (an earlier answer's KV, made by a decode instance, is not
-    in a prefill instance's pool: a turn computes it)."""
+    in a prefill instance's pool: a turn computes it). The turns are sent open loop: a
+    conversation's next turn comes `active` requests after the one before, answered or
+    not."""
 
     system: int
     user: int

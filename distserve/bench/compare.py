@@ -36,7 +36,7 @@ from services.planner.simulator.core import SimResult
 from services.process import WorkerSettings
 from services.supervisor import free_port
 from shared.metrics import SLO, attains
-from shared.workloads import WorkloadRequest
+from shared.workloads import NO_CACHE, WorkloadRequest
 
 DEFAULT_LINK_BPS = 0.5e9  # UCX between two local processes (loopback TCP), measured
 
@@ -59,17 +59,19 @@ class System:
 
 
 def systems(threads: int, kv_cache_mb: int, chunked: bool, weights: str = "auto",
-            decode_weights: str = "", prefill_dtype: str = "") -> list[System]:
+            decode_weights: str = "", prefill_dtype: str = "",
+            prefix_caching: bool = False) -> list[System]:
     """1 prefill + 1 decode against 2 colocated replicas (and chunked-prefill replicas): two
     workers, `threads` each, in every system. Every worker's weights are `weights`, but the
     decode instance's `decode_weights` where given, and the prefill instance computes in
     `prefill_dtype` where given: disaggregation lets each phase run its own format, while a
     colocated worker runs one for both, so colocated replicas are then run in each. A format
-    other than the default is named after the system. No worker caches prefixes: the
-    workload's prompts come again from one rate to the next, and the simulator prices every
-    prompt computed whole."""
+    other than the default is named after the system. The workers cache prefixes only with
+    `prefix_caching` (a workload whose prompts share them: each run's requests have a salt
+    of their own, so none finds the runs' before, and each is simulated with the tokens its
+    stack found)."""
     common: dict[str, Any] = {"threads": threads, "kv_cache_mb": kv_cache_mb,
-                              "weights": weights, "prefix_caching": False}
+                              "weights": weights, "prefix_caching": prefix_caching}
     every = "" if weights == "auto" else f" ({weights})"
     split = decode_weights not in ("", weights)  # the phases in two formats
     parts = [weights] if every else []
@@ -223,8 +225,9 @@ def stack_problem(measured: Measured, profile: Profile, workload: BenchWorkload,
     if calibrate:
         profile = calibrated_profile(measured, profile)
     link_gbps = (measured.link_bps or DEFAULT_LINK_BPS) / 1e9
+    cache = kv_tokens if measured.system.stack.prefix_caching else NO_CACHE
     return Problem(dataclasses.replace(profile, kv_capacity={(1, 1): kv_tokens}),
-                   workload.as_workload(), slo, rate, 1, 2, target, intra_node_gbps=link_gbps,
+                   workload.as_workload(cache), slo, rate, 1, 2, target, intra_node_gbps=link_gbps,
                    workers=1, batch_tokens=settings.max_batch_tokens,
                    max_batch=settings.max_running)
 
@@ -303,7 +306,8 @@ def recorded(report: dict[str, Any]) -> list[Measured]:
     known = {s.name: s for s in systems(threads, kv_cache_mb, chunked=True,
                                          weights=report.get("weights", "auto"),
                                          decode_weights=report.get("decode_weights", ""),
-                                         prefill_dtype=report.get("prefill_dtype", ""))}
+                                         prefill_dtype=report.get("prefill_dtype", ""),
+                                         prefix_caching=report.get("prefix_caching", False))}
     out = []
     for entry in report["systems"]:
         if entry["name"] not in known:

@@ -53,7 +53,8 @@ from shared.workloads import (
 # Token ids for synthetic prompts: inside the vocabulary of any model this benchmark targets.
 SYNTHETIC_TOKEN_RANGE = (1000, 20000)
 PREFIX_SEED = 0xB10C5EED  # a shared block's ids are drawn from [PREFIX_SEED, its id]
-CHAT_REQUESTS = 8192  # the turns a chat workload has ready (a run sends its first ones)
+CHAT_REQUESTS = 1024  # the turns a chat workload has ready (a run sends its first ones;
+# past them, they come again, found cached whole)
 
 
 @dataclass(frozen=True)

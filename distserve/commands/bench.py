@@ -283,7 +283,8 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                         args.attainment, args.extend, list(args.rates or []))
     try:
         systems = cmp.systems(args.threads, args.kv_cache_mb, args.chunked, args.weights,
-                              args.decode_weights, args.prefill_dtype)
+                              args.decode_weights, args.prefill_dtype,
+                              prefix_caching=workload.shares_prefixes)
     except ValueError as e:  # a weight format and a dtype that cannot go together
         parser.error(str(e))
     measured = [cmp.measure(system, workload, grid, requests, args.seed,
@@ -338,7 +339,8 @@ def _report_compare(args: argparse.Namespace, console: Console, workload: BenchW
     report = {"workload": workload.name, "slo": slo.__dict__, "threads_per_worker":
               args.threads, "kv_cache_mb": stack.kv_cache_mb, "weights": stack.weights,
               "decode_weights": stack.decode_weights, "prefill_dtype": stack.prefill_dtype,
-              "attainment_target": args.attainment, "rates": list(chosen),
+              "prefix_caching": stack.prefix_caching, "attainment_target": args.attainment,
+              "rates": list(chosen),
               "unloaded": measured[0].unloaded.__dict__, "systems": reports,
               "ratio_disaggregated_to_colocated": ours / base if base > 0 else None,
               "colocated_baseline": reports[baseline]["name"]}

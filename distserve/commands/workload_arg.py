@@ -69,7 +69,7 @@ def cache_size(text: str) -> int | None:
         return None
     try:
         return positive_int(text)
-    except argparse.ArgumentTypeError:
+    except (argparse.ArgumentTypeError, ValueError):
         raise argparse.ArgumentTypeError(
             f"a number of tokens or 'unlimited', got {text!r}") from None
 
@@ -94,7 +94,8 @@ def parse_workload(spec: str, cv: float = 1.0, replay_arrivals: bool = False,
 
         lengths, prefixes = parse_chat(spec).lengths(CHAT_REQUESTS)
         if prefix_cache != NO_CACHE:
-            lengths = _with_cache(lengths, prefixes, CACHE_PAGE, prefix_cache, None)
+            lengths = _with_cache(lengths, prefixes, CACHE_PAGE, prefix_cache,
+                                  max_context if fit == "drop" else None)
     elif kind == "humaneval" and not rest:
         from distserve.bench.workload import Limits, parse_bench_workload
 

@@ -76,6 +76,36 @@ def test_both_systems_get_two_workers_and_the_same_threads() -> None:
     assert {s.stack.threads for s in (disaggregated, colocated, chunked)} == {1}
     assert chunked.stack.chunked_prefill and not colocated.stack.chunked_prefill
     assert len(systems(1, 128, chunked=False)) == 2
+    # the workers cache prefixes for a workload whose prompts share them only
+    assert not any(s.stack.prefix_caching for s in (disaggregated, colocated, chunked))
+    assert all(s.stack.prefix_caching for s in systems(1, 128, True, prefix_caching=True))
+
+
+def test_a_run_whose_stack_found_prompts_cached_is_simulated_with_them(
+        tmp_path: Path) -> None:
+    """A request's record says how many of its prompt's tokens the stack found cached: its
+    simulation prices those as not computed (a shorter prefill)."""
+    report = recorded_comparison(tmp_path / "results.json")
+    report["prefix_caching"] = True
+    for system in report["systems"]:
+        for run in system["runs"]:
+            for record in run["records"]:
+                record["cached_tokens"] = 96 if record["index"] % 2 else 0
+    measured = recorded(report)
+    assert all(m.system.stack.prefix_caching for m in measured)
+    profile, slo = load_profile(shipped_cpu_profile(1)), SLO(1.0, 0.05)
+    workload = parse_bench_workload("fixed:128:8", Limits())
+    cached = simulate(measured[0], profile, workload, slo)[0].requests
+    assert [r.cached for r in cached] == [0, 96] * 3
+    plain = simulate(recorded(recorded_comparison(tmp_path / "plain.json"))[0], profile,
+                     workload, slo)[0].requests
+    assert [r.cached for r in plain] == [0] * 6
+
+    def prefill_s(r: SimRequest) -> float:
+        return r.first_token - r.prefill_start
+
+    assert prefill_s(cached[1]) < prefill_s(plain[1])
+    assert prefill_s(cached[0]) == pytest.approx(prefill_s(plain[0]))
 
 
 def test_disaggregation_is_compared_with_the_better_colocated_format(tmp_path: Path) -> None:

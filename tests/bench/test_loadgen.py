@@ -104,20 +104,22 @@ def test_a_traces_shared_prefixes_are_found_in_the_stacks_caches_as_predicted(
     out = tmp_path / "run"
     monkeypatch.setenv("COLUMNS", "200")  # the table's columns unwrapped
     code = main(["bench", "--url", stack.url, "--workload", spec, "--length-scale", "0.125",
-                 "--requests", "4", "--rates", "0.5", "--ttft", "30", "--tpot", "5",
+                 "--requests", "4", "--rates", "0.25", "--ttft", "30", "--tpot", "5",
                  "--out", str(out)])
     assert code == 0
     (run,) = json.loads((out / "results.json").read_text())["systems"][0]["runs"]
     found = [r["cached_tokens"] for r in sorted(run["records"], key=lambda r: r["index"])]
-    predicted = parse_bench_workload(spec, Limits(length_scale=0.125)).as_workload(None).lengths
+    predicted = parse_bench_workload(spec, Limits(length_scale=0.125)).as_workload(
+        None).lengths
     assert found == predicted.cached.tolist() == [0, 96, 64, 0]  # type: ignore[union-attr]
     assert run["cached_share"] == pytest.approx(160 / 400)
     assert "40.0%" in capsys.readouterr().out  # the table's `cached` column
     # conversations: two at once, of three turns, after a 40-token system prompt; arrivals
-    # nearly even (a turn is prefilled before the next comes, as a conversation's are)
+    # nearly even, 4 s apart (a turn is prefilled before the next comes, as a conversation's
+    # are, on a busy host too)
     chat = "chat:40:20:4:3:2"
     code = main(["bench", "--url", stack.url, "--workload", chat, "--requests", "6",
-                 "--rates", "0.5", "--cv", "0.1", "--ttft", "30", "--tpot", "5",
+                 "--rates", "0.25", "--cv", "0.1", "--ttft", "30", "--tpot", "5",
                  "--out", str(out)])
     assert code == 0
     (run,) = json.loads((out / "results.json").read_text())["systems"][0]["runs"]

@@ -175,8 +175,8 @@ def test_prompts_that_a_trace_says_share_a_prefix_share_its_tokens(tmp_path: Pat
     assert prompts[3][:64] != prompts[0][:64]
     assert w.as_workload().lengths.cached is None  # no cache said: every prompt computed
     assert w.as_workload(None).lengths.cached.tolist() == [0, 96, 64, 0]  # type: ignore[union-attr]
-    # a cache of one block holds the prompt before's last block only: no prompt's first
-    assert w.as_workload(cache_tokens=64).lengths.cached.tolist() == [0, 0, 0, 0]  # type: ignore[union-attr]
+    # a cache of one block keeps a prompt's first (a pool evicts a prefix from its end)
+    assert w.as_workload(cache_tokens=64).lengths.cached.tolist() == [0, 64, 64, 0]  # type: ignore[union-attr]
     # `distserve replay` sends the same prompts
     replayed = trace_requests(read_mooncake_trace(jsonl), 1.0, limits)
     assert [r.prompt for r in replayed][:2] == [prompts[0]] * 2
@@ -186,6 +186,10 @@ def test_prompts_that_a_trace_says_share_a_prefix_share_its_tokens(tmp_path: Pat
     assert not azure.shares_prefixes and azure.as_workload(None).lengths.cached is None
     jsonl.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2, '
                      '"hash_ids": [0, "1"]}\n')
+    with pytest.raises(WorkloadError, match="line 1: its hash_ids are not a list of integers"):
+        read_mooncake_trace(jsonl)
+    jsonl.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2, '
+                     '"hash_ids": [0, -1]}\n')
     with pytest.raises(WorkloadError, match="line 1: its hash_ids are not a list of integers"):
         read_mooncake_trace(jsonl)
 
