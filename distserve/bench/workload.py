@@ -15,10 +15,10 @@ arrival times at a given rate.
     fixed:PROMPT:OUTPUT  synthetic, every request alike
 
 Text prompts are sent as text; traces and synthetic workloads (lengths only) send prompts of
-exactly their length as token ids, drawn at random, but for the blocks a trace says prompts
-share (Mooncake's hash_ids): each such block is the same ids in every prompt that has it, so
-the stack's prefix caches find what the trace's found. Token counts use the built-in model's
-tokenizer.
+exactly their length as token ids, drawn at random, but for the blocks a workload says
+prompts share (Mooncake's hash_ids, a chat's system prompt and conversations so far): each
+such block is the same ids in every prompt that has it, so the stack's prefix caches find
+what the workload's would. Token counts use the built-in model's tokenizer.
 """
 
 from __future__ import annotations
