@@ -103,29 +103,30 @@ def test_a_traces_shared_prefixes_are_found_in_the_stacks_caches_as_predicted(
     spec = f"mooncake:{trace}"
     out = tmp_path / "run"
     monkeypatch.setenv("COLUMNS", "200")  # the table's columns unwrapped
-    code = main(["bench", "--url", stack.url, "--workload", spec, "--length-scale", "0.125",
-                 "--requests", "4", "--rates", "0.25", "--ttft", "30", "--tpot", "5",
-                 "--out", str(out)])
-    assert code == 0
-    (run,) = json.loads((out / "results.json").read_text())["systems"][0]["runs"]
-    found = [r["cached_tokens"] for r in sorted(run["records"], key=lambda r: r["index"])]
+
+    def found(*args: str) -> tuple[dict[str, Any], list[int]]:
+        """One rate's run of `args` (SLOs far beyond its latencies): its report and each
+        request's tokens found cached."""
+        code = main(["bench", "--url", stack.url, "--rates", "0.25", "--ttft", "30",
+                     "--tpot", "5", "--out", str(out), *args])
+        assert code == 0
+        (run,) = json.loads((out / "results.json").read_text())["systems"][0]["runs"]
+        return run, [r["cached_tokens"] for r in sorted(run["records"],
+                                                        key=lambda r: r["index"])]
+
+    run, cached = found("--workload", spec, "--length-scale", "0.125", "--requests", "4")
     predicted = parse_bench_workload(spec, Limits(length_scale=0.125)).as_workload(
         None).lengths
-    assert found == predicted.cached.tolist() == [0, 96, 64, 0]  # type: ignore[union-attr]
+    assert cached == predicted.cached.tolist() == [0, 96, 64, 0]  # type: ignore[union-attr]
     assert run["cached_share"] == pytest.approx(160 / 400)
     assert "40.0%" in capsys.readouterr().out  # the table's `cached` column
     # conversations: two at once, of three turns, after a 40-token system prompt; arrivals
     # nearly even, 4 s apart (a turn is prefilled before the next comes, as a conversation's
     # are, on a busy host too)
     chat = "chat:40:20:4:3:2"
-    code = main(["bench", "--url", stack.url, "--workload", chat, "--requests", "6",
-                 "--rates", "0.25", "--cv", "0.1", "--ttft", "30", "--tpot", "5",
-                 "--out", str(out)])
-    assert code == 0
-    (run,) = json.loads((out / "results.json").read_text())["systems"][0]["runs"]
-    found = [r["cached_tokens"] for r in sorted(run["records"], key=lambda r: r["index"])]
+    _, cached = found("--workload", chat, "--requests", "6", "--cv", "0.1")
     predicted = parse_bench_workload(chat, Limits()).as_workload(None).lengths
-    assert found == predicted.cached[:6].tolist() == [0, 32, 48, 48, 80, 80]  # type: ignore[index]
+    assert cached == predicted.cached[:6].tolist() == [0, 32, 48, 48, 80, 80]  # type: ignore[index]
 
 
 def test_timed_out_requests_count_as_failed_not_lost(stack: Stack, tmp_path: Path) -> None:
