@@ -57,10 +57,10 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
                         "half the context) (default: %(default)s)")
     p.add_argument("--prefix-cache", type=cache_size, metavar="TOKENS|unlimited",
                    default=NO_CACHE,
-                   help="a trace that says which prompts share prefixes (Mooncake's "
-                        "hash_ids): price each prompt's prefix found in a prefix cache of "
-                        "this many tokens, kept least recently used, as not computed "
-                        "(default: every prompt computed whole)")
+                   help="a workload that says which prompts share prefixes (chat, or "
+                        "Mooncake's hash_ids): price each prompt's prefix found in a prefix "
+                        "cache of this many tokens, kept least recently used, as not "
+                        "computed (default: every prompt computed whole)")
 
 
 def cache_size(text: str) -> int | None:
@@ -79,7 +79,7 @@ def parse_workload(spec: str, cv: float = 1.0, replay_arrivals: bool = False,
                    prefix_cache: int | None = NO_CACHE) -> Workload:
     """`max_context`: requests longer than the model's context are dropped (`fit="drop"`, as
     the DistServe artifact prepares its datasets) or cut down (`"clip"`: prompts to half the
-    context, prompt + output to all of it). `prefix_cache`: of a trace that says which
+    context, prompt + output to all of it). `prefix_cache`: of a workload that says which
     prompts share prefixes, the tokens of each found in a prefix cache of that many tokens
     (None: unlimited) are priced as not computed."""
     kind, _, rest = spec.partition(":")
