@@ -279,6 +279,16 @@ def prefix_found(prefixes: Sequence[Prefix], prompts: Sequence[int] | np.ndarray
     return found
 
 
+def cached_in(prefixes: Sequence[Prefix], prompts: np.ndarray, block_tokens: int,
+              capacity_tokens: int | None) -> np.ndarray:
+    """The tokens of each prompt in turn an engine finds in a prefix cache of
+    `capacity_tokens` (None: unlimited): `prefix_found` in the engine's pages, then
+    `cached_tokens`."""
+    capacity = None if capacity_tokens is None else capacity_tokens // block_tokens
+    return cached_tokens(prefix_found(prefixes, prompts, block_tokens, capacity, CACHE_PAGE),
+                         prompts)
+
+
 def cached_tokens(found: np.ndarray, prompts: np.ndarray, page: int = CACHE_PAGE
                   ) -> np.ndarray:
     """The prompt tokens an engine finds cached, of prompts whose first `found` tokens a

@@ -39,11 +39,10 @@ from shared.workloads import (
     Workload,
     WorkloadError,
     WorkloadRequest,
-    cached_tokens,
+    cached_in,
     lognormal_outputs,
     parse_chat,
     parse_fixed,
-    prefix_found,
     read_sharegpt_prompts,
     read_trace,
     scaled_trace,
@@ -113,10 +112,8 @@ class BenchWorkload:
         prompts = np.array([i.prompt_tokens for i in self.items])
         cached = None
         if self.shares_prefixes and cache_tokens != NO_CACHE:
-            capacity = None if cache_tokens is None else cache_tokens // self.block_tokens
-            found = prefix_found([i.prefix for i in self.items], prompts, self.block_tokens,
-                                 capacity, CACHE_PAGE)
-            cached = cached_tokens(found, prompts)
+            cached = cached_in([i.prefix for i in self.items], prompts, self.block_tokens,
+                               cache_tokens)
         lengths = Lengths(prompts, np.array([i.output_tokens for i in self.items]), cached)
         return Workload(lengths, self.cv, self.trace_times)
 

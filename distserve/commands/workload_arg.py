@@ -27,11 +27,10 @@ from shared.workloads import (
     Prefix,
     Workload,
     WorkloadError,
-    cached_tokens,
+    cached_in,
     fixed_lengths,
     parse_chat,
     parse_fixed,
-    prefix_found,
     read_trace,
     sharegpt_lengths,
 )
@@ -138,12 +137,9 @@ def _with_cache(lengths: Lengths, prefixes: tuple[Prefix, ...], block_tokens: in
     printed as the share of all prompt tokens."""
     keep = np.ones(len(lengths.prompts), dtype=bool) if max_total is None else \
         lengths.prompts + lengths.outputs <= max_total
-    capacity = None if capacity_tokens is None else capacity_tokens // block_tokens
-    prompts = lengths.prompts[keep]
-    found = prefix_found([p for p, k in zip(prefixes, keep, strict=True) if k], prompts,
-                         block_tokens, capacity, CACHE_PAGE)
     cached = np.zeros(len(lengths.prompts), dtype=np.int64)
-    cached[keep] = cached_tokens(found, prompts)
+    cached[keep] = cached_in([p for p, k in zip(prefixes, keep, strict=True) if k],
+                             lengths.prompts[keep], block_tokens, capacity_tokens)
     share = cached[keep].sum() / max(1, lengths.prompts[keep].sum())
     size = "an unlimited" if capacity_tokens is None else f"a {capacity_tokens}-token"
     print(f"workload: {size} prefix cache holds {share:.1%} of the prompt tokens",
