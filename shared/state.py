@@ -145,7 +145,7 @@ def pick_colocated(instances: Sequence[InstanceInfo], in_flight: Mapping[str, in
     `others_in_flight`); on a tie, the fewest of the caller's still awaiting their first
     token (a new prompt waits behind those); then `prefer` (where the prompt's start went:
     its KV may be cached there); then by id. The planner's simulator dispatches by the same
-    key (its prompts share no prefix), so that its requests go where the stack's do."""
+    key, so that its requests go where the stack's do."""
     others = elsewhere or {}
     live = [i for i in instances if not i.draining]
     return min(live, key=lambda i: colocated_key(

@@ -35,17 +35,26 @@ class WorkloadRequest:
     prompt_tokens: int
     output_tokens: int
     cached_tokens: int = 0  # of the prompt, found in a prefix cache (not computed)
+    # where instances keep prefixes: the prompt as blocks (`Prefix`), and how an instance
+    # caches them; a simulator then finds its cached tokens in the instance it goes to
+    prefix: Prefix = ()
+    caching: PrefixCaching | None = None
 
 
 @dataclass(frozen=True)
 class Lengths:
     """Paired (prompt, output) token lengths to resample from, and where a live workload was
     seen, the tokens of each prompt its instances found in their prefix caches (`cached`;
-    None: every prompt computed whole)."""
+    None: every prompt computed whole). Of a workload that says which prompts share
+    prefixes, priced with each instance's own cache: the prompts as blocks (`prefixes`) and
+    how an instance caches them (`caching`); `cached` is then what one cache of that size,
+    seeing every prompt, would find (an upper bound on what several find)."""
 
     prompts: np.ndarray
     outputs: np.ndarray
     cached: np.ndarray | None = None
+    prefixes: tuple[Prefix, ...] | None = None
+    caching: PrefixCaching | None = None
 
     def __post_init__(self) -> None:
         if len(self.prompts) == 0 or len(self.prompts) != len(self.outputs):
@@ -53,6 +62,8 @@ class Lengths:
         if self.cached is not None and (len(self.cached) != len(self.prompts) or
                                         np.any(self.cached >= self.prompts)):
             raise WorkloadError("a prompt's cached tokens are fewer than its tokens, each")
+        if self.prefixes is not None and len(self.prefixes) != len(self.prompts):
+            raise WorkloadError("a prompt's blocks for each prompt")
 
     def index(self, n: int, rng: np.random.Generator) -> np.ndarray:
         """`n` requests drawn (with replacement): their positions."""
@@ -73,7 +84,10 @@ class Lengths:
         if not keep.any():
             raise WorkloadError(f"no request of the workload fits a {max_total}-token context")
         return Lengths(self.prompts[keep], self.outputs[keep],
-                       None if self.cached is None else self.cached[keep])
+                       None if self.cached is None else self.cached[keep],
+                       None if self.prefixes is None else
+                       tuple(p for p, k in zip(self.prefixes, keep, strict=True) if k),
+                       self.caching)
 
     def clipped(self, max_prompt: int, max_total: int) -> Lengths:
         """Scale lengths down to fit a model: prompts to `max_prompt`, prompt + output to
@@ -81,7 +95,8 @@ class Lengths:
         prompts = np.clip(self.prompts, 1, max_prompt)
         outputs = np.clip(self.outputs, 1, np.maximum(1, max_total - prompts))
         return Lengths(prompts, outputs,
-                       None if self.cached is None else np.minimum(self.cached, prompts - 1))
+                       None if self.cached is None else np.minimum(self.cached, prompts - 1),
+                       self.prefixes, self.caching)
 
     @property
     def mean_prompt(self) -> float:
@@ -138,7 +153,9 @@ def unit_rate_gaps(n: int, rng: np.random.Generator, cv: float = 1.0) -> np.ndar
 @dataclass(frozen=True)
 class Workload:
     """Lengths plus an arrival pattern: `cv` for Poisson/gamma arrivals, or the relative
-    arrival times of a trace (replayed, time-scaled to the requested rate)."""
+    arrival times of a trace (replayed, time-scaled to the requested rate). Lengths drawn
+    at random, but those of prompts that share prefixes (`Lengths.prefixes`): in order, as
+    a cache meets them, and past the last one again as new prompts (`renamed`)."""
 
     lengths: Lengths
     cv: float = 1.0
@@ -152,11 +169,33 @@ class Workload:
             times = scaled_trace(self.trace_times, n)
         else:
             times = np.cumsum(unit_rate_gaps(n, rng, self.cv))
-        index = self.lengths.index(n, rng)
         lengths = self.lengths
-        return [WorkloadRequest(float(t) / rate, int(p), int(o), int(c)) for t, p, o, c in zip(
-            times, lengths.prompts[index], lengths.outputs[index], lengths.cached_at(index),
-            strict=True)]
+        if lengths.prefixes is None:
+            index = lengths.index(n, rng)
+            return [WorkloadRequest(float(t) / rate, int(p), int(o), int(c))
+                    for t, p, o, c in zip(times, lengths.prompts[index],
+                                          lengths.outputs[index], lengths.cached_at(index),
+                                          strict=True)]
+        index = np.arange(n) % len(lengths.prompts)
+        return [WorkloadRequest(float(t) / rate, int(p), int(o), int(c), prefix,
+                                lengths.caching)
+                for t, p, o, c, prefix in zip(times, lengths.prompts[index],
+                                              lengths.outputs[index], lengths.cached_at(index),
+                                              renamed(lengths.prefixes, n), strict=True)]
+
+
+def renamed(prefixes: Sequence[Prefix], n: int) -> list[Prefix]:
+    """`n` prompts' blocks: `prefixes` in turn, and past their end, again under new ids (a
+    block of the k-th pass is one of the first's plus k times one more than the largest), so
+    that no prompt finds a block of an earlier pass cached: the workload goes on with new
+    prompts as its own come, not with its prompts sent again."""
+    out = list(prefixes[:n])
+    if n > len(prefixes):
+        span = 1 + max((max(p) for p in prefixes if p), default=0)
+        for k in range(len(prefixes), n):
+            shift = k // len(prefixes) * span
+            out.append(tuple(block + shift for block in prefixes[k % len(prefixes)]))
+    return out
 
 
 def scaled_trace(times: np.ndarray, n: int) -> np.ndarray:
@@ -176,6 +215,7 @@ Prefix = tuple[int, ...]  # a prompt's blocks, by the ids of the prefixes they e
 MOONCAKE_BLOCK_TOKENS = 512  # the prompt tokens each of a Mooncake request's hash_ids covers
 CACHE_PAGE = 16  # the tokens a prefix cache finds at a time: the engine's KV block
 NO_CACHE = -1  # a prefix cache's size in tokens where there is none (None: unlimited)
+POOL_CACHE = -2  # ... where each instance's is its KV pool (its size the instance's)
 
 
 @dataclass(frozen=True)
@@ -247,36 +287,77 @@ def _mooncake_row(path: str | Path, n: int, line: str
             None if ids is None else tuple(ids))
 
 
+class PrefixCache:
+    """A prefix cache of `capacity` blocks (None: unlimited) of `block_tokens`, as the
+    prompts it meets fill it: of the blocks that ended an earlier prompt's prefix, kept
+    since, it holds what that prompt left of them. A prompt leaves its whole `page`s (an
+    engine's KV blocks: the page its last tokens fill in part holds nothing reusable), so of
+    a block it fills only in part, the pages it fills. The cache keeps the blocks it saw
+    last (LRU), a prompt's own touched as it is computed, its first last: an engine's pool
+    frees a request's blocks from its end and evicts the least recently freed first, so a
+    prefix's start outlives its end."""
+
+    def __init__(self, block_tokens: int = 1, capacity: int | None = None,
+                 page: int = 1) -> None:
+        self.block_tokens, self.capacity, self.page = block_tokens, capacity, page
+        self.held: collections.OrderedDict[int, int] = collections.OrderedDict()  # -> tokens
+
+    def take(self, ids: Prefix, length: int) -> int:
+        """The tokens of a prompt's start (`length` tokens, as blocks `ids`) the cache
+        holds as it comes; then the prompt is computed and leaves its own."""
+        found, held, size = 0, self.held, self.block_tokens
+        for block in ids:
+            tokens = held.get(block, 0)
+            found += tokens
+            if tokens < size:
+                break
+        left = int(length) // self.page * self.page
+        n = min(len(ids), -(-left // size))  # the blocks it leaves pages of
+        if n:
+            last = ids[n - 1]  # the one it may fill in part; the others it fills
+            held[last] = max(min(size, left - (n - 1) * size), held.get(last, 0))
+            held.move_to_end(last)
+            for block in reversed(ids[:n - 1]):
+                held[block] = size
+                held.move_to_end(block)
+        while self.capacity is not None and len(held) > self.capacity:
+            held.popitem(last=False)
+        return min(found, int(length))
+
+
 def prefix_found(prefixes: Sequence[Prefix], prompts: Sequence[int] | np.ndarray,
                  block_tokens: int = 1, capacity: int | None = None,
                  page: int = 1) -> np.ndarray:
     """Of each prompt in turn (`prompts` tokens, as `prefixes`' blocks of `block_tokens`),
-    the tokens of its start a prefix cache of `capacity` blocks (None: unlimited) holds as it
-    comes: of the blocks that ended an earlier prompt's prefix, kept since, what that prompt
-    left of them. A prompt leaves its whole `page`s (an engine's KV blocks: the page its
-    last tokens fill in part holds nothing reusable), so of a block it fills only in part,
-    the pages it fills. The cache keeps the blocks it saw last (LRU), a prompt's own touched
-    as it is computed, its first last: an engine's pool frees a request's blocks from its
-    end and evicts the least recently freed first, so a prefix's start outlives its end.
-    Every earlier prompt is taken as computed when a prompt comes: the requests of a
-    workload sent faster than its prompts are computed find less."""
-    held: collections.OrderedDict[int, int] = collections.OrderedDict()  # block -> tokens
-    found = np.zeros(len(prefixes), dtype=np.int64)
-    for i, (ids, length) in enumerate(zip(prefixes, prompts, strict=True)):
-        for block in ids:
-            tokens = held.get(block, 0)
-            found[i] += tokens
-            if tokens < block_tokens:
-                break
-        found[i] = min(found[i], length)
-        left = int(length) // page * page
-        for j in reversed(range(min(len(ids), -(-left // block_tokens)))):
-            block = ids[j]
-            held[block] = max(min(block_tokens, left - j * block_tokens), held.get(block, 0))
-            held.move_to_end(block)
-        while capacity is not None and len(held) > capacity:
-            held.popitem(last=False)
-    return found
+    the tokens of its start one `PrefixCache` of `capacity` blocks holds as it comes. Every
+    earlier prompt is taken as computed when a prompt comes: the requests of a workload sent
+    faster than its prompts are computed find less."""
+    cache = PrefixCache(block_tokens, capacity, page)
+    return np.array([cache.take(ids, length)
+                     for ids, length in zip(prefixes, prompts, strict=True)], dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class PrefixCaching:
+    """How each instance caches a workload's prompts: as blocks of `block_tokens`, in a
+    cache of `tokens` (None: unlimited; POOL_CACHE: the instance's KV pool). `counted`: the
+    size of cache (None: unlimited; NO_CACHE: none) the workload's own `cached_tokens` were
+    counted with, its prompts in order: what one instance of that size finds, which a
+    simulation of one such instance need not count again."""
+
+    block_tokens: int
+    tokens: int | None = None
+    counted: int | None = NO_CACHE
+
+    def size(self, pool_tokens: int) -> int | None:
+        """The cache's tokens, of an instance whose KV pool holds `pool_tokens`."""
+        return pool_tokens if self.tokens == POOL_CACHE else self.tokens
+
+    def cache(self, pool_tokens: int) -> PrefixCache:
+        """A new instance's cache, of an instance whose KV pool holds `pool_tokens`."""
+        tokens = self.size(pool_tokens)
+        return PrefixCache(self.block_tokens,
+                           None if tokens is None else tokens // self.block_tokens, CACHE_PAGE)
 
 
 def cached_in(prefixes: Sequence[Prefix], prompts: np.ndarray, block_tokens: int,

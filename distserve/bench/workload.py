@@ -36,6 +36,7 @@ from shared.workloads import (
     NO_CACHE,
     Lengths,
     Prefix,
+    PrefixCaching,
     Workload,
     WorkloadError,
     WorkloadRequest,
@@ -105,16 +106,30 @@ class BenchWorkload:
     def shares_prefixes(self) -> bool:
         return any(item.prefix for item in self.items)
 
+    @property
+    def in_order(self) -> bool:
+        """Whether request i is always item i (mod their number): a trace's, or ordered."""
+        return self.ordered or self.trace_times is not None
+
+    def prefix_of(self, index: int) -> Prefix:
+        """The blocks of request `index`'s prompt (of a workload sent `in_order`)."""
+        assert self.in_order, "a drawn request's item depends on the draw"
+        return self.items[index % len(self.items)].prefix
+
     def as_workload(self, cache_tokens: int | None = NO_CACHE) -> Workload:
         """The lengths and arrival pattern, for the planner's simulator; where prompts share
-        prefixes and a prefix cache of `cache_tokens` is said (None: unlimited), with the
-        tokens of each that it finds, the items taken in their order."""
+        prefixes and each instance's prefix cache of `cache_tokens` is said (None:
+        unlimited), with their blocks (taken in order) and the tokens of each one such cache
+        finds."""
         prompts = np.array([i.prompt_tokens for i in self.items])
-        cached = None
+        outputs = np.array([i.output_tokens for i in self.items])
+        lengths = Lengths(prompts, outputs)
         if self.shares_prefixes and cache_tokens != NO_CACHE:
-            cached = cached_in([i.prefix for i in self.items], prompts, self.block_tokens,
-                               cache_tokens)
-        lengths = Lengths(prompts, np.array([i.output_tokens for i in self.items]), cached)
+            prefixes = tuple(i.prefix for i in self.items)
+            lengths = Lengths(prompts, outputs,
+                              cached_in(prefixes, prompts, self.block_tokens, cache_tokens),
+                              prefixes, PrefixCaching(self.block_tokens, cache_tokens,
+                                                      cache_tokens))
         return Workload(lengths, self.cv, self.trace_times)
 
     def _prompt(self, i: int, item: BenchItem, seed: int) -> str | list[int]:

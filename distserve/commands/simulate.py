@@ -132,7 +132,8 @@ def summary(result: SimResult, slo: SLO) -> dict[str, Any]:
     tpots = [r.tpot for r in result.requests if r.tpot is not None]
     return {"attainment": result.attainment(slo), "ttft_s": percentiles(ttfts),
             "tpot_s": percentiles(tpots), "breakdown_s": result.breakdown(),
-            "completed": len(ttfts), "requests": len(result.requests)}
+            "completed": len(ttfts), "requests": len(result.requests),
+            "cached_share": result.cached_share}
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -154,6 +155,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     Console().print(table)
     for phase, seconds in stats["breakdown_s"].items():
         print(f"  {phase:>14}: {seconds:.4f} s mean")
+    if workload.lengths.caching is not None:
+        print(f"the instances' prefix caches found {stats['cached_share']:.1%} of the prompt "
+              "tokens")
     return 0
 
 

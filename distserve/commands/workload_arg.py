@@ -5,7 +5,7 @@
     sharegpt:PATH        real ShareGPT prompts (token counts), Azure-trace output lengths
     azure:PATH           Azure LLM inference trace CSV (lengths; arrivals with --arrival trace)
     mooncake:PATH        Mooncake JSONL trace (likewise; with --prefix-cache, its prompts'
-                         shared prefixes priced as found in a cache of that size)
+                         shared prefixes priced as found in each instance's cache)
     chat:SYSTEM:USER:OUTPUT:TURNS[:ACTIVE]
                          conversations (shared.workloads.Chat; their prefixes likewise)
     fixed:PROMPT:OUTPUT  every request alike
@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 
@@ -23,8 +24,9 @@ from distserve.commands.common import positive_int
 from shared.workloads import (
     CACHE_PAGE,
     NO_CACHE,
+    POOL_CACHE,
     Lengths,
-    Prefix,
+    PrefixCaching,
     Workload,
     WorkloadError,
     cached_in,
@@ -54,23 +56,25 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
                    help="requests longer than --max-context: drop them, as the DistServe "
                         "artifact and vLLM's benchmark do, or clip their lengths (prompt to "
                         "half the context) (default: %(default)s)")
-    p.add_argument("--prefix-cache", type=cache_size, metavar="TOKENS|unlimited",
+    p.add_argument("--prefix-cache", type=cache_size, metavar="pool|TOKENS|unlimited",
                    default=NO_CACHE,
                    help="a workload that says which prompts share prefixes (chat, or "
-                        "Mooncake's hash_ids): price each prompt's prefix found in a prefix "
-                        "cache of this many tokens, kept least recently used, as not "
-                        "computed (default: every prompt computed whole)")
+                        "Mooncake's hash_ids): each instance keeps the prompts it computes "
+                        "in a prefix cache, its KV pool (pool, as the workers do) or one of "
+                        "this many tokens, least recently used first out, and a prompt's "
+                        "start found in the instance it goes to is not computed; the "
+                        "prompts are taken in order (default: every prompt computed whole)")
 
 
 def cache_size(text: str) -> int | None:
-    """--prefix-cache: a number of tokens, or `unlimited` (None)."""
-    if text == "unlimited":
-        return None
+    """--prefix-cache: `pool` (POOL_CACHE), a number of tokens, or `unlimited` (None)."""
+    if text in ("pool", "unlimited"):
+        return POOL_CACHE if text == "pool" else None
     try:
         return positive_int(text)
     except (argparse.ArgumentTypeError, ValueError):
         raise argparse.ArgumentTypeError(
-            f"a number of tokens or 'unlimited', got {text!r}") from None
+            f"pool, a number of tokens or 'unlimited', got {text!r}") from None
 
 
 def parse_workload(spec: str, cv: float = 1.0, replay_arrivals: bool = False,
@@ -79,13 +83,14 @@ def parse_workload(spec: str, cv: float = 1.0, replay_arrivals: bool = False,
     """`max_context`: requests longer than the model's context are dropped (`fit="drop"`, as
     the DistServe artifact prepares its datasets) or cut down (`"clip"`: prompts to half the
     context, prompt + output to all of it). `prefix_cache`: of a workload that says which
-    prompts share prefixes, the tokens of each found in a prefix cache of that many tokens
-    (None: unlimited) are priced as not computed."""
+    prompts share prefixes, each instance's cache of that many tokens (None: unlimited;
+    POOL_CACHE: its KV pool), in which a prompt's start found is priced as not computed."""
     kind, _, rest = spec.partition(":")
     if prefix_cache != NO_CACHE and kind not in ("chat", "mooncake"):
         raise WorkloadError(SHARES_NOTHING)
     times: np.ndarray | None = None
     lengths: Lengths
+    block_tokens = CACHE_PAGE  # of the prompts' blocks, where they say them
     if kind == "fixed":
         lengths = fixed_lengths(*parse_fixed(spec))
     elif kind == "chat":
@@ -93,8 +98,7 @@ def parse_workload(spec: str, cv: float = 1.0, replay_arrivals: bool = False,
 
         lengths, prefixes = parse_chat(spec).lengths(CHAT_REQUESTS)
         if prefix_cache != NO_CACHE:
-            lengths = _with_cache(lengths, prefixes, CACHE_PAGE, prefix_cache,
-                                  max_context if fit == "drop" else None)
+            lengths = dataclasses.replace(lengths, prefixes=prefixes)
     elif kind == "humaneval" and not rest:
         from distserve.bench.workload import Limits, parse_bench_workload
 
@@ -107,8 +111,8 @@ def parse_workload(spec: str, cv: float = 1.0, replay_arrivals: bool = False,
         if prefix_cache != NO_CACHE:
             if trace.prefixes is None:
                 raise WorkloadError(SHARES_NOTHING)
-            lengths = _with_cache(lengths, trace.prefixes, trace.block_tokens, prefix_cache,
-                                  max_context if fit == "drop" else None)
+            lengths = dataclasses.replace(lengths, prefixes=trace.prefixes)
+            block_tokens = trace.block_tokens
     else:
         raise WorkloadError(f"unknown workload {spec!r}: use {WORKLOAD_HELP}")
     if max_context is not None and fit == "drop":
@@ -123,6 +127,8 @@ def parse_workload(spec: str, cv: float = 1.0, replay_arrivals: bool = False,
                   file=sys.stderr)
     elif max_context is not None:
         lengths = lengths.clipped(max_context // 2, max_context)
+    if lengths.prefixes is not None:  # (of the requests sent, as sent)
+        lengths = _with_cache(lengths, block_tokens, prefix_cache)
     return Workload(lengths, cv=cv, trace_times=times)
 
 
@@ -130,18 +136,18 @@ SHARES_NOTHING = ("--prefix-cache needs a workload that says which prompts share
                   "(chat, or a Mooncake trace with hash_ids)")
 
 
-def _with_cache(lengths: Lengths, prefixes: tuple[Prefix, ...], block_tokens: int,
-                capacity_tokens: int | None, max_total: int | None) -> Lengths:
-    """`lengths` with each prompt's tokens a prefix cache of `capacity_tokens` holds as it
-    comes (in order; of the requests within `max_total` tokens, the others never sent),
-    printed as the share of all prompt tokens."""
-    keep = np.ones(len(lengths.prompts), dtype=bool) if max_total is None else \
-        lengths.prompts + lengths.outputs <= max_total
-    cached = np.zeros(len(lengths.prompts), dtype=np.int64)
-    cached[keep] = cached_in([p for p, k in zip(prefixes, keep, strict=True) if k],
-                             lengths.prompts[keep], block_tokens, capacity_tokens)
-    share = cached[keep].sum() / max(1, lengths.prompts[keep].sum())
-    size = "an unlimited" if capacity_tokens is None else f"a {capacity_tokens}-token"
-    print(f"workload: {size} prefix cache holds {share:.1%} of the prompt tokens",
-          file=sys.stderr)
-    return Lengths(lengths.prompts, lengths.outputs, cached)
+def _with_cache(lengths: Lengths, block_tokens: int, capacity_tokens: int | None) -> Lengths:
+    """`lengths`, whose prompts say their blocks of `block_tokens`, cached by each instance
+    in `capacity_tokens` (`PrefixCaching`), with the tokens of each that one such cache
+    holds as it comes in order, printed as the share of all prompt tokens: what one
+    instance would find, and an upper bound on what several do."""
+    assert lengths.prefixes is not None
+    one = None if capacity_tokens == POOL_CACHE else capacity_tokens  # (a pool: at most)
+    cached = cached_in(lengths.prefixes, lengths.prompts, block_tokens, one)
+    share = cached.sum() / max(1, lengths.prompts.sum())
+    size = "an unlimited" if one is None else f"a {capacity_tokens}-token"
+    print(f"workload: {size} prefix cache, all prompts in one, would hold {share:.1%} of "
+          "the prompt tokens; each instance keeps its own"
+          + (" in its KV pool" if capacity_tokens == POOL_CACHE else ""), file=sys.stderr)
+    return dataclasses.replace(lengths, cached=cached,
+                               caching=PrefixCaching(block_tokens, capacity_tokens, one))

@@ -202,9 +202,10 @@ def test_plan_prices_a_traces_shared_prefixes_only_when_told_the_cache(
     plain = parse_workload(spec, max_context=4096)
     assert plain.lengths.cached is None
     unlimited = parse_workload(spec, max_context=4096, prefix_cache=None)
-    assert "an unlimited prefix cache holds" in capsys.readouterr().err
+    assert "an unlimited prefix cache, all prompts in one, would hold" in \
+        capsys.readouterr().err
     bounded = parse_workload(spec, max_context=4096, prefix_cache=20_000)
-    assert "a 20000-token prefix cache holds" in capsys.readouterr().err
+    assert "a 20000-token prefix cache, all prompts in one" in capsys.readouterr().err
     assert len(unlimited.lengths.prompts) == len(plain.lengths.prompts) < 12031
     assert 0 < bounded.lengths.mean_cached < unlimited.lengths.mean_cached
     assert np.all(unlimited.lengths.cached < unlimited.lengths.prompts)  # type: ignore[operator]

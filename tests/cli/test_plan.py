@@ -343,3 +343,33 @@ def test_a_plan_made_with_a_relative_profile_simulates_from_any_folder(
     made.rename(tmp_path / "carried")
     assert main(["simulate", "--plan", str(tmp_path / "carried" / "plan.json"), "--workload",
                  "fixed:64:8", "--requests", "20"]) == 0
+
+
+def test_prefix_caches_of_each_instance_are_simulated_with_their_pools(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--prefix-cache pool`: each instance keeps the prompts it computes in its KV pool.
+    One replica finds what one cache of all the prompts would (the 1,024 turns the workload
+    has); two replicas sent the turns
+    of a busy chat find less, each missing what went to the other."""
+    chat = ["--workload", "chat:64:32:16:4:2", "--prefix-cache", "pool"]
+    plan_file = tmp_path / "plan.json"
+    assert main(["plan", "--profile", str(Path("profiles") / "smollm2-135m-cpu-1thread.json"),
+                 *chat, "--ttft", "3", "--tpot", "0.15", "--rate", "2", "--nodes", "1",
+                 "--gpus-per-node", "1", "--requests", "100", "-o", str(plan_file)]) == 0
+    one = float(re.findall(r"would hold ([\d.]+)%", capsys.readouterr().err)[0])
+    plan = Plan.model_validate_json(plan_file.read_text())
+    assert [i.role for i in plan.instances] == ["colocated"]
+
+    def found(rate: str, p: Plan) -> float:
+        plan_file.write_text(p.model_dump_json())
+        assert main(["simulate", "--plan", str(plan_file), *chat, "--rate", rate,
+                     "--requests", "1024"]) == 0
+        return float(re.findall(r"prefix caches found ([\d.]+)% of the prompt tokens",
+                                capsys.readouterr().out)[0])
+
+    assert found("2", plan) == one
+    two = plan.model_copy(update={"instances": plan.instances * 2, "devices_used": 2})
+    assert found("8", two) < one
+    with pytest.raises(SystemExit):
+        main(["plan", *chat[:3], "pools", "--profile", "x.json"])
+    assert "pool, a number of tokens or 'unlimited'" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """The colocated cluster, simulated: every instance runs both phases on its device, and each
-request goes to the least-loaded instance. KV memory is reserved for a request's prompt and
+request goes to the least-loaded instance (on a tie, the one its prompt's start went to:
+prefixes.py). KV memory is reserved for a request's prompt and
 output when it is admitted, so the simulated engines never preempt. Two schedulers:
 
 - `PrefillFirstInstance` (vLLM's default): a prefill-only step whenever prompts can be
@@ -29,6 +30,7 @@ from services.planner.simulator.core import (
     run_quiet_steps,
     sim_requests,
 )
+from services.planner.simulator.prefixes import PrefixCaches
 from shared.state import colocated_key
 from shared.workloads import WorkloadRequest
 
@@ -186,10 +188,13 @@ def simulate_colocated(cluster: ColocatedCluster,
     instances = [kind(loop, spec, on[spec.node], jitter=jitters(spec.noise, i))
                  for i, spec in enumerate(cluster.instances)]
     requests = sim_requests(workload)
+    caches = PrefixCaches(cluster.instances)
 
     def dispatch(r: SimRequest) -> None:  # as the gateway does (shared.state.pick_colocated)
+        holder = caches.holder(r)
         r.instance = min(range(len(instances)), key=lambda i: colocated_key(
-            instances[i].load, instances[i].queued, i))
+            instances[i].load, instances[i].queued, i, i == holder))
+        caches.take(r, r.instance)
         instances[r.instance].arrive(r)
 
     for r in requests:

@@ -16,7 +16,7 @@ from typing import Any
 from services.planner.latency import PHASES, Contention, LatencyModel, Phase
 from services.planner.noise import Jitter, Noise
 from shared.metrics import SLO, attainment, tpot
-from shared.workloads import WorkloadRequest
+from shared.workloads import Prefix, PrefixCaching, WorkloadRequest
 
 NAN = math.nan
 
@@ -34,7 +34,9 @@ class SimRequest:
     transfer_end: float = NAN
     decode_start: float = NAN
     finish: float = NAN
-    instance: int = -1  # the colocated replica it was dispatched to (its index)
+    instance: int = -1  # the colocated replica or prefill instance it went to (its index)
+    prefix: Prefix = ()  # its prompt's blocks, where instances cache them (`caching`)
+    caching: PrefixCaching | None = None  # how; None: `cached` is as the workload says
 
     @property
     def done(self) -> bool:
@@ -287,6 +289,12 @@ class SimResult:
         return sum(r.ttft is not None and r.ttft <= ttft_s for r in self.requests) / max(
             1, len(self.requests))
 
+    @property
+    def cached_share(self) -> float:
+        """Of all prompt tokens, those found cached."""
+        return sum(r.cached for r in self.requests) / max(
+            1, sum(r.prompt for r in self.requests))
+
     def tpot_attainment(self, tpot_s: float) -> float:
         return sum(r.tpot is not None and r.tpot <= tpot_s for r in self.requests) / max(
             1, len(self.requests))
@@ -315,9 +323,11 @@ class SimResult:
 
 def sim_requests(workload: Sequence[WorkloadRequest]) -> list[SimRequest]:
     """The workload's requests to simulate; a prompt's cached tokens are all but its last at
-    most (an engine computes that one whatever it holds, and samples from it)."""
+    most (an engine computes that one whatever it holds, and samples from it), and where
+    instances cache its prefix, what the one it goes to holds (`PrefixCaches`)."""
     return [SimRequest(i, w.arrival_s, w.prompt_tokens, w.output_tokens,
-                       max(0, min(w.cached_tokens, w.prompt_tokens - 1)))
+                       max(0, min(w.cached_tokens, w.prompt_tokens - 1)),
+                       prefix=w.prefix, caching=w.caching if w.prefix else None)
             for i, w in enumerate(workload)]
 
 

@@ -1,5 +1,6 @@
 """The disaggregated cluster, simulated: requests go to the prefill instance with the
-shortest queue (FCFS, batches up to L_m tokens), which holds their KV until the least-loaded
+shortest queue (on a tie, the one their prompt's start went to: prefixes.py; FCFS, batches
+up to L_m tokens), which holds their KV until the least-loaded
 decode instance pulls it (the prefill memory is the queue buffer; pulling needs room in the
 decode pool and batch); the transfer takes KV bytes / link bandwidth; decode runs continuous
 batching. As the decode service does, a decode instance takes the blocks for a pull at once
@@ -29,6 +30,7 @@ from services.planner.simulator.core import (
     run_quiet_steps,
     sim_requests,
 )
+from services.planner.simulator.prefixes import PrefixCaches
 from shared.workloads import WorkloadRequest
 
 
@@ -189,9 +191,17 @@ def simulate_disaggregated(cluster: DisaggregatedCluster,
 
     prefills = [PrefillInstance(loop, spec, prefilled, on[spec.node], 2 * i)
                 for i, spec in enumerate(cluster.prefill)]
+    caches = PrefixCaches(cluster.prefill)
+
+    def dispatch(r: SimRequest) -> None:  # as the gateway does (shared.state.pick_prefill)
+        holder = caches.holder(r)
+        r.instance = min(range(len(prefills)), key=lambda i: (prefills[i].load, i != holder, i))
+        caches.take(r, r.instance)
+        prefills[r.instance].arrive(r)
+
     requests = sim_requests(workload)
     for r in requests:
-        loop.at(r.arrival, lambda r: min(prefills, key=lambda p: p.load).arrive(r), r)
+        loop.at(r.arrival, dispatch, r)
     loop.run()
     return SimResult(requests, cluster.devices)
 

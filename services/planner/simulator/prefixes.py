@@ -1,0 +1,61 @@
+"""Each simulated instance's prefix cache, and dispatch's lean toward the instance a prompt's
+start went to (pure). As in the stack: a worker keeps the KV of the prompts it computed in
+its pool and finds a later prompt's start there (block_manager.py), and the gateway sends a
+prompt, among the least-loaded instances, to the one an earlier prompt with its start went to
+(services/gateway/affinity.py). So several instances split a workload's prefixes among their
+caches, each finding only what its own requests left."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.gateway.affinity import BLOCK, MOST_PREFIXES, PrefixAffinity
+from services.planner.simulator.core import InstanceSpec, SimRequest
+from shared.workloads import CACHE_PAGE, PrefixCache
+
+
+class PrefixCaches:
+    """The caches of instances `specs` (each made at its first request, its size as its
+    request's `PrefixCaching` says) and where each prompt's blocks went last. A request
+    without `caching` keeps the cached tokens its workload gave it."""
+
+    def __init__(self, specs: Sequence[InstanceSpec]) -> None:
+        self.specs = specs
+        self.alone = len(specs) == 1  # every request goes to it
+        self._caches: dict[int, PrefixCache] = {}
+        self._went: PrefixAffinity | None = None
+
+    def holder(self, r: SimRequest) -> int:
+        """The instance the longest start of `r`'s prompt that went anywhere went to last
+        (-1: none)."""
+        if r.caching is None or self._went is None or self.alone:
+            return -1
+        went = self._went.holder(self._blocks(r))
+        return int(went) if went else -1
+
+    def take(self, r: SimRequest, instance: int) -> None:
+        """`r` goes to `instance`: of its prompt, the tokens that instance's cache holds are
+        cached (whole pages, never its last token's), and its prompt is kept there."""
+        caching = r.caching
+        if caching is None or (self.alone and caching.counted == caching.size(
+                self.specs[instance].kv_capacity)):
+            return  # (one instance of the size its workload counted with finds as counted)
+        cache = self._caches.get(instance)
+        if cache is None:
+            cache = self._caches[instance] = caching.cache(self.specs[instance].kv_capacity)
+        found = cache.take(r.prefix, r.prompt)  # (as `cached_tokens` counts them)
+        r.cached = min(found, r.prompt - 1) // CACHE_PAGE * CACHE_PAGE
+        if self.alone:
+            return
+        if self._went is None:  # as many tokens as the gateway remembers
+            self._went = PrefixAffinity(
+                most=max(1, MOST_PREFIXES * BLOCK // caching.block_tokens))
+        self._went.record(self._blocks(r), str(instance))
+
+    @staticmethod
+    def _blocks(r: SimRequest) -> Sequence[int]:
+        """The blocks the gateway names `r`'s prompt by: those of its whole pages but the
+        one of its last token."""
+        assert r.caching is not None
+        pages = (r.prompt - 1) // CACHE_PAGE * CACHE_PAGE
+        return r.prefix[:-(-pages // r.caching.block_tokens)]
