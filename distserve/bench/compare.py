@@ -36,7 +36,7 @@ from services.planner.simulator.core import SimResult
 from services.process import WorkerSettings
 from services.supervisor import free_port
 from shared.metrics import SLO, attains
-from shared.workloads import NO_CACHE, WorkloadRequest
+from shared.workloads import NO_CACHE, POOL_CACHE, PrefixCaching, WorkloadRequest
 
 DEFAULT_LINK_BPS = 0.5e9  # UCX between two local processes (loopback TCP), measured
 
@@ -288,14 +288,53 @@ def simulate_live(measured: Measured, profile: Profile, workload: BenchWorkload,
     return out
 
 
-def _simulate_run(measured: Measured, problem: Problem, run: RunResult) -> SimResult:
+def _simulate_run(measured: Measured, problem: Problem, run: RunResult,
+                  sent: BenchWorkload | None = None) -> SimResult:
     """`run`'s requests simulated on `problem`, each with its prompt's tokens the stack's
-    prefix caches found (priced as not computed)."""
+    prefix caches found (priced as not computed); or with `sent` (the workload, sent in
+    order), those the prefix cache model finds in the instance each goes to, each instance's
+    cache its KV pool."""
     c = measured.system.stack
     counts = (c.prefill, c.decode, 0) if c.mode == "disaggregated" else (0, 0, c.replicas)
+    caching = None if sent is None else PrefixCaching(sent.block_tokens, POOL_CACHE)
     return cluster(problem, measured.system.mode, counts)(
         [WorkloadRequest(r.arrival_s, r.prompt_tokens, r.max_tokens, r.cached_tokens)
+         if sent is None else WorkloadRequest(r.arrival_s, r.prompt_tokens, r.max_tokens, 0,
+                                              sent.prefix_of(r.index), caching)
          for r in run.records])
+
+
+@dataclass(frozen=True)
+class CacheFit:
+    """How the prefix cache model predicts one rate's cached tokens, over its completed
+    requests: the shares of their prompt tokens the stack's caches found and the model's
+    did, and the requests whose count it predicts to the token."""
+
+    measured: float
+    modelled: float
+    exact: int
+    requests: int
+
+
+def cache_fits(measured: Measured, profile: Profile, workload: BenchWorkload, slo: SLO
+               ) -> list[CacheFit]:
+    """Where `measured`'s stack cached prefixes of a workload whose prompts share them
+    (sent in order): each rate's requests simulated with the prefix cache model (each
+    instance its own, dispatched to as the gateway does: simulator/prefixes.py) in place of
+    the tokens the stack found, against those. Empty where there is nothing to predict."""
+    if not (measured.system.stack.prefix_caching and workload.shares_prefixes
+            and workload.in_order):
+        return []
+    problem = stack_problem(measured, profile, workload, slo, 0.9, 1.0)
+    out = []
+    for run in measured.runs:
+        sim = _simulate_run(measured, problem, run, workload)
+        done = [(r, s) for r, s in zip(run.records, sim.requests, strict=True) if r.ok]
+        prompts = max(1, sum(r.prompt_tokens for r, _ in done))
+        out.append(CacheFit(sum(r.cached_tokens for r, _ in done) / prompts,
+                            sum(s.cached for _, s in done) / prompts,
+                            sum(r.cached_tokens == s.cached for r, s in done), len(done)))
+    return out
 
 
 def recorded(report: dict[str, Any]) -> list[Measured]:

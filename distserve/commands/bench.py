@@ -298,10 +298,11 @@ def _report_compare(args: argparse.Namespace, console: Console, workload: BenchW
                     profile: Profile | None) -> int:
     """The tables, plots and results.json of the systems measured (or recorded), with their
     simulation where there is a profile."""
-    curves, fidelities, lives = [], [], []
+    curves, fidelities, lives, caches = [], [], [], []
     for m in measured:
         simulated = raw = None
         if profile is not None:
+            caches.append(cmp.cache_fits(m, profile, workload, slo))
             sims = cmp.simulate(m, profile, workload, slo)
             simulated = [sim.attainment(slo) for sim in sims]
             raw = [sim.attainment(slo) for sim in cmp.simulate(
@@ -313,7 +314,10 @@ def _report_compare(args: argparse.Namespace, console: Console, workload: BenchW
     reports = [system_report(c.name, c.devices, c.runs, slo, args.attainment) | {
         "cores_used": m.cores_used, "kv_link_bps": m.link_bps,
         "unloaded": m.unloaded.__dict__} for c, m in zip(curves, measured, strict=True)]
-    for report, c, fits, live in zip(reports, curves, fidelities, lives, strict=False):
+    for report, c, fits, live, cached in zip(reports, curves, fidelities, lives, caches,
+                                             strict=False):
+        if cached:  # each rate: the prefix cache model's tokens found against the stack's
+            report["cache_model"] = [dataclasses.asdict(f) for f in cached]
         if c.simulated is not None:
             report["simulated_attainment"] = list(c.simulated)
             report["simulated_attainment_uncalibrated"] = list(c.simulated_raw or [])
@@ -353,6 +357,7 @@ def _report_compare(args: argparse.Namespace, console: Console, workload: BenchW
     if profile is not None:
         _print_fidelity(console, curves, fidelities, lives, slo,
                         [r.get("live_stages_s") or [] for r in reports])
+        _print_cache_fits(console, curves, caches)
         _print_recommendation(console, report["recommendation"])
     ratio = report["ratio_disaggregated_to_colocated"]
     if ratio is not None:
@@ -387,6 +392,19 @@ def recommendation(found: Sequence[Candidate], measured: Sequence[cmp.Measured],
                                  for mode, g, name in named],
             "recommended_vs_best_measured": got[chosen.mode] / top
             if chosen.mode in got and top > 0 else None}
+
+
+def _print_cache_fits(console: Console, curves: Sequence[Curve],
+                      caches: Sequence[Sequence[cmp.CacheFit]]) -> None:
+    """Each system's prompt tokens found cached, measured against the prefix cache
+    model's, rate by rate."""
+    for c, fits in zip(curves, caches, strict=False):
+        if fits:
+            shares = ", ".join(f"{f.measured:.1%}/{f.modelled:.1%}" for f in fits)
+            console.print(
+                f"prefix caches of {c.name}, found measured/modelled at each rate: {shares}; "
+                f"{sum(f.exact for f in fits)} of {sum(f.requests for f in fits)} requests "
+                "as modelled to the token", markup=False)
 
 
 def _print_recommendation(console: Console, rec: dict[str, Any]) -> None:

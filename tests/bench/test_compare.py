@@ -5,12 +5,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from distserve.bench.compare import (
     Measured,
     RateGrid,
     auto_rates,
+    cache_fits,
     calibrated_profile,
     calibration_from,
     fidelity,
@@ -28,6 +30,7 @@ from distserve.commands.bench import recommendation
 from services.planner.profiles import load_profile, shipped_cpu_profile
 from services.planner.simulator.core import SimRequest, SimResult
 from shared.metrics import SLO
+from shared.workloads import cached_in
 
 
 def test_calibration_makes_the_profile_predict_the_measured_unloaded_latencies() -> None:
@@ -375,3 +378,43 @@ def test_a_recorded_comparison_is_scored_again_on_the_objectives_given(
         assert [r["attainment"] for r in after["runs"]] == (
             [1.0, 1.0] if slo[1] > 0.06 else [r["attainment"] for r in before["runs"]])
     assert [r["attainment"] for r in report["systems"][0]["runs"]] == [1.0, 0.0]
+
+
+def test_a_stacks_found_prefixes_are_set_beside_the_prefix_cache_models(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Of a workload whose prompts share prefixes, `--simulate` sets the tokens each
+    system's prefix caches found beside the model's, each instance a cache of its pool:
+    one prefill instance's pool finds what one cache would; two colocated replicas sent
+    requests at once split the conversations and find less."""
+    spec = "chat:64:32:16:4:2"
+    workload = parse_bench_workload(spec, Limits())
+    items = workload.items[:6]
+    one = cached_in([i.prefix for i in items], np.array([i.prompt_tokens for i in items]),
+                    workload.block_tokens, None).tolist()
+    report = recorded_comparison(tmp_path / "results.json")
+    report |= {"workload": spec, "prefix_caching": True}
+    for system in report["systems"]:
+        for run in system["runs"]:
+            for record, item, cached in zip(run["records"], items, one, strict=True):
+                record |= {"prompt_tokens": item.prompt_tokens, "cached_tokens": cached,
+                           "max_tokens": item.output_tokens}
+                if run["rate"] == 2.0:  # all at once
+                    record["arrival_s"] = record["sent_s"] = 0.0
+    (tmp_path / "results.json").write_text(json.dumps(report))
+    profile, slo = load_profile(shipped_cpu_profile(1)), SLO(1.0, 0.05)
+    measured = recorded(report)
+    disaggregated, colocated = (cache_fits(m, profile, workload, slo) for m in measured[:2])
+    assert [(f.modelled, f.exact, f.requests) for f in disaggregated] == \
+        [(f.measured, 6, 6) for f in disaggregated]
+    assert colocated[0].modelled == colocated[0].measured  # far apart: one replica
+    assert colocated[1].modelled < colocated[1].measured and colocated[1].exact < 6
+    plain = parse_bench_workload("fixed:128:8", Limits())
+    assert cache_fits(measured[0], profile, plain, slo) == []  # nothing shared
+
+    out = tmp_path / "again"
+    assert main(["bench", "compare", "--from", str(tmp_path / "results.json"), "--workload",
+                 spec, "--out", str(out)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "prefix caches of colocated x2, found measured/modelled at each rate" in printed
+    again = json.loads((out / "results.json").read_text())
+    assert [f["exact"] for f in again["systems"][0]["cache_model"]] == [6, 6]
