@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import csv
+import functools
 import io
 import json
 from collections.abc import Callable, Sequence
@@ -48,7 +49,7 @@ class Lengths:
     None: every prompt computed whole). Of a workload that says which prompts share
     prefixes, priced with each instance's own cache: the prompts as blocks (`prefixes`) and
     how an instance caches them (`caching`); `cached` is then what one cache of that size,
-    seeing every prompt, would find (an upper bound on what several find)."""
+    seeing every prompt in order, finds (`PrefixCaching.counted`)."""
 
     prompts: np.ndarray
     outputs: np.ndarray
@@ -108,8 +109,19 @@ class Lengths:
 
     @property
     def mean_cached(self) -> float:
-        """Of a prompt, the tokens a prefix cache holds, on average (0: none known)."""
+        """Of a prompt, the tokens a prefix cache holds, on average (0: none known); where
+        each instance caches its own (`caching`), the most they can: what one unlimited
+        cache of every prompt finds (several caches of a size, each sent some of the
+        prompts, can find more than one of that size sent all; none finds more than that)."""
+        if self.caching is not None and self.prefixes is not None:
+            return self._most_cached
         return 0.0 if self.cached is None else float(np.mean(self.cached))
+
+    @functools.cached_property
+    def _most_cached(self) -> float:
+        assert self.caching is not None and self.prefixes is not None
+        return float(np.mean(cached_in(self.prefixes, self.prompts, self.caching.block_tokens,
+                                       None)))
 
     @property
     def mean_computed(self) -> float:

@@ -117,6 +117,8 @@ def parse_workload(spec: str, cv: float = 1.0, replay_arrivals: bool = False,
         raise WorkloadError(f"unknown workload {spec!r}: use {WORKLOAD_HELP}")
     if max_context is not None and fit == "drop":
         total = len(lengths.prompts)
+        if times is not None and lengths.prefixes is not None:  # (sent in order: each its own)
+            times = times[lengths.prompts + lengths.outputs <= max_context]
         try:
             lengths = lengths.within(max_context)
         except WorkloadError as e:
@@ -139,15 +141,17 @@ SHARES_NOTHING = ("--prefix-cache needs a workload that says which prompts share
 def _with_cache(lengths: Lengths, block_tokens: int, capacity_tokens: int | None) -> Lengths:
     """`lengths`, whose prompts say their blocks of `block_tokens`, cached by each instance
     in `capacity_tokens` (`PrefixCaching`), with the tokens of each that one such cache
-    holds as it comes in order, printed as the share of all prompt tokens: what one
-    instance would find, and an upper bound on what several do."""
+    holds as it comes in order (a pool's: an unlimited one's), printed as the share of all
+    prompt tokens, with an unlimited cache's, which no instance's beats."""
     assert lengths.prefixes is not None
-    one = None if capacity_tokens == POOL_CACHE else capacity_tokens  # (a pool: at most)
+    one = None if capacity_tokens == POOL_CACHE else capacity_tokens
     cached = cached_in(lengths.prefixes, lengths.prompts, block_tokens, one)
-    share = cached.sum() / max(1, lengths.prompts.sum())
-    size = "an unlimited" if one is None else f"a {capacity_tokens}-token"
-    print(f"workload: {size} prefix cache, all prompts in one, would hold {share:.1%} of "
-          "the prompt tokens; each instance keeps its own"
+    found = dataclasses.replace(lengths, cached=cached,
+                                caching=PrefixCaching(block_tokens, capacity_tokens, one))
+    prompts = lengths.mean_prompt
+    sized = "" if one is None else \
+        f"one {one}-token prefix cache would hold {cached.mean() / prompts:.1%}, "
+    print(f"workload: of the prompt tokens sent in order, {sized}an unlimited prefix cache "
+          f"would hold {found.mean_cached / prompts:.1%}; each instance keeps its own"
           + (" in its KV pool" if capacity_tokens == POOL_CACHE else ""), file=sys.stderr)
-    return dataclasses.replace(lengths, cached=cached,
-                               caching=PrefixCaching(block_tokens, capacity_tokens, one))
+    return found

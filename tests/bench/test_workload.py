@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from distserve.bench.workload import Limits, as_simulated, parse_bench_workload
-from shared.workloads import WorkloadError
+from shared.workloads import WorkloadError, read_trace
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
@@ -202,13 +202,20 @@ def test_plan_prices_a_traces_shared_prefixes_only_when_told_the_cache(
     plain = parse_workload(spec, max_context=4096)
     assert plain.lengths.cached is None
     unlimited = parse_workload(spec, max_context=4096, prefix_cache=None)
-    assert "an unlimited prefix cache, all prompts in one, would hold" in \
-        capsys.readouterr().err
+    assert "an unlimited prefix cache would hold" in capsys.readouterr().err
     bounded = parse_workload(spec, max_context=4096, prefix_cache=20_000)
-    assert "a 20000-token prefix cache, all prompts in one" in capsys.readouterr().err
+    assert "one 20000-token prefix cache would hold" in capsys.readouterr().err
     assert len(unlimited.lengths.prompts) == len(plain.lengths.prompts) < 12031
-    assert 0 < bounded.lengths.mean_cached < unlimited.lengths.mean_cached
-    assert np.all(unlimited.lengths.cached < unlimited.lengths.prompts)  # type: ignore[operator]
+    assert bounded.lengths.cached is not None and unlimited.lengths.cached is not None
+    assert 0 < bounded.lengths.cached.mean() < unlimited.lengths.cached.mean()
+    # the searches' bounds: what one unlimited cache finds, which no instance's beats
+    assert bounded.lengths.mean_cached == unlimited.lengths.mean_cached
+    assert np.all(unlimited.lengths.cached < unlimited.lengths.prompts)
+    # sent in order at the trace's times: each request its own row's time, of those kept
+    timed = parse_workload(spec, replay_arrivals=True, max_context=4096, prefix_cache=None)
+    trace = read_trace("mooncake", DATA / "mooncake_conversation_trace.jsonl")
+    kept = trace.lengths.prompts + trace.lengths.outputs <= 4096
+    assert np.array_equal(timed.trace_times, trace.times_s[kept])  # type: ignore[arg-type]
     for other in (f"azure:{DATA / 'AzureLLMInferenceTrace_conv.csv'}", "fixed:64:8"):
         with pytest.raises(WorkloadError, match="needs a workload that says which prompts"):
             parse_workload(other, prefix_cache=None)

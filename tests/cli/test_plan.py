@@ -356,7 +356,8 @@ def test_prefix_caches_of_each_instance_are_simulated_with_their_pools(
     assert main(["plan", "--profile", str(Path("profiles") / "smollm2-135m-cpu-1thread.json"),
                  *chat, "--ttft", "3", "--tpot", "0.15", "--rate", "2", "--nodes", "1",
                  "--gpus-per-node", "1", "--requests", "100", "-o", str(plan_file)]) == 0
-    one = float(re.findall(r"would hold ([\d.]+)%", capsys.readouterr().err)[0])
+    one = float(re.findall(r"unlimited prefix cache would hold ([\d.]+)%",
+                           capsys.readouterr().err)[0])
     plan = Plan.model_validate_json(plan_file.read_text())
     assert [i.role for i in plan.instances] == ["colocated"]
 

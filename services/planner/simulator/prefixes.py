@@ -44,7 +44,7 @@ class PrefixCaches:
         if cache is None:
             cache = self._caches[instance] = caching.cache(self.specs[instance].kv_capacity)
         found = cache.take(r.prefix, r.prompt)  # (as `cached_tokens` counts them)
-        r.cached = min(found, r.prompt - 1) // CACHE_PAGE * CACHE_PAGE
+        r.cached = max(0, min(found, r.prompt - 1)) // CACHE_PAGE * CACHE_PAGE
         if self.alone:
             return
         if self._went is None:  # as many tokens as the gateway remembers
