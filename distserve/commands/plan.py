@@ -21,7 +21,7 @@ from services.planner.low_affinity import low_affinity
 from services.planner.models import UnknownModelError
 from services.planner.placement import NoFeasiblePlan, Problem, high_affinity
 from services.planner.plan import ModeCandidate, Plan
-from services.planner.plan_sim import served_rps
+from services.planner.plan_sim import served_rps, simulate_plan
 from services.planner.profiles import (
     Profile,
     ProfileError,
@@ -197,18 +197,28 @@ def rank(plan: Plan) -> tuple[bool, int, float, float]:
             plan.served_per_device_rps, plan.best_per_device_goodput_rps)
 
 
+def cached_share(plan: Plan, problem: Problem) -> float:
+    """Of the prompt tokens of `problem`'s workload at its rate, the share `plan`'s
+    instances find in their prefix caches (simulated, on a finished plan's long run)."""
+    return simulate_plan(plan, problem.profile,
+                         problem.validation_requests(problem.rate)).cached_share
+
+
 def modes_table(candidates: list[ModeCandidate], chosen: Plan) -> Table:
     table = Table(title=f"serving modes for {chosen.model} at {chosen.rate_rps} req/s")
-    for column in ("mode", "placement", "devices", "served/dev", "search/dev", "attained"):
+    cached = any(c.cached_share is not None for c in candidates)
+    for column in ("mode", "placement", "devices", "served/dev", "search/dev", "attained",
+                   *("cached",) * cached):
         left = column in ("mode", "placement")  # a placement may wrap (a mode's error)
         table.add_column(column, justify="left" if left else "right", no_wrap=column == "mode")
     for c in candidates:
         if c.error:
-            table.add_row(c.label, f"none: {c.error}", "", "", "", "")
+            table.add_row(c.label, f"none: {c.error}", "", "", "", "", *("",) * cached)
         else:
             table.add_row(c.label, c.placement, str(c.devices_used),
                           f"{c.served_per_device_rps:.3f}",
-                          f"{c.best_per_device_goodput_rps:.3f}", f"{c.predicted_attainment:.1%}")
+                          f"{c.best_per_device_goodput_rps:.3f}", f"{c.predicted_attainment:.1%}",
+                          *(f"{c.cached_share or 0.0:.1%}",) * cached)
     why = ("of the placements that meet the target at the rate" if meets_target(chosen)
            else f"{no_placement_meets(chosen)}; of the best found")
     table.caption = (f"recommended: {chosen.candidate().label} ({why}, the fewest devices, "
@@ -219,7 +229,9 @@ def modes_table(candidates: list[ModeCandidate], chosen: Plan) -> Table:
                      "per-device goodput of the mode's configurations as its search priced "
                      "them (disaggregated: each phase alone, Algorithm 1); attained: simulated "
                      "attainment of the placement at the rate. Colocated modes run vLLM's "
-                     "scheduler limits (2048 tokens a step, 256 requests).")
+                     "scheduler limits (2048 tokens a step, 256 requests)."
+                     + (" cached: the share of the prompt tokens the placement's instances "
+                        "find in their prefix caches at the rate." if cached else ""))
     return table
 
 
@@ -249,6 +261,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                  args.json)
     chosen = max(plans, key=rank)
     candidates = [p.candidate() if isinstance(p, Plan) else p for p in searched]
+    if problem.workload.lengths.caching is not None:
+        candidates = [c.model_copy(update={"cached_share": cached_share(
+            p, prefilled[0] if prefilled and p.prefill_dtype else problem)})
+            if isinstance(p, Plan) else c for p, c in zip(searched, candidates, strict=True)]
     plan = chosen.model_copy(update={  # the profiles by whole path: read from anywhere
         "profile": str(Path(args.profile).resolve()), "profile_model": args.model or "",
         "dtype": problem.profile.dtype,
@@ -261,6 +277,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if len(searched) > 1:
         console.print(modes_table(candidates, plan))
     console.print(plan_table(plan, seconds))
+    found = candidates[next(i for i, p in enumerate(searched) if p is chosen)].cached_share
+    if found is not None:
+        console.print(f"its instances' prefix caches find {found:.1%} of the prompt tokens at "
+                      f"{plan.rate_rps} req/s (simulated)")
     if args.baseline_profile:
         base_problem = build_problem(args, parser, args.baseline_profile, args.rate)
         try:

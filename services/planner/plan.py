@@ -48,6 +48,10 @@ class ModeCandidate(BaseModel):
     error: str = Field(default="", description="why the mode has no plan (then no figures)")
     prefill_dtype: str = Field(default="", description="disaggregated: the prefill instances' "
                                "compute dtype where it is not the profile's")
+    cached_share: float | None = Field(
+        default=None, description="of a workload priced with each instance's prefix cache "
+        "(--prefix-cache): the share of the prompt tokens its instances find cached, "
+        "simulated at the rate")
 
     @property
     def label(self) -> str:

@@ -356,10 +356,14 @@ def test_prefix_caches_of_each_instance_are_simulated_with_their_pools(
     assert main(["plan", "--profile", str(Path("profiles") / "smollm2-135m-cpu-1thread.json"),
                  *chat, "--ttft", "3", "--tpot", "0.15", "--rate", "2", "--nodes", "1",
                  "--gpus-per-node", "1", "--requests", "100", "-o", str(plan_file)]) == 0
-    one = float(re.findall(r"unlimited prefix cache would hold ([\d.]+)%",
-                           capsys.readouterr().err)[0])
+    printed = capsys.readouterr()
+    one = float(re.findall(r"unlimited prefix cache would hold ([\d.]+)%", printed.err)[0])
     plan = Plan.model_validate_json(plan_file.read_text())
     assert [i.role for i in plan.instances] == ["colocated"]
+    weighed = [c for c in plan.candidates if not c.error]  # each mode's placement's share
+    assert weighed and all(0 < (c.cached_share or 0) <= one / 100 + 0.01 for c in weighed)
+    assert re.search(r"its instances' prefix caches find [\d.]+% of the prompt tokens",
+                     " ".join(printed.out.split()))
 
     def found(rate: str, p: Plan) -> float:
         plan_file.write_text(p.model_dump_json())
