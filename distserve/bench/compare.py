@@ -321,17 +321,20 @@ def cache_fits(measured: Measured, profile: Profile, workload: BenchWorkload, sl
     """Where `measured`'s stack cached prefixes of a workload whose prompts share them
     (sent in order): each rate's requests simulated with the prefix cache model (each
     instance its own, dispatched to as the gateway does: simulator/prefixes.py) in place of
-    the tokens the stack found, against those: those it completed (a request refused never
-    reached a cache). Empty where there is nothing to predict."""
+    the tokens the stack found, against those: those it answered whole (only their usage
+    says what was found). A request that never had its first token (refused, or lost in a
+    prefill) is left out: it may never have reached a cache. Empty where there is nothing
+    to predict."""
     if not (measured.system.stack.prefix_caching and workload.shares_prefixes
             and workload.in_order):
         return []
     problem = stack_problem(measured, profile, workload, slo, 0.9, 1.0)
     out = []
     for run in measured.runs:
-        ok = dataclasses.replace(run, records=[r for r in run.records if r.ok])
-        sim = _simulate_run(measured, problem, ok, workload)
-        done = list(zip(ok.records, sim.requests, strict=True))
+        prefilled = dataclasses.replace(run, records=[r for r in run.records
+                                                      if r.first_token_s is not None])
+        sim = _simulate_run(measured, problem, prefilled, workload)
+        done = [(r, s) for r, s in zip(prefilled.records, sim.requests, strict=True) if r.ok]
         prompts = max(1, sum(r.prompt_tokens for r, _ in done))
         out.append(CacheFit(sum(r.cached_tokens for r, _ in done) / prompts,
                             sum(s.cached for _, s in done) / prompts,

@@ -21,7 +21,7 @@ from services.planner.low_affinity import low_affinity
 from services.planner.models import UnknownModelError
 from services.planner.placement import NoFeasiblePlan, Problem, high_affinity
 from services.planner.plan import ModeCandidate, Plan
-from services.planner.plan_sim import served_rps, simulate_plan
+from services.planner.plan_sim import cached_share, served_rps
 from services.planner.profiles import (
     Profile,
     ProfileError,
@@ -197,13 +197,6 @@ def rank(plan: Plan) -> tuple[bool, int, float, float]:
             plan.served_per_device_rps, plan.best_per_device_goodput_rps)
 
 
-def cached_share(plan: Plan, problem: Problem) -> float:
-    """Of the prompt tokens of `problem`'s workload at its rate, the share `plan`'s
-    instances find in their prefix caches (simulated, on a finished plan's long run)."""
-    return simulate_plan(plan, problem.profile,
-                         problem.validation_requests(problem.rate)).cached_share
-
-
 def modes_table(candidates: list[ModeCandidate], chosen: Plan) -> Table:
     table = Table(title=f"serving modes for {chosen.model} at {chosen.rate_rps} req/s")
     cached = any(c.cached_share is not None for c in candidates)
@@ -231,7 +224,8 @@ def modes_table(candidates: list[ModeCandidate], chosen: Plan) -> Table:
                      "attainment of the placement at the rate. Colocated modes run vLLM's "
                      "scheduler limits (2048 tokens a step, 256 requests)."
                      + (" cached: the share of the prompt tokens the placement's instances "
-                        "find in their prefix caches at the rate." if cached else ""))
+                        "find in their prefix caches at the rate (simulated)." if cached
+                        else ""))
     return table
 
 

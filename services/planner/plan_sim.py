@@ -48,13 +48,26 @@ def served_rps(plan: Plan, problem: Problem) -> float:
     handoffs, the host's contention) on runs as long as `predicted_attainment`'s: what the
     placement serves, however its search priced it (Algorithm 1 prices each phase alone,
     against its own objective; the searches' short runs flatter a system near capacity)."""
-    plan = plan.model_copy(update={"intra_node_gbps": problem.intra_node_gbps,
-                                   "inter_node_gbps": problem.inter_node_gbps})
+    plan = linked(plan, problem)
+
     def at(rate: float) -> float:  # the long runs a finished plan is checked with
         requests = problem.validation_requests(rate)
         return simulate_plan(plan, problem.profile, requests).attainment(problem.slo)
 
     return max_rate(at, problem.target, guess=plan.rate_rps, upper=bound_rps(plan, problem))
+
+
+def cached_share(plan: Plan, problem: Problem) -> float:
+    """Of the prompt tokens of `problem`'s workload at its rate, the share `plan`'s
+    instances find in their prefix caches (simulated, on a finished plan's long run)."""
+    return simulate_plan(linked(plan, problem), problem.profile,
+                         problem.validation_requests(problem.rate)).cached_share
+
+
+def linked(plan: Plan, problem: Problem) -> Plan:
+    """`plan` with `problem`'s KV links (a search's plan keeps the defaults)."""
+    return plan.model_copy(update={"intra_node_gbps": problem.intra_node_gbps,
+                                   "inter_node_gbps": problem.inter_node_gbps})
 
 
 def bound_rps(plan: Plan, problem: Problem) -> float:
