@@ -1,7 +1,7 @@
 """The colocated cluster, simulated: every instance runs both phases on its device, and each
 request goes to the least-loaded instance (on a tie, the one its prompt's start went to:
-prefixes.py). KV memory is reserved for a request's prompt and
-output when it is admitted, so the simulated engines never preempt. Two schedulers:
+prefixes.py). KV memory is reserved for a request's prompt and output when it is admitted,
+so the simulated engines never preempt. Two schedulers:
 
 - `PrefillFirstInstance` (vLLM's default): a prefill-only step whenever prompts can be
   admitted (up to L_m tokens together), else a decode step of the running batch;
