@@ -120,6 +120,8 @@ class Lengths:
     @functools.cached_property
     def _most_cached(self) -> float:
         assert self.caching is not None and self.prefixes is not None
+        if self.caching.counted is None and self.cached is not None:  # counted unlimited
+            return float(np.mean(self.cached))
         return float(np.mean(cached_in(self.prefixes, self.prompts, self.caching.block_tokens,
                                        None)))
 
