@@ -176,6 +176,23 @@ def colocated_key(held: int, queued: int, tiebreak: str | int, holds_prefix: boo
     return held, queued, not holds_prefix, tiebreak
 
 
+HELD_SLACK = 1  # requests a colocated worker may hold past the least loaded's and be leant to
+
+
+def leans(least: tuple[int, int], holder: tuple[int, int], held_over: int = 0) -> bool:
+    """Whether a prompt goes to the instance its start went to last (the holder) rather than
+    to the least-loaded one, each given as (prompt tokens sent there and not yet past their
+    first token, tokens of this prompt it may hold): where the holder has no more to compute
+    before this prompt's first token, counted in prompt tokens (a prefill's time grows with
+    them). So a conversation's next turn stays with its cache while the other instance has
+    as much to compute first as that cache saves. A colocated worker also decodes what it
+    holds: it is leant to holding at most HELD_SLACK requests more than the least loaded
+    (`held_over`), so a turn that comes while its conversation's last answer still streams
+    stays, and a burst of one prefix still spreads. The gateway and the planner's simulator
+    dispatch by it."""
+    return held_over <= HELD_SLACK and holder[0] - holder[1] <= least[0] - least[1]
+
+
 def pick_decode(instances: Sequence[InstanceInfo],
                 in_flight: Mapping[str, int] | None = None, prefer: str = ""
                 ) -> InstanceInfo | None:

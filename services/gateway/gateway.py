@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import random
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -54,6 +55,7 @@ from shared.state import (
     InstanceInfo,
     Registry,
     Role,
+    leans,
     others_in_flight,
     pick_colocated,
     pick_decode,
@@ -374,16 +376,35 @@ class Gateway:
         return decode if info is not None and info.queue_len == 0 and \
             info.free_blocks >= blocks else ""
 
-    def _pick(self, role: Role, instances: list[InstanceInfo], prefer: str = ""
-              ) -> InstanceInfo | None:
+    def _pick(self, role: Role, instances: list[InstanceInfo], prefer: str = "",
+              saved: Mapping[str, int] | None = None) -> InstanceInfo | None:
         """The instance of `role` a request goes to, by what this gateway has in flight;
-        `prefer` (where its prompt's start went) where it is among the least loaded."""
+        `prefer` (where its prompt's start went last) where it is among the least loaded, or
+        where it has no more prompt tokens to compute first, `saved` of them held by each
+        instance (`leans`), with room for one more and no more requests of other
+        gateways."""
         if role == "decode":
             return pick_decode(instances, self.ledger.decoding, prefer)
         if role == "colocated":  # its requests are counted as decoding from the start
-            return pick_colocated(instances, self.ledger.decoding, self.ledger.queued,
-                                  self.elsewhere, prefer)
-        return pick_prefill(instances, self.ledger.prefilling, self.elsewhere, prefer)
+            least = pick_colocated(instances, self.ledger.decoding, self.ledger.queued,
+                                   self.elsewhere, prefer)
+        else:
+            least = pick_prefill(instances, self.ledger.prefilling, self.elsewhere, prefer)
+        if least is None or least.instance_id == prefer or not saved:
+            return least
+        holder = next((i for i in instances if i.instance_id == prefer and not i.draining),
+                      None)
+        if holder is None:
+            return least
+        pending, elsewhere, there = self.ledger.pending, self.elsewhere, least.instance_id
+        held = {i: self.ledger.decoding[i] + elsewhere.get(i, 0) for i in (prefer, there)}
+        roomy = role == "prefill" or not holder.max_running or \
+            held[prefer] < holder.max_running
+        over = held[prefer] - held[there] if role == "colocated" else 0
+        lean = roomy and elsewhere.get(prefer, 0) <= elsewhere.get(there, 0) and leans(
+            (pending[there], saved.get(there, 0)), (pending[prefer], saved.get(prefer, 0)),
+            over)
+        return holder if lean else least
 
     def _load(self, instance: InstanceInfo) -> float:
         """How full the instance that decodes a route's requests is: what this gateway has
@@ -392,18 +413,21 @@ class Gateway:
         return held / max(1, instance.max_running)
 
     def routes(self, pools: dict[Role, list[InstanceInfo]], avoid: str = "",
-               prefer: str = "", prefer_decode: str = "") -> list[Target]:
+               prefer: str = "", prefer_decode: str = "",
+               saved: Mapping[str, int] | None = None) -> list[Target]:
         """Where a request can go, least-loaded first: a colocated worker, or a prefill
         instance and a decode instance (in "auto" mode both kinds: while the planner switches
         modes, or where both run side by side). `avoid` (an instance that failed) is in no
         route where there is another without it; `prefer` (the worker or prefill instance
         its prompt's start went to) and `prefer_decode` (the decode instance it went on to)
-        are taken among those equally loaded."""
+        are taken among those equally loaded, `prefer` also where the prompt's tokens it may
+        hold make up for its queue (`saved`: each instance's; `_pick`)."""
         found: list[tuple[float, Target]] = []
-        worker = self._pick("colocated", others(pools.get("colocated", []), avoid), prefer)
+        worker = self._pick("colocated", others(pools.get("colocated", []), avoid), prefer,
+                            saved)
         if worker is not None:
             found.append((self._load(worker), self._target(worker, None)))
-        prefill = self._pick("prefill", others(pools.get("prefill", []), avoid), prefer)
+        prefill = self._pick("prefill", others(pools.get("prefill", []), avoid), prefer, saved)
         decode = self._pick("decode", others(pools.get("decode", []), avoid), prefer_decode)
         if prefill is not None and decode is not None:
             found.append((self._load(decode), self._target(prefill, decode)))
@@ -422,21 +446,23 @@ class Gateway:
         return {"disaggregated": "prefill/decode instance", "colocated": "colocated worker"
                 }.get(self.settings.mode, "colocated worker nor prefill and decode instance")
 
-    def dispatch(self, ticket: Ticket, hashes: Sequence[BlockHash] = ()) -> Target:
+    def dispatch(self, ticket: Ticket, hashes: Sequence[BlockHash] = (),
+                 prompt_tokens: int = 0) -> Target:
         """The least-loaded route through live instances; if there is none, through those
         heard from lately (a starved host delays heartbeats: better a request that may have
-        to move than a 503). Among the least loaded, the instance an earlier prompt that
-        starts as this one went to (`hashes`: its blocks', `PrefixAffinity.hashes`), and the
-        decode instance it went on to, where those blocks may still be cached. Booked on the
-        ticket at once: the next request of a burst, dispatched before this one's stream
-        opens, sees it."""
-        prefer = {"prefer": self.affinity.holder(hashes),
-                  "prefer_decode": self._roomy(self.decode_affinity.holder(hashes),
-                                               len(hashes) + 2)}
-        found = self.routes(self.live_pools(), **prefer) or \
-            self.routes(self.stuck_pools(), **prefer) or \
-            self.routes({role: self.serving(role) or self.dispatchable(role)
-                         for role in self.roles}, **prefer)
+        to move than a 503). Among the least loaded, or where what it may hold makes up for
+        its queue (`_pick`), the instance an earlier prompt that starts as this one went to
+        (`hashes`: its blocks', `PrefixAffinity.hashes`); among the least loaded, the decode
+        instance it went on to, where those blocks may still be cached. Booked on the ticket
+        at once, with the `prompt_tokens` its worker computes (those it may hold left out):
+        the next request of a burst, dispatched before this one's stream opens, sees it."""
+        holder, runs = self.affinity.found(hashes)
+        saved = {i: n * self.affinity.block_size for i, n in runs.items()}
+        decode = self._roomy(self.decode_affinity.holder(hashes), len(hashes) + 2)
+        route = functools.partial(self.routes, prefer=holder, prefer_decode=decode,
+                                  saved=saved)
+        found = route(self.live_pools()) or route(self.stuck_pools()) or \
+            route({role: self.serving(role) or self.dispatchable(role) for role in self.roles})
         if found and hashes:
             self.affinity.record(hashes, found[0].worker)
             if found[0].decode:
@@ -445,7 +471,8 @@ class Gateway:
             raise APIError(503, f"no {self.wanted} is available; retry after "
                                 f"{self.settings.retry_after_s}s", kind="server_error",
                            headers={"Retry-After": str(self.settings.retry_after_s)})
-        ticket.booking = self.ledger.book(found[0].worker, found[0].decode)
+        computed = prompt_tokens - saved.get(found[0].worker, 0)
+        ticket.booking = self.ledger.book(found[0].worker, found[0].decode, max(0, computed))
         return found[0]
 
     async def grammar(self, req: CompletionRequest | ChatRequest,
@@ -533,7 +560,7 @@ class Gateway:
                     await self._move(relay, lost, prompt_ids, sampling, timing)
                     span.add_event("moved", {"cause": lost.cause, "prefill": relay.worker,
                                              "decode": relay.decode})
-                    booked = self._book(relay)
+                    booked = self._book(relay, len(prompt_ids))
                     continue
                 if relay.prefilled and booked is not None:
                     booked.prefilled()
@@ -554,9 +581,10 @@ class Gateway:
             # every await here would be cancelled too, losing the cancel and the report
             self._spawn(self._after(relay, timing, outcome))
 
-    def _book(self, relay: Relay) -> Booking:
-        """Count the relay's attempt in the ledger (dispatch spreads by these counts)."""
-        booking = self.ledger.book(relay.worker, relay.decode)
+    def _book(self, relay: Relay, prompt_tokens: int = 0) -> Booking:
+        """Count the relay's attempt in the ledger (dispatch spreads by these counts), its
+        worker computing the prompt's `prompt_tokens` again."""
+        booking = self.ledger.book(relay.worker, relay.decode, prompt_tokens)
         if relay.prefilled and relay.decode:  # its KV is held: only the decode side speaks
             booking.prefilled()  # (a colocated worker prefills it again: counted until then)
         return booking

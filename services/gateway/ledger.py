@@ -19,12 +19,14 @@ class Booking:
     ledger: Ledger
     worker: str
     decode: str
+    tokens: int = 0  # prompt tokens the worker is reckoned to compute for it
     counted: bool = False  # out of the prefill instance's queue already
     settled: bool = False
 
     def prefilled(self) -> None:
         if not self.counted:
             (self.ledger.prefilling if self.decode else self.ledger.queued)[self.worker] -= 1
+            self.ledger.pending[self.worker] -= self.tokens
         self.counted = True
 
     def settle(self) -> None:
@@ -60,6 +62,9 @@ class Ledger:
     # of a colocated worker's requests (in `decoding` from dispatch on), those not yet past
     # their first token
     queued: collections.Counter[str] = field(default_factory=collections.Counter)
+    # prompt tokens to compute of the requests a worker or prefill instance has not yet
+    # seen past their first token (those its cache is reckoned to hold left out)
+    pending: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def admit(self, limit: int) -> Ticket:
         if self.admitted >= limit:
@@ -67,18 +72,20 @@ class Ledger:
         self.admitted += 1
         return Ticket(self)
 
-    def book(self, prefill: str, decode: str) -> Booking:
-        """A request goes to `prefill` (a colocated worker when `decode` is empty): counted
-        from the moment it is dispatched, so the next request of a burst sees it."""
+    def book(self, prefill: str, decode: str, tokens: int = 0) -> Booking:
+        """A request goes to `prefill` (a colocated worker when `decode` is empty), which
+        computes `tokens` of its prompt: counted from the moment it is dispatched, so the
+        next request of a burst sees it."""
         (self.prefilling if decode else self.queued)[prefill] += 1
         self.decoding[decode or prefill] += 1
-        return Booking(self, prefill, decode)
+        self.pending[prefill] += tokens
+        return Booking(self, prefill, decode, tokens)
 
     def forget_idle(self, written: dict[str, int]) -> None:
         """Drop instances with nothing in flight whose zero count was written out."""
         now = self.per_instance()
         for instance in [i for i, n in written.items() if n == 0 and now.get(i) == 0]:
-            for counts in (self.prefilling, self.decoding, self.queued):
+            for counts in (self.prefilling, self.decoding, self.queued, self.pending):
                 counts.pop(instance, None)
 
     def per_instance(self) -> dict[str, int]:

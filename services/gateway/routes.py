@@ -561,7 +561,7 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
                       for ids in each]
             for index, ticket in enumerate(tickets):  # each dispatched apart: they spread
                 ids, echo = each[index // req.n], echoes[index // req.n]
-                target = gateway.dispatch(ticket, hashes[index // req.n])
+                target = gateway.dispatch(ticket, hashes[index // req.n], len(ids))
                 sampling = gateway.sampling(target, len(ids), req, grammar)
                 seeds = seeds or choice_seeds(sampling.seed, req.n)  # each prompt's the same
                 sampling.seed = seeds[index % req.n]

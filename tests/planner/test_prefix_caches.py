@@ -108,6 +108,39 @@ def test_a_conversation_stays_on_the_instance_that_holds_it() -> None:
     assert result.requests[2].cached == requests[1].prompt_tokens // 16 * 16
 
 
+def test_a_turn_stays_with_its_cache_while_its_last_answer_streams() -> None:
+    """A colocated worker takes a conversation's next turn while it still decodes the turn
+    before (one request more than the idle other: within the slack), and finds that turn's
+    prompt cached; not while it decodes two (past the slack)."""
+    requests = chat_requests(8, 0.0)
+    sent = [dataclasses.replace(requests[0], output_tokens=1),  # done at once, instance 0
+            dataclasses.replace(requests[1], output_tokens=400),  # decodes for seconds, 1
+            dataclasses.replace(requests[3], arrival_s=1.0),  # its next turn
+            dataclasses.replace(requests[5], arrival_s=1.05)]  # and the one after
+    result = simulate_colocated(ColocatedCluster([spec(), spec()]), sent)
+    assert [r.instance for r in result.requests] == [0, 1, 1, 0]
+    assert result.requests[2].cached == requests[1].prompt_tokens // 16 * 16
+
+
+def test_a_prefill_instance_takes_a_turn_while_its_queue_is_worth_the_wait() -> None:
+    """Two prefill instances: a conversation's turns go to the one that holds its start
+    while the prompt tokens queued there, less what it holds, are no more than the other's
+    (two turns at once both go there, as ties alone would not send them); a long prompt of
+    the conversation's queued there sends the next turn to the other instance."""
+    requests = chat_requests(8, 0.0)
+    cluster = DisaggregatedCluster([spec(), spec()], [spec()], Link(1))
+    starts = requests[:2]  # conversation 0's first turn to instance 0, 1's to 1
+    turns = [dataclasses.replace(requests[i], arrival_s=10.0) for i in (3, 5)]
+    result = simulate_disaggregated(cluster, [*starts, *turns])
+    assert [r.instance for r in result.requests] == [0, 1, 1, 1]
+    assert [r.cached for r in result.requests[2:]] == \
+        [r.prompt_tokens // 16 * 16 for r in (requests[1], requests[3])]
+    long = requests[1].prefix + tuple(range(1 << 30, (1 << 30) + 120))  # 2,000 tokens more
+    queued = WorkloadRequest(10.0, 16 * len(long), 1, 0, long, requests[1].caching)
+    result = simulate_disaggregated(cluster, [*starts, queued, turns[0]])
+    assert [r.instance for r in result.requests] == [0, 1, 1, 0]
+
+
 def test_an_instance_keeps_as_many_blocks_as_its_cache_holds() -> None:
     """POOL_CACHE: each instance's cache is its KV pool. A pool of 64 tokens keeps only the
     last prompt's first blocks; an unlimited one, all."""

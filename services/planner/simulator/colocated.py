@@ -68,6 +68,12 @@ class ColocatedInstance:
         """Its requests not yet past their first token."""
         return len(self.waiting) + len(self.prefilling)
 
+    @property
+    def pending(self) -> int:
+        """The prompt tokens dispatch reckoned it computes for those (`reckoned`)."""
+        return sum(r.reckoned for r in self.waiting) + \
+            sum(p.request.reckoned for p in self.prefilling)
+
     def arrive(self, r: SimRequest) -> None:
         self.waiting.append(r)
         if not self.busy:
@@ -190,10 +196,15 @@ def simulate_colocated(cluster: ColocatedCluster,
     requests = sim_requests(workload)
     caches = PrefixCaches(cluster.instances)
 
+    def held(i: int) -> int:  # -1: full
+        load = instances[i].load
+        return load if load < instances[i].spec.max_batch else -1
+
     def dispatch(r: SimRequest) -> None:  # as the gateway does (shared.state.pick_colocated)
-        holder = caches.holder(r)
-        r.instance = min(range(len(instances)), key=lambda i: colocated_key(
+        holder, _ = caches.holder(r)
+        least = min(range(len(instances)), key=lambda i: colocated_key(
             instances[i].load, instances[i].queued, i, i == holder))
+        r.instance = caches.dispatch(r, least, lambda i: instances[i].pending, held)
         caches.take(r, r.instance)
         instances[r.instance].arrive(r)
 

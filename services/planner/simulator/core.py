@@ -35,6 +35,9 @@ class SimRequest:
     decode_start: float = NAN
     finish: float = NAN
     instance: int = -1  # the colocated replica or prefill instance it went to (its index)
+    # prompt tokens dispatch reckoned that instance computes (what it may hold left out), as
+    # the gateway's ledger counts them until the first token
+    reckoned: int = 0
     prefix: Prefix = ()  # its prompt's blocks, where instances cache them (`caching`)
     caching: PrefixCaching | None = None  # how; None: `cached` is as the workload says
 

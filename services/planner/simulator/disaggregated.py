@@ -45,6 +45,8 @@ class PrefillInstance:
         self.queue: deque[SimRequest] = deque()
         self.busy = False
         self.held = 0  # KV tokens of prefilled requests not yet pulled, plus the running batch
+        self.pending = 0  # prompt tokens dispatch reckoned it computes (`reckoned`) for the
+        # requests not yet past their first token
 
     @property
     def load(self) -> int:
@@ -52,6 +54,7 @@ class PrefillInstance:
 
     def arrive(self, r: SimRequest) -> None:
         self.queue.append(r)
+        self.pending += r.reckoned
         self._try_start()
 
     def release(self, r: SimRequest) -> None:
@@ -94,6 +97,7 @@ class PrefillInstance:
     def _done(self, batch: list[SimRequest]) -> None:
         for r in batch:
             r.first_token = self.loop.now
+            self.pending -= r.reckoned
             self.on_prefilled(r, self)
 
 
@@ -194,8 +198,9 @@ def simulate_disaggregated(cluster: DisaggregatedCluster,
     caches = PrefixCaches(cluster.prefill)
 
     def dispatch(r: SimRequest) -> None:  # as the gateway does (shared.state.pick_prefill)
-        holder = caches.holder(r)
-        r.instance = min(range(len(prefills)), key=lambda i: (prefills[i].load, i != holder, i))
+        holder, _ = caches.holder(r)
+        least = min(range(len(prefills)), key=lambda i: (prefills[i].load, i != holder, i))
+        r.instance = caches.dispatch(r, least, lambda i: prefills[i].pending)
         caches.take(r, r.instance)
         prefills[r.instance].arrive(r)
 

@@ -1,16 +1,18 @@
 """Each simulated instance's prefix cache, and dispatch's lean toward the instance a prompt's
 start went to (pure). As in the stack: a worker keeps the KV of the prompts it computed in
 its pool and finds a later prompt's start there (block_manager.py), and the gateway sends a
-prompt, among the least-loaded instances, to the one an earlier prompt with its start went to
-(services/gateway/affinity.py). So several instances split a workload's prefixes among their
-caches, each finding only what its own requests left."""
+prompt to the one an earlier prompt with its start went to (services/gateway/affinity.py)
+where that is among the least loaded or has no more prompt tokens to compute first, less
+what it may hold (shared.state.leans). So several instances split a workload's prefixes
+among their caches, each finding only what its own requests left."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from services.gateway.affinity import BLOCK, MOST_PREFIXES, PrefixAffinity
 from services.planner.simulator.core import InstanceSpec, SimRequest
+from shared.state import leans
 from shared.workloads import CACHE_PAGE, PrefixCache
 
 
@@ -25,13 +27,35 @@ class PrefixCaches:
         self._caches: dict[int, PrefixCache] = {}
         self._went: PrefixAffinity | None = None
 
-    def holder(self, r: SimRequest) -> int:
+    def holder(self, r: SimRequest) -> tuple[int, dict[int, int]]:
         """The instance the longest start of `r`'s prompt that went anywhere went to last
-        (-1: none)."""
+        (-1: none), and how many of its tokens each instance may hold, as the gateway counts
+        them (`PrefixAffinity.found`)."""
         if r.caching is None or self._went is None or self.alone:
-            return -1
-        went = self._went.holder(self._blocks(r))
-        return int(went) if went else -1
+            return -1, {}
+        went, runs = self._went.found(self._blocks(r))
+        pages = (r.prompt - 1) // CACHE_PAGE * CACHE_PAGE
+        return int(went) if went else -1, {
+            int(i): min(pages, n * r.caching.block_tokens) for i, n in runs.items()}
+
+    def dispatch(self, r: SimRequest, least: int, pending: Callable[[int], int],
+                 held: Callable[[int], int] | None = None) -> int:
+        """The instance `r` goes to, as the gateway's `_pick` sends it: `least` (the least
+        loaded, by the mode's key, ties to the holder), or the instance its prompt's start
+        went to where that has no more to compute first (`pending`: the prompt tokens each
+        has not yet taken past their first token; `leans`), and, for a colocated instance
+        (`held`: the requests each holds, a full one left out), no more requests than the
+        slack allows. `r.reckoned`: the prompt tokens the gateway reckons it computes
+        there."""
+        holder, saved = self.holder(r)
+        lean = False
+        if 0 <= holder != least and saved and (held is None or held(holder) >= 0):
+            over = 0 if held is None else held(holder) - held(least)
+            lean = leans((pending(least), saved.get(least, 0)),
+                         (pending(holder), saved.get(holder, 0)), over)
+        instance = holder if lean else least
+        r.reckoned = r.prompt - saved.get(instance, 0)
+        return instance
 
     def take(self, r: SimRequest, instance: int) -> None:
         """`r` goes to `instance`: of its prompt, the tokens that instance's cache holds are

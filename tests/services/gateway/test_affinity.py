@@ -29,3 +29,21 @@ def test_the_least_recently_sent_prefixes_are_forgotten_first() -> None:
     affinity.record(c, "p2")
     assert affinity.holder(a) == "p0" and affinity.holder(c) == "p2"
     assert affinity.holder(b) == ""
+
+
+def test_each_instance_a_start_went_to_may_hold_its_longest_run() -> None:
+    """A block remembers the last few instances it went to: a prompt's holder is the last
+    one its longest run went to, and each instance may hold its own longest run."""
+    affinity = PrefixAffinity(block_size=4)
+    system = list(range(100, 108))  # two blocks
+    affinity.record(affinity.hashes([*system, 1, 1, 1, 1, 0]), "c0")  # three blocks
+    affinity.record(affinity.hashes([*system, 2, 2, 2, 2, 0]), "c1")
+    affinity.record(affinity.hashes([*system, 1, 1, 1, 1, 5, 5, 5, 5, 0]), "c2")
+    turn = affinity.hashes([*system, 1, 1, 1, 1, 5, 5, 5, 5, 6, 6, 6, 6, 0])
+    assert affinity.found(turn) == ("c2", {"c2": 4, "c0": 3, "c1": 2})
+    assert affinity.found(affinity.hashes([*system, 3, 3, 3, 3, 0])) == \
+        ("c2", {"c2": 2, "c1": 2, "c0": 2})  # the last the system prompt went to
+    assert affinity.found(affinity.hashes([9, 9, 9, 9, 9])) == ("", {})
+    for n in range(5):  # past HOLDERS (4) instances, the least recent is forgotten
+        affinity.record(affinity.hashes([*system, 0]), f"x{n}")
+    assert set(affinity.found(affinity.hashes([*system, 0]))[1]) == {"x1", "x2", "x3", "x4"}

@@ -757,7 +757,7 @@ def route(gateway: Gateway, hold: bool = False, prompt: Sequence[int] = ()
     """Where the next request (of `prompt`) goes: (worker, decode); its booking is settled
     at once unless `hold` (a request still in flight)."""
     ticket = gateway.ledger.admit(limit=1000)
-    target = gateway.dispatch(ticket, gateway.affinity.hashes(prompt))
+    target = gateway.dispatch(ticket, gateway.affinity.hashes(prompt), len(prompt))
     if not hold:
         ticket.release()
     return target.worker, target.decode
@@ -818,26 +818,73 @@ def test_a_burst_spreads_before_any_stream_opens() -> None:
     assert gateway.ledger.per_instance() == {"p0": 2, "p1": 2, "d0": 2, "d1": 2}
 
 
-def test_a_prompt_goes_to_the_instance_its_start_went_to_while_the_load_allows() -> None:
+def next_turn(gateway: Gateway, decode: str, prompt: list[int], holder: str, ahead: int,
+              requests: int = 1) -> str:
+    """Where the next turn of `prompt` goes while its `holder` holds `requests` with `ahead`
+    prompt tokens to compute (the turn before's whole blocks cached there, and no more
+    elsewhere); what it is booked to compute there is checked."""
+    saved = (len(prompt) - 1) // 16 * 16
+    prompt.extend([7] * 20)
+    gateway.ledger = Ledger()
+    for _ in range(requests):
+        gateway.ledger.book(holder, decode, ahead // requests)
+    hashes = gateway.affinity.hashes(prompt)
+    assert gateway.affinity.found(hashes) == (holder, {holder: saved // 16})
+    went = gateway.dispatch(gateway.ledger.admit(limit=1000), hashes, len(prompt)).worker
+    booked = gateway.ledger.pending[went] - ahead * (went == holder)
+    assert booked == len(prompt) - saved * (went == holder)  # computed there
+    return went
+
+
+def test_a_prompt_goes_to_the_instance_its_start_went_to_while_that_saves_time() -> None:
     """Two conversations, each turn sent again with the next: while the instances are
     equally loaded each turn goes where its conversation's start went (its KV cached
-    there), not to the first by name; a burst still spreads."""
+    there), not to the first by name; and while the other instance has as many prompt
+    tokens to compute first as that cache saves, a colocated worker holding one request
+    more at most. Past either, it goes to the least loaded. So a burst of one prompt spreads
+    over colocated workers and stays on the prefill instance that holds all but its last
+    block (each computes 4 tokens there, 100 elsewhere)."""
     for mode, names in (("disaggregated", ("p0", "p1")), ("colocated", ("c0", "c1"))):
         role = "prefill" if mode == "disaggregated" else "colocated"
+        decode = "d0" if mode == "disaggregated" else ""
         gateway = gateway_seeing(mode, *(worker(n, role) for n in names),
                                  worker("d0", "decode"))
         one, other = list(range(100, 140)), list(range(500, 540))
         first = route(gateway, hold=True, prompt=one)[0]  # in flight: the next goes elsewhere
         second = route(gateway, prompt=other)[0]
         assert {first, second} == set(names)
+        assert gateway.ledger.pending == {first: 40, second: 0}  # its prompt's, till answered
         gateway.ledger = Ledger()  # both answered
         for turn in range(3):
             one += [7] * 20
             other += [8] * 20
             assert route(gateway, prompt=other)[0] == second, (mode, turn)
             assert route(gateway, prompt=one)[0] == first, (mode, turn)
-        burst = [route(gateway, hold=True, prompt=one)[0] for _ in range(2)]
-        assert sorted(burst) == list(names)
+        turn = functools.partial(next_turn, gateway, decode)
+        assert turn(one, first, ahead=(len(one) - 1) // 16 * 16) == first  # as it saves
+        if mode == "colocated":  # one request more than the other: within the slack
+            assert turn(one, first, ahead=0, requests=1) == first
+            assert turn(other, second, ahead=0, requests=2) == first  # two: past it
+        assert turn(one, first, ahead=(len(one) - 1) // 16 * 16 + 1) == second  # more
+        gateway.ledger = Ledger()
+        burst = [route(gateway, hold=True, prompt=other)[0] for _ in range(4)]
+        assert sorted(burst) == sorted([*names, *names]) if mode == "colocated" else \
+            burst == [second] * 4
+
+
+def test_a_prompt_weighs_what_each_instance_may_hold() -> None:
+    """Both workers were sent a system prompt: a new conversation's prompt, which shares
+    only that, is not drawn to the one the system prompt went to last, where it would save
+    no more than on the other; it goes to the least loaded."""
+    gateway = gateway_seeing("colocated", worker("c0", "colocated"), worker("c1", "colocated"))
+    system = list(range(100, 164))  # four blocks
+    assert route(gateway, hold=True, prompt=[*system, *range(1000, 1036)])[0] == "c0"
+    assert route(gateway, prompt=[*system, *range(2000, 2036)])[0] == "c1"
+    gateway.ledger = Ledger()
+    gateway.ledger.book("c1", "", 30)  # c1 has a little to compute, and holds one more
+    prompt = [*system, *range(3000, 3036)]
+    assert gateway.affinity.found(gateway.affinity.hashes(prompt)) == ("c1", {"c1": 4, "c0": 4})
+    assert route(gateway, prompt=prompt)[0] == "c0"
 
 
 def test_a_prompt_goes_on_to_the_decode_instance_its_start_was_decoded_on() -> None:
