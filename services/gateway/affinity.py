@@ -19,7 +19,7 @@ from collections.abc import Hashable, Sequence
 from shared.engine.block_manager import BlockHash, chain_hashes
 
 BLOCK = 16  # tokens a block of the gateway's reckoning (the workers' default block size)
-MOST_PREFIXES = 1 << 16  # blocks remembered (~9 MiB: hashes, names, the LRU's links)
+MOST_PREFIXES = 1 << 16  # blocks remembered (~12 MiB: hashes, instances, the LRU's links)
 HOLDERS = 4  # instances remembered a block (the most recent)
 
 
