@@ -188,8 +188,9 @@ def leans(least: tuple[int, int], holder: tuple[int, int], held_over: int = 0) -
     as much to compute first as that cache saves. A colocated worker also decodes what it
     holds: it is leant to holding at most HELD_SLACK requests more than the least loaded
     (`held_over`), so a turn that comes while its conversation's last answer still streams
-    stays, and a burst of one prefix still spreads. The gateway and the planner's simulator
-    dispatch by it."""
+    stays, and a burst of one prefix still spreads. A run counts from its dispatch on, before
+    it is computed (prompts alike that one step admits each compute it: their pending
+    tokens spread them). The gateway and the planner's simulator dispatch by it."""
     return held_over <= HELD_SLACK and holder[0] - holder[1] <= least[0] - least[1]
 
 

@@ -43,13 +43,11 @@ class PrefixAffinity:
     def found(self, hashes: Sequence[Hashable]) -> tuple[str, dict[str, int]]:
         """The holder (as `holder`), and how many of the prompt's blocks each instance may
         hold: its longest recorded leading run of `hashes` (a run is recorded whole, so the
-        blocks before a run's last went there too)."""
+        blocks before a run's last went there too), of the instances its blocks remember."""
         runs: dict[str, int] = {}
         for n in range(len(hashes), 0, -1):
             for instance in self._sent.get(hashes[n - 1], ()):
                 runs.setdefault(instance, n)
-            if len(runs) >= HOLDERS:
-                break
         if not runs:
             return "", runs
         return self._sent[hashes[max(runs.values()) - 1]][-1], runs

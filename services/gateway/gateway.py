@@ -381,8 +381,8 @@ class Gateway:
         """The instance of `role` a request goes to, by what this gateway has in flight;
         `prefer` (where its prompt's start went last) where it is among the least loaded, or
         where it has no more prompt tokens to compute first, `saved` of them held by each
-        instance (`leans`), with room for one more and no more requests of other
-        gateways."""
+        instance (`leans`), with room for one more and no more requests of other gateways
+        (a prefill instance: nor more in its heartbeat's queue than the gateways count)."""
         if role == "decode":
             return pick_decode(instances, self.ledger.decoding, prefer)
         if role == "colocated":  # its requests are counted as decoding from the start
@@ -401,7 +401,12 @@ class Gateway:
         roomy = role == "prefill" or not holder.max_running or \
             held[prefer] < holder.max_running
         over = held[prefer] - held[there] if role == "colocated" else 0
-        lean = roomy and elsewhere.get(prefer, 0) <= elsewhere.get(there, 0) and leans(
+
+        def unseen(i: InstanceInfo) -> int:  # queued there, not counted by the gateways
+            sent = self.ledger.prefilling[i.instance_id] + elsewhere.get(i.instance_id, 0)
+            return max(0, i.queue_len - sent) if role == "prefill" else 0
+        lean = roomy and elsewhere.get(prefer, 0) <= elsewhere.get(there, 0) and \
+            unseen(holder) <= unseen(least) and leans(
             (pending[there], saved.get(there, 0)), (pending[prefer], saved.get(prefer, 0)),
             over)
         return holder if lean else least
@@ -560,7 +565,7 @@ class Gateway:
                     await self._move(relay, lost, prompt_ids, sampling, timing)
                     span.add_event("moved", {"cause": lost.cause, "prefill": relay.worker,
                                              "decode": relay.decode})
-                    booked = self._book(relay, len(prompt_ids))
+                    booked = self._book(relay, len(prompt_ids) + len(relay.output_ids))
                     continue
                 if relay.prefilled and booked is not None:
                     booked.prefilled()
@@ -583,7 +588,7 @@ class Gateway:
 
     def _book(self, relay: Relay, prompt_tokens: int = 0) -> Booking:
         """Count the relay's attempt in the ledger (dispatch spreads by these counts), its
-        worker computing the prompt's `prompt_tokens` again."""
+        worker computing `prompt_tokens` again (the prompt and the tokens so far)."""
         booking = self.ledger.book(relay.worker, relay.decode, prompt_tokens)
         if relay.prefilled and relay.decode:  # its KV is held: only the decode side speaks
             booking.prefilled()  # (a colocated worker prefills it again: counted until then)

@@ -1,7 +1,7 @@
 """The colocated cluster, simulated: every instance runs both phases on its device, and each
-request goes to the least-loaded instance (on a tie, the one its prompt's start went to:
-prefixes.py). KV memory is reserved for a request's prompt and output when it is admitted,
-so the simulated engines never preempt. Two schedulers:
+request goes to the least-loaded instance (or to the one its prompt's start went to, where
+that saves time: prefixes.py). KV memory is reserved for a request's prompt and output when
+it is admitted, so the simulated engines never preempt. Two schedulers:
 
 - `PrefillFirstInstance` (vLLM's default): a prefill-only step whenever prompts can be
   admitted (up to L_m tokens together), else a decode step of the running batch;
@@ -196,15 +196,12 @@ def simulate_colocated(cluster: ColocatedCluster,
     requests = sim_requests(workload)
     caches = PrefixCaches(cluster.instances)
 
-    def held(i: int) -> int:  # -1: full
-        load = instances[i].load
-        return load if load < instances[i].spec.max_batch else -1
-
     def dispatch(r: SimRequest) -> None:  # as the gateway does (shared.state.pick_colocated)
-        holder, _ = caches.holder(r)
-        least = min(range(len(instances)), key=lambda i: colocated_key(
-            instances[i].load, instances[i].queued, i, i == holder))
-        r.instance = caches.dispatch(r, least, lambda i: instances[i].pending, held)
+        r.instance = caches.dispatch(r, lambda holder: min(
+            range(len(instances)), key=lambda i: colocated_key(
+                instances[i].load, instances[i].queued, i, i == holder)),
+            lambda i: instances[i].pending, lambda i: instances[i].load,
+            lambda i: instances[i].load >= instances[i].spec.max_batch)
         caches.take(r, r.instance)
         instances[r.instance].arrive(r)
 

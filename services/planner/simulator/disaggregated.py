@@ -1,14 +1,14 @@
 """The disaggregated cluster, simulated: requests go to the prefill instance with the shortest
-queue (on a tie, the one their prompt's start went to: prefixes.py; FCFS, batches up to L_m
-tokens), which holds their KV until the least-loaded decode instance pulls it (the prefill
-memory is the queue buffer; pulling needs room in the decode pool and batch); the transfer takes
-KV bytes / link bandwidth; decode runs continuous batching. As the decode service does, a decode
-instance takes the blocks for a pull at once where its engine allows it (one rank on the CPU:
-`InstanceSpec.pulls_mid_step`), else between its steps (an announcement heard mid-step starts
-its pull when that step ends), and a pulled request joins at the next step's start: one heard
-mid-step joins the next step if its pull lands before that step starts, or else the step after
-the one its pull overlaps. Also a decode instance alone, fed as if prefill were instant
-(simu_decode)."""
+queue (or to the one their prompt's start went to, where that saves time: prefixes.py; FCFS,
+batches up to L_m tokens), which holds their KV until the least-loaded decode instance pulls
+it (the prefill memory is the queue buffer; pulling needs room in the decode pool and batch);
+the transfer takes KV bytes / link bandwidth; decode runs continuous batching. As the decode
+service does, a decode instance takes the blocks for a pull at once where its engine allows it
+(one rank on the CPU: `InstanceSpec.pulls_mid_step`), else between its steps (an
+announcement heard mid-step starts its pull when that step ends), and a pulled request joins
+at the next step's start: one heard mid-step joins the next step if its pull lands before
+that step starts, or else the step after the one its pull overlaps. Also a decode instance
+alone, fed as if prefill were instant (simu_decode)."""
 
 from __future__ import annotations
 
@@ -198,9 +198,9 @@ def simulate_disaggregated(cluster: DisaggregatedCluster,
     caches = PrefixCaches(cluster.prefill)
 
     def dispatch(r: SimRequest) -> None:  # as the gateway does (shared.state.pick_prefill)
-        holder, _ = caches.holder(r)
-        least = min(range(len(prefills)), key=lambda i: (prefills[i].load, i != holder, i))
-        r.instance = caches.dispatch(r, least, lambda i: prefills[i].pending)
+        r.instance = caches.dispatch(r, lambda holder: min(
+            range(len(prefills)), key=lambda i: (prefills[i].load, i != holder, i)),
+            lambda i: prefills[i].pending)
         caches.take(r, r.instance)
         prefills[r.instance].arrive(r)
 

@@ -38,18 +38,20 @@ class PrefixCaches:
         return int(went) if went else -1, {
             int(i): min(pages, n * r.caching.block_tokens) for i, n in runs.items()}
 
-    def dispatch(self, r: SimRequest, least: int, pending: Callable[[int], int],
-                 held: Callable[[int], int] | None = None) -> int:
-        """The instance `r` goes to, as the gateway's `_pick` sends it: `least` (the least
-        loaded, by the mode's key, ties to the holder), or the instance its prompt's start
-        went to where that has no more to compute first (`pending`: the prompt tokens each
-        has not yet taken past their first token; `leans`), and, for a colocated instance
-        (`held`: the requests each holds, a full one left out), no more requests than the
-        slack allows. `r.reckoned`: the prompt tokens the gateway reckons it computes
-        there."""
+    def dispatch(self, r: SimRequest, least_of: Callable[[int], int],
+                 pending: Callable[[int], int], held: Callable[[int], int] | None = None,
+                 full: Callable[[int], bool] | None = None) -> int:
+        """The instance `r` goes to, as the gateway's `_pick` sends it: the least loaded
+        (`least_of` the holder: by the mode's key, ties to the holder), or the instance its
+        prompt's start went to where that has no more to compute first (`pending`: the
+        prompt tokens each has not yet taken past their first token; `leans`), and, for a
+        colocated instance (`held`: the requests each holds), no more requests than the
+        slack allows, and not `full`. `r.reckoned`: the prompt tokens the gateway reckons
+        it computes there."""
         holder, saved = self.holder(r)
+        least = least_of(holder)
         lean = False
-        if 0 <= holder != least and saved and (held is None or held(holder) >= 0):
+        if 0 <= holder != least and saved and not (full is not None and full(holder)):
             over = 0 if held is None else held(holder) - held(least)
             lean = leans((pending(least), saved.get(least, 0)),
                          (pending(holder), saved.get(holder, 0)), over)

@@ -868,8 +868,30 @@ def test_a_prompt_goes_to_the_instance_its_start_went_to_while_that_saves_time()
         assert turn(one, first, ahead=(len(one) - 1) // 16 * 16 + 1) == second  # more
         gateway.ledger = Ledger()
         burst = [route(gateway, hold=True, prompt=other)[0] for _ in range(4)]
-        assert sorted(burst) == sorted([*names, *names]) if mode == "colocated" else \
-            burst == [second] * 4
+        if mode == "colocated":
+            assert sorted(burst) == sorted([*names, *names])
+        else:
+            assert burst == [second] * 4
+
+
+@pytest.mark.parametrize("role, state", [("colocated", {"max_running": 1}),
+                                         ("colocated", {"draining": True}),
+                                         ("prefill", {"queue_len": 3})])
+def test_a_prompt_is_not_leant_to_a_holder_full_draining_or_busier_than_counted(
+        role: str, state: dict[str, object]) -> None:
+    """The instance a prompt's start went to, holding one request with nothing left to
+    compute, takes the next turn; not where it has no room for it (a colocated worker at
+    its batch), drains, or its heartbeat's queue holds more than the gateways count (a
+    prefill instance): then the least loaded does."""
+    mode = "disaggregated" if role == "prefill" else "colocated"
+    decode = "d0" if role == "prefill" else ""
+    gateway = gateway_seeing(mode, worker("a", role), worker("b", role), worker("d0", "decode"))
+    prompt = list(range(100, 200))
+    assert route(gateway, prompt=prompt)[0] == "a"
+    assert next_turn(gateway, decode, prompt, "a", ahead=0) == "a"
+    gateway.view.observe(InstanceInfo(instance_id="a", role=role,  # type: ignore[arg-type]
+                                      **({"max_running": 8} | state)), time.monotonic())
+    assert next_turn(gateway, decode, prompt, "a", ahead=0) == "b"
 
 
 def test_a_prompt_weighs_what_each_instance_may_hold() -> None:
