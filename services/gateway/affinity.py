@@ -38,19 +38,23 @@ class PrefixAffinity:
     def holder(self, hashes: Sequence[Hashable]) -> str:
         """The instance the longest recorded leading run of `hashes` went to last ("":
         none)."""
-        return self.found(hashes)[0]
+        for digest in reversed(hashes):
+            went = self._sent.get(digest)
+            if went:
+                return went[-1]
+        return ""
 
     def found(self, hashes: Sequence[Hashable]) -> tuple[str, dict[str, int]]:
         """The holder (as `holder`), and how many of the prompt's blocks each instance may
         hold: its longest recorded leading run of `hashes` (a run is recorded whole, so the
         blocks before a run's last went there too), of the instances its blocks remember."""
-        runs: dict[str, int] = {}
+        holder, runs = "", dict[str, int]()
         for n in range(len(hashes), 0, -1):
-            for instance in self._sent.get(hashes[n - 1], ()):
+            went = self._sent.get(hashes[n - 1], ())
+            holder = holder or (went[-1] if went else "")
+            for instance in went:
                 runs.setdefault(instance, n)
-        if not runs:
-            return "", runs
-        return self._sent[hashes[max(runs.values()) - 1]][-1], runs
+        return holder, runs
 
     def record(self, hashes: Sequence[Hashable], instance: str) -> None:
         """A prompt of these blocks went to `instance`."""
